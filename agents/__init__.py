@@ -1,0 +1,1 @@
+"""Agents that run on the cluster's machines. Never imports `disagg`."""

@@ -1,0 +1,321 @@
+"""Decode agent: takes generate requests, gets the prompt's KV cache streamed
+from a prefill agent (or prefills itself), and decodes with mlx-lm.
+
+Run: python -m agents.decode --model DIR [--host H --port P]
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_sampler
+from mlx_lm.utils import _get_classes, load_model, load_tokenizer
+
+from . import protocol as P
+from .kvcodec import Codec, decode_layer
+from .mlxcache import MX_DTYPES, cache_kinds, fill_layer
+from .models import UnsupportedModel, get_adapter, load_hf_config
+from .server import Stats, common_args, fail, serve, setup_logging
+
+log = logging.getLogger("disagg.decode")
+
+
+class BadRequest(Exception):
+    """The request itself is wrong; the agent stays healthy."""
+
+
+class PrefillUnavailable(Exception):
+    """The prefill agent could not be reached or dropped the stream: fall back."""
+
+
+class DecodeEngine:
+    """One loaded mlx model and its tokenizer."""
+
+    def __init__(self, model_dir: str, dtype: str = "auto", device: str = "auto") -> None:
+        if device in ("cpu", "gpu"):
+            mx.set_default_device(mx.cpu if device == "cpu" else mx.gpu)
+        self.model_dir = model_dir
+        self.cfg = load_hf_config(model_dir)
+        self.adapter = adapter = get_adapter(self.cfg["model_type"])
+
+        def classes(config: dict[str, Any]) -> tuple[type, type]:
+            model_cls, args_cls = _get_classes(config)
+
+            class Adapted(model_cls):  # type: ignore[valid-type, misc]
+                def sanitize(self, weights: dict[str, Any]) -> dict[str, Any]:
+                    weights = adapter.mlx_weights(weights, config)
+                    base = getattr(super(), "sanitize", None)
+                    return base(weights) if base else weights
+
+            return Adapted, args_cls
+
+        overrides = adapter.mlx_config(self.cfg)
+        self.model, self.mlx_cfg = load_model(
+            Path(model_dir), model_config=overrides, get_model_classes=classes
+        )
+        adapter.patch_mlx_model(self.model, self.mlx_cfg)
+        stored = self.cfg.get("dtype") or self.cfg.get("torch_dtype") or "float32"
+        self.dtype = stored if dtype == "auto" and stored in MX_DTYPES else dtype
+        if self.dtype == "auto":
+            self.dtype = "float32"
+        self.model.set_dtype(MX_DTYPES[self.dtype])
+        mx.eval(self.model.parameters())
+        self.tokenizer = load_tokenizer(Path(model_dir))
+        self.context = int(self.cfg.get("max_position_embeddings") or 1 << 20)
+        self.device = str(mx.default_device())
+        self.fingerprint = {
+            "architecture": self.cfg["model_type"],
+            "num_layers": len(self.model.layers),
+            "num_kv_heads": adapter.num_kv_heads(self.cfg),
+            "head_dim": adapter.head_dim(self.cfg),
+            "dtype": self.dtype,
+            "layers": cache_kinds(make_prompt_cache(self.model)),
+        }
+
+    def encode(self, req: dict[str, Any]) -> list[int]:
+        """The request's prompt as token ids: chat template unless raw."""
+        tok = self.tokenizer
+        if req.get("messages") is not None:
+            messages = req["messages"]
+            if not isinstance(messages, list) or not messages:
+                raise BadRequest("messages must be a non-empty list of {role, content}")
+        else:
+            prompt = req.get("prompt")
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise BadRequest("the prompt is empty: give some text to complete")
+            if req.get("raw") or not getattr(tok, "chat_template", None):
+                return list(tok.encode(prompt))
+            messages = [{"role": "user", "content": prompt}]
+        if req.get("system"):
+            messages = [{"role": "system", "content": req["system"]}, *messages]
+        return list(tok.apply_chat_template(messages, add_generation_prompt=True))
+
+
+class DecodeAgent:
+    def __init__(self, engine: DecodeEngine, name: str) -> None:
+        self.engine = engine
+        self.name = name
+        self.stats = Stats()
+        # All mlx work runs on one thread: requests queue up in front of it.
+        self.jobs: queue.Queue[tuple[dict[str, Any], socket.socket, threading.Event]] = queue.Queue()
+        threading.Thread(target=self._worker, daemon=True, name="mlx").start()
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "role": "decode",
+            "name": self.name,
+            "model": self.engine.model_dir,
+            "loaded": True,
+            "backend": "mlx",
+            "device": self.engine.device,
+            "fingerprint": self.engine.fingerprint,
+            "queued": self.jobs.qsize(),
+            **self.stats.snapshot(),
+        }
+
+    def handle(self, sock: socket.socket, peer: str) -> None:
+        """One client connection: any number of GENERATE requests, one at a time."""
+        while True:
+            try:
+                _, req = P.recv_json(sock, P.Frame.GENERATE)
+            except P.ProtocolError as e:
+                if "closed after 0 of" not in str(e):
+                    P.send_error(sock, "protocol", str(e))
+                return
+            except (P.RemoteError, OSError):
+                return
+            done = threading.Event()
+            self.jobs.put((req, sock, done))
+            done.wait()
+
+    def _worker(self) -> None:
+        while True:
+            req, sock, done = self.jobs.get()
+            self.stats.begin()
+            ok, ttft = False, None
+            try:
+                ttft = self._generate(req, sock)
+                ok = True
+            except BadRequest as e:
+                P.send_error(sock, "bad_request", str(e))
+            except P.RemoteError as e:
+                P.send_error(sock, e.code, e.message)
+            except OSError as e:
+                log.warning("client went away: %s", e)
+            except Exception as e:
+                log.exception("generate failed")
+                P.send_error(sock, "decode_failed", f"{type(e).__name__}: {e}")
+            finally:
+                self.stats.end(ok, ttft)
+                done.set()
+
+    def _validate(self, req: dict[str, Any], ids: list[int]) -> int:
+        max_tokens = req.get("max_tokens", 256)
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
+            raise BadRequest(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        for key, lo, hi in (("temperature", 0.0, 100.0), ("top_p", 0.0, 1.0)):
+            val = req.get(key, 0.0 if key == "temperature" else 1.0)
+            if not isinstance(val, int | float) or not lo <= val <= hi:
+                raise BadRequest(f"{key} must be a number in [{lo}, {hi}], got {val!r}")
+        if len(ids) >= self.engine.context:
+            raise BadRequest(
+                f"the prompt is {len(ids)} tokens; the model's context is {self.engine.context}: "
+                "shorten the prompt"
+            )
+        return min(max_tokens, self.engine.context - len(ids))
+
+    def _fetch_kv(self, target: dict[str, Any], ids: list[int], caches: list[Any],
+                  metrics: dict[str, Any], codec: Codec) -> None:
+        """Dial the prefill agent and fill `caches` with the KV of `ids`, layer by layer."""
+        addr = (str(target["host"]), int(target["port"]))
+        timeout = float(target.get("timeout", 60.0))
+        try:
+            sock = socket.create_connection(addr, timeout=min(timeout, 10.0))
+        except OSError as e:
+            raise PrefillUnavailable(f"cannot reach prefill agent at {addr[0]}:{addr[1]}: {e}") from e
+        try:
+            sock.settimeout(timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            P.send_json(sock, P.Frame.HELLO, {"role": "decode", "fingerprint": self.engine.fingerprint,
+                                             "model": self.engine.model_dir, "server": self.name})
+            _, ok = P.recv_json(sock, P.Frame.HELLO_OK)
+            P.send_json(sock, P.Frame.PREFILL, {"token_ids": ids, "codec": int(codec)})
+            t_sent = time.perf_counter()
+            first = last = None
+            got: set[int] = set()
+            while True:
+                header, payload = P.recv_frame(sock)
+                if header.type == P.Frame.KV_LAYER:
+                    kv = decode_layer(payload)
+                    if not 0 <= kv.layer < len(caches) or kv.layer in got:
+                        raise P.ProtocolError(f"unexpected KV for layer {kv.layer}")
+                    fill_layer(caches[kv.layer], kv, len(ids))
+                    last = time.perf_counter()
+                    if first is None:
+                        first = last
+                        metrics["kv_first_layer_at"] = time.time()
+                    got.add(kv.layer)
+                    metrics["kv_bytes"] += P.HEADER.size + len(payload)
+                elif header.type == P.Frame.PREFILL_DONE:
+                    done = P.decode_json(header, payload)
+                    break
+                elif header.type == P.Frame.ERROR:
+                    err = P.decode_json(header, payload)
+                    raise P.RemoteError(str(err.get("code")), str(err.get("message")))
+                else:
+                    raise P.ProtocolError(f"unexpected {header.type.name} during KV stream")
+            if len(got) != len(caches):
+                raise P.ProtocolError(f"prefill sent {len(got)} of {len(caches)} layers")
+        except (OSError, P.ProtocolError) as e:
+            raise PrefillUnavailable(f"prefill stream from {addr[0]}:{addr[1]} failed: {e}") from e
+        finally:
+            sock.close()
+        metrics.update(
+            prefill_time=done.get("prefill_time"),
+            prefill_server=ok.get("server") or f"{addr[0]}:{addr[1]}",
+            prefill_address=f"{addr[0]}:{addr[1]}",
+            kv_transfer_time=(last - first) if first and last else 0.0,
+            kv_wait_time=(first - t_sent) if first else None,
+            prefill_last_layer_at=done.get("last_layer_at"),
+        )
+
+    def _generate(self, req: dict[str, Any], sock: socket.socket) -> float:
+        eng = self.engine
+        t0 = time.perf_counter()
+        ids = eng.encode(req)
+        max_tokens = self._validate(req, ids)
+        metrics: dict[str, Any] = {
+            "prompt_tokens": len(ids), "kv_bytes": 0, "kv_transfer_time": 0.0,
+            "decode_server": self.name, "prefill_server": None, "prefill_time": None,
+        }
+        caches = make_prompt_cache(eng.model)
+        prompt = ids
+        target = req.get("prefill")
+        if target and len(ids) > 1:
+            try:
+                codec = Codec(int(req.get("codec", 0)))
+            except ValueError:
+                raise BadRequest(f"unknown codec {req.get('codec')!r}") from None
+            try:
+                # The prefill side computes all but the last token; decode runs that
+                # one itself, exactly like mlx-lm's own generate_step does.
+                self._fetch_kv(target, ids[:-1], caches, metrics, codec)
+                prompt = ids[-1:]
+                metrics["method"] = "disaggregated"
+            except PrefillUnavailable as e:
+                log.warning("%s; prefilling locally", e)
+                caches = make_prompt_cache(eng.model)
+                metrics.update(method="local-fallback", fallback_reason=str(e), kv_bytes=0)
+        else:
+            metrics["method"] = "decode-only"
+
+        if req.get("seed") is not None:
+            mx.random.seed(int(req["seed"]))
+        sampler = make_sampler(temp=float(req.get("temperature", 0.0)),
+                               top_p=float(req.get("top_p", 1.0)))
+        eos = set(eng.tokenizer.eos_token_ids or [])
+        ignore_eos = bool(req.get("ignore_eos"))
+        want_logprobs = bool(req.get("logprobs"))
+        detok = eng.tokenizer.detokenizer
+        detok.reset()
+        out: list[int] = []
+        t_local = time.perf_counter()
+        ttft = t_first = None
+        steps = generate_step(mx.array(prompt), eng.model, prompt_cache=caches,
+                              sampler=sampler, max_tokens=max_tokens)
+        for token, logprobs in steps:
+            tid = int(token)
+            if t_first is None:
+                t_first = time.perf_counter()
+                ttft = t_first - t0
+                if metrics["method"] != "disaggregated":
+                    metrics["prefill_time"] = t_first - t_local
+            if tid in eos and not ignore_eos:
+                break
+            out.append(tid)
+            detok.add_token(tid)
+            P.send_json(sock, P.Frame.TOKEN, {"id": tid, "text": detok.last_segment})
+            if want_logprobs:
+                P.send_frame(sock, P.Frame.LOGPROBS, memoryview(np.array(logprobs.astype(mx.float32))))
+        detok.finalize()
+        t_end = time.perf_counter()
+        tail = detok.last_segment
+        if tail:
+            P.send_json(sock, P.Frame.TOKEN, {"id": None, "text": tail})
+        decode_s = t_end - (t_first or t_end)
+        metrics.update(
+            completion_tokens=len(out),
+            ttft=ttft,
+            decode_time=decode_s,
+            decode_speed=(len(out) - 1) / decode_s if len(out) > 1 and decode_s > 0 else None,
+            agent_total_time=t_end - t0,
+            prefill_speed=(len(ids) / metrics["prefill_time"]) if metrics["prefill_time"] else None,
+        )
+        P.send_json(sock, P.Frame.DONE, {"text": detok.text, "token_ids": out, "metrics": metrics})
+        return ttft or 0.0
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = common_args("decode").parse_args(argv)
+    setup_logging("decode")
+    try:
+        engine = DecodeEngine(args.model, dtype=args.dtype, device=args.device)
+    except UnsupportedModel as e:
+        fail(str(e))
+    log.info("loaded %s on %s as %s", args.model, engine.device, engine.dtype)
+    agent = DecodeAgent(engine, args.name or f"decode@{socket.gethostname()}")
+    serve("decode", args.host, args.port, args.control_port, agent.handle, agent.status)
+
+
+if __name__ == "__main__":
+    main()

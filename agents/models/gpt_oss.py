@@ -1,0 +1,5 @@
+from .base import Adapter
+
+
+class GptOssAdapter(Adapter):
+    model_type = "gpt_oss"

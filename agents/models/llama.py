@@ -1,0 +1,5 @@
+from .base import Adapter
+
+
+class LlamaAdapter(Adapter):
+    model_type = "llama"

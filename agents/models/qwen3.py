@@ -1,0 +1,5 @@
+from .base import Adapter
+
+
+class Qwen3Adapter(Adapter):
+    model_type = "qwen3"

@@ -1,0 +1,255 @@
+"""Prefill agent: runs the prompt through PyTorch + transformers and streams
+each layer's K/V to the decode agent as soon as that layer is computed.
+
+Run: python -m agents.prefill --model DIR [--host H --port P --device cuda]
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import protocol as P
+from .kvcodec import DTYPE_NAMES, Codec, Kind, LayerKV, encode_layer
+from .models import UnsupportedModel, get_adapter, layer_kinds_from_hf, load_hf_config
+from .server import Stats, common_args, fail, serve, setup_logging
+
+log = logging.getLogger("disagg.prefill")
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def pick_device(name: str) -> str:
+    if name != "auto":
+        return name
+    if torch.cuda.is_available():
+        return "cuda"
+    if torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def pick_dtype(name: str, cfg: dict[str, Any]) -> str:
+    if name != "auto":
+        return name
+    stored = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    return stored if stored in TORCH_DTYPES else "float32"
+
+
+def to_wire(t: torch.Tensor) -> np.ndarray:
+    """[1, H, S, D] cache tensor -> [H, S, D] numpy in the wire dtype."""
+    t = t[0].contiguous()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)  # raw bf16 words
+    return t.numpy()
+
+
+class PrefillEngine:
+    """One loaded model; `prefill` streams K/V layer by layer through a callback."""
+
+    def __init__(self, model_dir: str, device: str = "auto", dtype: str = "auto") -> None:
+        from transformers import AutoModelForCausalLM  # heavy: import once the args parsed
+
+        self.model_dir = model_dir
+        self.cfg = load_hf_config(model_dir)
+        self.adapter = get_adapter(self.cfg["model_type"])
+        self.device = pick_device(device)
+        self.dtype = pick_dtype(dtype, self.cfg)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=TORCH_DTYPES[self.dtype])
+        self.model = model.to(self.device).eval()
+        # The decoder stack without the LM head: prefill never needs logits.
+        self.body = getattr(self.model, self.model.base_model_prefix)
+        self.layers = list(self.body.layers)
+        self.kinds = layer_kinds_from_hf(self.cfg)
+        self.fingerprint = {
+            "architecture": self.cfg["model_type"],
+            "num_layers": len(self.layers),
+            "num_kv_heads": self.adapter.num_kv_heads(self.cfg),
+            "head_dim": self.adapter.head_dim(self.cfg),
+            "dtype": self.dtype,
+            "layers": self.kinds,
+        }
+        self.lock = threading.Lock()  # one forward pass at a time per device
+
+    @torch.inference_mode()
+    def prefill(self, token_ids: list[int], on_layer: Callable[[LayerKV], None]) -> dict[str, Any]:
+        """Run the prompt; call `on_layer` with each layer's K/V the moment it exists."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        marks: dict[str, float] = {}
+        wire = DTYPE_NAMES[self.dtype]
+
+        def hook(idx: int) -> Callable[..., None]:
+            def _after_layer(module: Any, args: Any, output: Any) -> None:
+                layer = cache.layers[idx]
+                kind = Kind.SLIDING if self.kinds[idx][0] == "sliding" else Kind.FULL
+                on_layer(LayerKV(idx, kind, wire, to_wire(layer.keys), to_wire(layer.values)))
+                if idx == len(self.layers) - 1:
+                    marks["last_layer_at"] = time.time()
+
+            return _after_layer
+
+        handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(self.layers)]
+        try:
+            with self.lock:
+                t0 = time.perf_counter()
+                ids = torch.tensor([token_ids], device=self.device)
+                self.body(input_ids=ids, past_key_values=cache, use_cache=True)
+                if self.device == "cuda":
+                    torch.cuda.synchronize()
+                compute_s = time.perf_counter() - t0
+        finally:
+            for h in handles:
+                h.remove()
+        return {"prefill_time": compute_s, "tokens": len(token_ids), **marks}
+
+
+class LayerSender:
+    """Sends KV_LAYER frames from its own thread so the socket overlaps compute."""
+
+    def __init__(self, sock: socket.socket, codec: Codec) -> None:
+        self.sock = sock
+        self.codec = codec
+        self.q: queue.Queue[LayerKV | None] = queue.Queue()
+        self.bytes = 0
+        self.closed = False
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True, name="kv-sender")
+        self.thread.start()
+
+    def put(self, kv: LayerKV) -> None:
+        if self.error is None:
+            self.q.put(kv)
+
+    def _run(self) -> None:
+        while (kv := self.q.get()) is not None:
+            if self.error is not None:
+                continue  # drain: the peer is gone
+            try:
+                self.bytes += P.send_frame(self.sock, P.Frame.KV_LAYER, encode_layer(kv, self.codec))
+            except OSError as e:
+                self.error = e
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.q.put(None)
+            self.thread.join()
+
+
+class PrefillAgent:
+    def __init__(self, engine: PrefillEngine, name: str) -> None:
+        self.engine = engine
+        self.name = name
+        self.stats = Stats()
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "role": "prefill",
+            "name": self.name,
+            "model": self.engine.model_dir,
+            "loaded": True,
+            "backend": "torch",
+            "device": self.engine.device,
+            "fingerprint": self.engine.fingerprint,
+            **self.stats.snapshot(),
+        }
+
+    def handle(self, sock: socket.socket, peer: str) -> None:
+        """One decode agent connection: HELLO, then any number of PREFILLs."""
+        try:
+            _, hello = P.recv_json(sock, P.Frame.HELLO)
+        except (P.ProtocolError, P.RemoteError, OSError) as e:
+            log.warning("%s: bad hello: %s", peer, e)
+            P.send_error(sock, "protocol", str(e))
+            return
+        ours = self.engine.fingerprint
+        diffs = P.fingerprint_mismatch(ours, hello.get("fingerprint") or {})
+        if diffs:
+            msg = (
+                f"model mismatch: prefill {self.name} has {self.engine.model_dir}, "
+                f"decode has {hello.get('model')}: {'; '.join(diffs)}"
+            )
+            log.warning("%s: %s", peer, msg)
+            P.send_error(sock, "model_mismatch", msg)
+            return
+        P.send_json(sock, P.Frame.HELLO_OK, {"fingerprint": ours, "model": self.engine.model_dir,
+                                             "server": self.name})
+        while True:
+            try:
+                _, req = P.recv_json(sock, P.Frame.PREFILL)
+            except P.ProtocolError as e:
+                if "closed after 0 of" not in str(e):
+                    log.warning("%s: %s", peer, e)
+                    P.send_error(sock, "protocol", str(e))
+                return
+            except OSError:
+                return
+            if not self._prefill_one(sock, peer, req):
+                return
+
+    def _prefill_one(self, sock: socket.socket, peer: str, req: dict[str, Any]) -> bool:
+        ids = req.get("token_ids")
+        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
+            P.send_error(sock, "bad_request", "PREFILL needs a non-empty list of token ids")
+            return False
+        vocab = int(self.engine.cfg.get("vocab_size") or 0)
+        if vocab and any(i < 0 or i >= vocab for i in ids):
+            P.send_error(sock, "bad_request", f"token id out of range 0..{vocab - 1}")
+            return False
+        try:
+            codec = Codec(int(req.get("codec", 0)))
+        except ValueError:
+            P.send_error(sock, "bad_request", f"unknown codec {req.get('codec')}")
+            return False
+        self.stats.begin()
+        sender = LayerSender(sock, codec)
+        ok = False
+        try:
+            result = self.engine.prefill(ids, sender.put)
+            sender.close()
+            if sender.error is not None:
+                raise sender.error
+            result.update(kv_bytes=sender.bytes, server=self.name, device=self.engine.device)
+            P.send_json(sock, P.Frame.PREFILL_DONE, result)
+            ok = True
+            log.info("%s: prefilled %d tokens in %.3fs, %d KV bytes", peer, len(ids),
+                     result["prefill_time"], sender.bytes)
+            return True
+        except OSError as e:
+            log.warning("%s: connection lost during prefill: %s", peer, e)
+            return False
+        except Exception as e:
+            log.exception("%s: prefill failed", peer)
+            P.send_error(sock, "prefill_failed", f"{type(e).__name__}: {e}")
+            return False
+        finally:
+            sender.close()
+            self.stats.end(ok)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = common_args("prefill").parse_args(argv)
+    setup_logging("prefill")
+    try:
+        engine = PrefillEngine(args.model, device=args.device, dtype=args.dtype)
+    except UnsupportedModel as e:
+        fail(str(e))
+    log.info("loaded %s on %s as %s", args.model, engine.device, engine.dtype)
+    agent = PrefillAgent(engine, args.name or f"prefill@{socket.gethostname()}")
+    serve("prefill", args.host, args.port, args.control_port, agent.handle, agent.status)
+
+
+if __name__ == "__main__":
+    main()

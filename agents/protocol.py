@@ -1,0 +1,184 @@
+"""Wire protocol between disagg clients, decode agents and prefill agents.
+
+Bytes only: nothing here imports torch or mlx. Every frame is a fixed 16-byte
+header followed by a payload:
+
+    magic "DG" | version u8 | type u8 | flags u8 | 3 pad | payload length u64
+
+Control payloads (hello, requests, metrics, errors) are small JSON objects.
+KV payloads are binary (see `kvcodec`); tensors never travel as JSON or base64.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import socket
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+MAGIC = b"DG"
+VERSION = 1
+HEADER = struct.Struct("<2sBBB3xQ")
+# Refuse absurd lengths before allocating: one layer of a 30B model at 32k
+# tokens is ~0.5 GiB, so 2 GiB leaves room without letting a peer OOM us.
+DEFAULT_MAX_FRAME = 2 << 30
+CONTROL_MAX_FRAME = 16 << 20
+
+
+class Frame(enum.IntEnum):
+    HELLO = 1  # {"version", "role", "fingerprint", "model"}
+    HELLO_OK = 2  # {"role", "fingerprint", "model", "server"}
+    PREFILL = 3  # {"request_id", "token_ids", "codec"}
+    KV_LAYER = 4  # binary, see kvcodec
+    PREFILL_DONE = 5  # {"prefill_time", "tokens", "last_layer_at", ...}
+    GENERATE = 6  # client -> decode agent: the request
+    TOKEN = 7  # {"id", "text"}
+    DONE = 8  # {"text", "token_ids", "metrics"}
+    ERROR = 9  # {"code", "message"}
+    LOGPROBS = 10  # binary float32 vector, only when a request asks for it
+
+
+class ProtocolError(Exception):
+    """The peer sent something that is not a valid frame, or hung up."""
+
+
+class RemoteError(Exception):
+    """The peer answered with an ERROR frame."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Header:
+    type: Frame
+    flags: int
+    length: int
+
+
+def pack_header(ftype: Frame, length: int, flags: int = 0) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, int(ftype), flags, length)
+
+
+def parse_header(raw: bytes | bytearray | memoryview, max_frame: int) -> Header:
+    """Validate a 16-byte header; never trusts the peer's length blindly."""
+    if len(raw) != HEADER.size:
+        raise ProtocolError(f"short header: {len(raw)} bytes")
+    magic, version, ftype, flags, length = HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {bytes(magic)!r}: not a disagg peer")
+    if version != VERSION:
+        raise ProtocolError(f"protocol version {version}, this side speaks {VERSION}")
+    try:
+        kind = Frame(ftype)
+    except ValueError:
+        raise ProtocolError(f"unknown frame type {ftype}") from None
+    if length > max_frame:
+        raise ProtocolError(f"frame of {length} bytes exceeds the cap of {max_frame}")
+    return Header(kind, flags, length)
+
+
+def send_buffers(sock: socket.socket, buffers: Sequence[bytes | bytearray | memoryview]) -> int:
+    """Send buffers back to back with sendmsg, without joining them first."""
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    total = sum(len(v) for v in views)
+    while views:
+        sent = sock.sendmsg(views[:512])  # IOV_MAX is 1024 on Linux and macOS
+        while sent:
+            if sent >= len(views[0]):
+                sent -= len(views[0])
+                views.pop(0)
+            else:
+                views[0] = views[0][sent:]
+                sent = 0
+    return total
+
+
+def send_frame(
+    sock: socket.socket,
+    ftype: Frame,
+    payload: Sequence[bytes | bytearray | memoryview] | bytes = b"",
+    flags: int = 0,
+) -> int:
+    parts = [payload] if isinstance(payload, bytes | bytearray | memoryview) else list(payload)
+    length = sum(memoryview(p).nbytes for p in parts)
+    return send_buffers(sock, [pack_header(ftype, length, flags), *parts])
+
+
+def send_json(sock: socket.socket, ftype: Frame, obj: dict[str, Any]) -> int:
+    return send_frame(sock, ftype, json.dumps(obj, separators=(",", ":")).encode())
+
+
+def send_error(sock: socket.socket, code: str, message: str) -> None:
+    """Best effort: the peer may already be gone."""
+    try:
+        send_json(sock, Frame.ERROR, {"code": code, "message": message})
+    except OSError:
+        pass
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        r = sock.recv_into(view[got:], n - got)
+        if r == 0:
+            raise ProtocolError(f"connection closed after {got} of {n} bytes")
+        got += r
+    return buf
+
+
+def recv_frame(sock: socket.socket, max_frame: int = DEFAULT_MAX_FRAME) -> tuple[Header, bytearray]:
+    header = parse_header(recv_exact(sock, HEADER.size), max_frame)
+    return header, recv_exact(sock, header.length)
+
+
+def decode_json(header: Header, payload: bytes | bytearray) -> dict[str, Any]:
+    try:
+        obj = json.loads(payload)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ProtocolError(f"{header.type.name} frame is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"{header.type.name} frame must hold a JSON object")
+    return obj
+
+
+def recv_json(
+    sock: socket.socket, expect: Frame | tuple[Frame, ...], max_frame: int = CONTROL_MAX_FRAME
+) -> tuple[Frame, dict[str, Any]]:
+    """Receive one control frame; an ERROR frame becomes RemoteError."""
+    header, payload = recv_frame(sock, max_frame)
+    allowed = expect if isinstance(expect, tuple) else (expect,)
+    if header.type == Frame.ERROR:
+        obj = decode_json(header, payload)
+        raise RemoteError(str(obj.get("code", "error")), str(obj.get("message", "")))
+    if header.type not in allowed:
+        names = "/".join(f.name for f in allowed)
+        raise ProtocolError(f"expected {names}, got {header.type.name}")
+    return header.type, decode_json(header, payload)
+
+
+# -- model fingerprint ------------------------------------------------------
+
+FINGERPRINT_KEYS = ("architecture", "num_layers", "num_kv_heads", "head_dim", "dtype", "layers")
+
+
+def fingerprint_mismatch(ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
+    """Name every fingerprint field on which two agents disagree."""
+    diffs = []
+    for key in FINGERPRINT_KEYS:
+        a, b = ours.get(key), theirs.get(key)
+        if key == "layers" and a != b and isinstance(a, list) and isinstance(b, list):
+            if len(a) == len(b):
+                bad = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
+                diffs.append(f"layers {bad[:4]} cache kind/window {a[bad[0]]} vs {b[bad[0]]}")
+                continue
+        if a != b:
+            diffs.append(f"{key} {a} vs {b}")
+    return diffs
