@@ -301,7 +301,10 @@ class DecodeAgent:
             agent_total_time=t_end - t0,
             prefill_speed=(len(ids) / metrics["prefill_time"]) if metrics["prefill_time"] else None,
         )
-        P.send_json(sock, P.Frame.DONE, {"text": detok.text, "token_ids": out, "metrics": metrics})
+        done: dict[str, Any] = {"text": detok.text, "token_ids": out, "metrics": metrics}
+        if req.get("return_prompt_ids"):
+            done["prompt_ids"] = ids
+        P.send_json(sock, P.Frame.DONE, done)
         return ttft or 0.0
 
 

@@ -1,0 +1,112 @@
+"""Send one generate request to a decode agent and read its streamed answer."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from agents import protocol as P
+
+from .errors import AgentError, ConnectError, DisaggError, ModelMismatch, UsageError
+
+# Metrics the seed documents name; every result carries all of them.
+METRIC_NAMES = (
+    "prefill_time", "decode_time", "total_time", "ttft", "prompt_tokens", "completion_tokens",
+    "prefill_speed", "decode_speed", "kv_bytes", "kv_transfer_time", "method",
+    "prefill_server", "decode_server",
+)
+
+
+@dataclass
+class Result:
+    text: str
+    token_ids: list[int]
+    metrics: dict[str, Any]
+    logprobs: list[np.ndarray] = field(default_factory=list)
+    prompt_ids: list[int] | None = None
+
+
+def _raise_remote(e: P.RemoteError) -> None:
+    if e.code == "model_mismatch":
+        raise ModelMismatch(e.message) from None
+    if e.code == "bad_request":
+        raise UsageError(e.message) from None
+    raise AgentError(f"{e.code}: {e.message}") from None
+
+
+def stream(
+    host: str, port: int, request: dict[str, Any], timeout_s: float = 240.0
+) -> Iterator[tuple[str, Any]]:
+    """Yield ("token", {"id", "text"}), ("logprobs", array) and finally ("done", result)."""
+    try:
+        sock = socket.create_connection((host, port), timeout=min(timeout_s, 10.0))
+    except OSError as e:
+        raise ConnectError(f"cannot reach decode agent at {host}:{port}: {e}") from None
+    deadline = time.monotonic() + timeout_s
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        P.send_json(sock, P.Frame.GENERATE, request)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AgentError(f"decode agent {host}:{port} did not finish within {timeout_s:.0f}s")
+            sock.settimeout(left)
+            header, payload = P.recv_frame(sock)
+            if header.type == P.Frame.TOKEN:
+                yield "token", P.decode_json(header, payload)
+            elif header.type == P.Frame.LOGPROBS:
+                yield "logprobs", np.frombuffer(bytes(payload), np.float32)
+            elif header.type == P.Frame.DONE:
+                yield "done", P.decode_json(header, payload)
+                return
+            elif header.type == P.Frame.ERROR:
+                err = P.decode_json(header, payload)
+                _raise_remote(P.RemoteError(str(err.get("code")), str(err.get("message"))))
+            else:
+                raise AgentError(f"decode agent sent an unexpected {header.type.name} frame")
+    except socket.timeout:
+        raise AgentError(f"decode agent {host}:{port} did not answer within {timeout_s:.0f}s") from None
+    except P.ProtocolError as e:
+        raise AgentError(f"decode agent {host}:{port}: {e}") from None
+    except OSError as e:
+        if isinstance(e, DisaggError):
+            raise
+        raise AgentError(f"decode agent {host}:{port} connection failed: {e}") from None
+    finally:
+        sock.close()
+
+
+def generate(
+    host: str,
+    port: int,
+    request: dict[str, Any],
+    on_text: Callable[[str], None] | None = None,
+    timeout_s: float = 240.0,
+) -> Result:
+    """Run one request to completion; `on_text` sees each piece of text as it arrives."""
+    t0 = time.perf_counter()
+    ttft = None
+    logprobs: list[np.ndarray] = []
+    for kind, data in stream(host, port, request, timeout_s):
+        if kind == "token":
+            if ttft is None and data.get("id") is not None:
+                ttft = time.perf_counter() - t0
+            if on_text and data.get("text"):
+                on_text(data["text"])
+        elif kind == "logprobs":
+            logprobs.append(data)
+        else:
+            metrics = dict(data.get("metrics") or {})
+            metrics["agent_ttft"] = metrics.get("ttft")
+            metrics["ttft"] = ttft
+            metrics["total_time"] = time.perf_counter() - t0
+            for name in METRIC_NAMES:
+                metrics.setdefault(name, None)
+            return Result(str(data.get("text", "")), list(data.get("token_ids") or []), metrics,
+                          logprobs, data.get("prompt_ids"))
+    raise AgentError(f"decode agent {host}:{port} closed the stream without a result")

@@ -1,0 +1,25 @@
+"""One exception root; the CLI turns any of these into one red line and exit 1."""
+
+
+class DisaggError(Exception):
+    """Base of every error a user can act on. The message says what to do."""
+
+
+class UsageError(DisaggError):
+    """Bad arguments or request parameters."""
+
+
+class ModelError(DisaggError):
+    """A model dir that is missing, unreadable, or of an unsupported architecture."""
+
+
+class AgentError(DisaggError):
+    """An agent failed to start, crashed, or answered with an error."""
+
+
+class ModelMismatch(AgentError):
+    """Prefill and decode agents hold different models."""
+
+
+class ConnectError(DisaggError):
+    """An agent or host could not be reached."""

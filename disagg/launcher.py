@@ -1,0 +1,140 @@
+"""Start agents as local processes and wait until they say READY."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import AgentError, ModelError
+
+
+@dataclass
+class AgentProc:
+    role: str
+    proc: subprocess.Popen[str]
+    host: str
+    port: int
+    control_port: int
+    name: str
+    log_path: Path
+    _stopped: bool = field(default=False, repr=False)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout:
+            self.proc.stdout.close()
+
+
+def _tail(path: Path, n: int = 5) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def spawn_agent(
+    role: str,
+    model_dir: Path,
+    *,
+    host: str = "127.0.0.1",
+    dtype: str = "auto",
+    device: str = "auto",
+    name: str | None = None,
+    log_dir: Path | None = None,
+) -> tuple[subprocess.Popen[str], Path, str]:
+    name = name or f"{role}@{host}"
+    log_dir = log_dir or Path(tempfile.mkdtemp(prefix="disagg-logs-"))
+    log_path = log_dir / f"{role}.log"
+    cmd = [
+        sys.executable, "-m", f"agents.{role}", "--model", str(model_dir), "--host", host,
+        "--dtype", dtype, "--device", device, "--name", name,
+    ]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True, env=env
+        )
+    return proc, log_path, name
+
+
+def wait_ready(
+    role: str, proc: subprocess.Popen[str], log_path: Path, name: str, timeout_s: float
+) -> AgentProc:
+    """Read the agent's stdout until READY, FAILED, exit, or timeout."""
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            proc.kill()
+            raise AgentError(
+                f"{role} agent did not start within {timeout_s:.0f}s; log {log_path}:\n{_tail(log_path)}"
+            ) from None
+        if line is None:
+            proc.wait()
+            raise AgentError(f"{role} agent exited with {proc.returncode}; log {log_path}:\n{_tail(log_path)}")
+        if line.startswith("FAILED "):
+            proc.wait()
+            raise ModelError(line[len("FAILED ") :].strip())
+        if line.startswith("READY "):
+            info = json.loads(line[len("READY ") :])
+            return AgentProc(role, proc, info["host"], info["port"], info["control_port"], name, log_path)
+
+
+def start_local_pair(
+    model_dir: Path,
+    *,
+    decode_model: Path | None = None,
+    dtype: str = "auto",
+    log_dir: Path | None = None,
+    timeout_s: float = 300.0,
+) -> tuple[AgentProc, AgentProc]:
+    """Start a prefill and a decode agent on 127.0.0.1; both load at the same time."""
+    log_dir = log_dir or Path(tempfile.mkdtemp(prefix="disagg-logs-"))
+    p = spawn_agent("prefill", model_dir, dtype=dtype, name="prefill@127.0.0.1", log_dir=log_dir)
+    d = spawn_agent("decode", decode_model or model_dir, dtype=dtype, name="decode@127.0.0.1",
+                    log_dir=log_dir)
+    try:
+        prefill = wait_ready("prefill", *p, timeout_s)
+    except Exception:
+        d[0].kill()
+        raise
+    try:
+        decode = wait_ready("decode", *d, timeout_s)
+    except Exception:
+        prefill.stop()
+        raise
+    return prefill, decode

@@ -1,0 +1,54 @@
+"""Rich renderings of results; nothing here computes anything."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.table import Table
+
+from .client import METRIC_NAMES
+
+UNITS = {
+    "prefill_time": "s", "decode_time": "s", "total_time": "s", "ttft": "s",
+    "kv_transfer_time": "s", "prefill_speed": "tok/s", "decode_speed": "tok/s", "kv_bytes": "B",
+}
+
+
+def fmt(value: Any, unit: str = "") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if unit == "s":
+            return f"{value * 1000:.1f} ms" if value < 1 else f"{value:.3f} s"
+        return f"{value:,.1f} {unit}".strip()
+    if isinstance(value, int) and unit == "B":
+        return f"{value / 1e6:,.2f} MB" if value >= 1e6 else f"{value:,} B"
+    return f"{value} {unit}".strip() if unit else str(value)
+
+
+def metrics_table(metrics: dict[str, Any], title: str = "metrics") -> Table:
+    table = Table(title=title, show_header=True, header_style="bold")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for name in METRIC_NAMES:
+        table.add_row(name, fmt(metrics.get(name), UNITS.get(name, "")))
+    if metrics.get("fallback_reason"):
+        table.add_row("fallback_reason", str(metrics["fallback_reason"]))
+    return table
+
+
+def verify_table(report: dict[str, Any]) -> Table:
+    table = Table(title="verify: disaggregated vs decode-only", header_style="bold")
+    table.add_column("check")
+    table.add_column("value", justify="right")
+    table.add_row("model", str(report["model"]))
+    table.add_row("tokens compared", str(report["compared"]))
+    table.add_row("token agreement", f"{report['agreement']:.1%}")
+    div = report["first_divergence"]
+    table.add_row("first divergence", "none" if div is None else f"token {div}")
+    table.add_row("max |logit diff| (log-softmax)", f"{report['max_logit_diff']:.3g}")
+    table.add_row("logit diff at divergence", fmt(report["logit_diff_at_divergence"]))
+    table.add_row("kv_bytes", fmt(report["kv_bytes"], "B"))
+    verdict = "[green]pass[/]" if report["ok"] else "[red]FAIL[/]"
+    table.add_row("verdict", verdict)
+    return table

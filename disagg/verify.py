@@ -1,0 +1,37 @@
+"""Compare a disaggregated greedy run with the decode agent prefilling itself."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .client import Result
+
+
+def compare(disagg: Result, local: Result, min_agreement: float, model: str) -> dict[str, Any]:
+    """Token agreement, first divergence, and the log-softmax gap the handoff caused."""
+    a, b = disagg.token_ids, local.token_ids
+    longest = max(len(a), len(b))
+    same = sum(1 for x, y in zip(a, b, strict=False) if x == y)
+    first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+    if first is None and len(a) != len(b):
+        first = min(len(a), len(b))  # one stopped (EOS) where the other went on
+    steps = min(len(disagg.logprobs), len(local.logprobs))
+    # Up to and including the divergence both runs saw the same tokens, so their
+    # distributions are comparable position by position.
+    upto = steps if first is None else min(steps, first + 1)
+    diffs = [float(np.max(np.abs(disagg.logprobs[i] - local.logprobs[i]))) for i in range(upto)]
+    agreement = same / longest if longest else 1.0
+    return {
+        "model": model,
+        "compared": longest,
+        "agreement": agreement,
+        "first_divergence": first,
+        "max_logit_diff": max(diffs) if diffs else 0.0,
+        "logit_diff_at_divergence": diffs[first] if first is not None and first < len(diffs) else None,
+        "kv_bytes": disagg.metrics.get("kv_bytes"),
+        "disaggregated_text": disagg.text,
+        "decode_only_text": local.text,
+        "ok": agreement >= min_agreement,
+    }

@@ -1,0 +1,128 @@
+"""The core handoff on the embedded SmolLM2, through real agent processes:
+torch prefill agent -> KV frames over TCP -> mlx decode agent."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from disagg import client
+from disagg.errors import UsageError
+from disagg.launcher import AgentProc
+
+from .references import hf_greedy, mlx_greedy
+
+pytestmark = pytest.mark.slow
+
+N_NEW = 64
+LONG = "Here is a list.\n" + "\n".join(
+    f"Entry {i}: the {['red', 'green', 'blue', 'amber'][i % 4]} box holds {i * 7 % 31} stones."
+    for i in range(90)
+) + "\nWhich box holds the most stones?"
+
+
+@pytest.fixture(scope="module")
+def hf_model(default_model: Path) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(default_model, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def mlx_model(default_model: Path) -> Any:
+    from mlx_lm import load
+
+    return load(str(default_model))[0]
+
+
+def run(agents: tuple[AgentProc, AgentProc], prompt: str, *, remote: bool = True,
+        **extra: Any) -> client.Result:
+    prefill, decode = agents
+    req: dict[str, Any] = {"prompt": prompt, "max_tokens": N_NEW, "ignore_eos": True,
+                           "return_prompt_ids": True, **extra}
+    if remote:
+        req["prefill"] = {"host": prefill.host, "port": prefill.port}
+    return client.generate(decode.host, decode.port, req)
+
+
+@pytest.fixture(scope="module")
+def long_run(smol_agents: tuple[AgentProc, AgentProc]) -> client.Result:
+    return run(smol_agents, LONG)
+
+
+@pytest.mark.parametrize("prompt, raw", [
+    ("What is the capital of France?", False),
+    ("Write a short poem about the sea.", False),
+    ("The three primary colors are", True),
+])
+def test_greedy_parity_short(smol_agents: tuple[AgentProc, AgentProc], hf_model: Any,
+                             mlx_model: Any, prompt: str, raw: bool) -> None:
+    res = run(smol_agents, prompt, raw=raw)
+    assert res.metrics["method"] == "disaggregated"
+    assert res.prompt_ids and res.metrics["kv_bytes"] > 0
+    assert len(res.token_ids) == N_NEW
+    assert res.token_ids == hf_greedy(hf_model, res.prompt_ids, N_NEW)
+    assert res.token_ids == mlx_greedy(mlx_model, res.prompt_ids, N_NEW)
+
+
+def test_greedy_parity_long_prompt(long_run: client.Result, hf_model: Any, mlx_model: Any) -> None:
+    assert long_run.prompt_ids is not None and len(long_run.prompt_ids) > 1000
+    assert long_run.metrics["method"] == "disaggregated"
+    assert long_run.token_ids == hf_greedy(hf_model, long_run.prompt_ids, N_NEW)
+    assert long_run.token_ids == mlx_greedy(mlx_model, long_run.prompt_ids, N_NEW)
+
+
+def test_layers_stream_while_prefill_computes(long_run: client.Result) -> None:
+    m = long_run.metrics
+    # Both agents run on this host, so their wall clocks are the same clock.
+    assert m["kv_first_layer_at"] < m["prefill_last_layer_at"], (
+        "decode side got layer 0 only after prefill finished the last layer"
+    )
+    # 30 layers x 2 (K, V) x 3 heads x 64 dims x 4 bytes per prompt token but the last.
+    kv_payload = 30 * 2 * 3 * 64 * 4 * (m["prompt_tokens"] - 1)
+    assert kv_payload < m["kv_bytes"] < kv_payload + 30 * 100
+
+
+def test_metrics_have_the_seed_names(smol_agents: tuple[AgentProc, AgentProc]) -> None:
+    res = run(smol_agents, "Say hello.", max_tokens=4)
+    m = res.metrics
+    for name in client.METRIC_NAMES:
+        assert m[name] is not None, name
+    assert m["prefill_server"] == "prefill@127.0.0.1" and m["decode_server"] == "decode@127.0.0.1"
+    assert m["completion_tokens"] == 4 and m["prompt_tokens"] == len(res.prompt_ids or [])
+    assert 0 < m["ttft"] <= m["total_time"]
+
+
+@pytest.mark.parametrize("request_, message", [
+    ({"prompt": ""}, "prompt is empty"),
+    ({"prompt": "   "}, "prompt is empty"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens must be a positive integer"),
+    ({"prompt": "hi", "max_tokens": -3}, "max_tokens must be a positive integer"),
+    ({"prompt": "hi", "temperature": -1}, "temperature"),
+    ({"prompt": "word " * 9000, "raw": True}, "context is 8192"),
+])
+def test_bad_requests_leave_the_agent_healthy(smol_agents: tuple[AgentProc, AgentProc],
+                                              request_: dict[str, Any], message: str) -> None:
+    prefill, decode = smol_agents
+    seen: list[str] = []
+    with pytest.raises(UsageError, match=message):
+        client.generate(decode.host, decode.port,
+                        {**request_, "prefill": {"host": prefill.host, "port": prefill.port}},
+                        on_text=seen.append)
+    assert seen == []
+    ok = run(smol_agents, "What is the capital of France?", max_tokens=8, ignore_eos=False)
+    assert "Paris" in ok.text and ok.metrics["method"] == "disaggregated"
+    assert prefill.alive() and decode.alive()
+
+
+def test_prefill_agent_down_falls_back_locally(smol_agents: tuple[AgentProc, AgentProc]) -> None:
+    _, decode = smol_agents
+    req = {"prompt": "What is the capital of France?", "max_tokens": 8,
+           "prefill": {"host": "127.0.0.1", "port": 1}}
+    res = client.generate(decode.host, decode.port, req)
+    assert res.metrics["method"] == "local-fallback"
+    assert "cannot reach prefill agent" in res.metrics["fallback_reason"]
+    assert "Paris" in res.text

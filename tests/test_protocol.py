@@ -1,0 +1,98 @@
+"""Frames on socketpairs: no models, no network."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+
+import pytest
+
+from agents import protocol as P
+
+
+def pair() -> tuple[socket.socket, socket.socket]:
+    a, b = socket.socketpair()
+    a.settimeout(5)
+    b.settimeout(5)
+    return a, b
+
+
+def test_json_frame_round_trip() -> None:
+    a, b = pair()
+    P.send_json(a, P.Frame.GENERATE, {"prompt": "hi", "max_tokens": 3})
+    kind, obj = P.recv_json(b, P.Frame.GENERATE)
+    assert kind == P.Frame.GENERATE and obj == {"prompt": "hi", "max_tokens": 3}
+
+
+def test_multi_buffer_frame_arrives_whole() -> None:
+    a, b = pair()
+    parts = [b"x" * 70_000, memoryview(b"y" * 100_000), bytearray(b"z" * 5)]
+    sender = threading.Thread(target=P.send_frame, args=(a, P.Frame.KV_LAYER, parts))
+    sender.start()
+    header, payload = P.recv_frame(b)
+    sender.join()
+    assert header.type == P.Frame.KV_LAYER
+    assert bytes(payload) == b"x" * 70_000 + b"y" * 100_000 + b"z" * 5
+
+
+def test_error_frame_becomes_remote_error() -> None:
+    a, b = pair()
+    P.send_error(a, "model_mismatch", "prefill has A, decode has B")
+    with pytest.raises(P.RemoteError) as info:
+        P.recv_json(b, P.Frame.HELLO_OK)
+    assert info.value.code == "model_mismatch" and "A" in info.value.message
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        (P.HEADER.pack(b"XX", P.VERSION, 1, 0, 0), "bad magic"),
+        (P.HEADER.pack(P.MAGIC, 99, 1, 0, 0), "protocol version 99"),
+        (P.HEADER.pack(P.MAGIC, P.VERSION, 200, 0, 0), "unknown frame type"),
+        (P.HEADER.pack(P.MAGIC, P.VERSION, 1, 0, 1 << 40), "exceeds the cap"),
+    ],
+)
+def test_bad_headers_are_refused(raw: bytes, message: str) -> None:
+    with pytest.raises(P.ProtocolError, match=message):
+        P.parse_header(raw, P.DEFAULT_MAX_FRAME)
+
+
+def test_unexpected_frame_type_and_bad_json() -> None:
+    a, b = pair()
+    P.send_json(a, P.Frame.TOKEN, {"id": 1})
+    with pytest.raises(P.ProtocolError, match="expected HELLO, got TOKEN"):
+        P.recv_json(b, P.Frame.HELLO)
+    P.send_frame(a, P.Frame.HELLO, b"{not json")
+    with pytest.raises(P.ProtocolError, match="not valid JSON"):
+        P.recv_json(b, P.Frame.HELLO)
+    P.send_frame(a, P.Frame.HELLO, b"[1, 2]")
+    with pytest.raises(P.ProtocolError, match="JSON object"):
+        P.recv_json(b, P.Frame.HELLO)
+
+
+def test_peer_hangup_mid_frame() -> None:
+    a, b = pair()
+    a.sendall(P.pack_header(P.Frame.KV_LAYER, 1000) + b"only a little")
+    a.close()
+    with pytest.raises(P.ProtocolError, match="closed after 13 of 1000"):
+        P.recv_frame(b)
+
+
+def test_header_layout_is_fixed() -> None:
+    raw = P.pack_header(P.Frame.DONE, 258)
+    assert len(raw) == 16
+    assert raw[:2] == b"DG" and raw[2] == P.VERSION and raw[3] == P.Frame.DONE
+    assert struct.unpack("<Q", raw[8:]) == (258,)
+
+
+def test_fingerprint_mismatch_names_fields() -> None:
+    fp = {"architecture": "llama", "num_layers": 30, "num_kv_heads": 3, "head_dim": 64,
+          "dtype": "float32", "layers": [["full", 0]] * 30}
+    assert P.fingerprint_mismatch(fp, dict(fp)) == []
+    other = {**fp, "num_layers": 2, "layers": [["full", 0]] * 2, "dtype": "bfloat16"}
+    diffs = P.fingerprint_mismatch(fp, other)
+    assert any("num_layers 30 vs 2" in d for d in diffs)
+    assert any("dtype float32 vs bfloat16" in d for d in diffs)
+    sliding = {**fp, "layers": [["sliding", 8]] + [["full", 0]] * 29}
+    assert P.fingerprint_mismatch(fp, sliding) == ["layers [0] cache kind/window ['full', 0] vs ['sliding', 8]"]

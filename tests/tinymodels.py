@@ -1,0 +1,147 @@
+"""Tiny seeded random checkpoints, saved by transformers exactly as a real one would be.
+
+`make_tiny(arch, out_dir)` writes a self-contained Hugging Face model dir (config,
+safetensors weights, a small byte-level BPE tokenizer trained here) for one of the
+architectures the adapters cover. The weights are random but seeded, with a larger
+init std than transformers' default so that logits are peaked and greedy decoding
+is decided by the function, not by float noise. Nothing is tuned to hide a
+difference: each framework must compute the same function from these files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+ARCHS = ("llama", "qwen3", "qwen3_moe", "gpt_oss")
+
+SPECIALS = ["<|endoftext|>", "<|pad|>"]
+
+CORPUS = [
+    "The capital of France is Paris. The capital of Italy is Rome.",
+    "Disaggregated inference runs prefill on one machine and decode on another.",
+    "The key value cache of every layer streams over a raw TCP socket.",
+    "A mixture of experts routes each token to a few of its experts.",
+    "Sliding window attention keeps only the most recent tokens of the prompt.",
+    "Rotary position embeddings rotate queries and keys by their position.",
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))",
+    "Once upon a time there was a tiny model with random weights.",
+    "1234567890 + - * / = ( ) [ ] { } < > , . ; : ! ?",
+]
+
+# Prompts long enough for the tests: >= 4x gpt_oss' sliding window of 8.
+PROMPT = (
+    "Once upon a time the key value cache of a tiny model streamed over a raw TCP socket "
+    "from one machine to another, and the sliding window kept only the most recent tokens."
+)
+
+
+def _tokenizer(vocab_size: int) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=SPECIALS[0], pad_token=SPECIALS[1]
+    )
+
+
+def _config(arch: str, vocab: int, eos: int, pad: int) -> Any:
+    import transformers as tf
+
+    common: dict[str, Any] = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        initializer_range=0.25,
+        tie_word_embeddings=False,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        bos_token_id=None,
+        dtype="float32",
+    )
+    if arch == "llama":
+        return tf.LlamaConfig(**common, intermediate_size=128,
+                              rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
+    if arch == "qwen3":
+        return tf.Qwen3Config(**common, intermediate_size=128,
+                              rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    if arch == "qwen3_moe":
+        return tf.Qwen3MoeConfig(
+            **common,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[2],  # one dense layer: both MLP kinds get exercised
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        )
+    if arch == "gpt_oss":
+        return tf.GptOssConfig(
+            **common,
+            intermediate_size=32,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            attention_bias=True,
+            # As the real gpt-oss config has it.
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 32.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 4096,
+            },
+        )
+    raise ValueError(f"unknown tiny architecture {arch!r} (known: {', '.join(ARCHS)})")
+
+
+def make_tiny(arch: str, out_dir: Path, seed: int = 0, **overrides: Any) -> Path:
+    """Build, seed and save a tiny `arch` checkpoint plus tokenizer into `out_dir`.
+
+    `overrides` set config fields, e.g. rope_parameters={...YaRN...} on qwen3_moe.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out_dir = Path(out_dir)
+    tok = _tokenizer(vocab_size=512)
+    vocab = len(tok)
+    eos, pad = tok.convert_tokens_to_ids(SPECIALS)
+    config = _config(arch, vocab, eos, pad)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            # Norm weights stay at 1, like a freshly initialised real model; gpt_oss'
+            # zero-initialised biases get some value so the adapters must carry them.
+            if name.endswith("norm.weight"):
+                continue
+            if p.dim() == 1 and not p.abs().any():
+                p.normal_(0.0, 0.1)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return out_dir
+
