@@ -107,7 +107,9 @@ class DecodeAgent:
         self.name = name
         self.stats = Stats()
         # All mlx work runs on one thread: requests queue up in front of it.
-        self.jobs: queue.Queue[tuple[dict[str, Any], socket.socket, threading.Event]] = queue.Queue()
+        self.jobs: queue.Queue[tuple[dict[str, Any], socket.socket, threading.Event]] = (
+            queue.Queue()
+        )
         threading.Thread(target=self._worker, daemon=True, name="mlx").start()
 
     def status(self) -> dict[str, Any]:
@@ -174,20 +176,36 @@ class DecodeAgent:
             )
         return min(max_tokens, self.engine.context - len(ids))
 
-    def _fetch_kv(self, target: dict[str, Any], ids: list[int], caches: list[Any],
-                  metrics: dict[str, Any], codec: Codec) -> None:
+    def _fetch_kv(
+        self,
+        target: dict[str, Any],
+        ids: list[int],
+        caches: list[Any],
+        metrics: dict[str, Any],
+        codec: Codec,
+    ) -> None:
         """Dial the prefill agent and fill `caches` with the KV of `ids`, layer by layer."""
         addr = (str(target["host"]), int(target["port"]))
         timeout = float(target.get("timeout", 60.0))
         try:
             sock = socket.create_connection(addr, timeout=min(timeout, 10.0))
         except OSError as e:
-            raise PrefillUnavailable(f"cannot reach prefill agent at {addr[0]}:{addr[1]}: {e}") from e
+            raise PrefillUnavailable(
+                f"cannot reach prefill agent at {addr[0]}:{addr[1]}: {e}"
+            ) from e
         try:
             sock.settimeout(timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            P.send_json(sock, P.Frame.HELLO, {"role": "decode", "fingerprint": self.engine.fingerprint,
-                                             "model": self.engine.model_dir, "server": self.name})
+            P.send_json(
+                sock,
+                P.Frame.HELLO,
+                {
+                    "role": "decode",
+                    "fingerprint": self.engine.fingerprint,
+                    "model": self.engine.model_dir,
+                    "server": self.name,
+                },
+            )
             _, ok = P.recv_json(sock, P.Frame.HELLO_OK)
             P.send_json(sock, P.Frame.PREFILL, {"token_ids": ids, "codec": int(codec)})
             t_sent = time.perf_counter()
@@ -235,8 +253,12 @@ class DecodeAgent:
         ids = eng.encode(req)
         max_tokens = self._validate(req, ids)
         metrics: dict[str, Any] = {
-            "prompt_tokens": len(ids), "kv_bytes": 0, "kv_transfer_time": 0.0,
-            "decode_server": self.name, "prefill_server": None, "prefill_time": None,
+            "prompt_tokens": len(ids),
+            "kv_bytes": 0,
+            "kv_transfer_time": 0.0,
+            "decode_server": self.name,
+            "prefill_server": None,
+            "prefill_time": None,
         }
         caches = make_prompt_cache(eng.model)
         prompt = ids
@@ -261,8 +283,9 @@ class DecodeAgent:
 
         if req.get("seed") is not None:
             mx.random.seed(int(req["seed"]))
-        sampler = make_sampler(temp=float(req.get("temperature", 0.0)),
-                               top_p=float(req.get("top_p", 1.0)))
+        sampler = make_sampler(
+            temp=float(req.get("temperature", 0.0)), top_p=float(req.get("top_p", 1.0))
+        )
         eos = set(eng.tokenizer.eos_token_ids or [])
         ignore_eos = bool(req.get("ignore_eos"))
         want_logprobs = bool(req.get("logprobs"))
@@ -271,8 +294,9 @@ class DecodeAgent:
         out: list[int] = []
         t_local = time.perf_counter()
         ttft = t_first = None
-        steps = generate_step(mx.array(prompt), eng.model, prompt_cache=caches,
-                              sampler=sampler, max_tokens=max_tokens)
+        steps = generate_step(
+            mx.array(prompt), eng.model, prompt_cache=caches, sampler=sampler, max_tokens=max_tokens
+        )
         for token, logprobs in steps:
             tid = int(token)
             if t_first is None:
@@ -286,7 +310,9 @@ class DecodeAgent:
             detok.add_token(tid)
             P.send_json(sock, P.Frame.TOKEN, {"id": tid, "text": detok.last_segment})
             if want_logprobs:
-                P.send_frame(sock, P.Frame.LOGPROBS, memoryview(np.array(logprobs.astype(mx.float32))))
+                P.send_frame(
+                    sock, P.Frame.LOGPROBS, np.array(logprobs.astype(mx.float32)).tobytes()
+                )
         detok.finalize()
         t_end = time.perf_counter()
         tail = detok.last_segment

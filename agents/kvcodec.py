@@ -61,18 +61,18 @@ def _unshuffle(raw: bytes, itemsize: int) -> bytes:
 
 def _compress(a: np.ndarray, codec: Codec, level: int) -> bytes | memoryview:
     if codec == Codec.RAW:
-        return memoryview(np.ascontiguousarray(a)).cast("B")
+        return memoryview(np.ascontiguousarray(a)).cast("B")  # type: ignore[arg-type]
     raw = _shuffle(a) if codec == Codec.SHUFFLE_ZSTD else np.ascontiguousarray(a).tobytes()
     return zstandard.ZstdCompressor(level=level).compress(raw)
 
 
-def encode_layer(
-    kv: LayerKV, codec: Codec = Codec.RAW, level: int = 1
-) -> list[bytes | memoryview]:
+def encode_layer(kv: LayerKV, codec: Codec = Codec.RAW, level: int = 1) -> list[bytes | memoryview]:
     """Return the KV_LAYER payload as buffers to hand to `send_frame` as is."""
     k, v = kv.keys, kv.values
     if k.dtype != WIRE_NUMPY[kv.dtype] or v.dtype != k.dtype:
-        raise ValueError(f"layer {kv.layer}: arrays are {k.dtype}/{v.dtype}, wire is {kv.dtype.name}")
+        raise ValueError(
+            f"layer {kv.layer}: arrays are {k.dtype}/{v.dtype}, wire is {kv.dtype.name}"
+        )
     heads, seq, k_dim = k.shape
     v_dim = v.shape[2]
     kb, vb = _compress(k, codec, level), _compress(v, codec, level)
@@ -112,8 +112,12 @@ def decode_layer(payload: bytearray | bytes) -> LayerKV:
         raise ProtocolError("KV_LAYER block lengths do not add up to the frame length")
     np_dtype = np.dtype(WIRE_NUMPY[dtype_e])
     view = memoryview(payload)[LAYER_HEADER.size :]
-    k_raw = _expand(view[:k_len], codec_e, heads * seq * k_dim * np_dtype.itemsize, np_dtype.itemsize)
-    v_raw = _expand(view[k_len:], codec_e, heads * seq * v_dim * np_dtype.itemsize, np_dtype.itemsize)
+    k_raw = _expand(
+        view[:k_len], codec_e, heads * seq * k_dim * np_dtype.itemsize, np_dtype.itemsize
+    )
+    v_raw = _expand(
+        view[k_len:], codec_e, heads * seq * v_dim * np_dtype.itemsize, np_dtype.itemsize
+    )
     keys = np.frombuffer(k_raw, np_dtype).reshape(heads, seq, k_dim)
     values = np.frombuffer(v_raw, np_dtype).reshape(heads, seq, v_dim)
     return LayerKV(layer, kind_e, dtype_e, keys, values)

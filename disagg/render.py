@@ -9,8 +9,14 @@ from rich.table import Table
 from .client import METRIC_NAMES
 
 UNITS = {
-    "prefill_time": "s", "decode_time": "s", "total_time": "s", "ttft": "s",
-    "kv_transfer_time": "s", "prefill_speed": "tok/s", "decode_speed": "tok/s", "kv_bytes": "B",
+    "prefill_time": "s",
+    "decode_time": "s",
+    "total_time": "s",
+    "ttft": "s",
+    "kv_transfer_time": "s",
+    "prefill_speed": "tok/s",
+    "decode_speed": "tok/s",
+    "kv_bytes": "B",
 }
 
 

@@ -29,7 +29,9 @@ def compare(disagg: Result, local: Result, min_agreement: float, model: str) -> 
         "agreement": agreement,
         "first_divergence": first,
         "max_logit_diff": max(diffs) if diffs else 0.0,
-        "logit_diff_at_divergence": diffs[first] if first is not None and first < len(diffs) else None,
+        "logit_diff_at_divergence": diffs[first]
+        if first is not None and first < len(diffs)
+        else None,
         "kv_bytes": disagg.metrics.get("kv_bytes"),
         "disaggregated_text": disagg.text,
         "decode_only_text": local.text,

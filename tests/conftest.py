@@ -22,9 +22,9 @@ def default_model() -> Path:
 
 
 @pytest.fixture(scope="module")
-def smol_agents(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
-    tuple[AgentProc, AgentProc]
-]:
+def smol_agents(
+    default_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[AgentProc, AgentProc]]:
     pair = start_local_pair(default_model, log_dir=tmp_path_factory.mktemp("agent-logs"))
     yield pair
     for agent in reversed(pair):

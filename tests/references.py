@@ -19,9 +19,12 @@ def hf_greedy(model: Any, ids: list[int], n: int) -> list[int]:
     cfg.max_new_tokens = n
     cfg.temperature = cfg.top_p = cfg.top_k = None
     with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), generation_config=cfg,
-                             attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-    return [int(t) for t in out[0, len(ids):]]
+        out = model.generate(
+            torch.tensor([ids]),
+            generation_config=cfg,
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        )
+    return [int(t) for t in out[0, len(ids) :]]
 
 
 def mlx_greedy(model: Any, ids: list[int], n: int, cache: list[Any] | None = None) -> list[int]:

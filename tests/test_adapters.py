@@ -21,8 +21,13 @@ ARCHS = ["qwen3_moe", "gpt_oss", "llama", "qwen3"]
 # YaRN, untruncated, where mlx-lm gets it wrong: qwen3_moe builds a plain RoPE,
 # llama truncates the correction range.
 YARN = {
-    "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "beta_fast": 32.0,
-    "beta_slow": 1.0, "original_max_position_embeddings": 1024, "truncate": False,
+    "rope_type": "yarn",
+    "rope_theta": 1000000.0,
+    "factor": 4.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "original_max_position_embeddings": 1024,
+    "truncate": False,
 }
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     **{arch: (arch, {}) for arch in ARCHS},
@@ -50,8 +55,9 @@ def loaded() -> dict[str, tuple[Any, Any]]:
 
 
 @pytest.fixture
-def engines(tiny_dirs: dict[str, Path], loaded: dict[str, tuple[Any, Any]],
-            request: pytest.FixtureRequest) -> tuple[Any, Any]:
+def engines(
+    tiny_dirs: dict[str, Path], loaded: dict[str, tuple[Any, Any]], request: pytest.FixtureRequest
+) -> tuple[Any, Any]:
     """(PrefillEngine, DecodeEngine) on the tiny checkpoint of the test's `arch`,
     each loaded once per session."""
     from agents.decode import DecodeEngine
@@ -76,12 +82,20 @@ def hf_greedy(pre: Any, ids: list[int], n: int) -> tuple[list[int], np.ndarray]:
     import torch
     from transformers import GenerationConfig
 
-    gen = GenerationConfig(do_sample=False, max_new_tokens=n, eos_token_id=None,
-                           pad_token_id=pre.cfg.get("pad_token_id") or 0)
+    gen = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=n,
+        eos_token_id=None,
+        pad_token_id=pre.cfg.get("pad_token_id") or 0,
+    )
     with torch.inference_mode():
-        out = pre.model.generate(torch.tensor([ids]), generation_config=gen,
-                                 return_dict_in_generate=True, output_scores=True)
-    tokens = out.sequences[0, len(ids):].tolist()
+        out = pre.model.generate(
+            torch.tensor([ids]),
+            generation_config=gen,
+            return_dict_in_generate=True,
+            output_scores=True,
+        )
+    tokens = out.sequences[0, len(ids) :].tolist()
     logprobs = torch.log_softmax(torch.stack(out.scores)[:, 0].float(), dim=-1).numpy()
     return tokens, logprobs
 
@@ -123,8 +137,9 @@ def disaggregated(pre: Any, dec: Any, ids: list[int], n: int) -> tuple[list[int]
     return mlx_greedy(dec.model, mx.array(ids[-1:]), cache, n)
 
 
-def assert_same(name: str, want: tuple[list[int], np.ndarray],
-                got: tuple[list[int], np.ndarray]) -> None:
+def assert_same(
+    name: str, want: tuple[list[int], np.ndarray], got: tuple[list[int], np.ndarray]
+) -> None:
     (wt, wl), (gt, gl) = want, got
     assert len(wt) == len(gt) == NEW_TOKENS
     first = next((i for i, (a, b) in enumerate(zip(wt, gt, strict=True)) if a != b), None)
@@ -163,8 +178,11 @@ def test_sliding_window_prompt_lengths(arch: str, length: int, engines: tuple[An
     pre, dec = engines
     ids = prompt(dec, length)
     assert len(ids) == length
-    assert_same("disaggregated vs mlx-lm", mlx_local(dec, ids, NEW_TOKENS),
-                disaggregated(pre, dec, ids, NEW_TOKENS))
+    assert_same(
+        "disaggregated vs mlx-lm",
+        mlx_local(dec, ids, NEW_TOKENS),
+        disaggregated(pre, dec, ids, NEW_TOKENS),
+    )
 
 
 @pytest.mark.parametrize("arch", ["gpt_oss", "qwen3_moe+yarn", "llama+yarn"])

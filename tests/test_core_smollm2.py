@@ -17,10 +17,14 @@ from .references import hf_greedy, mlx_greedy
 pytestmark = pytest.mark.slow
 
 N_NEW = 64
-LONG = "Here is a list.\n" + "\n".join(
-    f"Entry {i}: the {['red', 'green', 'blue', 'amber'][i % 4]} box holds {i * 7 % 31} stones."
-    for i in range(90)
-) + "\nWhich box holds the most stones?"
+LONG = (
+    "Here is a list.\n"
+    + "\n".join(
+        f"Entry {i}: the {['red', 'green', 'blue', 'amber'][i % 4]} box holds {i * 7 % 31} stones."
+        for i in range(90)
+    )
+    + "\nWhich box holds the most stones?"
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,11 +42,17 @@ def mlx_model(default_model: Path) -> Any:
     return load(str(default_model))[0]
 
 
-def run(agents: tuple[AgentProc, AgentProc], prompt: str, *, remote: bool = True,
-        **extra: Any) -> client.Result:
+def run(
+    agents: tuple[AgentProc, AgentProc], prompt: str, *, remote: bool = True, **extra: Any
+) -> client.Result:
     prefill, decode = agents
-    req: dict[str, Any] = {"prompt": prompt, "max_tokens": N_NEW, "ignore_eos": True,
-                           "return_prompt_ids": True, **extra}
+    req: dict[str, Any] = {
+        "prompt": prompt,
+        "max_tokens": N_NEW,
+        "ignore_eos": True,
+        "return_prompt_ids": True,
+        **extra,
+    }
     if remote:
         req["prefill"] = {"host": prefill.host, "port": prefill.port}
     return client.generate(decode.host, decode.port, req)
@@ -53,13 +63,17 @@ def long_run(smol_agents: tuple[AgentProc, AgentProc]) -> client.Result:
     return run(smol_agents, LONG)
 
 
-@pytest.mark.parametrize("prompt, raw", [
-    ("What is the capital of France?", False),
-    ("Write a short poem about the sea.", False),
-    ("The three primary colors are", True),
-])
-def test_greedy_parity_short(smol_agents: tuple[AgentProc, AgentProc], hf_model: Any,
-                             mlx_model: Any, prompt: str, raw: bool) -> None:
+@pytest.mark.parametrize(
+    "prompt, raw",
+    [
+        ("What is the capital of France?", False),
+        ("Write a short poem about the sea.", False),
+        ("The three primary colors are", True),
+    ],
+)
+def test_greedy_parity_short(
+    smol_agents: tuple[AgentProc, AgentProc], hf_model: Any, mlx_model: Any, prompt: str, raw: bool
+) -> None:
     res = run(smol_agents, prompt, raw=raw)
     assert res.metrics["method"] == "disaggregated"
     assert res.prompt_ids and res.metrics["kv_bytes"] > 0
@@ -96,22 +110,29 @@ def test_metrics_have_the_seed_names(smol_agents: tuple[AgentProc, AgentProc]) -
     assert 0 < m["ttft"] <= m["total_time"]
 
 
-@pytest.mark.parametrize("request_, message", [
-    ({"prompt": ""}, "prompt is empty"),
-    ({"prompt": "   "}, "prompt is empty"),
-    ({"prompt": "hi", "max_tokens": 0}, "max_tokens must be a positive integer"),
-    ({"prompt": "hi", "max_tokens": -3}, "max_tokens must be a positive integer"),
-    ({"prompt": "hi", "temperature": -1}, "temperature"),
-    ({"prompt": "word " * 9000, "raw": True}, "context is 8192"),
-])
-def test_bad_requests_leave_the_agent_healthy(smol_agents: tuple[AgentProc, AgentProc],
-                                              request_: dict[str, Any], message: str) -> None:
+@pytest.mark.parametrize(
+    "request_, message",
+    [
+        ({"prompt": ""}, "prompt is empty"),
+        ({"prompt": "   "}, "prompt is empty"),
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens must be a positive integer"),
+        ({"prompt": "hi", "max_tokens": -3}, "max_tokens must be a positive integer"),
+        ({"prompt": "hi", "temperature": -1}, "temperature"),
+        ({"prompt": "word " * 9000, "raw": True}, "context is 8192"),
+    ],
+)
+def test_bad_requests_leave_the_agent_healthy(
+    smol_agents: tuple[AgentProc, AgentProc], request_: dict[str, Any], message: str
+) -> None:
     prefill, decode = smol_agents
     seen: list[str] = []
     with pytest.raises(UsageError, match=message):
-        client.generate(decode.host, decode.port,
-                        {**request_, "prefill": {"host": prefill.host, "port": prefill.port}},
-                        on_text=seen.append)
+        client.generate(
+            decode.host,
+            decode.port,
+            {**request_, "prefill": {"host": prefill.host, "port": prefill.port}},
+            on_text=seen.append,
+        )
     assert seen == []
     ok = run(smol_agents, "What is the capital of France?", max_tokens=8, ignore_eos=False)
     assert "Paris" in ok.text and ok.metrics["method"] == "disaggregated"
@@ -120,8 +141,11 @@ def test_bad_requests_leave_the_agent_healthy(smol_agents: tuple[AgentProc, Agen
 
 def test_prefill_agent_down_falls_back_locally(smol_agents: tuple[AgentProc, AgentProc]) -> None:
     _, decode = smol_agents
-    req = {"prompt": "What is the capital of France?", "max_tokens": 8,
-           "prefill": {"host": "127.0.0.1", "port": 1}}
+    req = {
+        "prompt": "What is the capital of France?",
+        "max_tokens": 8,
+        "prefill": {"host": "127.0.0.1", "port": 1},
+    }
     res = client.generate(decode.host, decode.port, req)
     assert res.metrics["method"] == "local-fallback"
     assert "cannot reach prefill agent" in res.metrics["fallback_reason"]

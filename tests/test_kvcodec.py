@@ -22,9 +22,14 @@ def torch_kv(dtype: torch.dtype, seq: int = 37) -> tuple[torch.Tensor, torch.Ten
     return k, v
 
 
-@pytest.mark.parametrize("dtype, wire", [(torch.float32, K.DType.FLOAT32),
-                                          (torch.float16, K.DType.FLOAT16),
-                                          (torch.bfloat16, K.DType.BFLOAT16)])
+@pytest.mark.parametrize(
+    "dtype, wire",
+    [
+        (torch.float32, K.DType.FLOAT32),
+        (torch.float16, K.DType.FLOAT16),
+        (torch.bfloat16, K.DType.BFLOAT16),
+    ],
+)
 @pytest.mark.parametrize("codec", list(K.Codec))
 def test_round_trip_is_bit_exact(dtype: torch.dtype, wire: K.DType, codec: K.Codec) -> None:
     k, v = torch_kv(dtype)
@@ -44,8 +49,9 @@ def test_bf16_bits_survive_into_mlx() -> None:
     from agents.mlxcache import to_mx
 
     k, _ = torch_kv(torch.bfloat16)
-    kv = K.decode_layer(join(K.encode_layer(K.LayerKV(0, K.Kind.FULL, K.DType.BFLOAT16,
-                                                      to_wire(k), to_wire(k)))))
+    kv = K.decode_layer(
+        join(K.encode_layer(K.LayerKV(0, K.Kind.FULL, K.DType.BFLOAT16, to_wire(k), to_wire(k))))
+    )
     arr = to_mx(kv.keys, kv.dtype)
     assert arr.dtype == mx.bfloat16
     words = np.array(arr.view(mx.uint16))[0]

@@ -87,12 +87,20 @@ def test_header_layout_is_fixed() -> None:
 
 
 def test_fingerprint_mismatch_names_fields() -> None:
-    fp = {"architecture": "llama", "num_layers": 30, "num_kv_heads": 3, "head_dim": 64,
-          "dtype": "float32", "layers": [["full", 0]] * 30}
+    fp = {
+        "architecture": "llama",
+        "num_layers": 30,
+        "num_kv_heads": 3,
+        "head_dim": 64,
+        "dtype": "float32",
+        "layers": [["full", 0]] * 30,
+    }
     assert P.fingerprint_mismatch(fp, dict(fp)) == []
     other = {**fp, "num_layers": 2, "layers": [["full", 0]] * 2, "dtype": "bfloat16"}
     diffs = P.fingerprint_mismatch(fp, other)
     assert any("num_layers 30 vs 2" in d for d in diffs)
     assert any("dtype float32 vs bfloat16" in d for d in diffs)
     sliding = {**fp, "layers": [["sliding", 8]] + [["full", 0]] * 29}
-    assert P.fingerprint_mismatch(fp, sliding) == ["layers [0] cache kind/window ['full', 0] vs ['sliding', 8]"]
+    assert P.fingerprint_mismatch(fp, sliding) == [
+        "layers [0] cache kind/window ['full', 0] vs ['sliding', 8]"
+    ]

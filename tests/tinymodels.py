@@ -75,11 +75,17 @@ def _config(arch: str, vocab: int, eos: int, pad: int) -> Any:
         dtype="float32",
     )
     if arch == "llama":
-        return tf.LlamaConfig(**common, intermediate_size=128,
-                              rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
+        return tf.LlamaConfig(
+            **common,
+            intermediate_size=128,
+            rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
+        )
     if arch == "qwen3":
-        return tf.Qwen3Config(**common, intermediate_size=128,
-                              rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+        return tf.Qwen3Config(
+            **common,
+            intermediate_size=128,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        )
     if arch == "qwen3_moe":
         return tf.Qwen3MoeConfig(
             **common,
@@ -144,4 +150,3 @@ def make_tiny(arch: str, out_dir: Path, seed: int = 0, **overrides: Any) -> Path
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
     return out_dir
-

@@ -139,8 +139,11 @@ class Adapter:
             if old is None or not hasattr(old, "dims"):
                 continue
             if not isinstance(old, YarnRoPE):
-                mod.rope = YarnRoPE(old.dims, traditional=bool(getattr(old, "traditional", False)),
-                                    base=float(rope["rope_theta"]))
+                mod.rope = YarnRoPE(
+                    old.dims,
+                    traditional=bool(getattr(old, "traditional", False)),
+                    base=float(rope["rope_theta"]),
+                )
             inv_freq, attention_factor = yarn_inv_freq(rope, int(mod.rope.dims), max_pos)
             mod.rope._freqs = mx.array((1.0 / inv_freq.astype(np.float64)).astype(np.float32))
             mod.rope.mscale = attention_factor
