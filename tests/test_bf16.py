@@ -1,0 +1,60 @@
+"""bf16 end to end: the KV the decode agent decodes from is, bit for bit, the
+bf16 KV torch computed; so its tokens equal mlx continuing from that KV."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agents.kvcodec import DType, LayerKV, decode_layer, encode_layer
+from disagg import client
+from disagg.launcher import AgentProc, start_local_pair
+
+from .references import mlx_greedy
+
+pytestmark = pytest.mark.slow
+
+N_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def bf16_agents(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
+    tuple[AgentProc, AgentProc]
+]:
+    pair = start_local_pair(default_model, dtype="bfloat16", log_dir=tmp_path_factory.mktemp("bf16"))
+    yield pair
+    for agent in reversed(pair):
+        agent.stop()
+
+
+def test_bf16_run_equals_mlx_continued_from_the_same_kv(
+    bf16_agents: tuple[AgentProc, AgentProc], default_model: Path
+) -> None:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from agents.decode import DecodeEngine
+    from agents.mlxcache import fill_layer
+    from agents.prefill import PrefillEngine
+
+    prefill, decode = bf16_agents
+    req = {"prompt": "Name three planets of the solar system.", "max_tokens": N_NEW,
+           "ignore_eos": True, "return_prompt_ids": True,
+           "prefill": {"host": prefill.host, "port": prefill.port}}
+    res = client.generate(decode.host, decode.port, req)
+    assert res.metrics["method"] == "disaggregated"
+    ids = res.prompt_ids or []
+    # bf16 on the wire: 2 bytes per element, 30 layers x K and V x 3 heads x 64 dims.
+    assert res.metrics["kv_bytes"] >= 30 * 2 * 3 * 64 * 2 * (len(ids) - 1)
+
+    pre = PrefillEngine(str(default_model), device="cpu", dtype="bfloat16")
+    dec = DecodeEngine(str(default_model), dtype="bfloat16")
+    layers: list[LayerKV] = []
+    pre.prefill(ids[:-1], layers.append)
+    assert {kv.dtype for kv in layers} == {DType.BFLOAT16}
+    cache = make_prompt_cache(dec.model)
+    for kv in layers:
+        wire = decode_layer(b"".join(bytes(b) for b in encode_layer(kv)))
+        fill_layer(cache[kv.layer], wire, len(ids) - 1)
+    assert res.token_ids == mlx_greedy(dec.model, ids[-1:], N_NEW, cache=cache)

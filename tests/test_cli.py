@@ -1,0 +1,87 @@
+"""The `disagg` command as a user runs it: a subprocess, stdout, stderr, exit code."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def disagg(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "disagg.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def one_error_line(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert proc.returncode == 1, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("error:")]
+    assert len(errors) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+
+
+@pytest.mark.slow
+def test_generate_local_json_answers_paris(default_model: Path) -> None:
+    proc = disagg("generate", "--local", "What is the capital of France?", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)  # exactly one JSON object on stdout
+    assert set(out) == {"text", "token_ids", "model", "metrics"}
+    assert "Paris" in out["text"]
+    assert out["model"] == str(default_model)
+    m = out["metrics"]
+    assert m["method"] == "disaggregated" and m["kv_bytes"] > 0
+    assert m["completion_tokens"] == len(out["token_ids"])
+
+
+@pytest.mark.slow
+def test_generate_local_streams_text_and_prints_metrics_table(default_model: Path) -> None:
+    proc = disagg("generate", "--local", "What is the capital of France?", "--max-tokens", "12")
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+    for name in ("prefill_time", "ttft", "kv_bytes", "kv_transfer_time", "disaggregated",
+                 "prefill_server", "decode_server"):
+        assert name in proc.stdout
+
+
+@pytest.mark.slow
+def test_prompt_longer_than_context_is_one_line(default_model: Path) -> None:
+    proc = disagg("generate", "--local", "--raw", "word " * 9000)
+    one_error_line(proc, "context is 8192", "shorten the prompt")
+
+
+@pytest.mark.slow
+def test_verify_reports_full_agreement(default_model: Path) -> None:
+    proc = disagg("verify", "--local", "--max-tokens", "16", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["agreement"] == 1.0 and report["first_divergence"] is None
+    assert report["ok"] is True and report["kv_bytes"] > 0
+    assert report["max_logit_diff"] < 1e-3
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["generate", "--local", ""], ["prompt is empty"]),
+    (["generate", "--local", "hi", "--max-tokens", "0"], ["--max-tokens must be at least 1"]),
+    (["generate", "--local", "hi", "--max-tokens", "-5"], ["--max-tokens must be at least 1"]),
+    (["generate", "--local", "hi", "-m", "/no/such/model"], ["/no/such/model", "does not exist"]),
+    (["generate", "hi"], ["--local"]),
+    (["verify", "--local", "hi", "--min-agreement", "2"], ["--min-agreement"]),
+])
+def test_bad_input_is_one_clear_line(args: list[str], needles: list[str]) -> None:
+    one_error_line(disagg(*args, timeout=60), *needles)
+
+
+def test_unsupported_architecture_is_one_clear_line(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    one_error_line(disagg("generate", "--local", "hi", "-m", str(tmp_path), timeout=60),
+                   "'bert' is not supported", "llama")
+    (tmp_path / "config.json").write_text("{broken")
+    one_error_line(disagg("generate", "--local", "hi", "-m", str(tmp_path), timeout=60),
+                   "cannot read")
