@@ -22,9 +22,11 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 
 from . import protocol as P
-from .kvcodec import Codec, decode_layer
-from .mlxcache import MX_DTYPES, cache_kinds, fill_layer
+from .kvcodec import Codec
+from .kvfetch import PrefillUnavailable, fetch_kv, target_hosts
+from .mlxcache import MX_DTYPES, cache_kinds
 from .models import UnsupportedModel, get_adapter, load_hf_config
+from .placement import Placement
 from .server import Stats, common_args, fail, serve, setup_logging
 
 log = logging.getLogger("disagg.decode")
@@ -32,10 +34,6 @@ log = logging.getLogger("disagg.decode")
 
 class BadRequest(Exception):
     """The request itself is wrong; the agent stays healthy."""
-
-
-class PrefillUnavailable(Exception):
-    """The prefill agent could not be reached or dropped the stream: fall back."""
 
 
 class DecodeEngine:
@@ -106,6 +104,7 @@ class DecodeAgent:
         self.engine = engine
         self.name = name
         self.stats = Stats()
+        self.placement = Placement()
         # All mlx work runs on one thread: requests queue up in front of it.
         self.jobs: queue.Queue[tuple[dict[str, Any], socket.socket, threading.Event]] = (
             queue.Queue()
@@ -176,76 +175,47 @@ class DecodeAgent:
             )
         return min(max_tokens, self.engine.context - len(ids))
 
-    def _fetch_kv(
-        self,
-        target: dict[str, Any],
-        ids: list[int],
-        caches: list[Any],
-        metrics: dict[str, Any],
-        codec: Codec,
-    ) -> None:
-        """Dial the prefill agent and fill `caches` with the KV of `ids`, layer by layer."""
-        addr = (str(target["host"]), int(target["port"]))
-        timeout = float(target.get("timeout", 60.0))
+    def _prefill(
+        self, req: dict[str, Any], ids: list[int], metrics: dict[str, Any]
+    ) -> tuple[list[Any], list[int]]:
+        """Fresh caches plus the tokens decode must still run itself.
+
+        Remote: the prefill agent computes all but the last token and decode runs
+        that one, exactly as mlx-lm's own generate_step splits a prompt.
+        """
+        caches = make_prompt_cache(self.engine.model)
+        target = req.get("prefill")
+        if not target or len(ids) < 2:
+            metrics["method"] = "decode-only"
+            return caches, ids
         try:
-            sock = socket.create_connection(addr, timeout=min(timeout, 10.0))
-        except OSError as e:
-            raise PrefillUnavailable(
-                f"cannot reach prefill agent at {addr[0]}:{addr[1]}: {e}"
-            ) from e
+            codec = Codec(int(req.get("codec", 0)))
+        except ValueError:
+            raise BadRequest(f"unknown codec {req.get('codec')!r}") from None
+        key = f"{','.join(target_hosts(target))}:{target.get('port')}"
+        where, why = self.placement.choose(key, len(ids) - 1)
+        forced = req.get("placement", "auto")
+        if forced in ("local", "remote"):
+            where, why = forced, "placement forced by the request"
+        metrics.update(placement=where, placement_reason=why)
+        if where == "local":
+            metrics["method"] = "local"
+            return caches, ids
+        hello = {
+            "role": "decode",
+            "fingerprint": self.engine.fingerprint,
+            "model": self.engine.model_dir,
+            "server": self.name,
+        }
         try:
-            sock.settimeout(timeout)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            P.send_json(
-                sock,
-                P.Frame.HELLO,
-                {
-                    "role": "decode",
-                    "fingerprint": self.engine.fingerprint,
-                    "model": self.engine.model_dir,
-                    "server": self.name,
-                },
-            )
-            _, ok = P.recv_json(sock, P.Frame.HELLO_OK)
-            P.send_json(sock, P.Frame.PREFILL, {"token_ids": ids, "codec": int(codec)})
-            t_sent = time.perf_counter()
-            first = last = None
-            got: set[int] = set()
-            while True:
-                header, payload = P.recv_frame(sock)
-                if header.type == P.Frame.KV_LAYER:
-                    kv = decode_layer(payload)
-                    if not 0 <= kv.layer < len(caches) or kv.layer in got:
-                        raise P.ProtocolError(f"unexpected KV for layer {kv.layer}")
-                    fill_layer(caches[kv.layer], kv, len(ids))
-                    last = time.perf_counter()
-                    if first is None:
-                        first = last
-                        metrics["kv_first_layer_at"] = time.time()
-                    got.add(kv.layer)
-                    metrics["kv_bytes"] += P.HEADER.size + len(payload)
-                elif header.type == P.Frame.PREFILL_DONE:
-                    done = P.decode_json(header, payload)
-                    break
-                elif header.type == P.Frame.ERROR:
-                    err = P.decode_json(header, payload)
-                    raise P.RemoteError(str(err.get("code")), str(err.get("message")))
-                else:
-                    raise P.ProtocolError(f"unexpected {header.type.name} during KV stream")
-            if len(got) != len(caches):
-                raise P.ProtocolError(f"prefill sent {len(got)} of {len(caches)} layers")
-        except (OSError, P.ProtocolError) as e:
-            raise PrefillUnavailable(f"prefill stream from {addr[0]}:{addr[1]} failed: {e}") from e
-        finally:
-            sock.close()
-        metrics.update(
-            prefill_time=done.get("prefill_time"),
-            prefill_server=ok.get("server") or f"{addr[0]}:{addr[1]}",
-            prefill_address=f"{addr[0]}:{addr[1]}",
-            kv_transfer_time=(last - first) if first and last else 0.0,
-            kv_wait_time=(first - t_sent) if first else None,
-            prefill_last_layer_at=done.get("last_layer_at"),
-        )
+            fetched = fetch_kv(target, ids[:-1], caches, hello, codec)
+        except PrefillUnavailable as e:
+            log.warning("%s; prefilling locally", e)
+            metrics.update(method="local-fallback", fallback_reason=str(e))
+            return make_prompt_cache(self.engine.model), ids
+        self.placement.observe_remote(key, len(ids) - 1, len(caches), fetched)
+        metrics.update(fetched, method="disaggregated")
+        return caches, ids[-1:]
 
     def _generate(self, req: dict[str, Any], sock: socket.socket) -> float:
         eng = self.engine
@@ -260,26 +230,7 @@ class DecodeAgent:
             "prefill_server": None,
             "prefill_time": None,
         }
-        caches = make_prompt_cache(eng.model)
-        prompt = ids
-        target = req.get("prefill")
-        if target and len(ids) > 1:
-            try:
-                codec = Codec(int(req.get("codec", 0)))
-            except ValueError:
-                raise BadRequest(f"unknown codec {req.get('codec')!r}") from None
-            try:
-                # The prefill side computes all but the last token; decode runs that
-                # one itself, exactly like mlx-lm's own generate_step does.
-                self._fetch_kv(target, ids[:-1], caches, metrics, codec)
-                prompt = ids[-1:]
-                metrics["method"] = "disaggregated"
-            except PrefillUnavailable as e:
-                log.warning("%s; prefilling locally", e)
-                caches = make_prompt_cache(eng.model)
-                metrics.update(method="local-fallback", fallback_reason=str(e), kv_bytes=0)
-        else:
-            metrics["method"] = "decode-only"
+        caches, prompt = self._prefill(req, ids, metrics)
 
         if req.get("seed") is not None:
             mx.random.seed(int(req["seed"]))
@@ -319,6 +270,10 @@ class DecodeAgent:
         if tail:
             P.send_json(sock, P.Frame.TOKEN, {"id": None, "text": tail})
         decode_s = t_end - (t_first or t_end)
+        if metrics["method"] != "disaggregated" and metrics["prefill_time"]:
+            self.placement.observe_local(len(ids), metrics["prefill_time"])
+        if len(out) > 1:
+            self.placement.observe_step(decode_s / (len(out) - 1))
         metrics.update(
             completion_tokens=len(out),
             ttft=ttft,

@@ -6,6 +6,7 @@ Run: python -m agents.prefill --model DIR [--host H --port P --device cuda]
 
 from __future__ import annotations
 
+import argparse
 import logging
 import queue
 import socket
@@ -57,7 +58,9 @@ def to_wire(t: torch.Tensor) -> np.ndarray:
 class PrefillEngine:
     """One loaded model; `prefill` streams K/V layer by layer through a callback."""
 
-    def __init__(self, model_dir: str, device: str = "auto", dtype: str = "auto") -> None:
+    def __init__(
+        self, model_dir: str, device: str = "auto", dtype: str = "auto", layer_delay_s: float = 0.0
+    ) -> None:
         from transformers import AutoModelForCausalLM  # heavy: import once the args parsed
 
         self.model_dir = model_dir
@@ -80,6 +83,8 @@ class PrefillEngine:
             "layers": self.kinds,
         }
         self.lock = threading.Lock()  # one forward pass at a time per device
+        # Fault-injection aid for tests: stretch the KV stream so a fault can land mid-way.
+        self.layer_delay_s = layer_delay_s
 
     @torch.inference_mode()
     def prefill(self, token_ids: list[int], on_layer: Callable[[LayerKV], None]) -> dict[str, Any]:
@@ -97,21 +102,24 @@ class PrefillEngine:
                 on_layer(LayerKV(idx, kind, wire, to_wire(layer.keys), to_wire(layer.values)))
                 if idx == len(self.layers) - 1:
                     marks["last_layer_at"] = time.time()
+                elif self.layer_delay_s:
+                    time.sleep(self.layer_delay_s)
 
             return _after_layer
 
-        handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(self.layers)]
-        try:
-            with self.lock:
+        # Hooks are per module, shared by all requests: add them only under the lock.
+        with self.lock:
+            handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(self.layers)]
+            try:
                 t0 = time.perf_counter()
                 ids = torch.tensor([token_ids], device=self.device)
                 self.body(input_ids=ids, past_key_values=cache, use_cache=True)
                 if self.device == "cuda":
                     torch.cuda.synchronize()
                 compute_s = time.perf_counter() - t0
-        finally:
-            for h in handles:
-                h.remove()
+            finally:
+                for h in handles:
+                    h.remove()
         return {"prefill_time": compute_s, "tokens": len(token_ids), **marks}
 
 
@@ -250,10 +258,14 @@ class PrefillAgent:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = common_args("prefill").parse_args(argv)
+    parser = common_args("prefill")
+    parser.add_argument("--fault-layer-delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
     setup_logging("prefill")
     try:
-        engine = PrefillEngine(args.model, device=args.device, dtype=args.dtype)
+        engine = PrefillEngine(
+            args.model, device=args.device, dtype=args.dtype, layer_delay_s=args.fault_layer_delay
+        )
     except UnsupportedModel as e:
         fail(str(e))
     log.info("loaded %s on %s as %s", args.model, engine.device, engine.dtype)

@@ -6,6 +6,7 @@ import functools
 import json
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -56,7 +57,20 @@ Model = Annotated[
     str | None,
     typer.Option("--model", "-m", help="Local HF model dir (default: embedded SmolLM2)."),
 ]
-Local = Annotated[bool, typer.Option("--local", help="Run both agents on this machine.")]
+Models = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--model",
+        "-m",
+        help="Model: a local dir with --local, else a pipeline's "
+        "model name; repeat to run several at once.",
+    ),
+]
+Inventory = Annotated[
+    str | None,
+    typer.Option("--inventory", "-i", envvar="DISAGG_INVENTORY", help="Inventory file."),
+]
+Local = Annotated[bool, typer.Option("--local", help="Run the agents on this machine.")]
 Json = Annotated[
     bool, typer.Option("--json", help="Print one JSON object on stdout, nothing else.")
 ]
@@ -66,62 +80,174 @@ Dtype = Annotated[str, typer.Option("--dtype", help="auto, float32, float16 or b
 def _need_local(local: bool) -> None:
     if not local:
         raise UsageError(
-            "only --local runs are available in this version: add --local to run both agents here"
+            "only --local runs are available for this command: add --local to run the agents here"
         )
+
+
+def _open_client(
+    local: bool,
+    models: list[str | None],
+    inventory: str | None,
+    dtype: str = "auto",
+    n_decode: int = 1,
+) -> Any:
+    from .api import Client
+
+    if not local:
+        return Client(inventory)
+    with err.status("starting prefill and decode agents…"):
+        return Client.local(models, dtype=dtype, n_decode=n_decode, say=_say)
 
 
 @app.command()
 @friendly
 def generate(
-    prompt: Annotated[str, typer.Argument(help="The prompt (chat template applied unless --raw).")],
+    prompt: Annotated[
+        str | None, typer.Argument(help="The prompt (chat template applied unless --raw).")
+    ] = None,
     local: Local = False,
-    model: Model = None,
+    model: Models = None,
+    inventory: Inventory = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n")] = 256,
     temperature: Annotated[float, typer.Option("--temperature", "-t")] = 0.0,
     top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
     seed: Annotated[int | None, typer.Option("--seed")] = None,
     system: Annotated[str | None, typer.Option("--system", help="System message.")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="No chat template.")] = False,
+    batch: Annotated[
+        Path | None, typer.Option("--batch", help="JSONL file of requests to run concurrently.")
+    ] = None,
+    out_file: Annotated[
+        Path | None, typer.Option("--out", help="Where --batch writes its JSONL results.")
+    ] = None,
     dtype: Dtype = "auto",
     as_json: Json = False,
 ) -> None:
     """Generate text: prefill agent -> KV over TCP -> decode agent."""
-    from . import client
-    from .local import build_request, resolve_model
+    from .local import build_request
+
+    opts: dict[str, Any] = dict(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        system=system,
+        raw=raw,
+    )
+    if batch is not None:
+        from .batch import load_requests
+
+        requests = load_requests(batch)
+    elif prompt is None:
+        raise UsageError('give a prompt, e.g. disagg generate --local "Hi", or --batch FILE')
+    else:
+        build_request(prompt, **opts)  # bad input fails before any agent starts
+        requests = []
+    models: list[str | None] = list(model) if model else [None]
+    with _open_client(local, models, inventory, dtype) as client:
+        # Local pipelines are named by their model dir; fleet ones by the inventory.
+        names = (
+            list(client.model_dirs) if local else [client.router.pipeline(m).name for m in models]
+        )
+        if batch is not None or len(names) > 1:
+            if not requests:
+                requests = [
+                    {"id": i + 1, "model": n, "prompt": prompt} for i, n in enumerate(names)
+                ]
+            _run_many(client, requests, opts, names[0], batch, out_file, as_json)
+            return
+        _run_one(client, names[0], prompt or "", opts, as_json)
+
+
+def _run_one(client: Any, name: str, prompt: str, opts: dict[str, Any], as_json: bool) -> None:
     from .render import metrics_table
 
-    _need_local(local)
-    build_request(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p)
-    model_dir = resolve_model(model, _say)
-    with _Started(model_dir, dtype) as (p, d):
-        req = build_request(
-            prompt,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-            system=system,
-            raw=raw,
-            prefill=p,
-        )
-        on_text = (
-            None if as_json else (lambda s: out.print(s, end="", markup=False, highlight=False))
-        )
-        result = client.generate(d.host, d.port, req, on_text=on_text)
+    if as_json:
+        c = client.generate(model=name, prompt=prompt, **opts)
+    else:
+        for chunk in client.generate(model=name, prompt=prompt, stream=True, **opts):
+            out.print(chunk.text, end="", markup=False, highlight=False)
+            c = chunk.completion
+    model_dir = str(client.model_dirs.get(name, name))
     if as_json:
         print(
             json.dumps(
-                {
-                    "text": result.text,
-                    "token_ids": result.token_ids,
-                    "model": str(model_dir),
-                    "metrics": result.metrics,
-                }
+                {"text": c.text, "token_ids": c.token_ids, "model": model_dir, "metrics": c.metrics}
             )
         )
         return
     out.print()
-    out.print(metrics_table(result.metrics))
+    out.print(metrics_table(c.metrics, title=f"metrics: {name}"))
+
+
+def _run_many(
+    client: Any,
+    requests: list[dict[str, Any]],
+    opts: dict[str, Any],
+    default: str,
+    batch: Path | None,
+    out_file: Path | None,
+    as_json: bool,
+) -> None:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    from .batch import run_batch
+    from .render import batch_table
+
+    defaults = {**opts, "model": default}
+    with Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+    ) as progress:
+        task = progress.add_task("requests", total=len(requests))
+        result = run_batch(client, requests, defaults, on_done=lambda _r: progress.advance(task))
+    summary: dict[str, Any] = {
+        "requests": len(result.results),
+        "failed": result.failed,
+        "wall_time": result.wall_time,
+        "sum_time": result.sum_time,
+    }
+    if batch is not None:
+        target = out_file or batch.with_suffix(".results.jsonl")
+        target.write_text("".join(json.dumps(r) + "\n" for r in result.results))
+        summary["out"] = str(target)
+    if as_json:
+        print(json.dumps({**summary, "results": result.results}))
+    else:
+        out.print(batch_table(result.results, summary))
+    if result.failed:
+        raise typer.Exit(1)
+
+
+@app.command()
+@friendly
+def serve(
+    local: Local = False,
+    model: Models = None,
+    inventory: Inventory = None,
+    host: Annotated[str, typer.Option("--host")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port")] = 8080,
+    decode_agents: Annotated[
+        int, typer.Option("--decode-agents", help="Decode agents per model with --local.")
+    ] = 1,
+    dtype: Dtype = "auto",
+) -> None:
+    """OpenAI-compatible gateway: /v1/models, /v1/completions, /v1/chat/completions."""
+    import uvicorn
+
+    from .gateway import create_app
+
+    if decode_agents < 1:
+        raise UsageError(f"--decode-agents must be at least 1, got {decode_agents}")
+    with _open_client(
+        local, list(model) if model else [None], inventory, dtype, decode_agents
+    ) as client:
+        err.print(f"serving {', '.join(client.models())} on http://{host}:{port}/v1")
+        uvicorn.run(create_app(client), host=host, port=port, log_level="warning")
 
 
 @app.command()
@@ -140,7 +266,7 @@ def verify(
 ) -> None:
     """Greedy run twice: disaggregated and decode-only; report what the handoff changes."""
     from . import client
-    from .local import build_request, resolve_model
+    from .local import build_request
     from .render import verify_table
     from .verify import compare
 
@@ -148,12 +274,18 @@ def verify(
     if not 0 <= min_agreement <= 1:
         raise UsageError(f"--min-agreement must be in [0, 1], got {min_agreement}")
     build_request(prompt, max_tokens=max_tokens)
-    model_dir = resolve_model(model, _say)
-    with _Started(model_dir, dtype) as (p, d):
-        base: dict[str, Any] = {"max_tokens": max_tokens, "raw": raw, "logprobs": True}
+    with _open_client(True, [model], None, dtype) as session:
+        p, d = session.agents[0], session.agents[1]
+        base: dict[str, Any] = {
+            "max_tokens": max_tokens,
+            "raw": raw,
+            "logprobs": True,
+            "placement": "remote",
+        }
         disagg = client.generate(d.host, d.port, build_request(prompt, prefill=p, **base))
         alone = client.generate(d.host, d.port, build_request(prompt, **base))
-    report = compare(disagg, alone, min_agreement, str(model_dir))
+        model_dir = str(next(iter(session.model_dirs.values())))
+    report = compare(disagg, alone, min_agreement, model_dir)
     if disagg.metrics.get("method") != "disaggregated":
         report["ok"] = False
         report["error"] = (
@@ -167,24 +299,6 @@ def verify(
             err.print(f"[red]error:[/] {report['error']}")
     if not report["ok"]:
         raise typer.Exit(1)
-
-
-class _Started:
-    """Start local agents with a spinner on stderr; stop them on exit."""
-
-    def __init__(self, model_dir: Any, dtype: str) -> None:
-        self.model_dir, self.dtype = model_dir, dtype
-
-    def __enter__(self) -> Any:
-        from .launcher import start_local_pair
-
-        with err.status("starting prefill and decode agents…"):
-            self.pair = start_local_pair(self.model_dir, dtype=self.dtype)
-        return self.pair
-
-    def __exit__(self, *exc: Any) -> None:
-        for agent in reversed(self.pair):
-            agent.stop()
 
 
 def main() -> None:

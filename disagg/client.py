@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,7 +52,7 @@ def _raise_remote(e: P.RemoteError) -> None:
 
 def stream(
     host: str, port: int, request: dict[str, Any], timeout_s: float = 240.0
-) -> Iterator[tuple[str, Any]]:
+) -> Generator[tuple[str, Any], None, None]:
     """Yield ("token", {"id", "text"}), ("logprobs", array) and finally ("done", result)."""
     try:
         sock = socket.create_connection((host, port), timeout=min(timeout_s, 10.0))
@@ -101,15 +102,35 @@ def generate(
     request: dict[str, Any],
     on_text: Callable[[str], None] | None = None,
     timeout_s: float = 240.0,
+    on_token: Callable[[dict[str, Any]], None] | None = None,
 ) -> Result:
-    """Run one request to completion; `on_text` sees each piece of text as it arrives."""
+    """Run one request to completion.
+
+    `on_text` sees each piece of text as it arrives; `on_token` each token event
+    ({"id", "text"}). An exception raised by either ends the request and closes
+    the connection, which tells the decode agent to stop.
+    """
     t0 = time.perf_counter()
+    with contextlib.closing(stream(host, port, request, timeout_s)) as events:
+        return _collect(host, port, events, t0, on_text, on_token)
+
+
+def _collect(
+    host: str,
+    port: int,
+    events: Iterator[tuple[str, Any]],
+    t0: float,
+    on_text: Callable[[str], None] | None,
+    on_token: Callable[[dict[str, Any]], None] | None,
+) -> Result:
     ttft = None
     logprobs: list[np.ndarray] = []
-    for kind, data in stream(host, port, request, timeout_s):
+    for kind, data in events:
         if kind == "token":
             if ttft is None and data.get("id") is not None:
                 ttft = time.perf_counter() - t0
+            if on_token:
+                on_token(data)
             if on_text and data.get("text"):
                 on_text(data["text"])
         elif kind == "logprobs":

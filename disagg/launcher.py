@@ -10,6 +10,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,9 +66,11 @@ def spawn_agent(
     device: str = "auto",
     name: str | None = None,
     log_dir: Path | None = None,
+    extra_args: Sequence[str] = (),
 ) -> tuple[subprocess.Popen[str], Path, str]:
     name = name or f"{role}@{host}"
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="disagg-logs-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{role}.log"
     cmd = [
         sys.executable,
@@ -83,6 +86,7 @@ def spawn_agent(
         device,
         "--name",
         name,
+        *extra_args,
     ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     with open(log_path, "ab") as log:
@@ -130,28 +134,53 @@ def wait_ready(
             )
 
 
+def start_local_agents(
+    model_dir: Path,
+    *,
+    n_decode: int = 1,
+    dtype: str = "auto",
+    log_dir: Path | None = None,
+    timeout_s: float = 300.0,
+) -> tuple[AgentProc, list[AgentProc]]:
+    """Start one prefill and `n_decode` decode agents on 127.0.0.1, all loading at once."""
+    log_dir = log_dir or Path(tempfile.mkdtemp(prefix="disagg-logs-"))
+    names = ["prefill@127.0.0.1"] + [
+        "decode@127.0.0.1" if i == 0 else f"decode-{i + 1}@127.0.0.1" for i in range(n_decode)
+    ]
+    spawned = [
+        spawn_agent(
+            "prefill" if i == 0 else "decode",
+            model_dir,
+            dtype=dtype,
+            name=name,
+            log_dir=log_dir / name.split("@")[0],
+        )
+        for i, name in enumerate(names)
+    ]
+    ready: list[AgentProc] = []
+    try:
+        for i, (proc, log_path, name) in enumerate(spawned):
+            ready.append(
+                wait_ready("prefill" if i == 0 else "decode", proc, log_path, name, timeout_s)
+            )
+    except Exception:
+        for agent in ready:
+            agent.stop()
+        for proc, _, _ in spawned[len(ready) :]:
+            proc.kill()
+        raise
+    return ready[0], ready[1:]
+
+
 def start_local_pair(
     model_dir: Path,
     *,
-    decode_model: Path | None = None,
     dtype: str = "auto",
     log_dir: Path | None = None,
     timeout_s: float = 300.0,
 ) -> tuple[AgentProc, AgentProc]:
     """Start a prefill and a decode agent on 127.0.0.1; both load at the same time."""
-    log_dir = log_dir or Path(tempfile.mkdtemp(prefix="disagg-logs-"))
-    p = spawn_agent("prefill", model_dir, dtype=dtype, name="prefill@127.0.0.1", log_dir=log_dir)
-    d = spawn_agent(
-        "decode", decode_model or model_dir, dtype=dtype, name="decode@127.0.0.1", log_dir=log_dir
+    prefill, decodes = start_local_agents(
+        model_dir, dtype=dtype, log_dir=log_dir, timeout_s=timeout_s
     )
-    try:
-        prefill = wait_ready("prefill", *p, timeout_s)
-    except Exception:
-        d[0].kill()
-        raise
-    try:
-        decode = wait_ready("decode", *d, timeout_s)
-    except Exception:
-        prefill.stop()
-        raise
-    return prefill, decode
+    return prefill, decodes[0]

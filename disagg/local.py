@@ -25,9 +25,10 @@ def resolve_model(model: str | None, say: Say) -> Path:
 
 
 def build_request(
-    prompt: str,
+    prompt: str | None = None,
     *,
-    max_tokens: int,
+    messages: list[dict[str, Any]] | None = None,
+    max_tokens: int = 256,
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int | None = None,
@@ -37,16 +38,27 @@ def build_request(
     **extra: Any,
 ) -> dict[str, Any]:
     """Check what can be checked here, so bad input never costs an agent start."""
-    if not prompt.strip():
+    if messages is not None:
+        if (
+            not isinstance(messages, list)
+            or not messages
+            or not all(
+                isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role")
+                for m in messages
+            )
+        ):
+            raise UsageError("messages must be a non-empty list of {role, content} objects")
+    elif prompt is None or not prompt.strip():
         raise UsageError('the prompt is empty: give some text, e.g. disagg generate --local "Hi"')
-    if max_tokens <= 0:
-        raise UsageError(f"--max-tokens must be at least 1, got {max_tokens}")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
+        raise UsageError(f"--max-tokens (max_tokens) must be at least 1, got {max_tokens}")
     if temperature < 0:
         raise UsageError(f"--temperature must be >= 0, got {temperature}")
     if not 0 < top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1], got {top_p}")
     req: dict[str, Any] = {
         "prompt": prompt,
+        "messages": messages,
         "max_tokens": max_tokens,
         "temperature": temperature,
         "top_p": top_p,

@@ -58,3 +58,28 @@ def verify_table(report: dict[str, Any]) -> Table:
     verdict = "[green]pass[/]" if report["ok"] else "[red]FAIL[/]"
     table.add_row("verdict", verdict)
     return table
+
+
+def batch_table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> Table:
+    table = Table(title="requests", header_style="bold")
+    for col in ("id", "model", "method", "ttft", "tokens", "time", "text / error"):
+        table.add_column(col)
+    for r in rows:
+        m = r.get("metrics") or {}
+        text = r.get("error") and f"[red]{r['error']}[/]" or (r.get("text") or "").strip()
+        table.add_row(
+            str(r["id"]),
+            str(r.get("model")),
+            str(m.get("method", "-")),
+            fmt(m.get("ttft"), "s"),
+            fmt(m.get("completion_tokens")),
+            fmt(r.get("time"), "s"),
+            text[:60],
+        )
+    ratio = summary["wall_time"] / summary["sum_time"] if summary["sum_time"] else 0.0
+    table.caption = (
+        f"{summary['requests']} requests, {summary['failed']} failed; wall "
+        f"{fmt(summary['wall_time'], 's')} vs sum of request times {fmt(summary['sum_time'], 's')}"
+        f" ({ratio:.2f}x)" + (f"; results in {summary['out']}" if summary.get("out") else "")
+    )
+    return table

@@ -53,7 +53,7 @@ def test_tiny_agents_match_both_monolithic_references(
 
     path, prefill, decode = tiny[arch]
     req: dict[str, Any] = {"prompt": long_prompt(), "raw": True, "max_tokens": N_NEW,
-                           "ignore_eos": True, "return_prompt_ids": True,
+                           "ignore_eos": True, "return_prompt_ids": True, "placement": "remote",
                            "prefill": {"host": prefill.host, "port": prefill.port}}
     res = client.generate(decode.host, decode.port, req)
     ids = res.prompt_ids or []
@@ -69,7 +69,7 @@ def test_mismatched_models_fail_naming_both(tiny: dict[str, tuple[Path, AgentPro
     gpt_dir, _, gpt_decode = tiny["gpt_oss"]
     moe_dir, moe_prefill, _ = tiny["qwen3_moe"]
     texts: list[str] = []
-    req = {"prompt": PROMPT, "raw": True, "max_tokens": 8,
+    req = {"prompt": PROMPT, "raw": True, "max_tokens": 8, "placement": "remote",
            "prefill": {"host": moe_prefill.host, "port": moe_prefill.port}}
     with pytest.raises(ModelMismatch) as info:
         client.generate(gpt_decode.host, gpt_decode.port, req, on_text=texts.append)

@@ -41,7 +41,7 @@ def test_bf16_run_equals_mlx_continued_from_the_same_kv(
     prefill, decode = bf16_agents
     req = {"prompt": "Name three planets of the solar system.", "max_tokens": N_NEW,
            "ignore_eos": True, "return_prompt_ids": True,
-           "prefill": {"host": prefill.host, "port": prefill.port}}
+           "placement": "remote", "prefill": {"host": prefill.host, "port": prefill.port}}
     res = client.generate(decode.host, decode.port, req)
     assert res.metrics["method"] == "disaggregated"
     ids = res.prompt_ids or []

@@ -68,8 +68,8 @@ def test_verify_reports_full_agreement(default_model: Path) -> None:
 
 @pytest.mark.parametrize("args, needles", [
     (["generate", "--local", ""], ["prompt is empty"]),
-    (["generate", "--local", "hi", "--max-tokens", "0"], ["--max-tokens must be at least 1"]),
-    (["generate", "--local", "hi", "--max-tokens", "-5"], ["--max-tokens must be at least 1"]),
+    (["generate", "--local", "hi", "--max-tokens", "0"], ["--max-tokens (max_tokens) must be at least 1"]),
+    (["generate", "--local", "hi", "--max-tokens", "-5"], ["--max-tokens (max_tokens) must be"]),
     (["generate", "--local", "hi", "-m", "/no/such/model"], ["/no/such/model", "does not exist"]),
     (["generate", "hi"], ["--local"]),
     (["verify", "--local", "hi", "--min-agreement", "2"], ["--min-agreement"]),

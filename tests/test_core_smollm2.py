@@ -51,6 +51,7 @@ def run(
         "max_tokens": N_NEW,
         "ignore_eos": True,
         "return_prompt_ids": True,
+        "placement": "remote",
         **extra,
     }
     if remote:

@@ -1,0 +1,80 @@
+"""Where to prefill a prompt: on the prefill agent, or here on the decode host.
+
+Judged from rates this agent measured on earlier requests, never from a fixed
+constant: remote = handshake + tokens / remote rate + the last layer's transfer
+(the other layers hide behind compute); local = tokens / local prefill rate, or
+tokens x one decode step when no local prefill was measured yet (an upper bound:
+a prefill step batches tokens, a decode step does not).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+ALPHA = 0.3  # weight of the newest observation in each moving average
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else (1 - ALPHA) * old + ALPHA * new
+
+
+@dataclass
+class RemoteRates:
+    handshake_s: float | None = None
+    tokens_per_s: float | None = None
+    bytes_per_s: float | None = None
+    layer_bytes_per_token: float | None = None
+
+
+class Placement:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.local_tokens_per_s: float | None = None
+        self.step_s: float | None = None
+        self.remote: dict[str, RemoteRates] = {}
+
+    def observe_local(self, tokens: int, seconds: float) -> None:
+        if tokens > 1 and seconds > 0:
+            with self.lock:
+                self.local_tokens_per_s = _ema(self.local_tokens_per_s, tokens / seconds)
+
+    def observe_step(self, seconds: float) -> None:
+        if seconds > 0:
+            with self.lock:
+                self.step_s = _ema(self.step_s, seconds)
+
+    def observe_remote(self, key: str, tokens: int, layers: int, m: dict[str, float]) -> None:
+        """`m`: the metrics of one KV fetch (prefill_time, kv_fetch_time, kv_bytes, ...)."""
+        prefill_s, fetch_s = m.get("prefill_time"), m.get("kv_fetch_time")
+        if not prefill_s or not fetch_s or tokens <= 0:
+            return
+        with self.lock:
+            r = self.remote.setdefault(key, RemoteRates())
+            r.tokens_per_s = _ema(r.tokens_per_s, tokens / prefill_s)
+            r.handshake_s = _ema(r.handshake_s, max(0.0, fetch_s - prefill_s))
+            r.layer_bytes_per_token = m["kv_bytes"] / layers / tokens
+            if m.get("kv_transfer_time"):
+                r.bytes_per_s = _ema(r.bytes_per_s, m["kv_bytes"] / m["kv_transfer_time"])
+
+    def choose(self, key: str, tokens: int) -> tuple[str, str]:
+        """("remote" | "local", why) for a prompt of `tokens` to prefill."""
+        with self.lock:
+            r = self.remote.get(key)
+            local_rate, step = self.local_tokens_per_s, self.step_s
+        if r is None or r.tokens_per_s is None or r.handshake_s is None:
+            return "remote", "no measurement of the prefill agent yet"
+        remote = r.handshake_s + tokens / r.tokens_per_s
+        if r.bytes_per_s and r.layer_bytes_per_token:
+            remote += tokens * r.layer_bytes_per_token / r.bytes_per_s
+        if local_rate is not None:
+            local, basis = tokens / local_rate, f"local prefill {local_rate:,.0f} tok/s"
+        elif step is not None:
+            local, basis = tokens * step, f"{tokens} decode steps of {step * 1e3:.1f} ms"
+        else:
+            return "remote", "no measurement of local prefill yet"
+        why = (
+            f"est. remote {remote * 1e3:.1f} ms (prefill {r.tokens_per_s:,.0f} tok/s + "
+            f"{r.handshake_s * 1e3:.1f} ms handshake) vs local {local * 1e3:.1f} ms ({basis})"
+        )
+        return ("local" if local < remote else "remote"), why

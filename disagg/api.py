@@ -1,0 +1,243 @@
+"""The Python API: `Client.local()` or `Client(inventory)`, then `generate`.
+
+from disagg import Client
+with Client.local() as c:
+    print(c.generate(prompt="What is the capital of France?").text)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .defaultmodel import Say
+from .errors import DisaggError, UsageError
+from .launcher import AgentProc, start_local_agents
+from .local import build_request, resolve_model
+from .orchestrator import Endpoint, Pipeline, Router, StopGeneration
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    metrics: dict[str, Any]
+    finish_reason: str  # "stop" (EOS or a stop sequence) or "length"
+    model: str
+
+
+@dataclass
+class Chunk:
+    text: str
+    done: bool = False
+    completion: Completion | None = None
+
+
+class StopMatcher:
+    """Holds back text that could still become a stop sequence."""
+
+    def __init__(self, stop: list[str]) -> None:
+        self.stop = [s for s in stop if s]
+        self.text = ""
+        self.sent = 0
+        self.hit = False
+
+    def feed(self, piece: str) -> str:
+        self.text += piece
+        for s in self.stop:
+            at = self.text.find(s)
+            if at >= 0:
+                self.text, self.hit = self.text[:at], True
+                return self._emit(len(self.text))
+        hold = max((len(s) - 1 for s in self.stop), default=0)
+        return self._emit(max(self.sent, len(self.text) - hold))
+
+    def flush(self) -> str:
+        return self._emit(len(self.text))
+
+    def _emit(self, upto: int) -> str:
+        out, self.sent = self.text[self.sent : upto], max(self.sent, upto)
+        return out
+
+
+class Client:
+    """Generate on a disagg cluster (an inventory) or on local agents."""
+
+    def __init__(self, inventory: str | Path | None = None, *, router: Router | None = None):
+        if router is None:
+            from .fleet import router_from_inventory  # only fleet users need SSH bits
+
+            router = router_from_inventory(inventory)
+        self.router = router
+        self.agents: list[AgentProc] = []
+        self.model_dirs: dict[str, Path] = {}  # local pipelines: name -> model dir
+
+    @classmethod
+    def local(
+        cls,
+        model: str | None | list[str | None] = None,
+        *,
+        n_decode: int = 1,
+        dtype: str = "auto",
+        say: Say = lambda _msg: None,
+    ) -> Client:
+        """Start a prefill and `n_decode` decode agents per model on this machine.
+
+        `model`: a model dir, several (one pipeline each, named by the dir), or None
+        for the embedded default. close() stops the agents.
+        """
+        wanted = model if isinstance(model, list) else [model]
+        dirs = {}
+        for m in wanted:
+            path = resolve_model(m, say)
+            dirs[path.name] = path
+        pipelines, agents = [], []
+        try:
+            for name, path in dirs.items():
+                prefill, decodes = start_local_agents(path, n_decode=n_decode, dtype=dtype)
+                agents += [prefill, *decodes]
+                pipelines.append(
+                    Pipeline(
+                        name,
+                        [Endpoint(prefill.name, prefill.host, prefill.port, prefill.control_port)],
+                        [Endpoint(d.name, d.host, d.port, d.control_port) for d in decodes],
+                    )
+                )
+        except BaseException:
+            for agent in agents:
+                agent.stop()
+            raise
+        client = cls(router=Router(pipelines))
+        client.agents = agents
+        client.model_dirs = dirs
+        return client
+
+    def close(self) -> None:
+        for agent in reversed(self.agents):
+            agent.stop()
+        self.agents = []
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def models(self) -> list[str]:
+        return self.router.models()
+
+    def generate(
+        self,
+        model: str | None = None,
+        prompt: str | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop: str | list[str] | None = None,
+        stream: bool = False,
+        **extra: Any,
+    ) -> Completion | Iterator[Chunk]:
+        """Text plus the seed's metrics, or with stream=True an iterator of chunks
+        whose last one has done=True and the Completion."""
+        if (prompt is None) == (messages is None):
+            raise UsageError("give exactly one of prompt= or messages=")
+        req = build_request(
+            prompt,
+            messages=messages,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            **extra,
+        )
+        name = self.router.pipeline(model).name
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if stream:
+            return self._stream(name, req, stops)
+        return self._run(name, req, stops, lambda _text: None)
+
+    def _run(self, model: str, req: dict[str, Any], stops: list[str], emit: Any) -> Completion:
+        matcher = StopMatcher(stops)
+        count = 0
+
+        def on_token(tok: dict[str, Any]) -> None:
+            nonlocal count
+            count += tok.get("id") is not None
+            text = matcher.feed(tok.get("text") or "")
+            if text:
+                emit(text)
+            if matcher.hit:
+                raise StopGeneration
+
+        try:
+            result = self.router.run(model, req, on_token=on_token)
+        except StopGeneration:
+            return Completion(
+                matcher.text, [], {"completion_tokens": count, "method": None}, "stop", model
+            )
+        tail = matcher.flush()
+        if tail:
+            emit(tail)
+        m = result.metrics
+        reason = "length" if m.get("completion_tokens") == req["max_tokens"] else "stop"
+        return Completion(result.text, result.token_ids, m, reason, model)
+
+    def _stream(self, model: str, req: dict[str, Any], stops: list[str]) -> Iterator[Chunk]:
+        q: queue.Queue[Chunk | BaseException] = queue.Queue()
+        cancelled = threading.Event()
+
+        def emit(text: str) -> None:
+            if cancelled.is_set():
+                raise StopGeneration  # the consumer went away: stop decoding
+            q.put(Chunk(text))
+
+        def work() -> None:
+            try:
+                q.put(Chunk("", done=True, completion=self._run(model, req, stops, emit)))
+            except BaseException as e:  # handed to the consumer's thread
+                q.put(e)
+
+        threading.Thread(target=work, daemon=True, name="disagg-stream").start()
+        try:
+            while True:
+                item = q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.done:
+                    return
+        finally:
+            cancelled.set()
+
+    async def agenerate(self, *args: Any, **kwargs: Any) -> Completion | AsyncIterator[Chunk]:
+        """The async twin of generate: awaits a Completion, or gives an async iterator."""
+        if not kwargs.get("stream"):
+            result = await asyncio.to_thread(self.generate, *args, **kwargs)
+            assert isinstance(result, Completion)
+            return result
+        chunks = self.generate(*args, **kwargs)
+        assert not isinstance(chunks, Completion)
+        return _aiter(chunks)
+
+
+async def _aiter(chunks: Iterator[Chunk]) -> AsyncIterator[Chunk]:
+    done = object()
+    try:
+        while True:
+            item = await asyncio.to_thread(next, chunks, done)
+            if item is done:
+                return
+            assert isinstance(item, Chunk)
+            yield item
+    finally:
+        close = getattr(chunks, "close", None)
+        if close:
+            close()
+
+
+__all__ = ["Chunk", "Client", "Completion", "DisaggError"]

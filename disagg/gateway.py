@@ -1,0 +1,232 @@
+"""OpenAI-compatible HTTP gateway over a disagg Client (FastAPI).
+
+GET /v1/models, POST /v1/completions, POST /v1/chat/completions, with and
+without SSE streaming; errors in OpenAI's shape with 4xx/5xx codes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field
+
+from .api import Chunk, Client, Completion
+from .errors import AgentError, DisaggError, ModelMismatch, UsageError
+
+
+class Message(BaseModel):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0, le=2)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = None
+    n: int = Field(default=1, ge=1, le=1)
+
+
+class ChatRequest(_Common):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+class CompletionRequest(_Common):
+    prompt: str
+
+
+class OpenAIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type_,
+            param,
+            code,
+        )
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def _from_disagg(e: DisaggError) -> OpenAIError:
+    if isinstance(e, UsageError):
+        return OpenAIError(400, str(e), "invalid_request_error")
+    if isinstance(e, ModelMismatch):
+        return OpenAIError(502, str(e), "server_error", code="model_mismatch")
+    if isinstance(e, AgentError):
+        return OpenAIError(503, str(e), "server_error", code="agent_unavailable")
+    return OpenAIError(500, str(e), "server_error")
+
+
+def _usage(c: Completion) -> dict[str, int]:
+    prompt = int(c.metrics.get("prompt_tokens") or 0)
+    completion = int(c.metrics.get("completion_tokens") or 0)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def create_app(client: Client) -> FastAPI:
+    app = FastAPI(title="disagg gateway")
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, e: OpenAIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0] if e.errors() else {}
+        loc = [str(p) for p in first.get("loc", []) if p != "body"]
+        msg = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
+        err = OpenAIError(400, msg, "invalid_request_error", ".".join(loc) or None)
+        return JSONResponse(err.body(), status_code=400)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {"id": m, "object": "model", "created": 0, "owned_by": "disagg"}
+                for m in client.models()
+            ],
+        }
+
+    def check_model(name: str) -> None:
+        if name not in client.models():
+            raise OpenAIError(
+                404,
+                f"The model '{name}' does not exist",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
+
+    async def run(req: _Common, kind: str, **inputs: Any) -> Any:
+        check_model(req.model)
+        max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or 256
+        args = dict(
+            model=req.model,
+            max_tokens=max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            stop=req.stop,
+            seed=req.seed,
+            stream=req.stream,
+            **inputs,
+        )
+        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        created = int(time.time())
+        try:
+            result = await client.agenerate(**args)
+        except DisaggError as e:
+            raise _from_disagg(e) from None
+        if isinstance(result, Completion):
+            return _full(kind, rid, created, result)
+        usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(
+            _sse(kind, rid, created, req.model, result, usage), media_type="text/event-stream"
+        )
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(req: ChatRequest) -> Any:
+        return await run(req, "chat", messages=[m.model_dump() for m in req.messages])
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(req: CompletionRequest) -> Any:
+        return await run(req, "text", prompt=req.prompt, raw=True)
+
+    return app
+
+
+def _full(kind: str, rid: str, created: int, c: Completion) -> dict[str, Any]:
+    if kind == "chat":
+        choice: dict[str, Any] = {
+            "index": 0,
+            "finish_reason": c.finish_reason,
+            "message": {"role": "assistant", "content": c.text},
+        }
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "finish_reason": c.finish_reason, "text": c.text, "logprobs": None}
+        obj = "text_completion"
+    return {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": c.model,
+        "choices": [choice],
+        "usage": _usage(c),
+        "disagg_metrics": c.metrics,
+    }
+
+
+async def _sse(
+    kind: str, rid: str, created: int, model: str, chunks: AsyncIterator[Chunk], include_usage: bool
+) -> AsyncIterator[str]:
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+    def event(choice: dict[str, Any], **extra: Any) -> str:
+        body = {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": model,
+            "choices": [choice] if choice else [],
+            **extra,
+        }
+        return f"data: {json.dumps(body)}\n\n"
+
+    def piece(text: str, finish: str | None = None) -> dict[str, Any]:
+        if kind == "chat":
+            return {"index": 0, "delta": {"content": text} if text else {}, "finish_reason": finish}
+        return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+
+    if kind == "chat":
+        yield event(
+            {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        )
+    try:
+        async for chunk in chunks:
+            if chunk.text:
+                yield event(piece(chunk.text))
+            if chunk.done and chunk.completion is not None:
+                yield event(piece("", chunk.completion.finish_reason))
+                if include_usage:
+                    yield event({}, usage=_usage(chunk.completion))
+    except DisaggError as e:
+        yield f"data: {json.dumps(_from_disagg(e).body())}\n\n"
+    yield "data: [DONE]\n\n"

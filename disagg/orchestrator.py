@@ -1,0 +1,164 @@
+"""Routing and failover: pick a healthy, least busy decode agent of a pipeline,
+hand it the pipeline's prefill agent, and reroute when a decode agent dies.
+
+Prefill failover lives in the decode agent itself (it prefills locally when the
+prefill agent is down, slow, or drops the KV stream); the slower data path is the
+next address in the prefill target's `hosts`.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import client
+from .errors import AgentError, ConnectError, ModelMismatch, UsageError
+
+DOWN_FOR_S = 5.0  # a failed agent is skipped this long before it is probed again
+HEALTH_TTL_S = 2.0
+
+
+@dataclass
+class Endpoint:
+    name: str
+    host: str  # where the control plane reaches its data port
+    port: int
+    control_port: int | None = None
+    hosts: list[str] = field(default_factory=list)  # data-plane addresses, fastest first
+
+
+@dataclass
+class Pipeline:
+    name: str
+    prefill: list[Endpoint]
+    decode: list[Endpoint]
+    prefill_timeout_s: float = 60.0
+    decode_timeout_s: float = 180.0
+
+
+class StopGeneration(Exception):
+    """Raised from a token callback to end a request early (a stop sequence matched)."""
+
+
+class Router:
+    def __init__(self, pipelines: Iterable[Pipeline]) -> None:
+        self.pipelines = {p.name: p for p in pipelines}
+        self.lock = threading.Lock()
+        self.busy: Counter[str] = Counter()
+        self.down_until: dict[str, float] = {}
+        self.health: dict[str, tuple[float, bool]] = {}
+
+    def models(self) -> list[str]:
+        return list(self.pipelines)
+
+    def pipeline(self, model: str | None) -> Pipeline:
+        if model is None and len(self.pipelines) == 1:
+            return next(iter(self.pipelines.values()))
+        if model not in self.pipelines:
+            known = ", ".join(self.pipelines) or "none"
+            raise UsageError(f"unknown model {model!r}: known models are {known}")
+        return self.pipelines[model]
+
+    def _healthy(self, ep: Endpoint) -> bool:
+        now = time.monotonic()
+        if self.down_until.get(ep.name, 0) > now:
+            return False
+        if ep.control_port is None:
+            return True
+        cached = self.health.get(ep.name)
+        if cached and now - cached[0] < HEALTH_TTL_S:
+            return cached[1]
+        try:
+            url = f"http://{ep.host}:{ep.control_port}/health"
+            with urllib.request.urlopen(url, timeout=1.0) as resp:
+                ok = bool(json.loads(resp.read()).get("ok"))
+        except (OSError, ValueError):
+            ok = False
+        self.health[ep.name] = (now, ok)
+        return ok
+
+    def _mark_down(self, ep: Endpoint) -> None:
+        with self.lock:
+            self.down_until[ep.name] = time.monotonic() + DOWN_FOR_S
+            self.health.pop(ep.name, None)
+
+    def order(self, endpoints: list[Endpoint]) -> list[Endpoint]:
+        """Healthy first, least busy first; unhealthy ones last, still worth a try."""
+        with self.lock:
+            busy = dict(self.busy)
+        return sorted(endpoints, key=lambda ep: (not self._healthy(ep), busy.get(ep.name, 0)))
+
+    def prefill_target(self, pipe: Pipeline) -> dict[str, Any] | None:
+        for ep in self.order(pipe.prefill):
+            return {
+                "hosts": ep.hosts or [ep.host],
+                "port": ep.port,
+                "name": ep.name,
+                "timeout": pipe.prefill_timeout_s,
+            }
+        return None
+
+    def run(
+        self,
+        model: str | None,
+        request: dict[str, Any],
+        on_token: Callable[[dict[str, Any]], None] | None = None,
+    ) -> client.Result:
+        """Run one request, rerouting to another decode agent if one fails.
+
+        A rerouted stream does not repeat text already delivered: the new run's
+        tokens are skipped until it is past what `on_token` saw.
+        """
+        pipe = self.pipeline(model)
+        req = dict(request)
+        target = self.prefill_target(pipe)
+        if target and "prefill" not in req:
+            req["prefill"] = target
+        deadline = time.monotonic() + pipe.decode_timeout_s
+        delivered: list[dict[str, Any]] = []
+        failures: list[str] = []
+        for ep in self.order(pipe.decode):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            seen = 0
+
+            def forward(tok: dict[str, Any]) -> None:
+                nonlocal seen
+                seen += 1
+                if seen <= len(delivered):
+                    if delivered[seen - 1].get("id") != tok.get("id"):
+                        raise AgentError("the rerouted run diverged from the text already sent")
+                    return
+                delivered.append(tok)
+                if on_token:
+                    on_token(tok)
+
+            with self.lock:
+                self.busy[ep.name] += 1
+            try:
+                result = client.generate(ep.host, ep.port, req, on_token=forward, timeout_s=left)
+                result.metrics["decode_server"] = result.metrics.get("decode_server") or ep.name
+                if failures:
+                    result.metrics["rerouted_from"] = failures
+                return result
+            except (UsageError, ModelMismatch, StopGeneration):
+                raise
+            except (ConnectError, AgentError) as e:
+                self._mark_down(ep)
+                failures.append(f"{ep.name}: {e}")
+            finally:
+                with self.lock:
+                    self.busy[ep.name] -= 1
+        if not failures:
+            raise AgentError(f"pipeline {pipe.name} has no decode agent, or its timeout passed")
+        raise AgentError(
+            f"no decode agent of pipeline {pipe.name} could serve the request: "
+            + "; ".join(failures)
+        )

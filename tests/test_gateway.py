@@ -1,0 +1,156 @@
+"""`disagg serve --local` as a real process, driven by the official openai client."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def gateway(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = free_port()
+    log = (tmp_path_factory.mktemp("gateway") / "serve.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "disagg.cli", "serve", "--local", "--decode-agents", "2",
+         "--port", str(port)],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ},
+    )
+    base = f"http://127.0.0.1:{port}/v1"
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"gateway did not start; see {log.name}") from None
+            time.sleep(0.5)
+    yield base
+    proc.terminate()
+    proc.wait(30)
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def oai(gateway: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateway, api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def model_id(oai: openai.OpenAI) -> str:
+    models = [m.id for m in oai.models.list().data]
+    assert models == ["SmolLM2-135M-Instruct"]
+    return models[0]
+
+
+def test_chat_completion_answers_paris(oai: openai.OpenAI, model_id: str) -> None:
+    r = oai.chat.completions.create(model=model_id, messages=QUESTION, temperature=0,
+                                    max_tokens=20)
+    assert "Paris" in (r.choices[0].message.content or "")
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage is not None and r.usage.prompt_tokens > 0 and r.usage.completion_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_text_completion_and_length_finish(oai: openai.OpenAI, model_id: str) -> None:
+    r = oai.completions.create(model=model_id, prompt="The capital of France is", temperature=0,
+                               max_tokens=3)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage is not None and r.usage.completion_tokens == 3
+    assert r.choices[0].text
+
+
+def test_stream_first_chunk_arrives_before_the_last_token(oai: openai.OpenAI,
+                                                          model_id: str) -> None:
+    t0 = time.monotonic()
+    arrivals: list[tuple[float, str]] = []
+    finish = None
+    stream = oai.chat.completions.create(
+        model=model_id, temperature=0, max_tokens=24, stream=True, stream_options={
+            "include_usage": True},
+        messages=[{"role": "user", "content": "Tell me a short story about a cat."}])
+    usage = None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            if choice.delta.content:
+                arrivals.append((time.monotonic() - t0, choice.delta.content))
+            finish = choice.finish_reason or finish
+    assert finish == "length" and usage is not None and usage.completion_tokens == 24
+    assert len(arrivals) >= 10
+    # Decode here runs at a few tokens/s: the first text must come seconds before the last.
+    assert arrivals[0][0] < arrivals[-1][0] - 1.0
+
+
+def test_same_text_streamed_or_not(oai: openai.OpenAI, model_id: str) -> None:
+    whole = oai.chat.completions.create(model=model_id, messages=QUESTION, temperature=0,
+                                        max_tokens=12).choices[0].message.content
+    parts = [c.choices[0].delta.content or "" for c in oai.chat.completions.create(
+        model=model_id, messages=QUESTION, temperature=0, max_tokens=12, stream=True)
+        if c.choices]
+    assert "".join(parts) == whole
+
+
+def test_unknown_model_is_a_404_in_openai_shape(oai: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        oai.chat.completions.create(model="no-such-model", messages=QUESTION)
+    body = info.value.body
+    assert isinstance(body, dict)
+    err = body.get("error", body)
+    assert err["code"] == "model_not_found" and err["param"] == "model"
+    assert "no-such-model" in err["message"]
+
+
+@pytest.mark.parametrize("bad, param", [
+    ({"temperature": 7}, "temperature"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"messages": []}, "messages"),
+    ({"top_p": 0}, "top_p"),
+])
+def test_invalid_parameters_are_400s(oai: openai.OpenAI, model_id: str, bad: dict[str, object],
+                                     param: str) -> None:
+    args: dict[str, object] = {"model": model_id, "messages": QUESTION, **bad}
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(**args)  # type: ignore[call-overload]
+    body = info.value.body
+    assert isinstance(body, dict)
+    err = body.get("error", body)
+    assert err["type"] == "invalid_request_error" and param in (err["param"] or "")
+
+
+def test_prompt_over_the_context_is_a_400(oai: openai.OpenAI, model_id: str) -> None:
+    with pytest.raises(openai.BadRequestError, match="context is 8192"):
+        oai.completions.create(model=model_id, prompt="word " * 9000, max_tokens=2)
+
+
+def test_sixteen_concurrent_clients_all_get_paris(oai: openai.OpenAI, model_id: str) -> None:
+    def ask(i: int) -> str:
+        r = oai.chat.completions.create(model=model_id, messages=QUESTION, temperature=0,
+                                        max_tokens=12)
+        return r.choices[0].message.content or ""
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(ask, range(16)))
+    assert len(answers) == 16
+    assert all(a == answers[0] for a in answers) and "Paris" in answers[0]
