@@ -151,3 +151,16 @@ def test_prefill_agent_down_falls_back_locally(smol_agents: tuple[AgentProc, Age
     assert res.metrics["method"] == "local-fallback"
     assert "cannot reach prefill agent" in res.metrics["fallback_reason"]
     assert "Paris" in res.text
+
+
+def test_auto_placement_prefers_the_prefill_agent_here(
+    smol_agents: tuple[AgentProc, AgentProc],
+) -> None:
+    # By now this decode agent has measured the prefill agent (the runs above) and
+    # its own prefill (the fallback above); torch prefills far faster than mlx on CPU.
+    prefill, decode = smol_agents
+    req = {"prompt": "What is the capital of France?", "max_tokens": 4,
+           "prefill": {"host": prefill.host, "port": prefill.port}}
+    m = client.generate(decode.host, decode.port, req).metrics
+    assert m["placement"] == "remote" and m["method"] == "disaggregated"
+    assert "est. remote" in m["placement_reason"] and "local prefill" in m["placement_reason"]

@@ -1,0 +1,151 @@
+"""Faults during a request, with real agent processes: the prefill agent killed
+mid-KV-stream, a decode agent killed mid-decode (alone, and with a sibling)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from disagg import client
+from disagg.errors import AgentError
+from disagg.launcher import AgentProc, spawn_agent, start_local_agents, wait_ready
+from disagg.orchestrator import Endpoint, Pipeline, Router
+from tests.tinymodels import PROMPT, make_tiny
+
+pytestmark = pytest.mark.slow
+
+LAYER_DELAY_S = 0.5  # stretches the tiny model's 4-layer KV stream to ~1.5 s
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny("gpt_oss", tmp_path_factory.mktemp("failover") / "gpt_oss", seed=2)
+
+
+def in_flight(agent: AgentProc) -> int:
+    url = f"http://{agent.host}:{agent.control_port}/status"
+    with urllib.request.urlopen(url, timeout=2) as resp:
+        return int(json.loads(resp.read())["in_flight"])
+
+
+def wait_busy(agents: list[AgentProc], timeout_s: float = 30) -> AgentProc:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for agent in agents:
+            if in_flight(agent):
+                return agent
+        time.sleep(0.02)
+    raise AssertionError("no agent took the request")
+
+
+def endpoint(a: AgentProc) -> Endpoint:
+    return Endpoint(a.name, a.host, a.port, a.control_port)
+
+
+@pytest.fixture
+def slow_prefill_pair(tiny_dir: Path, tmp_path: Path) -> Iterator[tuple[AgentProc, AgentProc]]:
+    spawned = spawn_agent("prefill", tiny_dir, log_dir=tmp_path, name="prefill@127.0.0.1",
+                          extra_args=["--fault-layer-delay", str(LAYER_DELAY_S)])
+    prefill = wait_ready("prefill", *spawned, timeout_s=120)
+    decode = wait_ready("decode", *spawn_agent("decode", tiny_dir, log_dir=tmp_path,
+                                               name="decode@127.0.0.1"), timeout_s=120)
+    yield prefill, decode
+    decode.stop()
+    prefill.stop()
+
+
+def test_prefill_killed_mid_kv_stream_falls_back_with_the_same_text(
+    slow_prefill_pair: tuple[AgentProc, AgentProc],
+) -> None:
+    prefill, decode = slow_prefill_pair
+    req: dict[str, Any] = {"prompt": PROMPT, "raw": True, "max_tokens": 32, "ignore_eos": True,
+                           "placement": "remote",
+                           "prefill": {"host": prefill.host, "port": prefill.port}}
+    undisturbed = client.generate(decode.host, decode.port, req)
+    assert undisturbed.metrics["method"] == "disaggregated"
+
+    box: dict[str, Any] = {}
+    worker = threading.Thread(target=lambda: box.update(r=client.generate(
+        decode.host, decode.port, req, timeout_s=60)))
+    t0 = time.monotonic()
+    worker.start()
+    wait_busy([prefill])
+    time.sleep(LAYER_DELAY_S * 1.2)  # layers 0 and 1 are on the wire, 2 and 3 are not
+    os.kill(prefill.proc.pid, signal.SIGKILL)
+    worker.join(60)
+    res = box["r"]
+    assert res.metrics["method"] == "local-fallback"
+    assert "prefill stream from" in res.metrics["fallback_reason"]  # it died mid-stream
+    assert res.token_ids == undisturbed.token_ids
+    assert time.monotonic() - t0 < 60
+
+
+@pytest.fixture
+def decoders(tiny_dir: Path, tmp_path: Path) -> Iterator[tuple[AgentProc, list[AgentProc]]]:
+    prefill, decodes = start_local_agents(tiny_dir, n_decode=2, log_dir=tmp_path)
+    yield prefill, decodes
+    for agent in [*decodes, prefill]:
+        agent.stop()
+
+
+LONG_DECODE: dict[str, Any] = {"prompt": PROMPT, "raw": True, "max_tokens": 3000,
+                               "ignore_eos": True, "placement": "remote"}
+
+
+def test_decode_killed_alone_is_a_clear_error_within_the_timeout(
+    decoders: tuple[AgentProc, list[AgentProc]],
+) -> None:
+    prefill, (decode, _) = decoders
+    router = Router([Pipeline("tiny", [endpoint(prefill)], [endpoint(decode)],
+                              decode_timeout_s=30)])
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            router.run("tiny", LONG_DECODE)
+        except AgentError as e:
+            box["error"] = e
+
+    worker = threading.Thread(target=run)
+    t0 = time.monotonic()
+    worker.start()
+    wait_busy([decode])
+    time.sleep(0.3)
+    os.kill(decode.proc.pid, signal.SIGKILL)
+    worker.join(40)
+    assert not worker.is_alive() and time.monotonic() - t0 < 30
+    message = str(box["error"])
+    assert "no decode agent of pipeline tiny could serve the request" in message
+    assert decode.name in message
+
+
+def test_decode_killed_with_a_sibling_is_rerouted_and_completes(
+    decoders: tuple[AgentProc, list[AgentProc]],
+) -> None:
+    prefill, decodes = decoders
+    router = Router([Pipeline("tiny", [endpoint(prefill)], [endpoint(d) for d in decodes])])
+    req = {**LONG_DECODE, "max_tokens": 1500}
+    undisturbed = router.run("tiny", req)
+    seen: list[int] = []
+    box: dict[str, Any] = {}
+    worker = threading.Thread(target=lambda: box.update(r=router.run(
+        "tiny", req, on_token=lambda t: seen.append(t["id"]) if t.get("id") is not None else None)))
+    worker.start()
+    victim = wait_busy(decodes)
+    time.sleep(0.3)
+    os.kill(victim.proc.pid, signal.SIGKILL)
+    worker.join(120)
+    res = box["r"]
+    assert res.metrics["rerouted_from"] and victim.name in res.metrics["rerouted_from"][0]
+    assert res.metrics["decode_server"] != victim.name
+    assert res.token_ids == undisturbed.token_ids
+    assert seen == undisturbed.token_ids  # the stream resumed without repeats or gaps
