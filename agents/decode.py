@@ -24,10 +24,11 @@ from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 from . import protocol as P
 from .kvcodec import Codec
 from .kvfetch import PrefillUnavailable, fetch_kv, target_hosts
+from .metrics import Stats
 from .mlxcache import MX_DTYPES, cache_kinds
 from .models import UnsupportedModel, get_adapter, load_hf_config
 from .placement import Placement
-from .server import Stats, common_args, fail, serve, setup_logging
+from .server import common_args, fail, serve, setup_logging
 
 log = logging.getLogger("disagg.decode")
 
@@ -103,7 +104,7 @@ class DecodeAgent:
     def __init__(self, engine: DecodeEngine, name: str) -> None:
         self.engine = engine
         self.name = name
-        self.stats = Stats()
+        self.stats = Stats("decode")
         self.placement = Placement()
         # All mlx work runs on one thread: requests queue up in front of it.
         self.jobs: queue.Queue[tuple[dict[str, Any], socket.socket, threading.Event]] = (
@@ -143,21 +144,23 @@ class DecodeAgent:
         while True:
             req, sock, done = self.jobs.get()
             self.stats.begin()
-            ok, ttft = False, None
+            outcome, metrics = "error", None
             try:
-                ttft = self._generate(req, sock)
-                ok = True
+                metrics = self._generate(req, sock)
+                outcome = "ok"
             except BadRequest as e:
+                outcome = "bad_request"
                 P.send_error(sock, "bad_request", str(e))
             except P.RemoteError as e:
                 P.send_error(sock, e.code, e.message)
             except OSError as e:
+                outcome = "client_gone"
                 log.warning("client went away: %s", e)
             except Exception as e:
                 log.exception("generate failed")
                 P.send_error(sock, "decode_failed", f"{type(e).__name__}: {e}")
             finally:
-                self.stats.end(ok, ttft)
+                self.stats.end(outcome, metrics)
                 done.set()
 
     def _validate(self, req: dict[str, Any], ids: list[int]) -> int:
@@ -217,7 +220,7 @@ class DecodeAgent:
         metrics.update(fetched, method="disaggregated")
         return caches, ids[-1:]
 
-    def _generate(self, req: dict[str, Any], sock: socket.socket) -> float:
+    def _generate(self, req: dict[str, Any], sock: socket.socket) -> dict[str, Any]:
         eng = self.engine
         t0 = time.perf_counter()
         ids = eng.encode(req)
@@ -279,6 +282,7 @@ class DecodeAgent:
             ttft=ttft,
             decode_time=decode_s,
             decode_speed=(len(out) - 1) / decode_s if len(out) > 1 and decode_s > 0 else None,
+            tpot=decode_s / (len(out) - 1) if len(out) > 1 else None,
             agent_total_time=t_end - t0,
             prefill_speed=(len(ids) / metrics["prefill_time"]) if metrics["prefill_time"] else None,
         )
@@ -286,7 +290,7 @@ class DecodeAgent:
         if req.get("return_prompt_ids"):
             done["prompt_ids"] = ids
         P.send_json(sock, P.Frame.DONE, done)
-        return ttft or 0.0
+        return metrics
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -298,7 +302,15 @@ def main(argv: list[str] | None = None) -> None:
         fail(str(e))
     log.info("loaded %s on %s as %s", args.model, engine.device, engine.dtype)
     agent = DecodeAgent(engine, args.name or f"decode@{socket.gethostname()}")
-    serve("decode", args.host, args.port, args.control_port, agent.handle, agent.status)
+    serve(
+        "decode",
+        args.host,
+        args.port,
+        args.control_port,
+        agent.handle,
+        agent.status,
+        agent.stats.prometheus,
+    )
 
 
 if __name__ == "__main__":

@@ -20,8 +20,9 @@ import torch
 
 from . import protocol as P
 from .kvcodec import DTYPE_NAMES, Codec, Kind, LayerKV, encode_layer
+from .metrics import Stats
 from .models import UnsupportedModel, get_adapter, layer_kinds_from_hf, load_hf_config
-from .server import Stats, common_args, fail, serve, setup_logging
+from .server import common_args, fail, serve, setup_logging
 
 log = logging.getLogger("disagg.prefill")
 
@@ -162,7 +163,7 @@ class PrefillAgent:
     def __init__(self, engine: PrefillEngine, name: str) -> None:
         self.engine = engine
         self.name = name
-        self.stats = Stats()
+        self.stats = Stats("prefill")
 
     def status(self) -> dict[str, Any]:
         return {
@@ -228,7 +229,7 @@ class PrefillAgent:
             return False
         self.stats.begin()
         sender = LayerSender(sock, codec)
-        ok = False
+        outcome, result = "error", None
         try:
             result = self.engine.prefill(ids, sender.put)
             sender.close()
@@ -236,7 +237,7 @@ class PrefillAgent:
                 raise sender.error
             result.update(kv_bytes=sender.bytes, server=self.name, device=self.engine.device)
             P.send_json(sock, P.Frame.PREFILL_DONE, result)
-            ok = True
+            outcome = "ok"
             log.info(
                 "%s: prefilled %d tokens in %.3fs, %d KV bytes",
                 peer,
@@ -246,6 +247,7 @@ class PrefillAgent:
             )
             return True
         except OSError as e:
+            outcome = "client_gone"
             log.warning("%s: connection lost during prefill: %s", peer, e)
             return False
         except Exception as e:
@@ -254,7 +256,7 @@ class PrefillAgent:
             return False
         finally:
             sender.close()
-            self.stats.end(ok)
+            self.stats.end(outcome, result)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -270,7 +272,15 @@ def main(argv: list[str] | None = None) -> None:
         fail(str(e))
     log.info("loaded %s on %s as %s", args.model, engine.device, engine.dtype)
     agent = PrefillAgent(engine, args.name or f"prefill@{socket.gethostname()}")
-    serve("prefill", args.host, args.port, args.control_port, agent.handle, agent.status)
+    serve(
+        "prefill",
+        args.host,
+        args.port,
+        args.control_port,
+        agent.handle,
+        agent.status,
+        agent.stats.prometheus,
+    )
 
 
 if __name__ == "__main__":

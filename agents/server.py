@@ -12,7 +12,6 @@ import socket
 import socketserver
 import sys
 import threading
-import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -67,61 +66,23 @@ class FrameServer(socketserver.ThreadingTCPServer):
         super().__init__((host, port), _Handler)
 
 
-class Stats:
-    """Counters the control endpoint reports; updated from request threads."""
-
-    def __init__(self) -> None:
-        self.started = time.time()
-        self.lock = threading.Lock()
-        self.requests = 0
-        self.errors = 0
-        self.in_flight = 0
-        self.ttft_s: list[float] = []
-
-    def begin(self) -> None:
-        with self.lock:
-            self.requests += 1
-            self.in_flight += 1
-
-    def end(self, ok: bool, ttft_s: float | None = None) -> None:
-        with self.lock:
-            self.in_flight -= 1
-            self.errors += 0 if ok else 1
-            if ttft_s is not None:
-                self.ttft_s = (self.ttft_s + [ttft_s])[-1000:]
-
-    def snapshot(self) -> dict[str, Any]:
-        with self.lock:
-            ttfts = sorted(self.ttft_s)
-
-        def pct(q):
-            return ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))] if ttfts else None
-
-        return {
-            "uptime_s": round(time.time() - self.started, 3),
-            "requests": self.requests,
-            "errors": self.errors,
-            "in_flight": self.in_flight,
-            "ttft_p50_s": pct(0.50),
-            "ttft_p95_s": pct(0.95),
-        }
-
-
 def start_control(
-    host: str, port: int, status: Callable[[], dict[str, Any]]
+    host: str, port: int, status: Callable[[], dict[str, Any]], metrics: Callable[[], str]
 ) -> ThreadingHTTPServer:
     class _Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            kind = "application/json"
             if self.path == "/health":
-                body: dict[str, Any] = {"ok": True}
-                code = 200
+                raw, code = b'{"ok": true}', 200
             elif self.path == "/status":
-                body, code = status(), 200
+                raw, code = json.dumps(status()).encode(), 200
+            elif self.path == "/metrics":
+                raw, code = metrics().encode(), 200
+                kind = "text/plain; version=0.0.4"
             else:
-                body, code = {"error": f"no such endpoint {self.path}"}, 404
-            raw = json.dumps(body).encode()
+                raw, code = json.dumps({"error": f"no such endpoint {self.path}"}).encode(), 404
             self.send_response(code)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", kind)
             self.send_header("Content-Length", str(len(raw)))
             self.end_headers()
             self.wfile.write(raw)
@@ -142,10 +103,11 @@ def serve(
     control_port: int,
     handle: Callable[[socket.socket, str], None],
     status: Callable[[], dict[str, Any]],
+    metrics: Callable[[], str],
 ) -> None:
     """Bind both ports, print the READY line, serve until SIGTERM/SIGINT."""
     frames = FrameServer(host, port, handle)
-    control = start_control(host, control_port, status)
+    control = start_control(host, control_port, status, metrics)
     ready = {
         "role": role,
         "host": host,

@@ -23,7 +23,9 @@ WINDOW = 8
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[Path, AgentProc, AgentProc]]]:
+def tiny(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[dict[str, tuple[Path, AgentProc, AgentProc]]]:
     root = tmp_path_factory.mktemp("tiny-agents")
     out: dict[str, tuple[Path, AgentProc, AgentProc]] = {}
     try:
@@ -52,9 +54,15 @@ def test_tiny_agents_match_both_monolithic_references(
     from agents.decode import DecodeEngine
 
     path, prefill, decode = tiny[arch]
-    req: dict[str, Any] = {"prompt": long_prompt(), "raw": True, "max_tokens": N_NEW,
-                           "ignore_eos": True, "return_prompt_ids": True, "placement": "remote",
-                           "prefill": {"host": prefill.host, "port": prefill.port}}
+    req: dict[str, Any] = {
+        "prompt": long_prompt(),
+        "raw": True,
+        "max_tokens": N_NEW,
+        "ignore_eos": True,
+        "return_prompt_ids": True,
+        "placement": "remote",
+        "prefill": {"host": prefill.host, "port": prefill.port},
+    }
     res = client.generate(decode.host, decode.port, req)
     ids = res.prompt_ids or []
     assert res.metrics["method"] == "disaggregated" and res.metrics["kv_bytes"] > 0
@@ -65,12 +73,19 @@ def test_tiny_agents_match_both_monolithic_references(
     assert res.token_ids == mlx_greedy(DecodeEngine(str(path)).model, ids, N_NEW)
 
 
-def test_mismatched_models_fail_naming_both(tiny: dict[str, tuple[Path, AgentProc, AgentProc]]) -> None:
+def test_mismatched_models_fail_naming_both(
+    tiny: dict[str, tuple[Path, AgentProc, AgentProc]],
+) -> None:
     gpt_dir, _, gpt_decode = tiny["gpt_oss"]
     moe_dir, moe_prefill, _ = tiny["qwen3_moe"]
     texts: list[str] = []
-    req = {"prompt": PROMPT, "raw": True, "max_tokens": 8, "placement": "remote",
-           "prefill": {"host": moe_prefill.host, "port": moe_prefill.port}}
+    req = {
+        "prompt": PROMPT,
+        "raw": True,
+        "max_tokens": 8,
+        "placement": "remote",
+        "prefill": {"host": moe_prefill.host, "port": moe_prefill.port},
+    }
     with pytest.raises(ModelMismatch) as info:
         client.generate(gpt_decode.host, gpt_decode.port, req, on_text=texts.append)
     message = str(info.value)
@@ -80,6 +95,9 @@ def test_mismatched_models_fail_naming_both(tiny: dict[str, tuple[Path, AgentPro
     # Both agents keep serving their own pipelines.
     for arch in ("gpt_oss", "qwen3_moe"):
         _, prefill, decode = tiny[arch]
-        ok = client.generate(decode.host, decode.port, {
-            **req, "prefill": {"host": prefill.host, "port": prefill.port}})
+        ok = client.generate(
+            decode.host,
+            decode.port,
+            {**req, "prefill": {"host": prefill.host, "port": prefill.port}},
+        )
         assert ok.metrics["method"] == "disaggregated" and ok.metrics["completion_tokens"] > 0

@@ -20,10 +20,12 @@ N_NEW = 24
 
 
 @pytest.fixture(scope="module")
-def bf16_agents(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
-    tuple[AgentProc, AgentProc]
-]:
-    pair = start_local_pair(default_model, dtype="bfloat16", log_dir=tmp_path_factory.mktemp("bf16"))
+def bf16_agents(
+    default_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[AgentProc, AgentProc]]:
+    pair = start_local_pair(
+        default_model, dtype="bfloat16", log_dir=tmp_path_factory.mktemp("bf16")
+    )
     yield pair
     for agent in reversed(pair):
         agent.stop()
@@ -39,9 +41,14 @@ def test_bf16_run_equals_mlx_continued_from_the_same_kv(
     from agents.prefill import PrefillEngine
 
     prefill, decode = bf16_agents
-    req = {"prompt": "Name three planets of the solar system.", "max_tokens": N_NEW,
-           "ignore_eos": True, "return_prompt_ids": True,
-           "placement": "remote", "prefill": {"host": prefill.host, "port": prefill.port}}
+    req = {
+        "prompt": "Name three planets of the solar system.",
+        "max_tokens": N_NEW,
+        "ignore_eos": True,
+        "return_prompt_ids": True,
+        "placement": "remote",
+        "prefill": {"host": prefill.host, "port": prefill.port},
+    }
     res = client.generate(decode.host, decode.port, req)
     assert res.metrics["method"] == "disaggregated"
     ids = res.prompt_ids or []

@@ -13,8 +13,13 @@ import pytest
 
 def disagg(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "disagg.cli", *args], capture_output=True,
-                          text=True, timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "disagg.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 def one_error_line(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
@@ -45,8 +50,15 @@ def test_generate_local_streams_text_and_prints_metrics_table(default_model: Pat
     proc = disagg("generate", "--local", "What is the capital of France?", "--max-tokens", "12")
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
-    for name in ("prefill_time", "ttft", "kv_bytes", "kv_transfer_time", "disaggregated",
-                 "prefill_server", "decode_server"):
+    for name in (
+        "prefill_time",
+        "ttft",
+        "kv_bytes",
+        "kv_transfer_time",
+        "disaggregated",
+        "prefill_server",
+        "decode_server",
+    ):
         assert name in proc.stdout
 
 
@@ -66,22 +78,38 @@ def test_verify_reports_full_agreement(default_model: Path) -> None:
     assert report["max_logit_diff"] < 1e-3
 
 
-@pytest.mark.parametrize("args, needles", [
-    (["generate", "--local", ""], ["prompt is empty"]),
-    (["generate", "--local", "hi", "--max-tokens", "0"], ["--max-tokens (max_tokens) must be at least 1"]),
-    (["generate", "--local", "hi", "--max-tokens", "-5"], ["--max-tokens (max_tokens) must be"]),
-    (["generate", "--local", "hi", "-m", "/no/such/model"], ["/no/such/model", "does not exist"]),
-    (["generate", "hi"], ["--local"]),
-    (["verify", "--local", "hi", "--min-agreement", "2"], ["--min-agreement"]),
-])
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["generate", "--local", ""], ["prompt is empty"]),
+        (
+            ["generate", "--local", "hi", "--max-tokens", "0"],
+            ["--max-tokens (max_tokens) must be at least 1"],
+        ),
+        (
+            ["generate", "--local", "hi", "--max-tokens", "-5"],
+            ["--max-tokens (max_tokens) must be"],
+        ),
+        (
+            ["generate", "--local", "hi", "-m", "/no/such/model"],
+            ["/no/such/model", "does not exist"],
+        ),
+        (["generate", "hi"], ["--local"]),
+        (["verify", "--local", "hi", "--min-agreement", "2"], ["--min-agreement"]),
+    ],
+)
 def test_bad_input_is_one_clear_line(args: list[str], needles: list[str]) -> None:
     one_error_line(disagg(*args, timeout=60), *needles)
 
 
 def test_unsupported_architecture_is_one_clear_line(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
-    one_error_line(disagg("generate", "--local", "hi", "-m", str(tmp_path), timeout=60),
-                   "'bert' is not supported", "llama")
+    one_error_line(
+        disagg("generate", "--local", "hi", "-m", str(tmp_path), timeout=60),
+        "'bert' is not supported",
+        "llama",
+    )
     (tmp_path / "config.json").write_text("{broken")
-    one_error_line(disagg("generate", "--local", "hi", "-m", str(tmp_path), timeout=60),
-                   "cannot read")
+    one_error_line(
+        disagg("generate", "--local", "hi", "-m", str(tmp_path), timeout=60), "cannot read"
+    )

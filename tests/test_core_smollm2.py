@@ -159,8 +159,47 @@ def test_auto_placement_prefers_the_prefill_agent_here(
     # By now this decode agent has measured the prefill agent (the runs above) and
     # its own prefill (the fallback above); torch prefills far faster than mlx on CPU.
     prefill, decode = smol_agents
-    req = {"prompt": "What is the capital of France?", "max_tokens": 4,
-           "prefill": {"host": prefill.host, "port": prefill.port}}
+    req = {
+        "prompt": "What is the capital of France?",
+        "max_tokens": 4,
+        "prefill": {"host": prefill.host, "port": prefill.port},
+    }
     m = client.generate(decode.host, decode.port, req).metrics
     assert m["placement"] == "remote" and m["method"] == "disaggregated"
     assert "est. remote" in m["placement_reason"] and "local prefill" in m["placement_reason"]
+
+
+def _get(agent: AgentProc, path: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{agent.host}:{agent.control_port}{path}", timeout=5) as r:
+        return r.read().decode()
+
+
+def test_control_endpoints_report_what_happened(smol_agents: tuple[AgentProc, AgentProc]) -> None:
+    import json
+
+    prefill, decode = smol_agents
+    assert json.loads(_get(decode, "/health")) == {"ok": True}
+    status = json.loads(_get(decode, "/status"))
+    assert status["role"] == "decode" and status["backend"] == "mlx" and status["loaded"]
+    assert status["requests"] > 5 and status["errors"] >= 6  # the bad requests above
+    assert 0 < status["ttft_p50_s"] <= status["ttft_p95_s"] <= status["ttft_p99_s"]
+    text = _get(decode, "/metrics")
+    ok = [
+        ln
+        for ln in text.splitlines()
+        if ln.startswith('disagg_requests_total{role="decode",method="disaggregated",outcome="ok"}')
+    ]
+    assert ok and int(ok[0].split()[-1]) > 5
+    assert 'outcome="bad_request"' in text and 'method="local-fallback"' in text
+    for name in ("ttft_seconds", "tpot_seconds", "kv_transfer_seconds"):
+        count = [ln for ln in text.splitlines() if ln.startswith(f"disagg_{name}_count")]
+        assert count and int(count[0].split()[-1]) > 0, name
+    kv = [ln for ln in text.splitlines() if ln.startswith("disagg_kv_bytes_total")]
+    assert int(kv[0].split()[-1]) > 1_000_000
+    ptext = _get(prefill, "/metrics")
+    assert 'disagg_requests_total{role="prefill",method="prefill",outcome="ok"}' in ptext
+    assert json.loads(_get(prefill, "/status"))["backend"] == "torch"
+    count = [ln for ln in ptext.splitlines() if ln.startswith("disagg_prefill_seconds_count")]
+    assert int(count[0].split()[-1]) > 5

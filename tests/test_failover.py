@@ -53,11 +53,19 @@ def endpoint(a: AgentProc) -> Endpoint:
 
 @pytest.fixture
 def slow_prefill_pair(tiny_dir: Path, tmp_path: Path) -> Iterator[tuple[AgentProc, AgentProc]]:
-    spawned = spawn_agent("prefill", tiny_dir, log_dir=tmp_path, name="prefill@127.0.0.1",
-                          extra_args=["--fault-layer-delay", str(LAYER_DELAY_S)])
+    spawned = spawn_agent(
+        "prefill",
+        tiny_dir,
+        log_dir=tmp_path,
+        name="prefill@127.0.0.1",
+        extra_args=["--fault-layer-delay", str(LAYER_DELAY_S)],
+    )
     prefill = wait_ready("prefill", *spawned, timeout_s=120)
-    decode = wait_ready("decode", *spawn_agent("decode", tiny_dir, log_dir=tmp_path,
-                                               name="decode@127.0.0.1"), timeout_s=120)
+    decode = wait_ready(
+        "decode",
+        *spawn_agent("decode", tiny_dir, log_dir=tmp_path, name="decode@127.0.0.1"),
+        timeout_s=120,
+    )
     yield prefill, decode
     decode.stop()
     prefill.stop()
@@ -67,15 +75,21 @@ def test_prefill_killed_mid_kv_stream_falls_back_with_the_same_text(
     slow_prefill_pair: tuple[AgentProc, AgentProc],
 ) -> None:
     prefill, decode = slow_prefill_pair
-    req: dict[str, Any] = {"prompt": PROMPT, "raw": True, "max_tokens": 32, "ignore_eos": True,
-                           "placement": "remote",
-                           "prefill": {"host": prefill.host, "port": prefill.port}}
+    req: dict[str, Any] = {
+        "prompt": PROMPT,
+        "raw": True,
+        "max_tokens": 32,
+        "ignore_eos": True,
+        "placement": "remote",
+        "prefill": {"host": prefill.host, "port": prefill.port},
+    }
     undisturbed = client.generate(decode.host, decode.port, req)
     assert undisturbed.metrics["method"] == "disaggregated"
 
     box: dict[str, Any] = {}
-    worker = threading.Thread(target=lambda: box.update(r=client.generate(
-        decode.host, decode.port, req, timeout_s=60)))
+    worker = threading.Thread(
+        target=lambda: box.update(r=client.generate(decode.host, decode.port, req, timeout_s=60))
+    )
     t0 = time.monotonic()
     worker.start()
     wait_busy([prefill])
@@ -97,16 +111,22 @@ def decoders(tiny_dir: Path, tmp_path: Path) -> Iterator[tuple[AgentProc, list[A
         agent.stop()
 
 
-LONG_DECODE: dict[str, Any] = {"prompt": PROMPT, "raw": True, "max_tokens": 3000,
-                               "ignore_eos": True, "placement": "remote"}
+LONG_DECODE: dict[str, Any] = {
+    "prompt": PROMPT,
+    "raw": True,
+    "max_tokens": 3000,
+    "ignore_eos": True,
+    "placement": "remote",
+}
 
 
 def test_decode_killed_alone_is_a_clear_error_within_the_timeout(
     decoders: tuple[AgentProc, list[AgentProc]],
 ) -> None:
     prefill, (decode, _) = decoders
-    router = Router([Pipeline("tiny", [endpoint(prefill)], [endpoint(decode)],
-                              decode_timeout_s=30)])
+    router = Router(
+        [Pipeline("tiny", [endpoint(prefill)], [endpoint(decode)], decode_timeout_s=30)]
+    )
     box: dict[str, Any] = {}
 
     def run() -> None:
@@ -137,8 +157,15 @@ def test_decode_killed_with_a_sibling_is_rerouted_and_completes(
     undisturbed = router.run("tiny", req)
     seen: list[int] = []
     box: dict[str, Any] = {}
-    worker = threading.Thread(target=lambda: box.update(r=router.run(
-        "tiny", req, on_token=lambda t: seen.append(t["id"]) if t.get("id") is not None else None)))
+    worker = threading.Thread(
+        target=lambda: box.update(
+            r=router.run(
+                "tiny",
+                req,
+                on_token=lambda t: seen.append(t["id"]) if t.get("id") is not None else None,
+            )
+        )
+    )
     worker.start()
     victim = wait_busy(decodes)
     time.sleep(0.3)

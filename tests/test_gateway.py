@@ -10,13 +10,14 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
 
 pytestmark = pytest.mark.slow
 
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+QUESTION: Any = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def free_port() -> int:
@@ -30,9 +31,20 @@ def gateway(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     port = free_port()
     log = (tmp_path_factory.mktemp("gateway") / "serve.log").open("w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "disagg.cli", "serve", "--local", "--decode-agents", "2",
-         "--port", str(port)],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ},
+        [
+            sys.executable,
+            "-m",
+            "disagg.cli",
+            "serve",
+            "--local",
+            "--decode-agents",
+            "2",
+            "--port",
+            str(port),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ},
     )
     base = f"http://127.0.0.1:{port}/v1"
     deadline = time.monotonic() + 300
@@ -64,8 +76,7 @@ def model_id(oai: openai.OpenAI) -> str:
 
 
 def test_chat_completion_answers_paris(oai: openai.OpenAI, model_id: str) -> None:
-    r = oai.chat.completions.create(model=model_id, messages=QUESTION, temperature=0,
-                                    max_tokens=20)
+    r = oai.chat.completions.create(model=model_id, messages=QUESTION, temperature=0, max_tokens=20)
     assert "Paris" in (r.choices[0].message.content or "")
     assert r.choices[0].finish_reason == "stop"
     assert r.usage is not None and r.usage.prompt_tokens > 0 and r.usage.completion_tokens > 0
@@ -73,22 +84,31 @@ def test_chat_completion_answers_paris(oai: openai.OpenAI, model_id: str) -> Non
 
 
 def test_text_completion_and_length_finish(oai: openai.OpenAI, model_id: str) -> None:
-    r = oai.completions.create(model=model_id, prompt="The capital of France is", temperature=0,
-                               max_tokens=3)
+    r = oai.completions.create(
+        model=model_id, prompt="The capital of France is", temperature=0, max_tokens=3
+    )
     assert r.choices[0].finish_reason == "length"
     assert r.usage is not None and r.usage.completion_tokens == 3
     assert r.choices[0].text
 
 
-def test_stream_first_chunk_arrives_before_the_last_token(oai: openai.OpenAI,
-                                                          model_id: str) -> None:
+STORY: Any = [{"role": "user", "content": "Tell me a short story about a cat."}]
+
+
+def test_stream_first_chunk_arrives_before_the_last_token(
+    oai: openai.OpenAI, model_id: str
+) -> None:
     t0 = time.monotonic()
     arrivals: list[tuple[float, str]] = []
     finish = None
     stream = oai.chat.completions.create(
-        model=model_id, temperature=0, max_tokens=24, stream=True, stream_options={
-            "include_usage": True},
-        messages=[{"role": "user", "content": "Tell me a short story about a cat."}])
+        model=model_id,
+        temperature=0,
+        max_tokens=24,
+        stream=True,
+        stream_options={"include_usage": True},
+        messages=STORY,
+    )
     usage = None
     for chunk in stream:
         if chunk.usage is not None:
@@ -104,11 +124,18 @@ def test_stream_first_chunk_arrives_before_the_last_token(oai: openai.OpenAI,
 
 
 def test_same_text_streamed_or_not(oai: openai.OpenAI, model_id: str) -> None:
-    whole = oai.chat.completions.create(model=model_id, messages=QUESTION, temperature=0,
-                                        max_tokens=12).choices[0].message.content
-    parts = [c.choices[0].delta.content or "" for c in oai.chat.completions.create(
-        model=model_id, messages=QUESTION, temperature=0, max_tokens=12, stream=True)
-        if c.choices]
+    whole = (
+        oai.chat.completions.create(model=model_id, messages=QUESTION, temperature=0, max_tokens=12)
+        .choices[0]
+        .message.content
+    )
+    parts = [
+        c.choices[0].delta.content or ""
+        for c in oai.chat.completions.create(
+            model=model_id, messages=QUESTION, temperature=0, max_tokens=12, stream=True
+        )
+        if c.choices
+    ]
     assert "".join(parts) == whole
 
 
@@ -122,14 +149,18 @@ def test_unknown_model_is_a_404_in_openai_shape(oai: openai.OpenAI) -> None:
     assert "no-such-model" in err["message"]
 
 
-@pytest.mark.parametrize("bad, param", [
-    ({"temperature": 7}, "temperature"),
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"messages": []}, "messages"),
-    ({"top_p": 0}, "top_p"),
-])
-def test_invalid_parameters_are_400s(oai: openai.OpenAI, model_id: str, bad: dict[str, object],
-                                     param: str) -> None:
+@pytest.mark.parametrize(
+    "bad, param",
+    [
+        ({"temperature": 7}, "temperature"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"messages": []}, "messages"),
+        ({"top_p": 0}, "top_p"),
+    ],
+)
+def test_invalid_parameters_are_400s(
+    oai: openai.OpenAI, model_id: str, bad: dict[str, object], param: str
+) -> None:
     args: dict[str, object] = {"model": model_id, "messages": QUESTION, **bad}
     with pytest.raises(openai.BadRequestError) as info:
         oai.chat.completions.create(**args)  # type: ignore[call-overload]
@@ -146,8 +177,9 @@ def test_prompt_over_the_context_is_a_400(oai: openai.OpenAI, model_id: str) -> 
 
 def test_sixteen_concurrent_clients_all_get_paris(oai: openai.OpenAI, model_id: str) -> None:
     def ask(i: int) -> str:
-        r = oai.chat.completions.create(model=model_id, messages=QUESTION, temperature=0,
-                                        max_tokens=12)
+        r = oai.chat.completions.create(
+            model=model_id, messages=QUESTION, temperature=0, max_tokens=12
+        )
         return r.choices[0].message.content or ""
 
     with ThreadPoolExecutor(16) as pool:

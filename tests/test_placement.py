@@ -11,8 +11,12 @@ from disagg import client
 from disagg.launcher import start_local_pair
 from tests.tinymodels import make_tiny
 
-FETCH = {"prefill_time": 0.5, "kv_fetch_time": 0.52, "kv_bytes": 30_000_000,
-         "kv_transfer_time": 0.5}
+FETCH = {
+    "prefill_time": 0.5,
+    "kv_fetch_time": 0.52,
+    "kv_bytes": 30_000_000,
+    "kv_transfer_time": 0.5,
+}
 
 
 def test_no_measurement_means_remote() -> None:

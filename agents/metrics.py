@@ -1,0 +1,122 @@
+"""Request counters and latency histograms of one agent: JSON for /status,
+Prometheus text for /metrics. Stdlib only."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+WINDOW = 1000  # recent TTFTs kept for percentiles
+
+
+class Histogram:
+    def __init__(self) -> None:
+        self.counts = [0] * len(BUCKETS_S)
+        self.total = 0
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.total += 1
+        self.sum += value
+        for i, edge in enumerate(BUCKETS_S):
+            if value <= edge:
+                self.counts[i] += 1
+
+    def lines(self, name: str) -> list[str]:
+        out = [
+            f'{name}_bucket{{le="{edge}"}} {n}'
+            for edge, n in zip(BUCKETS_S, self.counts, strict=True)
+        ]
+        out += [
+            f'{name}_bucket{{le="+Inf"}} {self.total}',
+            f"{name}_sum {self.sum}",
+            f"{name}_count {self.total}",
+        ]
+        return out
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else None
+
+
+class Stats:
+    """Updated from request threads; read by the control endpoint."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.started = time.time()
+        self.lock = threading.Lock()
+        self.in_flight = 0
+        self.outcomes: Counter[tuple[str, str]] = Counter()  # (method, outcome)
+        self.ttft = Histogram()
+        self.tpot = Histogram()
+        self.transfer = Histogram()
+        self.prefill = Histogram()
+        self.kv_bytes = 0
+        self.recent_ttft: list[float] = []
+
+    def begin(self) -> None:
+        with self.lock:
+            self.in_flight += 1
+
+    def end(self, outcome: str, metrics: dict[str, Any] | None = None) -> None:
+        """`outcome`: ok, bad_request, error or client_gone; `metrics`: the request's."""
+        m = metrics or {}
+        with self.lock:
+            self.in_flight -= 1
+            self.outcomes[(str(m.get("method") or self.role), outcome)] += 1
+            if m.get("ttft") is not None:
+                self.ttft.observe(m["ttft"])
+                self.recent_ttft = (self.recent_ttft + [m["ttft"]])[-WINDOW:]
+            if m.get("tpot") is not None:
+                self.tpot.observe(m["tpot"])
+            if self.role == "prefill" and m.get("prefill_time") is not None:
+                self.prefill.observe(m["prefill_time"])
+            if m.get("kv_transfer_time"):
+                self.transfer.observe(m["kv_transfer_time"])
+            self.kv_bytes += int(m.get("kv_bytes") or 0)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self.lock:
+            recent = list(self.recent_ttft)
+            total = sum(self.outcomes.values())
+            errors = sum(n for (_, o), n in self.outcomes.items() if o != "ok")
+            in_flight = self.in_flight
+        return {
+            "uptime_s": round(time.time() - self.started, 3),
+            "requests": total + in_flight,
+            "errors": errors,
+            "in_flight": in_flight,
+            "ttft_p50_s": percentile(recent, 0.50),
+            "ttft_p95_s": percentile(recent, 0.95),
+            "ttft_p99_s": percentile(recent, 0.99),
+        }
+
+    def prometheus(self) -> str:
+        p = "disagg"
+        with self.lock:
+            lines = [f"# TYPE {p}_requests_total counter"]
+            lines += [
+                f'{p}_requests_total{{role="{self.role}",method="{m}",outcome="{o}"}} {n}'
+                for (m, o), n in sorted(self.outcomes.items())
+            ]
+            lines += [
+                f"# TYPE {p}_in_flight gauge",
+                f"{p}_in_flight {self.in_flight}",
+                f"# TYPE {p}_kv_bytes_total counter",
+                f"{p}_kv_bytes_total {self.kv_bytes}",
+                f"# TYPE {p}_uptime_seconds gauge",
+                f"{p}_uptime_seconds {time.time() - self.started:.3f}",
+            ]
+            for name, hist in (
+                ("ttft_seconds", self.ttft),
+                ("tpot_seconds", self.tpot),
+                ("kv_transfer_seconds", self.transfer),
+                ("prefill_seconds", self.prefill),
+            ):
+                lines += [f"# TYPE {p}_{name} histogram", *hist.lines(f"{p}_{name}")]
+        return "\n".join(lines) + "\n"
