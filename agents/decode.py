@@ -88,6 +88,10 @@ class DecodeEngine:
             messages = req["messages"]
             if not isinstance(messages, list) or not messages:
                 raise BadRequest("messages must be a non-empty list of {role, content}")
+            if not getattr(tok, "chat_template", None):
+                raise BadRequest(
+                    f"{Path(self.model_dir).name} has no chat template: send a raw prompt instead"
+                )
         else:
             prompt = req.get("prompt")
             if not isinstance(prompt, str) or not prompt.strip():

@@ -113,3 +113,69 @@ def test_unsupported_architecture_is_one_clear_line(tmp_path: Path) -> None:
     one_error_line(
         disagg("generate", "--local", "hi", "-m", str(tmp_path), timeout=60), "cannot read"
     )
+
+
+@pytest.fixture(scope="module")
+def two_tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    from tests.tinymodels import make_tiny
+
+    root = tmp_path_factory.mktemp("cli-tiny")
+    return make_tiny("qwen3_moe", root / "moe", seed=4), make_tiny("gpt_oss", root / "oss", seed=5)
+
+
+@pytest.mark.slow
+def test_two_models_at_once(two_tiny: tuple[Path, Path]) -> None:
+    moe, oss = two_tiny
+    proc = disagg(
+        "generate", "--local", "-m", str(moe), "-m", str(oss), "--raw", "hello", "-n", "6", "--json"
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert [r["model"] for r in out["results"]] == ["moe", "oss"]
+    assert all(r["metrics"]["method"] in ("disaggregated", "local") for r in out["results"])
+    assert all(len(r["token_ids"]) == r["metrics"]["completion_tokens"] > 0 for r in out["results"])
+    assert out["failed"] == 0 and out["wall_time"] > 0
+
+
+@pytest.mark.slow
+def test_batch_file_writes_jsonl_results(two_tiny: tuple[Path, Path], tmp_path: Path) -> None:
+    moe, oss = two_tiny
+    batch = tmp_path / "reqs.jsonl"
+    lines = [
+        {"model": "moe", "prompt": "one", "raw": True, "max_tokens": 3},
+        {"model": "oss", "prompt": "two", "raw": True},
+        {"model": "moe", "prompt": "three", "raw": True},
+    ]
+    batch.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    proc = disagg(
+        "generate", "--local", "-m", str(moe), "-m", str(oss), "--batch", str(batch), "-n", "5"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "3 requests, 0 failed" in proc.stdout and "sum of request times" in proc.stdout
+    rows = [json.loads(x) for x in (tmp_path / "reqs.results.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows] == [1, 2, 3]
+    assert [r["model"] for r in rows] == ["moe", "oss", "moe"]
+    assert len(rows[0]["token_ids"]) == 3 and len(rows[1]["token_ids"]) <= 5
+
+    # A request the model cannot serve is an error row; the others still complete.
+    batch.write_text(
+        json.dumps({"model": "moe", "messages": [{"role": "user", "content": "x"}]})
+        + "\n"
+        + json.dumps(lines[0])
+        + "\n"
+    )
+    proc = disagg("generate", "--local", "-m", str(moe), "--batch", str(batch), "--json")
+    assert proc.returncode == 1
+    out = json.loads(proc.stdout)
+    assert out["failed"] == 1 and "has no chat template" in out["results"][0]["error"]
+    assert len(out["results"][1]["token_ids"]) == 3
+
+
+def test_bad_batch_file_is_one_line(tmp_path: Path) -> None:
+    batch = tmp_path / "bad.jsonl"
+    batch.write_text('{"prompt": "fine"}\n{oops\n')
+    one_error_line(
+        disagg("generate", "--local", "--batch", str(batch), timeout=60),
+        "bad.jsonl:2",
+        "not valid JSON",
+    )
