@@ -294,6 +294,15 @@ class DecodeAgent:
         if req.get("return_prompt_ids"):
             done["prompt_ids"] = ids
         P.send_json(sock, P.Frame.DONE, done)
+        log.info(
+            "%s: %d prompt + %d new tokens, ttft %.3fs, %.1f tok/s, %s",
+            metrics["method"],
+            len(ids),
+            len(out),
+            ttft or 0.0,
+            metrics["decode_speed"] or 0.0,
+            metrics.get("prefill_address") or "local prefill",
+        )
         return metrics
 
 

@@ -301,6 +301,15 @@ def verify(
         raise typer.Exit(1)
 
 
+def _register_fleet() -> None:
+    from .fleetcmds import register
+
+    register(app, friendly=friendly, out=out, err=err)
+
+
+_register_fleet()
+
+
 def main() -> None:
     app()
 

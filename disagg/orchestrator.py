@@ -60,6 +60,11 @@ class Router:
     def pipeline(self, model: str | None) -> Pipeline:
         if model is None and len(self.pipelines) == 1:
             return next(iter(self.pipelines.values()))
+        if model is None:
+            raise UsageError(
+                f"several models are served ({', '.join(self.pipelines)}): "
+                "pick one with -m MODEL (API: model=)"
+            )
         if model not in self.pipelines:
             known = ", ".join(self.pipelines) or "none"
             raise UsageError(f"unknown model {model!r}: known models are {known}")

@@ -1,0 +1,236 @@
+"""`disagg deploy`: put the agents on each host and install them as services.
+
+Per host, over one SSH session: detect the platform, upload agents/ (only files
+whose content hash differs), check or prepare the role's Python, write each
+agent's config, run script and auth token, and restart an agent that is running
+with an older config. `dry_run` reports all that and changes nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import agents
+
+from . import service
+from .errors import AgentError, ModelError
+from .fleet import start_agent
+from .inventory import Agent, Host, Inventory
+from .remote import HostResult, Session, on_hosts, q
+from .service import HostInfo, host_python, probe, remote_root, service_kind
+
+Say = Callable[[str, str], None]  # (host, message)
+
+# What each role imports on a host; mirrors pyproject's [prefill] and [decode] extras.
+ROLE_MODULES = {
+    "prefill": ["torch", "transformers", "safetensors", "zstandard", "numpy"],
+    "decode": ["mlx_lm", "zstandard", "numpy"],
+}
+ROLE_REQUIREMENTS = {
+    "prefill": ["torch>=2.4,<3", "transformers>=4.56", "safetensors>=0.4"],
+    "decode": ["mlx-lm>=0.28"],
+}
+COMMON_REQUIREMENTS = ["zstandard>=0.22", "numpy>=1.26"]
+
+HASH_SCRIPT = """
+import hashlib, json, os, sys
+root = sys.argv[1]
+out = {}
+for d, dirs, files in os.walk(root):
+    dirs[:] = [x for x in dirs if x != "__pycache__"]
+    for f in files:
+        p = os.path.join(d, f)
+        with open(p, "rb") as fh:
+            out[os.path.relpath(p, root)] = hashlib.sha256(fh.read()).hexdigest()
+print(json.dumps(out))
+"""
+
+CHECK_SCRIPT = """
+import importlib.util, json, sys
+mods = sys.argv[1:]
+print(json.dumps({"version": list(sys.version_info[:3]), "executable": sys.executable,
+                  "missing": [m for m in mods if importlib.util.find_spec(m) is None]}))
+"""
+
+
+@dataclass
+class HostDeploy:
+    host: str
+    platform: str = ""
+    service: str = ""
+    python: str = ""
+    uploaded: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    unchanged: int = 0
+    configs_changed: list[str] = field(default_factory=list)
+    restarted: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    dry_run: bool = False
+
+
+def local_manifest() -> dict[str, str]:
+    """sha256 of every file of the agents package, by path relative to agents/."""
+    root = Path(agents.__file__).parent
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc":
+            out[str(p.relative_to(root))] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def _ensure_python(
+    host: Host, session: Session, info: HostInfo, roles: list[str], dry: bool, say: Say
+) -> str:
+    py = host_python(host, info)
+    mods = sorted({m for r in roles for m in ROLE_MODULES[r]})
+    res = session.run(f"{q(py)} -c {q(CHECK_SCRIPT)} {' '.join(mods)}")
+    missing = json.loads(res.out)["missing"] if res.rc == 0 else mods
+    if not missing:
+        return py
+    if host.python:
+        extras = ",".join(roles)
+        why = f"lacks {', '.join(missing)}" if res.rc == 0 else "does not run"
+        raise AgentError(
+            f"{host.name}: python {py} {why}; fix: pip install 'disagg[{extras}]' with it, or "
+            f"remove hosts.{host.name}.python so deploy prepares a venv"
+        )
+    reqs = sorted({r for role in roles for r in ROLE_REQUIREMENTS[role]} | set(COMMON_REQUIREMENTS))
+    if dry:
+        say(host.name, f"would create {py} and pip install {' '.join(reqs)}")
+        return py
+    if not info.python3:
+        raise AgentError(f"{host.name}: no python3 on the host; fix: install Python 3.10+ there")
+    venv = py.rsplit("/bin/", 1)[0]
+    say(
+        host.name, f"preparing {venv} ({', '.join(missing)} missing): pip install, may take minutes"
+    )
+    session.check(f"{q(info.python3)} -m venv {q(venv)}", timeout_s=300)
+    pip = f"{q(py)} -m pip install -q --upgrade pip && {q(py)} -m pip install -q"
+    session.check(f"{pip} {' '.join(q(r) for r in reqs)}", timeout_s=3600)
+    return py
+
+
+def _upload_agents(
+    host: Host, session: Session, info: HostInfo, result: HostDeploy, dry: bool, py: str
+) -> str:
+    """Upload the agent files whose hash differs; returns the manifest's own hash."""
+    local = local_manifest()
+    root = remote_root(host, info)
+    res = session.run(f"{q(info.python3 or py)} -c {q(HASH_SCRIPT)} {q(root + '/agents')}")
+    remote: dict[str, str] = json.loads(res.out) if res.rc == 0 else {}
+    changed = [p for p, h in local.items() if remote.get(p) != h]
+    stale = [p for p in remote if p not in local]
+    result.unchanged = len(local) - len(changed)
+    result.uploaded, result.removed = changed, stale
+    if not dry and (changed or stale):
+        src = Path(agents.__file__).parent
+        dirs = sorted({str(Path(root, "agents", p).parent) for p in changed})
+        session.check(f"mkdir -p {' '.join(q(d) for d in dirs) or q(root)}")
+        for p in changed:
+            session.sftp.putfo(io.BytesIO((src / p).read_bytes()), f"{root}/agents/{p}")
+        if stale:
+            session.check("rm -f " + " ".join(q(f"{root}/agents/{p}") for p in stale))
+    return hashlib.sha256(json.dumps(local, sort_keys=True).encode()).hexdigest()
+
+
+def agent_config(agent: Agent, info: HostInfo, python: str, root: str) -> dict[str, object]:
+    return {
+        "role": agent.role,
+        "name": f"{agent.role}@{agent.host.name}",
+        "model": info.expand(agent.model),
+        "dtype": agent.dtype,
+        "bind": "0.0.0.0",  # reachable on every data-plane address
+        "port": agent.ports.port,
+        "control_port": agent.ports.control_port,
+        "python": python,
+        "pipelines": list(agent.pipelines),
+        "token_file": f"{root}/token",
+    }
+
+
+def _write(session: Session, path: str, text: str) -> None:
+    session.check(f"mkdir -p {q(path.rsplit('/', 1)[0])} && cat > {q(path)}", stdin=text)
+
+
+def deploy_host(inv: Inventory, host: Host, session: Session, dry: bool, say: Say) -> HostDeploy:
+    result = HostDeploy(host.name, dry_run=dry)
+    info = probe(session)
+    result.platform = f"{info.system} {info.machine}"
+    kind = result.service = service_kind(host, info)
+    say(host.name, f"{result.platform}, service: {kind}")
+    mine = inv.agents([host])
+    if not mine:
+        result.notes.append("no pipeline places an agent here")
+        return result
+    root = remote_root(host, info)
+    for a in mine:
+        model = info.expand(a.model)
+        if session.run(f"test -r {q(model + '/config.json')}").rc != 0:
+            key = f"pipelines.{a.pipelines[0]}.{a.role}_model"
+            raise ModelError(
+                f"{host.name}: model dir {model} not found (no config.json); fix: copy the "
+                f"model there or correct {key} in {inv.path}"
+            )
+    py = result.python = _ensure_python(host, session, info, [a.role for a in mine], dry, say)
+    code_hash = _upload_agents(host, session, info, result, dry, py)
+    if result.uploaded or result.removed:
+        verb = "would upload" if dry else "uploaded"
+        say(host.name, f"{verb} {len(result.uploaded)} agent files, {result.unchanged} unchanged")
+    else:
+        say(host.name, f"agents unchanged ({result.unchanged} files), nothing uploaded")
+    if not dry:
+        # Created once and kept, so a redeploy does not change the agents' config.
+        token = secrets.token_hex(32)
+        session.check(
+            f"mkdir -p {q(root)}/logs {q(root)}/run && umask 077 && "
+            f"{{ [ -s {q(root)}/token ] || cat > {q(root)}/token; }} && chmod 600 {q(root)}/token",
+            stdin=token,
+        )
+    for a in mine:
+        paths = service.AgentPaths(root, a.role)
+        cfg = agent_config(a, info, py, root)
+        script = service.run_script(paths, cfg)
+        unit = service.unit_file(kind, paths, info.home)
+        blob = json.dumps([cfg, script, unit, code_hash], sort_keys=True)
+        new_hash = hashlib.sha256(blob.encode()).hexdigest()
+        old_hash = session.run(f"cat {q(paths.hash)} 2>/dev/null").out.strip()
+        if new_hash == old_hash:
+            continue
+        result.configs_changed.append(a.role)
+        if dry:
+            say(host.name, f"would write {a.role} config")
+            continue
+        _write(session, paths.config, service.config_json(cfg))
+        _write(session, paths.script, script)
+        if unit:
+            _write(session, *unit)
+            session.check(service.after_install(kind))
+        _write(session, paths.hash, new_hash + "\n")
+        running = session.run(service.is_running(paths)).rc == 0
+        started = session.run(f"cat {q(paths.started)} 2>/dev/null").out.strip()
+        if running and started != new_hash:
+            say(host.name, f"{a.role} config changed: restarting")
+            session.check(service.stop(kind, paths))
+            start_agent(session, paths, kind, info.home)
+            result.restarted.append(a.role)
+    return result
+
+
+def deploy(
+    inv: Inventory,
+    hosts: list[str] | None = None,
+    *,
+    dry_run: bool = False,
+    say: Say = lambda _h, _m: None,
+) -> list[HostResult[HostDeploy]]:
+    """Deploy to the named hosts (all when None), in parallel; one result per host."""
+    chosen = inv.select(hosts)
+    return on_hosts(
+        chosen, inv.ssh, lambda host, session: deploy_host(inv, host, session, dry_run, say)
+    )

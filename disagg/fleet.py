@@ -1,0 +1,324 @@
+"""Fleet operations on deployed agents: start, stop, restart, status, logs.
+
+Every function returns data (one result per host or agent); rendering is
+render_fleet's job. An unreachable host is a result that says so.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import queue
+import re
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import service
+from .errors import AgentError, DisaggError, ModelError
+from .inventory import Agent, Host, Inventory
+from .remote import HostResult, Session, connect_host, on_hosts, q
+from .service import AgentPaths, host_python, probe, remote_root, service_kind
+
+LOAD_TIMEOUT_S = 600.0  # a 120B model can take minutes to load
+HTTP_TIMEOUT_S = 1.5
+
+Say = Callable[[str, str], None]
+
+
+@dataclass
+class AgentAction:
+    host: str
+    role: str
+    action: str  # started | already running | stopped | not running | restarted
+    detail: str = ""
+
+
+def _tail_log(session: Session, paths: AgentPaths, n: int = 5) -> str:
+    return session.run(f"tail -n {n} {q(paths.log)} 2>/dev/null").out.strip()
+
+
+def start_agent(
+    session: Session, paths: AgentPaths, kind: str, home: str, timeout_s: float = LOAD_TIMEOUT_S
+) -> dict[str, Any]:
+    """Start one agent and wait for its READY line; returns what READY said."""
+    session.check(service.start(kind, paths, home))
+    deadline = time.monotonic() + timeout_s
+    poll = f"cat {q(paths.out)} 2>/dev/null; echo; {service.is_running(paths)} && echo @alive"
+    seen_alive = False
+    while time.monotonic() < deadline:
+        out = session.run(poll).out
+        for line in out.splitlines():
+            if line.startswith("READY "):
+                return dict(json.loads(line[len("READY ") :]))
+            if line.startswith("FAILED "):
+                raise ModelError(f"{session.name}: {paths.role} agent: {line[7:].strip()}")
+        alive = "@alive" in out
+        seen_alive |= alive
+        # The pidfile appears a moment after start; only a vanished pid means it died.
+        if seen_alive and not alive:
+            raise AgentError(
+                f"{session.name}: {paths.role} agent exited while starting; "
+                f"{paths.log}:\n{_tail_log(session, paths)}"
+            )
+        time.sleep(0.5)
+    raise AgentError(
+        f"{session.name}: {paths.role} agent not READY within {timeout_s:.0f}s; "
+        f"{paths.log}:\n{_tail_log(session, paths)}"
+    )
+
+
+def _lifecycle(
+    inv: Inventory, hosts: list[str] | None, op: str, say: Say
+) -> list[HostResult[list[AgentAction]]]:
+    def run(host: Host, session: Session) -> list[AgentAction]:
+        info = probe(session)
+        kind, root = service_kind(host, info), remote_root(host, info)
+        actions = []
+        for a in inv.agents([host]):
+            paths = AgentPaths(root, a.role)
+            if session.run(f"test -f {q(paths.hash)}").rc != 0:
+                raise AgentError(f"{host.name}: {a.role} agent is not deployed; run disagg deploy")
+            running = session.run(service.is_running(paths)).rc == 0
+            if op in ("stop", "restart"):
+                if running:
+                    session.check(service.stop(kind, paths))
+                    say(host.name, f"{a.role} stopped")
+                if op == "stop":
+                    done = "stopped" if running else "not running"
+                    actions.append(AgentAction(host.name, a.role, done))
+                    continue
+            elif running:
+                actions.append(AgentAction(host.name, a.role, "already running"))
+                continue
+            say(host.name, f"starting {a.role} ({a.model})")
+            t0 = time.monotonic()
+            ready = start_agent(session, paths, kind, info.home)
+            verb = "restarted" if op == "restart" and running else "started"
+            detail = (
+                f"ports {ready['port']}/{ready['control_port']} in {time.monotonic() - t0:.1f}s"
+            )
+            say(host.name, f"{a.role} {verb}: {detail}")
+            actions.append(AgentAction(host.name, a.role, verb, detail))
+        return actions
+
+    return on_hosts(inv.select(hosts), inv.ssh, run)
+
+
+def start(
+    inv: Inventory, hosts: list[str] | None = None, say: Say = lambda _h, _m: None
+) -> list[HostResult[list[AgentAction]]]:
+    """Start the deployed agents that are not running; waits until each is READY."""
+    return _lifecycle(inv, hosts, "start", say)
+
+
+def stop(
+    inv: Inventory, hosts: list[str] | None = None, say: Say = lambda _h, _m: None
+) -> list[HostResult[list[AgentAction]]]:
+    return _lifecycle(inv, hosts, "stop", say)
+
+
+def restart(
+    inv: Inventory, hosts: list[str] | None = None, say: Say = lambda _h, _m: None
+) -> list[HostResult[list[AgentAction]]]:
+    return _lifecycle(inv, hosts, "restart", say)
+
+
+# ---- status ---------------------------------------------------------------------------
+
+
+@dataclass
+class AgentStatus:
+    host: str
+    role: str
+    state: str  # healthy | stopped | not responding | unreachable | not deployed
+    address: str = ""  # where /status answered: ADDR:PORT, or "ssh"
+    status: dict[str, Any] = field(default_factory=dict)  # the agent's own /status
+    pid: int | None = None
+    rss_bytes: int | None = None
+    detail: str = ""
+    ssh_error: str = ""  # set when the agent answers but its host cannot be managed
+
+    @property
+    def ok(self) -> bool:
+        return self.state == "healthy" and not self.ssh_error
+
+
+def _http_status(addresses: list[str], port: int) -> tuple[str, dict[str, Any]] | None:
+    for addr in addresses:
+        url = f"http://{addr}:{port}/status"
+        try:
+            with urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S) as resp:
+                return f"{addr}:{port}", dict(json.loads(resp.read()))
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+FETCH_SCRIPT = (
+    "import sys, urllib.request; "
+    "print(urllib.request.urlopen(sys.argv[1], timeout=3).read().decode())"
+)
+
+
+def _host_status(inv: Inventory, host: Host) -> list[AgentStatus]:
+    mine = inv.agents([host])
+    direct = {a.role: _http_status(host.addresses(), a.ports.control_port) for a in mine}
+    rows: list[AgentStatus] = []
+    try:
+        with connect_host(host, inv.ssh) as session:
+            info = probe(session)
+            root, py = remote_root(host, info), host_python(host, info)
+            for a in mine:
+                rows.append(_agent_status(session, a, AgentPaths(root, a.role), py, direct[a.role]))
+    except DisaggError as e:
+        # No ssh: whatever answered directly still counts; the rest is unreachable.
+        for a in mine:
+            if a.role in {r.role for r in rows}:
+                continue
+            found = direct[a.role]
+            if found:
+                rows.append(AgentStatus(host.name, a.role, "healthy", *found, ssh_error=str(e)))
+            else:
+                rows.append(AgentStatus(host.name, a.role, "unreachable", detail=str(e)))
+    return rows
+
+
+def _agent_status(
+    session: Session,
+    a: Agent,
+    paths: AgentPaths,
+    py: str,
+    direct: tuple[str, dict[str, Any]] | None,
+) -> AgentStatus:
+    host = a.host.name
+    if session.run(f"test -f {q(paths.hash)}").rc != 0:
+        return AgentStatus(host, a.role, "not deployed", detail="run disagg deploy")
+    res = session.run(
+        f"{service.is_running(paths)} && echo $pid && ps -o rss= -p $pid 2>/dev/null || true"
+    )
+    nums = [int(x) for x in res.out.split() if x.isdigit()]
+    pid = nums[0] if nums else None
+    rss = nums[1] * 1024 if len(nums) > 1 else None
+    if pid is None:
+        return AgentStatus(host, a.role, "stopped")
+    if direct:
+        return AgentStatus(host, a.role, "healthy", direct[0], direct[1], pid, rss)
+    url = f"http://127.0.0.1:{a.ports.control_port}/status"
+    fetched = session.run(f"{q(py)} -c {q(FETCH_SCRIPT)} {q(url)}", timeout_s=10)
+    if fetched.rc == 0:
+        try:
+            st = dict(json.loads(fetched.out))
+            note = "control port not reachable from here"
+            return AgentStatus(host, a.role, "healthy", "ssh", st, pid, rss, note)
+        except ValueError:
+            pass
+    starting = session.run(f"grep -c '^READY ' {q(paths.out)}").out.strip() in ("", "0")
+    state = "starting" if starting else "not responding"
+    return AgentStatus(
+        host, a.role, state, pid=pid, rss_bytes=rss, detail=_tail_log(session, paths, 1)
+    )
+
+
+def status(inv: Inventory, hosts: list[str] | None = None) -> list[AgentStatus]:
+    """One row per agent the pipelines place on the hosts, all hosts polled at once."""
+    chosen = inv.select(hosts)
+    rows: dict[str, list[AgentStatus]] = {}
+    threads = [
+        threading.Thread(target=lambda h=h: rows.__setitem__(h.name, _host_status(inv, h)))
+        for h in chosen
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [r for h in chosen for r in rows.get(h.name, [])]
+
+
+# ---- logs -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LogLine:
+    host: str
+    role: str
+    text: str
+    error: bool = False
+
+
+_STAMP = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[,.]\d+")
+
+
+def _read_log(inv: Inventory, host: Host, n: int, follow: bool, out: queue.Queue[Any]) -> None:
+    try:
+        with connect_host(host, inv.ssh) as session:
+            info = probe(session)
+            root = remote_root(host, info)
+            chans = []
+            for a in inv.agents([host]):
+                path = AgentPaths(root, a.role).log
+                flag = "-F" if follow else ""
+                chan = session.client.get_transport().open_session()
+                chan.exec_command(f"tail -n {int(n)} {flag} {q(path)} 2>&1")
+                chans.append((a.role, chan))
+            readers = [
+                threading.Thread(target=_pump, args=(host.name, role, chan, out), daemon=True)
+                for role, chan in chans
+            ]
+            for t in readers:
+                t.start()
+            for t in readers:
+                t.join()
+    except DisaggError as e:
+        out.put(LogLine(host.name, "", f"error: {e}", error=True))
+    finally:
+        out.put(None)
+
+
+def _pump(host: str, role: str, chan: Any, out: queue.Queue[Any]) -> None:
+    for raw in chan.makefile("rb"):
+        out.put(LogLine(host, role, raw.decode(errors="replace").rstrip("\n")))
+
+
+def logs(
+    inv: Inventory, hosts: list[str] | None = None, n: int = 50, follow: bool = False
+) -> Iterator[LogLine]:
+    """The last `n` lines of each agent's log, merged by time; with `follow`, new lines
+    of all hosts as they come, until the caller stops iterating."""
+    chosen = inv.select(hosts)
+    out: queue.Queue[LogLine | None] = queue.Queue()
+    for h in chosen:
+        threading.Thread(target=_read_log, args=(inv, h, n, follow, out), daemon=True).start()
+    if follow:
+        open_hosts = len(chosen)
+        while open_hosts:
+            item = out.get()
+            if item is None:
+                open_hosts -= 1
+            else:
+                yield item
+        return
+    streams: dict[tuple[str, str], list[tuple[str, LogLine]]] = {}
+    done = 0
+    while done < len(chosen):
+        item = out.get()
+        if item is None:
+            done += 1
+            continue
+        stream = streams.setdefault((item.host, item.role), [])
+        m = _STAMP.match(item.text)
+        # A line without a timestamp (a traceback) sorts with the line before it.
+        key = m.group(0) if m else (stream[-1][0] if stream else "")
+        stream.append((key, item))
+    for _key, line in heapq.merge(*streams.values(), key=lambda kv: kv[0]):
+        yield line
+
+
+def router_from_inventory(inventory: Any = None) -> Any:
+    """See route.router_from_inventory (here too because the Python API imports it here)."""
+    from .route import router_from_inventory as build
+
+    return build(inventory)

@@ -1,0 +1,227 @@
+"""How an agent runs on a host, the host's own way: systemd --user on Linux,
+launchd on macOS, else nohup + pidfile. Everything here is shell text for the
+remote POSIX shell; the run script itself is the same for every kind.
+
+Remote layout under the host's remote_dir (ROOT):
+  agents/            the uploaded agent package
+  ROLE.json          the agent's config;  ROLE.sh  its run script;  ROLE.hash
+  token              auth token, 0600
+  logs/ROLE.log      the agent's stderr
+  run/ROLE.out       its stdout (the READY / FAILED line);  run/ROLE.pid
+  run/ROLE.started   the ROLE.hash the running agent was started with
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from .inventory import Host
+from .remote import Session, q
+
+KINDS = ("systemd", "launchd", "nohup")
+
+# One round trip tells platform, home and the service manager the host has.
+PROBE = r"""
+printf 'system=%s\nmachine=%s\nhome=%s\n' "$(uname -s)" "$(uname -m)" "$HOME"
+if command -v systemctl >/dev/null 2>&1 && systemctl --user show-environment >/dev/null 2>&1
+then echo service=systemd
+elif [ "$(uname -s)" = Darwin ] && command -v launchctl >/dev/null 2>&1
+then echo service=launchd
+else echo service=nohup
+fi
+echo "python3=$(command -v python3 || true)"
+"""
+
+
+@dataclass(frozen=True)
+class AgentPaths:
+    root: str
+    role: str
+
+    @property
+    def script(self) -> str:
+        return f"{self.root}/{self.role}.sh"
+
+    @property
+    def config(self) -> str:
+        return f"{self.root}/{self.role}.json"
+
+    @property
+    def hash(self) -> str:
+        return f"{self.root}/{self.role}.hash"
+
+    @property
+    def log(self) -> str:
+        return f"{self.root}/logs/{self.role}.log"
+
+    @property
+    def out(self) -> str:
+        return f"{self.root}/run/{self.role}.out"
+
+    @property
+    def pid(self) -> str:
+        return f"{self.root}/run/{self.role}.pid"
+
+    @property
+    def started(self) -> str:
+        return f"{self.root}/run/{self.role}.started"
+
+    @property
+    def unit(self) -> str:
+        return f"disagg-{self.role}"
+
+    @property
+    def label(self) -> str:
+        return f"com.disagg.{self.role}"
+
+
+def run_script(paths: AgentPaths, config: dict[str, Any]) -> str:
+    """The agent's run script: records its pid, then becomes the agent (exec)."""
+    args = [
+        config["python"],
+        "-m",
+        f"agents.{paths.role}",
+        "--model",
+        config["model"],
+        "--host",
+        config["bind"],
+        "--port",
+        str(config["port"]),
+        "--control-port",
+        str(config["control_port"]),
+        "--name",
+        config["name"],
+        "--dtype",
+        config["dtype"],
+    ]
+    return (
+        "#!/bin/sh\n"
+        f"# Written by `disagg deploy`; the agent's settings are in {paths.config}.\n"
+        f"cd {q(paths.root)} || exit 1\n"
+        f"export PYTHONPATH={q(paths.root)} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false\n"
+        f"echo $$ > {q(paths.pid)}\n"
+        f"exec {' '.join(q(a) for a in args)} > {q(paths.out)} 2>> {q(paths.log)} < /dev/null\n"
+    )
+
+
+def systemd_unit(paths: AgentPaths) -> str:
+    return (
+        f"[Unit]\nDescription=disagg {paths.role} agent\n\n"
+        f"[Service]\nExecStart=/bin/sh {paths.script}\nRestart=no\nKillSignal=SIGTERM\n\n"
+        "[Install]\nWantedBy=default.target\n"
+    )
+
+
+def launchd_plist(paths: AgentPaths) -> str:
+    return f"""<?xml version="1.0" encoding="UTF-8"?>
+<!DOCTYPE plist PUBLIC "-//Apple//DTD PLIST 1.0//EN" "http://www.apple.com/DTDs/PropertyList-1.0.dtd">
+<plist version="1.0"><dict>
+  <key>Label</key><string>{paths.label}</string>
+  <key>ProgramArguments</key><array><string>/bin/sh</string><string>{paths.script}</string></array>
+  <key>RunAtLoad</key><false/>
+  <key>KeepAlive</key><false/>
+</dict></plist>
+"""
+
+
+def unit_file(kind: str, paths: AgentPaths, home: str) -> tuple[str, str] | None:
+    """(remote path, content) of the service definition, if the kind has one."""
+    if kind == "systemd":
+        return f"{home}/.config/systemd/user/{paths.unit}.service", systemd_unit(paths)
+    if kind == "launchd":
+        return f"{home}/Library/LaunchAgents/{paths.label}.plist", launchd_plist(paths)
+    return None
+
+
+def after_install(kind: str) -> str:
+    if kind != "systemd":
+        return "true"
+    # Without lingering, systemd stops a user's services when their last session ends.
+    return "systemctl --user daemon-reload && (loginctl enable-linger 2>/dev/null || true)"
+
+
+def is_running(paths: AgentPaths) -> str:
+    """Exit 0 iff the agent's recorded pid is alive."""
+    return f'pid=$(cat {q(paths.pid)} 2>/dev/null) && [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null'
+
+
+def start(kind: str, paths: AgentPaths, home: str) -> str:
+    """Start the agent; the caller then waits for its READY line in paths.out."""
+    prep = (
+        f"mkdir -p {q(paths.root)}/logs {q(paths.root)}/run && rm -f {q(paths.pid)} && "
+        f": > {q(paths.out)} && cp {q(paths.hash)} {q(paths.started)} && "
+    )
+    if kind == "systemd":
+        return prep + f"systemctl --user start {paths.unit}"
+    if kind == "launchd":
+        plist = f"{home}/Library/LaunchAgents/{paths.label}.plist"
+        dom = 'gui/"$(id -u)"'
+        return prep + (
+            f"(launchctl bootout {dom}/{paths.label} 2>/dev/null; true) && "
+            f"launchctl bootstrap {dom} {q(plist)} && launchctl kickstart {dom}/{paths.label}"
+        )
+    # No service manager: detach from the ssh session (setsid where it exists).
+    return prep + (
+        "S=$(command -v setsid || true); "
+        f"nohup $S /bin/sh {q(paths.script)} > /dev/null 2>&1 < /dev/null &"
+    )
+
+
+def stop(kind: str, paths: AgentPaths, grace_s: int = 15) -> str:
+    """Stop the agent: the service manager's way, then SIGTERM, then SIGKILL after grace_s."""
+    first = {
+        "systemd": f"systemctl --user stop {paths.unit} 2>/dev/null; ",
+        "launchd": f'launchctl bootout gui/"$(id -u)"/{paths.label} 2>/dev/null; ',
+    }.get(kind, "")
+    ticks = grace_s * 5
+    return first + (
+        f'pid=$(cat {q(paths.pid)} 2>/dev/null); if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; '
+        f'then kill -TERM "$pid"; i=0; while kill -0 "$pid" 2>/dev/null && [ $i -lt {ticks} ]; '
+        f'do sleep 0.2; i=$((i+1)); done; kill -KILL "$pid" 2>/dev/null; fi; '
+        f"rm -f {q(paths.pid)} {q(paths.started)}; true"
+    )
+
+
+def config_json(config: dict[str, Any]) -> str:
+    return json.dumps(config, indent=2, sort_keys=True) + "\n"
+
+
+@dataclass
+class HostInfo:
+    system: str
+    machine: str
+    home: str
+    service: str
+    python3: str
+
+    def expand(self, path: str) -> str:
+        if path == "~" or path.startswith("~/"):
+            return self.home + path[1:]
+        return path
+
+
+def probe(session: Session) -> HostInfo:
+    facts = dict(line.split("=", 1) for line in session.check(PROBE).splitlines() if "=" in line)
+    return HostInfo(
+        system=facts.get("system", "?"),
+        machine=facts.get("machine", "?"),
+        home=facts.get("home", ""),
+        service=facts.get("service", "nohup"),
+        python3=facts.get("python3", ""),
+    )
+
+
+def remote_root(host: Host, info: HostInfo) -> str:
+    return info.expand(host.remote_dir).rstrip("/")
+
+
+def host_python(host: Host, info: HostInfo) -> str:
+    if host.python:
+        return info.expand(host.python)
+    return f"{remote_root(host, info)}/venv/bin/python"
+
+
+def service_kind(host: Host, info: HostInfo) -> str:
+    return info.service if host.service == "auto" else host.service

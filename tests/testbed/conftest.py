@@ -1,0 +1,136 @@
+"""Fixtures of the four-host test bed (see bed.py): the machines with their sshds,
+the models the agents load, a test inventory of the same shape as inventory.toml,
+and `fleet_cli` to run the `disagg` fleet commands from the ops namespace."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.testbed.bed import BY_NAME, ROOT, TestBed, grant_access, running_testbed
+
+REPO = Path(__file__).resolve().parents[2]
+PIPELINES = {"qwen3-coder-30b": ("dgx-spark-1", "mac-studio-2"),
+             "gpt-oss-120b": ("dgx-spark-2", "mac-studio-1")}  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def testbed() -> Iterator[TestBed]:
+    if os.geteuid() != 0:
+        pytest.skip("the test bed needs root: network namespaces, users, sshd")
+    with running_testbed() as bed:
+        grant_access(REPO)  # the hosts' users run `python -m agents.*` from the repo
+        yield bed
+
+
+def _share(src: Path, dst: Path) -> Path:
+    """Hard-link (or copy) a model dir where the agents' users may read it."""
+    dst.mkdir(parents=True, mode=0o755)
+    for f in src.iterdir():
+        if f.is_file():
+            if f.stat().st_mode & 0o004:
+                try:
+                    os.link(f, dst / f.name)
+                    continue
+                except OSError:
+                    pass
+            shutil.copyfile(f, dst / f.name)
+            os.chmod(dst / f.name, 0o644)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def testbed_models(testbed: TestBed, default_model: Path) -> dict[str, Path]:
+    """qwen pipeline: the real SmolLM2; gpt-oss pipeline: a tiny random qwen3."""
+    from tests.tinymodels import make_tiny
+
+    smol = _share(default_model, ROOT / "models" / "SmolLM2-135M-Instruct")
+    tiny = ROOT / "models" / "tiny-qwen3"
+    make_tiny("qwen3", tiny, seed=1)
+    for f in tiny.iterdir():
+        os.chmod(f, 0o644)
+    os.chmod(tiny, 0o755)
+    return {"qwen3-coder-30b": smol, "gpt-oss-120b": tiny}
+
+
+def inventory_text(
+    bed: TestBed,
+    models: dict[str, Path],
+    *,
+    dtype: dict[str, str] | None = None,
+    key_for: dict[str, Path] | None = None,
+) -> str:
+    """A test inventory like inventory.toml, with the test bed's addresses. Two hosts
+    are ssh-config aliases (mac-studio-1 via ProxyJump), two are spelled out."""
+    dtype = dtype or {}
+    key_for = key_for or {}
+    py = sys.executable
+    out = [
+        "[ssh]",
+        f'config = "{bed.ssh_config}"',
+        f'known_hosts = "{bed.known_hosts}"',
+        "connect_timeout = 5",
+        "",
+    ]
+    for name, m in BY_NAME.items():
+        data = f'["{m.link_addr}", "{m.switch_addr}"]'
+        role = m.role
+        port = 8000 if role == "prefill" else 8001
+        out += [f"[hosts.{name}]"]
+        if name in ("dgx-spark-1", "mac-studio-1") and name not in key_for:
+            out += [f'ssh = "{name}"']
+        else:
+            key = key_for.get(name, bed.key)
+            out += [f'ssh = "{m.switch_addr}"', f'user = "{m.user}"', f'key = "{key}"', "port = 22"]
+        out += [
+            f"data = {data}",
+            f'roles = ["{role}"]',
+            f'python = "{py}"',
+            f"{role} = {{ port = {port}, control_port = {port + 10} }}",
+            "",
+        ]
+    for pipe, (pre, dec) in PIPELINES.items():
+        out += [
+            f"[pipelines.{pipe}]",
+            f'prefill = ["{pre}"]',
+            f'decode = ["{dec}"]',
+            f'prefill_model = "{models[pipe]}"',
+            f'decode_model = "{models[pipe]}"',
+            f'dtype = "{dtype.get(pipe, "auto")}"',
+            "prefill_timeout = 60",
+            "decode_timeout = 180",
+            "",
+        ]
+    return "\n".join(out)
+
+
+@pytest.fixture(scope="session")
+def inventory(testbed: TestBed, testbed_models: dict[str, Path]) -> Path:
+    path = testbed.ops_dir / "inventory.toml"
+    path.write_text(inventory_text(testbed, testbed_models))
+    return path
+
+
+FleetCli = Callable[..., subprocess.CompletedProcess[str]]
+
+
+@pytest.fixture(scope="session")
+def fleet_cli(testbed: TestBed) -> FleetCli:
+    """Run `disagg ARGS` in the ops namespace, as a user would."""
+
+    def run(*args: str, timeout: float = 300.0) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "disagg.cli", *args]
+        proc = testbed.ops(*cmd, timeout=timeout, cwd=REPO)
+        sys.stderr.write(
+            f"$ disagg {' '.join(args)} -> {proc.returncode}\n"
+            f"{proc.stdout[-6000:]}{proc.stderr[-3000:]}"
+        )
+        return proc
+
+    return run

@@ -1,0 +1,291 @@
+"""The fleet commands against four real hosts: namespaces, real sshd, real agents,
+KV crossing between namespaces. The tests run in order on one deployed fleet:
+deploy and start happen in the first, stop in the last."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.testbed.bed import BY_NAME, NAMESPACES, TestBed, in_ns
+from tests.testbed.conftest import REPO, FleetCli, inventory_text
+
+pytestmark = pytest.mark.testbed
+
+PROMPTS = {"qwen3-coder-30b": "What is the capital of France?", "gpt-oss-120b": "Once upon a time"}
+
+
+def one_error_line(proc: Any) -> str:
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+def status_rows(fleet_cli: FleetCli, inventory: Path) -> tuple[int, list[dict[str, Any]]]:
+    proc = fleet_cli("status", "--json", "-i", str(inventory), timeout=120)
+    return proc.returncode, json.loads(proc.stdout)
+
+
+def generate(bed: TestBed, inventory: Path, model: str, max_tokens: int = 6) -> dict[str, Any]:
+    """`generate -m MODEL` against the fleet, from the ops namespace."""
+    code = (
+        "import json, sys\n"
+        "from disagg.inventory import load\n"
+        "from disagg.route import generate_on_fleet\n"
+        f"r = generate_on_fleet(load({str(inventory)!r}), {model!r}, "
+        f"{{'prompt': {PROMPTS[model]!r}, 'max_tokens': {max_tokens}, 'placement': 'remote'}})\n"
+        "print(json.dumps({'text': r.text, 'metrics': r.metrics}))\n"
+    )
+    proc = bed.ops(sys.executable, "-c", code, cwd=REPO, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def agent_pids(bed: TestBed) -> dict[str, str]:
+    """host -> pid of its running agent, read from the pidfiles deploy's layout puts there."""
+    out = {}
+    for m in BY_NAME.values():
+        pidfile = m.home / ".disagg" / "run" / f"{m.role}.pid"
+        out[m.name] = pidfile.read_text().strip() if pidfile.is_file() else ""
+    return out
+
+
+def test_network_is_sealed(testbed: TestBed) -> None:
+    for ns in NAMESPACES:
+        assert in_ns(ns, "ip", "route", "show", "default").stdout.strip() == "", ns
+    # The ops namespace reaches hosts over the switch only, never the fast links.
+    probe = "import socket; socket.create_connection(('10.78.1.1', 22), timeout=1)"
+    assert testbed.ops(sys.executable, "-c", probe).returncode != 0
+
+
+def test_deploy_start_status_generate_logs(
+    testbed: TestBed, inventory: Path, fleet_cli: FleetCli
+) -> None:
+    dry = fleet_cli("deploy", "--dry-run", "-i", str(inventory))
+    assert dry.returncode == 0, dry.stdout
+    assert "would upload" in dry.stderr
+    assert "dry run" in dry.stdout
+    assert not (BY_NAME["dgx-spark-1"].home / ".disagg").exists()
+
+    dep = fleet_cli("deploy", "-i", str(inventory), "--json")
+    assert dep.returncode == 0, dep.stdout
+    results = {r["host"]: r for r in json.loads(dep.stdout)}
+    assert set(results) == set(BY_NAME)
+    for r in results.values():
+        assert r["ok"], r
+        assert r["result"]["service"] == "nohup"  # no systemd --user, not macOS
+        assert r["result"]["uploaded"] and r["result"]["configs_changed"]
+    m1 = BY_NAME["mac-studio-1"]
+    token = m1.home / ".disagg" / "token"
+    assert token.stat().st_mode & 0o777 == 0o600
+    assert token.stat().st_uid == int(in_ns("ops", "id", "-u", m1.user).stdout)
+
+    started = fleet_cli("start", "-i", str(inventory), timeout=400)
+    assert started.returncode == 0, started.stdout
+    assert started.stdout.count("started") == 4
+
+    code, rows = status_rows(fleet_cli, inventory)
+    assert code == 0, rows
+    assert len(rows) == 4 and all(r["state"] == "healthy" for r in rows), rows
+    by_host = {r["host"]: r for r in rows}
+    # ops has no route to the fast links: each answered on its switch address.
+    assert by_host["mac-studio-2"]["address"] == "10.77.0.22:8011"
+    assert by_host["dgx-spark-1"]["status"]["backend"] == "torch"
+    assert by_host["mac-studio-2"]["status"]["backend"] == "mlx"
+    table = fleet_cli("status", "-i", str(inventory))
+    assert table.returncode == 0 and "healthy" in table.stdout
+
+    # Both pipelines at once; the KV of each crosses its own fast link.
+    for model, (prefill_host, _) in {
+        "qwen3-coder-30b": ("dgx-spark-1", "mac-studio-2"),
+        "gpt-oss-120b": ("dgx-spark-2", "mac-studio-1"),
+    }.items():
+        m = generate(testbed, inventory, model)["metrics"]
+        assert m["method"] == "disaggregated", m
+        assert m["prefill_address"] == f"{BY_NAME[prefill_host].link_addr}:8000", m
+        assert m["kv_bytes"] > 0 and m["completion_tokens"] > 0
+
+    # The same through `disagg generate -m MODEL`, the inventory's pipeline by name.
+    gen = fleet_cli(
+        "generate", "-m", "qwen3-coder-30b", "-i", str(inventory), "-n", "8", "--json",
+        PROMPTS["qwen3-coder-30b"],
+    )  # fmt: skip
+    assert gen.returncode == 0, gen.stderr
+    answer = json.loads(gen.stdout)
+    assert "Paris" in answer["text"] and answer["metrics"]["method"] == "disaggregated"
+
+    logs = fleet_cli("logs", "-i", str(inventory), "-n", "20")
+    assert logs.returncode == 0, logs.stderr
+    assert re.search(r"^dgx-spark-1/prefill\s+\| .*prefilled", logs.stdout, re.M), logs.stdout
+    assert re.search(r"^dgx-spark-2/prefill\s+\| .*prefilled", logs.stdout, re.M), logs.stdout
+    assert "mac-studio-2/decode" in logs.stdout
+
+
+def test_fast_link_down_falls_back_to_switch(testbed: TestBed, inventory: Path) -> None:
+    testbed.link(1, up=False)
+    try:
+        m = generate(testbed, inventory, "qwen3-coder-30b")["metrics"]
+    finally:
+        testbed.link(1, up=True)
+    assert m["method"] == "disaggregated", m
+    assert m["prefill_address"] == f"{BY_NAME['dgx-spark-1'].switch_addr}:8000", m
+    m = generate(testbed, inventory, "qwen3-coder-30b")["metrics"]
+    assert m["prefill_address"] == f"{BY_NAME['dgx-spark-1'].link_addr}:8000", m
+
+
+def test_redeploy_is_idempotent_and_restarts_only_changed(
+    testbed: TestBed, inventory: Path, fleet_cli: FleetCli, testbed_models: dict[str, Path]
+) -> None:
+    before = agent_pids(testbed)
+    assert all(before.values()), before
+    again = fleet_cli("deploy", "-i", str(inventory), "--json")
+    assert again.returncode == 0, again.stdout
+    for r in json.loads(again.stdout):
+        assert r["result"]["uploaded"] == [] and r["result"]["configs_changed"] == [], r
+        assert r["result"]["restarted"] == [], r
+    assert "nothing uploaded" in again.stderr
+    assert agent_pids(testbed) == before
+
+    changed = testbed.ops_dir / "inventory-float32.toml"
+    changed.write_text(inventory_text(testbed, testbed_models, dtype={"gpt-oss-120b": "float32"}))
+    dep = fleet_cli("deploy", "-i", str(changed), "--json", timeout=400)
+    assert dep.returncode == 0, dep.stdout
+    restarted = {r["host"]: r["result"]["restarted"] for r in json.loads(dep.stdout)}
+    assert restarted == {
+        "dgx-spark-1": [],
+        "dgx-spark-2": ["prefill"],
+        "mac-studio-1": ["decode"],
+        "mac-studio-2": [],
+    }
+    after = agent_pids(testbed)
+    for host in ("dgx-spark-1", "mac-studio-2"):
+        assert after[host] == before[host]
+    for host in ("dgx-spark-2", "mac-studio-1"):
+        assert after[host] != before[host]
+    m = generate(testbed, changed, "gpt-oss-120b")["metrics"]
+    assert m["method"] == "disaggregated"
+
+
+def test_logs_follow_interleaves_hosts(testbed: TestBed, inventory: Path) -> None:
+    cmd = [sys.executable, "-m", "disagg.cli", "logs", "-f", "-n", "0"]
+    follow = subprocess.Popen(
+        ["ip", "netns", "exec", "ops", *cmd, "-i", str(inventory)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=REPO,
+    )
+    try:
+        time.sleep(3)  # let tail -F start on every host
+        for model in PROMPTS:
+            generate(testbed, inventory, model, max_tokens=2)
+        lines: queue.Queue[str] = queue.Queue()
+        assert follow.stdout is not None
+        out = follow.stdout
+
+        def pump() -> None:
+            for line in out:
+                lines.put(line)
+
+        threading.Thread(target=pump, daemon=True).start()
+        seen: set[str] = set()
+        deadline = time.monotonic() + 60
+        while seen != {"dgx-spark-1", "dgx-spark-2"} and time.monotonic() < deadline:
+            with contextlib.suppress(queue.Empty):
+                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+                if "prefilled" in line:
+                    seen.add(line.split("/", 1)[0].strip())
+        assert seen == {"dgx-spark-1", "dgx-spark-2"}
+    finally:
+        follow.terminate()
+        follow.wait(10)
+
+
+def test_stop_then_status_shows_stopped(
+    testbed: TestBed, inventory: Path, fleet_cli: FleetCli
+) -> None:
+    stopped = fleet_cli("stop", "-i", str(inventory))
+    assert stopped.returncode == 0, stopped.stdout
+    code, rows = status_rows(fleet_cli, inventory)
+    assert code == 1
+    assert [r["state"] for r in rows] == ["stopped"] * 4, rows
+
+
+def test_host_down_and_auth_refused(
+    testbed: TestBed, fleet_cli: FleetCli, testbed_models: dict[str, Path]
+) -> None:
+    bad = testbed.ops_dir / "inventory-bad-hosts.toml"
+    bad.write_text(
+        inventory_text(testbed, testbed_models, key_for={"mac-studio-2": testbed.wrong_key})
+    )
+    testbed.stop_sshd("mac-studio-1")
+    try:
+        dep = fleet_cli("deploy", "-i", str(bad), "--json")
+        code, rows = status_rows(fleet_cli, bad)
+        table = fleet_cli("status", "-i", str(bad))
+    finally:
+        testbed.start_sshd("mac-studio-1")
+    assert dep.returncode == 1
+    results = {r["host"]: r for r in json.loads(dep.stdout)}
+    assert results["dgx-spark-1"]["ok"] and results["dgx-spark-2"]["ok"]
+    assert "authentication refused" in results["mac-studio-2"]["error"]
+    assert "ssh-copy-id" in results["mac-studio-2"]["error"]
+    assert "cannot reach" in results["mac-studio-1"]["error"]  # its jump host is up
+    assert code == 1
+    states = {r["host"]: (r["state"], r["ok"]) for r in rows}
+    # Run after stop: nothing answers directly, so no ssh means unreachable.
+    assert states == {
+        "dgx-spark-1": ("stopped", False),
+        "dgx-spark-2": ("stopped", False),
+        "mac-studio-1": ("unreachable", False),
+        "mac-studio-2": ("unreachable", False),
+    }
+    assert table.returncode == 1 and "unreachable" in table.stdout
+
+
+def test_changed_host_key_is_refused_with_hint(testbed: TestBed, inventory: Path) -> None:
+    known = testbed.ops_dir / "known_hosts_forged"
+    other = testbed.ops_dir / "other_host_key"
+    if not other.exists():
+        in_ns("ops", "ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other))
+    fake = other.with_suffix(".pub").read_text().split()[:2]
+    known.write_text(f"{BY_NAME['dgx-spark-2'].switch_addr} {fake[0]} {fake[1]}\n")
+    code = (
+        "import dataclasses\n"
+        "from disagg.inventory import load\n"
+        "from disagg.remote import on_hosts\n"
+        f"inv = load({str(inventory)!r})\n"
+        f"ssh = dataclasses.replace(inv.ssh, known_hosts={str(known)!r})\n"
+        "hosts = [inv.hosts['dgx-spark-2'], inv.hosts['dgx-spark-1']]\n"
+        "for r in on_hosts(hosts, ssh, lambda h, s: s.check('echo ok')):\n"
+        "    print(r.host, r.ok, r.error)\n"
+    )
+    proc = testbed.ops(sys.executable, "-c", code, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("dgx-spark-2 False") and "ssh-keygen -R" in lines[0], lines
+    assert lines[1] == "dgx-spark-1 True None", lines
+    assert fake[1] in known.read_text()  # the known key is kept, never replaced
+
+
+def test_inventory_the_user_cannot_read(testbed: TestBed, inventory: Path) -> None:
+    secret = testbed.ops_dir / "secret.toml"
+    secret.write_text(inventory.read_text())
+    os.chmod(secret, 0o600)  # root's; a testbed user may not read it
+    user = BY_NAME["dgx-spark-1"].user
+    cmd = [sys.executable, "-m", "disagg.cli", "deploy", "-i", str(secret)]
+    proc = testbed.ops("runuser", "-u", user, "--", *cmd, cwd=REPO)
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Permission denied" in lines[0] and str(secret) in lines[0], lines
