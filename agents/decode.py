@@ -28,7 +28,7 @@ from .metrics import Stats
 from .mlxcache import MX_DTYPES, cache_kinds
 from .models import UnsupportedModel, get_adapter, load_hf_config
 from .placement import Placement
-from .server import common_args, fail, serve, setup_logging
+from .server import common_args, fail, load_token, serve, setup_logging
 
 log = logging.getLogger("disagg.decode")
 
@@ -105,9 +105,10 @@ class DecodeEngine:
 
 
 class DecodeAgent:
-    def __init__(self, engine: DecodeEngine, name: str) -> None:
+    def __init__(self, engine: DecodeEngine, name: str, token: bytes | None = None) -> None:
         self.engine = engine
         self.name = name
+        self.token = token  # the cluster token, also proves us to prefill agents
         self.stats = Stats("decode")
         self.placement = Placement()
         # All mlx work runs on one thread: requests queue up in front of it.
@@ -215,7 +216,7 @@ class DecodeAgent:
             "server": self.name,
         }
         try:
-            fetched = fetch_kv(target, ids[:-1], caches, hello, codec)
+            fetched = fetch_kv(target, ids[:-1], caches, hello, codec, self.token)
         except PrefillUnavailable as e:
             log.warning("%s; prefilling locally", e)
             metrics.update(method="local-fallback", fallback_reason=str(e))
@@ -309,20 +310,21 @@ class DecodeAgent:
 def main(argv: list[str] | None = None) -> None:
     args = common_args("decode").parse_args(argv)
     setup_logging("decode")
+    token = load_token(args.token_file)
     try:
         engine = DecodeEngine(args.model, dtype=args.dtype, device=args.device)
     except UnsupportedModel as e:
         fail(str(e))
     log.info("loaded %s on %s as %s", args.model, engine.device, engine.dtype)
-    agent = DecodeAgent(engine, args.name or f"decode@{socket.gethostname()}")
+    agent = DecodeAgent(engine, args.name or f"decode@{socket.gethostname()}", token)
     serve(
         "decode",
-        args.host,
-        args.port,
-        args.control_port,
+        args,
+        token,
         agent.handle,
         agent.status,
         agent.stats.prometheus,
+        busy=lambda: agent.stats.in_flight + agent.jobs.qsize(),
     )
 
 

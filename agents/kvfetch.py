@@ -40,6 +40,7 @@ def fetch_kv(
     caches: list[Any],
     hello: dict[str, Any],
     codec: Codec,
+    token: bytes | None = None,
 ) -> dict[str, Any]:
     """Fill `caches` with the K/V of `ids` from the prefill agent; return metrics.
 
@@ -56,6 +57,7 @@ def fetch_kv(
     try:
         sock.settimeout(timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        P.client_auth(sock, token)
         P.send_json(sock, P.Frame.HELLO, hello)
         _, ok = P.recv_json(sock, P.Frame.HELLO_OK)
         P.send_json(sock, P.Frame.PREFILL, {"token_ids": ids, "codec": int(codec)})
@@ -87,6 +89,9 @@ def fetch_kv(
             raise P.ProtocolError(f"prefill sent {len(got)} of {len(caches)} layers")
     except (OSError, P.ProtocolError) as e:
         raise PrefillUnavailable(f"prefill stream from {addr} failed: {e}") from e
+    except P.AuthError as e:
+        # Not a fault to paper over with a local prefill: the cluster is misconfigured.
+        raise P.RemoteError("unauthorized", f"prefill agent {addr} refused us: {e}") from e
     except P.RemoteError as e:
         if e.code == "model_mismatch":
             raise  # the user must see this; prefilling locally would hide it

@@ -22,7 +22,7 @@ from . import protocol as P
 from .kvcodec import DTYPE_NAMES, Codec, Kind, LayerKV, encode_layer
 from .metrics import Stats
 from .models import UnsupportedModel, get_adapter, layer_kinds_from_hf, load_hf_config
-from .server import common_args, fail, serve, setup_logging
+from .server import common_args, fail, load_token, serve, setup_logging
 
 log = logging.getLogger("disagg.prefill")
 
@@ -264,6 +264,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fault-layer-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     setup_logging("prefill")
+    token = load_token(args.token_file)
     try:
         engine = PrefillEngine(
             args.model, device=args.device, dtype=args.dtype, layer_delay_s=args.fault_layer_delay
@@ -274,12 +275,12 @@ def main(argv: list[str] | None = None) -> None:
     agent = PrefillAgent(engine, args.name or f"prefill@{socket.gethostname()}")
     serve(
         "prefill",
-        args.host,
-        args.port,
-        args.control_port,
+        args,
+        token,
         agent.handle,
         agent.status,
         agent.stats.prometheus,
+        busy=lambda: agent.stats.in_flight,
     )
 
 

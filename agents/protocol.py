@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import hashlib
+import hmac
 import json
+import secrets
 import socket
 import struct
 from collections.abc import Sequence
@@ -40,10 +43,17 @@ class Frame(enum.IntEnum):
     DONE = 8  # {"text", "token_ids", "metrics"}
     ERROR = 9  # {"code", "message"}
     LOGPROBS = 10  # binary float32 vector, only when a request asks for it
+    CHALLENGE = 11  # server -> client, first frame of every connection: {"nonce", "auth"}
+    AUTH = 12  # client -> server: {"nonce", "mac"}
+    AUTH_OK = 13  # server -> client: {"mac"}, the server's proof
 
 
 class ProtocolError(Exception):
     """The peer sent something that is not a valid frame, or hung up."""
+
+
+class AuthError(Exception):
+    """A peer failed to prove it holds the cluster token (or we have none to prove)."""
 
 
 class RemoteError(Exception):
@@ -181,3 +191,65 @@ def fingerprint_mismatch(ours: dict[str, Any], theirs: dict[str, Any]) -> list[s
         if a != b:
             diffs.append(f"{key} {a} vs {b}")
     return diffs
+
+
+# -- authentication ---------------------------------------------------------
+# Challenge-response with HMAC-SHA256 over both sides' nonces: the token never
+# crosses the wire, a recorded exchange cannot be replayed (fresh nonces), and
+# the server proves it knows the token too.
+
+NONCE_BYTES = 32
+
+
+def _mac(token: bytes, side: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    msg = b"disagg-auth-v1|" + side + b"|" + server_nonce + b"|" + client_nonce
+    return hmac.new(token, msg, hashlib.sha256).digest()
+
+
+def _hex_field(obj: dict[str, Any], key: str, size: int) -> bytes:
+    try:
+        raw = bytes.fromhex(str(obj.get(key, "")))
+    except ValueError:
+        raw = b""
+    if len(raw) != size:
+        raise ProtocolError(f"{key} must be {size} bytes of hex")
+    return raw
+
+
+def server_auth(sock: socket.socket, token: bytes | None) -> None:
+    """Open a connection as the server; raises AuthError after telling the peer why."""
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    send_json(sock, Frame.CHALLENGE, {"nonce": nonce.hex(), "auth": token is not None})
+    if token is None:
+        return
+    try:
+        _, msg = recv_json(sock, Frame.AUTH)
+        client_nonce = _hex_field(msg, "nonce", NONCE_BYTES)
+        mac = _hex_field(msg, "mac", hashlib.sha256().digest_size)
+    except (ProtocolError, RemoteError) as e:
+        send_error(sock, "unauthorized", f"authentication required: {e}")
+        raise AuthError(str(e)) from None
+    if not hmac.compare_digest(mac, _mac(token, b"client", nonce, client_nonce)):
+        send_error(sock, "unauthorized", "wrong token: this agent belongs to another cluster")
+        raise AuthError("wrong token")
+    send_json(sock, Frame.AUTH_OK, {"mac": _mac(token, b"server", nonce, client_nonce).hex()})
+
+
+def client_auth(sock: socket.socket, token: bytes | None) -> None:
+    """Open a connection as the client: answer the server's challenge."""
+    _, challenge = recv_json(sock, Frame.CHALLENGE)
+    nonce = _hex_field(challenge, "nonce", NONCE_BYTES)
+    if not challenge.get("auth"):
+        return
+    if token is None:
+        raise AuthError("the agent requires the cluster token and none was given")
+    client_nonce = secrets.token_bytes(NONCE_BYTES)
+    mac = _mac(token, b"client", nonce, client_nonce)
+    send_json(sock, Frame.AUTH, {"nonce": client_nonce.hex(), "mac": mac.hex()})
+    try:
+        _, ok = recv_json(sock, Frame.AUTH_OK)
+    except RemoteError as e:
+        raise AuthError(e.message) from None
+    proof = _hex_field(ok, "mac", hashlib.sha256().digest_size)
+    if not hmac.compare_digest(proof, _mac(token, b"server", nonce, client_nonce)):
+        raise AuthError("the agent could not prove it holds the cluster token")

@@ -112,7 +112,7 @@ class Client:
             for agent in agents:
                 agent.stop()
             raise
-        client = cls(router=Router(pipelines))
+        client = cls(router=Router(pipelines, token=agents[0].token))
         client.agents = agents
         client.model_dirs = dirs
         return client

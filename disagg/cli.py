@@ -282,8 +282,10 @@ def verify(
             "logprobs": True,
             "placement": "remote",
         }
-        disagg = client.generate(d.host, d.port, build_request(prompt, prefill=p, **base))
-        alone = client.generate(d.host, d.port, build_request(prompt, **base))
+        disagg = client.generate(
+            d.host, d.port, build_request(prompt, prefill=p, **base), token=d.token
+        )
+        alone = client.generate(d.host, d.port, build_request(prompt, **base), token=d.token)
         model_dir = str(next(iter(session.model_dirs.values())))
     report = compare(disagg, alone, min_agreement, model_dir)
     if disagg.metrics.get("method") != "disaggregated":

@@ -13,7 +13,7 @@ import numpy as np
 
 from agents import protocol as P
 
-from .errors import AgentError, ConnectError, DisaggError, ModelMismatch, UsageError
+from .errors import AgentError, AuthError, ConnectError, DisaggError, ModelMismatch, UsageError
 
 # Metrics the seed documents name; every result carries all of them.
 METRIC_NAMES = (
@@ -47,11 +47,17 @@ def _raise_remote(e: P.RemoteError) -> None:
         raise ModelMismatch(e.message) from None
     if e.code == "bad_request":
         raise UsageError(e.message) from None
+    if e.code == "unauthorized":
+        raise AuthError(e.message) from None
     raise AgentError(f"{e.code}: {e.message}") from None
 
 
 def stream(
-    host: str, port: int, request: dict[str, Any], timeout_s: float = 240.0
+    host: str,
+    port: int,
+    request: dict[str, Any],
+    timeout_s: float = 240.0,
+    token: bytes | None = None,
 ) -> Generator[tuple[str, Any], None, None]:
     """Yield ("token", {"id", "text"}), ("logprobs", array) and finally ("done", result)."""
     try:
@@ -61,6 +67,14 @@ def stream(
     deadline = time.monotonic() + timeout_s
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(min(timeout_s, 10.0))
+        try:
+            P.client_auth(sock, token)
+        except P.AuthError as e:
+            raise AuthError(
+                f"decode agent {host}:{port}: {e}; fix: use the cluster's token "
+                "(disagg deploy writes it; --local makes its own)"
+            ) from None
         P.send_json(sock, P.Frame.GENERATE, request)
         while True:
             left = deadline - time.monotonic()
@@ -103,6 +117,7 @@ def generate(
     on_text: Callable[[str], None] | None = None,
     timeout_s: float = 240.0,
     on_token: Callable[[dict[str, Any]], None] | None = None,
+    token: bytes | None = None,
 ) -> Result:
     """Run one request to completion.
 
@@ -111,7 +126,7 @@ def generate(
     the connection, which tells the decode agent to stop.
     """
     t0 = time.perf_counter()
-    with contextlib.closing(stream(host, port, request, timeout_s)) as events:
+    with contextlib.closing(stream(host, port, request, timeout_s, token)) as events:
         return _collect(host, port, events, t0, on_text, on_token)
 
 

@@ -23,3 +23,7 @@ class ModelMismatch(AgentError):
 
 class ConnectError(DisaggError):
     """An agent or host could not be reached."""
+
+
+class AuthError(DisaggError):
+    """An agent refused our token, or we have none for an agent that wants one."""

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import os
 import queue
+import secrets
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,11 +28,20 @@ class AgentProc:
     control_port: int
     name: str
     log_path: Path
+    token: bytes | None = None
     _stopped: bool = field(default=False, repr=False)
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    def control(self, path: str, timeout_s: float = 5.0) -> bytes:
+        """GET a control endpoint (/health, /status, /metrics) with our bearer token."""
+        req = urllib.request.Request(f"http://{self.host}:{self.control_port}{path}")
+        if self.token:
+            req.add_header("Authorization", f"Bearer {self.token.decode()}")
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return bytes(resp.read())
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -134,6 +145,17 @@ def wait_ready(
             )
 
 
+def make_token_file(directory: Path) -> tuple[Path, bytes]:
+    """A fresh cluster token for local agents, readable only by us."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "token"
+    token = secrets.token_hex(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+    return path, token.encode()
+
+
 def start_local_agents(
     model_dir: Path,
     *,
@@ -141,9 +163,17 @@ def start_local_agents(
     dtype: str = "auto",
     log_dir: Path | None = None,
     timeout_s: float = 300.0,
+    token_file: Path | None = None,
 ) -> tuple[AgentProc, list[AgentProc]]:
-    """Start one prefill and `n_decode` decode agents on 127.0.0.1, all loading at once."""
+    """Start one prefill and `n_decode` decode agents on 127.0.0.1, all loading at once.
+
+    They share `token_file` (one cluster), or a fresh token of their own.
+    """
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="disagg-logs-"))
+    if token_file is None:
+        token_file, token = make_token_file(log_dir)
+    else:
+        token = token_file.read_bytes().strip()
     names = ["prefill@127.0.0.1"] + [
         "decode@127.0.0.1" if i == 0 else f"decode-{i + 1}@127.0.0.1" for i in range(n_decode)
     ]
@@ -154,6 +184,7 @@ def start_local_agents(
             dtype=dtype,
             name=name,
             log_dir=log_dir / name.split("@")[0],
+            extra_args=["--token-file", str(token_file)],
         )
         for i, name in enumerate(names)
     ]
@@ -163,6 +194,7 @@ def start_local_agents(
             ready.append(
                 wait_ready("prefill" if i == 0 else "decode", proc, log_path, name, timeout_s)
             )
+            ready[-1].token = token
     except Exception:
         for agent in ready:
             agent.stop()
@@ -178,9 +210,10 @@ def start_local_pair(
     dtype: str = "auto",
     log_dir: Path | None = None,
     timeout_s: float = 300.0,
+    token_file: Path | None = None,
 ) -> tuple[AgentProc, AgentProc]:
     """Start a prefill and a decode agent on 127.0.0.1; both load at the same time."""
     prefill, decodes = start_local_agents(
-        model_dir, dtype=dtype, log_dir=log_dir, timeout_s=timeout_s
+        model_dir, dtype=dtype, log_dir=log_dir, timeout_s=timeout_s, token_file=token_file
     )
     return prefill, decodes[0]

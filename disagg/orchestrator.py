@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import client
-from .errors import AgentError, ConnectError, ModelMismatch, UsageError
+from .errors import AgentError, AuthError, ConnectError, ModelMismatch, UsageError
 
 DOWN_FOR_S = 5.0  # a failed agent is skipped this long before it is probed again
 HEALTH_TTL_S = 2.0
@@ -47,8 +47,9 @@ class StopGeneration(Exception):
 
 
 class Router:
-    def __init__(self, pipelines: Iterable[Pipeline]) -> None:
+    def __init__(self, pipelines: Iterable[Pipeline], token: bytes | None = None) -> None:
         self.pipelines = {p.name: p for p in pipelines}
+        self.token = token  # the cluster token the agents check
         self.lock = threading.Lock()
         self.busy: Counter[str] = Counter()
         self.down_until: dict[str, float] = {}
@@ -148,12 +149,14 @@ class Router:
             with self.lock:
                 self.busy[ep.name] += 1
             try:
-                result = client.generate(ep.host, ep.port, req, on_token=forward, timeout_s=left)
+                result = client.generate(
+                    ep.host, ep.port, req, on_token=forward, timeout_s=left, token=self.token
+                )
                 result.metrics["decode_server"] = result.metrics.get("decode_server") or ep.name
                 if failures:
                     result.metrics["rerouted_from"] = failures
                 return result
-            except (UsageError, ModelMismatch, StopGeneration):
+            except (UsageError, ModelMismatch, AuthError, StopGeneration):
                 raise
             except (ConnectError, AgentError) as e:
                 self._mark_down(ep)

@@ -11,7 +11,7 @@ import pytest
 
 from disagg import client
 from disagg.errors import ModelMismatch
-from disagg.launcher import AgentProc, start_local_pair
+from disagg.launcher import AgentProc, make_token_file, start_local_pair
 from tests.tinymodels import PROMPT, make_tiny
 
 from .references import hf_greedy, mlx_greedy
@@ -28,11 +28,13 @@ def tiny(
 ) -> Iterator[dict[str, tuple[Path, AgentProc, AgentProc]]]:
     root = tmp_path_factory.mktemp("tiny-agents")
     out: dict[str, tuple[Path, AgentProc, AgentProc]] = {}
+    token_file, _ = make_token_file(root)  # one cluster: the mismatch test crosses pairs
     try:
         for arch in ("gpt_oss", "qwen3_moe"):
             extra = {"sliding_window": WINDOW} if arch == "gpt_oss" else {}
             path = make_tiny(arch, root / arch, seed=1, **extra)
-            out[arch] = (path, *start_local_pair(path, log_dir=root))
+            pair = start_local_pair(path, log_dir=root / f"logs-{arch}", token_file=token_file)
+            out[arch] = (path, *pair)
         yield out
     finally:
         for _, prefill, decode in out.values():
@@ -63,7 +65,7 @@ def test_tiny_agents_match_both_monolithic_references(
         "placement": "remote",
         "prefill": {"host": prefill.host, "port": prefill.port},
     }
-    res = client.generate(decode.host, decode.port, req)
+    res = client.generate(decode.host, decode.port, req, token=decode.token)
     ids = res.prompt_ids or []
     assert res.metrics["method"] == "disaggregated" and res.metrics["kv_bytes"] > 0
     if arch == "gpt_oss":
@@ -87,7 +89,9 @@ def test_mismatched_models_fail_naming_both(
         "prefill": {"host": moe_prefill.host, "port": moe_prefill.port},
     }
     with pytest.raises(ModelMismatch) as info:
-        client.generate(gpt_decode.host, gpt_decode.port, req, on_text=texts.append)
+        client.generate(
+            gpt_decode.host, gpt_decode.port, req, on_text=texts.append, token=gpt_decode.token
+        )
     message = str(info.value)
     assert str(gpt_dir) in message and str(moe_dir) in message
     assert "architecture qwen3_moe vs gpt_oss" in message
@@ -99,5 +103,6 @@ def test_mismatched_models_fail_naming_both(
             decode.host,
             decode.port,
             {**req, "prefill": {"host": prefill.host, "port": prefill.port}},
+            token=decode.token,
         )
         assert ok.metrics["method"] == "disaggregated" and ok.metrics["completion_tokens"] > 0

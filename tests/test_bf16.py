@@ -49,7 +49,7 @@ def test_bf16_run_equals_mlx_continued_from_the_same_kv(
         "placement": "remote",
         "prefill": {"host": prefill.host, "port": prefill.port},
     }
-    res = client.generate(decode.host, decode.port, req)
+    res = client.generate(decode.host, decode.port, req, token=decode.token)
     assert res.metrics["method"] == "disaggregated"
     ids = res.prompt_ids or []
     # bf16 on the wire: 2 bytes per element, 30 layers x K and V x 3 heads x 64 dims.

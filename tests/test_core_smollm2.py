@@ -56,7 +56,7 @@ def run(
     }
     if remote:
         req["prefill"] = {"host": prefill.host, "port": prefill.port}
-    return client.generate(decode.host, decode.port, req)
+    return client.generate(decode.host, decode.port, req, token=decode.token)
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +133,7 @@ def test_bad_requests_leave_the_agent_healthy(
             decode.port,
             {**request_, "prefill": {"host": prefill.host, "port": prefill.port}},
             on_text=seen.append,
+            token=decode.token,
         )
     assert seen == []
     ok = run(smol_agents, "What is the capital of France?", max_tokens=8, ignore_eos=False)
@@ -147,7 +148,7 @@ def test_prefill_agent_down_falls_back_locally(smol_agents: tuple[AgentProc, Age
         "max_tokens": 8,
         "prefill": {"host": "127.0.0.1", "port": 1},
     }
-    res = client.generate(decode.host, decode.port, req)
+    res = client.generate(decode.host, decode.port, req, token=decode.token)
     assert res.metrics["method"] == "local-fallback"
     assert "cannot reach prefill agent" in res.metrics["fallback_reason"]
     assert "Paris" in res.text
@@ -164,16 +165,13 @@ def test_auto_placement_prefers_the_prefill_agent_here(
         "max_tokens": 4,
         "prefill": {"host": prefill.host, "port": prefill.port},
     }
-    m = client.generate(decode.host, decode.port, req).metrics
+    m = client.generate(decode.host, decode.port, req, token=decode.token).metrics
     assert m["placement"] == "remote" and m["method"] == "disaggregated"
     assert "est. remote" in m["placement_reason"] and "local prefill" in m["placement_reason"]
 
 
 def _get(agent: AgentProc, path: str) -> str:
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://{agent.host}:{agent.control_port}{path}", timeout=5) as r:
-        return r.read().decode()
+    return agent.control(path).decode()
 
 
 def test_control_endpoints_report_what_happened(smol_agents: tuple[AgentProc, AgentProc]) -> None:

@@ -8,7 +8,6 @@ import os
 import signal
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,9 +31,7 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def in_flight(agent: AgentProc) -> int:
-    url = f"http://{agent.host}:{agent.control_port}/status"
-    with urllib.request.urlopen(url, timeout=2) as resp:
-        return int(json.loads(resp.read())["in_flight"])
+    return int(json.loads(agent.control("/status"))["in_flight"])
 
 
 def wait_busy(agents: list[AgentProc], timeout_s: float = 30) -> AgentProc:
@@ -83,12 +80,14 @@ def test_prefill_killed_mid_kv_stream_falls_back_with_the_same_text(
         "placement": "remote",
         "prefill": {"host": prefill.host, "port": prefill.port},
     }
-    undisturbed = client.generate(decode.host, decode.port, req)
+    undisturbed = client.generate(decode.host, decode.port, req, token=decode.token)
     assert undisturbed.metrics["method"] == "disaggregated"
 
     box: dict[str, Any] = {}
     worker = threading.Thread(
-        target=lambda: box.update(r=client.generate(decode.host, decode.port, req, timeout_s=60))
+        target=lambda: box.update(
+            r=client.generate(decode.host, decode.port, req, timeout_s=60, token=decode.token)
+        )
     )
     t0 = time.monotonic()
     worker.start()
@@ -125,7 +124,8 @@ def test_decode_killed_alone_is_a_clear_error_within_the_timeout(
 ) -> None:
     prefill, (decode, _) = decoders
     router = Router(
-        [Pipeline("tiny", [endpoint(prefill)], [endpoint(decode)], decode_timeout_s=30)]
+        [Pipeline("tiny", [endpoint(prefill)], [endpoint(decode)], decode_timeout_s=30)],
+        token=prefill.token,
     )
     box: dict[str, Any] = {}
 
@@ -152,7 +152,9 @@ def test_decode_killed_with_a_sibling_is_rerouted_and_completes(
     decoders: tuple[AgentProc, list[AgentProc]],
 ) -> None:
     prefill, decodes = decoders
-    router = Router([Pipeline("tiny", [endpoint(prefill)], [endpoint(d) for d in decodes])])
+    router = Router(
+        [Pipeline("tiny", [endpoint(prefill)], [endpoint(d) for d in decodes])], token=prefill.token
+    )
     req = {**LONG_DECODE, "max_tokens": 1500}
     undisturbed = router.run("tiny", req)
     seen: list[int] = []

@@ -50,13 +50,15 @@ def test_agents_choose_from_their_own_measurements(tmp_path: Path) -> None:
     try:
         target = {"host": prefill.host, "port": prefill.port}
         base = {"prompt": "hello there", "raw": True, "max_tokens": 4, "prefill": target}
-        first = client.generate(decode.host, decode.port, base).metrics
+        first = client.generate(decode.host, decode.port, base, token=decode.token).metrics
         assert first["method"] == "disaggregated"
         assert first["placement_reason"] == "no measurement of the prefill agent yet"
-        client.generate(decode.host, decode.port, {**base, "placement": "local"})
+        client.generate(
+            decode.host, decode.port, {**base, "placement": "local"}, token=decode.token
+        )
         # A 4-layer model prefills a few tokens in well under a millisecond in mlx; a
         # round trip to the prefill agent costs more: measured, so chosen, locally.
-        auto = client.generate(decode.host, decode.port, base).metrics
+        auto = client.generate(decode.host, decode.port, base, token=decode.token).metrics
         assert auto["method"] == "local" and auto["placement"] == "local"
         assert "est. remote" in auto["placement_reason"]
         assert auto["kv_bytes"] == 0

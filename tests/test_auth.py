@@ -1,0 +1,194 @@
+"""Authentication: every agent endpoint but GET /health wants the cluster token;
+the KV socket proves it by challenge-response and never carries it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agents import protocol as P
+from disagg import client
+from disagg.errors import AuthError
+from disagg.launcher import AgentProc, spawn_agent, start_local_pair, wait_ready
+from tests.tinymodels import PROMPT, make_tiny
+
+pytestmark = [pytest.mark.auth, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny("llama", tmp_path_factory.mktemp("auth") / "llama", seed=6)
+
+
+@pytest.fixture(scope="module")
+def pair(
+    tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[AgentProc, AgentProc]]:
+    agents = start_local_pair(tiny_dir, log_dir=tmp_path_factory.mktemp("auth-logs"))
+    yield agents
+    for a in reversed(agents):
+        a.stop()
+
+
+def request(prefill_host: str, prefill_port: int) -> dict[str, object]:
+    return {
+        "prompt": PROMPT,
+        "raw": True,
+        "max_tokens": 4,
+        "placement": "remote",
+        "prefill": {"host": prefill_host, "port": prefill_port},
+    }
+
+
+def prefill_requests(prefill: AgentProc) -> int:
+    return int(json.loads(prefill.control("/status"))["requests"])
+
+
+def test_right_token_works(pair: tuple[AgentProc, AgentProc]) -> None:
+    prefill, decode = pair
+    res = client.generate(
+        decode.host, decode.port, request(prefill.host, prefill.port), token=decode.token
+    )
+    assert res.metrics["method"] == "disaggregated" and res.token_ids
+
+
+@pytest.mark.parametrize(
+    "token, message",
+    [
+        (None, "requires the cluster token"),
+        (b"0" * 64, "wrong token"),
+    ],
+)
+def test_missing_or_wrong_token_is_refused_and_logged(
+    pair: tuple[AgentProc, AgentProc], token: bytes | None, message: str
+) -> None:
+    prefill, decode = pair
+    before = prefill_requests(prefill)
+    with pytest.raises(AuthError, match=message):
+        client.generate(decode.host, decode.port, request(prefill.host, prefill.port), token=token)
+    assert prefill_requests(prefill) == before  # no work was done anywhere
+    if token is not None:
+        assert "refused 127.0.0.1" in decode.log_path.read_text()
+
+
+def test_prefill_agent_refuses_a_decode_side_without_the_token(
+    pair: tuple[AgentProc, AgentProc],
+) -> None:
+    prefill, _ = pair
+    before = prefill_requests(prefill)
+    with socket.create_connection((prefill.host, prefill.port), timeout=5) as s:
+        with pytest.raises(P.AuthError):
+            P.client_auth(s, b"not-the-cluster-token")
+    with socket.create_connection((prefill.host, prefill.port), timeout=5) as s:
+        P.recv_json(s, P.Frame.CHALLENGE)
+        P.send_json(s, P.Frame.HELLO, {"fingerprint": {}})  # skips AUTH entirely
+        with pytest.raises(P.RemoteError, match="authentication required"):
+            P.recv_json(s, P.Frame.HELLO_OK)
+    assert prefill_requests(prefill) == before
+    assert "refused 127.0.0.1" in prefill.log_path.read_text()
+
+
+def http_status(agent: AgentProc, path: str, token: str | None) -> int:
+    req = urllib.request.Request(f"http://{agent.host}:{agent.control_port}{path}")
+    if token is not None:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+
+
+def test_http_wants_the_bearer_token_except_health(pair: tuple[AgentProc, AgentProc]) -> None:
+    for agent in pair:
+        assert agent.token is not None
+        right = agent.token.decode()
+        assert http_status(agent, "/health", None) == 200
+        for path in ("/status", "/metrics"):
+            assert http_status(agent, path, None) == 401
+            assert http_status(agent, path, "wrong") == 401
+            assert http_status(agent, path, right) == 200
+
+
+class Recorder:
+    """A TCP relay that keeps every byte it forwards, both ways."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.seen = bytearray()
+        self.lock = threading.Lock()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                a, _ = self.listener.accept()
+            except OSError:
+                return
+            b = socket.create_connection(self.target)
+            for src, dst in ((a, b), (b, a)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                with self.lock:
+                    self.seen += data
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+
+def test_the_token_never_crosses_the_wire(pair: tuple[AgentProc, AgentProc]) -> None:
+    prefill, decode = pair
+    to_decode = Recorder((decode.host, decode.port))
+    to_prefill = Recorder((prefill.host, prefill.port))
+    res = client.generate(
+        "127.0.0.1", to_decode.port, request("127.0.0.1", to_prefill.port), token=decode.token
+    )
+    assert res.metrics["method"] == "disaggregated"
+    assert res.metrics["prefill_address"] == f"127.0.0.1:{to_prefill.port}"
+    assert decode.token is not None
+    for rec in (to_decode, to_prefill):
+        assert b"CHALLENGE" not in rec.seen  # frames are binary, not names
+        assert len(rec.seen) > 1000
+        assert decode.token not in rec.seen and bytes.fromhex(decode.token.decode()) not in rec.seen
+
+
+def test_a_token_file_others_can_read_is_refused(tiny_dir: Path, tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("x" * 64)
+    os.chmod(token, 0o644)
+    proc, log, name = spawn_agent(
+        "decode", tiny_dir, log_dir=tmp_path, extra_args=["--token-file", str(token)]
+    )
+    from disagg.errors import ModelError
+
+    with pytest.raises(ModelError, match="readable by others; fix: chmod 600"):
+        wait_ready("decode", proc, log, name, timeout_s=60)
+
+
+def test_agents_bind_only_the_addresses_they_are_given(tiny_dir: Path, tmp_path: Path) -> None:
+    proc, log, name = spawn_agent("prefill", tiny_dir, host="127.0.0.2", log_dir=tmp_path)
+    agent = wait_ready("prefill", proc, log, name, timeout_s=120)
+    try:
+        socket.create_connection(("127.0.0.2", agent.port), timeout=2).close()
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", agent.port), timeout=2)
+    finally:
+        agent.stop()
