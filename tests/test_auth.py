@@ -85,9 +85,11 @@ def test_prefill_agent_refuses_a_decode_side_without_the_token(
 ) -> None:
     prefill, _ = pair
     before = prefill_requests(prefill)
-    with socket.create_connection((prefill.host, prefill.port), timeout=5) as s:
-        with pytest.raises(P.AuthError):
-            P.client_auth(s, b"not-the-cluster-token")
+    with (
+        socket.create_connection((prefill.host, prefill.port), timeout=5) as s,
+        pytest.raises(P.AuthError),
+    ):
+        P.client_auth(s, b"not-the-cluster-token")
     with socket.create_connection((prefill.host, prefill.port), timeout=5) as s:
         P.recv_json(s, P.Frame.CHALLENGE)
         P.send_json(s, P.Frame.HELLO, {"fingerprint": {}})  # skips AUTH entirely
