@@ -11,12 +11,13 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import _get_classes, load_model, load_tokenizer
@@ -225,6 +226,33 @@ class DecodeAgent:
         metrics.update(fetched, method="disaggregated")
         return caches, ids[-1:]
 
+    def _steps(
+        self, prompt: list[int], caches: list[Any], sampler: Any, max_tokens: int, method: str
+    ) -> Iterator[tuple[Any, Any]]:
+        """(token, logprobs) pairs, as mlx-lm's generate_step yields them.
+
+        After a remote prefill only the last prompt token is left. generate_step
+        would queue step 2 before handing back token 1, which on mlx's CPU backend
+        delays the first token by a whole step; so run that one step here, exactly
+        as generate_step's own step does, and let generate_step carry on from it.
+        """
+        model = self.engine.model
+        if method != "disaggregated":
+            yield from generate_step(
+                mx.array(prompt), model, prompt_cache=caches, sampler=sampler, max_tokens=max_tokens
+            )
+            return
+        with mx.stream(generation_stream):
+            logits = model(mx.array(prompt)[None], cache=caches)[:, -1, :]
+            logprobs = logits - mx.logsumexp(logits, keepdims=True)
+            token = sampler(logprobs)
+        mx.eval(token, logprobs)
+        yield token.item(), logprobs.squeeze(0)
+        if max_tokens > 1:
+            yield from generate_step(
+                token, model, prompt_cache=caches, sampler=sampler, max_tokens=max_tokens - 1
+            )
+
     def _generate(self, req: dict[str, Any], sock: socket.socket) -> dict[str, Any]:
         eng = self.engine
         t0 = time.perf_counter()
@@ -253,9 +281,7 @@ class DecodeAgent:
         out: list[int] = []
         t_local = time.perf_counter()
         ttft = t_first = None
-        steps = generate_step(
-            mx.array(prompt), eng.model, prompt_cache=caches, sampler=sampler, max_tokens=max_tokens
-        )
+        steps = self._steps(prompt, caches, sampler, max_tokens, metrics["method"])
         for token, logprobs in steps:
             tid = int(token)
             if t_first is None:

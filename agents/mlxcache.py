@@ -54,7 +54,14 @@ def fill_layer(cache: Any, kv: LayerKV, prompt_len: int) -> None:
             raise ValueError(
                 f"layer {kv.layer}: full-attention layer sent {kept} of {prompt_len} tokens"
             )
-        cache.keys, cache.values, cache.offset = keys, values, prompt_len
+        # Leave room for decoding, as mlx-lm's own prefill does: the first step
+        # then writes in place instead of copying the whole cache to grow it.
+        capacity = (prompt_len // cache.step + 1) * cache.step
+        cache.keys = mx.zeros((*keys.shape[:2], capacity, keys.shape[3]), keys.dtype)
+        cache.values = mx.zeros((*values.shape[:2], capacity, values.shape[3]), values.dtype)
+        cache.keys[..., :prompt_len, :] = keys
+        cache.values[..., :prompt_len, :] = values
+        cache.offset = prompt_len
     else:
         raise ValueError(f"layer {kv.layer}: cannot fill an mlx {type(cache).__name__}")
     mx.eval(cache.keys, cache.values)

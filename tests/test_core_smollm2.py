@@ -178,7 +178,7 @@ def test_control_endpoints_report_what_happened(smol_agents: tuple[AgentProc, Ag
     import json
 
     prefill, decode = smol_agents
-    assert json.loads(_get(decode, "/health")) == {"ok": True}
+    assert json.loads(_get(decode, "/health")) == {"ok": True, "draining": False}
     status = json.loads(_get(decode, "/status"))
     assert status["role"] == "decode" and status["backend"] == "mlx" and status["loaded"]
     assert status["requests"] > 5 and status["errors"] >= 6  # the bad requests above
