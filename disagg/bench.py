@@ -129,6 +129,7 @@ def run_core_bench(
 
     model_dir = Path(model_dir)
     t_start = time.perf_counter()
+    load_start = _loadavg()
     date = datetime.now(timezone.utc).isoformat(timespec="seconds")
 
     say("starting prefill and decode agents")
@@ -141,7 +142,9 @@ def run_core_bench(
         target = {"host": prefill.host, "port": prefill.port}
 
         def agent_run(request: dict[str, Any]) -> client.Result:
-            result = client.generate(decode.host, decode.port, {**request, "prefill": target})
+            # placement "remote": never let the decode agent choose to prefill itself.
+            full = {**request, "prefill": target, "placement": "remote"}
+            result = client.generate(decode.host, decode.port, full, token=decode.token)
             if result.metrics.get("method") != "disaggregated":
                 raise AgentError(
                     "the benchmark request was not disaggregated: "
@@ -243,6 +246,7 @@ def run_core_bench(
                         "prefill_time",
                         "kv_wait_time",
                         "kv_transfer_time",
+                        "kv_fetch_time",
                         "kv_bytes",
                     )
                 }
@@ -292,9 +296,19 @@ def run_core_bench(
         "machine": machine,
         "decode": decode_part,
         "ttft": ttft_part,
+        # Other work on the machine skews every number: a 1-minute load average
+        # well above 0 at either end means the run should be repeated.
+        "load_avg_1m": {"start": load_start, "end": _loadavg()},
         "ok": bool(decode_part["ok"] and ttft_part["ok"]),
         "elapsed_s": time.perf_counter() - t_start,
     }
+
+
+def _loadavg() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
 
 
 def _agent_device(agent: Any) -> str | None:
@@ -330,7 +344,8 @@ def bench_table(report: dict[str, Any]) -> Table:
             f"{report['date']} · {m['platform']} · {m['cpu_count']} CPUs · "
             f"torch {m['torch']} on {m['prefill_device']} · transformers {m['transformers']} · "
             f"mlx {m['mlx']} / mlx-lm {m['mlx_lm']} on {m['decode_device']} · "
-            f"{Path(report['model']).name} · {report['elapsed_s']:.0f} s"
+            f"{Path(report['model']).name} · {report['elapsed_s']:.0f} s · load avg (1 min) "
+            f"{report['load_avg_1m']['start']} at start, {report['load_avg_1m']['end']} at end"
         ),
     )
     table.add_column("measure")
@@ -386,6 +401,7 @@ def bench_table(report: dict[str, Any]) -> Table:
         "prefill_time": "  prefill agent's forward pass (incl. per-layer KV copies)",
         "kv_wait_time": "  PREFILL sent -> first KV layer in",
         "kv_transfer_time": "  first -> last KV layer in",
+        "kv_fetch_time": "  whole KV fetch (dial, handshake, prefill, stream)",
         "kv_bytes": "  KV bytes on the wire",
     }
     for key, label in labels.items():

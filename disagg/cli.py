@@ -303,6 +303,37 @@ def verify(
         raise typer.Exit(1)
 
 
+@app.command()
+@friendly
+def bench(
+    local: Local = False,
+    model: Model = None,
+    repeats: Annotated[int, typer.Option("--repeats", help="Runs per comparison.")] = 3,
+    decode_tokens: Annotated[int, typer.Option("--decode-tokens")] = 64,
+    prompt_tokens: Annotated[int, typer.Option("--prompt-tokens")] = 2000,
+    as_json: Json = False,
+) -> None:
+    """Measure the handoff against its peers in one run: decode tokens/s against
+    mlx-lm's own generation, TTFT against transformers' own prefill."""
+    from .bench import bench_table, run_core_bench
+    from .local import resolve_model
+
+    _need_local(local)
+    if repeats < 1 or decode_tokens < 2 or prompt_tokens < 16:
+        raise UsageError("--repeats >= 1, --decode-tokens >= 2, --prompt-tokens >= 16")
+    report = run_core_bench(
+        resolve_model(model, _say),
+        repeats=repeats,
+        decode_tokens=decode_tokens,
+        long_prompt_tokens=prompt_tokens,
+        say=_say,
+    )
+    if as_json:
+        print(json.dumps(report))
+    else:
+        out.print(bench_table(report))
+
+
 def _register_fleet() -> None:
     from .fleetcmds import register
 
