@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard
 
-from .protocol import ProtocolError
+from .protocol import DEFAULT_MAX_FRAME, ProtocolError
 
 # layer, kind, dtype, codec, heads, seq, k_dim, v_dim, k_len, v_len
 LAYER_HEADER = struct.Struct("<IBBBxIIIIQQ")
@@ -97,8 +97,12 @@ def _expand(raw: memoryview, codec: Codec, nbytes: int, itemsize: int) -> bytes 
     return _unshuffle(out, itemsize) if codec == Codec.SHUFFLE_ZSTD else out
 
 
-def decode_layer(payload: bytearray | bytes) -> LayerKV:
-    """Parse a KV_LAYER payload; raises ProtocolError on anything inconsistent."""
+def decode_layer(payload: bytearray | bytes, max_bytes: int = DEFAULT_MAX_FRAME) -> LayerKV:
+    """Parse a KV_LAYER payload; raises ProtocolError on anything inconsistent.
+
+    `max_bytes` caps what the layer may expand to, so a small compressed frame
+    that claims a huge shape cannot make us allocate it.
+    """
     if len(payload) < LAYER_HEADER.size:
         raise ProtocolError("KV_LAYER frame shorter than its header")
     layer, kind, dtype, codec, heads, seq, k_dim, v_dim, k_len, v_len = LAYER_HEADER.unpack_from(
@@ -111,6 +115,9 @@ def decode_layer(payload: bytearray | bytes) -> LayerKV:
     if LAYER_HEADER.size + k_len + v_len != len(payload):
         raise ProtocolError("KV_LAYER block lengths do not add up to the frame length")
     np_dtype = np.dtype(WIRE_NUMPY[dtype_e])
+    expanded = heads * seq * (k_dim + v_dim) * np_dtype.itemsize
+    if expanded > max_bytes:
+        raise ProtocolError(f"KV_LAYER claims {expanded} bytes, over the cap of {max_bytes}")
     view = memoryview(payload)[LAYER_HEADER.size :]
     k_raw = _expand(
         view[:k_len], codec_e, heads * seq * k_dim * np_dtype.itemsize, np_dtype.itemsize

@@ -70,7 +70,13 @@ def fetch_kv(
                 kv = decode_layer(payload)
                 if not 0 <= kv.layer < len(caches) or kv.layer in got:
                     raise P.ProtocolError(f"unexpected KV for layer {kv.layer}")
-                fill_layer(caches[kv.layer], kv, len(ids))
+                fp = hello["fingerprint"]
+                if kv.keys.shape[0] != fp["num_kv_heads"] or kv.keys.shape[2] != fp["head_dim"]:
+                    raise P.ProtocolError(f"layer {kv.layer} K/V has shape {kv.keys.shape}")
+                try:
+                    fill_layer(caches[kv.layer], kv, len(ids))
+                except ValueError as e:  # token count or cache kind does not fit
+                    raise P.ProtocolError(str(e)) from None
                 last = time.perf_counter()
                 if first is None:
                     first = last

@@ -29,6 +29,8 @@ HEADER = struct.Struct("<2sBBB3xQ")
 # Refuse absurd lengths before allocating: one layer of a 30B model at 32k
 # tokens is ~0.5 GiB, so 2 GiB leaves room without letting a peer OOM us.
 DEFAULT_MAX_FRAME = 2 << 30
+# Control frames (requests, hellos, token ids) from peers; agents may lower it
+# with --max-request-bytes.
 CONTROL_MAX_FRAME = 16 << 20
 
 
@@ -159,10 +161,10 @@ def decode_json(header: Header, payload: bytes | bytearray) -> dict[str, Any]:
 
 
 def recv_json(
-    sock: socket.socket, expect: Frame | tuple[Frame, ...], max_frame: int = CONTROL_MAX_FRAME
+    sock: socket.socket, expect: Frame | tuple[Frame, ...], max_frame: int | None = None
 ) -> tuple[Frame, dict[str, Any]]:
     """Receive one control frame; an ERROR frame becomes RemoteError."""
-    header, payload = recv_frame(sock, max_frame)
+    header, payload = recv_frame(sock, CONTROL_MAX_FRAME if max_frame is None else max_frame)
     allowed = expect if isinstance(expect, tuple) else (expect,)
     if header.type == Frame.ERROR:
         obj = decode_json(header, payload)

@@ -63,6 +63,12 @@ def common_args(role: str) -> argparse.ArgumentParser:
         help="cluster token (0600); without it the agent accepts anyone",
     )
     p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=P.CONTROL_MAX_FRAME,
+        help="largest control frame (request, hello) accepted from a peer",
+    )
+    p.add_argument(
         "--drain-timeout",
         type=float,
         default=30.0,
@@ -183,6 +189,7 @@ def serve(
     """Bind both ports on every address, print READY, serve until SIGTERM/SIGINT,
     then stop accepting and let in-flight requests finish (up to --drain-timeout)."""
     hosts = [h.strip() for h in str(args.host).split(",") if h.strip()]
+    P.CONTROL_MAX_FRAME = args.max_request_bytes  # what any peer may make us allocate at once
     draining = threading.Event()
     frames: list[FrameServer] = []
     controls: list[ThreadingHTTPServer] = []
