@@ -1,0 +1,164 @@
+"""Misbehaving clients against real agents on 127.0.0.1: one that connects and
+says nothing, one that hangs up mid-stream, and 200 mixed requests after which
+no socket, thread or memory is left behind (measured from /proc)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agents import protocol as P
+from agents.server import HANDSHAKE_TIMEOUT_S
+from disagg import client
+from disagg.errors import UsageError
+from disagg.launcher import AgentProc, start_local_pair
+from tests.tinymodels import PROMPT, make_tiny
+
+pytestmark = [pytest.mark.fault, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def agents(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[AgentProc, AgentProc]]:
+    root = tmp_path_factory.mktemp("faults")
+    pair = start_local_pair(make_tiny("gpt_oss", root / "m", seed=8), log_dir=root)
+    yield pair
+    for a in reversed(pair):
+        a.stop()
+
+
+def usage(agent: AgentProc) -> dict[str, int]:
+    """Open fds, threads and resident memory (kB) of an agent process."""
+    pid = agent.proc.pid
+    rss = next(
+        int(ln.split()[1])
+        for ln in Path(f"/proc/{pid}/status").read_text().splitlines()
+        if ln.startswith("VmRSS:")
+    )
+    return {
+        "fds": len(os.listdir(f"/proc/{pid}/fd")),
+        "threads": len(os.listdir(f"/proc/{pid}/task")),
+        "rss_kb": rss,
+    }
+
+
+def settle(
+    agents: tuple[AgentProc, ...], baseline: dict[str, dict[str, int]], timeout_s: float = 20
+) -> dict[str, dict[str, int]]:
+    """Wait for fds and threads to come back to the baseline (connection threads end
+    a moment after their sockets close)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = {a.role: usage(a) for a in agents}
+        back = all(
+            now[r]["fds"] <= baseline[r]["fds"] and now[r]["threads"] <= baseline[r]["threads"]
+            for r in now
+        )
+        if back or time.monotonic() > deadline:
+            return now
+        time.sleep(0.2)
+
+
+def good_request(prefill: AgentProc, max_tokens: int = 8) -> dict[str, Any]:
+    return {
+        "prompt": PROMPT,
+        "raw": True,
+        "max_tokens": max_tokens,
+        "placement": "remote",
+        "ignore_eos": True,
+        "prefill": {"host": prefill.host, "port": prefill.port},
+    }
+
+
+def in_flight(agent: AgentProc) -> int:
+    return int(json.loads(agent.control("/status"))["in_flight"])
+
+
+def test_silent_clients_are_dropped_and_do_not_block(agents: tuple[AgentProc, AgentProc]) -> None:
+    prefill, decode = agents
+    reference = client.generate(decode.host, decode.port, good_request(prefill), token=decode.token)
+    silent = [
+        socket.create_connection((a.host, a.port), timeout=30) for a in agents for _ in range(10)
+    ]
+    # Twenty idle connections do not stop real work.
+    res = client.generate(decode.host, decode.port, good_request(prefill), token=decode.token)
+    assert res.token_ids == reference.token_ids
+    t0 = time.monotonic()
+    for s in silent:
+        s.settimeout(HANDSHAKE_TIMEOUT_S + 10)
+        P.recv_json(s, P.Frame.CHALLENGE)  # the agent spoke first, then waited...
+        assert s.recv(1) == b""  # ...and hung up on a client that never answered
+        s.close()
+    assert time.monotonic() - t0 < HANDSHAKE_TIMEOUT_S + 10
+
+
+def test_client_gone_mid_stream_stops_the_decode(agents: tuple[AgentProc, AgentProc]) -> None:
+    prefill, decode = agents
+    events = client.stream(
+        decode.host, decode.port, good_request(prefill, 3000), token=decode.token
+    )
+    for _ in range(5):
+        kind, _ = next(events)
+        assert kind == "token"
+    events.close()  # hang up after five of 3,000 tokens
+    deadline = time.monotonic() + 10
+    while in_flight(decode) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert in_flight(decode) == 0, "the decode agent kept generating for nobody"
+    assert "client went away" in decode.log_path.read_text()
+    res = client.generate(decode.host, decode.port, good_request(prefill), token=decode.token)
+    assert len(res.token_ids) == 8
+
+
+def test_two_hundred_mixed_requests_leak_nothing(agents: tuple[AgentProc, AgentProc]) -> None:
+    prefill, decode = agents
+    reference = client.generate(
+        decode.host, decode.port, good_request(prefill), token=decode.token
+    ).token_ids
+    baseline = {a.role: usage(a) for a in agents}
+    rng = random.Random(5)
+    counts = {"ok": 0, "gone": 0, "bad": 0, "silent": 0, "fallback": 0}
+    silent: list[socket.socket] = []
+    for _ in range(200):
+        kind = rng.choice(list(counts))
+        if kind == "ok":
+            res = client.generate(
+                decode.host, decode.port, good_request(prefill), token=decode.token
+            )
+            assert res.token_ids == reference
+        elif kind == "gone":
+            events = client.stream(
+                decode.host, decode.port, good_request(prefill, 500), token=decode.token
+            )
+            next(events)
+            events.close()
+        elif kind == "bad":
+            with pytest.raises(UsageError):
+                client.generate(decode.host, decode.port, {"prompt": ""}, token=decode.token)
+        elif kind == "silent":
+            silent.append(socket.create_connection((prefill.host, prefill.port)))
+        else:  # the prefill target is gone: the decode agent prefills itself
+            req = {**good_request(prefill), "prefill": {"host": "127.0.0.1", "port": 1}}
+            res = client.generate(decode.host, decode.port, req, token=decode.token)
+            assert res.metrics["method"] == "local-fallback" and res.token_ids == reference
+        counts[kind] += 1
+    for s in silent:
+        s.close()
+    while in_flight(decode):
+        time.sleep(0.05)
+    after = settle(agents, baseline)
+    assert min(counts.values()) > 20, counts
+    for role, used in after.items():
+        base = baseline[role]
+        assert used["fds"] <= base["fds"], (role, base, used)
+        assert used["threads"] <= base["threads"], (role, base, used)
+        assert used["rss_kb"] - base["rss_kb"] < 64 * 1024, (role, base, used)
+    res = client.generate(decode.host, decode.port, good_request(prefill), token=decode.token)
+    assert res.token_ids == reference
