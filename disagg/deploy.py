@@ -139,6 +139,32 @@ def _upload_agents(
     return hashlib.sha256(json.dumps(local, sort_keys=True).encode()).hexdigest()
 
 
+def _check_cpus(inv: Inventory, host: Host, session: Session, info: HostInfo) -> None:
+    """A host's `cpus` pins its agents with taskset -c: refuse it where that cannot work.
+    macOS is refused, not ignored: it lets no process choose its cores, and a pin that
+    silently does nothing would make timings lie."""
+    if host.cpus is None:
+        return
+    key = f"hosts.{host.name}.cpus"
+    if info.system != "Linux":
+        raise AgentError(
+            f"{host.name}: {key} is set, but {info.system} has no CPU pinning (taskset -c is "
+            f"Linux only); fix: remove cpus from [hosts.{host.name}] in {inv.path}"
+        )
+    res = session.run(f"taskset -c {q(host.cpus)} true")
+    if res.rc != 0:
+        why = res.err.strip().splitlines()[-1] if res.err.strip() else f"exit {res.rc}"
+        fix = (
+            "install util-linux (it has taskset) there"
+            if res.rc == 127
+            else "name CPUs the host has (see nproc or lscpu there)"
+        )
+        raise AgentError(
+            f"{host.name}: cannot pin to {key} = {host.cpus!r} ({why}); fix: {fix}, "
+            f"or remove cpus from [hosts.{host.name}] in {inv.path}"
+        )
+
+
 def agent_config(agent: Agent, info: HostInfo, python: str, root: str) -> dict[str, object]:
     return {
         "role": agent.role,
@@ -151,6 +177,8 @@ def agent_config(agent: Agent, info: HostInfo, python: str, root: str) -> dict[s
         "python": python,
         "pipelines": list(agent.pipelines),
         "token_file": f"{root}/token",
+        # Only when set, so hosts without it keep their config hash across upgrades.
+        **({"cpus": agent.host.cpus} if agent.host.cpus else {}),
     }
 
 
@@ -168,6 +196,7 @@ def deploy_host(inv: Inventory, host: Host, session: Session, dry: bool, say: Sa
     if not mine:
         result.notes.append("no pipeline places an agent here")
         return result
+    _check_cpus(inv, host, session, info)
     root = remote_root(host, info)
     for a in mine:
         model = info.expand(a.model)

@@ -8,6 +8,7 @@ and the fix, so nothing is dialled with a broken inventory.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,8 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEFAULT_PORTS = {"prefill": (8000, 8010), "decode": (8001, 8011)}
 DEFAULT_TIMEOUTS_S = {"prefill": 60.0, "decode": 180.0}
 ENV_VAR = "DISAGG_INVENTORY"
+# A Linux CPU list as taskset -c and cpuset take it: "0", "0-3", "0,2,4-7".
+CPU_LIST = re.compile(r"\d+(-\d+)?(,\d+(-\d+)?)*")
 DEFAULT_FILE = "inventory.toml"
 
 HOST_KEYS = {
@@ -40,6 +43,7 @@ HOST_KEYS = {
     "python",
     "remote_dir",
     "service",
+    "cpus",
     *ROLES,
 }
 PIPELINE_KEYS = {
@@ -78,6 +82,7 @@ class Host:
     python: str | None = None  # None: deploy prepares a venv under remote_dir
     remote_dir: str = "~/.disagg"
     service: str = "auto"
+    cpus: str | None = None  # Linux CPU list the agents are pinned to (taskset -c); None: all
 
     def addresses(self) -> list[str]:
         """Where this host's agents may be reached: data plane first, then the ssh address."""
@@ -263,6 +268,24 @@ class _Checker:
             raise self.fail(f"{key}.{name}", f"not a positive number: {val!r}", "give seconds > 0")
         return float(val)
 
+    def cpu_list(self, raw: dict[str, Any], key: str, name: str) -> str | None:
+        val = raw.get(name)
+        if val is None:
+            return None
+        fix = f'quote a Linux CPU list, e.g. {name} = "0", "0-3" or "0,2,4-7"'
+        if isinstance(val, int) and not isinstance(val, bool):
+            # An integer reads as "how many CPUs" as easily as "CPU number N": make it explicit.
+            raise self.fail(f"{key}.{name}", f"expected a CPU list string, got {val!r}", fix)
+        text = val.replace(" ", "") if isinstance(val, str) else ""
+        bad = not CPU_LIST.fullmatch(text)
+        if not bad:
+            for part in text.split(","):
+                lo, _, hi = part.partition("-")
+                bad = bad or (hi != "" and int(hi) < int(lo))
+        if bad:
+            raise self.fail(f"{key}.{name}", f"not a CPU list: {val!r}", fix)
+        return text
+
     def choice(self, raw: dict[str, Any], key: str, name: str, options: tuple[str, ...]) -> str:
         val = raw.get(name, options[0])
         if val not in options:
@@ -314,6 +337,7 @@ def _host(c: _Checker, name: str, raw: Any) -> Host:
         python=c.text(raw, key, "python"),
         remote_dir=c.text(raw, key, "remote_dir") or "~/.disagg",
         service=c.choice(raw, key, "service", SERVICES),
+        cpus=c.cpu_list(raw, key, "cpus"),
     )
 
 

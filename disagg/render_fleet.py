@@ -74,7 +74,7 @@ def _mem(rss_bytes: int | None) -> str:
 def status_table(rows: list[AgentStatus]) -> Table:
     table = Table(title="fleet status", header_style="bold")
     cols = ("host", "role", "state", "model", "loaded", "backend/device", "address",
-            "uptime", "requests", "ttft p50/p95", "memory")  # fmt: skip
+            "uptime", "requests", "ttft", "memory")  # fmt: skip
     for col in cols:
         table.add_column(col, overflow="fold")
     for s in rows:
@@ -86,7 +86,8 @@ def status_table(rows: list[AgentStatus]) -> Table:
             state.append(f"\nbut ssh failed: {s.ssh_error}", style="red")
         model = str(st.get("model", "-")).rstrip("/").rsplit("/", 1)[-1]
         backend = f"{st['backend']}/{st.get('device')}" if st.get("backend") else "-"
-        ttft = f"{fmt(st.get('ttft_p50_s'), 's')} / {fmt(st.get('ttft_p95_s'), 's')}"
+        # One line per percentile: narrow enough for an 80-column terminal.
+        ttft = "\n".join(f"p{p} {fmt(st.get(f'ttft_p{p}_s'), 's')}" for p in (50, 95, 99))
         table.add_row(
             s.host,
             s.role,

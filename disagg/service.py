@@ -9,6 +9,8 @@ Remote layout under the host's remote_dir (ROOT):
   logs/ROLE.log      the agent's stderr
   run/ROLE.out       its stdout (the READY / FAILED line);  run/ROLE.pid
   run/ROLE.started   the ROLE.hash the running agent was started with
+
+A host's `cpus` (a Linux CPU list) pins its agents with `taskset -c`, in the run script.
 """
 
 from __future__ import annotations
@@ -78,8 +80,12 @@ class AgentPaths:
 
 
 def run_script(paths: AgentPaths, config: dict[str, Any]) -> str:
-    """The agent's run script: records its pid, then becomes the agent (exec)."""
+    """The agent's run script: records its pid, then becomes the agent (exec; through
+    taskset, which execs too, when the host has a CPU list, so the pid stays the agent's)."""
+    # Pinned to the host's CPU list (Linux only; deploy refuses it elsewhere).
+    pin = ["taskset", "-c", config["cpus"]] if config.get("cpus") else []
     args = [
+        *pin,
         config["python"],
         "-m",
         f"agents.{paths.role}",

@@ -77,6 +77,13 @@ def test_good_inventory_defaults(tmp_path: Path) -> None:
     # b has a prefill role but no pipeline places a prefill agent there.
     assert [x.label for x in inv.agents()] == ["a/prefill", "b/decode"]
     assert inv.pipeline_for("p:1b") is p
+    assert a.cpus is None
+
+
+@pytest.mark.parametrize("cpus", ["0", "0-3", "0,2,4-7", "1, 3"])
+def test_cpu_lists(tmp_path: Path, cpus: str) -> None:
+    text = GOOD.replace('roles = ["prefill"]', f'roles = ["prefill"]\ncpus = "{cpus}"')
+    assert load(write(tmp_path, text)).hosts["a"].cpus == cpus.replace(" ", "")
 
 
 def test_resolution_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -107,6 +114,14 @@ BAD = {
     "unknown key": (
         lambda s: s.replace('ssh = "b-alias"', 'ssh = "b-alias"\nrole = "decode"'),
         "hosts.b.role: unknown key",
+    ),
+    "bad cpu list": (
+        lambda s: s.replace('roles = ["prefill"]', 'roles = ["prefill"]\ncpus = "3-1"'),
+        "hosts.a.cpus: not a CPU list: '3-1'",
+    ),
+    "cpu count, not list": (
+        lambda s: s.replace('roles = ["prefill"]', 'roles = ["prefill"]\ncpus = 4'),
+        "hosts.a.cpus: expected a CPU list string, got 4",
     ),
     "bad toml": (lambda s: s + "\n[hosts.a\n", "not valid TOML"),
 }

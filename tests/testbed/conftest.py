@@ -20,6 +20,18 @@ PIPELINES = {"qwen3-coder-30b": ("dgx-spark-1", "mac-studio-2"),
              "gpt-oss-120b": ("dgx-spark-2", "mac-studio-1")}  # fmt: skip
 
 
+def pipeline_cpus() -> dict[str, str]:
+    """host -> the CPU its agents are pinned to: one core per pipeline, so the two
+    pipelines run side by side like separate machines instead of halving each other's
+    speed on the shared cores (mlx decode on CPU takes every core it may)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return {
+        host: str(cpus[i % len(cpus)])
+        for i, hosts in enumerate(PIPELINES.values())
+        for host in hosts
+    }
+
+
 @pytest.fixture(scope="session")
 def testbed() -> Iterator[TestBed]:
     if os.geteuid() != 0:
@@ -47,16 +59,9 @@ def _share(src: Path, dst: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def testbed_models(testbed: TestBed, default_model: Path) -> dict[str, Path]:
-    """qwen pipeline: the real SmolLM2; gpt-oss pipeline: a tiny random qwen3."""
-    from tests.tinymodels import make_tiny
-
+    """Both pipelines serve the real SmolLM2, so they do comparable work side by side."""
     smol = _share(default_model, ROOT / "models" / "SmolLM2-135M-Instruct")
-    tiny = ROOT / "models" / "tiny-qwen3"
-    make_tiny("qwen3", tiny, seed=1)
-    for f in tiny.iterdir():
-        os.chmod(f, 0o644)
-    os.chmod(tiny, 0o755)
-    return {"qwen3-coder-30b": smol, "gpt-oss-120b": tiny}
+    return {pipe: smol for pipe in PIPELINES}
 
 
 def inventory_text(
@@ -67,8 +72,10 @@ def inventory_text(
     key_for: dict[str, Path] | None = None,
 ) -> str:
     """A test inventory like inventory.toml, with the test bed's addresses. Two hosts
-    are ssh-config aliases (mac-studio-1 via ProxyJump), two are spelled out."""
+    are ssh-config aliases (mac-studio-1 via ProxyJump), two are spelled out. Each
+    pipeline's two hosts share one CPU (pipeline_cpus)."""
     dtype = dtype or {}
+    cpus = pipeline_cpus()
     key_for = key_for or {}
     py = sys.executable
     out = [
@@ -92,6 +99,7 @@ def inventory_text(
             f"data = {data}",
             f'roles = ["{role}"]',
             f'python = "{py}"',
+            f'cpus = "{cpus[name]}"',
             f"{role} = {{ port = {port}, control_port = {port + 10} }}",
             "",
         ]
