@@ -72,6 +72,7 @@ class DecodeEngine:
         mx.eval(self.model.parameters())
         self.tokenizer = load_tokenizer(Path(model_dir))
         self.context = int(self.cfg.get("max_position_embeddings") or 1 << 20)
+        self.vocab_size = int(self.cfg["vocab_size"])
         self.device = str(mx.default_device())
         self.fingerprint = {
             "architecture": self.cfg["model_type"],
@@ -103,6 +104,24 @@ class DecodeEngine:
         if req.get("system"):
             messages = [{"role": "system", "content": req["system"]}, *messages]
         return list(tok.apply_chat_template(messages, add_generation_prompt=True))
+
+
+def continue_from_logits(
+    model: Any, logits: np.ndarray, caches: list[Any], sampler: Any, max_tokens: int
+) -> Iterator[tuple[Any, Any]]:
+    """(token, logprobs) pairs, as mlx-lm's generate_step yields them, after a remote
+    prefill: the first token is sampled from the prefill side's last-position logits,
+    then generate_step carries on from it with caches that hold the whole prompt."""
+    with mx.stream(generation_stream):
+        row = mx.array(logits)[None]  # [1, vocab]
+        logprobs = row - mx.logsumexp(row, keepdims=True)
+        token = sampler(logprobs)
+    mx.eval(token, logprobs)
+    yield token.item(), logprobs.squeeze(0)
+    if max_tokens > 1:
+        yield from generate_step(
+            token, model, prompt_cache=caches, sampler=sampler, max_tokens=max_tokens - 1
+        )
 
 
 class DecodeAgent:
@@ -186,15 +205,14 @@ class DecodeAgent:
 
     def _prefill(
         self, req: dict[str, Any], ids: list[int], metrics: dict[str, Any]
-    ) -> tuple[list[Any], list[int]]:
-        """Fresh caches plus the tokens decode must still run itself.
-
-        Remote: the prefill agent computes all but the last token and decode runs
-        that one, exactly as mlx-lm's own generate_step splits a prompt.
+    ) -> tuple[list[Any], list[int] | np.ndarray]:
+        """Fresh caches plus what decoding starts from: the prompt tokens to run
+        here, or, after a remote prefill of the whole prompt, the logits of its
+        last position (the first token is sampled from them, no step needed).
         """
         caches = make_prompt_cache(self.engine.model)
         target = req.get("prefill")
-        if not target or len(ids) < 2:
+        if not target:
             metrics["method"] = "decode-only"
             return caches, ids
         try:
@@ -202,7 +220,7 @@ class DecodeAgent:
         except ValueError:
             raise BadRequest(f"unknown codec {req.get('codec')!r}") from None
         key = f"{','.join(target_hosts(target))}:{target.get('port')}"
-        where, why = self.placement.choose(key, len(ids) - 1)
+        where, why = self.placement.choose(key, len(ids))
         forced = req.get("placement", "auto")
         if forced in ("local", "remote"):
             where, why = forced, "placement forced by the request"
@@ -217,41 +235,16 @@ class DecodeAgent:
             "server": self.name,
         }
         try:
-            fetched = fetch_kv(target, ids[:-1], caches, hello, codec, self.token)
+            fetched, logits = fetch_kv(
+                target, ids, caches, hello, codec, self.token, self.engine.vocab_size
+            )
         except PrefillUnavailable as e:
             log.warning("%s; prefilling locally", e)
             metrics.update(method="local-fallback", fallback_reason=str(e))
             return make_prompt_cache(self.engine.model), ids
-        self.placement.observe_remote(key, len(ids) - 1, len(caches), fetched)
+        self.placement.observe_remote(key, len(ids), len(caches), fetched)
         metrics.update(fetched, method="disaggregated")
-        return caches, ids[-1:]
-
-    def _steps(
-        self, prompt: list[int], caches: list[Any], sampler: Any, max_tokens: int, method: str
-    ) -> Iterator[tuple[Any, Any]]:
-        """(token, logprobs) pairs, as mlx-lm's generate_step yields them.
-
-        After a remote prefill only the last prompt token is left. generate_step
-        would queue step 2 before handing back token 1, which on mlx's CPU backend
-        delays the first token by a whole step; so run that one step here, exactly
-        as generate_step's own step does, and let generate_step carry on from it.
-        """
-        model = self.engine.model
-        if method != "disaggregated":
-            yield from generate_step(
-                mx.array(prompt), model, prompt_cache=caches, sampler=sampler, max_tokens=max_tokens
-            )
-            return
-        with mx.stream(generation_stream):
-            logits = model(mx.array(prompt)[None], cache=caches)[:, -1, :]
-            logprobs = logits - mx.logsumexp(logits, keepdims=True)
-            token = sampler(logprobs)
-        mx.eval(token, logprobs)
-        yield token.item(), logprobs.squeeze(0)
-        if max_tokens > 1:
-            yield from generate_step(
-                token, model, prompt_cache=caches, sampler=sampler, max_tokens=max_tokens - 1
-            )
+        return caches, logits
 
     def _generate(self, req: dict[str, Any], sock: socket.socket) -> dict[str, Any]:
         eng = self.engine
@@ -281,7 +274,17 @@ class DecodeAgent:
         out: list[int] = []
         t_local = time.perf_counter()
         ttft = t_first = None
-        steps = self._steps(prompt, caches, sampler, max_tokens, metrics["method"])
+        steps = (
+            continue_from_logits(eng.model, prompt, caches, sampler, max_tokens)
+            if isinstance(prompt, np.ndarray)
+            else generate_step(
+                mx.array(prompt),
+                eng.model,
+                prompt_cache=caches,
+                sampler=sampler,
+                max_tokens=max_tokens,
+            )
+        )
         for token, logprobs in steps:
             tid = int(token)
             if t_first is None:

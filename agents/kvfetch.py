@@ -7,6 +7,8 @@ import socket
 import time
 from typing import Any
 
+import numpy as np
+
 from . import protocol as P
 from .kvcodec import Codec, decode_layer
 from .mlxcache import fill_layer
@@ -41,8 +43,10 @@ def fetch_kv(
     hello: dict[str, Any],
     codec: Codec,
     token: bytes | None = None,
-) -> dict[str, Any]:
-    """Fill `caches` with the K/V of `ids` from the prefill agent; return metrics.
+    vocab_size: int | None = None,
+) -> tuple[dict[str, Any], np.ndarray]:
+    """Fill `caches` with the K/V of `ids` from the prefill agent; return metrics
+    and the float32 logits of the prompt's last position.
 
     Raises PrefillUnavailable when the agent is down, slow past its timeout, fails,
     or drops the stream (the caller prefills locally); RemoteError only for a
@@ -63,6 +67,7 @@ def fetch_kv(
         P.send_json(sock, P.Frame.PREFILL, {"token_ids": ids, "codec": int(codec)})
         t_sent = time.perf_counter()
         first = last = None
+        logits: np.ndarray | None = None
         got: set[int] = set()
         while True:
             header, payload = P.recv_frame(sock)
@@ -83,6 +88,10 @@ def fetch_kv(
                     metrics["kv_first_layer_at"] = time.time()
                 got.add(kv.layer)
                 metrics["kv_bytes"] += P.HEADER.size + len(payload)
+            elif header.type == P.Frame.LOGITS:
+                logits = np.frombuffer(bytes(payload), np.float32)
+                if vocab_size and logits.shape[0] != vocab_size:
+                    raise P.ProtocolError(f"{logits.shape[0]} logits for a vocab of {vocab_size}")
             elif header.type == P.Frame.PREFILL_DONE:
                 done = P.decode_json(header, payload)
                 break
@@ -91,8 +100,11 @@ def fetch_kv(
                 raise P.RemoteError(str(err.get("code")), str(err.get("message")))
             else:
                 raise P.ProtocolError(f"unexpected {header.type.name} during KV stream")
-        if len(got) != len(caches):
-            raise P.ProtocolError(f"prefill sent {len(got)} of {len(caches)} layers")
+        if len(got) != len(caches) or logits is None:
+            raise P.ProtocolError(
+                f"prefill sent {len(got)} of {len(caches)} layers, "
+                f"{'no' if logits is None else ''} logits"
+            )
     except (OSError, P.ProtocolError) as e:
         raise PrefillUnavailable(f"prefill stream from {addr} failed: {e}") from e
     except P.AuthError as e:
@@ -115,4 +127,4 @@ def fetch_kv(
     )
     if failures:
         metrics["path_failures"] = failures
-    return metrics
+    return metrics, logits

@@ -73,6 +73,7 @@ class PrefillEngine:
         self.model = model.to(self.device).eval()
         # The decoder stack without the LM head: prefill never needs logits.
         self.body = getattr(self.model, self.model.base_model_prefix)
+        self.head = self.model.get_output_embeddings()
         self.layers = list(self.body.layers)
         self.kinds = layer_kinds_from_hf(self.cfg)
         self.fingerprint = {
@@ -88,8 +89,14 @@ class PrefillEngine:
         self.layer_delay_s = layer_delay_s
 
     @torch.inference_mode()
-    def prefill(self, token_ids: list[int], on_layer: Callable[[LayerKV], None]) -> dict[str, Any]:
-        """Run the prompt; call `on_layer` with each layer's K/V the moment it exists."""
+    def prefill(
+        self, token_ids: list[int], on_layer: Callable[[LayerKV], None]
+    ) -> tuple[dict[str, Any], np.ndarray]:
+        """Run the prompt; call `on_layer` with each layer's K/V the moment it exists.
+
+        Returns timings and the float32 logits of the last position, from which
+        the decode side samples the first token without running a step itself.
+        """
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
@@ -114,14 +121,15 @@ class PrefillEngine:
             try:
                 t0 = time.perf_counter()
                 ids = torch.tensor([token_ids], device=self.device)
-                self.body(input_ids=ids, past_key_values=cache, use_cache=True)
-                if self.device == "cuda":
-                    torch.cuda.synchronize()
+                out = self.body(input_ids=ids, past_key_values=cache, use_cache=True)
+                # [1, S, hidden] -> the LM head on the last position only: [vocab]
+                logits = self.head(out.last_hidden_state[:, -1:, :])[0, -1].float().cpu()
                 compute_s = time.perf_counter() - t0
             finally:
                 for h in handles:
                     h.remove()
-        return {"prefill_time": compute_s, "tokens": len(token_ids), **marks}
+        stats = {"prefill_time": compute_s, "tokens": len(token_ids), **marks}
+        return stats, logits.numpy()
 
 
 class LayerSender:
@@ -231,10 +239,11 @@ class PrefillAgent:
         sender = LayerSender(sock, codec)
         outcome, result = "error", None
         try:
-            result = self.engine.prefill(ids, sender.put)
+            result, logits = self.engine.prefill(ids, sender.put)
             sender.close()
             if sender.error is not None:
                 raise sender.error
+            P.send_frame(sock, P.Frame.LOGITS, logits.tobytes())
             result.update(kv_bytes=sender.bytes, server=self.name, device=self.engine.device)
             P.send_json(sock, P.Frame.PREFILL_DONE, result)
             outcome = "ok"

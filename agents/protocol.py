@@ -48,6 +48,7 @@ class Frame(enum.IntEnum):
     CHALLENGE = 11  # server -> client, first frame of every connection: {"nonce", "auth"}
     AUTH = 12  # client -> server: {"nonce", "mac"}
     AUTH_OK = 13  # server -> client: {"mac"}, the server's proof
+    LOGITS = 14  # prefill -> decode: float32 logits of the prompt's last position
 
 
 class ProtocolError(Exception):

@@ -119,22 +119,29 @@ def mlx_local(dec: Any, ids: list[int], n: int) -> tuple[list[int], np.ndarray]:
 
 
 def disaggregated(pre: Any, dec: Any, ids: list[int], n: int) -> tuple[list[int], np.ndarray]:
-    """Torch prefills ids[:-1]; each layer crosses the wire codec into mlx caches."""
+    """Torch prefills ids; each layer crosses the wire codec into mlx caches; mlx
+    decodes on from the first token sampled from torch's last-position logits."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.sample_utils import make_sampler
 
+    from agents.decode import continue_from_logits
     from agents.kvcodec import Codec, LayerKV, decode_layer, encode_layer
     from agents.mlxcache import fill_layer
 
     layers: list[LayerKV] = []
-    pre.prefill(ids[:-1], layers.append)
+    _, logits = pre.prefill(ids, layers.append)
     assert [kv.layer for kv in layers] == list(range(len(pre.layers)))
     cache = make_prompt_cache(dec.model)
     for i, kv in enumerate(layers):
         codec = Codec.SHUFFLE_ZSTD if i % 2 else Codec.RAW
         wire = b"".join(bytes(b) for b in encode_layer(kv, codec))
-        fill_layer(cache[kv.layer], decode_layer(wire), len(ids) - 1)
-    return mlx_greedy(dec.model, mx.array(ids[-1:]), cache, n)
+        fill_layer(cache[kv.layer], decode_layer(wire), len(ids))
+    tokens, logprobs = [], []
+    for tok, lp in continue_from_logits(dec.model, logits, cache, make_sampler(temp=0.0), n):
+        tokens.append(int(tok))
+        logprobs.append(np.array(lp.astype(mx.float32)))
+    return tokens, np.stack(logprobs)
 
 
 def assert_same(
