@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import agents
 
 from . import service
+from .clustertoken import load_token
 from .errors import AgentError, ModelError
 from .fleet import start_agent
 from .inventory import Agent, Host, Inventory
@@ -171,7 +171,8 @@ def agent_config(agent: Agent, info: HostInfo, python: str, root: str) -> dict[s
         "name": f"{agent.role}@{agent.host.name}",
         "model": info.expand(agent.model),
         "dtype": agent.dtype,
-        "bind": "0.0.0.0",  # reachable on every data-plane address
+        # The host's own addresses only, never 0.0.0.0: data plane first, then ssh's.
+        "bind": ",".join(agent.host.addresses()) or "127.0.0.1",
         "port": agent.ports.port,
         "control_port": agent.ports.control_port,
         "python": python,
@@ -186,7 +187,9 @@ def _write(session: Session, path: str, text: str) -> None:
     session.check(f"mkdir -p {q(path.rsplit('/', 1)[0])} && cat > {q(path)}", stdin=text)
 
 
-def deploy_host(inv: Inventory, host: Host, session: Session, dry: bool, say: Say) -> HostDeploy:
+def deploy_host(
+    inv: Inventory, host: Host, session: Session, dry: bool, say: Say, token: bytes
+) -> HostDeploy:
     result = HostDeploy(host.name, dry_run=dry)
     info = probe(session)
     result.platform = f"{info.system} {info.machine}"
@@ -214,19 +217,20 @@ def deploy_host(inv: Inventory, host: Host, session: Session, dry: bool, say: Sa
     else:
         say(host.name, f"agents unchanged ({result.unchanged} files), nothing uploaded")
     if not dry:
-        # Created once and kept, so a redeploy does not change the agents' config.
-        token = secrets.token_hex(32)
+        # The cluster's one token, so agents of different hosts accept each other.
         session.check(
             f"mkdir -p {q(root)}/logs {q(root)}/run && umask 077 && "
-            f"{{ [ -s {q(root)}/token ] || cat > {q(root)}/token; }} && chmod 600 {q(root)}/token",
-            stdin=token,
+            f"cat > {q(root)}/token && chmod 600 {q(root)}/token",
+            stdin=token.decode(),
         )
     for a in mine:
         paths = service.AgentPaths(root, a.role)
         cfg = agent_config(a, info, py, root)
         script = service.run_script(paths, cfg)
         unit = service.unit_file(kind, paths, info.home)
-        blob = json.dumps([cfg, script, unit, code_hash], sort_keys=True)
+        # The token's hash, not the token: a new token restarts the agents.
+        token_hash = hashlib.sha256(token).hexdigest()
+        blob = json.dumps([cfg, script, unit, code_hash, token_hash], sort_keys=True)
         new_hash = hashlib.sha256(blob.encode()).hexdigest()
         old_hash = session.run(f"cat {q(paths.hash)} 2>/dev/null").out.strip()
         if new_hash == old_hash:
@@ -260,6 +264,7 @@ def deploy(
 ) -> list[HostResult[HostDeploy]]:
     """Deploy to the named hosts (all when None), in parallel; one result per host."""
     chosen = inv.select(hosts)
+    token = load_token(inv.path, create=not dry_run) or b"(made on the first real deploy)"
     return on_hosts(
-        chosen, inv.ssh, lambda host, session: deploy_host(inv, host, session, dry_run, say)
+        chosen, inv.ssh, lambda host, session: deploy_host(inv, host, session, dry_run, say, token)
     )

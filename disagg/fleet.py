@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import service
+from .clustertoken import load_token
 from .errors import AgentError, DisaggError, ModelError
 from .inventory import Agent, Host, Inventory
 from .remote import HostResult, Session, connect_host, on_hosts, q
@@ -147,26 +148,33 @@ class AgentStatus:
         return self.state == "healthy" and not self.ssh_error
 
 
-def _http_status(addresses: list[str], port: int) -> tuple[str, dict[str, Any]] | None:
+def _http_status(
+    addresses: list[str], port: int, token: bytes | None
+) -> tuple[str, dict[str, Any]] | None:
     for addr in addresses:
-        url = f"http://{addr}:{port}/status"
+        req = urllib.request.Request(f"http://{addr}:{port}/status")
+        if token:
+            req.add_header("Authorization", f"Bearer {token.decode()}")
         try:
-            with urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S) as resp:
+            with urllib.request.urlopen(req, timeout=HTTP_TIMEOUT_S) as resp:
                 return f"{addr}:{port}", dict(json.loads(resp.read()))
         except (OSError, ValueError):
             continue
     return None
 
 
+# Run on the host itself; reads the agents' token there, so it never travels.
 FETCH_SCRIPT = (
-    "import sys, urllib.request; "
-    "print(urllib.request.urlopen(sys.argv[1], timeout=3).read().decode())"
+    "import sys, urllib.request; r = urllib.request.Request(sys.argv[1]); "
+    "r.add_header('Authorization', 'Bearer ' + open(sys.argv[2]).read().strip()); "
+    "print(urllib.request.urlopen(r, timeout=3).read().decode())"
 )
 
 
 def _host_status(inv: Inventory, host: Host) -> list[AgentStatus]:
     mine = inv.agents([host])
-    direct = {a.role: _http_status(host.addresses(), a.ports.control_port) for a in mine}
+    token = load_token(inv.path)
+    direct = {a.role: _http_status(host.addresses(), a.ports.control_port, token) for a in mine}
     rows: list[AgentStatus] = []
     try:
         with connect_host(host, inv.ssh) as session:
@@ -208,7 +216,8 @@ def _agent_status(
     if direct:
         return AgentStatus(host, a.role, "healthy", direct[0], direct[1], pid, rss)
     url = f"http://127.0.0.1:{a.ports.control_port}/status"
-    fetched = session.run(f"{q(py)} -c {q(FETCH_SCRIPT)} {q(url)}", timeout_s=10)
+    token_file = f"{paths.root}/token"
+    fetched = session.run(f"{q(py)} -c {q(FETCH_SCRIPT)} {q(url)} {q(token_file)}", timeout_s=10)
     if fetched.rc == 0:
         try:
             st = dict(json.loads(fetched.out))

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from . import client
+from .clustertoken import load_token
 from .errors import ConnectError
 from .inventory import Host, Inventory, load
 from .orchestrator import Endpoint, Pipeline, Router
@@ -75,7 +76,12 @@ def generate_on_fleet(
     target = fleet_request_target(inv, model)
     req = {**request, "prefill": target.prefill}
     return client.generate(
-        target.decode_host, target.decode_port, req, on_text, timeout_s=target.decode_timeout_s
+        target.decode_host,
+        target.decode_port,
+        req,
+        on_text,
+        timeout_s=target.decode_timeout_s,
+        token=load_token(inv.path),
     )
 
 
@@ -88,7 +94,7 @@ def router_from_inventory(inventory: str | Path | Inventory | None = None) -> Ro
         decode = [_endpoint(inv.hosts[h], "decode") for h in p.decode]
         for name in (p.name, *p.aliases):
             pipelines.append(Pipeline(name, prefill, decode, p.prefill_timeout, p.decode_timeout))
-    return Router(pipelines)
+    return Router(pipelines, token=load_token(inv.path))
 
 
 def _endpoint(host: Host, role: str) -> Endpoint:

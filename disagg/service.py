@@ -101,6 +101,8 @@ def run_script(paths: AgentPaths, config: dict[str, Any]) -> str:
         config["name"],
         "--dtype",
         config["dtype"],
+        "--token-file",
+        config["token_file"],
     ]
     return (
         "#!/bin/sh\n"
@@ -175,7 +177,7 @@ def start(kind: str, paths: AgentPaths, home: str) -> str:
     )
 
 
-def stop(kind: str, paths: AgentPaths, grace_s: int = 15) -> str:
+def stop(kind: str, paths: AgentPaths, grace_s: int = 35) -> str:
     """Stop the agent: the service manager's way, then SIGTERM, then SIGKILL after grace_s."""
     first = {
         "systemd": f"systemctl --user stop {paths.unit} 2>/dev/null; ",

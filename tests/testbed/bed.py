@@ -342,7 +342,12 @@ class TestBed:
             text=True,
             timeout=timeout,
             cwd=cwd,
-            env={**os.environ, "COLUMNS": "200"},  # wide enough for the tables
+            # Wide enough for the tables; the operator's cluster token lives with ops.
+            env={
+                **os.environ,
+                "COLUMNS": "200",
+                "DISAGG_TOKEN_FILE": str(self.ops_dir / "cluster.token"),
+            },
         )
 
     def stop(self) -> None:

@@ -147,6 +147,39 @@ def test_deploy_start_status_generate_logs(
     assert "mac-studio-2/decode" in logs.stdout
 
 
+def test_agents_want_the_cluster_token_and_bind_only_their_addresses(
+    testbed: TestBed, inventory: Path
+) -> None:
+    m2 = BY_NAME["mac-studio-2"]
+    code = (
+        "import json, urllib.request, urllib.error\n"
+        "from disagg import client\n"
+        "from disagg.errors import AuthError\n"
+        f"req = {{'prompt': 'hi', 'max_tokens': 2}}\n"
+        "try:\n"
+        f"    client.generate({m2.switch_addr!r}, 8001, req, token=None)\n"
+        "    print('served')\n"
+        "except AuthError as e:\n"
+        "    print('refused:', e)\n"
+        "try:\n"
+        f"    urllib.request.urlopen('http://{m2.switch_addr}:8011/status', timeout=3)\n"
+        "except urllib.error.HTTPError as e:\n"
+        "    print('http', e.code)\n"
+    )
+    proc = testbed.ops(sys.executable, "-c", code, cwd=REPO, timeout=60)
+    assert "refused: decode agent" in proc.stdout and "requires the cluster token" in proc.stdout
+    assert "http 401" in proc.stdout, proc.stdout + proc.stderr
+    token = m2.home / ".disagg" / "token"
+    ops_token = testbed.ops_dir / "cluster.token"
+    assert token.read_bytes().strip() == ops_token.read_bytes().strip()
+    assert token.stat().st_mode & 0o777 == 0o600 and ops_token.stat().st_mode & 0o777 == 0o600
+    listening = in_ns("dgx-spark-1", "ss", "-ltnH").stdout
+    ports = [ln.split()[3] for ln in listening.splitlines()]
+    d1 = BY_NAME["dgx-spark-1"]
+    assert f"{d1.link_addr}:8000" in ports and f"{d1.switch_addr}:8000" in ports, ports
+    assert not any(p.endswith(":8000") and p.startswith(("0.0.0.0", "*", "[::]")) for p in ports)
+
+
 def test_fast_link_down_falls_back_to_switch(testbed: TestBed, inventory: Path) -> None:
     testbed.link(1, up=False)
     try:
