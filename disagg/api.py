@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import tempfile
 import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from typing import Any
 
 from .defaultmodel import Say
 from .errors import DisaggError, UsageError
-from .launcher import AgentProc, start_local_agents
+from .launcher import AgentProc, make_token_file, start_local_agents
 from .local import build_request, resolve_model
 from .orchestrator import Endpoint, Pipeline, Router, StopGeneration
 
@@ -97,9 +98,13 @@ class Client:
             path = resolve_model(m, say)
             dirs[path.name] = path
         pipelines, agents = [], []
+        # One cluster: every local agent shares one fresh token.
+        token_file, token = make_token_file(Path(tempfile.mkdtemp(prefix="disagg-local-")))
         try:
             for name, path in dirs.items():
-                prefill, decodes = start_local_agents(path, n_decode=n_decode, dtype=dtype)
+                prefill, decodes = start_local_agents(
+                    path, n_decode=n_decode, dtype=dtype, token_file=token_file
+                )
                 agents += [prefill, *decodes]
                 pipelines.append(
                     Pipeline(
@@ -112,7 +117,7 @@ class Client:
             for agent in agents:
                 agent.stop()
             raise
-        client = cls(router=Router(pipelines, token=agents[0].token))
+        client = cls(router=Router(pipelines, token=token))
         client.agents = agents
         client.model_dirs = dirs
         return client

@@ -94,7 +94,14 @@ def _open_client(
     from .api import Client
 
     if not local:
-        return Client(inventory)
+        from .inventory import InventoryError
+
+        try:
+            return Client(inventory)
+        except InventoryError as e:
+            if inventory is None and "not found" in str(e):
+                raise InventoryError(f"{e}; or add --local to run the agents here") from None
+            raise
     with err.status("starting prefill and decode agents…"):
         return Client.local(models, dtype=dtype, n_decode=n_decode, say=_say)
 

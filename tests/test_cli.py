@@ -6,19 +6,23 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 
 def disagg(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    # Run where no inventory.toml lies: a test must never dial the real cluster.
     env = {**os.environ, "COLUMNS": "200"}
+    env.pop("DISAGG_INVENTORY", None)
     return subprocess.run(
         [sys.executable, "-m", "disagg.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         env=env,
+        cwd=tempfile.gettempdir(),
     )
 
 
@@ -94,7 +98,7 @@ def test_verify_reports_full_agreement(default_model: Path) -> None:
             ["generate", "--local", "hi", "-m", "/no/such/model"],
             ["/no/such/model", "does not exist"],
         ),
-        (["generate", "hi"], ["--local"]),
+        (["generate", "hi"], ["inventory not found", "-i FILE", "--local"]),
         (["verify", "--local", "hi", "--min-agreement", "2"], ["--min-agreement"]),
     ],
 )
