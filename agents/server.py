@@ -96,6 +96,7 @@ def load_token(path: str | None) -> bytes | None:
 class FrameServer(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 128  # socketserver's 5 overflows when dozens of clients connect at once
 
     def __init__(
         self,

@@ -75,6 +75,11 @@ def stream(
                 f"decode agent {host}:{port}: {e}; fix: use the cluster's token "
                 "(disagg deploy writes it; --local makes its own)"
             ) from None
+        except TimeoutError:
+            raise AgentError(
+                f"decode agent {host}:{port} accepted the connection but did not open it "
+                f"within {min(timeout_s, 10.0):.0f}s (overloaded or hung?)"
+            ) from None
         P.send_json(sock, P.Frame.GENERATE, request)
         while True:
             left = deadline - time.monotonic()
