@@ -23,6 +23,7 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 
 from . import protocol as P
+from .codecpick import CodecTuner
 from .kvcodec import Codec
 from .kvfetch import PrefillUnavailable, fetch_kv, target_hosts
 from .metrics import Stats
@@ -131,6 +132,9 @@ class DecodeAgent:
         self.token = token  # the cluster token, also proves us to prefill agents
         self.stats = Stats("decode")
         self.placement = Placement()
+        self.lock = threading.Lock()
+        # Per prefill agent: what its KV stream measured, for requests with codec "auto".
+        self.codec_tuners: dict[str, CodecTuner] = {}
         # All mlx work runs on one thread: requests queue up in front of it.
         self.jobs: queue.Queue[tuple[dict[str, Any], socket.socket, threading.Event]] = (
             queue.Queue()
@@ -215,11 +219,22 @@ class DecodeAgent:
         if not target:
             metrics["method"] = "decode-only"
             return caches, ids
-        try:
-            codec = Codec(int(req.get("codec", 0)))
-        except ValueError:
-            raise BadRequest(f"unknown codec {req.get('codec')!r}") from None
         key = f"{','.join(target_hosts(target))}:{target.get('port')}"
+        tuner: CodecTuner | None = None
+        probe = False
+        if req.get("codec") == "auto":
+            with self.lock:
+                tuner = self.codec_tuners.setdefault(key, CodecTuner())
+            codec, why = tuner.choose()
+            probe = tuner.wants_probe()
+            metrics["codec_reason"] = why
+        else:
+            try:
+                codec = Codec(int(req.get("codec", 0)))
+            except (TypeError, ValueError):
+                raise BadRequest(
+                    f"unknown codec {req.get('codec')!r}: 0 raw, 1 zstd, 2 shuffle+zstd, or auto"
+                ) from None
         where, why = self.placement.choose(key, len(ids))
         forced = req.get("placement", "auto")
         if forced in ("local", "remote"):
@@ -236,13 +251,15 @@ class DecodeAgent:
         }
         try:
             fetched, logits = fetch_kv(
-                target, ids, caches, hello, codec, self.token, self.engine.vocab_size
+                target, ids, caches, hello, codec, self.token, self.engine.vocab_size, probe
             )
         except PrefillUnavailable as e:
             log.warning("%s; prefilling locally", e)
             metrics.update(method="local-fallback", fallback_reason=str(e))
             return make_prompt_cache(self.engine.model), ids
         self.placement.observe_remote(key, len(ids), len(caches), fetched)
+        if tuner is not None:
+            tuner.observe_fetch(fetched)
         metrics.update(fetched, method="disaggregated")
         return caches, logits
 

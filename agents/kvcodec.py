@@ -97,7 +97,9 @@ def _expand(raw: memoryview, codec: Codec, nbytes: int, itemsize: int) -> bytes 
     return _unshuffle(out, itemsize) if codec == Codec.SHUFFLE_ZSTD else out
 
 
-def decode_layer(payload: bytearray | bytes, max_bytes: int = DEFAULT_MAX_FRAME) -> LayerKV:
+def decode_layer(
+    payload: bytearray | bytes | memoryview, max_bytes: int = DEFAULT_MAX_FRAME
+) -> LayerKV:
     """Parse a KV_LAYER payload; raises ProtocolError on anything inconsistent.
 
     `max_bytes` caps what the layer may expand to, so a small compressed frame

@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 
 from . import protocol as P
-from .kvcodec import Codec, decode_layer
+from .codecpick import MIN_LINK_FRAME
+from .kvcodec import LAYER_HEADER, Codec, decode_layer
 from .mlxcache import fill_layer
 
 
@@ -44,9 +45,11 @@ def fetch_kv(
     codec: Codec,
     token: bytes | None = None,
     vocab_size: int | None = None,
+    probe: bool = False,
 ) -> tuple[dict[str, Any], np.ndarray]:
     """Fill `caches` with the K/V of `ids` from the prefill agent; return metrics
-    and the float32 logits of the prompt's last position.
+    and the float32 logits of the prompt's last position. With `probe`, the
+    prefill agent also measures its other codecs on one layer (`codec_probe`).
 
     Raises PrefillUnavailable when the agent is down, slow past its timeout, fails,
     or drops the stream (the caller prefills locally); RemoteError only for a
@@ -57,22 +60,43 @@ def fetch_kv(
     t0 = time.perf_counter()
     sock, host, failures = dial(target_hosts(target), port, timeout_s)
     addr = f"{host}:{port}"
-    metrics: dict[str, Any] = {"kv_bytes": 0}
+    metrics: dict[str, Any] = {
+        "kv_bytes": 0,
+        "codec": int(codec),
+        "kv_payload_bytes": 0,  # K/V blocks as sent (compressed or not)
+        "kv_raw_bytes": 0,  # K/V blocks expanded
+        "kv_decode_time": 0.0,  # decode_layer: decompress + unshuffle
+        "kv_link_bytes": 0,  # large frames only: see agents.codecpick
+        "kv_link_time": 0.0,
+    }
     try:
         sock.settimeout(timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         P.client_auth(sock, token)
         P.send_json(sock, P.Frame.HELLO, hello)
         _, ok = P.recv_json(sock, P.Frame.HELLO_OK)
-        P.send_json(sock, P.Frame.PREFILL, {"token_ids": ids, "codec": int(codec)})
+        request: dict[str, Any] = {"token_ids": ids, "codec": int(codec)}
+        if probe:
+            request["probe_codecs"] = True
+        P.send_json(sock, P.Frame.PREFILL, request)
         t_sent = time.perf_counter()
         first = last = None
         logits: np.ndarray | None = None
         got: set[int] = set()
+        reader = P.FrameReader(sock)  # one buffer for every layer: fill_layer copies out
         while True:
-            header, payload = P.recv_frame(sock)
+            header, payload = reader.read()
+            t_header = reader.header_at
             if header.type == P.Frame.KV_LAYER:
+                t_payload = time.perf_counter()
+                if header.length >= MIN_LINK_FRAME:
+                    # From the header's arrival: time on the wire, not waiting for compute.
+                    metrics["kv_link_bytes"] += header.length
+                    metrics["kv_link_time"] += t_payload - t_header
                 kv = decode_layer(payload)
+                metrics["kv_decode_time"] += time.perf_counter() - t_payload
+                metrics["kv_raw_bytes"] += kv.keys.nbytes + kv.values.nbytes
+                metrics["kv_payload_bytes"] += len(payload) - LAYER_HEADER.size
                 if not 0 <= kv.layer < len(caches) or kv.layer in got:
                     raise P.ProtocolError(f"unexpected KV for layer {kv.layer}")
                 fp = hello["fingerprint"]
@@ -93,10 +117,10 @@ def fetch_kv(
                 if vocab_size and logits.shape[0] != vocab_size:
                     raise P.ProtocolError(f"{logits.shape[0]} logits for a vocab of {vocab_size}")
             elif header.type == P.Frame.PREFILL_DONE:
-                done = P.decode_json(header, payload)
+                done = P.decode_json(header, bytes(payload))
                 break
             elif header.type == P.Frame.ERROR:
-                err = P.decode_json(header, payload)
+                err = P.decode_json(header, bytes(payload))
                 raise P.RemoteError(str(err.get("code")), str(err.get("message")))
             else:
                 raise P.ProtocolError(f"unexpected {header.type.name} during KV stream")
@@ -124,7 +148,10 @@ def fetch_kv(
         kv_wait_time=(first - t_sent) if first else None,
         kv_fetch_time=time.perf_counter() - t0,
         prefill_last_layer_at=done.get("last_layer_at"),
+        kv_encode_time=done.get("kv_encode_time"),
     )
+    if isinstance(done.get("codec_probe"), dict):
+        metrics["codec_probe"] = done["codec_probe"]
     if failures:
         metrics["path_failures"] = failures
     return metrics, logits

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from . import protocol as P
-from .kvcodec import DTYPE_NAMES, Codec, Kind, LayerKV, encode_layer
+from .kvcodec import DTYPE_NAMES, Codec, Kind, LayerKV, decode_layer, encode_layer
 from .metrics import Stats
 from .models import UnsupportedModel, get_adapter, layer_kinds_from_hf, load_hf_config
 from .server import common_args, fail, load_token, serve, setup_logging
@@ -133,13 +133,23 @@ class PrefillEngine:
 
 
 class LayerSender:
-    """Sends KV_LAYER frames from its own thread so the socket overlaps compute."""
+    """Sends KV_LAYER frames from its own thread so the socket overlaps compute.
 
-    def __init__(self, sock: socket.socket, codec: Codec) -> None:
+    Counts the raw (uncompressed) K/V bytes and the time spent encoding them.
+    With `probe_layer`, that layer is also encoded and decoded once with every
+    other compressing codec after it is sent, and the sizes and times are kept
+    in `probe` for the decode side's codec choice (agents.codecpick).
+    """
+
+    def __init__(self, sock: socket.socket, codec: Codec, probe_layer: int | None = None) -> None:
         self.sock = sock
         self.codec = codec
+        self.probe_layer = probe_layer
+        self.probe: dict[str, dict[str, float]] = {}
         self.q: queue.Queue[LayerKV | None] = queue.Queue()
         self.bytes = 0
+        self.raw_bytes = 0
+        self.encode_s = 0.0
         self.closed = False
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True, name="kv-sender")
@@ -154,11 +164,34 @@ class LayerSender:
             if self.error is not None:
                 continue  # drain: the peer is gone
             try:
-                self.bytes += P.send_frame(
-                    self.sock, P.Frame.KV_LAYER, encode_layer(kv, self.codec)
-                )
+                t0 = time.perf_counter()
+                parts = encode_layer(kv, self.codec)
+                self.encode_s += time.perf_counter() - t0
+                self.raw_bytes += kv.keys.nbytes + kv.values.nbytes
+                self.bytes += P.send_frame(self.sock, P.Frame.KV_LAYER, parts)
             except OSError as e:
                 self.error = e
+                continue
+            if kv.layer == self.probe_layer:
+                self._probe(kv)
+
+    def _probe(self, kv: LayerKV) -> None:
+        raw = kv.keys.nbytes + kv.values.nbytes
+        for codec in Codec:
+            if codec in (Codec.RAW, self.codec):
+                continue  # the codec in use is measured on every layer anyway
+            t0 = time.perf_counter()
+            parts = encode_layer(kv, codec)
+            t1 = time.perf_counter()
+            decode_layer(b"".join(parts))
+            t2 = time.perf_counter()
+            wire = sum(memoryview(p).nbytes for p in parts[1:])
+            self.probe[str(int(codec))] = {
+                "raw_bytes": raw,
+                "wire_bytes": wire,
+                "encode_s": t1 - t0,
+                "decode_s": t2 - t1,
+            }
 
     def close(self) -> None:
         if not self.closed:
@@ -236,7 +269,8 @@ class PrefillAgent:
             P.send_error(sock, "bad_request", f"unknown codec {req.get('codec')}")
             return False
         self.stats.begin()
-        sender = LayerSender(sock, codec)
+        probe = self.engine.fingerprint["num_layers"] // 2 if req.get("probe_codecs") else None
+        sender = LayerSender(sock, codec, probe)
         outcome, result = "error", None
         try:
             result, logits = self.engine.prefill(ids, sender.put)
@@ -244,7 +278,16 @@ class PrefillAgent:
             if sender.error is not None:
                 raise sender.error
             P.send_frame(sock, P.Frame.LOGITS, logits.tobytes())
-            result.update(kv_bytes=sender.bytes, server=self.name, device=self.engine.device)
+            result.update(
+                kv_bytes=sender.bytes,
+                kv_raw_bytes=sender.raw_bytes,
+                kv_encode_time=sender.encode_s,
+                codec=int(codec),
+                server=self.name,
+                device=self.engine.device,
+            )
+            if sender.probe:
+                result["codec_probe"] = sender.probe
             P.send_json(sock, P.Frame.PREFILL_DONE, result)
             outcome = "ok"
             log.info(

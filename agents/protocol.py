@@ -19,6 +19,7 @@ import json
 import secrets
 import socket
 import struct
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -149,6 +150,38 @@ def recv_exact(sock: socket.socket, n: int) -> bytearray:
 def recv_frame(sock: socket.socket, max_frame: int = DEFAULT_MAX_FRAME) -> tuple[Header, bytearray]:
     header = parse_header(recv_exact(sock, HEADER.size), max_frame)
     return header, recv_exact(sock, header.length)
+
+
+class FrameReader:
+    """Reads one socket's frames into one reusable buffer: once it has grown to
+    the largest frame, receiving allocates nothing (the KV stream's layers are
+    all one size). A payload is a view of that buffer, valid until the next
+    `read`; `header_at` is when the last header had arrived (perf_counter)."""
+
+    def __init__(self, sock: socket.socket, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+        self.sock = sock
+        self.max_frame = max_frame
+        self.header_at = 0.0
+        self._head = bytearray(HEADER.size)
+        self._buf = bytearray(0)
+
+    def _fill(self, view: memoryview) -> None:
+        got, n = 0, len(view)
+        while got < n:
+            r = self.sock.recv_into(view[got:], n - got)
+            if r == 0:
+                raise ProtocolError(f"connection closed after {got} of {n} bytes")
+            got += r
+
+    def read(self) -> tuple[Header, memoryview]:
+        self._fill(memoryview(self._head))
+        self.header_at = time.perf_counter()
+        header = parse_header(self._head, self.max_frame)
+        if header.length > len(self._buf):
+            self._buf = bytearray(header.length)  # the old one lives on in old views only
+        view = memoryview(self._buf)[: header.length]
+        self._fill(view)
+        return header, view
 
 
 def decode_json(header: Header, payload: bytes | bytearray) -> dict[str, Any]:

@@ -319,6 +319,26 @@ def bench(
     decode_tokens: Annotated[int, typer.Option("--decode-tokens")] = 64,
     prompt_tokens: Annotated[int, typer.Option("--prompt-tokens")] = 2000,
     as_json: Json = False,
+    wire: Annotated[
+        bool,
+        typer.Option(
+            "--wire",
+            help="Also: KV handoff GB/s vs a bare socket and JSON/base64 "
+            "over HTTP, and compression at 1 and 10 Gbit/s.",
+        ),
+    ] = False,
+    serving: Annotated[
+        bool,
+        typer.Option(
+            "--serving",
+            help="Also: TTFT/TPOT at 128/1k/4k tokens vs transformers "
+            "and mlx-lm, decode memory, concurrency (slow).",
+        ),
+    ] = False,
+    png: Annotated[
+        Path | None,
+        typer.Option("--png", help="Draw TTFT against prompt length (implies --serving)."),
+    ] = None,
 ) -> None:
     """Measure the handoff against its peers in one run: decode tokens/s against
     mlx-lm's own generation, TTFT against transformers' own prefill."""
@@ -328,17 +348,33 @@ def bench(
     _need_local(local)
     if repeats < 1 or decode_tokens < 2 or prompt_tokens < 16:
         raise UsageError("--repeats >= 1, --decode-tokens >= 2, --prompt-tokens >= 16")
+    model_dir = resolve_model(model, _say)
     report = run_core_bench(
-        resolve_model(model, _say),
+        model_dir,
         repeats=repeats,
         decode_tokens=decode_tokens,
         long_prompt_tokens=prompt_tokens,
         say=_say,
     )
+    tables = [bench_table(report)]
+    if wire:
+        from .bench_wire import run_wire_bench, wire_tables
+
+        report["wire"] = run_wire_bench(model_dir, say=_say)
+        tables += wire_tables(report["wire"])
+    if serving or png:
+        from .bench_serving import run_serving_bench, serving_tables, ttft_chart
+
+        report["serving"] = run_serving_bench(model_dir, say=_say)
+        tables += serving_tables(report["serving"])
+        if png:
+            report["serving"]["png"] = str(ttft_chart(report["serving"], png))
+            _say(f"wrote {png}")
     if as_json:
         print(json.dumps(report))
     else:
-        out.print(bench_table(report))
+        for table in tables:
+            out.print(table)
 
 
 def _register_fleet() -> None:

@@ -1,0 +1,506 @@
+"""Serving figures of the local agents against the monolithic frameworks.
+
+`run_serving_bench` starts one local prefill + decode agent pair and, in this
+process, transformers and mlx-lm on the same weights, then measures:
+
+* latency: TTFT and TPOT at several prompt lengths for disagg (client-observed,
+  token arrival times), transformers' `generate` (a streamer stamps each token)
+  and mlx-lm's `generate_step` (each yield stamped). mlx-lm prefills slowly on
+  a CPU: a length whose projected mlx TTFT (linear in tokens from the longest
+  length measured so far) passes `mlx_cap_s` runs in a child process that is
+  killed at about `mlx_cap_s` + 60 s (the load's slack), and is then marked capped;
+* memory: the decode agent's peak RSS during one handoff of the longest prompt,
+  against model + 1.5 x KV: VmHWM is reset through /proc/PID/clear_refs after a
+  warm-up request, VmRSS read as the baseline, VmHWM read after the request;
+* concurrency: aggregate decode tokens/s of 1, 4 and 16 concurrent requests to
+  the one decode agent (which serves requests one at a time).
+
+`ttft_chart` draws TTFT against prompt length per system as a PNG.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from .errors import AgentError
+
+Say = Callable[[str], None]
+
+LENGTHS = (128, 1024, 4096)
+CONCURRENCY = (1, 4, 16)
+MEMORY_BAR = 1.5  # decode agent peak during a handoff <= model + this x KV size
+CONCURRENCY_BAR = 4.0  # aggregate tok/s at 16 requests >= this x single stream
+
+
+def _median(xs: list[float]) -> float | None:
+    return float(statistics.median(xs)) if xs else None
+
+
+def _proc_status(pid: int) -> dict[str, int]:
+    """VmRSS / VmHWM ... of a process, in bytes."""
+    out: dict[str, int] = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key.startswith("Vm") and rest.strip().endswith("kB"):
+                out[key] = int(rest.split()[0]) * 1024
+    return out
+
+
+def _reset_peak(pid: int) -> None:
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
+
+
+def _timing(stamps: list[float], t0: float) -> dict[str, float | None]:
+    if not stamps:
+        return {"ttft_s": None, "tpot_s": None, "tokens": 0}
+    tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None
+    return {"ttft_s": stamps[0] - t0, "tpot_s": tpot, "tokens": len(stamps)}
+
+
+def run_serving_bench(
+    model_dir: Path,
+    *,
+    lengths: tuple[int, ...] = LENGTHS,
+    tokens: int = 16,
+    repeats: int = 2,
+    mlx_cap_s: float = 300.0,
+    concurrency: tuple[int, ...] = CONCURRENCY,
+    concurrency_tokens: int = 16,
+    say: Say = lambda _msg: None,
+) -> dict[str, Any]:
+    """Latency per prompt length, decode memory, concurrency; plain data."""
+    if tokens < 2 or repeats < 1 or not lengths:
+        raise ValueError("tokens >= 2, repeats >= 1, at least one length")
+    import mlx.core as mx
+    import torch
+    from mlx_lm import load as mlx_load
+    from mlx_lm.generate import generate_step
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from . import client
+    from .bench import DECODE_PROMPT, _loadavg, long_text, machine_info
+    from .launcher import start_local_pair
+
+    model_dir = Path(model_dir)
+    t_start = time.perf_counter()
+    load_start = _loadavg()
+    date = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    say("starting prefill and decode agents")
+    prefill, decode = start_local_pair(model_dir)
+    try:
+        target = {"host": prefill.host, "port": prefill.port}
+
+        def agent_run(req: dict[str, Any], timeout_s: float = 900.0) -> client.Result:
+            stamps: list[float] = []
+
+            def on_token(ev: dict[str, Any]) -> None:
+                if ev.get("id") is not None:
+                    stamps.append(time.perf_counter())
+
+            full = {**req, "prefill": target, "placement": "remote"}
+            res = client.generate(
+                decode.host,
+                decode.port,
+                full,
+                on_token=on_token,
+                timeout_s=timeout_s,
+                token=decode.token,
+            )
+            if res.metrics.get("method") != "disaggregated":
+                raise AgentError(f"not disaggregated: {res.metrics.get('fallback_reason')}")
+            res.metrics["_stamps"] = stamps
+            return res
+
+        say("loading transformers and mlx-lm in this process")
+        tok: Any = AutoTokenizer.from_pretrained(str(model_dir))
+        hf: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        mlx_model = mlx_load(str(model_dir))[0]
+
+        def prompt_for(n: int) -> tuple[str, list[int]]:
+            text = long_text(lambda s: len(tok.encode(s)), n)
+            return text, list(tok.encode(text))
+
+        def disagg_once(text: str) -> dict[str, Any]:
+            t0 = time.perf_counter()
+            res = agent_run({"prompt": text, "raw": True, "max_tokens": tokens, "ignore_eos": True})
+            out = _timing(res.metrics.pop("_stamps"), t0)
+            out["kv_bytes"] = res.metrics.get("kv_bytes")
+            out["prefill_time"] = res.metrics.get("prefill_time")
+            out["first_token"] = res.token_ids[0] if res.token_ids else None
+            return out
+
+        class Stamper:
+            def __init__(self) -> None:
+                self.stamps: list[float] = []
+                self.seen_prompt = False
+
+            def put(self, value: Any) -> None:
+                if not self.seen_prompt:
+                    self.seen_prompt = True  # generate() first puts the prompt itself
+                    return
+                self.stamps.append(time.perf_counter())
+
+            def end(self) -> None:
+                pass
+
+        @torch.inference_mode()
+        def hf_once(ids: list[int]) -> dict[str, Any]:
+            st = Stamper()
+            t0 = time.perf_counter()
+            out = hf.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=tokens,
+                min_new_tokens=tokens,
+                do_sample=False,
+                streamer=st,
+                pad_token_id=tok.eos_token_id,
+            )
+            res = _timing(st.stamps, t0)
+            res["first_token"] = int(out[0, len(ids)])
+            return res
+
+        def mlx_once(ids: list[int]) -> dict[str, Any]:
+            stamps: list[float] = []
+            first = None
+            t0 = time.perf_counter()
+            for token, _ in generate_step(mx.array(ids), mlx_model, max_tokens=tokens):
+                stamps.append(time.perf_counter())
+                if first is None:
+                    first = int(token)
+            res = _timing(stamps, t0)
+            res["first_token"] = first
+            return res
+
+        # ---- warm-up, then the decode agent's memory during the longest handoff ----
+        say("warming up the three systems")
+        short_text, short_ids = prompt_for(min(lengths))
+        disagg_once(short_text)
+        hf_once(short_ids)
+        mlx_once(short_ids)
+
+        longest = max(lengths)
+        long_text_, long_ids = prompt_for(longest)
+        say(f"memory: decode agent peak RSS during a {len(long_ids)}-token handoff")
+        pid = decode.proc.pid
+        memory: dict[str, Any] = {"prompt_tokens": len(long_ids), "pid": pid}
+        try:
+            _reset_peak(pid)
+            before = _proc_status(pid)
+            res = agent_run(
+                {"prompt": long_text_, "raw": True, "max_tokens": 2, "ignore_eos": True}
+            )
+            after = _proc_status(pid)
+            kv = int(res.metrics["kv_bytes"])
+            model_bytes = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+            growth = after["VmHWM"] - before["VmRSS"]
+            memory.update(
+                baseline_rss=before["VmRSS"],
+                peak_rss=after["VmHWM"],
+                growth=growth,
+                kv_bytes=kv,
+                model_bytes=model_bytes,
+                growth_over_kv=growth / kv,
+                bar=MEMORY_BAR,
+                # peak <= model + runtime + 1.5 x KV, runtime = what the agent holds
+                # besides the weights before the request (python, mlx, tokenizer):
+                ok=growth <= MEMORY_BAR * kv,
+                # the bar read literally, no runtime allowance:
+                ok_literal=after["VmHWM"] <= model_bytes + MEMORY_BAR * kv,
+            )
+        except OSError as e:
+            memory["error"] = f"cannot read /proc for the decode agent: {e}"
+
+        # ---- latency per prompt length, interleaved ----------------------------------
+        latency: list[dict[str, Any]] = []
+        mlx_rate: float | None = None  # seconds per prompt token, from the longest so far
+        for n in sorted(lengths):
+            text, ids = prompt_for(n)
+            row: dict[str, Any] = {"target": n, "prompt_tokens": len(ids)}
+            runs: dict[str, list[dict[str, Any]]] = {"disagg": [], "transformers": [], "mlx_lm": []}
+            for i in range(repeats):
+                say(f"latency {len(ids)} tokens {i + 1}/{repeats}: disagg, transformers")
+                runs["disagg"].append(disagg_once(text))
+                runs["transformers"].append(hf_once(ids))
+            projected = mlx_rate * len(ids) if mlx_rate else None
+            if projected is not None and projected > mlx_cap_s:
+                say(
+                    f"latency {len(ids)} tokens: mlx-lm in a child process, killed after "
+                    f"{mlx_cap_s:.0f} s (projected TTFT {projected:.0f} s)"
+                )
+                capped = mlx_capped(model_dir, ids, tokens, mlx_cap_s)
+                if isinstance(capped, str):
+                    row["mlx_lm_capped"] = capped
+                else:
+                    row["mlx_lm_child_process"] = True
+                    runs["mlx_lm"].append(capped)
+            else:
+                say(f"latency {len(ids)} tokens: mlx-lm (once; its CPU prefill is slow)")
+                runs["mlx_lm"].append(mlx_once(ids))
+                mlx_rate = float(runs["mlx_lm"][-1]["ttft_s"]) / len(ids)
+            for system, rs in runs.items():
+                row[system] = {
+                    "ttft_s": _median([r["ttft_s"] for r in rs if r["ttft_s"] is not None]),
+                    "tpot_s": _median([r["tpot_s"] for r in rs if r["tpot_s"] is not None]),
+                    "runs": rs,
+                }
+            firsts = {r["first_token"] for rs in runs.values() for r in rs}
+            row["same_first_token"] = len(firsts) == 1
+            latency.append(row)
+
+        # ---- concurrency -------------------------------------------------------------
+        conc: list[dict[str, Any]] = []
+        req = {"prompt": DECODE_PROMPT, "max_tokens": concurrency_tokens, "ignore_eos": True}
+        for n in concurrency:
+            say(f"concurrency: {n} requests at once, {concurrency_tokens} tokens each")
+            results: list[client.Result | BaseException] = []
+            lock = threading.Lock()
+
+            def one(results: list[Any] = results, lock: threading.Lock = lock) -> None:
+                try:
+                    r: client.Result | BaseException = agent_run(req)
+                except BaseException as e:  # reported, never lost in a thread
+                    r = e
+                with lock:
+                    results.append(r)
+
+            threads = [threading.Thread(target=one) for _ in range(n)]
+            t0 = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            wall = time.perf_counter() - t0
+            errors = [str(r) for r in results if isinstance(r, BaseException)]
+            done = [r for r in results if isinstance(r, client.Result)]
+            total = sum(len(r.token_ids) for r in done)
+            conc.append(
+                {
+                    "requests": n,
+                    "errors": errors,
+                    "completion_tokens": total,
+                    "wall_s": wall,
+                    "aggregate_tok_s": total / wall,
+                    "per_request_decode_tok_s": _median(
+                        [float(r.metrics["decode_speed"]) for r in done]
+                    ),
+                    "ttft_p50_s": _median([float(r.metrics["ttft"]) for r in done]),
+                    "ttft_max_s": max((float(r.metrics["ttft"]) for r in done), default=None),
+                }
+            )
+        single = conc[0]["aggregate_tok_s"] if conc and conc[0]["requests"] == 1 else None
+        for c in conc:
+            c["vs_single"] = c["aggregate_tok_s"] / single if single else None
+        last = conc[-1] if conc else None
+        machine = machine_info("cpu", str(mx.default_device()))
+    finally:
+        for agent in (decode, prefill):
+            agent.stop()
+
+    return {
+        "date": date,
+        "model": str(model_dir),
+        "settings": {
+            "lengths": list(lengths),
+            "tokens": tokens,
+            "repeats": repeats,
+            "mlx_repeats": 1,
+            "mlx_cap_s": mlx_cap_s,
+            "concurrency": list(concurrency),
+            "concurrency_tokens": concurrency_tokens,
+        },
+        "machine": machine,
+        "latency": latency,
+        "memory": memory,
+        "concurrency": {
+            "runs": conc,
+            "bar": CONCURRENCY_BAR,
+            "ok": bool(last and last["vs_single"] and last["vs_single"] >= CONCURRENCY_BAR),
+            "note": "the decode agent serves one request at a time (no continuous batching)",
+        },
+        "load_avg_1m": {"start": load_start, "end": _loadavg()},
+        "elapsed_s": time.perf_counter() - t_start,
+    }
+
+
+MLX_CHILD = """
+import json, sys, time
+import mlx.core as mx
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+model = load(sys.argv[1])[0]
+ids = json.loads(sys.stdin.readline())
+stamps, first = [], None
+t0 = time.perf_counter()
+for token, _ in generate_step(mx.array(ids), model, max_tokens=int(sys.argv[2])):
+    stamps.append(time.perf_counter() - t0)
+    first = int(token) if first is None else first
+print(json.dumps({"stamps": stamps, "first": first}), flush=True)
+"""
+
+
+def mlx_capped(model_dir: Path, ids: list[int], tokens: int, cap_s: float) -> dict[str, Any] | str:
+    """mlx-lm's generate_step on `ids` in a child process that is killed after
+    `cap_s` of generation (loading not counted); a timing dict, or why not."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", MLX_CHILD, str(model_dir), str(tokens)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert proc.stdin is not None
+    # Loading takes seconds; generous slack so only generation is capped.
+    t0 = time.perf_counter()
+    try:
+        out, _ = proc.communicate(json.dumps(ids) + "\n", timeout=cap_s + 60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return (
+            f"capped: killed after {time.perf_counter() - t0:.0f} s "
+            f"(cap {cap_s:.0f} s + 60 s for loading) without its {tokens} tokens"
+        )
+    if proc.returncode != 0 or not out.strip():
+        return f"mlx-lm child failed with exit code {proc.returncode}"
+    data = json.loads(out.strip().splitlines()[-1])
+    stamps = data["stamps"]
+    res = _timing(stamps, 0.0)
+    res["first_token"] = data["first"]
+    return res
+
+
+SYSTEMS = (
+    ("disagg", "disagg (torch prefill -> mlx decode)"),
+    ("transformers", "transformers generate"),
+    ("mlx_lm", "mlx-lm generate_step"),
+)
+
+
+def ttft_chart(report: dict[str, Any], path: Path) -> Path:
+    """PNG of TTFT against prompt length, one line per system."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    for key, label in SYSTEMS:
+        pts = [
+            (row["prompt_tokens"], row[key]["ttft_s"])
+            for row in report["latency"]
+            if row[key]["ttft_s"] is not None
+        ]
+        if pts:
+            xs, ys = zip(*pts, strict=True)
+            ax.plot(xs, ys, marker="o", label=label)
+    capped = [row["prompt_tokens"] for row in report["latency"] if row.get("mlx_lm_capped")]
+    if capped:
+        ax.text(0.02, 0.95, f"mlx-lm capped at {capped} tokens", transform=ax.transAxes)
+    ax.set_xscale("log", base=2)
+    ticks = [row["prompt_tokens"] for row in report["latency"]]
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.minorticks_off()
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("TTFT (s)")
+    m = report["machine"]
+    ax.set_title(
+        f"TTFT vs prompt length · {Path(report['model']).name}\n"
+        f"{m['machine']} · {m['cpu_count']} CPUs · {report['date']}",
+        fontsize=9,
+    )
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _s(x: float | None, scale: float = 1.0, fmt: str = "{:.3f}") -> str:
+    return "-" if x is None else fmt.format(x * scale)
+
+
+def serving_tables(report: dict[str, Any]) -> list[Table]:
+    def verdict(ok: bool) -> str:
+        return "[green]pass[/]" if ok else "[red]FAIL[/]"
+
+    lat = Table(
+        title=f"TTFT and TPOT ({report['settings']['tokens']} new tokens, greedy)",
+        header_style="bold",
+        caption=(
+            f"{report['date']} · load avg (1 min) {report['load_avg_1m']['start']} -> "
+            f"{report['load_avg_1m']['end']} · disagg and transformers: median of "
+            f"{report['settings']['repeats']}; mlx-lm: one run"
+        ),
+    )
+    lat.add_column("prompt tokens", justify="right")
+    for _, label in SYSTEMS:
+        lat.add_column(f"{label}\nTTFT s / TPOT ms", justify="right")
+    lat.add_column("same 1st token")
+    for row in report["latency"]:
+        cells = []
+        for key, _ in SYSTEMS:
+            if key == "mlx_lm" and row.get("mlx_lm_capped"):
+                cells.append(row["mlx_lm_capped"])
+            else:
+                cells.append(f"{_s(row[key]['ttft_s'])} / {_s(row[key]['tpot_s'], 1e3, '{:.1f}')}")
+        lat.add_row(str(row["prompt_tokens"]), *cells, str(row["same_first_token"]))
+
+    mem = report["memory"]
+    mt = Table(title="Decode agent memory during the longest handoff", header_style="bold")
+    mt.add_column("measure")
+    mt.add_column("value", justify="right")
+    if "error" in mem:
+        mt.add_row("error", mem["error"])
+    else:
+        for key in ("baseline_rss", "peak_rss", "growth", "kv_bytes", "model_bytes"):
+            mt.add_row(key, f"{mem[key] / 1e6:.1f} MB")
+        mt.add_row(
+            f"growth / KV ({mem['prompt_tokens']} tokens)",
+            f"{mem['growth_over_kv']:.2f} (<= {mem['bar']} {verdict(mem['ok'])})",
+        )
+        mt.add_row(
+            "peak <= model + 1.5 x KV, literally (no runtime allowance)",
+            verdict(mem["ok_literal"]),
+        )
+
+    c = report["concurrency"]
+    ct = Table(
+        title="Concurrent requests to one decode agent", header_style="bold", caption=c["note"]
+    )
+    for col in ("requests", "aggregate tok/s", "x single", "per-request tok/s", "TTFT p50/max s"):
+        ct.add_column(col, justify="right")
+    for r in c["runs"]:
+        ct.add_row(
+            str(r["requests"]),
+            f"{r['aggregate_tok_s']:.2f}",
+            _s(r["vs_single"], fmt="{:.2f}"),
+            _s(r["per_request_decode_tok_s"], fmt="{:.2f}"),
+            f"{_s(r['ttft_p50_s'], fmt='{:.1f}')} / {_s(r['ttft_max_s'], fmt='{:.1f}')}"
+            + (f" [red]{len(r['errors'])} errors[/]" if r["errors"] else ""),
+        )
+    ct.add_row(
+        "bar",
+        f">= x{c['bar']:g} at {c['runs'][-1]['requests'] if c['runs'] else '-'}",
+        verdict(c["ok"]),
+        "",
+        "",
+    )
+    return [lat, mt, ct]

@@ -1,0 +1,656 @@
+"""The KV handoff on the wire, measured on real KV of a real model.
+
+* `run_wire_bench`: throughput of handing one prompt's K/V from one process
+  to another over TCP on 127.0.0.1, the same raw bytes three ways:
+    - ours: KV_LAYER frames built by `kvcodec.encode_layer`, sent by the prefill
+      agent's own `LayerSender` thread, parsed by `FrameReader` + `decode_layer`
+      in the receiving process (numpy arrays out, as the decode agent gets them);
+    - bare: `socket.sendall` of each K and V buffer, the receiver `recv_into` one
+      buffer allocated before the clock starts (the limit of this socket);
+    - json: the seeds' design, the whole KV as one JSON document with base64
+      tensors in one HTTP POST (http.server), json- and base64-decoded into numpy.
+  Each is timed from an open connection to the receiver's one-byte ack after
+  its last array exists. Plus the compressing codecs through our path.
+* compression on the same KV: ratio and per-layer encode/decode times of off,
+  zstd and shuffle+zstd, and the handoff time they give on links of 1 and 10
+  Gbit/s, by arithmetic on those measured times (no `tc` here): per layer,
+  compress -> wire -> decompress run as a 3-stage pipeline (the sender thread,
+  the link, the receiver), completion time by the flow-shop recurrence; the
+  serial sum is shown beside it. `agents.codecpick.pick_codec` then picks a
+  codec per rate from the measured speeds: that is the "adaptive" row.
+
+The real KV comes from `agents.prefill.PrefillEngine` run in this process on a
+deterministic prompt (fp32 and bf16). `run_wire_bench` returns plain data;
+`wire_tables` renders it.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import http.client
+import json
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from datetime import datetime, timezone
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.table import Table
+
+from agents import protocol as P
+from agents.codecpick import CodecSpeed, pick_codec, stream_rate
+from agents.kvcodec import WIRE_NUMPY, Codec, DType, Kind, LayerKV, decode_layer, encode_layer
+
+Say = Callable[[str], None]
+
+HANDOFF_BARE_BAR = 0.85  # ours / bare socket, at least
+HANDOFF_JSON_BAR = 10.0  # ours / JSON+base64 over HTTP, at least
+ADAPTIVE_BAR = 1.15  # adaptive vs off at 1 Gbit/s, at least
+LINK_RATES_GBIT = (1.0, 10.0)
+# (name, codec, zstd level). The agents send with level 1; 3 is shown for scale.
+CODECS: tuple[tuple[str, Codec, int], ...] = (
+    ("off", Codec.RAW, 0),
+    ("zstd-1", Codec.ZSTD, 1),
+    ("zstd-3", Codec.ZSTD, 3),
+    ("shuffle+zstd-1", Codec.SHUFFLE_ZSTD, 1),
+    ("shuffle+zstd-3", Codec.SHUFFLE_ZSTD, 3),
+)
+AGENT_LEVEL = 1
+ACK = b"k"
+RECEIVER_CODE = "from disagg.bench_wire import _receiver_main; _receiver_main()"
+
+
+# ---------------------------------------------------------------------------
+# real KV
+
+
+def real_kv(model_dir: Path, tokens: int, dtype: str) -> list[LayerKV]:
+    """Every layer's K/V of a deterministic ~`tokens`-token prompt, as the prefill
+    agent computes and sends it (wire dtype: float32, or bf16 as uint16 words)."""
+    from transformers import AutoTokenizer
+
+    from agents.prefill import PrefillEngine
+
+    from .bench import long_text
+
+    tok: Any = AutoTokenizer.from_pretrained(str(model_dir))
+    text = long_text(lambda s: len(tok.encode(s)), tokens)
+    ids = list(tok.encode(text))
+    engine = PrefillEngine(str(model_dir), device="cpu", dtype=dtype)
+    layers: list[LayerKV] = []
+
+    def keep(kv: LayerKV) -> None:  # own copies: the cache tensors die with the pass
+        layers.append(LayerKV(kv.layer, kv.kind, kv.dtype, kv.keys.copy(), kv.values.copy()))
+
+    engine.prefill(ids, keep)
+    return layers
+
+
+def kv_digest(layers: Iterable[LayerKV]) -> str:
+    h = hashlib.sha256()
+    for kv in layers:
+        h.update(np.ascontiguousarray(kv.keys).tobytes())
+        h.update(np.ascontiguousarray(kv.values).tobytes())
+    return h.hexdigest()
+
+
+def raw_size(layers: list[LayerKV]) -> int:
+    return sum(kv.keys.nbytes + kv.values.nbytes for kv in layers)
+
+
+# ---------------------------------------------------------------------------
+# the receiving process
+
+
+def _recv_ours(sock: socket.socket, verify: bool) -> str | None:
+    h = hashlib.sha256() if verify else None
+    reader = P.FrameReader(sock)  # as agents.kvfetch receives
+    while True:
+        header, payload = reader.read()
+        if header.type == P.Frame.PREFILL_DONE:
+            break
+        kv = decode_layer(payload)
+        if h is not None:
+            h.update(kv.keys.tobytes())
+            h.update(kv.values.tobytes())
+    return h.hexdigest() if h else None
+
+
+def _recv_bare(sock: socket.socket, buf: bytearray) -> None:
+    view, got = memoryview(buf), 0
+    while got < len(buf):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError(f"closed after {got} of {len(buf)} bytes")
+        got += n
+
+
+def _json_layers(body: bytes) -> list[LayerKV]:
+    doc = json.loads(body)
+    out = []
+    for item in doc["layers"]:
+        dt = DType[item["dtype"]]
+        np_dtype = WIRE_NUMPY[dt]
+        keys = np.frombuffer(base64.b64decode(item["k"]), np_dtype).reshape(item["k_shape"])
+        values = np.frombuffer(base64.b64decode(item["v"]), np_dtype).reshape(item["v_shape"])
+        out.append(LayerKV(item["layer"], Kind(item["kind"]), dt, keys, values))
+    return out
+
+
+class _JsonHandler(BaseHTTPRequestHandler):
+    result: list[str | None] = [None]
+    verify = False
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        layers = _json_layers(body)
+        type(self).result[0] = kv_digest(layers) if type(self).verify else None
+        self.send_response(200)
+        self.send_header("Content-Length", "1")
+        self.end_headers()
+        self.wfile.write(ACK)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def _receiver_main() -> None:
+    """Child process: one transfer per job line on stdin, one answer line on stdout."""
+    tcp = socket.create_server(("127.0.0.1", 0))
+    httpd = HTTPServer(("127.0.0.1", 0), _JsonHandler)
+
+    def answer(obj: Any) -> None:
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    answer([tcp.getsockname()[1], httpd.server_address[1]])
+    for line in sys.stdin:
+        mode, total, verify = json.loads(line)
+        digest: str | None = None
+        if mode == "json":
+            _JsonHandler.verify = verify
+            answer("ready")
+            httpd.handle_request()
+            digest = _JsonHandler.result[0]
+        else:
+            buf = bytearray(total) if mode == "bare" else bytearray()
+            answer("ready")
+            sock, _ = tcp.accept()
+            with sock:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if mode == "bare":
+                    _recv_bare(sock, buf)
+                else:
+                    digest = _recv_ours(sock, verify)
+                sock.sendall(ACK)
+            del buf
+        answer(digest)
+    tcp.close()
+    httpd.server_close()
+
+
+class Receiver:
+    """The receiving side in its own process (as the decode agent is)."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", RECEIVER_CODE],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.tcp_port, self.http_port = self._read()
+
+    def _read(self) -> Any:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the receiver process exited with {self.proc.wait()}")
+        return json.loads(line)
+
+    def __enter__(self) -> Receiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout:
+            self.proc.stdout.close()
+
+    def _start(self, mode: str, total: int, verify: bool) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps([mode, total, verify]) + "\n")
+        self.proc.stdin.flush()
+        if self._read() != "ready":
+            raise RuntimeError("the receiver did not get ready")
+
+    def _dial(self) -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", self.tcp_port))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    def ours(
+        self, layers: list[LayerKV], codec: Codec = Codec.RAW, verify: bool = False
+    ) -> tuple[float, int, str | None]:
+        """Seconds, bytes on the wire, and (with verify) the receiver's digest."""
+        from agents.prefill import LayerSender  # imports torch: only in the sender
+
+        self._start("ours", 0, verify)
+        with self._dial() as sock:
+            t0 = time.perf_counter()
+            sender = LayerSender(sock, codec)
+            for kv in layers:
+                sender.put(kv)
+            sender.close()
+            if sender.error is not None:
+                raise sender.error
+            P.send_json(sock, P.Frame.PREFILL_DONE, {"layers": len(layers)})
+            if P.recv_exact(sock, 1) != ACK:
+                raise RuntimeError("bad ack")
+            secs = time.perf_counter() - t0
+        return secs, sender.bytes, self._read()
+
+    def bare(self, layers: list[LayerKV]) -> float:
+        self._start("bare", raw_size(layers), False)
+        with self._dial() as sock:
+            t0 = time.perf_counter()
+            for kv in layers:
+                sock.sendall(memoryview(kv.keys).cast("B"))  # type: ignore[arg-type]
+                sock.sendall(memoryview(kv.values).cast("B"))  # type: ignore[arg-type]
+            if P.recv_exact(sock, 1) != ACK:
+                raise RuntimeError("bad ack")
+            secs = time.perf_counter() - t0
+        self._read()
+        return secs
+
+    def json(self, layers: list[LayerKV], verify: bool = False) -> tuple[float, int, str | None]:
+        self._start("json", 0, verify)
+        conn = http.client.HTTPConnection("127.0.0.1", self.http_port, timeout=600)
+        conn.connect()
+        try:
+            t0 = time.perf_counter()
+            body = json.dumps(
+                {
+                    "layers": [
+                        {
+                            "layer": kv.layer,
+                            "kind": int(kv.kind),
+                            "dtype": kv.dtype.name,
+                            "k_shape": list(kv.keys.shape),
+                            "v_shape": list(kv.values.shape),
+                            "k": base64.b64encode(kv.keys.tobytes()).decode("ascii"),
+                            "v": base64.b64encode(kv.values.tobytes()).decode("ascii"),
+                        }
+                        for kv in layers
+                    ]
+                }
+            ).encode()
+            conn.request("POST", "/kv", body, {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            if resp.status != 200 or resp.read() != ACK:
+                raise RuntimeError(f"json receiver answered {resp.status}")
+            secs = time.perf_counter() - t0
+        finally:
+            conn.close()
+        return secs, len(body), self._read()
+
+
+# ---------------------------------------------------------------------------
+# compression, and the handoff time it gives on a link
+
+
+def pipeline_time(stages: list[list[float]]) -> float:
+    """Completion time of items through stages in order, one item per stage at a
+    time (flow shop): stages[i] = the times of item i in each stage."""
+    done: list[float] = []
+    for times in stages:
+        prev_stage_done = 0.0
+        for s, t in enumerate(times):
+            start = max(prev_stage_done, done[s] if s < len(done) else 0.0)
+            prev_stage_done = start + t
+            if s < len(done):
+                done[s] = prev_stage_done
+            else:
+                done.append(prev_stage_done)
+    return done[-1] if done else 0.0
+
+
+def measure_codec(layers: list[LayerKV], codec: Codec, level: int, repeats: int) -> dict[str, Any]:
+    """Per layer: frame bytes and median encode / decode seconds over `repeats`."""
+    enc: list[float] = []
+    dec: list[float] = []
+    frame: list[int] = []
+    for kv in layers:
+        e, d = [], []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            parts = encode_layer(kv, codec, level)
+            t1 = time.perf_counter()
+            payload = b"".join(parts)
+            t2 = time.perf_counter()
+            back = decode_layer(payload)
+            t3 = time.perf_counter()
+            e.append(t1 - t0)
+            d.append(t3 - t2)
+        if not (np.array_equal(back.keys, kv.keys) and np.array_equal(back.values, kv.values)):
+            raise AssertionError(f"{codec.name}: layer {kv.layer} did not round-trip")
+        enc.append(statistics.median(e))
+        dec.append(statistics.median(d))
+        frame.append(P.HEADER.size + len(payload))
+    raw = raw_size(layers)
+    wire = sum(frame)
+    return {
+        "raw_bytes": raw,
+        "wire_bytes": wire,
+        "ratio": raw / wire,
+        "encode_s": sum(enc),
+        "decode_s": sum(dec),
+        "encode_gb_s": raw / sum(enc) / 1e9 if sum(enc) > 0 else math.inf,
+        "decode_gb_s": raw / sum(dec) / 1e9 if sum(dec) > 0 else math.inf,
+        "layer_encode_s": enc,
+        "layer_decode_s": dec,
+        "layer_frame_bytes": frame,
+    }
+
+
+def handoff_at(m: dict[str, Any], link_bytes_s: float) -> dict[str, float]:
+    """Handoff seconds of one measured codec on a link of `link_bytes_s`."""
+    per_layer = [
+        [e, b / link_bytes_s, d]
+        for e, b, d in zip(
+            m["layer_encode_s"], m["layer_frame_bytes"], m["layer_decode_s"], strict=True
+        )
+    ]
+    return {
+        "pipelined_s": pipeline_time(per_layer),
+        "serial_s": sum(sum(x) for x in per_layer),
+        "wire_only_s": m["wire_bytes"] / link_bytes_s,
+    }
+
+
+def compression_part(layers: list[LayerKV], repeats: int) -> dict[str, Any]:
+    codecs = {name: measure_codec(layers, c, lvl, repeats) for name, c, lvl in CODECS}
+    speeds: dict[Codec, CodecSpeed] = {
+        c: CodecSpeed(
+            ratio=codecs[name]["ratio"],
+            encode_bps=codecs[name]["raw_bytes"] / max(codecs[name]["encode_s"], 1e-12),
+            decode_bps=codecs[name]["raw_bytes"] / max(codecs[name]["decode_s"], 1e-12),
+        )
+        for name, c, lvl in CODECS
+        if c != Codec.RAW and lvl == AGENT_LEVEL
+    }
+    names = {c: name for name, c, lvl in CODECS if lvl in (0, AGENT_LEVEL)}
+    rates: dict[str, Any] = {}
+    for gbit in LINK_RATES_GBIT:
+        link = gbit * 1e9 / 8
+        per_codec = {name: handoff_at(m, link) for name, m in codecs.items()}
+        picked = pick_codec(link, speeds)
+        off = per_codec["off"]["pipelined_s"]
+        adaptive = per_codec[names[picked]]["pipelined_s"]
+        rates[f"{gbit:g}"] = {
+            "link_bytes_s": link,
+            "codecs": per_codec,
+            "adaptive": {
+                "codec": names[picked],
+                "predicted_gb_s": stream_rate(
+                    link, picked, speeds[picked] if picked != Codec.RAW else None
+                )
+                / 1e9,
+                "pipelined_s": adaptive,
+                "speedup_vs_off": off / adaptive,
+                "never_slower": adaptive <= off,
+            },
+        }
+    one = rates[f"{LINK_RATES_GBIT[0]:g}"]["adaptive"]
+    return {
+        "model": "pipelined per layer: compress (sender thread) -> link -> decompress (receiver)",
+        "codecs": {
+            k: {kk: vv for kk, vv in v.items() if not kk.startswith("layer_")}
+            for k, v in codecs.items()
+        },
+        "rates_gbit": rates,
+        "adaptive_never_slower": all(r["adaptive"]["never_slower"] for r in rates.values()),
+        "adaptive_bar": ADAPTIVE_BAR,
+        "adaptive_ok_1gbit": one["speedup_vs_off"] >= ADAPTIVE_BAR,
+    }
+
+
+# ---------------------------------------------------------------------------
+# the run
+
+
+def _median(xs: list[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def handoff_part(
+    rx: Receiver, layers: list[LayerKV], repeats: int, say: Say, label: str
+) -> dict[str, Any]:
+    raw = raw_size(layers)
+    # Bit-exactness first, untimed: the receiver hashes what it decoded.
+    want = kv_digest(layers)
+    got_ours = rx.ours(layers, verify=True)[2]
+    got_json = rx.json(layers, verify=True)[2]
+    compressed_ok = all(
+        rx.ours(layers, c, verify=True)[2] == want for c in (Codec.ZSTD, Codec.SHUFFLE_ZSTD)
+    )
+    runs: dict[str, list[float]] = {
+        "ours": [],
+        "bare": [],
+        "json": [],
+        "ours_zstd": [],
+        "ours_shuffle_zstd": [],
+    }
+    wire: dict[str, int] = {}
+    for i in range(repeats):
+        say(f"handoff {label} {i + 1}/{repeats}: ours, bare socket, JSON+base64/HTTP")
+        secs, wire["ours"], _ = rx.ours(layers)
+        runs["ours"].append(secs)
+        runs["bare"].append(rx.bare(layers))
+        secs, wire["json"], _ = rx.json(layers)
+        runs["json"].append(secs)
+        secs, wire["ours_zstd"], _ = rx.ours(layers, Codec.ZSTD)
+        runs["ours_zstd"].append(secs)
+        secs, wire["ours_shuffle_zstd"], _ = rx.ours(layers, Codec.SHUFFLE_ZSTD)
+        runs["ours_shuffle_zstd"].append(secs)
+    wire["bare"] = raw
+    med = {k: _median(v) for k, v in runs.items()}
+    gbs = {k: raw / v / 1e9 for k, v in med.items()}
+    return {
+        "layers": len(layers),
+        "prompt_tokens": int(layers[0].keys.shape[1]),
+        "dtype": layers[0].dtype.name.lower(),
+        "raw_bytes": raw,
+        "wire_bytes": wire,
+        "seconds": runs,
+        "median_s": med,
+        "gb_s": gbs,  # raw KV bytes per second, 1e9
+        "ours_vs_bare": gbs["ours"] / gbs["bare"],
+        "ours_vs_json": gbs["ours"] / gbs["json"],
+        "bare_bar": HANDOFF_BARE_BAR,
+        "json_bar": HANDOFF_JSON_BAR,
+        "ok_bare": gbs["ours"] / gbs["bare"] >= HANDOFF_BARE_BAR,
+        "ok_json": gbs["ours"] / gbs["json"] >= HANDOFF_JSON_BAR,
+        "bit_exact": got_ours == want,
+        "bit_exact_compressed": compressed_ok,
+        "json_bit_exact": got_json == want,
+    }
+
+
+def run_wire_bench(
+    model_dir: Path,
+    *,
+    tokens: int = 2000,
+    dtypes: tuple[str, ...] = ("float32", "bfloat16"),
+    repeats: int = 5,
+    codec_repeats: int = 3,
+    say: Say = lambda _msg: None,
+) -> dict[str, Any]:
+    """Handoff throughput and compression on real KV of `model_dir`; plain data."""
+    if repeats < 1 or codec_repeats < 1 or tokens < 2:
+        raise ValueError("repeats and codec_repeats >= 1, tokens >= 2")
+    t_start = time.perf_counter()
+    load_start = _loadavg()
+    date = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    parts: dict[str, Any] = {}
+    with Receiver() as rx:
+        for dtype in dtypes:
+            say(f"real KV: prefilling ~{tokens} tokens in {dtype}")
+            layers = real_kv(Path(model_dir), tokens, dtype)
+            part = handoff_part(rx, layers, repeats, say, dtype)
+            say(f"compression {dtype}: {', '.join(n for n, _, _ in CODECS)}")
+            part["compression"] = compression_part(layers, codec_repeats)
+            parts[dtype] = part
+            del layers
+    return {
+        "date": date,
+        "model": str(model_dir),
+        "settings": {"tokens": tokens, "repeats": repeats, "codec_repeats": codec_repeats},
+        "cpu_count": os.cpu_count(),
+        "timing": "handoff: connection open -> receiver's ack after its last numpy array; "
+        "medians. Link rates: arithmetic on measured per-layer codec times, pipelined.",
+        "dtypes": parts,
+        "load_avg_1m": {"start": load_start, "end": _loadavg()},
+        "ok": all(
+            p["ok_bare"]
+            and p["ok_json"]
+            and p["bit_exact"]
+            and p["compression"]["adaptive_never_slower"]
+            and p["compression"]["adaptive_ok_1gbit"]
+            for p in parts.values()
+        ),
+        "elapsed_s": time.perf_counter() - t_start,
+    }
+
+
+def _loadavg() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+# ---------------------------------------------------------------------------
+# rendering
+
+
+def _verdict(ok: bool) -> str:
+    return "[green]pass[/]" if ok else "[red]FAIL[/]"
+
+
+def wire_tables(report: dict[str, Any]) -> list[Table]:
+    tables = []
+    for dtype, p in report["dtypes"].items():
+        t = Table(
+            title=(
+                f"KV handoff on loopback: {p['prompt_tokens']} tokens x {p['layers']} layers, "
+                f"{dtype}, {p['raw_bytes'] / 1e6:.1f} MB of K/V"
+            ),
+            header_style="bold",
+            caption=(
+                f"{report['date']} · {report['cpu_count']} CPUs · load avg (1 min) "
+                f"{report['load_avg_1m']['start']} -> {report['load_avg_1m']['end']} · "
+                "GB/s = raw K/V bytes / (connection open -> receiver's ack), median"
+            ),
+        )
+        for col in ("path", "GB/s", "median s", "bytes on the wire", "bar"):
+            t.add_column(col, justify="left" if col == "path" else "right")
+        rows = (
+            ("ours: KV_LAYER frames, LayerSender -> FrameReader + decode_layer", "ours"),
+            ("bare socket.sendall -> recv_into", "bare"),
+            ("seeds: JSON + base64 over HTTP (one POST)", "json"),
+            ("ours, zstd-1", "ours_zstd"),
+            ("ours, shuffle+zstd-1", "ours_shuffle_zstd"),
+        )
+        for label, key in rows:
+            t.add_row(
+                label,
+                f"{p['gb_s'][key]:.3f}",
+                f"{p['median_s'][key]:.3f}",
+                f"{p['wire_bytes'][key] / 1e6:.1f} MB",
+                "",
+            )
+        t.add_section()
+        t.add_row(
+            "ours / bare",
+            f"{p['ours_vs_bare']:.2f}",
+            "",
+            "bit-exact" if p["bit_exact"] else "[red]NOT bit-exact[/]",
+            f">= {p['bare_bar']} {_verdict(p['ok_bare'])}",
+        )
+        t.add_row(
+            "ours / JSON+base64",
+            f"{p['ours_vs_json']:.1f}",
+            "",
+            "",
+            f">= {p['json_bar']:g} {_verdict(p['ok_json'])}",
+        )
+        tables.append(t)
+
+        c = p["compression"]
+        t = Table(
+            title=f"Compression on that KV ({dtype}); handoff at emulated link rates",
+            header_style="bold",
+            caption="pipelined per layer: max-stage flow shop of compress -> link -> "
+            "decompress (serial sum in brackets); the agents use level 1",
+        )
+        t.add_column("codec")
+        t.add_column("ratio", justify="right")
+        t.add_column("enc GB/s", justify="right")
+        t.add_column("dec GB/s", justify="right")
+        for gbit in c["rates_gbit"]:
+            t.add_column(f"{gbit} Gbit/s", justify="right")
+        for name, m in c["codecs"].items():
+            cells = [
+                f"{r['codecs'][name]['pipelined_s']:.3f} s ({r['codecs'][name]['serial_s']:.3f})"
+                for r in c["rates_gbit"].values()
+            ]
+            t.add_row(
+                name,
+                f"{m['ratio']:.3f}",
+                f"{m['encode_gb_s']:.2f}",
+                f"{m['decode_gb_s']:.2f}",
+                *cells,
+            )
+        t.add_section()
+        t.add_row(
+            "adaptive (codecpick)",
+            "",
+            "",
+            "",
+            *[
+                f"{r['adaptive']['codec']}: {r['adaptive']['pipelined_s']:.3f} s, "
+                f"x{r['adaptive']['speedup_vs_off']:.2f} vs off"
+                for r in c["rates_gbit"].values()
+            ],
+        )
+        t.add_row(
+            "bars",
+            "",
+            "",
+            "",
+            f"never slower {_verdict(c['adaptive_never_slower'])}; "
+            f">= x{c['adaptive_bar']} at 1 Gbit/s {_verdict(c['adaptive_ok_1gbit'])}",
+        )
+        tables.append(t)
+    return tables

@@ -1,0 +1,76 @@
+"""The wire and compression benchmark runs end to end on real KV of the default
+model at small sizes: structure and sanity (positive, finite, bit-exact), not
+the speed bars. Plus the pipeline arithmetic it rests on."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+from disagg.bench_wire import CODECS, pipeline_time, run_wire_bench, wire_tables
+
+
+def positive(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def test_pipeline_time() -> None:
+    assert pipeline_time([]) == 0.0
+    assert pipeline_time([[1.0, 2.0, 3.0]]) == 6.0  # one item: the stages in a row
+    # the bottleneck stage sets the pace: 3 items x 2 s + the others' fill/drain
+    assert pipeline_time([[1.0, 2.0, 1.0]] * 3) == 1.0 + 3 * 2.0 + 1.0
+    # never faster than the busiest stage, never slower than everything in series
+    items = [[0.3, 1.0, 0.2], [0.5, 0.1, 0.9], [0.2, 0.4, 0.4]]
+    t = pipeline_time(items)
+    assert max(sum(col) for col in zip(*items, strict=True)) <= t <= sum(map(sum, items))
+
+
+@pytest.mark.slow
+def test_wire_bench_runs(default_model: Path) -> None:
+    messages: list[str] = []
+    report = run_wire_bench(
+        default_model, tokens=48, repeats=1, codec_repeats=1, say=messages.append
+    )
+    assert messages
+    json.dumps(report)  # plain data
+    Console(file=None, width=200, record=True).print(*wire_tables(report))
+
+    assert set(report["dtypes"]) == {"float32", "bfloat16"}
+    for dtype, p in report["dtypes"].items():
+        itemsize = 4 if dtype == "float32" else 2
+        assert p["layers"] == 30 and abs(p["prompt_tokens"] - 48) <= 3
+        # SmolLM2-135M: 3 KV heads x 64 dims, K and V, every layer
+        assert p["raw_bytes"] == 30 * p["prompt_tokens"] * 3 * 64 * 2 * itemsize
+        assert p["bit_exact"] and p["bit_exact_compressed"] and p["json_bit_exact"]
+        for key in ("ours", "bare", "json", "ours_zstd", "ours_shuffle_zstd"):
+            assert positive(p["gb_s"][key]), key
+            assert len(p["seconds"][key]) == 1
+        assert p["wire_bytes"]["bare"] == p["raw_bytes"]
+        assert p["wire_bytes"]["ours"] > p["raw_bytes"]  # headers
+        assert p["wire_bytes"]["json"] > 4 / 3 * p["raw_bytes"]  # base64
+        assert p["ok_bare"] == (p["ours_vs_bare"] >= p["bare_bar"])
+        assert p["ok_json"] == (p["ours_vs_json"] >= p["json_bar"])
+
+        c = p["compression"]
+        assert set(c["codecs"]) == {name for name, _, _ in CODECS}
+        assert c["codecs"]["off"]["ratio"] < 1.0  # framing only
+        for name, m in c["codecs"].items():
+            assert positive(m["ratio"]) and positive(m["encode_s"]) and positive(m["decode_s"])
+            assert m["raw_bytes"] == p["raw_bytes"]
+            if name != "off":
+                assert m["ratio"] > 1.0, name  # real KV does compress somewhat
+        assert set(c["rates_gbit"]) == {"1", "10"}
+        for r in c["rates_gbit"].values():
+            for m in r["codecs"].values():
+                assert positive(m["pipelined_s"])
+                assert m["wire_only_s"] <= m["pipelined_s"] <= m["serial_s"] + 1e-12
+            a = r["adaptive"]
+            assert a["codec"] in c["codecs"]
+            assert a["never_slower"] and a["pipelined_s"] <= r["codecs"]["off"]["pipelined_s"]
+        assert c["adaptive_never_slower"]
+    assert report["ok"] in (True, False)
