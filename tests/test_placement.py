@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -53,15 +54,25 @@ def test_agents_choose_from_their_own_measurements(tmp_path: Path) -> None:
         first = client.generate(decode.host, decode.port, base, token=decode.token).metrics
         assert first["method"] == "disaggregated"
         assert first["placement_reason"] == "no measurement of the prefill agent yet"
-        client.generate(
+        forced = client.generate(
             decode.host, decode.port, {**base, "placement": "local"}, token=decode.token
-        )
-        # A 4-layer model prefills a few tokens in well under a millisecond in mlx; a
-        # round trip to the prefill agent costs more: measured, so chosen, locally.
-        auto = client.generate(decode.host, decode.port, base, token=decode.token).metrics
-        assert auto["method"] == "local" and auto["placement"] == "local"
-        assert "est. remote" in auto["placement_reason"]
-        assert auto["kv_bytes"] == 0
+        ).metrics
+        assert forced["method"] == "local" and forced["kv_bytes"] == 0
+        # Both sides are measured now. On a tiny model the two estimates are a few ms
+        # apart and which wins depends on this machine's load; what must hold is that
+        # the agent chose by its own estimates, and did what it chose.
+        pattern = r"est\. remote ([\d.]+) ms .* vs local ([\d.]+) ms"
+        for _ in range(3):
+            auto = client.generate(decode.host, decode.port, base, token=decode.token).metrics
+            found = re.search(pattern, auto["placement_reason"])
+            assert found, auto["placement_reason"]
+            remote_ms, local_ms = float(found[1]), float(found[2])
+            if local_ms != remote_ms:  # equal once rounded to 0.1 ms: either is right
+                assert auto["placement"] == ("local" if local_ms < remote_ms else "remote")
+            if auto["placement"] == "local":
+                assert auto["method"] == "local" and auto["kv_bytes"] == 0
+            else:
+                assert auto["method"] == "disaggregated" and auto["kv_bytes"] > 0
     finally:
         decode.stop()
         prefill.stop()
