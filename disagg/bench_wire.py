@@ -51,6 +51,8 @@ from agents import protocol as P
 from agents.codecpick import CodecSpeed, pick_codec, stream_rate
 from agents.kvcodec import WIRE_NUMPY, Codec, DType, Kind, LayerKV, decode_layer, encode_layer
 
+from .bench import _loadavg
+
 Say = Callable[[str], None]
 
 HANDOFF_BARE_BAR = 0.85  # ours / bare socket, at least
@@ -541,13 +543,6 @@ def run_wire_bench(
         ),
         "elapsed_s": time.perf_counter() - t_start,
     }
-
-
-def _loadavg() -> float | None:
-    try:
-        return round(os.getloadavg()[0], 2)
-    except (AttributeError, OSError):
-        return None
 
 
 # ---------------------------------------------------------------------------
