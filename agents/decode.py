@@ -7,32 +7,33 @@ Run: python -m agents.decode --model DIR [--host H --port P]
 from __future__ import annotations
 
 import logging
-import queue
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 
+from . import fastblas
 from . import protocol as P
+from .batching import DecodeLoop, Sampler, Seq, make_sampler, sample_rows
 from .codecpick import CodecTuner
-from .kvcodec import Codec
+from .kvcodec import Codec, LayerKV
 from .kvfetch import PrefillUnavailable, fetch_kv, target_hosts
 from .metrics import Stats
-from .mlxcache import MX_DTYPES, cache_kinds
+from .mlxcache import MX_DTYPES, cache_kinds, fill_layer
 from .models import UnsupportedModel, get_adapter, load_hf_config
 from .placement import Placement
 from .server import common_args, fail, load_token, serve, setup_logging
 
 log = logging.getLogger("disagg.decode")
+
+PREFILL_STEP = 2048  # mlx-lm's generate_step default: same chunks, same numerics
 
 
 class BadRequest(Exception):
@@ -107,26 +108,24 @@ class DecodeEngine:
         return list(tok.apply_chat_template(messages, add_generation_prompt=True))
 
 
-def continue_from_logits(
-    model: Any, logits: np.ndarray, caches: list[Any], sampler: Any, max_tokens: int
-) -> Iterator[tuple[Any, Any]]:
-    """(token, logprobs) pairs, as mlx-lm's generate_step yields them, after a remote
-    prefill: the first token is sampled from the prefill side's last-position logits,
-    then generate_step carries on from it with caches that hold the whole prompt."""
-    with mx.stream(generation_stream):
-        row = mx.array(logits)[None]  # [1, vocab]
-        logprobs = row - mx.logsumexp(row, keepdims=True)
-        token = sampler(logprobs)
+def first_token(
+    logits: np.ndarray | mx.array, sampler: Sampler | None, want_logprobs: bool
+) -> tuple[int, np.ndarray | None]:
+    """The first new token, sampled from the prompt's last-position logits (the
+    prefill side's, or a local prefill's) as mlx-lm's generate_step samples it.
+    Runs on the mlx thread."""
+    row = mx.array(logits).astype(mx.float32).reshape(1, -1)
+    logprobs = row - mx.logsumexp(row, keepdims=True)
+    token = sample_rows(logprobs, [sampler])
     mx.eval(token, logprobs)
-    yield token.item(), logprobs.squeeze(0)
-    if max_tokens > 1:
-        yield from generate_step(
-            token, model, prompt_cache=caches, sampler=sampler, max_tokens=max_tokens - 1
-        )
+    tid = int(np.array(token)[0])
+    return tid, np.array(logprobs[0]) if want_logprobs else None
 
 
 class DecodeAgent:
-    def __init__(self, engine: DecodeEngine, name: str, token: bytes | None = None) -> None:
+    def __init__(
+        self, engine: DecodeEngine, name: str, token: bytes | None = None, max_batch: int = 32
+    ) -> None:
         self.engine = engine
         self.name = name
         self.token = token  # the cluster token, also proves us to prefill agents
@@ -135,13 +134,11 @@ class DecodeAgent:
         self.lock = threading.Lock()
         # Per prefill agent: what its KV stream measured, for requests with codec "auto".
         self.codec_tuners: dict[str, CodecTuner] = {}
-        # All mlx work runs on one thread: requests queue up in front of it.
-        self.jobs: queue.Queue[tuple[dict[str, Any], socket.socket, threading.Event]] = (
-            queue.Queue()
-        )
-        threading.Thread(target=self._worker, daemon=True, name="mlx").start()
+        # All mlx work runs on the loop's thread; requests decode there together.
+        self.loop = DecodeLoop(engine.model, max_batch=max_batch)
 
     def status(self) -> dict[str, Any]:
+        batch = self.loop.snapshot()
         return {
             "role": "decode",
             "name": self.name,
@@ -149,13 +146,17 @@ class DecodeAgent:
             "loaded": True,
             "backend": "mlx",
             "device": self.engine.device,
+            "blas": fastblas.loaded,
             "fingerprint": self.engine.fingerprint,
-            "queued": self.jobs.qsize(),
+            "queued": batch["batch_waiting"],
+            "max_batch": self.loop.max_batch,
+            **batch,
             **self.stats.snapshot(),
         }
 
     def handle(self, sock: socket.socket, peer: str) -> None:
-        """One client connection: any number of GENERATE requests, one at a time."""
+        """One client connection: any number of GENERATE requests, one at a time
+        (other connections' requests decode alongside in the same batch)."""
         while True:
             try:
                 _, req = P.recv_json(sock, P.Frame.GENERATE)
@@ -165,13 +166,6 @@ class DecodeAgent:
                 return
             except (P.RemoteError, OSError):
                 return
-            done = threading.Event()
-            self.jobs.put((req, sock, done))
-            done.wait()
-
-    def _worker(self) -> None:
-        while True:
-            req, sock, done = self.jobs.get()
             self.stats.begin()
             outcome, metrics = "error", None
             try:
@@ -185,12 +179,12 @@ class DecodeAgent:
             except OSError as e:
                 outcome = "client_gone"
                 log.warning("client went away: %s", e)
+                return
             except Exception as e:
                 log.exception("generate failed")
                 P.send_error(sock, "decode_failed", f"{type(e).__name__}: {e}")
             finally:
                 self.stats.end(outcome, metrics)
-                done.set()
 
     def _validate(self, req: dict[str, Any], ids: list[int]) -> int:
         max_tokens = req.get("max_tokens", 256)
@@ -200,6 +194,9 @@ class DecodeAgent:
             val = req.get(key, 0.0 if key == "temperature" else 1.0)
             if not isinstance(val, int | float) or not lo <= val <= hi:
                 raise BadRequest(f"{key} must be a number in [{lo}, {hi}], got {val!r}")
+        seed = req.get("seed")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+            raise BadRequest(f"seed must be a non-negative integer, got {seed!r}")
         if len(ids) >= self.engine.context:
             raise BadRequest(
                 f"the prompt is {len(ids)} tokens; the model's context is {self.engine.context}: "
@@ -209,16 +206,14 @@ class DecodeAgent:
 
     def _prefill(
         self, req: dict[str, Any], ids: list[int], metrics: dict[str, Any]
-    ) -> tuple[list[Any], list[int] | np.ndarray]:
-        """Fresh caches plus what decoding starts from: the prompt tokens to run
-        here, or, after a remote prefill of the whole prompt, the logits of its
-        last position (the first token is sampled from them, no step needed).
-        """
+    ) -> tuple[list[Any], np.ndarray | None]:
+        """Caches holding the prompt and, after a remote prefill, the logits of
+        its last position (None: prefill here, with local_prefill)."""
         caches = make_prompt_cache(self.engine.model)
         target = req.get("prefill")
         if not target:
             metrics["method"] = "decode-only"
-            return caches, ids
+            return caches, None
         key = f"{','.join(target_hosts(target))}:{target.get('port')}"
         tuner: CodecTuner | None = None
         probe = False
@@ -242,26 +237,54 @@ class DecodeAgent:
         metrics.update(placement=where, placement_reason=why)
         if where == "local":
             metrics["method"] = "local"
-            return caches, ids
+            return caches, None
         hello = {
             "role": "decode",
             "fingerprint": self.engine.fingerprint,
             "model": self.engine.model_dir,
             "server": self.name,
         }
+        fills: list[Future[Any]] = []
+
+        def place(cache: Any, kv: LayerKV, prompt_len: int) -> None:
+            # A copy: the reader reuses its buffer for the next layer at once.
+            own = LayerKV(kv.layer, kv.kind, kv.dtype, kv.keys.copy(), kv.values.copy())
+            fills.append(self.loop.post(fill_layer, cache, own, prompt_len))
+
         try:
             fetched, logits = fetch_kv(
-                target, ids, caches, hello, codec, self.token, self.engine.vocab_size, probe
+                target, ids, caches, hello, codec, self.token, self.engine.vocab_size, probe, place
             )
+            for f in fills:
+                f.result()
         except PrefillUnavailable as e:
             log.warning("%s; prefilling locally", e)
             metrics.update(method="local-fallback", fallback_reason=str(e))
-            return make_prompt_cache(self.engine.model), ids
+            return make_prompt_cache(self.engine.model), None
         self.placement.observe_remote(key, len(ids), len(caches), fetched)
         if tuner is not None:
             tuner.observe_fetch(fetched)
         metrics.update(fetched, method="disaggregated")
         return caches, logits
+
+    def _local_prefill(self, ids: list[int], caches: list[Any]) -> mx.array:
+        """The prompt through the model here, chunked exactly as mlx-lm's
+        generate_step does (so the text matches it), one chunk per loop task so
+        the batch keeps decoding in between. Returns the last position's logits."""
+        model = self.engine.model
+
+        def chunk(part: list[int]) -> None:
+            model(mx.array(part)[None], cache=caches)
+            mx.eval([c.state for c in caches])
+
+        def last() -> mx.array:
+            logits = model(mx.array(ids[-1:])[None], cache=caches)[:, -1, :]
+            mx.eval(logits)
+            return logits[0]
+
+        for start in range(0, len(ids) - 1, PREFILL_STEP):
+            self.loop.call(chunk, ids[start : min(start + PREFILL_STEP, len(ids) - 1)])
+        return self.loop.call(last)
 
     def _generate(self, req: dict[str, Any], sock: socket.socket) -> dict[str, Any]:
         eng = self.engine
@@ -276,54 +299,49 @@ class DecodeAgent:
             "prefill_server": None,
             "prefill_time": None,
         }
-        caches, prompt = self._prefill(req, ids, metrics)
-
-        if req.get("seed") is not None:
-            mx.random.seed(int(req["seed"]))
+        caches, remote_logits = self._prefill(req, ids, metrics)
+        t_local = time.perf_counter()
+        logits = remote_logits if remote_logits is not None else self._local_prefill(ids, caches)
+        seed = req.get("seed")
         sampler = make_sampler(
-            temp=float(req.get("temperature", 0.0)), top_p=float(req.get("top_p", 1.0))
+            float(req.get("temperature", 0.0)), float(req.get("top_p", 1.0)), seed
         )
-        eos = set(eng.tokenizer.eos_token_ids or [])
-        ignore_eos = bool(req.get("ignore_eos"))
         want_logprobs = bool(req.get("logprobs"))
+        first, first_lp = self.loop.call(first_token, logits, sampler, want_logprobs)
+        t_first = time.perf_counter()
+        ttft = t_first - t0
+        if metrics["method"] != "disaggregated":
+            metrics["prefill_time"] = t_first - t_local
+        eos = frozenset() if req.get("ignore_eos") else frozenset(eng.tokenizer.eos_token_ids or [])
         detok = eng.tokenizer.detokenizer
         detok.reset()
         out: list[int] = []
-        t_local = time.perf_counter()
-        ttft = t_first = None
-        steps = (
-            continue_from_logits(eng.model, prompt, caches, sampler, max_tokens)
-            if isinstance(prompt, np.ndarray)
-            else generate_step(
-                mx.array(prompt),
-                eng.model,
-                prompt_cache=caches,
-                sampler=sampler,
-                max_tokens=max_tokens,
-            )
-        )
-        for token, logprobs in steps:
-            tid = int(token)
-            if t_first is None:
-                t_first = time.perf_counter()
-                ttft = t_first - t0
-                if metrics["method"] != "disaggregated":
-                    metrics["prefill_time"] = t_first - t_local
-            if tid in eos and not ignore_eos:
-                break
+
+        def emit(tid: int, lp: np.ndarray | None) -> None:
             out.append(tid)
             detok.add_token(tid)
             P.send_json(sock, P.Frame.TOKEN, {"id": tid, "text": detok.last_segment})
-            if want_logprobs:
-                P.send_frame(
-                    sock, P.Frame.LOGPROBS, np.array(logprobs.astype(mx.float32)).tobytes()
-                )
+            if lp is not None:
+                P.send_frame(sock, P.Frame.LOGPROBS, lp.tobytes())
+
+        if first not in eos:
+            emit(first, first_lp)
+            if max_tokens > 1:
+                seq = Seq(caches, first, sampler, max_tokens, eos, want_logprobs)
+                self.loop.join(seq)
+                try:
+                    while (item := seq.out.get()) is not None:
+                        if isinstance(item, Exception):
+                            raise item
+                        emit(*item)
+                finally:
+                    seq.cancelled = True  # a no-op when it ended; stops it if we failed
         detok.finalize()
         t_end = time.perf_counter()
         tail = detok.last_segment
         if tail:
             P.send_json(sock, P.Frame.TOKEN, {"id": None, "text": tail})
-        decode_s = t_end - (t_first or t_end)
+        decode_s = t_end - t_first
         if metrics["method"] != "disaggregated" and metrics["prefill_time"]:
             self.placement.observe_local(len(ids), metrics["prefill_time"])
         if len(out) > 1:
@@ -346,7 +364,7 @@ class DecodeAgent:
             metrics["method"],
             len(ids),
             len(out),
-            ttft or 0.0,
+            ttft,
             metrics["decode_speed"] or 0.0,
             metrics.get("prefill_address") or "local prefill",
         )
@@ -354,7 +372,16 @@ class DecodeAgent:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = common_args("decode").parse_args(argv)
+    parser = common_args("decode")
+    parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=32,
+        help="most requests decoded together in one step; more wait for a free slot",
+    )
+    args = parser.parse_args(argv)
+    if args.max_batch < 1:
+        fail("--max-batch must be at least 1")
     setup_logging("decode")
     token = load_token(args.token_file)
     try:
@@ -362,7 +389,9 @@ def main(argv: list[str] | None = None) -> None:
     except UnsupportedModel as e:
         fail(str(e))
     log.info("loaded %s on %s as %s", args.model, engine.device, engine.dtype)
-    agent = DecodeAgent(engine, args.name or f"decode@{socket.gethostname()}", token)
+    agent = DecodeAgent(
+        engine, args.name or f"decode@{socket.gethostname()}", token, max_batch=args.max_batch
+    )
     serve(
         "decode",
         args,
@@ -370,7 +399,7 @@ def main(argv: list[str] | None = None) -> None:
         agent.handle,
         agent.status,
         agent.stats.prometheus,
-        busy=lambda: agent.stats.in_flight + agent.jobs.qsize(),
+        busy=lambda: agent.stats.in_flight,
     )
 
 

@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from . import protocol as P
 from .codecpick import MIN_LINK_FRAME
-from .kvcodec import LAYER_HEADER, Codec, decode_layer
-from .mlxcache import fill_layer
+from .kvcodec import LAYER_HEADER, Codec, LayerKV, decode_layer
+from .mlxcache import check_layer, fill_layer
+
+# Puts one received layer into its cache: fill_layer itself, or a hand-off of a
+# copy to the thread that owns mlx (the reader's buffer is reused for the next).
+Place = Callable[[Any, LayerKV, int], None]
 
 
 class PrefillUnavailable(Exception):
@@ -46,6 +51,7 @@ def fetch_kv(
     token: bytes | None = None,
     vocab_size: int | None = None,
     probe: bool = False,
+    place: Place = fill_layer,
 ) -> tuple[dict[str, Any], np.ndarray]:
     """Fill `caches` with the K/V of `ids` from the prefill agent; return metrics
     and the float32 logits of the prompt's last position. With `probe`, the
@@ -103,7 +109,8 @@ def fetch_kv(
                 if kv.keys.shape[0] != fp["num_kv_heads"] or kv.keys.shape[2] != fp["head_dim"]:
                     raise P.ProtocolError(f"layer {kv.layer} K/V has shape {kv.keys.shape}")
                 try:
-                    fill_layer(caches[kv.layer], kv, len(ids))
+                    check_layer(caches[kv.layer], kv, len(ids))
+                    place(caches[kv.layer], kv, len(ids))
                 except ValueError as e:  # token count or cache kind does not fit
                     raise P.ProtocolError(str(e)) from None
                 last = time.perf_counter()

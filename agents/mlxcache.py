@@ -32,13 +32,31 @@ def cache_kinds(caches: list[Any]) -> list[list[Any]]:
     return out
 
 
+def check_layer(cache: Any, kv: LayerKV, prompt_len: int) -> None:
+    """Raise ValueError unless `kv` can fill `cache` for a prompt of `prompt_len`
+    (numpy only: safe on any thread)."""
+    kept = kv.keys.shape[1]
+    if isinstance(cache, RotatingKVCache):
+        if kept > prompt_len or kept > cache.max_size:
+            raise ValueError(f"layer {kv.layer}: sliding layer sent {kept} of {prompt_len} tokens")
+    elif isinstance(cache, KVCache):
+        if kept != prompt_len:
+            raise ValueError(
+                f"layer {kv.layer}: full-attention layer sent {kept} of {prompt_len} tokens"
+            )
+    else:
+        raise ValueError(f"layer {kv.layer}: cannot fill an mlx {type(cache).__name__}")
+
+
 def fill_layer(cache: Any, kv: LayerKV, prompt_len: int) -> None:
-    """Make `cache` look as if mlx itself had just prefilled `prompt_len` tokens.
+    """Make `cache` look as if mlx itself had just prefilled `prompt_len` tokens
+    (after check_layer; mlx work: on the mlx thread).
 
     transformers keeps the last window-1 tokens of a sliding layer; mlx's
     RotatingKVCache then needs a buffer of max_size with the write index
     on the free slot, or its next in-place update breaks.
     """
+    check_layer(cache, kv, prompt_len)
     keys, values = to_mx(kv.keys, kv.dtype), to_mx(kv.values, kv.dtype)
     kept = keys.shape[2]
     if isinstance(cache, RotatingKVCache):
@@ -49,11 +67,7 @@ def fill_layer(cache: Any, kv: LayerKV, prompt_len: int) -> None:
             keys, values = mx.concatenate([keys, zk], axis=2), mx.concatenate([values, zv], axis=2)
         cache.keys, cache.values = keys, values
         cache.offset, cache._idx = prompt_len, kept
-    elif isinstance(cache, KVCache):
-        if kept != prompt_len:
-            raise ValueError(
-                f"layer {kv.layer}: full-attention layer sent {kept} of {prompt_len} tokens"
-            )
+    else:
         # Leave room for decoding, as mlx-lm's own prefill does: the first step
         # then writes in place instead of copying the whole cache to grow it.
         capacity = (prompt_len // cache.step + 1) * cache.step
@@ -62,6 +76,4 @@ def fill_layer(cache: Any, kv: LayerKV, prompt_len: int) -> None:
         cache.keys[..., :prompt_len, :] = keys
         cache.values[..., :prompt_len, :] = values
         cache.offset = prompt_len
-    else:
-        raise ValueError(f"layer {kv.layer}: cannot fill an mlx {type(cache).__name__}")
     mx.eval(cache.keys, cache.values)

@@ -120,12 +120,12 @@ def mlx_local(dec: Any, ids: list[int], n: int) -> tuple[list[int], np.ndarray]:
 
 def disaggregated(pre: Any, dec: Any, ids: list[int], n: int) -> tuple[list[int], np.ndarray]:
     """Torch prefills ids; each layer crosses the wire codec into mlx caches; mlx
-    decodes on from the first token sampled from torch's last-position logits."""
-    import mlx.core as mx
+    decodes on from the first token sampled from torch's last-position logits, on
+    the decode agent's own batching loop."""
     from mlx_lm.models.cache import make_prompt_cache
-    from mlx_lm.sample_utils import make_sampler
 
-    from agents.decode import continue_from_logits
+    from agents.batching import DecodeLoop, Seq
+    from agents.decode import first_token
     from agents.kvcodec import Codec, LayerKV, decode_layer, encode_layer
     from agents.mlxcache import fill_layer
 
@@ -137,10 +137,15 @@ def disaggregated(pre: Any, dec: Any, ids: list[int], n: int) -> tuple[list[int]
         codec = Codec.SHUFFLE_ZSTD if i % 2 else Codec.RAW
         wire = b"".join(bytes(b) for b in encode_layer(kv, codec))
         fill_layer(cache[kv.layer], decode_layer(wire), len(ids))
-    tokens, logprobs = [], []
-    for tok, lp in continue_from_logits(dec.model, logits, cache, make_sampler(temp=0.0), n):
-        tokens.append(int(tok))
-        logprobs.append(np.array(lp.astype(mx.float32)))
+    loop = DecodeLoop(dec.model)
+    tok, lp = loop.call(first_token, logits, None, True)
+    seq = Seq(cache, tok, None, n, frozenset(), want_logprobs=True)
+    loop.join(seq)
+    tokens, logprobs = [tok], [lp]
+    while (item := seq.out.get()) is not None:
+        assert not isinstance(item, Exception), item
+        tokens.append(item[0])
+        logprobs.append(item[1])
     return tokens, np.stack(logprobs)
 
 

@@ -106,3 +106,51 @@ def test_mismatched_models_fail_naming_both(
             token=decode.token,
         )
         assert ok.metrics["method"] == "disaggregated" and ok.metrics["completion_tokens"] > 0
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "qwen3_moe"])
+def test_concurrent_requests_decode_in_one_batch_and_match_mlx_alone(
+    tiny: dict[str, tuple[Path, AgentProc, AgentProc]], arch: str
+) -> None:
+    """Six requests of different lengths at once: they share decode steps (left-padded
+    batch caches, sliding windows included) and each still gets what mlx-lm's own
+    generation gives that prompt alone; one that ends early leaves the batch."""
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    from agents.decode import DecodeEngine
+
+    path, prefill, decode = tiny[arch]
+    words = PROMPT.split()
+    prompts = [" ".join(words[: 3 + 4 * i] * (1 + i)) for i in range(6)]
+    lengths = [N_NEW, 5, N_NEW, 17, N_NEW, 40]
+
+    def run(i: int) -> Any:
+        req = {
+            "prompt": prompts[i],
+            "raw": True,
+            "max_tokens": lengths[i],
+            "ignore_eos": True,
+            "return_prompt_ids": True,
+            # Half prefilled by the prefill agent, half here: both join the same batch.
+            "placement": "remote" if i % 2 == 0 else "local",
+            "prefill": {"host": prefill.host, "port": prefill.port},
+        }
+        return client.generate(decode.host, decode.port, req, token=decode.token)
+
+    steps_before = json.loads(decode.control("/status"))["decode_steps"]
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(run, range(6)))
+    status = json.loads(decode.control("/status"))
+    assert status["batch_peak"] >= 3 and status["batch"] == 0
+    # Shared steps: far fewer than the tokens decoded (each token after the first is one row).
+    rows = sum(n - 1 for n in lengths)
+    assert status["decode_steps"] - steps_before < 0.6 * rows
+    model = DecodeEngine(str(path)).model
+    agree = total = 0
+    for res, n in zip(results, lengths, strict=True):
+        assert len(res.token_ids) == n
+        alone = mlx_greedy(model, res.prompt_ids or [], n)
+        agree += sum(a == b for a, b in zip(res.token_ids, alone, strict=True))
+        total += n
+    assert agree / total >= 0.99, f"{agree}/{total} tokens agree with mlx-lm alone"

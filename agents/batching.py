@@ -1,0 +1,236 @@
+"""Continuous batching: one mlx thread decodes every active request together.
+
+Requests join between steps with their prompt already in their caches and their
+first token already sampled (from the prefill side's logits or a local prefill),
+and leave when they finish, so a new request never waits for others to end.
+Everything mlx runs on this one thread (mlx evaluation is not safe across
+threads); other threads hand it work with `call` / `post` and read tokens back
+from each request's queue, so a slow client never stalls the batch.
+
+A lone request decodes with its own plain caches, exactly as mlx-lm's
+generate_step would; a second one merges both into mlx-lm's batch caches
+(left-padded, with per-row offsets), and the plain caches come back when the
+batch shrinks to one again.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import generation_stream
+from mlx_lm.sample_utils import apply_top_p
+
+log = logging.getLogger("disagg.decode")
+
+Sampler = Callable[[mx.array], mx.array]  # [1, vocab] logprobs -> [1] token
+
+
+def make_sampler(temperature: float, top_p: float, seed: int | None) -> Sampler | None:
+    """None means greedy (sampled for the whole batch at once). A sampling request
+    draws from its own key, so a seed gives the same text whoever shares the batch."""
+    if temperature == 0:
+        return None
+    key = mx.random.key(seed if seed is not None else int(np.random.randint(1 << 31)))
+
+    def sample(logprobs: mx.array) -> mx.array:
+        nonlocal key
+        key, sub = mx.random.split(key)
+        if top_p < 1.0:
+            logprobs = apply_top_p(logprobs, top_p)
+        return mx.random.categorical(logprobs * (1 / temperature), key=sub)
+
+    return sample
+
+
+def sample_rows(logprobs: mx.array, samplers: list[Sampler | None]) -> mx.array:
+    if all(s is None for s in samplers):
+        return mx.argmax(logprobs, axis=-1)
+    return mx.concatenate(
+        [
+            mx.argmax(logprobs[i : i + 1], axis=-1) if s is None else s(logprobs[i : i + 1])
+            for i, s in enumerate(samplers)
+        ]
+    )
+
+
+@dataclass
+class Seq:
+    """One request while it decodes. The loop puts (token id, logprobs or None)
+    on `out` for each new token, then None when it ends (or an Exception)."""
+
+    caches: list[Any]  # plain mlx-lm caches holding the prompt
+    first: int  # already sampled and sent by the request's own thread
+    sampler: Sampler | None
+    max_tokens: int  # counting the first token
+    eos: frozenset[int]
+    want_logprobs: bool = False
+    out: queue.Queue[tuple[int, np.ndarray | None] | Exception | None] = field(
+        default_factory=queue.Queue
+    )
+    cancelled: bool = False  # set by the request's thread when its client is gone
+    produced: int = 1
+    fresh: bool = True  # its next step input is `first`, which was already sent
+
+
+class DecodeLoop:
+    """Owns the model's mlx work: tasks from other threads, then one decode step."""
+
+    def __init__(self, model: Any, max_batch: int = 32) -> None:
+        self.model = model
+        self.max_batch = max_batch
+        self.tasks: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+        self.waiting: list[Seq] = []  # joined while the batch was full
+        self.seqs: list[Seq] = []
+        self.caches: list[Any] = []  # plain caches for one sequence, batch caches for more
+        self.batched = False
+        self.next_tokens: mx.array | None = None  # [B] inputs of the next step
+        self.next_logprobs: mx.array | None = None  # [B, vocab] they were sampled from
+        self.steps = 0
+        self.peak_batch = 0
+        threading.Thread(target=self._run, daemon=True, name="mlx").start()
+
+    # -- other threads ---------------------------------------------------------
+
+    def post(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """Run fn(*args) on the mlx thread before its next step."""
+        fut: Future[Any] = Future()
+        self.tasks.put((lambda: fn(*args), fut))
+        return fut
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run fn(*args) on the mlx thread and return what it returns (or raise)."""
+        return self.post(fn, *args).result()
+
+    def join(self, seq: Seq) -> None:
+        self.post(self._admit, seq)
+
+    def snapshot(self) -> dict[str, int]:
+        return {
+            "batch": len(self.seqs),
+            "batch_waiting": len(self.waiting),
+            "batch_peak": self.peak_batch,
+            "decode_steps": self.steps,
+        }
+
+    # -- the mlx thread --------------------------------------------------------
+
+    def _run(self) -> None:
+        with mx.stream(generation_stream):  # where mlx-lm's own generation runs
+            self._serve()
+
+    def _serve(self) -> None:
+        while True:
+            block = not self.seqs
+            while True:
+                try:
+                    fn, fut = self.tasks.get(block=block)
+                except queue.Empty:
+                    break
+                block = False
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn())
+                    except BaseException as e:  # handed back to the caller
+                        fut.set_exception(e)
+            if self.seqs:
+                try:
+                    self._step()
+                except Exception as e:  # fail these requests, keep the agent
+                    log.exception("decode step failed")
+                    for seq in self.seqs:
+                        seq.out.put(e)
+                    self.seqs, self.caches, self.batched = [], [], False
+                    self.next_tokens = self.next_logprobs = None
+                self._admit_waiting()
+
+    def _admit(self, seq: Seq) -> None:
+        self.waiting.append(seq)
+        self._admit_waiting()
+
+    def _admit_waiting(self) -> None:
+        while self.waiting and len(self.seqs) < self.max_batch:
+            seq = self.waiting.pop(0)
+            if seq.cancelled:
+                seq.out.put(None)
+                continue
+            first = mx.array([seq.first], dtype=mx.uint32)
+            if not self.seqs:
+                self.caches, self.batched = seq.caches, False
+                self.next_tokens = first
+                self.next_logprobs = None
+            else:
+                if not self.batched:
+                    self.caches = [c.merge([c]) for c in self.caches]
+                    self.batched = True
+                for mine, theirs in zip(self.caches, seq.caches, strict=True):
+                    mine.extend(theirs.merge([theirs]))
+                assert self.next_tokens is not None
+                self.next_tokens = mx.concatenate([self.next_tokens, first])
+                if self.next_logprobs is not None:  # the fresh row's are never reported
+                    blank = mx.zeros((1, self.next_logprobs.shape[-1]), self.next_logprobs.dtype)
+                    self.next_logprobs = mx.concatenate([self.next_logprobs, blank])
+            seq.caches = []  # the batch owns them now
+            self.seqs.append(seq)
+            self.peak_batch = max(self.peak_batch, len(self.seqs))
+
+    def _step(self) -> None:
+        """One forward pass for every active sequence. As in mlx-lm, the next step
+        is queued (async_eval) before this one's tokens are read back."""
+        assert self.next_tokens is not None
+        current, current_logprobs = self.next_tokens, self.next_logprobs
+        logits = self.model(current[:, None], cache=self.caches)[:, -1, :]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        self.next_tokens = sample_rows(logprobs, [s.sampler for s in self.seqs])
+        self.next_logprobs = logprobs
+        mx.async_eval(self.next_tokens, logprobs)
+        tokens: list[int] = current.tolist()  # type: ignore[assignment]  # a [B] array
+        self.steps += 1
+        keep: list[int] = []
+        for i, (seq, tid) in enumerate(zip(self.seqs, tokens, strict=True)):
+            if seq.fresh:
+                seq.fresh = False
+            elif not seq.cancelled:
+                lp = None
+                if seq.want_logprobs and current_logprobs is not None:
+                    lp = np.array(current_logprobs[i].astype(mx.float32))
+                seq.produced += 1
+                if tid in seq.eos:
+                    seq.cancelled = True  # the stop token itself is not sent
+                else:
+                    seq.out.put((tid, lp))
+                    if seq.produced >= seq.max_tokens:
+                        seq.cancelled = True
+            if seq.cancelled:
+                seq.out.put(None)
+            else:
+                keep.append(i)
+        if len(keep) < len(self.seqs):
+            self._keep(keep)
+
+    def _keep(self, keep: list[int]) -> None:
+        self.seqs = [self.seqs[i] for i in keep]
+        if not keep:
+            self.caches, self.batched = [], False
+            self.next_tokens = self.next_logprobs = None
+            return
+        assert self.next_tokens is not None
+        idx = mx.array(keep)
+        self.next_tokens = self.next_tokens[idx]
+        if self.next_logprobs is not None:
+            self.next_logprobs = self.next_logprobs[idx]
+        if not self.batched:
+            return
+        if len(keep) == 1:  # back to plain caches: the single-stream fast path
+            self.caches = [c.extract(keep[0]) for c in self.caches]
+            self.batched = False
+        else:
+            for c in self.caches:
+                c.filter(keep)
