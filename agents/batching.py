@@ -149,6 +149,7 @@ class DecodeLoop:
                         seq.out.put(e)
                     self.seqs, self.caches, self.batched = [], [], False
                     self.next_tokens = self.next_logprobs = None
+                    mx.clear_cache()
                 self._admit_waiting()
 
     def _admit(self, seq: Seq) -> None:
@@ -220,6 +221,8 @@ class DecodeLoop:
         if not keep:
             self.caches, self.batched = [], False
             self.next_tokens = self.next_logprobs = None
+            # Idle: hand mlx's cached buffers back (a batch's merged caches are large).
+            mx.clear_cache()
             return
         assert self.next_tokens is not None
         idx = mx.array(keep)

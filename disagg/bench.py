@@ -28,6 +28,8 @@ from typing import Any
 
 from rich.table import Table
 
+from agents import fastblas
+
 from .errors import AgentError
 from .render import fmt
 
@@ -84,6 +86,7 @@ def machine_info(torch_device: str, mlx_device: str) -> dict[str, Any]:
         "transformers": _version("transformers"),
         "mlx": _version("mlx"),
         "mlx_lm": _version("mlx-lm"),
+        "mlx_blas": fastblas.loaded,
         "prefill_device": torch_device,
         "decode_device": mlx_device,
     }

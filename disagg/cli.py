@@ -339,6 +339,17 @@ def bench(
         Path | None,
         typer.Option("--png", help="Draw TTFT against prompt length (implies --serving)."),
     ] = None,
+    hiding: Annotated[
+        bool,
+        typer.Option(
+            "--hiding",
+            help="Also: TTFT minus prefill compute with the prefill agent behind a link "
+            "shaped to 1 and 10 Gbit/s (needs root: a network namespace and tc).",
+        ),
+    ] = False,
+    everything: Annotated[
+        bool, typer.Option("--all", help="Every section: --wire --serving --hiding.")
+    ] = False,
 ) -> None:
     """Measure the handoff against its peers in one run: decode tokens/s against
     mlx-lm's own generation, TTFT against transformers' own prefill."""
@@ -357,6 +368,7 @@ def bench(
         say=_say,
     )
     tables = [bench_table(report)]
+    wire, serving, hiding = wire or everything, serving or everything, hiding or everything
     if wire:
         from .bench_wire import run_wire_bench, wire_tables
 
@@ -370,6 +382,11 @@ def bench(
         if png:
             report["serving"]["png"] = str(ttft_chart(report["serving"], png))
             _say(f"wrote {png}")
+    if hiding:
+        from .bench_hiding import hiding_table, run_hiding_bench
+
+        report["hiding"] = run_hiding_bench(model_dir, say=_say)
+        tables.append(hiding_table(report["hiding"]))
     if as_json:
         print(json.dumps(report))
     else:

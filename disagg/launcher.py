@@ -78,12 +78,15 @@ def spawn_agent(
     name: str | None = None,
     log_dir: Path | None = None,
     extra_args: Sequence[str] = (),
+    prefix: Sequence[str] = (),
 ) -> tuple[subprocess.Popen[str], Path, str]:
+    """Start one agent process; `prefix` wraps the command (e.g. `ip netns exec NS`)."""
     name = name or f"{role}@{host}"
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="disagg-logs-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{role}.log"
     cmd = [
+        *prefix,
         sys.executable,
         "-m",
         f"agents.{role}",

@@ -1,0 +1,41 @@
+"""The transfer-hiding benchmark runs end to end: the prefill agent really sits
+behind the shaped link (its KV arrives at about the link's rate), and the
+namespace and veth are gone afterwards. Structure and sanity, not the speed bar."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from disagg.bench_hiding import INNER, cannot_run, hiding_table, run_hiding_bench
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(cannot_run() is not None, reason=str(cannot_run())),
+]
+
+
+def test_hiding_bench_runs_over_the_shaped_link(default_model: Path) -> None:
+    messages: list[str] = []
+    report = run_hiding_bench(
+        default_model, lengths=(700,), rates=("1gbit",), repeats=1, say=messages.append
+    )
+    json.dumps(report)  # plain data
+    assert any("namespace" in m for m in messages)
+    [row] = report["rows"]
+    assert row["rate"] == "1gbit" and 650 <= row["prompt_tokens"] <= 700
+    assert row["kv_bytes"] > 20e6 and 0 < row["compute_s"] < row["ttft_s"]
+    # Shaped to 1 Gbit/s: the KV cannot have crossed faster than that (plus tbf's burst).
+    assert row["kv_link_gbit_s"] is not None and row["kv_link_gbit_s"] < 1.3
+    assert row["link_time_s"] == pytest.approx(row["kv_bytes"] * 8 / 1e9)
+    Console(width=160).print(hiding_table(report))
+    # Nothing left behind: no namespace, no veth, no route to the link's addresses.
+    assert "disagg-hide" not in subprocess.run(
+        ["ip", "netns", "list"], capture_output=True, text=True
+    ).stdout
+    route = subprocess.run(["ip", "route", "get", INNER], capture_output=True, text=True)
+    assert "dgh" not in route.stdout
