@@ -347,6 +347,7 @@ def run_serving_bench(
 
 MLX_CHILD = """
 import json, sys, time
+import agents  # the same BLAS as the decode agent (agents/fastblas.py)
 import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.generate import generate_step
