@@ -3,6 +3,14 @@
 Tensors arrive here as numpy arrays in their wire dtype: float32, float16, or
 uint16 words for bfloat16 (numpy has no bfloat16; we never round-trip it
 through float32). Optional byte-shuffle + zstd; raw bytes are sent as views.
+
+Optional lossy int8 (`quantize_layer`): each [head, token] row of K and of V
+becomes int8 with one float32 scale (symmetric absmax over the row). Such a
+frame has dtype INT8 and names the model's dtype in the header's `base` byte;
+each K or V block is the row scales [heads, seq] float32, then the int8 rows
+[heads, seq, dim], and the codec compresses that block as it would any other.
+`decode_layer` dequantizes back to the model's dtype, so a receiver gets the
+same LayerKV either way. Lossless frames carry base 0.
 """
 
 from __future__ import annotations
@@ -16,14 +24,16 @@ import zstandard
 
 from .protocol import DEFAULT_MAX_FRAME, ProtocolError
 
-# layer, kind, dtype, codec, heads, seq, k_dim, v_dim, k_len, v_len
-LAYER_HEADER = struct.Struct("<IBBBxIIIIQQ")
+# layer, kind, dtype, codec, base, heads, seq, k_dim, v_dim, k_len, v_len
+# (base was a pad byte, always 0: old lossless frames parse unchanged)
+LAYER_HEADER = struct.Struct("<IBBBBIIIIQQ")
 
 
 class DType(enum.IntEnum):
     FLOAT32 = 1
     FLOAT16 = 2
     BFLOAT16 = 3
+    INT8 = 4  # int8 rows + float32 row scales; `base` is the dtype to restore
 
 
 class Codec(enum.IntEnum):
@@ -39,6 +49,10 @@ class Kind(enum.IntEnum):
 
 WIRE_NUMPY = {DType.FLOAT32: np.float32, DType.FLOAT16: np.float16, DType.BFLOAT16: np.uint16}
 DTYPE_NAMES = {"float32": DType.FLOAT32, "float16": DType.FLOAT16, "bfloat16": DType.BFLOAT16}
+# Request values of "kv_quant": None (or "none") is lossless, the default.
+KV_QUANTS = ("int8",)
+QMAX = 127  # symmetric: -127..127, so -x quantizes to -q
+SCALE_DTYPE = np.dtype(np.float32)
 
 
 @dataclass
@@ -48,6 +62,85 @@ class LayerKV:
     dtype: DType
     keys: np.ndarray  # [heads, seq, k_dim] in the wire dtype
     values: np.ndarray  # [heads, seq, v_dim]
+    quant: str | None = None  # how it travelled: None lossless, "int8" dequantized
+
+
+@dataclass
+class QuantKV:
+    """One layer as int8 rows, each with its float32 scale (row absmax / 127)."""
+
+    layer: int
+    kind: Kind
+    dtype: DType  # the model's wire dtype, which decode_layer restores
+    keys: np.ndarray  # [heads, seq, k_dim] int8
+    values: np.ndarray  # [heads, seq, v_dim] int8
+    k_scale: np.ndarray  # [heads, seq] float32
+    v_scale: np.ndarray  # [heads, seq] float32
+
+
+def check_quant(name: object) -> str | None:
+    """A request's "kv_quant" as "int8" or None (lossless); ValueError otherwise."""
+    if name is None or name == "none":
+        return None
+    if isinstance(name, str) and name in KV_QUANTS:
+        return name
+    allowed = ", ".join(repr(q) for q in KV_QUANTS)
+    raise ValueError(f"unknown kv_quant {name!r}: use {allowed}, or 'none' / leave it out")
+
+
+def to_float32(a: np.ndarray, dtype: DType) -> np.ndarray:
+    """Wire array -> float32 values (bf16 words: the high half of a float32)."""
+    if dtype == DType.BFLOAT16:
+        return (a.astype(np.uint32) << 16).view(np.float32)
+    return a.astype(np.float32, copy=False)
+
+
+def from_float32(x: np.ndarray, dtype: DType) -> np.ndarray:
+    """float32 values -> wire array, rounded to nearest even as torch rounds."""
+    if dtype == DType.BFLOAT16:
+        bits = np.ascontiguousarray(x, np.float32).view(np.uint32)
+        # bf16 has no native numpy dtype: round the low 16 bits away by hand.
+        return ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16).astype(np.uint16)
+    return x.astype(WIRE_NUMPY[dtype], copy=False)
+
+
+def quantize_rows(a: np.ndarray, dtype: DType) -> tuple[np.ndarray, np.ndarray]:
+    """[heads, seq, dim] wire array -> (int8 [heads, seq, dim], scales [heads, seq]).
+
+    Every value is within half a step (its row's scale / 2) of q * scale. A row
+    of zeros, or of values all below ~1e-36 (float32 subnormals, whose scale
+    would have no finite inverse), gets scale 0 and comes back as zeros.
+    """
+    x = to_float32(a, dtype)
+    absmax = np.abs(x).max(axis=-1, initial=0.0)
+    if not np.isfinite(absmax).all():
+        # NaN / inf would poison the whole row's scale: saturate them instead.
+        x = np.nan_to_num(x)  # NaN -> 0, inf -> the float32 extremes
+        absmax = np.abs(x).max(axis=-1, initial=0.0)
+    scale = (absmax / QMAX).astype(np.float32)
+    scale[scale < np.finfo(np.float32).tiny] = 0.0
+    inv = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale > 0)
+    q = np.clip(np.rint(x * inv[..., None]), -QMAX, QMAX).astype(np.int8)
+    return q, scale
+
+
+def dequantize_rows(q: np.ndarray, scale: np.ndarray, dtype: DType) -> np.ndarray:
+    """Inverse of quantize_rows, in the wire dtype `dtype`."""
+    return from_float32(q.astype(np.float32) * scale[..., None], dtype)
+
+
+def quantize_layer(kv: LayerKV) -> QuantKV:
+    kq, ks = quantize_rows(kv.keys, kv.dtype)
+    vq, vs = quantize_rows(kv.values, kv.dtype)
+    return QuantKV(kv.layer, kv.kind, kv.dtype, kq, vq, ks, vs)
+
+
+def block_bytes(kv: LayerKV | QuantKV) -> int:
+    """K + V bytes as the codec sees them: after quantization, before compression."""
+    if isinstance(kv, QuantKV) or kv.quant is not None:
+        rows = kv.keys.shape[0] * kv.keys.shape[1]
+        return kv.keys.size + kv.values.size + 2 * rows * SCALE_DTYPE.itemsize
+    return int(kv.keys.nbytes + kv.values.nbytes)
 
 
 def _shuffle(a: np.ndarray) -> bytes:
@@ -55,34 +148,55 @@ def _shuffle(a: np.ndarray) -> bytes:
     return np.ascontiguousarray(a.view(np.uint8).reshape(-1, a.itemsize).T).tobytes()
 
 
-def _unshuffle(raw: bytes, itemsize: int) -> bytes:
+def _unshuffle(raw: bytes | memoryview, itemsize: int) -> bytes:
     return np.frombuffer(raw, np.uint8).reshape(itemsize, -1).T.tobytes()
 
 
-def _compress(a: np.ndarray, codec: Codec, level: int) -> bytes | memoryview:
+def _compress(block: list[np.ndarray], codec: Codec, level: int) -> list[bytes | memoryview]:
+    """One K or V block (its arrays back to back) as buffers to send."""
     if codec == Codec.RAW:
-        return memoryview(np.ascontiguousarray(a)).cast("B")  # type: ignore[arg-type]
-    raw = _shuffle(a) if codec == Codec.SHUFFLE_ZSTD else np.ascontiguousarray(a).tobytes()
-    return zstandard.ZstdCompressor(level=level).compress(raw)
+        # Flat uint8 views, not copies (memoryview.cast would refuse an empty array).
+        flat = [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in block]
+        return [memoryview(f) for f in flat]  # type: ignore[arg-type]
+    shuffle = codec == Codec.SHUFFLE_ZSTD
+    raw = b"".join(_shuffle(a) if shuffle else np.ascontiguousarray(a).tobytes() for a in block)
+    return [zstandard.ZstdCompressor(level=level).compress(raw)]
 
 
-def encode_layer(kv: LayerKV, codec: Codec = Codec.RAW, level: int = 1) -> list[bytes | memoryview]:
+def _nbytes(bufs: list[bytes | memoryview]) -> int:
+    return sum(memoryview(b).nbytes for b in bufs)
+
+
+def encode_layer(
+    kv: LayerKV | QuantKV, codec: Codec = Codec.RAW, level: int = 1
+) -> list[bytes | memoryview]:
     """Return the KV_LAYER payload as buffers to hand to `send_frame` as is."""
     k, v = kv.keys, kv.values
-    if k.dtype != WIRE_NUMPY[kv.dtype] or v.dtype != k.dtype:
-        raise ValueError(
-            f"layer {kv.layer}: arrays are {k.dtype}/{v.dtype}, wire is {kv.dtype.name}"
-        )
+    if isinstance(kv, QuantKV):
+        wire, base = DType.INT8, int(kv.dtype)
+        ok = k.dtype == v.dtype == np.int8 and kv.k_scale.dtype == kv.v_scale.dtype == SCALE_DTYPE
+        ok = ok and kv.k_scale.shape == k.shape[:2] == v.shape[:2] == kv.v_scale.shape
+        if not ok or kv.dtype not in WIRE_NUMPY:
+            raise ValueError(f"layer {kv.layer}: not int8 rows with float32 row scales")
+        k_block, v_block = [kv.k_scale, k], [kv.v_scale, v]
+    else:
+        wire, base = kv.dtype, 0
+        if kv.dtype not in WIRE_NUMPY or k.dtype != WIRE_NUMPY[kv.dtype] or v.dtype != k.dtype:
+            raise ValueError(
+                f"layer {kv.layer}: arrays are {k.dtype}/{v.dtype}, wire is {kv.dtype.name}"
+            )
+        k_block, v_block = [k], [v]
     heads, seq, k_dim = k.shape
     v_dim = v.shape[2]
-    kb, vb = _compress(k, codec, level), _compress(v, codec, level)
+    kb, vb = _compress(k_block, codec, level), _compress(v_block, codec, level)
     head = LAYER_HEADER.pack(
-        kv.layer, kv.kind, kv.dtype, codec, heads, seq, k_dim, v_dim, len(kb), len(vb)
+        kv.layer, kv.kind, wire, codec, base, heads, seq, k_dim, v_dim, _nbytes(kb), _nbytes(vb)
     )
-    return [head, kb, vb]
+    return [head, *kb, *vb]
 
 
-def _expand(raw: memoryview, codec: Codec, nbytes: int, itemsize: int) -> bytes | memoryview:
+def _expand(raw: memoryview, codec: Codec, nbytes: int) -> bytes | memoryview:
+    """A block as sent -> its `nbytes` bytes (still shuffled, for SHUFFLE_ZSTD)."""
     if codec == Codec.RAW:
         if len(raw) != nbytes:
             raise ProtocolError(f"raw K/V block is {len(raw)} bytes, shape says {nbytes}")
@@ -94,7 +208,26 @@ def _expand(raw: memoryview, codec: Codec, nbytes: int, itemsize: int) -> bytes 
         raise ProtocolError(f"bad zstd block: {e}") from None
     if len(out) != nbytes:
         raise ProtocolError(f"zstd block expands to {len(out)} bytes, shape says {nbytes}")
-    return _unshuffle(out, itemsize) if codec == Codec.SHUFFLE_ZSTD else out
+    return out
+
+
+def _plain(
+    raw: bytes | memoryview, codec: Codec, dtype: np.dtype, shape: tuple[int, ...]
+) -> np.ndarray:
+    if codec == Codec.SHUFFLE_ZSTD:
+        raw = _unshuffle(raw, dtype.itemsize)
+    return np.frombuffer(raw, dtype).reshape(shape)
+
+
+def _dequant_block(
+    raw: bytes | memoryview, codec: Codec, heads: int, seq: int, dim: int, base: DType
+) -> np.ndarray:
+    split = heads * seq * SCALE_DTYPE.itemsize
+    scale = _plain(memoryview(raw)[:split], codec, SCALE_DTYPE, (heads, seq))
+    if not (np.isfinite(scale).all() and (scale >= 0).all()):
+        raise ProtocolError("KV_LAYER int8 block has a negative or non-finite row scale")
+    q = np.frombuffer(memoryview(raw)[split:], np.int8).reshape(heads, seq, dim)
+    return dequantize_rows(q, scale, base)
 
 
 def decode_layer(
@@ -102,31 +235,44 @@ def decode_layer(
 ) -> LayerKV:
     """Parse a KV_LAYER payload; raises ProtocolError on anything inconsistent.
 
-    `max_bytes` caps what the layer may expand to, so a small compressed frame
-    that claims a huge shape cannot make us allocate it.
+    `max_bytes` caps what the layer may expand to (its blocks decompressed, and
+    its arrays dequantized), so a small frame that claims a huge shape cannot
+    make us allocate it. An int8 frame comes back in its model dtype.
     """
     if len(payload) < LAYER_HEADER.size:
         raise ProtocolError("KV_LAYER frame shorter than its header")
-    layer, kind, dtype, codec, heads, seq, k_dim, v_dim, k_len, v_len = LAYER_HEADER.unpack_from(
-        payload
-    )
+    fields = LAYER_HEADER.unpack_from(payload)
+    layer, kind, dtype, codec, base, heads, seq, k_dim, v_dim, k_len, v_len = fields
     try:
         kind_e, dtype_e, codec_e = Kind(kind), DType(dtype), Codec(codec)
     except ValueError as e:
         raise ProtocolError(f"KV_LAYER: {e}") from None
+    quant = dtype_e == DType.INT8
+    if quant and base not in {int(d) for d in WIRE_NUMPY}:
+        raise ProtocolError(f"KV_LAYER: int8 frame restores to unknown dtype {base}")
+    if not quant and base != 0:
+        raise ProtocolError(f"KV_LAYER: lossless frame with base dtype {base}, must be 0")
     if LAYER_HEADER.size + k_len + v_len != len(payload):
         raise ProtocolError("KV_LAYER block lengths do not add up to the frame length")
-    np_dtype = np.dtype(WIRE_NUMPY[dtype_e])
-    expanded = heads * seq * (k_dim + v_dim) * np_dtype.itemsize
+    out_dtype = DType(base) if quant else dtype_e
+    itemsize = np.dtype(WIRE_NUMPY[out_dtype]).itemsize
+    rows = heads * seq
+    if quant:
+        k_bytes = rows * (SCALE_DTYPE.itemsize + k_dim)
+        v_bytes = rows * (SCALE_DTYPE.itemsize + v_dim)
+    else:
+        k_bytes, v_bytes = rows * k_dim * itemsize, rows * v_dim * itemsize
+    expanded = max(k_bytes + v_bytes, rows * (k_dim + v_dim) * itemsize)
     if expanded > max_bytes:
         raise ProtocolError(f"KV_LAYER claims {expanded} bytes, over the cap of {max_bytes}")
     view = memoryview(payload)[LAYER_HEADER.size :]
-    k_raw = _expand(
-        view[:k_len], codec_e, heads * seq * k_dim * np_dtype.itemsize, np_dtype.itemsize
-    )
-    v_raw = _expand(
-        view[k_len:], codec_e, heads * seq * v_dim * np_dtype.itemsize, np_dtype.itemsize
-    )
-    keys = np.frombuffer(k_raw, np_dtype).reshape(heads, seq, k_dim)
-    values = np.frombuffer(v_raw, np_dtype).reshape(heads, seq, v_dim)
-    return LayerKV(layer, kind_e, dtype_e, keys, values)
+    k_raw = _expand(view[:k_len], codec_e, k_bytes)
+    v_raw = _expand(view[k_len:], codec_e, v_bytes)
+    if quant:
+        keys = _dequant_block(k_raw, codec_e, heads, seq, k_dim, out_dtype)
+        values = _dequant_block(v_raw, codec_e, heads, seq, v_dim, out_dtype)
+        return LayerKV(layer, kind_e, out_dtype, keys, values, "int8")
+    np_dtype = np.dtype(WIRE_NUMPY[out_dtype])
+    keys = _plain(k_raw, codec_e, np_dtype, (heads, seq, k_dim))
+    values = _plain(v_raw, codec_e, np_dtype, (heads, seq, v_dim))
+    return LayerKV(layer, kind_e, out_dtype, keys, values)

@@ -12,7 +12,7 @@ import numpy as np
 
 from . import protocol as P
 from .codecpick import MIN_LINK_FRAME
-from .kvcodec import LAYER_HEADER, Codec, LayerKV, decode_layer
+from .kvcodec import LAYER_HEADER, Codec, LayerKV, block_bytes, check_quant, decode_layer
 from .mlxcache import check_layer, fill_layer
 
 # Puts one received layer into its cache: fill_layer itself, or a hand-off of a
@@ -52,15 +52,19 @@ def fetch_kv(
     vocab_size: int | None = None,
     probe: bool = False,
     place: Place = fill_layer,
+    kv_quant: str | None = None,
 ) -> tuple[dict[str, Any], np.ndarray]:
     """Fill `caches` with the K/V of `ids` from the prefill agent; return metrics
     and the float32 logits of the prompt's last position. With `probe`, the
     prefill agent also measures its other codecs on one layer (`codec_probe`).
+    With `kv_quant` "int8" the K/V travels lossy as int8 rows (kvcodec) and is
+    dequantized here; a lossless stream is taken too (an older prefill agent).
 
     Raises PrefillUnavailable when the agent is down, slow past its timeout, fails,
     or drops the stream (the caller prefills locally); RemoteError only for a
     model mismatch, which must never be papered over by a local prefill.
     """
+    kv_quant = check_quant(kv_quant)  # ValueError before we dial
     port = int(target["port"])
     timeout_s = float(target.get("timeout", 60.0))
     t0 = time.perf_counter()
@@ -70,8 +74,9 @@ def fetch_kv(
         "kv_bytes": 0,
         "codec": int(codec),
         "kv_payload_bytes": 0,  # K/V blocks as sent (compressed or not)
-        "kv_raw_bytes": 0,  # K/V blocks expanded
-        "kv_decode_time": 0.0,  # decode_layer: decompress + unshuffle
+        "kv_raw_bytes": 0,  # K/V blocks expanded (int8 rows + scales when quantized)
+        "kv_quant": None,  # how the layers arrived: None lossless, "int8"
+        "kv_decode_time": 0.0,  # decode_layer: decompress + unshuffle (+ dequantize)
         "kv_link_bytes": 0,  # large frames only: see agents.codecpick
         "kv_link_time": 0.0,
     }
@@ -84,6 +89,8 @@ def fetch_kv(
         request: dict[str, Any] = {"token_ids": ids, "codec": int(codec)}
         if probe:
             request["probe_codecs"] = True
+        if kv_quant:
+            request["kv_quant"] = kv_quant  # absent when lossless: older agents never see it
         P.send_json(sock, P.Frame.PREFILL, request)
         t_sent = time.perf_counter()
         first = last = None
@@ -101,7 +108,11 @@ def fetch_kv(
                     metrics["kv_link_time"] += t_payload - t_header
                 kv = decode_layer(payload)
                 metrics["kv_decode_time"] += time.perf_counter() - t_payload
-                metrics["kv_raw_bytes"] += kv.keys.nbytes + kv.values.nbytes
+                if kv.quant is not None and kv.quant != kv_quant:
+                    raise P.ProtocolError(f"{kv.quant} K/V for a request that asked for lossless")
+                metrics["kv_quant"] = kv.quant
+                # The codec's own bytes, so codecpick's ratio is not the quantizer's.
+                metrics["kv_raw_bytes"] += block_bytes(kv)
                 metrics["kv_payload_bytes"] += len(payload) - LAYER_HEADER.size
                 if not 0 <= kv.layer < len(caches) or kv.layer in got:
                     raise P.ProtocolError(f"unexpected KV for layer {kv.layer}")
@@ -156,6 +167,7 @@ def fetch_kv(
         kv_fetch_time=time.perf_counter() - t0,
         prefill_last_layer_at=done.get("last_layer_at"),
         kv_encode_time=done.get("kv_encode_time"),
+        kv_quant_time=done.get("kv_quant_time"),
     )
     if isinstance(done.get("codec_probe"), dict):
         metrics["codec_probe"] = done["codec_probe"]

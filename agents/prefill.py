@@ -19,7 +19,18 @@ import numpy as np
 import torch
 
 from . import protocol as P
-from .kvcodec import DTYPE_NAMES, Codec, Kind, LayerKV, decode_layer, encode_layer
+from .kvcodec import (
+    DTYPE_NAMES,
+    Codec,
+    Kind,
+    LayerKV,
+    QuantKV,
+    block_bytes,
+    check_quant,
+    decode_layer,
+    encode_layer,
+    quantize_layer,
+)
 from .metrics import Stats
 from .models import UnsupportedModel, get_adapter, layer_kinds_from_hf, load_hf_config
 from .server import common_args, fail, load_token, serve, setup_logging
@@ -135,21 +146,31 @@ class PrefillEngine:
 class LayerSender:
     """Sends KV_LAYER frames from its own thread so the socket overlaps compute.
 
-    Counts the raw (uncompressed) K/V bytes and the time spent encoding them.
-    With `probe_layer`, that layer is also encoded and decoded once with every
-    other compressing codec after it is sent, and the sizes and times are kept
-    in `probe` for the decode side's codec choice (agents.codecpick).
+    Counts the raw (model dtype) K/V bytes and the time spent encoding them.
+    With `kv_quant` "int8" each layer is quantized first (lossy; timed apart in
+    `quant_s`, so `encode_s` stays the codec's own time). With `probe_layer`,
+    that layer is also encoded and decoded once with every other compressing
+    codec after it is sent, and the sizes and times are kept in `probe` for the
+    decode side's codec choice (agents.codecpick).
     """
 
-    def __init__(self, sock: socket.socket, codec: Codec, probe_layer: int | None = None) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        codec: Codec,
+        probe_layer: int | None = None,
+        kv_quant: str | None = None,
+    ) -> None:
         self.sock = sock
         self.codec = codec
+        self.kv_quant = check_quant(kv_quant)
         self.probe_layer = probe_layer
         self.probe: dict[str, dict[str, float]] = {}
         self.q: queue.Queue[LayerKV | None] = queue.Queue()
         self.bytes = 0
         self.raw_bytes = 0
         self.encode_s = 0.0
+        self.quant_s = 0.0
         self.closed = False
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True, name="kv-sender")
@@ -165,18 +186,21 @@ class LayerSender:
                 continue  # drain: the peer is gone
             try:
                 t0 = time.perf_counter()
-                parts = encode_layer(kv, self.codec)
-                self.encode_s += time.perf_counter() - t0
+                wire: LayerKV | QuantKV = quantize_layer(kv) if self.kv_quant else kv
+                t1 = time.perf_counter()
+                parts = encode_layer(wire, self.codec)
+                self.quant_s += t1 - t0
+                self.encode_s += time.perf_counter() - t1
                 self.raw_bytes += kv.keys.nbytes + kv.values.nbytes
                 self.bytes += P.send_frame(self.sock, P.Frame.KV_LAYER, parts)
             except OSError as e:
                 self.error = e
                 continue
             if kv.layer == self.probe_layer:
-                self._probe(kv)
+                self._probe(wire)
 
-    def _probe(self, kv: LayerKV) -> None:
-        raw = kv.keys.nbytes + kv.values.nbytes
+    def _probe(self, kv: LayerKV | QuantKV) -> None:
+        raw = block_bytes(kv)  # what the codec compresses: int8 blocks when quantized
         for codec in Codec:
             if codec in (Codec.RAW, self.codec):
                 continue  # the codec in use is measured on every layer anyway
@@ -268,9 +292,14 @@ class PrefillAgent:
         except ValueError:
             P.send_error(sock, "bad_request", f"unknown codec {req.get('codec')}")
             return False
+        try:
+            kv_quant = check_quant(req.get("kv_quant"))
+        except ValueError as e:
+            P.send_error(sock, "bad_request", str(e))
+            return False
         self.stats.begin()
         probe = self.engine.fingerprint["num_layers"] // 2 if req.get("probe_codecs") else None
-        sender = LayerSender(sock, codec, probe)
+        sender = LayerSender(sock, codec, probe, kv_quant)
         outcome, result = "error", None
         try:
             result, logits = self.engine.prefill(ids, sender.put)
@@ -282,6 +311,8 @@ class PrefillAgent:
                 kv_bytes=sender.bytes,
                 kv_raw_bytes=sender.raw_bytes,
                 kv_encode_time=sender.encode_s,
+                kv_quant=kv_quant,
+                kv_quant_time=sender.quant_s,
                 codec=int(codec),
                 server=self.name,
                 device=self.engine.device,

@@ -38,7 +38,7 @@ CONTROL_MAX_FRAME = 16 << 20
 class Frame(enum.IntEnum):
     HELLO = 1  # {"version", "role", "fingerprint", "model"}
     HELLO_OK = 2  # {"role", "fingerprint", "model", "server"}
-    PREFILL = 3  # {"request_id", "token_ids", "codec"}
+    PREFILL = 3  # {"request_id", "token_ids", "codec", "kv_quant"}
     KV_LAYER = 4  # binary, see kvcodec
     PREFILL_DONE = 5  # {"prefill_time", "tokens", "last_layer_at", ...}
     GENERATE = 6  # client -> decode agent: the request
