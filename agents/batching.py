@@ -15,6 +15,7 @@ batch shrinks to one again.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import queue
 import threading
@@ -59,6 +60,25 @@ def sample_rows(logprobs: mx.array, samplers: list[Sampler | None]) -> mx.array:
             for i, s in enumerate(samplers)
         ]
     )
+
+
+def _malloc_trim() -> Callable[[], None]:
+    try:
+        trim = ctypes.CDLL(None).malloc_trim  # glibc only
+    except (OSError, AttributeError):
+        return lambda: None
+    return lambda: trim(0) and None
+
+
+_trim = _malloc_trim()
+
+
+def release_memory() -> None:
+    """When the batch goes idle: a batch's merged caches are large, and freed
+    memory would otherwise stay with mlx's cache and the C heap (RSS stays at
+    the burst's peak)."""
+    mx.clear_cache()
+    _trim()
 
 
 @dataclass
@@ -149,7 +169,7 @@ class DecodeLoop:
                         seq.out.put(e)
                     self.seqs, self.caches, self.batched = [], [], False
                     self.next_tokens = self.next_logprobs = None
-                    mx.clear_cache()
+                    release_memory()
                 self._admit_waiting()
 
     def _admit(self, seq: Seq) -> None:
@@ -221,8 +241,7 @@ class DecodeLoop:
         if not keep:
             self.caches, self.batched = [], False
             self.next_tokens = self.next_logprobs = None
-            # Idle: hand mlx's cached buffers back (a batch's merged caches are large).
-            mx.clear_cache()
+            release_memory()
             return
         assert self.next_tokens is not None
         idx = mx.array(keep)
