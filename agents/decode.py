@@ -23,7 +23,7 @@ from . import fastblas
 from . import protocol as P
 from .batching import DecodeLoop, Sampler, Seq, make_sampler, sample_rows
 from .codecpick import CodecTuner
-from .kvcodec import Codec, LayerKV
+from .kvcodec import Codec, LayerKV, check_quant
 from .kvfetch import PrefillUnavailable, fetch_kv, target_hosts
 from .metrics import Stats
 from .mlxcache import MX_DTYPES, cache_kinds, fill_layer
@@ -230,6 +230,10 @@ class DecodeAgent:
                 raise BadRequest(
                     f"unknown codec {req.get('codec')!r}: 0 raw, 1 zstd, 2 shuffle+zstd, or auto"
                 ) from None
+        try:
+            kv_quant = check_quant(req.get("kv_quant"))
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
         where, why = self.placement.choose(key, len(ids))
         forced = req.get("placement", "auto")
         if forced in ("local", "remote"):
@@ -253,7 +257,16 @@ class DecodeAgent:
 
         try:
             fetched, logits = fetch_kv(
-                target, ids, caches, hello, codec, self.token, self.engine.vocab_size, probe, place
+                target,
+                ids,
+                caches,
+                hello,
+                codec,
+                self.token,
+                self.engine.vocab_size,
+                probe,
+                place,
+                kv_quant=kv_quant,
             )
             for f in fills:
                 f.result()
@@ -276,6 +289,7 @@ class DecodeAgent:
         def chunk(part: list[int]) -> None:
             model(mx.array(part)[None], cache=caches)
             mx.eval([c.state for c in caches])
+            mx.clear_cache()  # as generate_step does: a chunk's activations are large
 
         def last() -> mx.array:
             logits = model(mx.array(ids[-1:])[None], cache=caches)[:, -1, :]
