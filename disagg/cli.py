@@ -121,6 +121,14 @@ def generate(
     seed: Annotated[int | None, typer.Option("--seed")] = None,
     system: Annotated[str | None, typer.Option("--system", help="System message.")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="No chat template.")] = False,
+    kv_quant: Annotated[
+        str | None,
+        typer.Option(
+            "--kv-quant",
+            help="int8: lossy 8-bit KV on the wire (about 4x fewer bytes; text may differ "
+            "from a lossless run, see README). Off by default.",
+        ),
+    ] = None,
     batch: Annotated[
         Path | None, typer.Option("--batch", help="JSONL file of requests to run concurrently.")
     ] = None,
@@ -141,6 +149,10 @@ def generate(
         system=system,
         raw=raw,
     )
+    if kv_quant not in (None, "none", "int8"):
+        raise UsageError(f"--kv-quant {kv_quant!r}: use int8, or leave it out")
+    if kv_quant == "int8":
+        opts["kv_quant"] = "int8"
     if batch is not None:
         from .batch import load_requests
 
@@ -347,8 +359,15 @@ def bench(
             "shaped to 1 and 10 Gbit/s (needs root: a network namespace and tc).",
         ),
     ] = False,
+    quant: Annotated[
+        bool,
+        typer.Option(
+            "--quant",
+            help="Also: lossy int8 KV vs lossless: bytes, logit error, token agreement.",
+        ),
+    ] = False,
     everything: Annotated[
-        bool, typer.Option("--all", help="Every section: --wire --serving --hiding.")
+        bool, typer.Option("--all", help="Every section: --wire --serving --hiding --quant.")
     ] = False,
 ) -> None:
     """Measure the handoff against its peers in one run: decode tokens/s against
@@ -369,6 +388,7 @@ def bench(
     )
     tables = [bench_table(report)]
     wire, serving, hiding = wire or everything, serving or everything, hiding or everything
+    quant = quant or everything
     if wire:
         from .bench_wire import run_wire_bench, wire_tables
 
@@ -387,6 +407,11 @@ def bench(
 
         report["hiding"] = run_hiding_bench(model_dir, say=_say)
         tables.append(hiding_table(report["hiding"]))
+    if quant:
+        from .bench_kvquant import kvquant_table, run_kvquant_bench
+
+        report["kv_quant"] = run_kvquant_bench(model_dir, say=_say)
+        tables.append(kvquant_table(report["kv_quant"]))
     if as_json:
         print(json.dumps(report))
     else:

@@ -100,6 +100,7 @@ def test_verify_reports_full_agreement(default_model: Path) -> None:
         ),
         (["generate", "hi"], ["inventory not found", "-i FILE", "--local"]),
         (["verify", "--local", "hi", "--min-agreement", "2"], ["--min-agreement"]),
+        (["generate", "--local", "hi", "--kv-quant", "int4"], ["--kv-quant 'int4'", "int8"]),
     ],
 )
 def test_bad_input_is_one_clear_line(args: list[str], needles: list[str]) -> None:
