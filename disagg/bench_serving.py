@@ -79,7 +79,7 @@ def run_serving_bench(
     repeats: int = 2,
     mlx_cap_s: float = 300.0,
     concurrency: tuple[int, ...] = CONCURRENCY,
-    concurrency_tokens: int = 48,
+    concurrency_tokens: int = 128,  # long enough that admission ramps do not dominate
     say: Say = lambda _msg: None,
 ) -> dict[str, Any]:
     """Latency per prompt length, decode memory, concurrency; plain data."""

@@ -504,7 +504,7 @@ def run_wire_bench(
     *,
     tokens: int = 2000,
     dtypes: tuple[str, ...] = ("float32", "bfloat16"),
-    repeats: int = 5,
+    repeats: int = 11,  # short transfers on a shared 2-core box: a median of many
     codec_repeats: int = 3,
     say: Say = lambda _msg: None,
 ) -> dict[str, Any]:
