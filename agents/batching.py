@@ -62,15 +62,10 @@ def sample_rows(logprobs: mx.array, samplers: list[Sampler | None]) -> mx.array:
     )
 
 
-def _malloc_trim() -> Callable[[], None]:
-    try:
-        trim = ctypes.CDLL(None).malloc_trim  # glibc only
-    except (OSError, AttributeError):
-        return lambda: None
-    return lambda: trim(0) and None
-
-
-_trim = _malloc_trim()
+try:
+    _malloc_trim: Callable[[int], int] | None = ctypes.CDLL(None).malloc_trim  # glibc only
+except (OSError, AttributeError):
+    _malloc_trim = None
 
 
 def release_memory() -> None:
@@ -78,7 +73,8 @@ def release_memory() -> None:
     memory would otherwise stay with mlx's cache and the C heap (RSS stays at
     the burst's peak)."""
     mx.clear_cache()
-    _trim()
+    if _malloc_trim is not None:
+        _malloc_trim(0)
 
 
 @dataclass
@@ -95,7 +91,8 @@ class Seq:
     out: queue.Queue[tuple[int, np.ndarray | None] | Exception | None] = field(
         default_factory=queue.Queue
     )
-    cancelled: bool = False  # set by the request's thread when its client is gone
+    # Ended: finished here (EOS, max_tokens), or stopped by its own thread (client gone).
+    done: bool = False
     produced: int = 1
     fresh: bool = True  # its next step input is `first`, which was already sent
 
@@ -179,7 +176,7 @@ class DecodeLoop:
     def _admit_waiting(self) -> None:
         while self.waiting and len(self.seqs) < self.max_batch:
             seq = self.waiting.pop(0)
-            if seq.cancelled:
+            if seq.done:
                 seq.out.put(None)
                 continue
             first = mx.array([seq.first], dtype=mx.uint32)
@@ -218,18 +215,18 @@ class DecodeLoop:
         for i, (seq, tid) in enumerate(zip(self.seqs, tokens, strict=True)):
             if seq.fresh:
                 seq.fresh = False
-            elif not seq.cancelled:
+            elif not seq.done:
                 lp = None
                 if seq.want_logprobs and current_logprobs is not None:
                     lp = np.array(current_logprobs[i].astype(mx.float32))
                 seq.produced += 1
                 if tid in seq.eos:
-                    seq.cancelled = True  # the stop token itself is not sent
+                    seq.done = True  # the stop token itself is not sent
                 else:
                     seq.out.put((tid, lp))
                     if seq.produced >= seq.max_tokens:
-                        seq.cancelled = True
-            if seq.cancelled:
+                        seq.done = True
+            if seq.done:
                 seq.out.put(None)
             else:
                 keep.append(i)

@@ -349,7 +349,7 @@ class DecodeAgent:
                             raise item
                         emit(*item)
                 finally:
-                    seq.cancelled = True  # a no-op when it ended; stops it if we failed
+                    seq.done = True  # a no-op when it ended; stops it if we failed
         detok.finalize()
         t_end = time.perf_counter()
         tail = detok.last_segment
