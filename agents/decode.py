@@ -23,12 +23,13 @@ from . import fastblas
 from . import protocol as P
 from .batching import DecodeLoop, Sampler, Seq, make_sampler, sample_rows
 from .codecpick import CodecTuner
-from .kvcodec import Codec, LayerKV, check_quant
-from .kvfetch import PrefillUnavailable, fetch_kv, target_hosts
+from .kvcodec import Codec, LayerKV
+from .kvfetch import PrefillUnavailable, fetch_kv
 from .metrics import Stats
 from .mlxcache import MX_DTYPES, cache_kinds, fill_layer
 from .models import UnsupportedModel, get_adapter, load_hf_config
 from .placement import Placement
+from .request import GenerateRequest, RequestError
 from .server import common_args, fail, load_token, serve, setup_logging
 
 log = logging.getLogger("disagg.decode")
@@ -85,26 +86,22 @@ class DecodeEngine:
             "layers": cache_kinds(make_prompt_cache(self.model)),
         }
 
-    def encode(self, req: dict[str, Any]) -> list[int]:
+    def encode(self, req: GenerateRequest) -> list[int]:
         """The request's prompt as token ids: chat template unless raw."""
         tok = self.tokenizer
-        if req.get("messages") is not None:
-            messages = req["messages"]
-            if not isinstance(messages, list) or not messages:
-                raise BadRequest("messages must be a non-empty list of {role, content}")
+        if req.messages is not None:
+            messages = req.messages
             if not getattr(tok, "chat_template", None):
                 raise BadRequest(
                     f"{Path(self.model_dir).name} has no chat template: send a raw prompt instead"
                 )
         else:
-            prompt = req.get("prompt")
-            if not isinstance(prompt, str) or not prompt.strip():
-                raise BadRequest("the prompt is empty: give some text to complete")
-            if req.get("raw") or not getattr(tok, "chat_template", None):
-                return list(tok.encode(prompt))
-            messages = [{"role": "user", "content": prompt}]
-        if req.get("system"):
-            messages = [{"role": "system", "content": req["system"]}, *messages]
+            assert req.prompt is not None  # GenerateRequest checked it
+            if req.raw or not getattr(tok, "chat_template", None):
+                return list(tok.encode(req.prompt))
+            messages = [{"role": "user", "content": req.prompt}]
+        if req.system:
+            messages = [{"role": "system", "content": req.system}, *messages]
         return list(tok.apply_chat_template(messages, add_generation_prompt=True))
 
 
@@ -169,9 +166,9 @@ class DecodeAgent:
             self.stats.begin()
             outcome, metrics = "error", None
             try:
-                metrics = self._generate(req, sock)
+                metrics = self._generate(GenerateRequest.from_dict(req), sock)
                 outcome = "ok"
-            except BadRequest as e:
+            except (BadRequest, RequestError) as e:
                 outcome = "bad_request"
                 P.send_error(sock, "bad_request", str(e))
             except P.RemoteError as e:
@@ -186,58 +183,40 @@ class DecodeAgent:
             finally:
                 self.stats.end(outcome, metrics)
 
-    def _validate(self, req: dict[str, Any], ids: list[int]) -> int:
-        max_tokens = req.get("max_tokens", 256)
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
-            raise BadRequest(f"max_tokens must be a positive integer, got {max_tokens!r}")
-        for key, lo, hi in (("temperature", 0.0, 100.0), ("top_p", 0.0, 1.0)):
-            val = req.get(key, 0.0 if key == "temperature" else 1.0)
-            if not isinstance(val, int | float) or not lo <= val <= hi:
-                raise BadRequest(f"{key} must be a number in [{lo}, {hi}], got {val!r}")
-        seed = req.get("seed")
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
-            raise BadRequest(f"seed must be a non-negative integer, got {seed!r}")
+    def _max_tokens(self, req: GenerateRequest, ids: list[int]) -> int:
+        """The request's max_tokens, capped by what the model's context leaves."""
         if len(ids) >= self.engine.context:
             raise BadRequest(
                 f"the prompt is {len(ids)} tokens; the model's context is {self.engine.context}: "
                 "shorten the prompt"
             )
-        return min(max_tokens, self.engine.context - len(ids))
+        return min(req.max_tokens, self.engine.context - len(ids))
 
     def _prefill(
-        self, req: dict[str, Any], ids: list[int], metrics: dict[str, Any]
+        self, req: GenerateRequest, ids: list[int], metrics: dict[str, Any]
     ) -> tuple[list[Any], np.ndarray | None]:
         """Caches holding the prompt and, after a remote prefill, the logits of
         its last position (None: prefill here, with local_prefill)."""
         caches = make_prompt_cache(self.engine.model)
-        target = req.get("prefill")
-        if not target:
+        if req.prefill is None:
             metrics["method"] = "decode-only"
             return caches, None
-        key = f"{','.join(target_hosts(target))}:{target.get('port')}"
+        target = req.prefill.to_wire()
+        key = f"{','.join(req.prefill.hosts)}:{req.prefill.port}"
         tuner: CodecTuner | None = None
         probe = False
-        if req.get("codec") == "auto":
+        if req.codec == "auto":
             with self.lock:
                 tuner = self.codec_tuners.setdefault(key, CodecTuner())
             codec, why = tuner.choose()
             probe = tuner.wants_probe()
             metrics["codec_reason"] = why
         else:
-            try:
-                codec = Codec(int(req.get("codec", 0)))
-            except (TypeError, ValueError):
-                raise BadRequest(
-                    f"unknown codec {req.get('codec')!r}: 0 raw, 1 zstd, 2 shuffle+zstd, or auto"
-                ) from None
-        try:
-            kv_quant = check_quant(req.get("kv_quant"))
-        except ValueError as e:
-            raise BadRequest(str(e)) from None
+            codec = Codec(int(req.codec))
+        kv_quant = req.kv_quant
         where, why = self.placement.choose(key, len(ids))
-        forced = req.get("placement", "auto")
-        if forced in ("local", "remote"):
-            where, why = forced, "placement forced by the request"
+        if req.placement in ("local", "remote"):
+            where, why = req.placement, "placement forced by the request"
         metrics.update(placement=where, placement_reason=why)
         if where == "local":
             metrics["method"] = "local"
@@ -300,11 +279,11 @@ class DecodeAgent:
             self.loop.call(chunk, ids[start : min(start + PREFILL_STEP, len(ids) - 1)])
         return self.loop.call(last)
 
-    def _generate(self, req: dict[str, Any], sock: socket.socket) -> dict[str, Any]:
+    def _generate(self, req: GenerateRequest, sock: socket.socket) -> dict[str, Any]:
         eng = self.engine
         t0 = time.perf_counter()
         ids = eng.encode(req)
-        max_tokens = self._validate(req, ids)
+        max_tokens = self._max_tokens(req, ids)
         metrics: dict[str, Any] = {
             "prompt_tokens": len(ids),
             "kv_bytes": 0,
@@ -316,17 +295,14 @@ class DecodeAgent:
         caches, remote_logits = self._prefill(req, ids, metrics)
         t_local = time.perf_counter()
         logits = remote_logits if remote_logits is not None else self._local_prefill(ids, caches)
-        seed = req.get("seed")
-        sampler = make_sampler(
-            float(req.get("temperature", 0.0)), float(req.get("top_p", 1.0)), seed
-        )
-        want_logprobs = bool(req.get("logprobs"))
+        sampler = make_sampler(req.temperature, req.top_p, req.seed)
+        want_logprobs = req.logprobs
         first, first_lp = self.loop.call(first_token, logits, sampler, want_logprobs)
         t_first = time.perf_counter()
         ttft = t_first - t0
         if metrics["method"] != "disaggregated":
             metrics["prefill_time"] = t_first - t_local
-        eos = frozenset() if req.get("ignore_eos") else frozenset(eng.tokenizer.eos_token_ids or [])
+        eos = frozenset() if req.ignore_eos else frozenset(eng.tokenizer.eos_token_ids or [])
         detok = eng.tokenizer.detokenizer
         detok.reset()
         out: list[int] = []
@@ -370,7 +346,7 @@ class DecodeAgent:
             prefill_speed=(len(ids) / metrics["prefill_time"]) if metrics["prefill_time"] else None,
         )
         done: dict[str, Any] = {"text": detok.text, "token_ids": out, "metrics": metrics}
-        if req.get("return_prompt_ids"):
+        if req.return_prompt_ids:
             done["prompt_ids"] = ids
         P.send_json(sock, P.Frame.DONE, done)
         log.info(

@@ -14,11 +14,11 @@ __all__ = ["Client", "Completion", "Chunk", "DisaggError"]
 def __getattr__(name: str) -> Any:
     # Lazy: `import disagg` stays cheap for the CLI's --help and for agents' tooling.
     if name in ("Client", "Completion", "Chunk"):
-        from . import api
+        from disagg import api
 
         return getattr(api, name)
     if name == "DisaggError":
-        from .errors import DisaggError
+        from disagg.errors import DisaggError
 
         return DisaggError
     raise AttributeError(name)

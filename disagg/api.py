@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .defaultmodel import Say
-from .errors import DisaggError, UsageError
-from .launcher import AgentProc, make_token_file, start_local_agents
-from .local import build_request, resolve_model
-from .orchestrator import Endpoint, Pipeline, Router, StopGeneration
+from disagg.errors import DisaggError, UsageError
+from disagg.serving.defaultmodel import Say, resolve_model
+from disagg.serving.localagents import AgentProc, make_token_file, start_local_agents
+from disagg.serving.request import build_request
+from disagg.serving.router import Endpoint, Pipeline, Router, StopGeneration
 
 
 @dataclass
@@ -71,7 +71,9 @@ class Client:
 
     def __init__(self, inventory: str | Path | None = None, *, router: Router | None = None):
         if router is None:
-            from .fleet import router_from_inventory  # only fleet users need SSH bits
+            from disagg.fleet.operations import (
+                router_from_inventory,  # only fleet users need SSH bits
+            )
 
             router = router_from_inventory(inventory)
         self.router = router
@@ -158,10 +160,11 @@ class Client:
             max_tokens=max_tokens,
             temperature=temperature,
             top_p=top_p,
+            stop=stop,
             **extra,
         )
         name = self.router.pipeline(model).name
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        stops = list(req.get("stop", []))
         if stream:
             return self._stream(name, req, stops)
         return self._run(name, req, stops, lambda _text: None)

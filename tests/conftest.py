@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from disagg.defaultmodel import ensure_default_model
-from disagg.launcher import AgentProc, start_local_pair
+from disagg.serving.defaultmodel import ensure_default_model
+from disagg.serving.localagents import AgentProc, start_local_pair
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from disagg import client
 from disagg.errors import ModelMismatch
-from disagg.launcher import AgentProc, make_token_file, start_local_pair
+from disagg.serving import wireclient as client
+from disagg.serving.localagents import AgentProc, make_token_file, start_local_pair
 from tests.tinymodels import PROMPT, make_tiny
 
 from .references import hf_greedy, mlx_greedy

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from agents import protocol as P
-from disagg import client
 from disagg.errors import AuthError
-from disagg.launcher import AgentProc, spawn_agent, start_local_pair, wait_ready
+from disagg.serving import wireclient as client
+from disagg.serving.localagents import AgentProc, spawn_agent, start_local_pair, wait_ready
 from tests.tinymodels import PROMPT, make_tiny
 
 pytestmark = [pytest.mark.auth, pytest.mark.slow]

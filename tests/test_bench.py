@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from disagg.bench import bench_table, run_core_bench
+from disagg.bench.core import bench_table, run_core_bench
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from disagg.bench_hiding import INNER, cannot_run, hiding_table, run_hiding_bench
+from disagg.bench.hiding import INNER, cannot_run, hiding_table, run_hiding_bench
 
 pytestmark = [
     pytest.mark.slow,
@@ -35,8 +35,9 @@ def test_hiding_bench_runs_over_the_shaped_link(default_model: Path) -> None:
     assert row["link_time_s"] == pytest.approx(row["kv_bytes"] * 8 / 1e9)
     Console(width=160).print(hiding_table(report))
     # Nothing left behind: no namespace, no veth, no route to the link's addresses.
-    assert "disagg-hide" not in subprocess.run(
-        ["ip", "netns", "list"], capture_output=True, text=True
-    ).stdout
+    assert (
+        "disagg-hide"
+        not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    )
     route = subprocess.run(["ip", "route", "get", INNER], capture_output=True, text=True)
     assert "dgh" not in route.stdout

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from disagg.bench_wire import CODECS, pipeline_time, run_wire_bench, wire_tables
+from disagg.bench.wire import CODECS, pipeline_time, run_wire_bench, wire_tables
 
 
 def positive(x: Any) -> bool:

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from agents.kvcodec import DType, LayerKV, decode_layer, encode_layer
-from disagg import client
-from disagg.launcher import AgentProc, start_local_pair
+from disagg.serving import wireclient as client
+from disagg.serving.localagents import AgentProc, start_local_pair
 
 from .references import mlx_greedy
 

@@ -88,11 +88,11 @@ def test_verify_reports_full_agreement(default_model: Path) -> None:
         (["generate", "--local", ""], ["prompt is empty"]),
         (
             ["generate", "--local", "hi", "--max-tokens", "0"],
-            ["--max-tokens (max_tokens) must be at least 1"],
+            ["max_tokens must be at least 1", "(--max-tokens)"],
         ),
         (
             ["generate", "--local", "hi", "--max-tokens", "-5"],
-            ["--max-tokens (max_tokens) must be"],
+            ["max_tokens must be at least 1, got -5"],
         ),
         (
             ["generate", "--local", "hi", "-m", "/no/such/model"],

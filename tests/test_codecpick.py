@@ -157,8 +157,8 @@ def test_tuner_without_link_frames_stays_raw() -> None:
 def test_auto_codec_through_real_agents(smol_agents: Any) -> None:
     """codec "auto": the first fetch probes the prefill agent's codecs and measures
     the link; later fetches use what was learned; the text never changes."""
-    from disagg import client
     from disagg.errors import UsageError
+    from disagg.serving import wireclient as client
 
     prefill, decode = smol_agents
     base = {

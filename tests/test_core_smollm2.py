@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from disagg import client
 from disagg.errors import UsageError
-from disagg.launcher import AgentProc
+from disagg.serving import wireclient as client
+from disagg.serving.localagents import AgentProc
 
 from .references import hf_greedy, mlx_greedy
 
@@ -116,8 +116,8 @@ def test_metrics_have_the_seed_names(smol_agents: tuple[AgentProc, AgentProc]) -
     [
         ({"prompt": ""}, "prompt is empty"),
         ({"prompt": "   "}, "prompt is empty"),
-        ({"prompt": "hi", "max_tokens": 0}, "max_tokens must be a positive integer"),
-        ({"prompt": "hi", "max_tokens": -3}, "max_tokens must be a positive integer"),
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens must be at least 1"),
+        ({"prompt": "hi", "max_tokens": -3}, "max_tokens must be at least 1"),
         ({"prompt": "hi", "temperature": -1}, "temperature"),
         ({"prompt": "word " * 9000, "raw": True}, "context is 8192"),
     ],

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from disagg import client
-from disagg.launcher import spawn_agent, start_local_pair, wait_ready
+from disagg.serving import wireclient as client
+from disagg.serving.localagents import spawn_agent, start_local_pair, wait_ready
 from tests.tinymodels import PROMPT, make_tiny
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from disagg import client
 from disagg.errors import AgentError
-from disagg.launcher import AgentProc, spawn_agent, start_local_agents, wait_ready
-from disagg.orchestrator import Endpoint, Pipeline, Router
+from disagg.serving import wireclient as client
+from disagg.serving.localagents import AgentProc, spawn_agent, start_local_agents, wait_ready
+from disagg.serving.router import Endpoint, Pipeline, Router
 from tests.tinymodels import PROMPT, make_tiny
 
 pytestmark = pytest.mark.slow

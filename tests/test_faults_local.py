@@ -17,9 +17,9 @@ import pytest
 
 from agents import protocol as P
 from agents.server import HANDSHAKE_TIMEOUT_S
-from disagg import client
 from disagg.errors import UsageError
-from disagg.launcher import AgentProc, start_local_pair
+from disagg.serving import wireclient as client
+from disagg.serving.localagents import AgentProc, start_local_pair
 from tests.tinymodels import PROMPT, make_tiny
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]

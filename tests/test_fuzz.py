@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 
 from agents import kvcodec as K
 from agents import protocol as P
-from disagg import client
-from disagg.launcher import AgentProc, start_local_pair
+from disagg.serving import wireclient as client
+from disagg.serving.localagents import AgentProc, start_local_pair
 from tests.tinymodels import PROMPT, make_tiny
 
 pytestmark = pytest.mark.fuzz

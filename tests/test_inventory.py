@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from disagg.inventory import DEFAULT_TIMEOUTS_S, InventoryError, load, resolve_path
+from disagg.fleet.inventory import DEFAULT_TIMEOUTS_S, InventoryError, load, resolve_path
 
 REPO = Path(__file__).resolve().parents[1]
 

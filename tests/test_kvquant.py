@@ -64,7 +64,7 @@ def hello(dec: Any) -> dict[str, Any]:
 
 
 def chat_ids(dec: Any, tokens: int = 128) -> list[int]:
-    from disagg.bench_kvquant import prompt_ids
+    from disagg.bench.kvquant import prompt_ids
 
     return prompt_ids(dec.tokenizer, tokens)
 
@@ -177,7 +177,7 @@ def test_int8_kv_decodes_like_lossless(engines: tuple[Any, Any], prompt: int | s
     Free-running agreement is printed, not asserted: the text forks at the first
     near tie (inventory-128 at token 12, where lossless leads by 0.1 logprob),
     and after a fork the positions no longer compare like with like."""
-    from disagg.bench_kvquant import measure_prompt, prompt_ids
+    from disagg.bench.kvquant import measure_prompt, prompt_ids
 
     pre, dec = engines
     r = measure_prompt(pre, dec, prompt_ids(dec.tokenizer, prompt), N_NEW, baseline=False)

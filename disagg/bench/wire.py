@@ -50,8 +50,7 @@ from rich.table import Table
 from agents import protocol as P
 from agents.codecpick import CodecSpeed, pick_codec, stream_rate
 from agents.kvcodec import WIRE_NUMPY, Codec, DType, Kind, LayerKV, decode_layer, encode_layer
-
-from .bench import _loadavg
+from disagg.bench.core import _loadavg
 
 Say = Callable[[str], None]
 
@@ -69,7 +68,7 @@ CODECS: tuple[tuple[str, Codec, int], ...] = (
 )
 AGENT_LEVEL = 1
 ACK = b"k"
-RECEIVER_CODE = "from disagg.bench_wire import _receiver_main; _receiver_main()"
+RECEIVER_CODE = "from disagg.bench.wire import _receiver_main; _receiver_main()"
 
 
 # ---------------------------------------------------------------------------
@@ -82,8 +81,7 @@ def real_kv(model_dir: Path, tokens: int, dtype: str) -> list[LayerKV]:
     from transformers import AutoTokenizer
 
     from agents.prefill import PrefillEngine
-
-    from .bench import long_text
+    from disagg.bench.core import long_text
 
     tok: Any = AutoTokenizer.from_pretrained(str(model_dir))
     text = long_text(lambda s: len(tok.encode(s)), tokens)

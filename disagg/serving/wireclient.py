@@ -12,8 +12,14 @@ from typing import Any
 import numpy as np
 
 from agents import protocol as P
-
-from .errors import AgentError, AuthError, ConnectError, DisaggError, ModelMismatch, UsageError
+from disagg.errors import (
+    AgentError,
+    AuthError,
+    ConnectError,
+    DisaggError,
+    ModelMismatch,
+    UsageError,
+)
 
 # Metrics the seed documents name; every result carries all of them.
 METRIC_NAMES = (

@@ -13,7 +13,7 @@ import os
 import secrets
 from pathlib import Path
 
-from .errors import AuthError
+from disagg.errors import AuthError
 
 
 def token_path(inventory_path: Path) -> Path:

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from .client import Result
+from disagg.serving.wireclient import Result
 
 
 def compare(disagg: Result, local: Result, min_agreement: float, model: str) -> dict[str, Any]:

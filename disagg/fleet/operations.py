@@ -17,12 +17,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import service
-from .clustertoken import load_token
-from .errors import AgentError, DisaggError, ModelError
-from .inventory import Agent, Host, Inventory
-from .remote import HostResult, Session, connect_host, on_hosts, q
-from .service import AgentPaths, host_python, probe, remote_root, service_kind
+from disagg.errors import AgentError, DisaggError, ModelError
+from disagg.fleet import service
+from disagg.fleet.inventory import Agent, Host, Inventory
+from disagg.fleet.service import AgentPaths, host_python, probe, remote_root, service_kind
+from disagg.fleet.ssh import HostResult, Session, connect_host, on_hosts, q
+from disagg.fleet.token import load_token
 
 LOAD_TIMEOUT_S = 600.0  # a 120B model can take minutes to load
 HTTP_TIMEOUT_S = 1.5
@@ -328,6 +328,6 @@ def logs(
 
 def router_from_inventory(inventory: Any = None) -> Any:
     """See route.router_from_inventory (here too because the Python API imports it here)."""
-    from .route import router_from_inventory as build
+    from disagg.fleet.routing import router_from_inventory as build
 
     return build(inventory)

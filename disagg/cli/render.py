@@ -6,30 +6,8 @@ from typing import Any
 
 from rich.table import Table
 
-from .client import METRIC_NAMES
-
-UNITS = {
-    "prefill_time": "s",
-    "decode_time": "s",
-    "total_time": "s",
-    "ttft": "s",
-    "kv_transfer_time": "s",
-    "prefill_speed": "tok/s",
-    "decode_speed": "tok/s",
-    "kv_bytes": "B",
-}
-
-
-def fmt(value: Any, unit: str = "") -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        if unit == "s":
-            return f"{value * 1000:.1f} ms" if value < 1 else f"{value:.3f} s"
-        return f"{value:,.1f} {unit}".strip()
-    if isinstance(value, int) and unit == "B":
-        return f"{value / 1e6:,.2f} MB" if value >= 1e6 else f"{value:,} B"
-    return f"{value} {unit}".strip() if unit else str(value)
+from disagg.serving.wireclient import METRIC_NAMES
+from disagg.units import UNITS, fmt
 
 
 def metrics_table(metrics: dict[str, Any], title: str = "metrics") -> Table:

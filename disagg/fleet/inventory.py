@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import DisaggError, UsageError
+from disagg.errors import DisaggError, UsageError
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -8,10 +8,10 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
-from .deploy import HostDeploy
-from .fleet import AgentAction, AgentStatus, LogLine
-from .remote import HostResult
-from .render import fmt
+from disagg.fleet.deploy import HostDeploy
+from disagg.fleet.operations import AgentAction, AgentStatus, LogLine
+from disagg.fleet.ssh import HostResult
+from disagg.units import fmt
 
 STATE_STYLE = {
     "healthy": "green",

@@ -6,26 +6,17 @@ import json
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from .api import Client, Completion
-from .errors import DisaggError, UsageError
+from agents.request import GenerateRequest
+from disagg.api import Client, Completion
+from disagg.errors import DisaggError, UsageError
+from disagg.serving.request import build_request
 
-REQUEST_KEYS = {
-    "model",
-    "prompt",
-    "messages",
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "stop",
-    "seed",
-    "system",
-    "raw",
-    "id",
-}
+# A line holds a request's fields, plus which model runs it and an id for the results.
+REQUEST_KEYS = {f.name for f in fields(GenerateRequest)} - {"prefill"} | {"model", "id"}
 
 
 @dataclass
@@ -58,6 +49,10 @@ def load_requests(path: Path) -> list[dict[str, Any]]:
         unknown = set(obj) - REQUEST_KEYS
         if unknown:
             raise UsageError(f"{path}:{n}: unknown keys {sorted(unknown)}")
+        try:
+            build_request(**{k: v for k, v in obj.items() if k not in ("model", "id")})
+        except UsageError as e:
+            raise UsageError(f"{path}:{n}: {e}") from None
         obj.setdefault("id", n)
         reqs.append(obj)
     if not reqs:

@@ -1,87 +1,28 @@
-"""The `disagg` command: parses, calls, renders. Work happens elsewhere."""
+"""The commands that run models: generate, serve, verify, bench."""
 
 from __future__ import annotations
 
-import functools
 import json
-import traceback
-from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 
-from .errors import DisaggError, UsageError
-
-app = typer.Typer(
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    help="Disaggregated LLM inference: torch prefill, MLX decode, KV over raw TCP.",
+from disagg.cli.common import (
+    Dtype,
+    Inventory,
+    Json,
+    Local,
+    Model,
+    Models,
+    app,
+    err,
+    friendly,
+    need_local,
+    out,
+    say,
 )
-out = Console()
-err = Console(stderr=True)
-STATE = {"debug": False}
-
-
-@app.callback()
-def _root(debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False) -> None:
-    STATE["debug"] = debug
-
-
-def friendly(fn: Callable[..., None]) -> Callable[..., None]:
-    """Turn a DisaggError into one red line and exit 1; tracebacks only with --debug."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> None:
-        try:
-            fn(*args, **kwargs)
-        except DisaggError as e:
-            if STATE["debug"]:
-                traceback.print_exc()
-            err.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
-            raise typer.Exit(1) from None
-        except KeyboardInterrupt:
-            err.print("[red]interrupted[/]")
-            raise typer.Exit(130) from None
-
-    return wrapper
-
-
-def _say(msg: str) -> None:
-    err.print(f"[dim]{msg}[/]")
-
-
-Model = Annotated[
-    str | None,
-    typer.Option("--model", "-m", help="Local HF model dir (default: embedded SmolLM2)."),
-]
-Models = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--model",
-        "-m",
-        help="Model: a local dir with --local, else a pipeline's "
-        "model name; repeat to run several at once.",
-    ),
-]
-Inventory = Annotated[
-    str | None,
-    typer.Option("--inventory", "-i", envvar="DISAGG_INVENTORY", help="Inventory file."),
-]
-Local = Annotated[bool, typer.Option("--local", help="Run the agents on this machine.")]
-Json = Annotated[
-    bool, typer.Option("--json", help="Print one JSON object on stdout, nothing else.")
-]
-Dtype = Annotated[str, typer.Option("--dtype", help="auto, float32, float16 or bfloat16.")]
-
-
-def _need_local(local: bool) -> None:
-    if not local:
-        raise UsageError(
-            "only --local runs are available for this command: add --local to run the agents here"
-        )
+from disagg.errors import UsageError
 
 
 def _open_client(
@@ -91,10 +32,10 @@ def _open_client(
     dtype: str = "auto",
     n_decode: int = 1,
 ) -> Any:
-    from .api import Client
+    from disagg.api import Client
 
     if not local:
-        from .inventory import InventoryError
+        from disagg.fleet.inventory import InventoryError
 
         try:
             return Client(inventory)
@@ -103,7 +44,7 @@ def _open_client(
                 raise InventoryError(f"{e}; or add --local to run the agents here") from None
             raise
     with err.status("starting prefill and decode agents…"):
-        return Client.local(models, dtype=dtype, n_decode=n_decode, say=_say)
+        return Client.local(models, dtype=dtype, n_decode=n_decode, say=say)
 
 
 @app.command()
@@ -139,7 +80,7 @@ def generate(
     as_json: Json = False,
 ) -> None:
     """Generate text: prefill agent -> KV over TCP -> decode agent."""
-    from .local import build_request
+    from disagg.serving.request import build_request
 
     opts: dict[str, Any] = dict(
         max_tokens=max_tokens,
@@ -154,7 +95,7 @@ def generate(
     if kv_quant == "int8":
         opts["kv_quant"] = "int8"
     if batch is not None:
-        from .batch import load_requests
+        from disagg.serving.batch import load_requests
 
         requests = load_requests(batch)
     elif prompt is None:
@@ -179,7 +120,7 @@ def generate(
 
 
 def _run_one(client: Any, name: str, prompt: str, opts: dict[str, Any], as_json: bool) -> None:
-    from .render import metrics_table
+    from disagg.cli.render import metrics_table
 
     if as_json:
         c = client.generate(model=name, prompt=prompt, **opts)
@@ -210,8 +151,8 @@ def _run_many(
 ) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-    from .batch import run_batch
-    from .render import batch_table
+    from disagg.cli.render import batch_table
+    from disagg.serving.batch import run_batch
 
     defaults = {**opts, "model": default}
     with Progress(
@@ -258,7 +199,7 @@ def serve(
     """OpenAI-compatible gateway: /v1/models, /v1/completions, /v1/chat/completions."""
     import uvicorn
 
-    from .gateway import create_app
+    from disagg.serving.gateway import create_app
 
     if decode_agents < 1:
         raise UsageError(f"--decode-agents must be at least 1, got {decode_agents}")
@@ -284,12 +225,12 @@ def verify(
     as_json: Json = False,
 ) -> None:
     """Greedy run twice: disaggregated and decode-only; report what the handoff changes."""
-    from . import client
-    from .local import build_request
-    from .render import verify_table
-    from .verify import compare
+    from disagg.cli.render import verify_table
+    from disagg.serving import wireclient as client
+    from disagg.serving.request import build_request
+    from disagg.serving.verify import compare
 
-    _need_local(local)
+    need_local(local)
     if not 0 <= min_agreement <= 1:
         raise UsageError(f"--min-agreement must be in [0, 1], got {min_agreement}")
     build_request(prompt, max_tokens=max_tokens)
@@ -302,7 +243,7 @@ def verify(
             "placement": "remote",
         }
         disagg = client.generate(
-            d.host, d.port, build_request(prompt, prefill=p, **base), token=d.token
+            d.host, d.port, build_request(prompt, prefill_agent=p, **base), token=d.token
         )
         alone = client.generate(d.host, d.port, build_request(prompt, **base), token=d.token)
         model_dir = str(next(iter(session.model_dirs.values())))
@@ -372,65 +313,48 @@ def bench(
 ) -> None:
     """Measure the handoff against its peers in one run: decode tokens/s against
     mlx-lm's own generation, TTFT against transformers' own prefill."""
-    from .bench import bench_table, run_core_bench
-    from .local import resolve_model
+    from disagg.bench.core import bench_table, run_core_bench
+    from disagg.serving.defaultmodel import resolve_model
 
-    _need_local(local)
+    need_local(local)
     if repeats < 1 or decode_tokens < 2 or prompt_tokens < 16:
         raise UsageError("--repeats >= 1, --decode-tokens >= 2, --prompt-tokens >= 16")
-    model_dir = resolve_model(model, _say)
+    model_dir = resolve_model(model, say)
     report = run_core_bench(
         model_dir,
         repeats=repeats,
         decode_tokens=decode_tokens,
         long_prompt_tokens=prompt_tokens,
-        say=_say,
+        say=say,
     )
     tables = [bench_table(report)]
     wire, serving, hiding = wire or everything, serving or everything, hiding or everything
     quant = quant or everything
     if wire:
-        from .bench_wire import run_wire_bench, wire_tables
+        from disagg.bench.wire import run_wire_bench, wire_tables
 
-        report["wire"] = run_wire_bench(model_dir, say=_say)
+        report["wire"] = run_wire_bench(model_dir, say=say)
         tables += wire_tables(report["wire"])
     if serving or png:
-        from .bench_serving import run_serving_bench, serving_tables, ttft_chart
+        from disagg.bench.serving import run_serving_bench, serving_tables, ttft_chart
 
-        report["serving"] = run_serving_bench(model_dir, say=_say)
+        report["serving"] = run_serving_bench(model_dir, say=say)
         tables += serving_tables(report["serving"])
         if png:
             report["serving"]["png"] = str(ttft_chart(report["serving"], png))
-            _say(f"wrote {png}")
+            say(f"wrote {png}")
     if hiding:
-        from .bench_hiding import hiding_table, run_hiding_bench
+        from disagg.bench.hiding import hiding_table, run_hiding_bench
 
-        report["hiding"] = run_hiding_bench(model_dir, say=_say)
+        report["hiding"] = run_hiding_bench(model_dir, say=say)
         tables.append(hiding_table(report["hiding"]))
     if quant:
-        from .bench_kvquant import kvquant_table, run_kvquant_bench
+        from disagg.bench.kvquant import kvquant_table, run_kvquant_bench
 
-        report["kv_quant"] = run_kvquant_bench(model_dir, say=_say)
+        report["kv_quant"] = run_kvquant_bench(model_dir, say=say)
         tables.append(kvquant_table(report["kv_quant"]))
     if as_json:
         print(json.dumps(report))
     else:
         for table in tables:
             out.print(table)
-
-
-def _register_fleet() -> None:
-    from .fleetcmds import register
-
-    register(app, friendly=friendly, out=out, err=err)
-
-
-_register_fleet()
-
-
-def main() -> None:
-    app()
-
-
-if __name__ == "__main__":
-    main()

@@ -110,9 +110,9 @@ def run_hiding_bench(
         return {"skipped": why}
     from transformers import AutoTokenizer
 
-    from . import client
-    from .bench import long_text, machine_info
-    from .launcher import AgentProc, make_token_file, spawn_agent, wait_ready
+    from disagg.bench.core import long_text, machine_info
+    from disagg.serving import wireclient as client
+    from disagg.serving.localagents import AgentProc, make_token_file, spawn_agent, wait_ready
 
     tok: Any = AutoTokenizer.from_pretrained(str(model_dir))
     texts = {n: long_text(lambda s: len(tok.encode(s)), n) for n in lengths}

@@ -34,7 +34,7 @@ from typing import Any
 
 from rich.table import Table
 
-from .errors import AgentError
+from disagg.errors import AgentError
 
 Say = Callable[[str], None]
 
@@ -91,9 +91,9 @@ def run_serving_bench(
     from mlx_lm.generate import generate_step
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from . import client
-    from .bench import DECODE_PROMPT, _loadavg, long_text, machine_info
-    from .launcher import start_local_pair
+    from disagg.bench.core import DECODE_PROMPT, _loadavg, long_text, machine_info
+    from disagg.serving import wireclient as client
+    from disagg.serving.localagents import start_local_pair
 
     model_dir = Path(model_dir)
     t_start = time.perf_counter()

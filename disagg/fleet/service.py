@@ -19,8 +19,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from .inventory import Host
-from .remote import Session, q
+from disagg.fleet.inventory import Host
+from disagg.fleet.ssh import Session, q
 
 KINDS = ("systemd", "launchd", "nohup")
 

@@ -9,11 +9,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from . import client
-from .clustertoken import load_token
-from .errors import ConnectError
-from .inventory import Host, Inventory, load
-from .orchestrator import Endpoint, Pipeline, Router
+from disagg.errors import ConnectError
+from disagg.fleet.inventory import Host, Inventory, load
+from disagg.fleet.token import load_token
+from disagg.serving import wireclient as client
+from disagg.serving.router import Endpoint, Pipeline, Router
 
 PROBE_TIMEOUT_S = 1.0
 

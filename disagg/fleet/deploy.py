@@ -16,14 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import agents
-
-from . import service
-from .clustertoken import load_token
-from .errors import AgentError, ModelError
-from .fleet import start_agent
-from .inventory import Agent, Host, Inventory
-from .remote import HostResult, Session, on_hosts, q
-from .service import HostInfo, host_python, probe, remote_root, service_kind
+from disagg.errors import AgentError, ModelError
+from disagg.fleet import service
+from disagg.fleet.inventory import Agent, Host, Inventory
+from disagg.fleet.operations import start_agent
+from disagg.fleet.service import HostInfo, host_python, probe, remote_root, service_kind
+from disagg.fleet.ssh import HostResult, Session, on_hosts, q
+from disagg.fleet.token import load_token
 
 Say = Callable[[str, str], None]  # (host, message)
 

@@ -18,8 +18,8 @@ from typing import Any, Generic, TypeVar
 
 import paramiko
 
-from .errors import AgentError, ConnectError, DisaggError
-from .inventory import Host, SshSettings
+from disagg.errors import AgentError, ConnectError, DisaggError
+from disagg.fleet.inventory import Host, SshSettings
 
 T = TypeVar("T")
 # paramiko logs failures we already turn into errors; keep it off the user's stderr.

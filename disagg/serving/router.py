@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import client
-from .errors import AgentError, AuthError, ConnectError, ModelMismatch, UsageError
+from disagg.errors import AgentError, AuthError, ConnectError, ModelMismatch, UsageError
+from disagg.serving import wireclient as client
 
 DOWN_FOR_S = 5.0  # a failed agent is skipped this long before it is probed again
 HEALTH_TTL_S = 2.0

@@ -29,9 +29,8 @@ from typing import Any
 from rich.table import Table
 
 from agents import fastblas
-
-from .errors import AgentError
-from .render import fmt
+from disagg.errors import AgentError
+from disagg.units import fmt
 
 Say = Callable[[str], None]
 
@@ -127,8 +126,8 @@ def run_core_bench(
     from mlx_lm.generate import generate_step
     from transformers import AutoModelForCausalLM
 
-    from . import client
-    from .launcher import start_local_pair
+    from disagg.serving import wireclient as client
+    from disagg.serving.localagents import start_local_pair
 
     model_dir = Path(model_dir)
     t_start = time.perf_counter()

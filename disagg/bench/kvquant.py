@@ -52,7 +52,7 @@ CODECS = {"raw": Codec.RAW, "shuffle_zstd": Codec.SHUFFLE_ZSTD}
 def prompt_ids(tokenizer: Any, prompt: int | str) -> list[int]:
     """Token ids of a chat turn: `prompt` itself, or an inventory of ~`prompt` tokens
     with a question about it (so decoding must attend over the whole prompt)."""
-    from .bench import long_text
+    from disagg.bench.core import long_text
 
     if isinstance(prompt, str):
         text = prompt

@@ -1,0 +1,193 @@
+"""One generate request: its fields, defaults and limits, defined once.
+
+The CLI, the Python API, batch files and the gateway build a `GenerateRequest`;
+it travels as the GENERATE frame's JSON (`to_wire`), and the decode agent checks
+what arrives with the same `from_dict`. Stdlib only: agents ship alone.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+# Limits, in one place. OpenAI and Ollama both take temperature up to 2.
+TEMPERATURE_MAX = 2.0
+SEED_MAX = (1 << 63) - 1
+STOP_MAX_COUNT = 32  # stop strings per request
+STOP_MAX_CHARS = 256  # characters per stop string
+MESSAGES_MAX = 4096
+ROLES = ("system", "user", "assistant", "tool", "developer")
+PLACEMENTS = ("auto", "local", "remote")
+KV_QUANTS = (None, "int8")
+CODECS = (0, 1, 2, "auto")  # raw, zstd, shuffle+zstd, or chosen per link
+
+
+class RequestError(ValueError):
+    """A request field is missing, of the wrong type, or out of range."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.field = name
+
+
+@dataclass(frozen=True)
+class PrefillTarget:
+    """Where the decode agent fetches the prompt's KV: a prefill agent's
+    data-plane addresses (fastest first) and port."""
+
+    hosts: list[str]
+    port: int
+    timeout: float | None = None
+    name: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: Any) -> PrefillTarget:
+        if not isinstance(d, Mapping):
+            raise RequestError("prefill", "prefill must be an object with hosts and port")
+        hosts = d.get("hosts") or ([d["host"]] if d.get("host") else [])
+        if not isinstance(hosts, list) or not hosts or not all(isinstance(h, str) for h in hosts):
+            raise RequestError("prefill", "prefill.hosts must be a non-empty list of addresses")
+        port = d.get("port")
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+            raise RequestError("prefill", f"prefill.port must be a TCP port, got {port!r}")
+        timeout = d.get("timeout")
+        if timeout is not None and (not _is_num(timeout) or timeout <= 0):
+            raise RequestError("prefill", f"prefill.timeout must be > 0 seconds, got {timeout!r}")
+        name = d.get("name")
+        return cls(list(hosts), port, timeout, str(name) if name is not None else None)
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"hosts": self.hosts, "host": self.hosts[0], "port": self.port}
+        if self.timeout is not None:
+            out["timeout"] = self.timeout
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """A prompt (or chat messages) and how to sample its continuation."""
+
+    prompt: str | None = None
+    messages: list[dict[str, str]] | None = None
+    system: str | None = None
+    raw: bool = False  # no chat template
+    max_tokens: int = 256  # the agent caps it by the model's context
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)  # matched by the client, on text
+    logprobs: bool = False
+    ignore_eos: bool = False
+    placement: str = "auto"  # where the prompt is prefilled: auto, local, remote
+    kv_quant: str | None = None  # "int8": lossy 8-bit KV on the wire
+    codec: int | str = 0  # KV compression, see CODECS
+    return_prompt_ids: bool = False
+    prefill: PrefillTarget | None = None
+
+    def __post_init__(self) -> None:
+        check(self)
+
+    @classmethod
+    def from_dict(cls, d: Any, *, ignore: frozenset[str] = frozenset()) -> GenerateRequest:
+        """Build from JSON-like data; unknown keys (beyond `ignore`) are refused."""
+        if not isinstance(d, Mapping):
+            raise RequestError("request", "a request must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known - ignore)
+        if unknown:
+            raise RequestError(unknown[0], f"unknown request fields: {', '.join(unknown)}")
+        args = {k: v for k, v in d.items() if k in known and v is not None}
+        if args.get("kv_quant") == "none":
+            del args["kv_quant"]
+        if isinstance(args.get("stop"), str):
+            args["stop"] = [args["stop"]]
+        if "prefill" in args:
+            args["prefill"] = PrefillTarget.from_dict(args["prefill"])
+        return cls(**args)
+
+    def to_wire(self) -> dict[str, Any]:
+        """The GENERATE frame's JSON: only what differs from the defaults."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            default = f.default_factory() if callable(f.default_factory) else f.default
+            if value != default:
+                out[f.name] = value.to_wire() if isinstance(value, PrefillTarget) else value
+        # The decode agent reads max_tokens even at its default; keep it explicit.
+        out["max_tokens"] = self.max_tokens
+        return out
+
+    def replace(self, **changes: Any) -> GenerateRequest:
+        return GenerateRequest.from_dict({**self.as_dict(), **changes})
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        if self.prefill is not None:
+            d["prefill"] = self.prefill.to_wire()
+        return d
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def check(r: GenerateRequest) -> None:
+    """Every limit of a request; the message names the field and the fix."""
+    if r.messages is not None:
+        if r.prompt is not None:
+            raise RequestError("messages", "give a prompt or messages, not both")
+        ok = isinstance(r.messages, list) and 0 < len(r.messages) <= MESSAGES_MAX
+        if not ok or not all(
+            isinstance(m, Mapping) and m.get("role") in ROLES and isinstance(m.get("content"), str)
+            for m in r.messages
+        ):
+            raise RequestError(
+                "messages",
+                f"messages must be a non-empty list of {{role, content}} objects "
+                f"(roles: {', '.join(ROLES)})",
+            )
+    elif not isinstance(r.prompt, str) or not r.prompt.strip():
+        raise RequestError("prompt", "the prompt is empty: give some text")
+    if r.system is not None and not isinstance(r.system, str):
+        raise RequestError("system", "system must be text")
+    for name in ("raw", "logprobs", "ignore_eos", "return_prompt_ids"):
+        if not isinstance(getattr(r, name), bool):
+            raise RequestError(name, f"{name} must be true or false")
+    if not _is_int(r.max_tokens) or r.max_tokens < 1:
+        raise RequestError("max_tokens", f"max_tokens must be at least 1, got {r.max_tokens!r}")
+    if not _is_num(r.temperature) or not 0 <= r.temperature <= TEMPERATURE_MAX:
+        raise RequestError(
+            "temperature",
+            f"temperature must be in [0, {TEMPERATURE_MAX:g}] (0 is greedy), got {r.temperature!r}",
+        )
+    if not _is_num(r.top_p) or not 0 < r.top_p <= 1:
+        raise RequestError("top_p", f"top_p must be in (0, 1], got {r.top_p!r}")
+    if r.seed is not None and (not _is_int(r.seed) or not 0 <= r.seed <= SEED_MAX):
+        raise RequestError("seed", f"seed must be a non-negative integer, got {r.seed!r}")
+    if not isinstance(r.stop, list) or not all(isinstance(s, str) for s in r.stop):
+        raise RequestError("stop", "stop must be a string or a list of strings")
+    if len(r.stop) > STOP_MAX_COUNT or any(len(s) > STOP_MAX_CHARS for s in r.stop):
+        raise RequestError(
+            "stop",
+            f"at most {STOP_MAX_COUNT} stop strings of at most {STOP_MAX_CHARS} characters",
+        )
+    if r.placement not in PLACEMENTS:
+        raise RequestError(
+            "placement", f"placement must be one of {', '.join(PLACEMENTS)}, got {r.placement!r}"
+        )
+    if r.kv_quant not in KV_QUANTS:
+        raise RequestError("kv_quant", f"kv_quant {r.kv_quant!r}: use int8, or leave it out")
+    if isinstance(r.codec, bool) or r.codec not in CODECS:
+        raise RequestError(
+            "codec", f"unknown codec {r.codec!r}: 0 raw, 1 zstd, 2 shuffle+zstd, or auto"
+        )
+    if r.prefill is not None and not isinstance(r.prefill, PrefillTarget):
+        raise RequestError("prefill", "prefill must be a PrefillTarget")

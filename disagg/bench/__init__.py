@@ -1,0 +1,1 @@
+"""Benchmarks: shared setup in common, one module per section."""

@@ -1,0 +1,3 @@
+from disagg.cli import main
+
+main()

@@ -1,0 +1,88 @@
+"""What every `disagg` command shares: the typer app, the consoles, the error
+wrapper and the option types. Command modules add their commands to `app`."""
+
+from __future__ import annotations
+
+import functools
+import traceback
+from collections.abc import Callable
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from disagg.errors import DisaggError, UsageError
+
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    help="Disaggregated LLM inference: torch prefill, MLX decode, KV over raw TCP.",
+)
+out = Console()
+err = Console(stderr=True)
+STATE = {"debug": False}
+
+
+@app.callback()
+def _root(debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False) -> None:
+    STATE["debug"] = debug
+
+
+def friendly(fn: Callable[..., None]) -> Callable[..., None]:
+    """Turn a DisaggError into one red line and exit 1; tracebacks only with --debug."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        try:
+            fn(*args, **kwargs)
+        except DisaggError as e:
+            if STATE["debug"]:
+                traceback.print_exc()
+            err.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+        except KeyboardInterrupt:
+            err.print("[red]interrupted[/]")
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+def say(msg: str) -> None:
+    err.print(f"[dim]{msg}[/]")
+
+
+Model = Annotated[
+    str | None,
+    typer.Option("--model", "-m", help="Local HF model dir (default: embedded SmolLM2)."),
+]
+Models = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--model",
+        "-m",
+        help="Model: a local dir with --local, else a pipeline's "
+        "model name; repeat to run several at once.",
+    ),
+]
+Inventory = Annotated[
+    str | None,
+    typer.Option(
+        "--inventory",
+        "-i",
+        envvar="DISAGG_INVENTORY",
+        help="Inventory file (default: ./inventory.toml).",
+    ),
+]
+Local = Annotated[bool, typer.Option("--local", help="Run the agents on this machine.")]
+Json = Annotated[
+    bool, typer.Option("--json", help="Print one JSON object on stdout, nothing else.")
+]
+Dtype = Annotated[str, typer.Option("--dtype", help="auto, float32, float16 or bfloat16.")]
+
+
+def need_local(local: bool) -> None:
+    if not local:
+        raise UsageError(
+            "only --local runs are available for this command: add --local to run the agents here"
+        )

@@ -1,0 +1,147 @@
+"""The fleet commands: deploy, start, stop, restart, status, logs.
+
+Each command parses, calls the library (disagg.fleet) and renders
+(render_fleet). Exit 1 if any host failed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Annotated, Any
+
+import typer
+
+from disagg.cli.common import Inventory, Json, app, err, friendly, out
+
+HostsArg = Annotated[
+    list[str] | None,
+    typer.Argument(help="Inventory host names (default: all).", show_default=False),
+]
+
+
+def _say_host(host: str, msg: str) -> None:
+    err.print(f"[dim]{host}: {msg}[/]", highlight=False)
+
+
+def _fail_if_any(results: list[Any]) -> None:
+    if any(not r.ok for r in results):
+        raise typer.Exit(1)
+
+
+@app.command()
+@friendly
+def deploy(
+    hosts: HostsArg = None,
+    inventory: Inventory = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Show what would change; change nothing.")
+    ] = False,
+    as_json: Json = False,
+) -> None:
+    """Upload the agents to the hosts and install them as services."""
+    from disagg.cli.render_fleet import deploy_table
+    from disagg.fleet import deploy as d
+    from disagg.fleet.inventory import load
+
+    inv = load(inventory)
+    results = d.deploy(inv, hosts, dry_run=dry_run, say=_say_host)
+    if as_json:
+        print(json.dumps([_plain(r) for r in results]))
+    else:
+        out.print(deploy_table(results, dry_run))
+    _fail_if_any(results)
+
+
+def _lifecycle(op: str, hosts: list[str] | None, inventory: str | None) -> None:
+    from disagg.cli.render_fleet import actions_table
+    from disagg.fleet import operations as fleet
+    from disagg.fleet.inventory import load
+
+    inv = load(inventory)
+    results = getattr(fleet, op)(inv, hosts, say=_say_host)
+    out.print(actions_table(results, op))
+    _fail_if_any(results)
+
+
+@app.command()
+@friendly
+def start(hosts: HostsArg = None, inventory: Inventory = None) -> None:
+    """Start the deployed agents; waits until each is ready."""
+    _lifecycle("start", hosts, inventory)
+
+
+@app.command()
+@friendly
+def stop(hosts: HostsArg = None, inventory: Inventory = None) -> None:
+    """Stop the agents."""
+    _lifecycle("stop", hosts, inventory)
+
+
+@app.command()
+@friendly
+def restart(hosts: HostsArg = None, inventory: Inventory = None) -> None:
+    """Stop and start the agents."""
+    _lifecycle("restart", hosts, inventory)
+
+
+@app.command()
+@friendly
+def status(
+    hosts: HostsArg = None,
+    inventory: Inventory = None,
+    as_json: Json = False,
+    watch: Annotated[bool, typer.Option("--watch", "-w", help="Refresh until Ctrl-C.")] = False,
+    interval: Annotated[float, typer.Option("--interval", help="Seconds between polls.")] = 2.0,
+) -> None:
+    """Health of every agent: a table, or --json. Exit 1 if any is not healthy."""
+    from disagg.cli.render_fleet import status_json, status_table
+    from disagg.fleet import operations as fleet
+    from disagg.fleet.inventory import load
+
+    inv = load(inventory)
+    if watch and not as_json:
+        from rich.live import Live
+
+        with Live(status_table(fleet.status(inv, hosts)), console=out) as live:
+            while True:
+                time.sleep(interval)
+                live.update(status_table(fleet.status(inv, hosts)))
+    rows = fleet.status(inv, hosts)
+    if as_json:
+        print(json.dumps(status_json(rows)))
+    else:
+        out.print(status_table(rows))
+    if any(not r.ok for r in rows):
+        raise typer.Exit(1)
+
+
+@app.command()
+@friendly
+def logs(
+    hosts: HostsArg = None,
+    inventory: Inventory = None,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Follow new lines.")] = False,
+    lines: Annotated[int, typer.Option("-n", "--lines", help="Lines per agent.")] = 50,
+) -> None:
+    """The agents' logs, each line prefixed by host/role, hosts interleaved."""
+    from disagg.cli.render_fleet import log_line
+    from disagg.fleet import operations as fleet
+    from disagg.fleet.inventory import load
+
+    inv = load(inventory)
+    chosen = inv.select(hosts)
+    width = max((len(f"{h.name}/prefill") for h in chosen), default=10)
+    failed = False
+    for line in fleet.logs(inv, hosts, n=lines, follow=follow):
+        failed |= line.error
+        out.print(log_line(line, width), soft_wrap=True, highlight=False)
+    if failed:
+        raise typer.Exit(1)
+
+
+def _plain(result: Any) -> dict[str, Any]:
+    import dataclasses
+
+    value = dataclasses.asdict(result.value) if result.value is not None else None
+    return {"host": result.host, "ok": result.ok, "error": result.error, "result": value}

@@ -1,0 +1,1 @@
+"""The fleet: inventory, SSH, services, deploy, start/stop/status/logs, routing."""

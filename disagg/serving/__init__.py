@@ -1,0 +1,1 @@
+"""Serving: the Python client, routing, batches, the HTTP gateway, local agents."""
