@@ -20,7 +20,7 @@ from disagg.errors import DisaggError, UsageError
 from disagg.serving.defaultmodel import Say, resolve_model
 from disagg.serving.localagents import AgentProc, make_token_file, start_local_agents
 from disagg.serving.request import build_request
-from disagg.serving.router import Endpoint, Pipeline, Router, StopGeneration
+from disagg.serving.router import Endpoint, Route, Router, StopGeneration
 
 
 @dataclass
@@ -71,9 +71,8 @@ class Client:
 
     def __init__(self, inventory: str | Path | None = None, *, router: Router | None = None):
         if router is None:
-            from disagg.fleet.operations import (
-                router_from_inventory,  # only fleet users need SSH bits
-            )
+            # Lazy: only fleet users need the inventory and SSH code.
+            from disagg.fleet.routing import router_from_inventory
 
             router = router_from_inventory(inventory)
         self.router = router
@@ -109,7 +108,7 @@ class Client:
                 )
                 agents += [prefill, *decodes]
                 pipelines.append(
-                    Pipeline(
+                    Route(
                         name,
                         [Endpoint(prefill.name, prefill.host, prefill.port, prefill.control_port)],
                         [Endpoint(d.name, d.host, d.port, d.control_port) for d in decodes],

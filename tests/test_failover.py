@@ -17,7 +17,7 @@ import pytest
 from disagg.errors import AgentError
 from disagg.serving import wireclient as client
 from disagg.serving.localagents import AgentProc, spawn_agent, start_local_agents, wait_ready
-from disagg.serving.router import Endpoint, Pipeline, Router
+from disagg.serving.router import Endpoint, Route, Router
 from tests.tinymodels import PROMPT, make_tiny
 
 pytestmark = pytest.mark.slow
@@ -124,7 +124,7 @@ def test_decode_killed_alone_is_a_clear_error_within_the_timeout(
 ) -> None:
     prefill, (decode, _) = decoders
     router = Router(
-        [Pipeline("tiny", [endpoint(prefill)], [endpoint(decode)], decode_timeout_s=30)],
+        [Route("tiny", [endpoint(prefill)], [endpoint(decode)], decode_timeout_s=30)],
         token=prefill.token,
     )
     box: dict[str, Any] = {}
@@ -153,7 +153,7 @@ def test_decode_killed_with_a_sibling_is_rerouted_and_completes(
 ) -> None:
     prefill, decodes = decoders
     router = Router(
-        [Pipeline("tiny", [endpoint(prefill)], [endpoint(d) for d in decodes])], token=prefill.token
+        [Route("tiny", [endpoint(prefill)], [endpoint(d) for d in decodes])], token=prefill.token
     )
     req = {**LONG_DECODE, "max_tokens": 1500}
     undisturbed = router.run("tiny", req)

@@ -71,7 +71,11 @@ def test_rich_only_in_cli_and_bench() -> None:
     ],
 )
 def test_the_rule_reader_sees_imports(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, forbidden: str, expected: list[str]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    source: str,
+    forbidden: str,
+    expected: list[str],
 ) -> None:
     # The checker itself must catch an import anywhere in a file, or the rules prove nothing.
     (tmp_path / "pkg").mkdir()

@@ -324,10 +324,3 @@ def logs(
         stream.append((key, item))
     for _key, line in heapq.merge(*streams.values(), key=lambda kv: kv[0]):
         yield line
-
-
-def router_from_inventory(inventory: Any = None) -> Any:
-    """See route.router_from_inventory (here too because the Python API imports it here)."""
-    from disagg.fleet.routing import router_from_inventory as build
-
-    return build(inventory)

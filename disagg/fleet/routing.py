@@ -13,7 +13,7 @@ from disagg.errors import ConnectError
 from disagg.fleet.inventory import Host, Inventory, load
 from disagg.fleet.token import load_token
 from disagg.serving import wireclient as client
-from disagg.serving.router import Endpoint, Pipeline, Router
+from disagg.serving.router import Endpoint, Route, Router
 
 PROBE_TIMEOUT_S = 1.0
 
@@ -93,7 +93,7 @@ def router_from_inventory(inventory: str | Path | Inventory | None = None) -> Ro
         prefill = [_endpoint(inv.hosts[h], "prefill") for h in p.prefill]
         decode = [_endpoint(inv.hosts[h], "decode") for h in p.decode]
         for name in (p.name, *p.aliases):
-            pipelines.append(Pipeline(name, prefill, decode, p.prefill_timeout, p.decode_timeout))
+            pipelines.append(Route(name, prefill, decode, p.prefill_timeout, p.decode_timeout))
     return Router(pipelines, token=load_token(inv.path))
 
 

@@ -34,7 +34,10 @@ class Endpoint:
 
 
 @dataclass
-class Pipeline:
+class Route:
+    """A model's agents as the router sees them (built from an inventory pipeline,
+    or from local agents): where to send its requests, and how long to wait."""
+
     name: str
     prefill: list[Endpoint]
     decode: list[Endpoint]
@@ -47,7 +50,7 @@ class StopGeneration(Exception):
 
 
 class Router:
-    def __init__(self, pipelines: Iterable[Pipeline], token: bytes | None = None) -> None:
+    def __init__(self, pipelines: Iterable[Route], token: bytes | None = None) -> None:
         self.pipelines = {p.name: p for p in pipelines}
         self.token = token  # the cluster token the agents check
         self.lock = threading.Lock()
@@ -58,7 +61,7 @@ class Router:
     def models(self) -> list[str]:
         return list(self.pipelines)
 
-    def pipeline(self, model: str | None) -> Pipeline:
+    def pipeline(self, model: str | None) -> Route:
         if model is None and len(self.pipelines) == 1:
             return next(iter(self.pipelines.values()))
         if model is None:
@@ -100,7 +103,7 @@ class Router:
             busy = dict(self.busy)
         return sorted(endpoints, key=lambda ep: (not self._healthy(ep), busy.get(ep.name, 0)))
 
-    def prefill_target(self, pipe: Pipeline) -> dict[str, Any] | None:
+    def prefill_target(self, pipe: Route) -> dict[str, Any] | None:
         for ep in self.order(pipe.prefill):
             return {
                 "hosts": ep.hosts or [ep.host],

@@ -42,10 +42,10 @@ import pytest
 
 from agents import protocol as P
 from agents.server import HANDSHAKE_TIMEOUT_S
-from disagg.serving import wireclient as wire
 from disagg.api import Client, Completion
 from disagg.errors import DisaggError, UsageError
 from disagg.fleet.routing import router_from_inventory
+from disagg.serving import wireclient as wire
 from disagg.serving.batch import run_batch
 from disagg.serving.request import build_request
 from tests.testbed.bed import BY_NAME, SWITCH, TestBed, in_ns, sh
