@@ -21,6 +21,7 @@ from disagg.serving.defaultmodel import Say, resolve_model
 from disagg.serving.localagents import AgentProc, make_token_file, start_local_agents
 from disagg.serving.request import build_request
 from disagg.serving.router import Endpoint, Route, Router, StopGeneration
+from disagg.serving.stops import StopMatcher
 
 
 @dataclass
@@ -37,33 +38,6 @@ class Chunk:
     text: str
     done: bool = False
     completion: Completion | None = None
-
-
-class StopMatcher:
-    """Holds back text that could still become a stop sequence."""
-
-    def __init__(self, stop: list[str]) -> None:
-        self.stop = [s for s in stop if s]
-        self.text = ""
-        self.sent = 0
-        self.hit = False
-
-    def feed(self, piece: str) -> str:
-        self.text += piece
-        for s in self.stop:
-            at = self.text.find(s)
-            if at >= 0:
-                self.text, self.hit = self.text[:at], True
-                return self._emit(len(self.text))
-        hold = max((len(s) - 1 for s in self.stop), default=0)
-        return self._emit(max(self.sent, len(self.text) - hold))
-
-    def flush(self) -> str:
-        return self._emit(len(self.text))
-
-    def _emit(self, upto: int) -> str:
-        out, self.sent = self.text[self.sent : upto], max(self.sent, upto)
-        return out
 
 
 class Client:

@@ -4,13 +4,16 @@ agents as processes on 127.0.0.1, shared across a test module."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from disagg.serving import wireclient as client
 from disagg.serving.defaultmodel import ensure_default_model
 from disagg.serving.localagents import AgentProc, start_local_pair
+from tests.tinymodels import make_tiny
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -22,10 +25,64 @@ def default_model() -> Path:
 
 
 @pytest.fixture(scope="module")
-def smol_agents(
-    default_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[AgentProc, AgentProc]]:
-    pair = start_local_pair(default_model, log_dir=tmp_path_factory.mktemp("agent-logs"))
-    yield pair
-    for agent in reversed(pair):
-        agent.stop()
+def smol_agents(default_model: Path, agent_pair: PairFactory) -> tuple[AgentProc, AgentProc]:
+    return agent_pair(default_model)
+
+
+def ask(
+    decode: AgentProc, req: dict[str, Any], *, prefill: AgentProc | None = None, **kw: Any
+) -> client.Result:
+    """One request to a live decode agent with its token; prefilled by `prefill`
+    when given. `kw` goes to the wire client (on_text, on_token, timeout_s...)."""
+    if prefill is not None:
+        req = {**req, "prefill": {"host": prefill.host, "port": prefill.port}}
+    return client.generate(decode.host, decode.port, req, token=decode.token, **kw)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`tiny_model("gpt_oss", seed=8, sliding_window=8)`: that tiny seeded random
+    checkpoint, made once per session for the same arguments."""
+    root = tmp_path_factory.mktemp("tiny")
+    made: dict[str, Path] = {}
+
+    def make(arch: str, seed: int = 0, **config: Any) -> Path:
+        key = f"{arch}-{seed}-" + "-".join(f"{k}={config[k]}" for k in sorted(config))
+        if key not in made:
+            made[key] = make_tiny(arch, root / f"m{len(made)}", seed=seed, **config)
+        return made[key]
+
+    return make
+
+
+PairFactory = Callable[..., tuple[AgentProc, AgentProc]]
+
+
+@pytest.fixture(scope="module")
+def agent_pair(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model: Callable[..., Path]
+) -> Iterator[PairFactory]:
+    """Start prefill + decode agent pairs; all stopped when the module ends.
+
+    `agent_pair(path)` serves a model dir; `agent_pair("gpt_oss", seed=8,
+    config={"sliding_window": 8})` serves that tiny checkpoint. Other keywords go
+    to start_local_pair (dtype, token_file, prefill_args, decode_args).
+    """
+    root = tmp_path_factory.mktemp("pairs")
+    started: list[tuple[AgentProc, AgentProc]] = []
+
+    def start(
+        model: str | Path, *, seed: int = 0, config: dict[str, Any] | None = None, **kw: Any
+    ) -> tuple[AgentProc, AgentProc]:
+        path = model if isinstance(model, Path) else tiny_model(model, seed, **(config or {}))
+        kw.setdefault("log_dir", root / f"logs-{len(started)}")
+        pair = start_local_pair(path, **kw)
+        started.append(pair)
+        return pair
+
+    try:
+        yield start
+    finally:
+        for pair in reversed(started):
+            for agent in reversed(pair):
+                agent.stop()

@@ -3,16 +3,16 @@ sliding-window architectures, and what happens when two agents disagree."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from disagg.errors import ModelMismatch
-from disagg.serving import wireclient as client
-from disagg.serving.localagents import AgentProc, make_token_file, start_local_pair
-from tests.tinymodels import PROMPT, make_tiny
+from disagg.serving.localagents import AgentProc, make_token_file
+from tests.conftest import PairFactory, ask
+from tests.tinymodels import PROMPT
 
 from .references import hf_greedy, mlx_greedy
 
@@ -25,21 +25,17 @@ WINDOW = 8
 @pytest.fixture(scope="module")
 def tiny(
     tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[dict[str, tuple[Path, AgentProc, AgentProc]]]:
-    root = tmp_path_factory.mktemp("tiny-agents")
+    tiny_model: Callable[..., Path],
+    agent_pair: PairFactory,
+) -> dict[str, tuple[Path, AgentProc, AgentProc]]:
+    # One cluster token: the mismatch test crosses pairs.
+    token_file, _ = make_token_file(tmp_path_factory.mktemp("cluster"))
     out: dict[str, tuple[Path, AgentProc, AgentProc]] = {}
-    token_file, _ = make_token_file(root)  # one cluster: the mismatch test crosses pairs
-    try:
-        for arch in ("gpt_oss", "qwen3_moe"):
-            extra = {"sliding_window": WINDOW} if arch == "gpt_oss" else {}
-            path = make_tiny(arch, root / arch, seed=1, **extra)
-            pair = start_local_pair(path, log_dir=root / f"logs-{arch}", token_file=token_file)
-            out[arch] = (path, *pair)
-        yield out
-    finally:
-        for _, prefill, decode in out.values():
-            decode.stop()
-            prefill.stop()
+    for arch in ("gpt_oss", "qwen3_moe"):
+        extra = {"sliding_window": WINDOW} if arch == "gpt_oss" else {}
+        path = tiny_model(arch, seed=1, **extra)
+        out[arch] = (path, *agent_pair(path, token_file=token_file))
+    return out
 
 
 def long_prompt() -> str:
@@ -65,7 +61,7 @@ def test_tiny_agents_match_both_monolithic_references(
         "placement": "remote",
         "prefill": {"host": prefill.host, "port": prefill.port},
     }
-    res = client.generate(decode.host, decode.port, req, token=decode.token)
+    res = ask(decode, req)
     ids = res.prompt_ids or []
     assert res.metrics["method"] == "disaggregated" and res.metrics["kv_bytes"] > 0
     if arch == "gpt_oss":
@@ -89,9 +85,7 @@ def test_mismatched_models_fail_naming_both(
         "prefill": {"host": moe_prefill.host, "port": moe_prefill.port},
     }
     with pytest.raises(ModelMismatch) as info:
-        client.generate(
-            gpt_decode.host, gpt_decode.port, req, on_text=texts.append, token=gpt_decode.token
-        )
+        ask(gpt_decode, req, on_text=texts.append)
     message = str(info.value)
     assert str(gpt_dir) in message and str(moe_dir) in message
     assert "architecture qwen3_moe vs gpt_oss" in message
@@ -99,12 +93,7 @@ def test_mismatched_models_fail_naming_both(
     # Both agents keep serving their own pipelines.
     for arch in ("gpt_oss", "qwen3_moe"):
         _, prefill, decode = tiny[arch]
-        ok = client.generate(
-            decode.host,
-            decode.port,
-            {**req, "prefill": {"host": prefill.host, "port": prefill.port}},
-            token=decode.token,
-        )
+        ok = ask(decode, {**req, "prefill": {"host": prefill.host, "port": prefill.port}})
         assert ok.metrics["method"] == "disaggregated" and ok.metrics["completion_tokens"] > 0
 
 
@@ -136,7 +125,7 @@ def test_concurrent_requests_decode_in_one_batch_and_match_mlx_alone(
             "placement": "remote" if i % 2 == 0 else "local",
             "prefill": {"host": prefill.host, "port": prefill.port},
         }
-        return client.generate(decode.host, decode.port, req, token=decode.token)
+        return ask(decode, req)
 
     steps_before = json.loads(decode.control("/status"))["decode_steps"]
     with ThreadPoolExecutor(6) as pool:

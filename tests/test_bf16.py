@@ -3,15 +3,14 @@ bf16 KV torch computed; so its tokens equal mlx continuing from that KV."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from agents.kvcodec import DType, LayerKV, decode_layer, encode_layer
-from disagg.serving import wireclient as client
-from disagg.serving.localagents import AgentProc, start_local_pair
+from disagg.serving.localagents import AgentProc
+from tests.conftest import PairFactory, ask
 
 from .references import mlx_greedy
 
@@ -21,15 +20,8 @@ N_NEW = 24
 
 
 @pytest.fixture(scope="module")
-def bf16_agents(
-    default_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[AgentProc, AgentProc]]:
-    pair = start_local_pair(
-        default_model, dtype="bfloat16", log_dir=tmp_path_factory.mktemp("bf16")
-    )
-    yield pair
-    for agent in reversed(pair):
-        agent.stop()
+def bf16_agents(default_model: Path, agent_pair: PairFactory) -> tuple[AgentProc, AgentProc]:
+    return agent_pair(default_model, dtype="bfloat16")
 
 
 def test_bf16_run_equals_mlx_continued_from_the_same_kv(
@@ -50,7 +42,7 @@ def test_bf16_run_equals_mlx_continued_from_the_same_kv(
         "placement": "remote",
         "prefill": {"host": prefill.host, "port": prefill.port},
     }
-    res = client.generate(decode.host, decode.port, req, token=decode.token)
+    res = ask(decode, req)
     assert res.metrics["method"] == "disaggregated"
     ids = res.prompt_ids or []
     # bf16 on the wire: 2 bytes per element, 30 layers x K and V x 3 heads x 64 dims.

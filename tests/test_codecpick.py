@@ -19,6 +19,7 @@ from agents.codecpick import (
     stream_rate,
 )
 from agents.kvcodec import Codec
+from tests.conftest import ask
 
 GB = 1e9
 # Roughly what this machine measures on SmolLM2 KV: shuffle+zstd wins on size.
@@ -171,7 +172,7 @@ def test_auto_codec_through_real_agents(smol_agents: Any) -> None:
     }
 
     def run(**kw: Any) -> client.Result:
-        return client.generate(decode.host, decode.port, {**base, **kw}, token=decode.token)
+        return ask(decode, {**base, **kw})
 
     raw = run()
     assert raw.metrics["codec"] == int(Codec.RAW) and "codec_probe" not in raw.metrics

@@ -11,6 +11,7 @@ import pytest
 from disagg.errors import UsageError
 from disagg.serving import wireclient as client
 from disagg.serving.localagents import AgentProc
+from tests.conftest import ask
 
 from .references import hf_greedy, mlx_greedy
 
@@ -56,7 +57,7 @@ def run(
     }
     if remote:
         req["prefill"] = {"host": prefill.host, "port": prefill.port}
-    return client.generate(decode.host, decode.port, req, token=decode.token)
+    return ask(decode, req)
 
 
 @pytest.fixture(scope="module")
@@ -128,12 +129,10 @@ def test_bad_requests_leave_the_agent_healthy(
     prefill, decode = smol_agents
     seen: list[str] = []
     with pytest.raises(UsageError, match=message):
-        client.generate(
-            decode.host,
-            decode.port,
+        ask(
+            decode,
             {**request_, "prefill": {"host": prefill.host, "port": prefill.port}},
             on_text=seen.append,
-            token=decode.token,
         )
     assert seen == []
     ok = run(smol_agents, "What is the capital of France?", max_tokens=8, ignore_eos=False)
@@ -148,7 +147,7 @@ def test_prefill_agent_down_falls_back_locally(smol_agents: tuple[AgentProc, Age
         "max_tokens": 8,
         "prefill": {"host": "127.0.0.1", "port": 1},
     }
-    res = client.generate(decode.host, decode.port, req, token=decode.token)
+    res = ask(decode, req)
     assert res.metrics["method"] == "local-fallback"
     assert "cannot reach prefill agent" in res.metrics["fallback_reason"]
     assert "Paris" in res.text
@@ -167,7 +166,7 @@ def test_auto_placement_follows_its_own_estimates(
         "max_tokens": 4,
         "prefill": {"host": prefill.host, "port": prefill.port},
     }
-    m = client.generate(decode.host, decode.port, req, token=decode.token).metrics
+    m = ask(decode, req).metrics
     found = re.search(
         r"est\. remote ([\d.]+) ms .* vs local ([\d.]+) ms \(local prefill", m["placement_reason"]
     )

@@ -8,17 +8,17 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from disagg.errors import AgentError
-from disagg.serving import wireclient as client
-from disagg.serving.localagents import AgentProc, spawn_agent, start_local_agents, wait_ready
+from disagg.serving.localagents import AgentProc, start_local_agents
 from disagg.serving.router import Endpoint, Route, Router
-from tests.tinymodels import PROMPT, make_tiny
+from tests.conftest import PairFactory, ask
+from tests.tinymodels import PROMPT
 
 pytestmark = pytest.mark.slow
 
@@ -26,8 +26,8 @@ LAYER_DELAY_S = 0.5  # stretches the tiny model's 4-layer KV stream to ~1.5 s
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny("gpt_oss", tmp_path_factory.mktemp("failover") / "gpt_oss", seed=2)
+def tiny_dir(tiny_model: Callable[..., Path]) -> Path:
+    return tiny_model("gpt_oss", seed=2)
 
 
 def in_flight(agent: AgentProc) -> int:
@@ -49,23 +49,8 @@ def endpoint(a: AgentProc) -> Endpoint:
 
 
 @pytest.fixture
-def slow_prefill_pair(tiny_dir: Path, tmp_path: Path) -> Iterator[tuple[AgentProc, AgentProc]]:
-    spawned = spawn_agent(
-        "prefill",
-        tiny_dir,
-        log_dir=tmp_path,
-        name="prefill@127.0.0.1",
-        extra_args=["--fault-layer-delay", str(LAYER_DELAY_S)],
-    )
-    prefill = wait_ready("prefill", *spawned, timeout_s=120)
-    decode = wait_ready(
-        "decode",
-        *spawn_agent("decode", tiny_dir, log_dir=tmp_path, name="decode@127.0.0.1"),
-        timeout_s=120,
-    )
-    yield prefill, decode
-    decode.stop()
-    prefill.stop()
+def slow_prefill_pair(tiny_dir: Path, agent_pair: PairFactory) -> tuple[AgentProc, AgentProc]:
+    return agent_pair(tiny_dir, prefill_args=["--fault-layer-delay", str(LAYER_DELAY_S)])
 
 
 def test_prefill_killed_mid_kv_stream_falls_back_with_the_same_text(
@@ -80,15 +65,11 @@ def test_prefill_killed_mid_kv_stream_falls_back_with_the_same_text(
         "placement": "remote",
         "prefill": {"host": prefill.host, "port": prefill.port},
     }
-    undisturbed = client.generate(decode.host, decode.port, req, token=decode.token)
+    undisturbed = ask(decode, req)
     assert undisturbed.metrics["method"] == "disaggregated"
 
     box: dict[str, Any] = {}
-    worker = threading.Thread(
-        target=lambda: box.update(
-            r=client.generate(decode.host, decode.port, req, timeout_s=60, token=decode.token)
-        )
-    )
+    worker = threading.Thread(target=lambda: box.update(r=ask(decode, req, timeout_s=60)))
     t0 = time.monotonic()
     worker.start()
     wait_busy([prefill])

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from agents.placement import Placement
-from disagg.serving import wireclient as client
 from disagg.serving.localagents import start_local_pair
+from tests.conftest import ask
 from tests.tinymodels import make_tiny
 
 FETCH = {
@@ -51,19 +51,17 @@ def test_agents_choose_from_their_own_measurements(tmp_path: Path) -> None:
     try:
         target = {"host": prefill.host, "port": prefill.port}
         base = {"prompt": "hello there", "raw": True, "max_tokens": 4, "prefill": target}
-        first = client.generate(decode.host, decode.port, base, token=decode.token).metrics
+        first = ask(decode, base).metrics
         assert first["method"] == "disaggregated"
         assert first["placement_reason"] == "no measurement of the prefill agent yet"
-        forced = client.generate(
-            decode.host, decode.port, {**base, "placement": "local"}, token=decode.token
-        ).metrics
+        forced = ask(decode, {**base, "placement": "local"}).metrics
         assert forced["method"] == "local" and forced["kv_bytes"] == 0
         # Both sides are measured now. On a tiny model the two estimates are a few ms
         # apart and which wins depends on this machine's load; what must hold is that
         # the agent chose by its own estimates, and did what it chose.
         pattern = r"est\. remote ([\d.]+) ms .* vs local ([\d.]+) ms"
         for _ in range(3):
-            auto = client.generate(decode.host, decode.port, base, token=decode.token).metrics
+            auto = ask(decode, base).metrics
             found = re.search(pattern, auto["placement_reason"])
             assert found, auto["placement_reason"]
             remote_ms, local_ms = float(found[1]), float(found[2])

@@ -15,6 +15,7 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from disagg.errors import AgentError, ModelError
 
@@ -167,10 +168,13 @@ def start_local_agents(
     log_dir: Path | None = None,
     timeout_s: float = 300.0,
     token_file: Path | None = None,
+    prefill_args: Sequence[str] = (),
+    decode_args: Sequence[str] = (),
 ) -> tuple[AgentProc, list[AgentProc]]:
     """Start one prefill and `n_decode` decode agents on 127.0.0.1, all loading at once.
 
-    They share `token_file` (one cluster), or a fresh token of their own.
+    They share `token_file` (one cluster), or a fresh token of their own;
+    `prefill_args` / `decode_args` are extra command-line flags per role.
     """
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="disagg-logs-"))
     if token_file is None:
@@ -187,7 +191,7 @@ def start_local_agents(
             dtype=dtype,
             name=name,
             log_dir=log_dir / name.split("@")[0],
-            extra_args=["--token-file", str(token_file)],
+            extra_args=["--token-file", str(token_file), *(decode_args if i else prefill_args)],
         )
         for i, name in enumerate(names)
     ]
@@ -207,16 +211,8 @@ def start_local_agents(
     return ready[0], ready[1:]
 
 
-def start_local_pair(
-    model_dir: Path,
-    *,
-    dtype: str = "auto",
-    log_dir: Path | None = None,
-    timeout_s: float = 300.0,
-    token_file: Path | None = None,
-) -> tuple[AgentProc, AgentProc]:
-    """Start a prefill and a decode agent on 127.0.0.1; both load at the same time."""
-    prefill, decodes = start_local_agents(
-        model_dir, dtype=dtype, log_dir=log_dir, timeout_s=timeout_s, token_file=token_file
-    )
+def start_local_pair(model_dir: Path, **kw: Any) -> tuple[AgentProc, AgentProc]:
+    """Start a prefill and a decode agent on 127.0.0.1; both load at the same time.
+    Keywords as for start_local_agents."""
+    prefill, decodes = start_local_agents(model_dir, n_decode=1, **kw)
     return prefill, decodes[0]
