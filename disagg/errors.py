@@ -6,7 +6,11 @@ class DisaggError(Exception):
 
 
 class UsageError(DisaggError):
-    """Bad arguments or request parameters."""
+    """Bad arguments or request parameters; `param` names the request field, if one."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ModelError(DisaggError):

@@ -10,6 +10,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from disagg.errors import DisaggError, UsageError
 
@@ -22,6 +23,8 @@ app = typer.Typer(
 out = Console()
 err = Console(stderr=True)
 STATE = {"debug": False}
+# The options' names for request fields, so an error names what the user typed.
+FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p"}
 
 
 @app.callback()
@@ -39,7 +42,10 @@ def friendly(fn: Callable[..., None]) -> Callable[..., None]:
         except DisaggError as e:
             if STATE["debug"]:
                 traceback.print_exc()
-            err.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
+            flag = FLAGS.get(e.param or "") if isinstance(e, UsageError) else None
+            line = f"{e} ({flag})" if flag else str(e)
+            # A Text, not markup: messages quote user input that may hold [brackets].
+            err.print(Text.assemble(("error: ", "red"), line), highlight=False, soft_wrap=True)
             raise typer.Exit(1) from None
         except KeyboardInterrupt:
             err.print("[red]interrupted[/]")

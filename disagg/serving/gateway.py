@@ -83,7 +83,7 @@ class OpenAIError(Exception):
 
 def _from_disagg(e: DisaggError) -> OpenAIError:
     if isinstance(e, UsageError):
-        return OpenAIError(400, str(e), "invalid_request_error")
+        return OpenAIError(400, str(e), "invalid_request_error", e.param)
     if isinstance(e, ModelMismatch):
         return OpenAIError(502, str(e), "server_error", code="model_mismatch")
     if isinstance(e, AgentError):
@@ -138,7 +138,8 @@ def create_app(client: Client) -> FastAPI:
 
     async def run(req: _Common, kind: str, **inputs: Any) -> Any:
         check_model(req.model)
-        max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or 256
+        asked = [getattr(req, "max_completion_tokens", None), req.max_tokens]
+        max_tokens = next((n for n in asked if n is not None), 256)
         args = dict(
             model=req.model,
             max_tokens=max_tokens,

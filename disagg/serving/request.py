@@ -9,9 +9,6 @@ from agents.request import GenerateRequest, RequestError
 from disagg.errors import UsageError
 from disagg.serving.localagents import AgentProc
 
-# The CLI's names for request fields, so an error names what the user typed.
-FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p"}
-
 
 def build_request(
     prompt: str | None = None, *, prefill_agent: AgentProc | None = None, **fields: Any
@@ -23,5 +20,4 @@ def build_request(
     try:
         return GenerateRequest.from_dict({"prompt": prompt, **fields}).to_wire()
     except RequestError as e:
-        flag = FLAGS.get(e.field)
-        raise UsageError(f"{e} ({flag})" if flag else str(e)) from None
+        raise UsageError(str(e), param=e.field) from None
