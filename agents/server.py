@@ -296,6 +296,7 @@ class Reaper:
 
 class ControlServer(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = 128  # as FrameServer: a burst must not wait on SYN retries
 
     def __init__(self, address: tuple[str, int], handler: Any, deadline_s: float) -> None:
         super().__init__(address, handler)
