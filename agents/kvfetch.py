@@ -167,7 +167,7 @@ def fetch_kv(
         raise PrefillUnavailable(f"prefill stream from {addr} failed: {why}") from e
     except P.AuthError as e:
         # Not a fault to paper over with a local prefill: the cluster is misconfigured.
-        raise P.RemoteError("unauthorized", f"prefill agent {addr} refused us: {e}") from e
+        raise P.RemoteError("unauthorized", f"cannot use prefill agent {addr}: {e}") from e
     except P.RemoteError as e:
         if e.code == "model_mismatch":
             raise  # the user must see this; prefilling locally would hide it

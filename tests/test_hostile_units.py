@@ -297,6 +297,7 @@ def test_http_tricklers_are_cut_and_connections_capped(control: tuple[str, int])
     host, port = control
     t0 = time.monotonic()
     s = socket.create_connection((host, port), timeout=5)
+    s.settimeout(None)  # else Python waits for data before a MSG_DONTWAIT recv
     s.sendall(b"GET /sta")
     for _ in range(30):  # a byte every 0.1 s: the per-read timeout alone never fires
         time.sleep(0.1)
