@@ -22,9 +22,9 @@ import zstandard
 from agents import httpauth
 from agents import kvcodec as K
 from agents import protocol as P
-from disagg import client
 from disagg.errors import ModelError
-from disagg.launcher import AgentProc, make_token_file, spawn_agent, wait_ready
+from disagg.serving import wireclient as client
+from disagg.serving.localagents import AgentProc, make_token_file, spawn_agent, wait_ready
 from tests.test_auth import Recorder
 from tests.tinymodels import PROMPT, make_tiny
 
