@@ -333,6 +333,7 @@ def fingerprint_mismatch(ours: dict[str, Any], theirs: dict[str, Any]) -> list[s
 # the server proves it knows the token too.
 
 NONCE_BYTES = 32
+TOKEN_MIN_CHARS = 32  # a cluster token file holds at least this (the generator writes 64 hex)
 
 
 def _mac(token: bytes, side: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:

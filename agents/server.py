@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hmac
 import json
 import logging
 import logging.handlers
@@ -68,7 +67,7 @@ MAX_CONNECTIONS = 512  # per agent, authenticated or not; half at most unauthent
 MAX_PREAUTH_PER_PEER = 64  # unauthenticated connections from one address at once
 CONTROL_MAX_CONNECTIONS = 64  # HTTP control port, at once
 CONTROL_MAX_PER_PEER = 16
-TOKEN_MIN_CHARS = 32  # the generator writes 64 hex characters
+TOKEN_MIN_CHARS = P.TOKEN_MIN_CHARS
 
 
 def fail(message: str) -> NoReturn:
@@ -352,11 +351,9 @@ def start_control(
             if auth is not None:
                 checked = auth.check("GET", self.path, self.headers.get("Authorization"))
                 if isinstance(checked, str):
-                    if not self._legacy_bearer():
-                        self._refuse(auth, checked)
-                        return
-                else:
-                    proven = checked
+                    self._refuse(auth, checked)
+                    return
+                proven = checked
             if self.path == "/status":
                 raw, code = json.dumps(status()).encode(), 200
             elif self.path == "/metrics":
@@ -378,13 +375,6 @@ def start_control(
                 )
             raw = b'{"error": "unauthorized: answer the Disagg-HMAC challenge (agents.httpauth)"}'
             self._answer(401, "application/json", raw, {"WWW-Authenticate": auth.challenge()})
-
-        def _legacy_bearer(self) -> bool:
-            # Until the control plane's callers use agents.httpauth (issue 13): remove then.
-            given = self.headers.get("Authorization", "")
-            if token is None or not given.startswith("Bearer "):
-                return False
-            return hmac.compare_digest(given.removeprefix("Bearer ").strip().encode(), token)
 
         def _answer(self, code: int, kind: str, raw: bytes, extra: dict[str, str]) -> None:
             self.send_response(code)
