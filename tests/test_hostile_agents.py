@@ -23,6 +23,7 @@ from agents import httpauth
 from agents import kvcodec as K
 from agents import protocol as P
 from disagg.errors import ModelError
+from disagg.fleet.operations import _http_status
 from disagg.serving import wireclient as client
 from disagg.serving.localagents import AgentProc, make_token_file, spawn_agent, wait_ready
 from tests.test_auth import Recorder
@@ -320,6 +321,8 @@ def test_http_status_never_carries_the_token(agents: list[AgentProc]) -> None:
         assert json.loads(body)["role"] == agent.role
         metrics = httpauth.control_get("127.0.0.1", relay.port, "/metrics", agent.token)
         assert b"disagg_requests_total" in metrics
+        found = _http_status(["127.0.0.1"], relay.port, agent.token)  # as `disagg status` asks
+        assert isinstance(found, tuple) and found[1]["role"] == agent.role
         with relay.lock:
             seen = bytes(relay.seen)
         assert b"Disagg-HMAC" in seen and len(seen) > 1000
