@@ -121,10 +121,16 @@ def first_token(
 
 class DecodeAgent:
     def __init__(
-        self, engine: DecodeEngine, name: str, token: bytes | None = None, max_batch: int = 32
+        self,
+        engine: DecodeEngine,
+        name: str,
+        token: bytes | None = None,
+        max_batch: int = 32,
+        max_request_bytes: int = P.CONTROL_MAX_FRAME,
     ) -> None:
         self.engine = engine
         self.name = name
+        self.max_request_bytes = max_request_bytes  # largest GENERATE frame taken
         self.token = token  # the cluster token, also proves us to prefill agents
         self.stats = Stats("decode")
         self.placement = Placement()
@@ -156,10 +162,11 @@ class DecodeAgent:
         (other connections' requests decode alongside in the same batch)."""
         while True:
             try:
-                _, req = P.recv_json(sock, P.Frame.GENERATE)
+                _, req = P.recv_json(sock, P.Frame.GENERATE, self.max_request_bytes)
+            except P.PeerClosed:
+                return  # the client is done
             except P.ProtocolError as e:
-                if "closed after 0 of" not in str(e):
-                    P.send_error(sock, "protocol", str(e))
+                P.send_error(sock, "protocol", str(e))
                 return
             except (P.RemoteError, OSError):
                 return
@@ -175,7 +182,7 @@ class DecodeAgent:
                 P.send_error(sock, e.code, e.message)
             except OSError as e:
                 outcome = "client_gone"
-                log.warning("client went away: %s", e)
+                log.warning("client went away: %s", P.printable(e))
                 return
             except Exception as e:
                 log.exception("generate failed")
@@ -372,7 +379,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.max_batch < 1:
         fail("--max-batch must be at least 1")
-    setup_logging("decode")
+    setup_logging("decode", args.log_file, args.log_max_bytes)
     token = load_token(args.token_file)
     try:
         engine = DecodeEngine(args.model, dtype=args.dtype, device=args.device)
@@ -380,7 +387,11 @@ def main(argv: list[str] | None = None) -> None:
         fail(str(e))
     log.info("loaded %s on %s as %s", args.model, engine.device, engine.dtype)
     agent = DecodeAgent(
-        engine, args.name or f"decode@{socket.gethostname()}", token, max_batch=args.max_batch
+        engine,
+        args.name or f"decode@{socket.gethostname()}",
+        token,
+        max_batch=args.max_batch,
+        max_request_bytes=args.max_request_bytes,
     )
     serve(
         "decode",

@@ -225,9 +225,12 @@ class LayerSender:
 
 
 class PrefillAgent:
-    def __init__(self, engine: PrefillEngine, name: str) -> None:
+    def __init__(
+        self, engine: PrefillEngine, name: str, max_request_bytes: int = P.CONTROL_MAX_FRAME
+    ) -> None:
         self.engine = engine
         self.name = name
+        self.max_request_bytes = max_request_bytes  # largest HELLO / PREFILL frame taken
         self.stats = Stats("prefill")
 
     def status(self) -> dict[str, Any]:
@@ -245,9 +248,9 @@ class PrefillAgent:
     def handle(self, sock: socket.socket, peer: str) -> None:
         """One decode agent connection: HELLO, then any number of PREFILLs."""
         try:
-            _, hello = P.recv_json(sock, P.Frame.HELLO)
+            _, hello = P.recv_json(sock, P.Frame.HELLO, self.max_request_bytes)
         except (P.ProtocolError, P.RemoteError, OSError) as e:
-            log.warning("%s: bad hello: %s", peer, e)
+            log.warning("%s: bad hello: %s", peer, P.printable(e))
             P.send_error(sock, "protocol", str(e))
             return
         ours = self.engine.fingerprint
@@ -255,9 +258,9 @@ class PrefillAgent:
         if diffs:
             msg = (
                 f"model mismatch: prefill {self.name} has {self.engine.model_dir}, "
-                f"decode has {hello.get('model')}: {'; '.join(diffs)}"
+                f"decode has {P.printable(hello.get('model'))}: {'; '.join(diffs)}"
             )
-            log.warning("%s: %s", peer, msg)
+            log.warning("%s: %s", peer, P.printable(msg, 1000))
             P.send_error(sock, "model_mismatch", msg)
             return
         P.send_json(
@@ -267,11 +270,12 @@ class PrefillAgent:
         )
         while True:
             try:
-                _, req = P.recv_json(sock, P.Frame.PREFILL)
+                _, req = P.recv_json(sock, P.Frame.PREFILL, self.max_request_bytes)
+            except P.PeerClosed:
+                return  # the decode agent is done with this connection
             except P.ProtocolError as e:
-                if "closed after 0 of" not in str(e):
-                    log.warning("%s: %s", peer, e)
-                    P.send_error(sock, "protocol", str(e))
+                log.warning("%s: %s", peer, P.printable(e))
+                P.send_error(sock, "protocol", str(e))
                 return
             except OSError:
                 return
@@ -346,7 +350,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = common_args("prefill")
     parser.add_argument("--fault-layer-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    setup_logging("prefill")
+    setup_logging("prefill", args.log_file, args.log_max_bytes)
     token = load_token(args.token_file)
     try:
         engine = PrefillEngine(
@@ -355,7 +359,9 @@ def main(argv: list[str] | None = None) -> None:
     except UnsupportedModel as e:
         fail(str(e))
     log.info("loaded %s on %s as %s", args.model, engine.device, engine.dtype)
-    agent = PrefillAgent(engine, args.name or f"prefill@{socket.gethostname()}")
+    agent = PrefillAgent(
+        engine, args.name or f"prefill@{socket.gethostname()}", args.max_request_bytes
+    )
     serve(
         "prefill",
         args,

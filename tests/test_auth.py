@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from agents import protocol as P
+from agents.httpauth import control_get
 from disagg.errors import AuthError
 from disagg.serving import wireclient as client
 from disagg.serving.localagents import AgentProc, spawn_agent, start_local_pair, wait_ready
@@ -100,6 +101,7 @@ def test_prefill_agent_refuses_a_decode_side_without_the_token(
 
 
 def http_status(agent: AgentProc, path: str, token: str | None) -> int:
+    """The status code of a bare GET or one with `Authorization: Bearer <token>`."""
     req = urllib.request.Request(f"http://{agent.host}:{agent.control_port}{path}")
     if token is not None:
         req.add_header("Authorization", f"Bearer {token}")
@@ -110,7 +112,7 @@ def http_status(agent: AgentProc, path: str, token: str | None) -> int:
         return int(e.code)
 
 
-def test_http_wants_the_bearer_token_except_health(pair: tuple[AgentProc, AgentProc]) -> None:
+def test_http_wants_proof_of_the_token_except_health(pair: tuple[AgentProc, AgentProc]) -> None:
     for agent in pair:
         assert agent.token is not None
         right = agent.token.decode()
@@ -118,7 +120,10 @@ def test_http_wants_the_bearer_token_except_health(pair: tuple[AgentProc, AgentP
         for path in ("/status", "/metrics"):
             assert http_status(agent, path, None) == 401
             assert http_status(agent, path, "wrong") == 401
-            assert http_status(agent, path, right) == 200
+            assert http_status(agent, path, right) == 401  # the token itself is no longer taken
+            assert control_get(agent.host, agent.control_port, path, agent.token)
+            with pytest.raises(P.AuthError, match="refused our proof"):
+                control_get(agent.host, agent.control_port, path, b"0" * 64)
 
 
 class Recorder:

@@ -314,15 +314,15 @@ def _loadavg() -> float | None:
 
 
 def _agent_device(agent: Any) -> str | None:
-    """The device an agent reports on its control endpoint, if it answers."""
+    """The device an agent reports on its control endpoint, if it answers (the
+    call proves the agent's token, which /status wants)."""
     import json
-    import urllib.request
+
+    from agents.protocol import AuthError
 
     try:
-        url = f"http://{agent.host}:{agent.control_port}/status"
-        with urllib.request.urlopen(url, timeout=5) as r:
-            return str(json.loads(r.read())["device"])
-    except (OSError, ValueError, KeyError):
+        return str(json.loads(agent.control("/status"))["device"])
+    except (OSError, ValueError, KeyError, TypeError, AuthError):
         return None
 
 

@@ -8,6 +8,7 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
+from agents.protocol import printable
 from disagg.fleet.deploy import HostDeploy
 from disagg.fleet.operations import AgentAction, AgentStatus, LogLine
 from disagg.fleet.ssh import HostResult
@@ -18,6 +19,7 @@ STATE_STYLE = {
     "stopped": "yellow",
     "starting": "cyan",
     "not responding": "red",
+    "bad answer": "red",
     "unreachable": "red",
     "not deployed": "yellow",
 }
@@ -71,6 +73,11 @@ def _mem(rss_bytes: int | None) -> str:
     return "-" if rss_bytes is None else f"{rss_bytes / 2**20:,.0f} MiB"
 
 
+def _plain(value: object) -> Text:
+    """What an agent said, as text: never parsed as markup, control characters shown."""
+    return Text(printable(value, 120))
+
+
 def status_table(rows: list[AgentStatus]) -> Table:
     table = Table(title="fleet status", header_style="bold")
     cols = ("host", "role", "state", "model", "loaded", "backend/device", "address",
@@ -81,24 +88,21 @@ def status_table(rows: list[AgentStatus]) -> Table:
         st = s.status
         state = Text(s.state, style=STATE_STYLE.get(s.state, ""))
         if s.detail and not s.ok:
-            state.append(f"\n{s.detail}", style="dim")
+            state.append(f"\n{printable(s.detail, 300)}", style="dim")
         if s.ssh_error:
-            state.append(f"\nbut ssh failed: {s.ssh_error}", style="red")
+            state.append(f"\nbut ssh failed: {printable(s.ssh_error, 300)}", style="red")
         model = str(st.get("model", "-")).rstrip("/").rsplit("/", 1)[-1]
         backend = f"{st['backend']}/{st.get('device')}" if st.get("backend") else "-"
         # One line per percentile: narrow enough for an 80-column terminal.
         ttft = "\n".join(f"p{p} {fmt(st.get(f'ttft_p{p}_s'), 's')}" for p in (50, 95, 99))
+        cells = [model, fmt(st.get("loaded")), backend, s.address or "-"]
+        cells += [fmt(st.get("uptime_s"), "s"), fmt(st.get("requests"))]
         table.add_row(
-            s.host,
-            s.role,
+            _plain(s.host),
+            _plain(s.role),
             state,
-            model,
-            fmt(st.get("loaded")),
-            backend,
-            s.address or "-",
-            fmt(st.get("uptime_s"), "s"),
-            fmt(st.get("requests")),
-            ttft if st else "-",
+            *(_plain(c) for c in cells),
+            Text(ttft if st else "-"),
             _mem(s.rss_bytes),
         )
     return table

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import agents
-from disagg.errors import AgentError, ModelError
+from disagg.errors import AgentError, AuthError, ModelError
 from disagg.fleet import service
 from disagg.fleet.inventory import Agent, Host, Inventory
 from disagg.fleet.operations import start_agent
@@ -216,6 +216,8 @@ def deploy_host(
     else:
         say(host.name, f"agents unchanged ({result.unchanged} files), nothing uploaded")
     if not dry:
+        if not token:
+            raise AuthError("no cluster token to deploy; fix: run disagg deploy without --dry-run")
         # The cluster's one token, so agents of different hosts accept each other.
         session.check(
             f"mkdir -p {q(root)}/logs {q(root)}/run && umask 077 && "
@@ -263,7 +265,9 @@ def deploy(
 ) -> list[HostResult[HostDeploy]]:
     """Deploy to the named hosts (all when None), in parallel; one result per host."""
     chosen = inv.select(hosts)
-    token = load_token(inv.path, create=not dry_run) or b"(made on the first real deploy)"
+    # A dry run before the first deploy has no token yet: b"" only feeds the config
+    # hash and is never written (a dry run writes nothing).
+    token = load_token(inv.path, create=not dry_run) or b""
     return on_hosts(
         chosen, inv.ssh, lambda host, session: deploy_host(inv, host, session, dry_run, say, token)
     )

@@ -11,12 +11,12 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agents.httpauth import control_get
 from disagg.errors import AgentError, ModelError
 
 
@@ -37,12 +37,9 @@ class AgentProc:
         return f"{self.host}:{self.port}"
 
     def control(self, path: str, timeout_s: float = 5.0) -> bytes:
-        """GET a control endpoint (/health, /status, /metrics) with our bearer token."""
-        req = urllib.request.Request(f"http://{self.host}:{self.control_port}{path}")
-        if self.token:
-            req.add_header("Authorization", f"Bearer {self.token.decode()}")
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            return bytes(resp.read())
+        """GET a control endpoint (/health, /status, /metrics), proving our token by
+        challenge-response (agents.httpauth): the token never crosses the wire."""
+        return control_get(self.host, self.control_port, path, self.token, timeout_s)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
