@@ -10,7 +10,7 @@ import socket
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,25 +19,21 @@ from agents import protocol as P
 from agents.httpauth import control_get
 from disagg.errors import AuthError
 from disagg.serving import wireclient as client
-from disagg.serving.localagents import AgentProc, spawn_agent, start_local_pair, wait_ready
-from tests.tinymodels import PROMPT, make_tiny
+from disagg.serving.localagents import AgentProc, spawn_agent, wait_ready
+from tests.conftest import PairFactory, ask
+from tests.tinymodels import PROMPT
 
 pytestmark = [pytest.mark.auth, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny("llama", tmp_path_factory.mktemp("auth") / "llama", seed=6)
+def tiny_dir(tiny_model: Callable[..., Path]) -> Path:
+    return tiny_model("llama", seed=6)
 
 
 @pytest.fixture(scope="module")
-def pair(
-    tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[AgentProc, AgentProc]]:
-    agents = start_local_pair(tiny_dir, log_dir=tmp_path_factory.mktemp("auth-logs"))
-    yield agents
-    for a in reversed(agents):
-        a.stop()
+def pair(tiny_dir: Path, agent_pair: PairFactory) -> tuple[AgentProc, AgentProc]:
+    return agent_pair(tiny_dir)
 
 
 def request(prefill_host: str, prefill_port: int) -> dict[str, object]:
@@ -56,9 +52,7 @@ def prefill_requests(prefill: AgentProc) -> int:
 
 def test_right_token_works(pair: tuple[AgentProc, AgentProc]) -> None:
     prefill, decode = pair
-    res = client.generate(
-        decode.host, decode.port, request(prefill.host, prefill.port), token=decode.token
-    )
+    res = ask(decode, request(prefill.host, prefill.port))
     assert res.metrics["method"] == "disaggregated" and res.token_ids
 
 
@@ -75,7 +69,7 @@ def test_missing_or_wrong_token_is_refused_and_logged(
     prefill, decode = pair
     before = prefill_requests(prefill)
     with pytest.raises(AuthError, match=message):
-        client.generate(decode.host, decode.port, request(prefill.host, prefill.port), token=token)
+        ask(decode, request(prefill.host, prefill.port), token=token)
     assert prefill_requests(prefill) == before  # no work was done anywhere
     if token is not None:
         assert "refused 127.0.0.1" in decode.log_path.read_text()
@@ -165,9 +159,7 @@ def test_the_token_never_crosses_the_wire(pair: tuple[AgentProc, AgentProc]) -> 
     prefill, decode = pair
     to_decode = Recorder((decode.host, decode.port))
     to_prefill = Recorder((prefill.host, prefill.port))
-    res = client.generate(
-        "127.0.0.1", to_decode.port, request("127.0.0.1", to_prefill.port), token=decode.token
-    )
+    res = client.generate("127.0.0.1", to_decode.port, request("127.0.0.1", to_prefill.port))
     assert res.metrics["method"] == "disaggregated"
     assert res.metrics["prefill_address"] == f"127.0.0.1:{to_prefill.port}"
     assert decode.token is not None

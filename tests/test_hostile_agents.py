@@ -12,7 +12,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +24,10 @@ from agents import kvcodec as K
 from agents import protocol as P
 from disagg.errors import ModelError
 from disagg.fleet.operations import _http_status
-from disagg.serving import wireclient as client
 from disagg.serving.localagents import AgentProc, make_token_file, spawn_agent, wait_ready
+from tests.conftest import PairFactory, ask
 from tests.test_auth import Recorder
-from tests.tinymodels import PROMPT, make_tiny
+from tests.tinymodels import PROMPT
 
 pytestmark = [pytest.mark.fault, pytest.mark.auth, pytest.mark.slow]
 
@@ -36,38 +36,14 @@ PER_PEER = 8  # their --max-preauth-per-peer
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny("llama", tmp_path_factory.mktemp("hostile") / "m", seed=11)
+def model(tiny_model: Callable[..., Path]) -> Path:
+    return tiny_model("llama", seed=11)
 
 
 @pytest.fixture(scope="module")
-def agents(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[AgentProc]]:
-    root = tmp_path_factory.mktemp("hostile-agents")
-    token_file, token = make_token_file(root)
-    flags = [
-        "--token-file",
-        str(token_file),
-        "--handshake-timeout",
-        str(DEADLINE_S),
-        "--max-preauth-per-peer",
-        str(PER_PEER),
-    ]
-    spawned = [
-        spawn_agent(role, model, log_dir=root / role, extra_args=flags)
-        for role in ("prefill", "decode")
-    ]
-    ready: list[AgentProc] = []
-    try:
-        for (proc, log, name), role in zip(spawned, ("prefill", "decode"), strict=True):
-            ready.append(wait_ready(role, proc, log, name, timeout_s=300))
-            ready[-1].token = token
-        yield ready
-    finally:
-        for a in reversed(ready):
-            a.stop()
-        for proc, _, _ in spawned[len(ready) :]:
-            proc.kill()
-            proc.wait()
+def agents(model: Path, agent_pair: PairFactory) -> list[AgentProc]:
+    flags = ["--handshake-timeout", str(DEADLINE_S), "--max-preauth-per-peer", str(PER_PEER)]
+    return list(agent_pair(model, prefill_args=flags, decode_args=flags))
 
 
 def rss_kb(agent: AgentProc) -> int:
@@ -120,9 +96,7 @@ def test_fifty_unauthenticated_peers_cost_little_and_are_cut_at_the_deadline(
     agents: list[AgentProc],
 ) -> None:
     prefill, decode = agents
-    reference = client.generate(
-        decode.host, decode.port, request(target(prefill)), token=decode.token
-    )
+    reference = ask(decode, request(target(prefill)))
     rss0 = {a.role: rss_kb(a) for a in agents}
     peak = dict(rss0)
     cuts: dict[str, list[float]] = {"prefill": [], "decode": []}
@@ -140,9 +114,7 @@ def test_fifty_unauthenticated_peers_cost_little_and_are_cut_at_the_deadline(
     for t in threads:
         t.start()
     time.sleep(0.3)
-    served_meanwhile = client.generate(
-        decode.host, decode.port, request(target(prefill)), token=decode.token
-    )
+    served_meanwhile = ask(decode, request(target(prefill)))
     while any(t.is_alive() for t in threads):
         for a in agents:
             peak[a.role] = max(peak[a.role], rss_kb(a))
@@ -268,13 +240,11 @@ def test_a_lying_prefill_agent_means_local_fallback(
 ) -> None:
     prefill, decode = agents
     assert decode.token is not None
-    reference = client.generate(
-        decode.host, decode.port, request(target(prefill)), token=decode.token
-    )
+    reference = ask(decode, request(target(prefill)))
     fake = FakePrefill(decode.token, reply)
     rss0 = rss_kb(decode)
     try:
-        res = client.generate(decode.host, decode.port, request(fake.target()), token=decode.token)
+        res = ask(decode, request(fake.target()))
     finally:
         fake.close()
     grown_mb = (rss_kb(decode) - rss0) / 1024
@@ -295,7 +265,7 @@ def test_a_prefill_agent_without_a_token_is_refused(agents: list[AgentProc]) -> 
     fake = FakePrefill(None, odd_logits)  # its challenge says auth: false
     try:
         with pytest.raises(Exception, match="runs without a cluster token"):
-            client.generate(decode.host, decode.port, request(fake.target()), token=decode.token)
+            ask(decode, request(fake.target()))
     finally:
         fake.close()
 
