@@ -393,15 +393,7 @@ def main(argv: list[str] | None = None) -> None:
         max_batch=args.max_batch,
         max_request_bytes=args.max_request_bytes,
     )
-    serve(
-        "decode",
-        args,
-        token,
-        agent.handle,
-        agent.status,
-        agent.stats.prometheus,
-        busy=lambda: agent.stats.in_flight,
-    )
+    serve("decode", args, token, agent)
 
 
 if __name__ == "__main__":

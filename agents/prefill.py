@@ -362,15 +362,7 @@ def main(argv: list[str] | None = None) -> None:
     agent = PrefillAgent(
         engine, args.name or f"prefill@{socket.gethostname()}", args.max_request_bytes
     )
-    serve(
-        "prefill",
-        args,
-        token,
-        agent.handle,
-        agent.status,
-        agent.stats.prometheus,
-        busy=lambda: agent.stats.in_flight,
-    )
+    serve("prefill", args, token, agent)
 
 
 if __name__ == "__main__":

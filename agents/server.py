@@ -24,10 +24,11 @@ import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 from . import protocol as P
 from .httpauth import PROOF_HEADER, ServerAuth
+from .metrics import Stats
 
 log = logging.getLogger("disagg.agent")
 
@@ -393,17 +394,24 @@ def start_control(
     return server
 
 
-def serve(
-    role: str,
-    args: argparse.Namespace,
-    token: bytes | None,
-    handle: Callable[[socket.socket, str], None],
-    status: Callable[[], dict[str, Any]],
-    metrics: Callable[[], str],
-    busy: Callable[[], int],
-) -> None:
+class Agent(Protocol):
+    """What serve() needs of a prefill or decode agent."""
+
+    stats: Stats
+
+    def handle(self, sock: socket.socket, peer: str) -> None: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+
+def serve(role: str, args: argparse.Namespace, token: bytes | None, agent: Agent) -> None:
     """Bind both ports on every address, print READY, serve until SIGTERM/SIGINT,
     then stop accepting and let in-flight requests finish (up to --drain-timeout)."""
+    handle, status, metrics = agent.handle, agent.status, agent.stats.prometheus
+
+    def busy() -> int:
+        return agent.stats.in_flight
+
     hosts = [h.strip() for h in str(args.host).split(",") if h.strip()]
     draining = threading.Event()
     frames: list[FrameServer] = []

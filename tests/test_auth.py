@@ -20,7 +20,7 @@ from agents.httpauth import control_get
 from disagg.errors import AuthError
 from disagg.serving import wireclient as client
 from disagg.serving.localagents import AgentProc, spawn_agent, wait_ready
-from tests.conftest import PairFactory, ask
+from tests.conftest import LocalServer, PairFactory, ask
 from tests.tinymodels import PROMPT
 
 pytestmark = [pytest.mark.auth, pytest.mark.slow]
@@ -120,26 +120,19 @@ def test_http_wants_proof_of_the_token_except_health(pair: tuple[AgentProc, Agen
                 control_get(agent.host, agent.control_port, path, b"0" * 64)
 
 
-class Recorder:
+class Recorder(LocalServer):
     """A TCP relay that keeps every byte it forwards, both ways."""
 
     def __init__(self, target: tuple[str, int]) -> None:
         self.target = target
         self.seen = bytearray()
         self.lock = threading.Lock()
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                a, _ = self.listener.accept()
-            except OSError:
-                return
-            b = socket.create_connection(self.target)
-            for src, dst in ((a, b), (b, a)):
-                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+    def on_connection(self, a: socket.socket) -> None:
+        b = socket.create_connection(self.target)
+        threading.Thread(target=self._pump, args=(b, a), daemon=True).start()
+        self._pump(a, b)
 
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         try:

@@ -10,7 +10,6 @@ import random
 import socket
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -19,8 +18,7 @@ from agents.server import HANDSHAKE_TIMEOUT_S
 from disagg.errors import UsageError
 from disagg.serving import wireclient as client
 from disagg.serving.localagents import AgentProc
-from tests.conftest import PairFactory, ask
-from tests.tinymodels import PROMPT
+from tests.conftest import PairFactory, ask, remote_request
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
 
@@ -62,29 +60,18 @@ def settle(
         time.sleep(0.2)
 
 
-def good_request(prefill: AgentProc, max_tokens: int = 8) -> dict[str, Any]:
-    return {
-        "prompt": PROMPT,
-        "raw": True,
-        "max_tokens": max_tokens,
-        "placement": "remote",
-        "ignore_eos": True,
-        "prefill": {"host": prefill.host, "port": prefill.port},
-    }
-
-
 def in_flight(agent: AgentProc) -> int:
     return int(json.loads(agent.control("/status"))["in_flight"])
 
 
 def test_silent_clients_are_dropped_and_do_not_block(agents: tuple[AgentProc, AgentProc]) -> None:
     prefill, decode = agents
-    reference = ask(decode, good_request(prefill))
+    reference = ask(decode, remote_request(prefill))
     silent = [
         socket.create_connection((a.host, a.port), timeout=30) for a in agents for _ in range(10)
     ]
     # Twenty idle connections do not stop real work.
-    res = ask(decode, good_request(prefill))
+    res = ask(decode, remote_request(prefill))
     assert res.token_ids == reference.token_ids
     t0 = time.monotonic()
     for s in silent:
@@ -98,7 +85,7 @@ def test_silent_clients_are_dropped_and_do_not_block(agents: tuple[AgentProc, Ag
 def test_client_gone_mid_stream_stops_the_decode(agents: tuple[AgentProc, AgentProc]) -> None:
     prefill, decode = agents
     events = client.stream(
-        decode.host, decode.port, good_request(prefill, 3000), token=decode.token
+        decode.host, decode.port, remote_request(prefill, max_tokens=3000), token=decode.token
     )
     for _ in range(5):
         kind, _ = next(events)
@@ -109,13 +96,13 @@ def test_client_gone_mid_stream_stops_the_decode(agents: tuple[AgentProc, AgentP
         time.sleep(0.05)
     assert in_flight(decode) == 0, "the decode agent kept generating for nobody"
     assert "client went away" in decode.log_path.read_text()
-    res = ask(decode, good_request(prefill))
+    res = ask(decode, remote_request(prefill))
     assert len(res.token_ids) == 8
 
 
 def test_two_hundred_mixed_requests_leak_nothing(agents: tuple[AgentProc, AgentProc]) -> None:
     prefill, decode = agents
-    reference = ask(decode, good_request(prefill)).token_ids
+    reference = ask(decode, remote_request(prefill)).token_ids
     baseline = {a.role: usage(a) for a in agents}
     rng = random.Random(5)
     counts = {"ok": 0, "gone": 0, "bad": 0, "silent": 0, "fallback": 0}
@@ -123,11 +110,14 @@ def test_two_hundred_mixed_requests_leak_nothing(agents: tuple[AgentProc, AgentP
     for _ in range(200):
         kind = rng.choice(list(counts))
         if kind == "ok":
-            res = ask(decode, good_request(prefill))
+            res = ask(decode, remote_request(prefill))
             assert res.token_ids == reference
         elif kind == "gone":
             events = client.stream(
-                decode.host, decode.port, good_request(prefill, 500), token=decode.token
+                decode.host,
+                decode.port,
+                remote_request(prefill, max_tokens=500),
+                token=decode.token,
             )
             next(events)
             events.close()
@@ -137,7 +127,7 @@ def test_two_hundred_mixed_requests_leak_nothing(agents: tuple[AgentProc, AgentP
         elif kind == "silent":
             silent.append(socket.create_connection((prefill.host, prefill.port)))
         else:  # the prefill target is gone: the decode agent prefills itself
-            req = {**good_request(prefill), "prefill": {"host": "127.0.0.1", "port": 1}}
+            req = {**remote_request(prefill), "prefill": {"host": "127.0.0.1", "port": 1}}
             res = ask(decode, req)
             assert res.metrics["method"] == "local-fallback" and res.token_ids == reference
         counts[kind] += 1
@@ -152,5 +142,5 @@ def test_two_hundred_mixed_requests_leak_nothing(agents: tuple[AgentProc, AgentP
         assert used["fds"] <= base["fds"], (role, base, used)
         assert used["threads"] <= base["threads"], (role, base, used)
         assert used["rss_kb"] - base["rss_kb"] < 64 * 1024, (role, base, used)
-    res = ask(decode, good_request(prefill))
+    res = ask(decode, remote_request(prefill))
     assert res.token_ids == reference

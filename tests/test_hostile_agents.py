@@ -25,9 +25,8 @@ from agents import protocol as P
 from disagg.errors import ModelError
 from disagg.fleet.operations import _http_status
 from disagg.serving.localagents import AgentProc, make_token_file, spawn_agent, wait_ready
-from tests.conftest import PairFactory, ask
+from tests.conftest import LocalServer, PairFactory, ask, remote_request
 from tests.test_auth import Recorder
-from tests.tinymodels import PROMPT
 
 pytestmark = [pytest.mark.fault, pytest.mark.auth, pytest.mark.slow]
 
@@ -51,17 +50,6 @@ def rss_kb(agent: AgentProc) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     raise AssertionError("no VmRSS")
-
-
-def request(prefill: dict[str, Any], max_tokens: int = 4) -> dict[str, Any]:
-    return {
-        "prompt": PROMPT,
-        "raw": True,
-        "max_tokens": max_tokens,
-        "placement": "remote",
-        "ignore_eos": True,
-        "prefill": prefill,
-    }
 
 
 def target(agent: AgentProc) -> dict[str, Any]:
@@ -96,7 +84,7 @@ def test_fifty_unauthenticated_peers_cost_little_and_are_cut_at_the_deadline(
     agents: list[AgentProc],
 ) -> None:
     prefill, decode = agents
-    reference = ask(decode, request(target(prefill)))
+    reference = ask(decode, remote_request(target(prefill), max_tokens=4))
     rss0 = {a.role: rss_kb(a) for a in agents}
     peak = dict(rss0)
     cuts: dict[str, list[float]] = {"prefill": [], "decode": []}
@@ -114,7 +102,7 @@ def test_fifty_unauthenticated_peers_cost_little_and_are_cut_at_the_deadline(
     for t in threads:
         t.start()
     time.sleep(0.3)
-    served_meanwhile = ask(decode, request(target(prefill)))
+    served_meanwhile = ask(decode, remote_request(target(prefill), max_tokens=4))
     while any(t.is_alive() for t in threads):
         for a in agents:
             peak[a.role] = max(peak[a.role], rss_kb(a))
@@ -154,26 +142,16 @@ def test_unauthenticated_connections_per_address_are_capped(agents: list[AgentPr
         s.close()
 
 
-class FakePrefill:
+class FakePrefill(LocalServer):
     """A 'prefill agent' holding the cluster token (a compromised or buggy one):
     it handshakes properly, then answers each PREFILL with `reply`'s frames."""
 
     def __init__(self, token: bytes | None, reply: Callable[[socket.socket], None]) -> None:
         self.token = token
         self.reply = reply
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
-
-    def _one(self, conn: socket.socket) -> None:
+    def on_connection(self, conn: socket.socket) -> None:
         with conn, contextlib.suppress(OSError, P.ProtocolError, P.AuthError):
             conn.settimeout(10)
             P.server_auth(conn, self.token)
@@ -182,9 +160,6 @@ class FakePrefill:
             P.recv_json(conn, P.Frame.PREFILL)
             self.reply(conn)
             conn.recv(1)
-
-    def close(self) -> None:
-        self.listener.close()
 
     def target(self) -> dict[str, Any]:
         return {"host": "127.0.0.1", "port": self.port, "timeout": 10}
@@ -240,11 +215,11 @@ def test_a_lying_prefill_agent_means_local_fallback(
 ) -> None:
     prefill, decode = agents
     assert decode.token is not None
-    reference = ask(decode, request(target(prefill)))
+    reference = ask(decode, remote_request(target(prefill), max_tokens=4))
     fake = FakePrefill(decode.token, reply)
     rss0 = rss_kb(decode)
     try:
-        res = ask(decode, request(fake.target()))
+        res = ask(decode, remote_request(fake.target(), max_tokens=4))
     finally:
         fake.close()
     grown_mb = (rss_kb(decode) - rss0) / 1024
@@ -265,7 +240,7 @@ def test_a_prefill_agent_without_a_token_is_refused(agents: list[AgentProc]) -> 
     fake = FakePrefill(None, odd_logits)  # its challenge says auth: false
     try:
         with pytest.raises(Exception, match="runs without a cluster token"):
-            ask(decode, request(fake.target()))
+            ask(decode, remote_request(fake.target(), max_tokens=4))
     finally:
         fake.close()
 

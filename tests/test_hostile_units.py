@@ -21,25 +21,19 @@ from agents import httpauth
 from agents import kvcodec as K
 from agents import protocol as P
 from agents.server import OneLineFormatter, load_token, start_control
+from tests.conftest import socket_pair
 
 pytestmark = pytest.mark.fuzz
 
 TOKEN = b"t" * 64
 
 
-def pair() -> tuple[socket.socket, socket.socket]:
-    a, b = socket.socketpair()
-    a.settimeout(5)
-    b.settimeout(5)
-    return a, b
-
-
 def test_peer_closed_between_frames_but_not_mid_frame() -> None:
-    a, b = pair()
+    a, b = socket_pair()
     a.close()
     with pytest.raises(P.PeerClosed):
         P.recv_json(b, P.Frame.GENERATE)
-    a, b = pair()
+    a, b = socket_pair()
     a.sendall(P.pack_header(P.Frame.GENERATE, 10)[:5])
     a.close()
     with pytest.raises(P.ProtocolError, match="closed after 5 of 16") as info:
@@ -48,7 +42,7 @@ def test_peer_closed_between_frames_but_not_mid_frame() -> None:
 
 
 def test_a_trickling_peer_is_cut_at_the_handshake_deadline() -> None:
-    a, b = pair()
+    a, b = socket_pair()
     stop = threading.Event()
 
     def trickle() -> None:
@@ -72,12 +66,12 @@ def test_a_trickling_peer_is_cut_at_the_handshake_deadline() -> None:
 
 
 def test_pre_auth_frames_are_small_and_cost_only_what_arrived() -> None:
-    a, b = pair()
+    a, b = socket_pair()
     a.sendall(P.pack_header(P.Frame.AUTH, 16 << 20))
     with pytest.raises(P.AuthError, match="exceeds the cap of 4096"):
         P.server_auth(b, TOKEN, P.Deadline(2.0))
     # After auth a frame may be large, but its memory grows with its bytes.
-    a, b = pair()
+    a, b = socket_pair()
     tracemalloc.start()
     try:
         a.sendall(P.pack_header(P.Frame.GENERATE, 1 << 30) + b"x" * 1000)
@@ -91,7 +85,7 @@ def test_pre_auth_frames_are_small_and_cost_only_what_arrived() -> None:
 
 
 def test_large_frames_still_arrive_whole() -> None:
-    a, b = pair()
+    a, b = socket_pair()
     body = bytes(range(256)) * 5000  # several RECV_STEPs
     threading.Thread(target=P.send_frame, args=(a, P.Frame.KV_LAYER, body), daemon=True).start()
     header, payload = P.recv_frame(b)
@@ -105,14 +99,14 @@ def test_deep_or_odd_json_is_a_protocol_error(payload: bytes) -> None:
     header = P.Header(P.Frame.AUTH, 0, len(payload))
     with pytest.raises(P.ProtocolError):
         P.decode_json(header, payload)
-    a, b = pair()
+    a, b = socket_pair()
     P.send_frame(a, P.Frame.AUTH, payload[:4000])
     with pytest.raises(P.AuthError):  # refused, no RecursionError
         P.server_auth(b, TOKEN, P.Deadline(2.0))
 
 
 def test_a_client_with_a_token_refuses_a_server_that_wants_none() -> None:
-    a, b = pair()
+    a, b = socket_pair()
     threading.Thread(target=P.server_auth, args=(a, None), daemon=True).start()
     with pytest.raises(P.AuthError, match="runs without a cluster token.*refusing"):
         P.client_auth(b, TOKEN)
