@@ -12,7 +12,6 @@ import queue
 import re
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +22,7 @@ from disagg.fleet.inventory import Agent, Host, Inventory
 from disagg.fleet.service import AgentPaths, host_python, probe, remote_root, service_kind
 from disagg.fleet.ssh import HostResult, Session, connect_host, on_hosts, q
 from disagg.fleet.token import load_token
+from disagg.serving.control import control_status
 
 LOAD_TIMEOUT_S = 600.0  # a 120B model can take minutes to load
 HTTP_TIMEOUT_S = 1.5
@@ -152,12 +152,8 @@ def _http_status(
     addresses: list[str], port: int, token: bytes | None
 ) -> tuple[str, dict[str, Any]] | None:
     for addr in addresses:
-        req = urllib.request.Request(f"http://{addr}:{port}/status")
-        if token:
-            req.add_header("Authorization", f"Bearer {token.decode()}")
         try:
-            with urllib.request.urlopen(req, timeout=HTTP_TIMEOUT_S) as resp:
-                return f"{addr}:{port}", dict(json.loads(resp.read()))
+            return f"{addr}:{port}", control_status(addr, port, token, HTTP_TIMEOUT_S)
         except (OSError, ValueError):
             continue
     return None

@@ -11,12 +11,13 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from disagg.errors import AgentError, ModelError
+from disagg.serving.control import control_get, control_status
 
 
 @dataclass
@@ -36,12 +37,12 @@ class AgentProc:
         return f"{self.host}:{self.port}"
 
     def control(self, path: str, timeout_s: float = 5.0) -> bytes:
-        """GET a control endpoint (/health, /status, /metrics) with our bearer token."""
-        req = urllib.request.Request(f"http://{self.host}:{self.control_port}{path}")
-        if self.token:
-            req.add_header("Authorization", f"Bearer {self.token.decode()}")
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            return bytes(resp.read())
+        """GET a control endpoint (/health, /status, /metrics) with the cluster token."""
+        return control_get(self.host, self.control_port, path, self.token, timeout_s)
+
+    def status(self, timeout_s: float = 5.0) -> dict[str, Any]:
+        """The agent's /status (device, in flight, counters); OSError or ValueError if not."""
+        return control_status(self.host, self.control_port, self.token, timeout_s)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
