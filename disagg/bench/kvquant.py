@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -37,8 +37,8 @@ from rich.table import Table
 
 from agents import protocol as P
 from agents.kvcodec import Codec, LayerKV, QuantKV, decode_layer, encode_layer, quantize_layer
+from disagg.bench.common import Say, long_text, quiet
 
-Say = Callable[[str], None]
 # ints: a deterministic inventory of about that many tokens (chat template on);
 # strings: that user message as is.
 DEFAULT_PROMPTS: tuple[int | str, ...] = (
@@ -52,8 +52,6 @@ CODECS = {"raw": Codec.RAW, "shuffle_zstd": Codec.SHUFFLE_ZSTD}
 def prompt_ids(tokenizer: Any, prompt: int | str) -> list[int]:
     """Token ids of a chat turn: `prompt` itself, or an inventory of ~`prompt` tokens
     with a question about it (so decoding must attend over the whole prompt)."""
-    from disagg.bench.core import long_text
-
     if isinstance(prompt, str):
         text = prompt
     else:
@@ -215,7 +213,7 @@ def run_kvquant_bench(
     prompts: Sequence[int | str] = DEFAULT_PROMPTS,
     tokens: int = 64,
     dtype: str = "auto",
-    say: Say = lambda _msg: None,
+    say: Say = quiet,
 ) -> dict[str, Any]:
     """int8 vs lossless KV on `model_dir` for each prompt; plain data."""
     from agents.decode import DecodeEngine

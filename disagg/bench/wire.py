@@ -34,12 +34,10 @@ import json
 import math
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable
-from datetime import datetime, timezone
+from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any
@@ -50,9 +48,7 @@ from rich.table import Table
 from agents import protocol as P
 from agents.codecpick import CodecSpeed, pick_codec, stream_rate
 from agents.kvcodec import WIRE_NUMPY, Codec, DType, Kind, LayerKV, decode_layer, encode_layer
-from disagg.bench.core import _loadavg
-
-Say = Callable[[str], None]
+from disagg.bench.common import Say, Stamp, long_text, median, quiet, verdict
 
 HANDOFF_BARE_BAR = 0.85  # ours / bare socket, at least
 HANDOFF_JSON_BAR = 10.0  # ours / JSON+base64 over HTTP, at least
@@ -81,7 +77,6 @@ def real_kv(model_dir: Path, tokens: int, dtype: str) -> list[LayerKV]:
     from transformers import AutoTokenizer
 
     from agents.prefill import PrefillEngine
-    from disagg.bench.core import long_text
 
     tok: Any = AutoTokenizer.from_pretrained(str(model_dir))
     text = long_text(lambda s: len(tok.encode(s)), tokens)
@@ -354,8 +349,8 @@ def measure_codec(layers: list[LayerKV], codec: Codec, level: int, repeats: int)
             d.append(t3 - t2)
         if not (np.array_equal(back.keys, kv.keys) and np.array_equal(back.values, kv.values)):
             raise AssertionError(f"{codec.name}: layer {kv.layer} did not round-trip")
-        enc.append(statistics.median(e))
-        dec.append(statistics.median(d))
+        enc.append(median(e))
+        dec.append(median(d))
         frame.append(P.HEADER.size + len(payload))
     raw = raw_size(layers)
     wire = sum(frame)
@@ -439,10 +434,6 @@ def compression_part(layers: list[LayerKV], repeats: int) -> dict[str, Any]:
 # the run
 
 
-def _median(xs: list[float]) -> float:
-    return float(statistics.median(xs))
-
-
 def handoff_part(
     rx: Receiver, layers: list[LayerKV], repeats: int, say: Say, label: str
 ) -> dict[str, Any]:
@@ -474,7 +465,7 @@ def handoff_part(
         secs, wire["ours_shuffle_zstd"], _ = rx.ours(layers, Codec.SHUFFLE_ZSTD)
         runs["ours_shuffle_zstd"].append(secs)
     wire["bare"] = raw
-    med = {k: _median(v) for k, v in runs.items()}
+    med = {k: median(v) for k, v in runs.items()}
     gbs = {k: raw / v / 1e9 for k, v in med.items()}
     return {
         "layers": len(layers),
@@ -504,14 +495,12 @@ def run_wire_bench(
     dtypes: tuple[str, ...] = ("float32", "bfloat16"),
     repeats: int = 11,  # short transfers on a shared 2-core box: a median of many
     codec_repeats: int = 3,
-    say: Say = lambda _msg: None,
+    say: Say = quiet,
 ) -> dict[str, Any]:
     """Handoff throughput and compression on real KV of `model_dir`; plain data."""
     if repeats < 1 or codec_repeats < 1 or tokens < 2:
         raise ValueError("repeats and codec_repeats >= 1, tokens >= 2")
-    t_start = time.perf_counter()
-    load_start = _loadavg()
-    date = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    stamp = Stamp()
     parts: dict[str, Any] = {}
     with Receiver() as rx:
         for dtype in dtypes:
@@ -523,14 +512,14 @@ def run_wire_bench(
             parts[dtype] = part
             del layers
     return {
-        "date": date,
+        "date": stamp.date,
         "model": str(model_dir),
         "settings": {"tokens": tokens, "repeats": repeats, "codec_repeats": codec_repeats},
         "cpu_count": os.cpu_count(),
         "timing": "handoff: connection open -> receiver's ack after its last numpy array; "
         "medians. Link rates: arithmetic on measured per-layer codec times, pipelined.",
         "dtypes": parts,
-        "load_avg_1m": {"start": load_start, "end": _loadavg()},
+        "load_avg_1m": stamp.load_avg_1m(),
         "ok": all(
             p["ok_bare"]
             and p["ok_json"]
@@ -539,7 +528,7 @@ def run_wire_bench(
             and p["compression"]["adaptive_ok_1gbit"]
             for p in parts.values()
         ),
-        "elapsed_s": time.perf_counter() - t_start,
+        "elapsed_s": stamp.elapsed_s(),
     }
 
 
@@ -547,103 +536,108 @@ def run_wire_bench(
 # rendering
 
 
-def _verdict(ok: bool) -> str:
-    return "[green]pass[/]" if ok else "[red]FAIL[/]"
-
-
 def wire_tables(report: dict[str, Any]) -> list[Table]:
+    """Per dtype: the handoff table, then the compression table."""
     tables = []
     for dtype, p in report["dtypes"].items():
-        t = Table(
-            title=(
-                f"KV handoff on loopback: {p['prompt_tokens']} tokens x {p['layers']} layers, "
-                f"{dtype}, {p['raw_bytes'] / 1e6:.1f} MB of K/V"
-            ),
-            header_style="bold",
-            caption=(
-                f"{report['date']} · {report['cpu_count']} CPUs · load avg (1 min) "
-                f"{report['load_avg_1m']['start']} -> {report['load_avg_1m']['end']} · "
-                "GB/s = raw K/V bytes / (connection open -> receiver's ack), median"
-            ),
-        )
-        for col in ("path", "GB/s", "median s", "bytes on the wire", "bar"):
-            t.add_column(col, justify="left" if col == "path" else "right")
-        rows = (
-            ("ours: KV_LAYER frames, LayerSender -> FrameReader + decode_layer", "ours"),
-            ("bare socket.sendall -> recv_into", "bare"),
-            ("seeds: JSON + base64 over HTTP (one POST)", "json"),
-            ("ours, zstd-1", "ours_zstd"),
-            ("ours, shuffle+zstd-1", "ours_shuffle_zstd"),
-        )
-        for label, key in rows:
-            t.add_row(
-                label,
-                f"{p['gb_s'][key]:.3f}",
-                f"{p['median_s'][key]:.3f}",
-                f"{p['wire_bytes'][key] / 1e6:.1f} MB",
-                "",
-            )
-        t.add_section()
-        t.add_row(
-            "ours / bare",
-            f"{p['ours_vs_bare']:.2f}",
-            "",
-            "bit-exact" if p["bit_exact"] else "[red]NOT bit-exact[/]",
-            f">= {p['bare_bar']} {_verdict(p['ok_bare'])}",
-        )
-        t.add_row(
-            "ours / JSON+base64",
-            f"{p['ours_vs_json']:.1f}",
-            "",
-            "",
-            f">= {p['json_bar']:g} {_verdict(p['ok_json'])}",
-        )
-        tables.append(t)
-
-        c = p["compression"]
-        t = Table(
-            title=f"Compression on that KV ({dtype}); handoff at emulated link rates",
-            header_style="bold",
-            caption="pipelined per layer: max-stage flow shop of compress -> link -> "
-            "decompress (serial sum in brackets); the agents use level 1",
-        )
-        t.add_column("codec")
-        t.add_column("ratio", justify="right")
-        t.add_column("enc GB/s", justify="right")
-        t.add_column("dec GB/s", justify="right")
-        for gbit in c["rates_gbit"]:
-            t.add_column(f"{gbit} Gbit/s", justify="right")
-        for name, m in c["codecs"].items():
-            cells = [
-                f"{r['codecs'][name]['pipelined_s']:.3f} s ({r['codecs'][name]['serial_s']:.3f})"
-                for r in c["rates_gbit"].values()
-            ]
-            t.add_row(
-                name,
-                f"{m['ratio']:.3f}",
-                f"{m['encode_gb_s']:.2f}",
-                f"{m['decode_gb_s']:.2f}",
-                *cells,
-            )
-        t.add_section()
-        t.add_row(
-            "adaptive (codecpick)",
-            "",
-            "",
-            "",
-            *[
-                f"{r['adaptive']['codec']}: {r['adaptive']['pipelined_s']:.3f} s, "
-                f"x{r['adaptive']['speedup_vs_off']:.2f} vs off"
-                for r in c["rates_gbit"].values()
-            ],
-        )
-        t.add_row(
-            "bars",
-            "",
-            "",
-            "",
-            f"never slower {_verdict(c['adaptive_never_slower'])}; "
-            f">= x{c['adaptive_bar']} at 1 Gbit/s {_verdict(c['adaptive_ok_1gbit'])}",
-        )
-        tables.append(t)
+        tables.append(_handoff_table(report, dtype, p))
+        tables.append(_compression_table(dtype, p["compression"]))
     return tables
+
+
+HANDOFF_ROWS = (
+    ("ours: KV_LAYER frames, LayerSender -> FrameReader + decode_layer", "ours"),
+    ("bare socket.sendall -> recv_into", "bare"),
+    ("seeds: JSON + base64 over HTTP (one POST)", "json"),
+    ("ours, zstd-1", "ours_zstd"),
+    ("ours, shuffle+zstd-1", "ours_shuffle_zstd"),
+)
+
+
+def _handoff_table(report: dict[str, Any], dtype: str, p: dict[str, Any]) -> Table:
+    t = Table(
+        title=(
+            f"KV handoff on loopback: {p['prompt_tokens']} tokens x {p['layers']} layers, "
+            f"{dtype}, {p['raw_bytes'] / 1e6:.1f} MB of K/V"
+        ),
+        header_style="bold",
+        caption=(
+            f"{report['date']} · {report['cpu_count']} CPUs · load avg (1 min) "
+            f"{report['load_avg_1m']['start']} -> {report['load_avg_1m']['end']} · "
+            "GB/s = raw K/V bytes / (connection open -> receiver's ack), median"
+        ),
+    )
+    for col in ("path", "GB/s", "median s", "bytes on the wire", "bar"):
+        t.add_column(col, justify="left" if col == "path" else "right")
+    for label, key in HANDOFF_ROWS:
+        t.add_row(
+            label,
+            f"{p['gb_s'][key]:.3f}",
+            f"{p['median_s'][key]:.3f}",
+            f"{p['wire_bytes'][key] / 1e6:.1f} MB",
+            "",
+        )
+    t.add_section()
+    t.add_row(
+        "ours / bare",
+        f"{p['ours_vs_bare']:.2f}",
+        "",
+        "bit-exact" if p["bit_exact"] else "[red]NOT bit-exact[/]",
+        f">= {p['bare_bar']} {verdict(p['ok_bare'])}",
+    )
+    t.add_row(
+        "ours / JSON+base64",
+        f"{p['ours_vs_json']:.1f}",
+        "",
+        "",
+        f">= {p['json_bar']:g} {verdict(p['ok_json'])}",
+    )
+    return t
+
+
+def _compression_table(dtype: str, c: dict[str, Any]) -> Table:
+    t = Table(
+        title=f"Compression on that KV ({dtype}); handoff at emulated link rates",
+        header_style="bold",
+        caption="pipelined per layer: max-stage flow shop of compress -> link -> "
+        "decompress (serial sum in brackets); the agents use level 1",
+    )
+    t.add_column("codec")
+    t.add_column("ratio", justify="right")
+    t.add_column("enc GB/s", justify="right")
+    t.add_column("dec GB/s", justify="right")
+    for gbit in c["rates_gbit"]:
+        t.add_column(f"{gbit} Gbit/s", justify="right")
+    for name, m in c["codecs"].items():
+        cells = [
+            f"{r['codecs'][name]['pipelined_s']:.3f} s ({r['codecs'][name]['serial_s']:.3f})"
+            for r in c["rates_gbit"].values()
+        ]
+        t.add_row(
+            name,
+            f"{m['ratio']:.3f}",
+            f"{m['encode_gb_s']:.2f}",
+            f"{m['decode_gb_s']:.2f}",
+            *cells,
+        )
+    t.add_section()
+    t.add_row(
+        "adaptive (codecpick)",
+        "",
+        "",
+        "",
+        *[
+            f"{r['adaptive']['codec']}: {r['adaptive']['pipelined_s']:.3f} s, "
+            f"x{r['adaptive']['speedup_vs_off']:.2f} vs off"
+            for r in c["rates_gbit"].values()
+        ],
+    )
+    t.add_row(
+        "bars",
+        "",
+        "",
+        "",
+        f"never slower {verdict(c['adaptive_never_slower'])}; "
+        f">= x{c['adaptive_bar']} at 1 Gbit/s {verdict(c['adaptive_ok_1gbit'])}",
+    )
+    return t
