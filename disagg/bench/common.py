@@ -18,6 +18,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rich.table import Table
+
 from agents import fastblas
 from disagg.errors import AgentError
 from disagg.serving.defaultmodel import Say
@@ -193,6 +195,16 @@ def disaggregated(
 
 
 # ---- table cells -------------------------------------------------------------------------
+
+
+def table(
+    title: str, columns: Sequence[str], caption: str | None = None, left: Sequence[str] = ()
+) -> Table:
+    """A bench table: bold header; numbers right-aligned, the `left` columns not."""
+    t = Table(title=title, header_style="bold", caption=caption)
+    for col in columns:
+        t.add_column(col, justify="left" if col in left else "right")
+    return t
 
 
 def verdict(ok: bool) -> str:

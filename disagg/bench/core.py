@@ -15,8 +15,9 @@ they wrap, in this same process:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rich.table import Table
 
@@ -32,6 +33,7 @@ from disagg.bench.common import (
     num,
     pair_machine_info,
     quiet,
+    table,
     verdict,
 )
 from disagg.errors import AgentError
@@ -141,6 +143,23 @@ def run_core_bench(
     }
 
 
+A = TypeVar("A")
+B = TypeVar("B")
+
+
+def interleaved(
+    repeats: int, ours: Callable[[], A], ref: Callable[[], B], progress: Callable[[int], None]
+) -> tuple[list[A], list[B]]:
+    """`repeats` rounds of ours then the reference, so drift on the machine hits both."""
+    mine: list[A] = []
+    theirs: list[B] = []
+    for i in range(repeats):
+        progress(i + 1)
+        mine.append(ours())
+        theirs.append(ref())
+    return mine, theirs
+
+
 def decode_compare(
     pair: Pair, refs: References, repeats: int, tokens: int, say: Say
 ) -> dict[str, Any]:
@@ -158,29 +177,26 @@ def decode_compare(
         raise AgentError("the decode agent did not return the prompt ids")
     refs.mlx_decode(chat_ids, min(8, tokens))
 
-    agent_speeds: list[float] = []
-    mlx_speeds: list[float] = []
-    same_tokens = True
-    for i in range(repeats):
-        say(f"decode {i + 1}/{repeats}: agent, then mlx-lm ({tokens} tokens each)")
-        res = disaggregated(*pair, req)[0]
-        agent_speeds.append(float(res.metrics["decode_speed"]))
-        speed, toks = refs.mlx_decode(chat_ids, tokens)
-        mlx_speeds.append(speed)
-        same_tokens = same_tokens and toks == res.token_ids
-
-    agent_med, mlx_med = median(agent_speeds), median(mlx_speeds)
-    ratio = agent_med / mlx_med
+    agent_runs, mlx_runs = interleaved(
+        repeats,
+        lambda: disaggregated(*pair, req)[0],
+        lambda: refs.mlx_decode(chat_ids, tokens),
+        lambda i: say(f"decode {i}/{repeats}: agent, then mlx-lm ({tokens} tokens each)"),
+    )
+    agent_speeds = [float(r.metrics["decode_speed"]) for r in agent_runs]
+    mlx_speeds = [speed for speed, _ in mlx_runs]
+    same_tokens = all(
+        r.token_ids == toks for r, (_, toks) in zip(agent_runs, mlx_runs, strict=True)
+    )
     return {
         "prompt_tokens": len(chat_ids),
         "tokens": tokens,
-        "agent_tok_s": agent_speeds,
-        "mlx_lm_tok_s": mlx_speeds,
-        "agent_median_tok_s": agent_med,
-        "mlx_lm_median_tok_s": mlx_med,
-        "ratio": ratio,
-        "bar": DECODE_BAR,
-        "ok": ratio >= DECODE_BAR,
+        **versus(
+            {"agent_tok_s": agent_speeds, "mlx_lm_tok_s": mlx_speeds},
+            ("agent_median_tok_s", "mlx_lm_median_tok_s"),
+            DECODE_BAR,
+            at_least=True,
+        ),
         "same_tokens": same_tokens,
     }
 
@@ -204,32 +220,45 @@ def ttft_compare(
         raise AgentError(f"the long prompt is {len(long_ids)} tokens, asked for {prompt_tokens}")
     refs.hf_prefill(long_ids)
 
-    ttfts: list[float] = []
-    hf_times: list[float] = []
-    runs: list[dict[str, Any]] = []
-    same_first = True
-    for i in range(repeats):
-        say(f"ttft {i + 1}/{repeats}: disaggregated, then transformers")
-        res = disaggregated(*pair, req)[0]
-        ttfts.append(float(res.metrics["ttft"]))
-        runs.append({k: res.metrics.get(k) for k in BREAKDOWN_KEYS})
-        secs, first = refs.hf_prefill(long_ids)
-        hf_times.append(secs)
-        same_first = same_first and res.token_ids[:1] == [first]
-
-    ttft_med, hf_med = median(ttfts), median(hf_times)
-    ratio = ttft_med / hf_med
+    agent_runs, hf_runs = interleaved(
+        repeats,
+        lambda: disaggregated(*pair, req)[0],
+        lambda: refs.hf_prefill(long_ids),
+        lambda i: say(f"ttft {i}/{repeats}: disaggregated, then transformers"),
+    )
+    ttfts = [float(r.metrics["ttft"]) for r in agent_runs]
+    hf_times = [secs for secs, _ in hf_runs]
+    same_first = all(
+        r.token_ids[:1] == [first] for r, (_, first) in zip(agent_runs, hf_runs, strict=True)
+    )
+    runs = [{k: r.metrics.get(k) for k in BREAKDOWN_KEYS} for r in agent_runs]
     return {
         "prompt_tokens": len(long_ids),
-        "disagg_ttft_s": ttfts,
-        "transformers_prefill_s": hf_times,
-        "disagg_median_s": ttft_med,
-        "transformers_median_s": hf_med,
-        "ratio": ratio,
-        "bar": TTFT_BAR,
-        "ok": ratio <= TTFT_BAR,
+        **versus(
+            {"disagg_ttft_s": ttfts, "transformers_prefill_s": hf_times},
+            ("disagg_median_s", "transformers_median_s"),
+            TTFT_BAR,
+            at_least=False,
+        ),
         "same_first_token": same_first,
         "breakdown": breakdown(runs),
+    }
+
+
+def versus(
+    runs: dict[str, list[float]], median_keys: tuple[str, str], bar: float, at_least: bool
+) -> dict[str, Any]:
+    """Both sides' runs (ours first) and medians under their report keys, ours /
+    the reference as "ratio", and whether it is `at_least` (or at most) `bar`."""
+    ours, ref = (median(xs) for xs in runs.values())
+    ratio = ours / ref
+    return {
+        **runs,
+        median_keys[0]: ours,
+        median_keys[1]: ref,
+        "ratio": ratio,
+        "bar": bar,
+        "ok": ratio >= bar if at_least else ratio <= bar,
     }
 
 
@@ -248,9 +277,10 @@ def breakdown(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def bench_table(report: dict[str, Any]) -> Table:
     """Render `run_core_bench`'s result."""
     d, t, m = report["decode"], report["ttft"], report["machine"]
-    table = Table(
-        title="disagg core benchmark: agents vs the frameworks they wrap",
-        header_style="bold",
+    out = table(
+        "disagg core benchmark: agents vs the frameworks they wrap",
+        ("measure", "median", "runs", "bar"),
+        left=("measure",),
         caption=(
             f"{report['date']} · {m['platform']} · {m['cpu_count']} CPUs · "
             f"torch {m['torch']} on {m['prefill_device']} · transformers {m['transformers']} · "
@@ -259,12 +289,8 @@ def bench_table(report: dict[str, Any]) -> Table:
             f"{report['load_avg_1m']['start']} at start, {report['load_avg_1m']['end']} at end"
         ),
     )
-    table.add_column("measure")
-    table.add_column("median", justify="right")
-    table.add_column("runs", justify="right")
-    table.add_column("bar", justify="right")
     _compare_rows(
-        table,
+        out,
         "tok/s",
         [
             (
@@ -283,7 +309,7 @@ def bench_table(report: dict[str, Any]) -> Table:
         ),
     )
     _compare_rows(
-        table,
+        out,
         "s",
         [
             (
@@ -304,8 +330,8 @@ def bench_table(report: dict[str, Any]) -> Table:
             f"<= {t['bar']} {verdict(t['ok'])}",
         ),
     )
-    _breakdown_rows(table, t["breakdown"])
-    return table
+    _breakdown_rows(out, t["breakdown"])
+    return out
 
 
 def _compare_rows(

@@ -39,6 +39,7 @@ from disagg.bench.common import (
     long_text,
     pair_machine_info,
     quiet,
+    table,
     verdict,
 )
 
@@ -225,24 +226,22 @@ def hiding_table(report: dict[str, Any]) -> Table:
         t.add_column("skipped")
         t.add_row(report["skipped"])
         return t
-    t = Table(
-        title="Transfer hiding behind prefill compute (layer-wise streaming, raw KV)",
-        header_style="bold",
+    t = table(
+        "Transfer hiding behind prefill compute (layer-wise streaming, raw KV)",
+        (
+            "link",
+            "prompt tokens",
+            "KV MB",
+            "link time s",
+            "compute s",
+            "TTFT s",
+            "TTFT - compute s",
+            "/ compute",
+            "unstreamed est. s",
+            f"bar <= {report['bar']:.2f}",
+        ),
         caption=report["note"],
     )
-    for col in (
-        "link",
-        "prompt tokens",
-        "KV MB",
-        "link time s",
-        "compute s",
-        "TTFT s",
-        "TTFT - compute s",
-        "/ compute",
-        "unstreamed est. s",
-        f"bar <= {report['bar']:.2f}",
-    ):
-        t.add_column(col, justify="right")
     for r in report["rows"]:
         mark = "n/a (link slower)" if not r["bar_applies"] else verdict(r["ok"])
         t.add_row(

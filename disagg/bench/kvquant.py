@@ -37,7 +37,7 @@ from rich.table import Table
 
 from agents import protocol as P
 from agents.kvcodec import Codec, LayerKV, QuantKV, decode_layer, encode_layer, quantize_layer
-from disagg.bench.common import Say, long_text, quiet
+from disagg.bench.common import Say, long_text, quiet, table
 
 # ints: a deterministic inventory of about that many tokens (chat template on);
 # strings: that user message as is.
@@ -241,10 +241,26 @@ def run_kvquant_bench(
     }
 
 
+KVQUANT_COLUMNS = (
+    "prompt",
+    "vs lossless",
+    "KV bytes",
+    "ratio",
+    "ratio (shuffle+zstd)",
+    "max |Δ logprob|",
+    "mean |Δ logprob|",
+    "greedy agreement",
+    "first diff",
+    "forced agreement",
+    "max margin",
+)
+
+
 def kvquant_table(report: dict[str, Any]) -> Table:
-    t = Table(
-        title=f"int8 KV on the wire vs lossless: {Path(report['model']).name}, {report['dtype']}",
-        header_style="bold",
+    t = table(
+        f"int8 KV on the wire vs lossless: {Path(report['model']).name}, {report['dtype']}",
+        KVQUANT_COLUMNS,
+        left=("vs lossless",),
         caption=(
             f"{report['date']} · greedy, {report['new_tokens']} new tokens (token 0 is the "
             "prefill's own) · |Δ logprob|: first decode step, over the vocab · forced: both "
@@ -252,20 +268,6 @@ def kvquant_table(report: dict[str, Any]) -> Table:
             "otherwise · mlx prefill: no wire at all, the noise floor of disaggregation"
         ),
     )
-    for col in (
-        "prompt",
-        "vs lossless",
-        "KV bytes",
-        "ratio",
-        "ratio (shuffle+zstd)",
-        "max |Δ logprob|",
-        "mean |Δ logprob|",
-        "greedy agreement",
-        "first diff",
-        "forced agreement",
-        "max margin",
-    ):
-        t.add_column(col, justify="left" if col == "vs lossless" else "right")
     for p in report["prompts"]:
         b = p["kv_bytes"]
         rows = [

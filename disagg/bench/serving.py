@@ -43,6 +43,7 @@ from disagg.bench.common import (
     median_or_none,
     pair_machine_info,
     quiet,
+    table,
     verdict,
 )
 
@@ -476,19 +477,20 @@ def serving_tables(report: dict[str, Any]) -> list[Table]:
 
 
 def _latency_table(report: dict[str, Any]) -> Table:
-    lat = Table(
-        title=f"TTFT and TPOT ({report['settings']['tokens']} new tokens, greedy)",
-        header_style="bold",
+    lat = table(
+        f"TTFT and TPOT ({report['settings']['tokens']} new tokens, greedy)",
+        (
+            "prompt tokens",
+            *(f"{label}\nTTFT s / TPOT ms" for _, label in SYSTEMS),
+            "same 1st token",
+        ),
+        left=("same 1st token",),
         caption=(
             f"{report['date']} · load avg (1 min) {report['load_avg_1m']['start']} -> "
             f"{report['load_avg_1m']['end']} · disagg and transformers: median of "
             f"{report['settings']['repeats']}; mlx-lm: one run"
         ),
     )
-    lat.add_column("prompt tokens", justify="right")
-    for _, label in SYSTEMS:
-        lat.add_column(f"{label}\nTTFT s / TPOT ms", justify="right")
-    lat.add_column("same 1st token")
     for row in report["latency"]:
         cells = []
         for key, _ in SYSTEMS:
@@ -503,9 +505,9 @@ def _latency_table(report: dict[str, Any]) -> Table:
 
 
 def _memory_table(mem: dict[str, Any]) -> Table:
-    mt = Table(title="Decode agent memory during the longest handoff", header_style="bold")
-    mt.add_column("measure")
-    mt.add_column("value", justify="right")
+    mt = table(
+        "Decode agent memory during the longest handoff", ("measure", "value"), left=("measure",)
+    )
     if "error" in mem:
         mt.add_row("error", mem["error"])
         return mt
@@ -524,18 +526,18 @@ def _memory_table(mem: dict[str, Any]) -> Table:
 
 def _concurrency_table(report: dict[str, Any]) -> Table:
     c = report["concurrency"]
-    ct = Table(
-        title="Concurrent requests to one decode agent", header_style="bold", caption=c["note"]
+    ct = table(
+        "Concurrent requests to one decode agent",
+        (
+            "requests",
+            "aggregate decode tok/s",
+            "x single",
+            "end-to-end tok/s",
+            "per-request tok/s",
+            "TTFT p50/max s",
+        ),
+        caption=c["note"],
     )
-    for col in (
-        "requests",
-        "aggregate decode tok/s",
-        "x single",
-        "end-to-end tok/s",
-        "per-request tok/s",
-        "TTFT p50/max s",
-    ):
-        ct.add_column(col, justify="right")
     for r in c["runs"]:
         ct.add_row(
             str(r["requests"]),

@@ -48,7 +48,7 @@ from rich.table import Table
 from agents import protocol as P
 from agents.codecpick import CodecSpeed, pick_codec, stream_rate
 from agents.kvcodec import WIRE_NUMPY, Codec, DType, Kind, LayerKV, decode_layer, encode_layer
-from disagg.bench.common import Say, Stamp, long_text, median, quiet, verdict
+from disagg.bench.common import Say, Stamp, long_text, median, quiet, table, verdict
 
 HANDOFF_BARE_BAR = 0.85  # ours / bare socket, at least
 HANDOFF_JSON_BAR = 10.0  # ours / JSON+base64 over HTTP, at least
@@ -555,20 +555,17 @@ HANDOFF_ROWS = (
 
 
 def _handoff_table(report: dict[str, Any], dtype: str, p: dict[str, Any]) -> Table:
-    t = Table(
-        title=(
-            f"KV handoff on loopback: {p['prompt_tokens']} tokens x {p['layers']} layers, "
-            f"{dtype}, {p['raw_bytes'] / 1e6:.1f} MB of K/V"
-        ),
-        header_style="bold",
+    t = table(
+        f"KV handoff on loopback: {p['prompt_tokens']} tokens x {p['layers']} layers, "
+        f"{dtype}, {p['raw_bytes'] / 1e6:.1f} MB of K/V",
+        ("path", "GB/s", "median s", "bytes on the wire", "bar"),
+        left=("path",),
         caption=(
             f"{report['date']} · {report['cpu_count']} CPUs · load avg (1 min) "
             f"{report['load_avg_1m']['start']} -> {report['load_avg_1m']['end']} · "
             "GB/s = raw K/V bytes / (connection open -> receiver's ack), median"
         ),
     )
-    for col in ("path", "GB/s", "median s", "bytes on the wire", "bar"):
-        t.add_column(col, justify="left" if col == "path" else "right")
     for label, key in HANDOFF_ROWS:
         t.add_row(
             label,
@@ -596,18 +593,13 @@ def _handoff_table(report: dict[str, Any], dtype: str, p: dict[str, Any]) -> Tab
 
 
 def _compression_table(dtype: str, c: dict[str, Any]) -> Table:
-    t = Table(
-        title=f"Compression on that KV ({dtype}); handoff at emulated link rates",
-        header_style="bold",
+    t = table(
+        f"Compression on that KV ({dtype}); handoff at emulated link rates",
+        ("codec", "ratio", "enc GB/s", "dec GB/s", *(f"{g} Gbit/s" for g in c["rates_gbit"])),
+        left=("codec",),
         caption="pipelined per layer: max-stage flow shop of compress -> link -> "
         "decompress (serial sum in brackets); the agents use level 1",
     )
-    t.add_column("codec")
-    t.add_column("ratio", justify="right")
-    t.add_column("enc GB/s", justify="right")
-    t.add_column("dec GB/s", justify="right")
-    for gbit in c["rates_gbit"]:
-        t.add_column(f"{gbit} Gbit/s", justify="right")
     for name, m in c["codecs"].items():
         cells = [
             f"{r['codecs'][name]['pipelined_s']:.3f} s ({r['codecs'][name]['serial_s']:.3f})"
