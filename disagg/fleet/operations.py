@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents.httpauth import control_get
 from agents.protocol import AuthError as ProtocolAuthError
 from agents.protocol import printable
 from disagg.errors import AgentError, DisaggError, ModelError
@@ -25,6 +24,7 @@ from disagg.fleet.inventory import Agent, Host, Inventory
 from disagg.fleet.service import AgentPaths, host_python, probe, remote_root, service_kind
 from disagg.fleet.ssh import HostResult, Session, connect_host, on_hosts, q
 from disagg.fleet.token import load_token
+from disagg.serving.control import control_status, parse_status
 
 LOAD_TIMEOUT_S = 600.0  # a 120B model can take minutes to load
 HTTP_TIMEOUT_S = 1.5
@@ -150,20 +150,6 @@ class AgentStatus:
         return self.state == "healthy" and not self.ssh_error
 
 
-def parse_status(raw: bytes | str) -> dict[str, Any]:
-    """An agent's /status answer as a dict; ValueError saying what is wrong
-    (not JSON, not an object, nested past reason)."""
-    try:
-        obj = json.loads(raw)
-    except RecursionError:
-        raise ValueError("/status answer nests JSON too deeply") from None
-    except ValueError as e:
-        raise ValueError(f"/status answer is not JSON: {printable(e, 80)}") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"/status answer is JSON {type(obj).__name__}, not an object")
-    return obj
-
-
 def _http_status(
     addresses: list[str], port: int, token: bytes | None
 ) -> tuple[str, dict[str, Any]] | str | None:
@@ -173,8 +159,7 @@ def _http_status(
     wrong: str | None = None
     for addr in addresses:
         try:
-            raw = control_get(addr, port, "/status", token, HTTP_TIMEOUT_S)
-            return f"{addr}:{port}", parse_status(raw)
+            return f"{addr}:{port}", control_status(addr, port, token, HTTP_TIMEOUT_S)
         except (ProtocolAuthError, ValueError) as e:
             wrong = wrong or f"{addr}:{port}: {printable(e)}"
         except OSError:

@@ -18,6 +18,7 @@ from typing import Any
 
 from agents.httpauth import control_get
 from disagg.errors import AgentError, ModelError
+from disagg.serving.control import control_status
 
 
 @dataclass
@@ -40,6 +41,10 @@ class AgentProc:
         """GET a control endpoint (/health, /status, /metrics), proving our token by
         challenge-response (agents.httpauth): the token never crosses the wire."""
         return control_get(self.host, self.control_port, path, self.token, timeout_s)
+
+    def status(self, timeout_s: float = 5.0) -> dict[str, Any]:
+        """The agent's /status (device, in flight, counters); OSError or ValueError if not."""
+        return control_status(self.host, self.control_port, self.token, timeout_s)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
