@@ -69,7 +69,7 @@ def test_missing_or_wrong_token_is_refused_and_logged(
     prefill, decode = pair
     before = prefill_requests(prefill)
     with pytest.raises(AuthError, match=message):
-        ask(decode, request(prefill.host, prefill.port), token=token)
+        client.generate(decode.host, decode.port, request(prefill.host, prefill.port), token=token)
     assert prefill_requests(prefill) == before  # no work was done anywhere
     if token is not None:
         assert "refused 127.0.0.1" in decode.log_path.read_text()
@@ -152,7 +152,9 @@ def test_the_token_never_crosses_the_wire(pair: tuple[AgentProc, AgentProc]) -> 
     prefill, decode = pair
     to_decode = Recorder((decode.host, decode.port))
     to_prefill = Recorder((prefill.host, prefill.port))
-    res = client.generate("127.0.0.1", to_decode.port, request("127.0.0.1", to_prefill.port))
+    res = client.generate(
+        "127.0.0.1", to_decode.port, request("127.0.0.1", to_prefill.port), token=decode.token
+    )
     assert res.metrics["method"] == "disaggregated"
     assert res.metrics["prefill_address"] == f"127.0.0.1:{to_prefill.port}"
     assert decode.token is not None
