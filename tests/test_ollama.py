@@ -207,7 +207,7 @@ def test_bodies_over_the_cap_are_413(base: str, path: str) -> None:
 
 
 def _in_flight(client: Client) -> int:
-    return int(json.loads(client.agents[1].control("/status"))["in_flight"])
+    return int(client.agents[1].status()["in_flight"])
 
 
 STORY = "Write a very long story about the sea."

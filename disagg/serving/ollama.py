@@ -13,7 +13,6 @@ import asyncio
 import json
 import threading
 import time
-import urllib.request
 from collections.abc import AsyncIterator
 from datetime import datetime, timezone
 from typing import Any
@@ -22,8 +21,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from agents.protocol import AuthError
 from disagg.api import Chunk, Client, Completion
 from disagg.errors import DisaggError, UsageError
+from disagg.serving.control import control_status
 from disagg.serving.guard import unless_gone
 
 VERSION = "0.12.0"  # the Ollama API version whose shapes these are
@@ -127,14 +128,10 @@ class ModelInfo:
         for ep in router.pipeline(name).decode:
             if ep.control_port is None:
                 continue
-            req = urllib.request.Request(f"http://{ep.host}:{ep.control_port}/status")
-            if router.token:
-                req.add_header("Authorization", f"Bearer {router.token.decode()}")
             try:
-                with urllib.request.urlopen(req, timeout=2.0) as resp:
-                    info = json.loads(resp.read())
+                info = control_status(ep.host, ep.control_port, router.token, timeout_s=2.0)
                 break
-            except (OSError, ValueError):
+            except (OSError, ValueError, AuthError):
                 continue
         with self.lock:
             self.cache[name] = (now, info)
