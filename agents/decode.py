@@ -14,12 +14,14 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from . import fastblas  # first: it gives mlx an optimized BLAS before mlx loads
+
+# isort: split
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 
-from . import fastblas
 from . import protocol as P
 from .batching import DecodeLoop, Sampler, Seq, make_sampler, sample_rows
 from .codecpick import CodecTuner
@@ -151,6 +153,7 @@ class DecodeAgent:
             "device": self.engine.device,
             "blas": fastblas.loaded,
             "fingerprint": self.engine.fingerprint,
+            "context": self.engine.context,
             "queued": batch["batch_waiting"],
             "max_batch": self.loop.max_batch,
             **batch,

@@ -373,7 +373,7 @@ def _concurrency_row(n: int, results: list[Stamped | BaseException], wall: float
 
 MLX_CHILD = """
 import json, sys, time
-import agents  # the same BLAS as the decode agent (agents/fastblas.py)
+import agents.fastblas  # the same BLAS as the decode agent
 import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.generate import generate_step

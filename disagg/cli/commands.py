@@ -195,19 +195,62 @@ def serve(
         int, typer.Option("--decode-agents", help="Decode agents per model with --local.")
     ] = 1,
     dtype: Dtype = "auto",
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            "--api-key",
+            envvar="DISAGG_API_KEY",
+            help="Require this key (Authorization: Bearer KEY) on every route.",
+        ),
+    ] = None,
+    api_key_file: Annotated[
+        Path | None, typer.Option("--api-key-file", help="Read the API key from this file.")
+    ] = None,
 ) -> None:
-    """OpenAI-compatible gateway: /v1/models, /v1/completions, /v1/chat/completions."""
+    """OpenAI- and Ollama-compatible gateway: /v1/... and /api/... on one port."""
+    import signal
+    import sys
+
     import uvicorn
 
     from disagg.serving.gateway import create_app
 
     if decode_agents < 1:
         raise UsageError(f"--decode-agents must be at least 1, got {decode_agents}")
+    key = _api_key(api_key, api_key_file)
+    if key is None and host not in LOOPBACK:
+        err.print(
+            f"[yellow]warning:[/] serving on {host} without an API key: anyone who reaches "
+            "this port can use the models (add --api-key or DISAGG_API_KEY)",
+            soft_wrap=True,
+        )
+    # SIGTERM (systemd, docker, kill) unwinds like Ctrl-C, so the local agents stop too;
+    # uvicorn hands the signal back to this handler once it has shut down.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     with _open_client(
         local, list(model) if model else [None], inventory, dtype, decode_agents
     ) as client:
-        err.print(f"serving {', '.join(client.models())} on http://{host}:{port}/v1")
-        uvicorn.run(create_app(client), host=host, port=port, log_level="warning")
+        err.print(
+            f"serving {', '.join(client.models())} on http://{host}:{port} "
+            f"(OpenAI: /v1, Ollama: /api){', API key required' if key else ''}"
+        )
+        uvicorn.run(create_app(client, api_key=key), host=host, port=port, log_level="warning")
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _api_key(given: str | None, path: Path | None) -> str | None:
+    if given is not None and path is not None:
+        raise UsageError("give --api-key or --api-key-file, not both")
+    if path is not None:
+        try:
+            given = path.read_text().strip()
+        except OSError as e:
+            raise UsageError(f"cannot read --api-key-file {path}: {e.strerror}") from None
+    if given is not None and not given.strip():
+        raise UsageError("the API key is empty: give a non-empty --api-key")
+    return given.strip() if given is not None else None
 
 
 @app.command()

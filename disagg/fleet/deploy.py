@@ -20,22 +20,12 @@ from disagg.errors import AgentError, AuthError, ModelError
 from disagg.fleet import service
 from disagg.fleet.inventory import Agent, Host, Inventory
 from disagg.fleet.operations import start_agent
+from disagg.fleet.requirements import role_modules, role_requirements
 from disagg.fleet.service import HostInfo, host_python, probe, remote_root, service_kind
 from disagg.fleet.ssh import HostResult, Session, on_hosts, q
 from disagg.fleet.token import load_token
 
 Say = Callable[[str, str], None]  # (host, message)
-
-# What each role imports on a host; mirrors pyproject's [prefill] and [decode] extras.
-ROLE_MODULES = {
-    "prefill": ["torch", "transformers", "safetensors", "zstandard", "numpy"],
-    "decode": ["mlx_lm", "zstandard", "numpy"],
-}
-ROLE_REQUIREMENTS = {
-    "prefill": ["torch>=2.4,<3", "transformers>=4.56", "safetensors>=0.4"],
-    "decode": ["mlx-lm>=0.28"],
-}
-COMMON_REQUIREMENTS = ["zstandard>=0.22", "numpy>=1.26"]
 
 HASH_SCRIPT = """
 import hashlib, json, os, sys
@@ -87,7 +77,7 @@ def _ensure_python(
     host: Host, session: Session, info: HostInfo, roles: list[str], dry: bool, say: Say
 ) -> str:
     py = host_python(host, info)
-    mods = sorted({m for r in roles for m in ROLE_MODULES[r]})
+    mods = sorted({m for r in roles for m in role_modules(r)})
     res = session.run(f"{q(py)} -c {q(CHECK_SCRIPT)} {' '.join(mods)}")
     missing = json.loads(res.out)["missing"] if res.rc == 0 else mods
     if not missing:
@@ -99,7 +89,7 @@ def _ensure_python(
             f"{host.name}: python {py} {why}; fix: pip install 'disagg[{extras}]' with it, or "
             f"remove hosts.{host.name}.python so deploy prepares a venv"
         )
-    reqs = sorted({r for role in roles for r in ROLE_REQUIREMENTS[role]} | set(COMMON_REQUIREMENTS))
+    reqs = sorted({r for role in roles for r in role_requirements(role)})
     if dry:
         say(host.name, f"would create {py} and pip install {' '.join(reqs)}")
         return py

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agents import lifeline
 from agents.httpauth import control_get
 from disagg.errors import AgentError, ModelError
 from disagg.serving.control import control_status
@@ -106,6 +107,11 @@ def spawn_agent(
         *extra_args,
     ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if not prefix:
+        # Our child: it dies with this process, even a SIGKILLed one (agents/lifeline.py).
+        env[lifeline.ENV] = str(os.getpid())
+        if threading.current_thread() is threading.main_thread():
+            env[lifeline.ENV_PDEATHSIG] = "1"
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True, env=env
