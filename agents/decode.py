@@ -348,6 +348,8 @@ class DecodeAgent:
             self.placement.observe_step(decode_s / (len(out) - 1))
         metrics.update(
             completion_tokens=len(out),
+            # max_tokens here is the request's, capped by what the context leaves.
+            finish_reason="length" if len(out) >= max_tokens else "stop",
             ttft=ttft,
             decode_time=decode_s,
             decode_speed=(len(out) - 1) / decode_s if len(out) > 1 and decode_s > 0 else None,

@@ -176,7 +176,9 @@ class Client:
         if tail:
             emit(tail)
         m = result.metrics
-        reason = "length" if m.get("completion_tokens") == req["max_tokens"] else "stop"
+        reason = m.get("finish_reason") or (
+            "length" if m.get("completion_tokens") == req["max_tokens"] else "stop"
+        )
         return Completion(result.text, result.token_ids, m, reason, model)
 
     def _stream(
