@@ -335,10 +335,22 @@ def _host(c: _Checker, name: str, raw: Any) -> Host:
         data=c.strings(raw, key, "data"),
         roles=roles,
         python=c.text(raw, key, "python"),
-        remote_dir=c.text(raw, key, "remote_dir") or "~/.disagg",
+        remote_dir=_remote_dir(c, raw, key),
         service=c.choice(raw, key, "service", SERVICES),
         cpus=c.cpu_list(raw, key, "cpus"),
     )
+
+
+def _remote_dir(c: _Checker, raw: Any, key: str) -> str:
+    path = c.text(raw, key, "remote_dir") or "~/.disagg"
+    # Every other character is quoted for the shell, systemd or launchd; a newline can't be.
+    if any(ord(ch) < 32 or ord(ch) == 127 for ch in path):
+        raise c.fail(
+            f"{key}.remote_dir",
+            f"{path!r} holds a newline or control character",
+            "choose a directory name without one",
+        )
+    return path
 
 
 def _pipeline(c: _Checker, name: str, raw: Any, hosts: dict[str, Host]) -> Pipeline:

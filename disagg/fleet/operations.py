@@ -40,8 +40,12 @@ class AgentAction:
     detail: str = ""
 
 
-def _tail_log(session: Session, paths: AgentPaths, n: int = 5) -> str:
-    return session.run(f"tail -n {n} {q(paths.log)} 2>/dev/null").out.strip()
+def _tail_log(session: Session, paths: AgentPaths, n: int = 5, stderr: bool = True) -> str:
+    """The end of the agent's log, then of its stderr (where a crash's traceback goes)."""
+    cmd = f"tail -n {n} {q(paths.log)} 2>/dev/null"
+    if stderr:
+        cmd += f"; tail -n {n} {q(paths.stderr)} 2>/dev/null"
+    return session.run(cmd).out.strip()
 
 
 def start_agent(
@@ -65,12 +69,12 @@ def start_agent(
         if seen_alive and not alive:
             raise AgentError(
                 f"{session.name}: {paths.role} agent exited while starting; "
-                f"{paths.log}:\n{_tail_log(session, paths)}"
+                f"{paths.log}, {paths.role}.stderr:\n{_tail_log(session, paths)}"
             )
         time.sleep(0.5)
     raise AgentError(
         f"{session.name}: {paths.role} agent not READY within {timeout_s:.0f}s; "
-        f"{paths.log}:\n{_tail_log(session, paths)}"
+        f"{paths.log}, {paths.role}.stderr:\n{_tail_log(session, paths)}"
     )
 
 
@@ -238,9 +242,8 @@ def _agent_status(
         return AgentStatus(host, a.role, "healthy", "ssh", st, pid, rss, note)
     starting = session.run(f"grep -c '^READY ' {q(paths.out)}").out.strip() in ("", "0")
     state = "starting" if starting else "not responding"
-    return AgentStatus(
-        host, a.role, state, pid=pid, rss_bytes=rss, detail=_tail_log(session, paths, 1)
-    )
+    last = _tail_log(session, paths, 1, stderr=False)
+    return AgentStatus(host, a.role, state, pid=pid, rss_bytes=rss, detail=last)
 
 
 def status(inv: Inventory, hosts: list[str] | None = None) -> list[AgentStatus]:
