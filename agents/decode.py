@@ -29,6 +29,7 @@ from .metrics import Stats
 from .mlxcache import MX_DTYPES, cache_kinds, fill_layer
 from .models import UnsupportedModel, get_adapter, load_hf_config
 from .placement import Placement
+from .quant import check_supported, weights_identity
 from .server import common_args, fail, load_token, serve, setup_logging
 
 log = logging.getLogger("disagg.decode")
@@ -47,6 +48,7 @@ class DecodeEngine:
         if device in ("cpu", "gpu"):
             mx.set_default_device(mx.cpu if device == "cpu" else mx.gpu)
         self.model_dir = model_dir
+        check_supported(model_dir)
         self.cfg = load_hf_config(model_dir)
         self.adapter = adapter = get_adapter(self.cfg["model_type"])
 
@@ -83,6 +85,7 @@ class DecodeEngine:
             "head_dim": adapter.head_dim(self.cfg),
             "dtype": self.dtype,
             "layers": cache_kinds(make_prompt_cache(self.model)),
+            "weights": weights_identity(model_dir),
         }
 
     def encode(self, req: dict[str, Any]) -> list[int]:
@@ -124,9 +127,16 @@ def first_token(
 
 class DecodeAgent:
     def __init__(
-        self, engine: DecodeEngine, name: str, token: bytes | None = None, max_batch: int = 32
+        self,
+        engine: DecodeEngine,
+        name: str,
+        token: bytes | None = None,
+        max_batch: int = 32,
+        allow_mixed: bool = False,
     ) -> None:
         self.engine = engine
+        # Accept a prefill agent on other weights (results then say weights: "mixed").
+        self.allow_mixed = allow_mixed
         self.name = name
         self.token = token  # the cluster token, also proves us to prefill agents
         self.stats = Stats("decode")
@@ -247,6 +257,7 @@ class DecodeAgent:
             "fingerprint": self.engine.fingerprint,
             "model": self.engine.model_dir,
             "server": self.name,
+            "allow_mixed": self.allow_mixed,
         }
         fills: list[Future[Any]] = []
 
@@ -312,6 +323,7 @@ class DecodeAgent:
             "decode_server": self.name,
             "prefill_server": None,
             "prefill_time": None,
+            "weights": "same",  # a remote prefill on other weights says "mixed"
         }
         caches, remote_logits = self._prefill(req, ids, metrics)
         t_local = time.perf_counter()
@@ -393,6 +405,11 @@ def main(argv: list[str] | None = None) -> None:
         default=32,
         help="most requests decoded together in one step; more wait for a free slot",
     )
+    parser.add_argument(
+        "--allow-mixed",
+        action="store_true",
+        help="accept prefill agents whose weights differ from ours (metrics say so)",
+    )
     args = parser.parse_args(argv)
     if args.max_batch < 1:
         fail("--max-batch must be at least 1")
@@ -404,7 +421,11 @@ def main(argv: list[str] | None = None) -> None:
         fail(str(e))
     log.info("loaded %s on %s as %s", args.model, engine.device, engine.dtype)
     agent = DecodeAgent(
-        engine, args.name or f"decode@{socket.gethostname()}", token, max_batch=args.max_batch
+        engine,
+        args.name or f"decode@{socket.gethostname()}",
+        token,
+        max_batch=args.max_batch,
+        allow_mixed=args.allow_mixed,
     )
     serve(
         "decode",

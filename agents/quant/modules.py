@@ -65,6 +65,7 @@ class PackedWeightHook:
         if "weight" in module._parameters:
             del module._parameters["weight"]
         module.__dict__["weight"] = None
+        module.__dict__["packed"] = packed  # for inspection (tests compare it with mlx)
         module.register_forward_pre_hook(self.before)
         module.register_forward_hook(self.after)
 
