@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -80,24 +78,6 @@ class Checkpoint:
             if f.readinto(memoryview(buf.numpy())) != end - begin:
                 raise UnsupportedModel(f"{file} is truncated at tensor {name}")
         return buf.view(dtype).reshape(entry["shape"])
-
-
-@contextmanager
-def params_on_meta() -> Iterator[None]:
-    """Parameters created inside go to the meta device (never filled); buffers,
-    like RoPE's inv_freq, stay real. Same idea as accelerate's init_empty_weights."""
-    orig = nn.Module.register_parameter
-
-    def register(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and param.device.type != "meta":
-            param = nn.Parameter(param.to("meta"), requires_grad=False)
-        orig(self, name, param)
-
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = orig  # type: ignore[method-assign]
 
 
 def hf_config(cfg: dict[str, Any], dtype: torch.dtype) -> Any:
@@ -213,9 +193,12 @@ class PackedLoader:
         from transformers.initialization import no_init_weights
 
         config = hf_config(self.cfg, self.dtype)
-        with params_on_meta(), no_init_weights():
+        # Everything on the meta device: even an untouched torch.empty of the
+        # embedding costs resident pages here. Buffers are rebuilt below.
+        with torch.device("meta"), no_init_weights():
             model: Any = AutoModelForCausalLM.from_config(config, dtype=self.dtype)
         model.eval()
+        self._rebuild_buffers(model)
         names = self.ckpt.names()
         layers = sorted({m["layer"] for n in names if (m := EXPERTS.match(n))})
         for layer in layers:
@@ -235,12 +218,22 @@ class PackedLoader:
                 f"{self.dir}: the checkpoint lacks {', '.join(missing[:3])}"
                 f"{' ...' if len(missing) > 3 else ''} for transformers' {self.cfg['model_type']}"
             )
-        # Buffers (RoPE frequencies) were built on the CPU.
-        for mod in model.modules():
-            for key, buf in list(mod._buffers.items()):
-                if buf is not None and buf.device.type != torch.device(self.device).type:
-                    mod._buffers[key] = buf.to(self.device)
         return model
+
+    def _rebuild_buffers(self, model: nn.Module) -> None:
+        """Buffers made on the meta device (RoPE's inv_freq): build their module
+        again for real; it computes them from the config."""
+        for name, mod in list(model.named_modules()):
+            if not any(b is not None and b.is_meta for b in mod._buffers.values()):
+                continue
+            config = getattr(mod, "config", None)
+            if config is None or "rotary" not in type(mod).__name__.lower():
+                raise UnsupportedModel(
+                    f"{self.dir}: cannot build {name} ({type(mod).__name__}) without its weights"
+                )
+            parent, _, leaf = name.rpartition(".")
+            with torch.device(self.device):
+                setattr(model.get_submodule(parent), leaf, type(mod)(config))
 
     def _module(self, model: nn.Module, path: str) -> nn.Module:
         try:

@@ -137,3 +137,47 @@ class PackedExperts(nn.Module):
             y = y * top_k_weights[tok, pos, None]
             out.index_add_(0, tok, y.to(out.dtype))
         return out
+
+
+def materialize(model: nn.Module) -> int:
+    """Dequantize every packed weight of `model` in place, for good (what loading
+    a dequantized copy would give). For comparisons: packed vs dequantized at load.
+    Returns the bytes of the full-precision weights made."""
+    made = 0
+    memo: dict[int, torch.Tensor] = {}  # a tied head shares its embedding's tensor
+
+    def full(p: Packed) -> torch.Tensor:
+        nonlocal made
+        if id(p) not in memo:
+            memo[id(p)] = p.full()
+            made += memo[id(p)].nbytes
+        return memo[id(p)]
+
+    for name, mod in list(model.named_modules()):
+        parent_name, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if name else None
+        new: nn.Module | None = None
+        if isinstance(mod, QuantLinear):
+            w = full(mod.packed)
+            new = nn.Linear(w.shape[1], w.shape[0], bias=mod.bias is not None, device="meta")
+            new.weight = nn.Parameter(w, requires_grad=False)
+            if mod.bias is not None:
+                new.bias = mod.bias
+        elif isinstance(mod, QuantEmbedding):
+            w = full(mod.packed)
+            new = nn.Embedding(w.shape[0], w.shape[1], device="meta")
+            new.weight = nn.Parameter(w, requires_grad=False)
+        elif isinstance(mod, PackedExperts):
+            for attr in ("gate", "up", "down"):
+                p = getattr(mod, attr)
+                if isinstance(p, Packed):
+                    setattr(mod, attr, full(p))
+        elif isinstance(mod.__dict__.get("packed"), Packed):  # a hooked router
+            w = full(mod.__dict__.pop("packed"))
+            mod._forward_pre_hooks.clear()
+            mod._forward_hooks.clear()
+            del mod.__dict__["weight"]
+            mod.weight = nn.Parameter(w, requires_grad=False)
+        if new is not None and parent is not None:
+            setattr(parent, leaf, new)
+    return made
