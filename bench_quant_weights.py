@@ -151,7 +151,7 @@ def _agents(model_dir: Path, tokens: int, new_tokens: int, repeats: int) -> dict
         remote, local = ttft("remote"), ttft("local")
         req = {**base, "max_tokens": new_tokens, "ignore_eos": True, "placement": "remote"}
         res = client.generate(decode.host, decode.port, req, token=decode.token)
-        steps = generate_step(mx.array(res.prompt_ids), eng.model, max_tokens=new_tokens)
+        steps = generate_step(mx.array(res.prompt_ids or []), eng.model, max_tokens=new_tokens)
         alone = [int(t) for t, _ in steps]
         same = sum(a == b for a, b in zip(res.token_ids, alone, strict=False))
         first_diff = next(

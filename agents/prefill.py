@@ -92,9 +92,10 @@ class PrefillEngine:
                 model_dir, self.cfg, TORCH_DTYPES[self.dtype], self.device
             )
         else:
-            model = AutoModelForCausalLM.from_pretrained(
+            loaded: Any = AutoModelForCausalLM.from_pretrained(
                 model_dir, dtype=TORCH_DTYPES[self.dtype]
-            ).to(self.device)
+            )
+            model = loaded.to(self.device)
         self.model = model.eval()
         # The decoder stack without the LM head: prefill never needs logits.
         self.body = getattr(self.model, self.model.base_model_prefix)

@@ -73,8 +73,9 @@ def tiny_source(arch: str) -> Path:
 def quant_dir(name: str) -> Path:
     """The cached checkpoint `name` (see MLX_DIRS, or "gptoss-hf-mxfp4")."""
     if name == "gptoss-hf-mxfp4":
-        return _publish(lambda dst: write_hf_mxfp4_gptoss(tiny_source("gpt_oss"), dst),
-                        cache_root() / name)
+        return _publish(
+            lambda dst: write_hf_mxfp4_gptoss(tiny_source("gpt_oss"), dst), cache_root() / name
+        )
     source, kwargs = MLX_DIRS[name]
     if source == "smol":
         from disagg.defaultmodel import ensure_default_model

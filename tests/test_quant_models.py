@@ -47,7 +47,7 @@ def pair(pairs: dict[str, Any], name: str) -> tuple[AgentProc, AgentProc]:
         pairs[name] = start_local_pair(
             quant_dir(name), log_dir=pairs["_root"] / name, token_file=pairs["_token_file"]
         )
-    return pairs[name]  # type: ignore[no-any-return]
+    return pairs[name]
 
 
 def request(prefill: AgentProc, n: int = N_NEW, **extra: Any) -> dict[str, Any]:
@@ -74,9 +74,7 @@ def mlx_counterpart(torch_model: Any, path: str) -> Any:
                 experts = torch_model.get_submodule(path[: -len(suffix)] + ".mlp.experts")
                 assert isinstance(experts, PackedExperts)
                 return getattr(experts, proj)
-    return torch_model.get_submodule(path).__dict__.get("packed") or getattr(
-        torch_model.get_submodule(path), "packed"
-    )
+    return torch_model.get_submodule(path).__dict__["packed"]
 
 
 @pytest.mark.parametrize("name", DIRS)
@@ -101,13 +99,20 @@ def test_packed_weights_are_bit_identical_to_mx_dequantize(name: str) -> None:
         if "scales" not in mod:
             continue
         ref = mx.dequantize(
-            mod["weight"], mod["scales"], mod.get("biases"), mod.group_size, mod.bits,
-            mode=mod.mode, dtype=mx.float32 if mod.mode != "affine" else None,
+            mod["weight"],
+            mod["scales"],
+            mod.get("biases"),
+            mod.group_size,
+            mod.bits,
+            mode=mod.mode,
+            dtype=mx.float32 if mod.mode != "affine" else None,
         )
         ours = mlx_counterpart(pre.model, path)
         assert isinstance(ours, Packed), path
         assert (ours.spec.mode, ours.spec.bits, ours.spec.group_size) == (
-            mod.mode, mod.bits, mod.group_size
+            mod.mode,
+            mod.bits,
+            mod.group_size,
         ), path
         assert same_bits(ours.full(), to_torch(ref).to(ours.dtype)), path
         checked += 1
@@ -116,9 +121,7 @@ def test_packed_weights_are_bit_identical_to_mx_dequantize(name: str) -> None:
     assert checked > 0 and modes >= 1
     if name == "moe-affine4":  # mlx-lm's 8-bit router override, and 4-bit experts
         assert seen_modes == {("affine", 4), ("affine", 8)}
-    assert pre.packed_bytes > 0 and all(
-        p.device.type != "meta" for p in pre.model.parameters()
-    )
+    assert pre.packed_bytes > 0 and all(p.device.type != "meta" for p in pre.model.parameters())
     del torch
 
 
@@ -143,8 +146,13 @@ def test_mixed_weights_are_refused_unless_allowed_then_labelled(pairs: dict[str,
     try:
         for allow in (False, True):
             extra = ["--token-file", str(pairs["_token_file"])] + (["--allow-mixed"] * allow)
-            spawned = spawn_agent("decode", source, name=f"decode-mixed-{allow}",
-                                  log_dir=root / f"mixed-{allow}", extra_args=extra)
+            spawned = spawn_agent(
+                "decode",
+                source,
+                name=f"decode-mixed-{allow}",
+                log_dir=root / f"mixed-{allow}",
+                extra_args=extra,
+            )
             decodes.append(wait_ready("decode", *spawned, timeout_s=300))
         token = pairs["_token_file"].read_bytes().strip()
         with pytest.raises(ModelMismatch) as info:

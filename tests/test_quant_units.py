@@ -15,8 +15,11 @@ from agents.quant import check_supported, weights_mismatch
 from agents.quant.dequant import FP_MODES, Packed, QSpec
 from tests.quantmodels import mxfp4_quantize
 
-DTYPES = {"float32": (mx.float32, torch.float32), "bfloat16": (mx.bfloat16, torch.bfloat16),
-          "float16": (mx.float16, torch.float16)}
+DTYPES = {
+    "float32": (mx.float32, torch.float32),
+    "bfloat16": (mx.bfloat16, torch.bfloat16),
+    "float16": (mx.float16, torch.float16),
+}
 
 
 def to_torch(a: mx.array) -> torch.Tensor:
@@ -46,8 +49,9 @@ def test_affine_dequant_is_bit_identical_to_mx(dtype: str, bits: int, group: int
     w = weights((3, 40, 384)).astype(mxt)  # stacked like MoE experts
     wq, scales, biases = mx.quantize(w, group_size=group, bits=bits)
     ref = mx.dequantize(wq, scales, biases, group_size=group, bits=bits)
-    p = Packed(to_torch(wq), to_torch(scales), to_torch(biases), QSpec("affine", bits, group),
-               384, tt)
+    p = Packed(
+        to_torch(wq), to_torch(scales), to_torch(biases), QSpec("affine", bits, group), 384, tt
+    )
     assert same_bits(p.full(), to_torch(ref))
     assert same_bits(p.expert(1), to_torch(ref[1]))
     rows = torch.tensor([5, 0, 39])
@@ -59,7 +63,7 @@ def test_affine_dequant_is_bit_identical_to_mx(dtype: str, bits: int, group: int
 @pytest.mark.parametrize("mode", list(FP_MODES))
 def test_fp_modes_dequant_is_bit_identical_to_mx(dtype: str, mode: str) -> None:
     mxt, tt = DTYPES[dtype]
-    wq, scales = mx.quantize(weights((40, 256)).astype(mxt), mode=mode)
+    wq, scales, *_ = mx.quantize(weights((40, 256)).astype(mxt), mode=mode)
     ref = mx.dequantize(wq, scales, mode=mode, dtype=mxt)
     bits, group = FP_MODES[mode]
     p = Packed(to_torch(wq), to_torch(scales), None, QSpec(mode, bits, group), 256, tt)
@@ -73,15 +77,22 @@ def test_openai_mxfp4_blocks_from_the_test_helper_read_as_mlx_reads_them() -> No
     blocks, scales = mxfp4_quantize(w)  # [E, out, G, 16], [E, out, G]
     words = mx.array(blocks).view(mx.uint32).flatten(-2)
     ref = mx.dequantize(words, mx.array(scales), mode="mxfp4", dtype=mx.float32)
-    p = Packed(torch.from_numpy(blocks.reshape(2, 24, -1)), torch.from_numpy(scales), None,
-               QSpec("mxfp4", 4, 32), 128, torch.float32)
+    p = Packed(
+        torch.from_numpy(blocks.reshape(2, 24, -1)),
+        torch.from_numpy(scales),
+        None,
+        QSpec("mxfp4", 4, 32),
+        128,
+        torch.float32,
+    )
     assert same_bits(p.full(), to_torch(ref))
     err = np.abs(np.array(ref) - w) / (np.abs(w).max(axis=-1, keepdims=True))
     assert err.max() <= 0.25  # half the largest E2M1 step at the group's scale
 
 
-def _dir(tmp_path: Path, cfg: dict[str, object], files: tuple[str, ...] = ("model.safetensors",)
-         ) -> Path:
+def _dir(
+    tmp_path: Path, cfg: dict[str, object], files: tuple[str, ...] = ("model.safetensors",)
+) -> Path:
     d = tmp_path / "m"
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"model_type": "llama", **cfg}))
@@ -123,19 +134,38 @@ def test_gguf_is_refused_as_a_file_or_a_dir(tmp_path: Path) -> None:
 
 
 def test_supported_configs_pass(tmp_path: Path) -> None:
-    check_supported(_dir(tmp_path, {"quantization": {
-        "bits": 4, "group_size": 64, "mode": "affine",
-        "model.layers.0.mlp.gate": {"bits": 8, "group_size": 64},
-    }}))
+    check_supported(
+        _dir(
+            tmp_path,
+            {
+                "quantization": {
+                    "bits": 4,
+                    "group_size": 64,
+                    "mode": "affine",
+                    "model.layers.0.mlp.gate": {"bits": 8, "group_size": 64},
+                }
+            },
+        )
+    )
 
 
 def test_weights_mismatch_names_both_sides_and_the_fix() -> None:
     a = {"weights": {"quantization": None, "digest": "aaaa"}}
-    b = {"weights": {"quantization": {"mode": "affine", "bits": 4, "group_size": 64},
-                     "digest": "bbbb"}}
+    b = {
+        "weights": {
+            "quantization": {"mode": "affine", "bits": 4, "group_size": 64},
+            "digest": "bbbb",
+        }
+    }
     assert weights_mismatch(a, dict(a), "/m/fp", "/m/fp") is None
     line = weights_mismatch(a, b, "/m/fp", "/m/q4") or ""
     assert "\n" not in line
-    for part in ("/m/fp", "/m/q4", "full precision", "4-bit affine g64", "mixed_weights = true",
-                 "--allow-mixed"):
+    for part in (
+        "/m/fp",
+        "/m/q4",
+        "full precision",
+        "4-bit affine g64",
+        "mixed_weights = true",
+        "--allow-mixed",
+    ):
         assert part in line

@@ -60,7 +60,9 @@ def quant_summary(cfg: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _refuse(path: Path, found: str) -> UnsupportedModel:
-    return UnsupportedModel(f"{path}: {found} checkpoints are not supported ({SUPPORTED}); {CONVERT}")
+    return UnsupportedModel(
+        f"{path}: {found} checkpoints are not supported ({SUPPORTED}); {CONVERT}"
+    )
 
 
 def check_supported(model_dir: str | Path) -> None:
@@ -164,9 +166,7 @@ def describe(weights: dict[str, Any] | None) -> str:
     if not weights:
         return "unknown weights"
     q = weights.get("quantization")
-    kind = (
-        f"{q.get('bits')}-bit {q.get('mode')} g{q.get('group_size')}" if q else "full precision"
-    )
+    kind = f"{q.get('bits')}-bit {q.get('mode')} g{q.get('group_size')}" if q else "full precision"
     return f"{kind} (weights {weights.get('digest')})"
 
 

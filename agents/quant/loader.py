@@ -75,7 +75,7 @@ class Checkpoint:
         buf = torch.empty(end - begin, dtype=torch.uint8)
         with open(file, "rb") as f:
             f.seek(start + begin)
-            if f.readinto(memoryview(buf.numpy())) != end - begin:
+            if f.readinto(buf.numpy()) != end - begin:  # type: ignore[arg-type]
                 raise UnsupportedModel(f"{file} is truncated at tensor {name}")
         return buf.view(dtype).reshape(entry["shape"])
 
@@ -130,8 +130,9 @@ class PackedLoader:
     def packed(self, path: str, n_in: int) -> Packed:
         spec = self.spec_for(path, n_in)
         biases = self.take(f"{path}.biases") if f"{path}.biases" in self.ckpt else None
-        p = Packed(self.take(f"{path}.weight"), self.take(f"{path}.scales"), biases, spec, n_in,
-                   self.dtype).to(self.device)
+        p = Packed(
+            self.take(f"{path}.weight"), self.take(f"{path}.scales"), biases, spec, n_in, self.dtype
+        ).to(self.device)
         self.packed_bytes += p.nbytes
         return p
 
@@ -145,12 +146,16 @@ class PackedLoader:
         cfg, kind = self.cfg, self.cfg["model_type"]
         hidden = int(cfg["hidden_size"])
         if kind == "qwen3_moe":
-            inter, n_exp = int(cfg["moe_intermediate_size"]), int(
-                cfg.get("num_experts") or cfg["num_local_experts"]
+            inter, n_exp = (
+                int(cfg["moe_intermediate_size"]),
+                int(cfg.get("num_experts") or cfg["num_local_experts"]),
             )
         else:
             inter, n_exp = int(cfg["intermediate_size"]), int(cfg["num_local_experts"])
         biases = None
+        gate: Packed | torch.Tensor
+        up: Packed | torch.Tensor
+        down: Packed | torch.Tensor
         if f"{layer}.experts.gate_up_proj_blocks" in self.ckpt:  # OpenAI's MXFP4 layout
             gate, up, gate_b, up_b = self._split_gate_up(f"{layer}.experts", hidden)
             down = self._hf_blocks(f"{layer}.experts.down_proj", inter)
@@ -161,11 +166,18 @@ class PackedLoader:
             up = self.experts_weight(f"{base}.up_proj", hidden)
             down = self.experts_weight(f"{base}.down_proj", inter)
             if f"{base}.gate_proj.bias" in self.ckpt:
-                biases = tuple(self.plain(f"{base}.{p}.bias") for p in ("gate_proj", "up_proj",
-                                                                         "down_proj"))  # type: ignore[assignment]
+                biases = tuple(
+                    self.plain(f"{base}.{p}.bias") for p in ("gate_proj", "up_proj", "down_proj")
+                )  # type: ignore[assignment]
         old: Any = model.get_submodule(f"{layer}.experts")
         new = PackedExperts(
-            kind, gate, up, down, n_exp, self.dtype, biases,
+            kind,
+            gate,
+            up,
+            down,
+            n_exp,
+            self.dtype,
+            biases,
             act=getattr(old, "act_fn", None),
             alpha=float(getattr(old, "alpha", 1.702)),
             limit=float(getattr(old, "limit", 7.0)),
@@ -176,8 +188,9 @@ class PackedLoader:
         blocks = self.take(f"{prefix}_blocks")  # [E, out, G, 16] uint8
         scales = self.take(f"{prefix}_scales")  # [E, out, G] E8M0
         blocks = blocks.reshape(*blocks.shape[:2], -1)[:, rows].contiguous()
-        p = Packed(blocks, scales[:, rows].contiguous(), None, QSpec("mxfp4", 4, 32), n_in,
-                   self.dtype).to(self.device)
+        p = Packed(
+            blocks, scales[:, rows].contiguous(), None, QSpec("mxfp4", 4, 32), n_in, self.dtype
+        ).to(self.device)
         self.packed_bytes += p.nbytes
         return p
 
@@ -279,8 +292,9 @@ class PackedLoader:
             head.weight = emb.weight
 
 
-def load_packed_model(model_dir: str | Path, cfg: dict[str, Any], dtype: torch.dtype,
-                      device: str) -> tuple[nn.Module, int]:
+def load_packed_model(
+    model_dir: str | Path, cfg: dict[str, Any], dtype: torch.dtype, device: str
+) -> tuple[nn.Module, int]:
     """The transformers model for `model_dir` with quantized weights kept packed,
     and the bytes of packed weights it holds. Raises UnsupportedModel."""
     loader = PackedLoader(Path(model_dir), cfg, dtype, device)
