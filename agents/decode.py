@@ -31,6 +31,7 @@ from .metrics import Stats
 from .mlxcache import MX_DTYPES, cache_kinds, fill_layer
 from .models import UnsupportedModel, get_adapter, load_hf_config
 from .placement import Placement
+from .quant import check_supported, weights_identity
 from .request import GenerateRequest, RequestError
 from .server import common_args, fail, load_token, serve, setup_logging
 
@@ -50,6 +51,7 @@ class DecodeEngine:
         if device in ("cpu", "gpu"):
             mx.set_default_device(mx.cpu if device == "cpu" else mx.gpu)
         self.model_dir = model_dir
+        check_supported(model_dir)
         self.cfg = load_hf_config(model_dir)
         self.adapter = adapter = get_adapter(self.cfg["model_type"])
 
@@ -86,6 +88,7 @@ class DecodeEngine:
             "head_dim": adapter.head_dim(self.cfg),
             "dtype": self.dtype,
             "layers": cache_kinds(make_prompt_cache(self.model)),
+            "weights": weights_identity(model_dir),
         }
 
     def encode(self, req: GenerateRequest) -> list[int]:
@@ -129,8 +132,11 @@ class DecodeAgent:
         token: bytes | None = None,
         max_batch: int = 32,
         max_request_bytes: int = P.CONTROL_MAX_FRAME,
+        allow_mixed: bool = False,
     ) -> None:
         self.engine = engine
+        # Accept a prefill agent on other weights (results then say weights: "mixed").
+        self.allow_mixed = allow_mixed
         self.name = name
         self.max_request_bytes = max_request_bytes  # largest GENERATE frame taken
         self.token = token  # the cluster token, also proves us to prefill agents
@@ -236,6 +242,7 @@ class DecodeAgent:
             "fingerprint": self.engine.fingerprint,
             "model": self.engine.model_dir,
             "server": self.name,
+            "allow_mixed": self.allow_mixed,
         }
         fills: list[Future[Any]] = []
 
@@ -301,6 +308,7 @@ class DecodeAgent:
             "decode_server": self.name,
             "prefill_server": None,
             "prefill_time": None,
+            "weights": "same",  # a remote prefill on other weights says "mixed"
         }
         caches, remote_logits = self._prefill(req, ids, metrics)
         t_local = time.perf_counter()
@@ -381,6 +389,11 @@ def main(argv: list[str] | None = None) -> None:
         default=32,
         help="most requests decoded together in one step; more wait for a free slot",
     )
+    parser.add_argument(
+        "--allow-mixed",
+        action="store_true",
+        help="accept prefill agents whose weights differ from ours (metrics say so)",
+    )
     args = parser.parse_args(argv)
     if args.max_batch < 1:
         fail("--max-batch must be at least 1")
@@ -397,6 +410,7 @@ def main(argv: list[str] | None = None) -> None:
         token,
         max_batch=args.max_batch,
         max_request_bytes=args.max_request_bytes,
+        allow_mixed=args.allow_mixed,
     )
     serve("decode", args, token, agent)
 

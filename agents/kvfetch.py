@@ -178,6 +178,7 @@ def fetch_kv(
     metrics.update(
         prefill_time=done.get("prefill_time"),
         prefill_server=ok.get("server") or addr,
+        weights=ok.get("weights", "same"),
         prefill_address=addr,
         kv_transfer_time=(last - first) if first and last else 0.0,
         kv_wait_time=(first - t_sent) if first else None,

@@ -33,6 +33,7 @@ from .kvcodec import (
 )
 from .metrics import Stats
 from .models import UnsupportedModel, get_adapter, layer_kinds_from_hf, load_hf_config
+from .quant import check_supported, weights_identity, weights_mismatch
 from .server import common_args, fail, load_token, serve, setup_logging
 
 log = logging.getLogger("disagg.prefill")
@@ -75,13 +76,27 @@ class PrefillEngine:
     ) -> None:
         from transformers import AutoModelForCausalLM  # heavy: import once the args parsed
 
+        from .quant.loader import load_packed_model, needs_packed_loader
+
         self.model_dir = model_dir
+        check_supported(model_dir)
         self.cfg = load_hf_config(model_dir)
         self.adapter = get_adapter(self.cfg["model_type"])
         self.device = pick_device(device)
         self.dtype = pick_dtype(dtype, self.cfg)
-        model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=TORCH_DTYPES[self.dtype])
-        self.model = model.to(self.device).eval()
+        self.packed_bytes = 0  # quantized weights held packed (0: full precision)
+        model: Any
+        if needs_packed_loader(model_dir, self.cfg):
+            # transformers cannot read these; keep the weights packed (agents.quant).
+            model, self.packed_bytes = load_packed_model(
+                model_dir, self.cfg, TORCH_DTYPES[self.dtype], self.device
+            )
+        else:
+            loaded: Any = AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=TORCH_DTYPES[self.dtype]
+            )
+            model = loaded.to(self.device)
+        self.model = model.eval()
         # The decoder stack without the LM head: prefill never needs logits.
         self.body = getattr(self.model, self.model.base_model_prefix)
         self.head = self.model.get_output_embeddings()
@@ -94,6 +109,7 @@ class PrefillEngine:
             "head_dim": self.adapter.head_dim(self.cfg),
             "dtype": self.dtype,
             "layers": self.kinds,
+            "weights": weights_identity(model_dir),
         }
         self.lock = threading.Lock()  # one forward pass at a time per device
         # Fault-injection aid for tests: stretch the KV stream so a fault can land mid-way.
@@ -263,10 +279,24 @@ class PrefillAgent:
             log.warning("%s: %s", peer, P.printable(msg, 1000))
             P.send_error(sock, "model_mismatch", msg)
             return
+        # Different weights (bf16 here, 4-bit there) decode other text than either
+        # side alone would: refused unless the decode agent was told to allow it.
+        mixed = weights_mismatch(
+            ours, hello.get("fingerprint") or {}, self.engine.model_dir, str(hello.get("model"))
+        )
+        if mixed and hello.get("allow_mixed") is not True:
+            log.warning("%s: %s", peer, mixed)
+            P.send_error(sock, "model_mismatch", mixed)
+            return
         P.send_json(
             sock,
             P.Frame.HELLO_OK,
-            {"fingerprint": ours, "model": self.engine.model_dir, "server": self.name},
+            {
+                "fingerprint": ours,
+                "model": self.engine.model_dir,
+                "server": self.name,
+                "weights": "mixed" if mixed else "same",
+            },
         )
         while True:
             try:
