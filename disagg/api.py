@@ -61,13 +61,20 @@ class Client:
         n_decode: int = 1,
         dtype: str = "auto",
         say: Say = lambda _msg: None,
+        prefill_model: str | None = None,
+        allow_mixed: bool = False,
     ) -> Client:
         """Start a prefill and `n_decode` decode agents per model on this machine.
 
         `model`: a model dir, several (one pipeline each, named by the dir), or None
-        for the embedded default. close() stops the agents.
+        for the embedded default. `prefill_model`: the prefill agent loads that dir
+        instead (one model only); agents on different weights refuse to pair unless
+        `allow_mixed`, and results then say weights: "mixed". close() stops the agents.
         """
         wanted = model if isinstance(model, list) else [model]
+        if prefill_model is not None and len(wanted) != 1:
+            raise UsageError("--prefill-model goes with exactly one --model")
+        prefill_dir = resolve_model(prefill_model, say) if prefill_model is not None else None
         dirs = {}
         for m in wanted:
             path = resolve_model(m, say)
@@ -78,7 +85,12 @@ class Client:
         try:
             for name, path in dirs.items():
                 prefill, decodes = start_local_agents(
-                    path, n_decode=n_decode, dtype=dtype, token_file=token_file
+                    path,
+                    n_decode=n_decode,
+                    dtype=dtype,
+                    token_file=token_file,
+                    prefill_model_dir=prefill_dir,
+                    decode_args=["--allow-mixed"] if allow_mixed else [],
                 )
                 agents += [prefill, *decodes]
                 pipelines.append(

@@ -9,7 +9,7 @@ mlx_lm.convert at affine 4/8-bit and mxfp4, a tiny qwen3_moe at affine 4-bit
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +21,9 @@ from disagg.serving.localagents import (
     AgentProc,
     make_token_file,
     spawn_agent,
-    start_local_pair,
     wait_ready,
 )
+from tests.conftest import PairFactory, ask, remote_request
 from tests.quantmodels import quant_dir, tiny_source
 from tests.tinymodels import PROMPT
 
@@ -36,37 +36,28 @@ DIRS = ["smol-affine4", "smol-affine8", "smol-mxfp4", "moe-affine4", "gptoss-hf-
 
 
 @pytest.fixture(scope="module")
-def pairs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """Agent pairs per dir, started on first use and shared by the module (one token)."""
-    root = tmp_path_factory.mktemp("quant-agents")
-    token_file, _ = make_token_file(root)
-    started: dict[str, Any] = {"_token_file": token_file, "_root": root}
-    yield started
-    for key, value in started.items():
-        if not key.startswith("_"):
-            for agent in reversed(value):
-                agent.stop()
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One token file for every agent here: the mixed-weights test crosses pairs."""
+    return make_token_file(tmp_path_factory.mktemp("quant-cluster"))[0]
 
 
-def pair(pairs: dict[str, Any], name: str) -> tuple[AgentProc, AgentProc]:
-    if name not in pairs:
-        pairs[name] = start_local_pair(
-            quant_dir(name), log_dir=pairs["_root"] / name, token_file=pairs["_token_file"]
-        )
-    return pairs[name]
+@pytest.fixture(scope="module")
+def pair_for(
+    agent_pair: PairFactory, cluster: Path
+) -> Callable[[str], tuple[AgentProc, AgentProc]]:
+    """The agent pair serving a quantized dir, started on first use."""
+    started: dict[str, tuple[AgentProc, AgentProc]] = {}
+
+    def get(name: str) -> tuple[AgentProc, AgentProc]:
+        if name not in started:
+            started[name] = agent_pair(quant_dir(name), token_file=cluster)
+        return started[name]
+
+    return get
 
 
-def request(prefill: AgentProc, n: int = N_NEW, **extra: Any) -> dict[str, Any]:
-    return {
-        "prompt": " ".join([PROMPT] * 2),
-        "raw": True,
-        "max_tokens": n,
-        "ignore_eos": True,
-        "return_prompt_ids": True,
-        "placement": "remote",
-        "prefill": {"host": prefill.host, "port": prefill.port},
-        **extra,
-    }
+def request(prefill: AgentProc, n: int = N_NEW) -> dict[str, Any]:
+    return remote_request(prefill, " ".join([PROMPT] * 2), n, return_prompt_ids=True)
 
 
 def mlx_counterpart(torch_model: Any, path: str) -> Any:
@@ -132,35 +123,38 @@ def test_packed_weights_are_bit_identical_to_mx_dequantize(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", DIRS)
-def test_agents_on_one_quantized_dir_match_mlx_lm_alone(pairs: dict[str, Any], name: str) -> None:
+def test_agents_on_one_quantized_dir_match_mlx_lm_alone(
+    pair_for: Callable[[str], tuple[AgentProc, AgentProc]], name: str
+) -> None:
     from agents.decode import DecodeEngine
 
-    prefill, decode = pair(pairs, name)
-    res = client.generate(decode.host, decode.port, request(prefill), token=decode.token)
+    prefill, decode = pair_for(name)
+    res = ask(decode, request(prefill))
     assert res.metrics["method"] == "disaggregated" and res.metrics["weights"] == "same"
     alone = mlx_greedy(DecodeEngine(str(quant_dir(name))).model, res.prompt_ids or [], N_NEW)
     assert len(alone) == N_NEW and res.token_ids == alone
 
 
-def test_mixed_weights_are_refused_unless_allowed_then_labelled(pairs: dict[str, Any]) -> None:
+def test_mixed_weights_are_refused_unless_allowed_then_labelled(
+    pair_for: Callable[[str], tuple[AgentProc, AgentProc]], cluster: Path, tmp_path: Path
+) -> None:
     """Decode on the tiny qwen3_moe's full-precision source, prefill on its 4-bit
     conversion: one line naming both; with --allow-mixed it runs, labelled."""
-    prefill, _ = pair(pairs, "moe-affine4")
+    prefill, _ = pair_for("moe-affine4")
     source = tiny_source("qwen3_moe")
-    root: Path = pairs["_root"]
     decodes = []
     try:
         for allow in (False, True):
-            extra = ["--token-file", str(pairs["_token_file"])] + (["--allow-mixed"] * allow)
+            extra = ["--token-file", str(cluster)] + (["--allow-mixed"] * allow)
             spawned = spawn_agent(
                 "decode",
                 source,
                 name=f"decode-mixed-{allow}",
-                log_dir=root / f"mixed-{allow}",
+                log_dir=tmp_path / f"mixed-{allow}",
                 extra_args=extra,
             )
             decodes.append(wait_ready("decode", *spawned, timeout_s=300))
-        token = pairs["_token_file"].read_bytes().strip()
+        token = cluster.read_bytes().strip()
         with pytest.raises(ModelMismatch) as info:
             client.generate(decodes[0].host, decodes[0].port, request(prefill, 4), token=token)
         line = str(info.value)

@@ -9,12 +9,14 @@ from typing import Annotated, Any
 import typer
 
 from disagg.cli.common import (
+    AllowMixed,
     Dtype,
     Inventory,
     Json,
     Local,
     Model,
     Models,
+    PrefillModel,
     app,
     err,
     friendly,
@@ -31,9 +33,16 @@ def _open_client(
     inventory: str | None,
     dtype: str = "auto",
     n_decode: int = 1,
+    prefill_model: str | None = None,
+    allow_mixed: bool = False,
 ) -> Any:
     from disagg.api import Client
 
+    if (prefill_model or allow_mixed) and not local:
+        raise UsageError(
+            "--prefill-model and --allow-mixed go with --local; "
+            "for a fleet, set mixed_weights = true on the pipeline in the inventory"
+        )
     if not local:
         from disagg.fleet.inventory import InventoryError
 
@@ -44,7 +53,14 @@ def _open_client(
                 raise InventoryError(f"{e}; or add --local to run the agents here") from None
             raise
     with err.status("starting prefill and decode agents…"):
-        return Client.local(models, dtype=dtype, n_decode=n_decode, say=say)
+        return Client.local(
+            models,
+            dtype=dtype,
+            n_decode=n_decode,
+            say=say,
+            prefill_model=prefill_model,
+            allow_mixed=allow_mixed,
+        )
 
 
 @app.command()
@@ -76,6 +92,8 @@ def generate(
     out_file: Annotated[
         Path | None, typer.Option("--out", help="Where --batch writes its JSONL results.")
     ] = None,
+    prefill_model: PrefillModel = None,
+    allow_mixed: AllowMixed = False,
     dtype: Dtype = "auto",
     as_json: Json = False,
 ) -> None:
@@ -104,7 +122,9 @@ def generate(
         build_request(prompt, **opts)  # bad input fails before any agent starts
         requests = []
     models: list[str | None] = list(model) if model else [None]
-    with _open_client(local, models, inventory, dtype) as client:
+    with _open_client(
+        local, models, inventory, dtype, prefill_model=prefill_model, allow_mixed=allow_mixed
+    ) as client:
         # Local pipelines are named by their model dir; fleet ones by the inventory.
         names = (
             list(client.model_dirs) if local else [client.router.pipeline(m).name for m in models]
@@ -264,6 +284,8 @@ def verify(
         float, typer.Option("--min-agreement", help="Fail below this token agreement (0..1).")
     ] = 1.0,
     raw: Annotated[bool, typer.Option("--raw")] = False,
+    prefill_model: PrefillModel = None,
+    allow_mixed: AllowMixed = False,
     dtype: Dtype = "auto",
     as_json: Json = False,
 ) -> None:
@@ -277,7 +299,9 @@ def verify(
     if not 0 <= min_agreement <= 1:
         raise UsageError(f"--min-agreement must be in [0, 1], got {min_agreement}")
     build_request(prompt, max_tokens=max_tokens)
-    with _open_client(True, [model], None, dtype) as session:
+    with _open_client(
+        True, [model], None, dtype, prefill_model=prefill_model, allow_mixed=allow_mixed
+    ) as session:
         p, d = session.agents[0], session.agents[1]
         base: dict[str, Any] = {
             "max_tokens": max_tokens,

@@ -169,6 +169,7 @@ def agent_config(agent: Agent, info: HostInfo, python: str, root: str) -> dict[s
         "token_file": f"{root}/token",
         # Only when set, so hosts without it keep their config hash across upgrades.
         **({"cpus": agent.host.cpus} if agent.host.cpus else {}),
+        **({"allow_mixed": True} if agent.allow_mixed else {}),
     }
 
 

@@ -55,6 +55,7 @@ PIPELINE_KEYS = {
     "decode_timeout",
     "dtype",
     "aliases",
+    "mixed_weights",
 }
 SSH_KEYS = {"config", "known_hosts", "connect_timeout"}
 
@@ -103,6 +104,9 @@ class Pipeline:
     decode_timeout: float = DEFAULT_TIMEOUTS_S["decode"]
     dtype: str = "auto"
     aliases: tuple[str, ...] = ()
+    # Prefill and decode on different weights (e.g. bf16 prefill, 4-bit decode): the
+    # agents refuse that unless told; results then say weights: "mixed".
+    mixed_weights: bool = False
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,7 @@ class Agent:
     model: str
     dtype: str
     pipelines: tuple[str, ...]
+    allow_mixed: bool = False  # a decode agent of a mixed_weights pipeline
 
     @property
     def label(self) -> str:
@@ -158,13 +163,22 @@ class Inventory:
                 for name in members:
                     host = self.hosts[name]
                     key = (name, role)
+                    mixed = role == "decode" and p.mixed_weights
                     if key in found:
                         a = found[key]
                         found[key] = Agent(
-                            host, role, a.ports, a.model, a.dtype, (*a.pipelines, p.name)
+                            host,
+                            role,
+                            a.ports,
+                            a.model,
+                            a.dtype,
+                            (*a.pipelines, p.name),
+                            a.allow_mixed or mixed,
                         )
                     elif name in names:
-                        found[key] = Agent(host, role, host.roles[role], model, p.dtype, (p.name,))
+                        found[key] = Agent(
+                            host, role, host.roles[role], model, p.dtype, (p.name,), mixed
+                        )
         order = list(self.hosts)
         return sorted(found.values(), key=lambda a: (order.index(a.host.name), a.role))
 
@@ -261,6 +275,12 @@ class _Checker:
         if not isinstance(val, list) or not all(isinstance(v, str) and v for v in val):
             raise self.fail(f"{key}.{name}", f"expected a list of strings: {val!r}", "quote them")
         return tuple(val)
+
+    def flag(self, raw: dict[str, Any], key: str, name: str) -> bool:
+        val = raw.get(name, False)
+        if not isinstance(val, bool):
+            raise self.fail(f"{key}.{name}", f"expected true or false, got {val!r}", "unquote it")
+        return val
 
     def seconds(self, raw: dict[str, Any], key: str, name: str, default: float) -> float:
         val = raw.get(name, default)
@@ -387,6 +407,7 @@ def _pipeline(c: _Checker, name: str, raw: Any, hosts: dict[str, Host]) -> Pipel
         decode_timeout=c.seconds(raw, key, "decode_timeout", DEFAULT_TIMEOUTS_S["decode"]),
         dtype=c.choice(raw, key, "dtype", DTYPES),
         aliases=c.strings(raw, key, "aliases"),
+        mixed_weights=c.flag(raw, key, "mixed_weights"),
     )
 
 

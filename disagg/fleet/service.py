@@ -112,6 +112,7 @@ def run_script(paths: AgentPaths, config: dict[str, Any]) -> str:
         config["token_file"],
         "--log-file",
         paths.log,
+        *(["--allow-mixed"] if config.get("allow_mixed") else []),
     ]
     return (
         "#!/bin/sh\n"

@@ -178,11 +178,13 @@ def start_local_agents(
     token_file: Path | None = None,
     prefill_args: Sequence[str] = (),
     decode_args: Sequence[str] = (),
+    prefill_model_dir: Path | None = None,
 ) -> tuple[AgentProc, list[AgentProc]]:
     """Start one prefill and `n_decode` decode agents on 127.0.0.1, all loading at once.
 
     They share `token_file` (one cluster), or a fresh token of their own;
-    `prefill_args` / `decode_args` are extra command-line flags per role.
+    `prefill_args` / `decode_args` are extra command-line flags per role;
+    `prefill_model_dir`: the prefill agent loads that dir instead (mixed weights).
     """
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="disagg-logs-"))
     if token_file is None:
@@ -195,7 +197,7 @@ def start_local_agents(
     spawned = [
         spawn_agent(
             "prefill" if i == 0 else "decode",
-            model_dir,
+            (prefill_model_dir or model_dir) if i == 0 else model_dir,
             dtype=dtype,
             name=name,
             log_dir=log_dir / name.split("@")[0],
