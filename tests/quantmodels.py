@@ -8,14 +8,14 @@ OpenAI-layout MXFP4 gpt-oss is written here from a tiny random gpt_oss by
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from disagg.serving.defaultmodel import ensure_default_model
+from disagg.serving.quantize import mlx_quantized, publish, quant_cache
 from tests.tinymodels import make_tiny
 
 E2M1_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float64)
@@ -31,30 +31,6 @@ MLX_DIRS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def cache_root() -> Path:
-    import mlx_lm
-
-    base = Path(os.environ.get("DISAGG_CACHE") or Path.home() / ".cache" / "disagg")
-    return base / "quant" / f"mlx-lm-{mlx_lm.__version__}"
-
-
-def _publish(build: Any, out: Path) -> Path:
-    """Build into a temp dir beside `out`, then rename: a half-written dir is never seen."""
-    if out.is_dir():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
-    try:
-        build(tmp / "m")
-        os.replace(tmp / "m", out)
-    except OSError:
-        if not out.is_dir():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
 def tiny_source(arch: str) -> Path:
     """A tiny random checkpoint with the config keys mlx-lm needs (as a real HF
     config has them), so that mlx_lm.convert can read it."""
@@ -67,29 +43,18 @@ def tiny_source(arch: str) -> Path:
         cfg.update(get_adapter(arch).mlx_config(cfg))
         cfg_path.write_text(json.dumps(cfg, indent=2))
 
-    return _publish(build, cache_root() / f"tiny-{arch}")
+    return publish(build, quant_cache() / f"tiny-{arch}")
 
 
 def quant_dir(name: str) -> Path:
     """The cached checkpoint `name` (see MLX_DIRS, or "gptoss-hf-mxfp4")."""
     if name == "gptoss-hf-mxfp4":
-        return _publish(
-            lambda dst: write_hf_mxfp4_gptoss(tiny_source("gpt_oss"), dst), cache_root() / name
+        return publish(
+            lambda dst: write_hf_mxfp4_gptoss(tiny_source("gpt_oss"), dst), quant_cache() / name
         )
     source, kwargs = MLX_DIRS[name]
-    if source == "smol":
-        from disagg.serving.defaultmodel import ensure_default_model
-
-        src = ensure_default_model()
-    else:
-        src = tiny_source(source)
-
-    def build(dst: Path) -> None:
-        import mlx_lm
-
-        mlx_lm.convert(hf_path=str(src), mlx_path=str(dst), quantize=True, **kwargs)
-
-    return _publish(build, cache_root() / name)
+    src = ensure_default_model() if source == "smol" else tiny_source(source)
+    return mlx_quantized(src, name, **kwargs)
 
 
 def mxfp4_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -172,7 +172,7 @@ def test_packed_prefill_memory_stays_within_checkpoint_bytes() -> None:
     """Fresh process: RSS growth over an idle agent, through load and prefill, stays
     within 1.25x the checkpoint + one layer dequantized (+ the prompt's K/V, which
     prefill holds until sent); dequantizing at load would not."""
-    import bench_quant_weights as bench
+    from disagg.bench import quant_weights as bench
 
     d = quant_dir("smol-affine4")
     packed = bench.probe(d, "packed", tokens=128, repeats=1)

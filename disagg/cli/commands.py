@@ -374,8 +374,19 @@ def bench(
             help="Also: lossy int8 KV vs lossless: bytes, logit error, token agreement.",
         ),
     ] = False,
+    quant_weights: Annotated[
+        bool,
+        typer.Option(
+            "--quant-weights",
+            help="Also: a 4-bit checkpoint prefilled on packed weights: memory, prefill "
+            "tok/s and TTFT against the model dequantized at load, agreement with mlx-lm.",
+        ),
+    ] = False,
     everything: Annotated[
-        bool, typer.Option("--all", help="Every section: --wire --serving --hiding --quant.")
+        bool,
+        typer.Option(
+            "--all", help="Every section: --wire --serving --hiding --quant --quant-weights."
+        ),
     ] = False,
 ) -> None:
     """Measure the handoff against its peers in one run: decode tokens/s against
@@ -397,6 +408,7 @@ def bench(
     tables = [bench_table(report)]
     wire, serving, hiding = wire or everything, serving or everything, hiding or everything
     quant = quant or everything
+    quant_weights = quant_weights or everything
     if wire:
         from disagg.bench.wire import run_wire_bench, wire_tables
 
@@ -420,6 +432,16 @@ def bench(
 
         report["kv_quant"] = run_kvquant_bench(model_dir, say=say)
         tables.append(kvquant_table(report["kv_quant"]))
+    if quant_weights:
+        from agents.models import load_hf_config
+
+        # On the model quantized to 4 bits (by mlx_lm.convert, once), or -m if it is one.
+        from agents.quant import is_quantized
+        from disagg.bench.quant_weights import quant_weights_table, run_quant_weights_bench
+
+        qdir = model_dir if is_quantized(load_hf_config(model_dir)) else None
+        report["quant_weights"] = run_quant_weights_bench(qdir, say=say)
+        tables.append(quant_weights_table(report["quant_weights"]))
     if as_json:
         print(json.dumps(report))
     else:
