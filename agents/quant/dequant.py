@@ -14,6 +14,8 @@ there and rounded once into the target dtype.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -42,8 +44,10 @@ def unpack_affine(packed: torch.Tensor, bits: int, n_in: int) -> torch.Tensor:
         per = 8 // bits
         if per == 1:
             return packed[..., :n_in]
-        shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.uint8)
-        codes = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [..., bytes, per]
+        mask = (1 << bits) - 1
+        # One plain op per shift, stacked: about 2x faster than broadcasting the shifts.
+        parts = [(packed >> s) & mask if s else packed & mask for s in range(0, 8, bits)]
+        codes = torch.stack(parts, dim=-1)  # [..., bytes, per]
         return codes.reshape(*lead, -1)[..., :n_in]
     # 3/5/6 bits: 8 codes fill exactly `bits` bytes; read them as one integer.
     chunks = packed.reshape(*lead, -1, bits).to(torch.int64)
@@ -97,6 +101,23 @@ def dequant_fp(
         scale = e8m0_to_float(scales)
     w = vals.reshape(*lead, n_in // group, group) * scale.unsqueeze(-1)
     return w.reshape(*lead, n_in).to(dtype)
+
+
+@contextmanager
+def one_thread(t: torch.Tensor) -> Iterator[None]:
+    """Dequantization on a CPU runs on one thread. Its few elementwise ops per weight
+    are memory-bound, and each is a parallel region: on a busy machine every region
+    waits for a second core (a 4-bit 576x1536 weight took 38 ms on two contended
+    threads, 2 ms on one). The results are the same bits either way."""
+    n = torch.get_num_threads()
+    if t.device.type != "cpu" or n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 class Packed:
@@ -158,12 +179,14 @@ class Packed:
         return dequant_fp(packed, scales, self.spec.mode, self.n_in, self.dtype)
 
     def full(self) -> torch.Tensor:
-        return self._dequant(self.packed, self.scales, self.biases)
+        with one_thread(self.packed):
+            return self._dequant(self.packed, self.scales, self.biases)
 
     def rows(self, idx: torch.Tensor | slice) -> torch.Tensor:
         """Only the rows `idx` of a 2-D weight (embedding lookups, chunked heads)."""
         b = self.biases[idx] if self.biases is not None else None
-        return self._dequant(self.packed[idx], self.scales[idx], b)
+        with one_thread(self.packed):
+            return self._dequant(self.packed[idx], self.scales[idx], b)
 
     def expert(self, e: int) -> torch.Tensor:
         """Expert `e` of a stacked [E, out, in] weight."""
