@@ -27,8 +27,10 @@ from .kvcodec import Codec, LayerKV
 from .kvfetch import PrefillUnavailable, fetch_kv
 from .metrics import Stats
 from .mlxcache import MX_DTYPES, cache_kinds, fill_layer
+from .mlxprefix import DecodePrefix, Hit
 from .models import UnsupportedModel, get_adapter, load_hf_config
 from .placement import Placement
+from .prefixcache import default_max_mb
 from .request import GenerateRequest, RequestError
 from .server import common_args, fail, load_token, serve, setup_logging
 
@@ -121,7 +123,12 @@ def first_token(
 
 class DecodeAgent:
     def __init__(
-        self, engine: DecodeEngine, name: str, token: bytes | None = None, max_batch: int = 32
+        self,
+        engine: DecodeEngine,
+        name: str,
+        token: bytes | None = None,
+        max_batch: int = 32,
+        prefix_cache_mb: float | None = None,
     ) -> None:
         self.engine = engine
         self.name = name
@@ -133,6 +140,8 @@ class DecodeAgent:
         self.codec_tuners: dict[str, CodecTuner] = {}
         # All mlx work runs on the loop's thread; requests decode there together.
         self.loop = DecodeLoop(engine.model, max_batch=max_batch)
+        mb = default_max_mb() if prefix_cache_mb is None else prefix_cache_mb
+        self.prefix = DecodePrefix(int(mb * (1 << 20)), engine.fingerprint["layers"], engine.dtype)
 
     def status(self) -> dict[str, Any]:
         batch = self.loop.snapshot()
@@ -149,6 +158,7 @@ class DecodeAgent:
             "max_batch": self.loop.max_batch,
             **batch,
             **self.stats.snapshot(),
+            "prefix_cache": self.prefix.cache.snapshot(),
         }
 
     def handle(self, sock: socket.socket, peer: str) -> None:
@@ -192,11 +202,20 @@ class DecodeAgent:
             )
         return min(req.max_tokens, self.engine.context - len(ids))
 
+    def prometheus(self) -> str:
+        return self.stats.prometheus() + self.prefix.cache.prometheus("decode")
+
+    def _lookup(self, req: GenerateRequest, namespace: str, ids: list[int], local: bool) -> Hit:
+        if not req.prefix_cache or req.kv_quant:  # int8 K/V is lossy: never reused
+            return Hit(namespace, [], [], self.prefix.cache.block)
+        return self.prefix.lookup(namespace, ids, local)
+
     def _prefill(
-        self, req: GenerateRequest, ids: list[int], metrics: dict[str, Any]
+        self, req: GenerateRequest, ids: list[int], metrics: dict[str, Any], hits: list[Hit]
     ) -> tuple[list[Any], np.ndarray | None]:
         """Caches holding the prompt and, after a remote prefill, the logits of
-        its last position (None: prefill here, with local_prefill)."""
+        its last position (None: prefill here, with local_prefill). A prefix
+        cache hit is appended to `hits`, to store the prompt's blocks later."""
         caches = make_prompt_cache(self.engine.model)
         if req.prefill is None:
             metrics["method"] = "decode-only"
@@ -228,10 +247,16 @@ class DecodeAgent:
             "server": self.name,
         }
         fills: list[Future[Any]] = []
+        hit = self._lookup(req, f"remote:{key}", ids, local=False)
 
         def place(cache: Any, kv: LayerKV, prompt_len: int) -> None:
-            # A copy: the reader reuses its buffer for the next layer at once.
-            own = LayerKV(kv.layer, kv.kind, kv.dtype, kv.keys.copy(), kv.values.copy())
+            # A copy: the reader reuses its buffer for the next layer at once
+            # (a layer extended with a cached prefix is a new array already).
+            own = kv
+            if not (kv.keys.flags.owndata and kv.values.flags.owndata):
+                own = LayerKV(kv.layer, kv.kind, kv.dtype, kv.keys.copy(), kv.values.copy())
+            if req.prefix_cache and not req.kv_quant:
+                self.prefix.keep(hit, own, prompt_len)
             fills.append(self.loop.post(fill_layer, cache, own, prompt_len))
 
         try:
@@ -246,6 +271,8 @@ class DecodeAgent:
                 probe,
                 place,
                 kv_quant=kv_quant,
+                prefix=self.prefix.remote_prefix(hit, ids),
+                prefill_cache=req.prefix_cache,
             )
             for f in fills:
                 f.result()
@@ -256,14 +283,34 @@ class DecodeAgent:
         self.placement.observe_remote(key, len(ids), len(caches), fetched)
         if tuner is not None:
             tuner.observe_fetch(fetched)
-        metrics.update(fetched, method="disaggregated")
+        metrics.update(fetched, method="disaggregated", cached_tokens=hit.tokens)
+        hits.append(hit)
         return caches, logits
 
-    def _local_prefill(self, ids: list[int], caches: list[Any]) -> mx.array:
+    def _local_prefill(
+        self,
+        ids: list[int],
+        caches: list[Any],
+        req: GenerateRequest | None = None,
+        metrics: dict[str, Any] | None = None,
+        hits: list[Hit] | None = None,
+    ) -> mx.array:
         """The prompt through the model here, chunked exactly as mlx-lm's
         generate_step does (so the text matches it), one chunk per loop task so
-        the batch keeps decoding in between. Returns the last position's logits."""
+        the batch keeps decoding in between. Returns the last position's logits.
+        With `req`, a prefix cache hit (mlx's own K/V, namespace "local") seeds
+        the caches and only the rest is computed."""
         model = self.engine.model
+        done = 0
+        hit = None
+        if req is not None and hits is not None:
+            hit = self._lookup(req, "local", ids, local=True)
+            hits.append(hit)
+            if hit.tokens:
+                self.loop.call(self.prefix.seed, hit, caches)
+                done = hit.tokens
+            if metrics is not None:
+                metrics["cached_tokens"] = hit.tokens
 
         def chunk(part: list[int]) -> None:
             model(mx.array(part)[None], cache=caches)
@@ -273,9 +320,11 @@ class DecodeAgent:
         def last() -> mx.array:
             logits = model(mx.array(ids[-1:])[None], cache=caches)[:, -1, :]
             mx.eval(logits)
+            if hit is not None and req is not None and req.prefix_cache and not self.prefix.window:
+                self.prefix.keep_caches(hit, caches, len(ids))  # before any decode step
             return logits[0]
 
-        for start in range(0, len(ids) - 1, PREFILL_STEP):
+        for start in range(done, len(ids) - 1, PREFILL_STEP):
             self.loop.call(chunk, ids[start : min(start + PREFILL_STEP, len(ids) - 1)])
         return self.loop.call(last)
 
@@ -291,10 +340,16 @@ class DecodeAgent:
             "decode_server": self.name,
             "prefill_server": None,
             "prefill_time": None,
+            "cached_tokens": 0,  # prompt positions whose K/V came from the prefix cache
         }
-        caches, remote_logits = self._prefill(req, ids, metrics)
+        hits: list[Hit] = []
+        caches, remote_logits = self._prefill(req, ids, metrics, hits)
         t_local = time.perf_counter()
-        logits = remote_logits if remote_logits is not None else self._local_prefill(ids, caches)
+        logits: np.ndarray | mx.array
+        if remote_logits is not None:
+            logits = remote_logits
+        else:
+            logits = self._local_prefill(ids, caches, req, metrics, hits)
         sampler = make_sampler(req.temperature, req.top_p, req.seed)
         want_logprobs = req.logprobs
         first, first_lp = self.loop.call(first_token, logits, sampler, want_logprobs)
@@ -316,16 +371,18 @@ class DecodeAgent:
 
         if first not in eos:
             emit(first, first_lp)
-            if max_tokens > 1:
-                seq = Seq(caches, first, sampler, max_tokens, eos, want_logprobs)
-                self.loop.join(seq)
-                try:
-                    while (item := seq.out.get()) is not None:
-                        if isinstance(item, Exception):
-                            raise item
-                        emit(*item)
-                finally:
-                    seq.done = True  # a no-op when it ended; stops it if we failed
+        for hit in hits:  # after the first token: off the TTFT path, before DONE
+            self.prefix.store(hit)
+        if first not in eos and max_tokens > 1:
+            seq = Seq(caches, first, sampler, max_tokens, eos, want_logprobs)
+            self.loop.join(seq)
+            try:
+                while (item := seq.out.get()) is not None:
+                    if isinstance(item, Exception):
+                        raise item
+                    emit(*item)
+            finally:
+                seq.done = True  # a no-op when it ended; stops it if we failed
         detok.finalize()
         t_end = time.perf_counter()
         tail = detok.last_segment
@@ -369,6 +426,13 @@ def main(argv: list[str] | None = None) -> None:
         default=32,
         help="most requests decoded together in one step; more wait for a free slot",
     )
+    parser.add_argument(
+        "--prefix-cache-mb",
+        type=float,
+        default=None,
+        help="memory for prompt K/V reused across requests sharing a prefix "
+        f"(default min(2 GiB, 10%% of RAM): {default_max_mb()} MB here; 0: off)",
+    )
     args = parser.parse_args(argv)
     if args.max_batch < 1:
         fail("--max-batch must be at least 1")
@@ -380,7 +444,11 @@ def main(argv: list[str] | None = None) -> None:
         fail(str(e))
     log.info("loaded %s on %s as %s", args.model, engine.device, engine.dtype)
     agent = DecodeAgent(
-        engine, args.name or f"decode@{socket.gethostname()}", token, max_batch=args.max_batch
+        engine,
+        args.name or f"decode@{socket.gethostname()}",
+        token,
+        max_batch=args.max_batch,
+        prefix_cache_mb=args.prefix_cache_mb,
     )
     serve(
         "decode",
@@ -388,7 +456,7 @@ def main(argv: list[str] | None = None) -> None:
         token,
         agent.handle,
         agent.status,
-        agent.stats.prometheus,
+        agent.prometheus,
         busy=lambda: agent.stats.in_flight,
     )
 
