@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from disagg.serving.localagents import AgentProc, spawn_agent, wait_ready
+from disagg.serving.localagents import AgentProc, make_token_file, spawn_agent, wait_ready
 from disagg.serving.wireclient import Result
 from tests.conftest import PairFactory, ask
 from tests.tinymodels import PROMPT
@@ -25,7 +25,13 @@ ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def base(**kw: Any) -> dict[str, Any]:
-    req = {"raw": True, "max_tokens": N_NEW, "ignore_eos": True, "return_prompt_ids": True}
+    req = {
+        "raw": True,
+        "max_tokens": N_NEW,
+        "ignore_eos": True,
+        "return_prompt_ids": True,
+        "placement": "remote",  # auto may choose a local prefill on a fast box
+    }
     return {**req, **kw}
 
 
@@ -133,7 +139,10 @@ def test_concurrent_requests_sharing_a_prefix(smol_agents: tuple[AgentProc, Agen
 def test_eviction_at_a_tiny_cache_never_fails(agent_pair: PairFactory) -> None:
     # About 3 blocks of this model's K/V: every new prompt evicts older blocks.
     prefill, decode = agent_pair(
-        "llama", seed=4, prefill_args=["--prefix-cache-mb", "0.05"], decode_args=["--prefix-cache-mb", "0.05"]
+        "llama",
+        seed=4,
+        prefill_args=["--prefix-cache-mb", "0.05"],
+        decode_args=["--prefix-cache-mb", "0.05"],
     )
     for i in range(6):
         text = long_text(f"Evict {i % 3}")
@@ -147,12 +156,12 @@ def test_eviction_at_a_tiny_cache_never_fails(agent_pair: PairFactory) -> None:
 def test_restarted_prefill_agent_answers_identically(
     agent_pair: PairFactory, tmp_path: Path
 ) -> None:
-    prefill, decode = agent_pair("qwen3", seed=5)
+    token_file, _ = make_token_file(tmp_path / "cluster")
+    prefill, decode = agent_pair("qwen3", seed=5, token_file=token_file)
     shared = long_text("Restart")
     off = ask(decode, base(prompt=shared + " two", prefix_cache=False), prefill=prefill)
     ask(decode, base(prompt=shared + " one"), prefill=prefill)
     model = Path(status(prefill)["model"])
-    token_file = next(Path(a) for a in prefill.proc.args[1:] if str(a).endswith("token"))  # type: ignore[union-attr]
     port = prefill.port
     prefill.stop()
     proc, log, name = spawn_agent(
@@ -166,6 +175,7 @@ def test_restarted_prefill_agent_answers_identically(
     again.token = prefill.token
     try:
         hit = ask(decode, base(prompt=shared + " two"), prefill=again)
+        assert hit.metrics["method"] == "disaggregated", hit.metrics
         assert hit.metrics["cached_tokens"] > 0
         assert hit.metrics["prefill_cached_tokens"] == 0  # its cache went with it
         assert hit.token_ids == off.token_ids
