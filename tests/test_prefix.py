@@ -5,6 +5,12 @@ output is token for token what the same request gives with the cache off."""
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -181,3 +187,53 @@ def test_restarted_prefill_agent_answers_identically(
         assert hit.token_ids == off.token_ids
     finally:
         again.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`disagg serve --local` with one decode agent, as a process."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    log = (tmp_path_factory.mktemp("gateway") / "serve.log").open("w")
+    cmd = [sys.executable, "-m", "disagg.cli", "serve", "--local", "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"gateway did not start; see {log.name}") from None
+            time.sleep(0.5)
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+
+
+def test_chat_of_three_turns_through_the_gateway_hits(gateway: str) -> None:
+    import openai
+
+    oai = openai.OpenAI(base_url=gateway, api_key="unused", max_retries=0, timeout=300)
+    model = oai.models.list().data[0].id
+    messages: list[Any] = [
+        {"role": "system", "content": "You grade answers. " + " ".join([PROMPT] * 3)},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]
+    cached: list[int] = []
+    for turn in range(3):
+        r = oai.chat.completions.create(
+            model=model, messages=messages, temperature=0, max_tokens=12
+        )
+        assert r.usage is not None and r.usage.prompt_tokens_details is not None
+        cached.append(r.usage.prompt_tokens_details.cached_tokens or 0)
+        messages += [
+            {"role": "assistant", "content": r.choices[0].message.content or ""},
+            {"role": "user", "content": f"And question {turn + 2}: the capital of Italy?"},
+        ]
+    assert cached[0] == 0 and cached[1] > 0 and cached[2] > cached[1]
