@@ -71,10 +71,21 @@ def _mem(rss_bytes: int | None) -> str:
     return "-" if rss_bytes is None else f"{rss_bytes / 2**20:,.0f} MiB"
 
 
+def _prefix_cache(st: dict[str, Any]) -> str:
+    """Hit rate over lookups, then bytes held of the budget (agents' /status)."""
+    pc = st.get("prefix_cache")
+    if not isinstance(pc, dict):
+        return "-"
+    rate = pc.get("hit_rate")
+    hits = "-" if rate is None else f"{100 * rate:.0f}%"
+    size = f"{_mem(pc.get('bytes'))} / {_mem(pc.get('max_bytes'))}"
+    return f"hit {hits} of {fmt(pc.get('queries'))}\n{size}"
+
+
 def status_table(rows: list[AgentStatus]) -> Table:
     table = Table(title="fleet status", header_style="bold")
     cols = ("host", "role", "state", "model", "loaded", "backend/device", "address",
-            "uptime", "requests", "ttft", "memory")  # fmt: skip
+            "uptime", "requests", "ttft", "prefix cache", "memory")  # fmt: skip
     for col in cols:
         table.add_column(col, overflow="fold")
     for s in rows:
@@ -99,6 +110,7 @@ def status_table(rows: list[AgentStatus]) -> Table:
             fmt(st.get("uptime_s"), "s"),
             fmt(st.get("requests")),
             ttft if st else "-",
+            _prefix_cache(st),
             _mem(s.rss_bytes),
         )
     return table
