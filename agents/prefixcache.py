@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-BLOCK_TOKENS = 32  # tokens per block: hits are multiples of this
+BLOCK_TOKENS = 16  # tokens per block: hits are multiples of this
 
 
 def default_max_mb() -> int:

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from agents.prefixcache import BLOCK_TOKENS as BLOCK
 from disagg.serving.localagents import AgentProc, make_token_file, spawn_agent, wait_ready
 from disagg.serving.wireclient import Result
 from tests.conftest import PairFactory, ask
@@ -24,7 +25,6 @@ from tests.tinymodels import PROMPT
 
 pytestmark = pytest.mark.slow
 
-BLOCK = 32  # agents.prefixcache.BLOCK_TOKENS
 N_NEW = 24
 WINDOW = 8
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}

@@ -307,8 +307,17 @@ def bench(
             help="Also: lossy int8 KV vs lossless: bytes, logit error, token agreement.",
         ),
     ] = False,
+    prefix: Annotated[
+        bool,
+        typer.Option(
+            "--prefix",
+            help="Also: a ~3k-token shared prefix + 16 ~300-token suffixes, "
+            "prefix cache off vs on: TTFT, K/V bytes, same tokens.",
+        ),
+    ] = False,
     everything: Annotated[
-        bool, typer.Option("--all", help="Every section: --wire --serving --hiding --quant.")
+        bool,
+        typer.Option("--all", help="Every section: --wire --serving --hiding --quant --prefix."),
     ] = False,
 ) -> None:
     """Measure the handoff against its peers in one run: decode tokens/s against
@@ -329,7 +338,7 @@ def bench(
     )
     tables = [bench_table(report)]
     wire, serving, hiding = wire or everything, serving or everything, hiding or everything
-    quant = quant or everything
+    quant, prefix = quant or everything, prefix or everything
     if wire:
         from disagg.bench.wire import run_wire_bench, wire_tables
 
@@ -353,6 +362,11 @@ def bench(
 
         report["kv_quant"] = run_kvquant_bench(model_dir, say=say)
         tables.append(kvquant_table(report["kv_quant"]))
+    if prefix:
+        from disagg.bench.prefix import prefix_table, run_prefix_bench
+
+        report["prefix"] = run_prefix_bench(model_dir, say=say)
+        tables.append(prefix_table(report["prefix"]))
     if as_json:
         print(json.dumps(report))
     else:
