@@ -283,7 +283,7 @@ class DecodeAgent:
         self.placement.observe_remote(key, len(ids), len(caches), fetched)
         if tuner is not None:
             tuner.observe_fetch(fetched)
-        metrics.update(fetched, method="disaggregated", cached_tokens=hit.tokens)
+        metrics.update(fetched, method="disaggregated", cached_tokens=hit.used and hit.tokens)
         hits.append(hit)
         return caches, logits
 

@@ -33,6 +33,7 @@ class Hit:
     blocks: list[Block]
     block: int
     tokens: int = 0  # cached prompt positions the request reuses
+    used: bool = False  # a layer was extended with them (an older prefill agent sends all)
     kept: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -74,6 +75,7 @@ class DecodePrefix:
             return None
 
         def extend(kv: LayerKV) -> LayerKV:
+            hit.used = True
             keys, values = self.prefix_layer(hit, kv.layer)
             return LayerKV(
                 kv.layer,

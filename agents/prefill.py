@@ -108,11 +108,14 @@ class PrefillEngine:
         on_layer: Callable[[LayerKV], None],
         start: int = 0,
         prefix: PrefillPrefix | None = None,
+        after: list[Callable[[], None]] | None = None,
     ) -> tuple[dict[str, Any], np.ndarray]:
         """Run the prompt; call `on_layer` with each layer's K/V the moment it exists.
 
         Only positions from `start` on are sent (the decode side holds the rest).
-        With `prefix`, a cached prefix of the prompt is not computed again.
+        With `prefix`, a cached prefix of the prompt is not computed again, and
+        the prompt's blocks are kept: at once, or by a call appended to `after`
+        for the caller to make once the K/V and logits are out.
         Returns timings and the float32 logits of the last position, from which
         the decode side samples the first token without running a step itself.
         """
@@ -153,7 +156,11 @@ class PrefillEngine:
                 for h in handles:
                     h.remove()
             if prefix:
-                prefix.store(keys, cache)
+                store = prefix.storer(keys, cache)
+                if after is None:
+                    store()
+                else:
+                    after.append(store)
         stats = {
             "prefill_time": compute_s,
             "tokens": len(token_ids),
@@ -341,8 +348,9 @@ class PrefillAgent:
         probe = self.engine.fingerprint["num_layers"] // 2 if req.get("probe_codecs") else None
         sender = LayerSender(sock, codec, probe, kv_quant)
         outcome, result = "error", None
+        after: list[Callable[[], None]] = []  # the prefix cache's store, once all is sent
         try:
-            result, logits = self.engine.prefill(ids, sender.put, start, prefix)
+            result, logits = self.engine.prefill(ids, sender.put, start, prefix, after)
             sender.close()
             if sender.error is not None:
                 raise sender.error
@@ -379,6 +387,8 @@ class PrefillAgent:
             return False
         finally:
             sender.close()
+            for fn in after:
+                fn()
             self.stats.end(outcome, result)
 
 

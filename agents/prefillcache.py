@@ -11,6 +11,8 @@ the tokens for every architecture).
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,6 +27,9 @@ class PrefillPrefix:
         self.cache = PrefixCache(max_bytes)
         self.enabled = bool(self.cache.max_bytes) and all(k[0] == "full" for k in kinds)
         self.namespace = namespace
+        # Held while a finished prompt's blocks are copied in (after its K/V went
+        # out): the next prompt waits for them rather than missing.
+        self.storing = threading.Lock()
 
     def seed(self, dyn: Any, ids: list[int]) -> tuple[list[bytes], int]:
         """Fill the DynamicCache `dyn` with the longest cached prefix of `ids`
@@ -34,7 +39,8 @@ class PrefillPrefix:
             return [], 0
         b = self.cache.block
         keys = block_keys(ids, self.namespace, b)
-        blocks = self.cache.longest(keys, (len(ids) - 1) // b)
+        with self.storing:
+            blocks = self.cache.longest(keys, (len(ids) - 1) // b)
         n = len(blocks) * b
         self.cache.record(len(ids), n)
         if n:
@@ -44,6 +50,21 @@ class PrefillPrefix:
                 v = torch.cat([p[1] for p in parts if p is not None], dim=2)
                 dyn.update(k, v, layer)
         return keys, n
+
+    def storer(self, keys: list[bytes], dyn: Any) -> Callable[[], None]:
+        """What keeps the blocks of a prompt just computed into `dyn`: to run
+        once its K/V and logits are sent. Until then the next prompt waits."""
+        if not self.enabled or not keys:
+            return lambda: None
+        self.storing.acquire()
+
+        def run() -> None:
+            try:
+                self.store(keys, dyn)
+            finally:
+                self.storing.release()
+
+        return run
 
     def store(self, keys: list[bytes], dyn: Any) -> None:
         """Keep the blocks of a prompt just computed into `dyn`."""
