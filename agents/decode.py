@@ -280,7 +280,9 @@ class DecodeAgent:
             log.warning("%s; prefilling locally", e)
             metrics.update(method="local-fallback", fallback_reason=str(e))
             return make_prompt_cache(self.engine.model), None
-        self.placement.observe_remote(key, len(ids), len(caches), fetched)
+        # Rates from what was computed and sent, not what came from a prefix cache.
+        computed = len(ids) - max(hit.tokens if hit.used else 0, fetched["prefill_cached_tokens"])
+        self.placement.observe_remote(key, computed, len(caches), fetched)
         if tuner is not None:
             tuner.observe_fetch(fetched)
         metrics.update(fetched, method="disaggregated", cached_tokens=hit.used and hit.tokens)
@@ -390,7 +392,9 @@ class DecodeAgent:
             P.send_json(sock, P.Frame.TOKEN, {"id": None, "text": tail})
         decode_s = t_end - t_first
         if metrics["method"] != "disaggregated" and metrics["prefill_time"]:
-            self.placement.observe_local(len(ids), metrics["prefill_time"])
+            self.placement.observe_local(
+                len(ids) - metrics["cached_tokens"], metrics["prefill_time"]
+            )
         if len(out) > 1:
             self.placement.observe_step(decode_s / (len(out) - 1))
         metrics.update(
