@@ -1,5 +1,10 @@
-"""Agents that run on the cluster's machines. Never imports `disagg`."""
+"""Agents that run on the cluster's machines. Never imports `disagg`.
 
-from .fastblas import preload
+Importing the package does one thing: a local agent started by disagg (the
+launcher set DISAGG_LIFELINE) arms its lifeline, so it dies with its parent.
+mlx's BLAS is set up by `agents.fastblas`, imported only where mlx runs.
+"""
 
-preload()  # before anything imports mlx: see agents/fastblas.py
+from .lifeline import arm
+
+arm()

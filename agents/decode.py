@@ -14,12 +14,14 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from . import fastblas  # first: it gives mlx an optimized BLAS before mlx loads
+
+# isort: split
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 
-from . import fastblas
 from . import protocol as P
 from .batching import DecodeLoop, Sampler, Seq, make_sampler, sample_rows
 from .codecpick import CodecTuner
@@ -31,6 +33,7 @@ from .mlxprefix import DecodePrefix, Hit
 from .models import UnsupportedModel, get_adapter, load_hf_config
 from .placement import Placement
 from .prefixcache import default_max_mb
+from .quant import check_supported, weights_identity
 from .request import GenerateRequest, RequestError
 from .server import common_args, fail, load_token, serve, setup_logging
 
@@ -50,6 +53,7 @@ class DecodeEngine:
         if device in ("cpu", "gpu"):
             mx.set_default_device(mx.cpu if device == "cpu" else mx.gpu)
         self.model_dir = model_dir
+        check_supported(model_dir)
         self.cfg = load_hf_config(model_dir)
         self.adapter = adapter = get_adapter(self.cfg["model_type"])
 
@@ -86,6 +90,7 @@ class DecodeEngine:
             "head_dim": adapter.head_dim(self.cfg),
             "dtype": self.dtype,
             "layers": cache_kinds(make_prompt_cache(self.model)),
+            "weights": weights_identity(model_dir),
         }
 
     def encode(self, req: GenerateRequest) -> list[int]:
@@ -128,10 +133,15 @@ class DecodeAgent:
         name: str,
         token: bytes | None = None,
         max_batch: int = 32,
+        max_request_bytes: int = P.CONTROL_MAX_FRAME,
+        allow_mixed: bool = False,
         prefix_cache_mb: float | None = None,
     ) -> None:
         self.engine = engine
+        # Accept a prefill agent on other weights (results then say weights: "mixed").
+        self.allow_mixed = allow_mixed
         self.name = name
+        self.max_request_bytes = max_request_bytes  # largest GENERATE frame taken
         self.token = token  # the cluster token, also proves us to prefill agents
         self.stats = Stats("decode")
         self.placement = Placement()
@@ -142,6 +152,7 @@ class DecodeAgent:
         self.loop = DecodeLoop(engine.model, max_batch=max_batch)
         mb = default_max_mb() if prefix_cache_mb is None else prefix_cache_mb
         self.prefix = DecodePrefix(int(mb * (1 << 20)), engine.fingerprint["layers"], engine.dtype)
+        self.stats.extra.append(lambda: self.prefix.cache.prometheus("decode"))
 
     def status(self) -> dict[str, Any]:
         batch = self.loop.snapshot()
@@ -154,6 +165,7 @@ class DecodeAgent:
             "device": self.engine.device,
             "blas": fastblas.loaded,
             "fingerprint": self.engine.fingerprint,
+            "context": self.engine.context,
             "queued": batch["batch_waiting"],
             "max_batch": self.loop.max_batch,
             **batch,
@@ -166,10 +178,11 @@ class DecodeAgent:
         (other connections' requests decode alongside in the same batch)."""
         while True:
             try:
-                _, req = P.recv_json(sock, P.Frame.GENERATE)
+                _, req = P.recv_json(sock, P.Frame.GENERATE, self.max_request_bytes)
+            except P.PeerClosed:
+                return  # the client is done
             except P.ProtocolError as e:
-                if "closed after 0 of" not in str(e):
-                    P.send_error(sock, "protocol", str(e))
+                P.send_error(sock, "protocol", str(e))
                 return
             except (P.RemoteError, OSError):
                 return
@@ -185,7 +198,7 @@ class DecodeAgent:
                 P.send_error(sock, e.code, e.message)
             except OSError as e:
                 outcome = "client_gone"
-                log.warning("client went away: %s", e)
+                log.warning("client went away: %s", P.printable(e))
                 return
             except Exception as e:
                 log.exception("generate failed")
@@ -201,9 +214,6 @@ class DecodeAgent:
                 "shorten the prompt"
             )
         return min(req.max_tokens, self.engine.context - len(ids))
-
-    def prometheus(self) -> str:
-        return self.stats.prometheus() + self.prefix.cache.prometheus("decode")
 
     def _lookup(self, req: GenerateRequest, namespace: str, ids: list[int], local: bool) -> Hit:
         if not req.prefix_cache or req.kv_quant:  # int8 K/V is lossy: never reused
@@ -245,6 +255,7 @@ class DecodeAgent:
             "fingerprint": self.engine.fingerprint,
             "model": self.engine.model_dir,
             "server": self.name,
+            "allow_mixed": self.allow_mixed,
         }
         fills: list[Future[Any]] = []
         hit = self._lookup(req, f"remote:{key}", ids, local=False)
@@ -343,6 +354,7 @@ class DecodeAgent:
             "prefill_server": None,
             "prefill_time": None,
             "cached_tokens": 0,  # prompt positions whose K/V came from the prefix cache
+            "weights": "same",  # a remote prefill on other weights says "mixed"
         }
         hits: list[Hit] = []
         caches, remote_logits = self._prefill(req, ids, metrics, hits)
@@ -399,6 +411,8 @@ class DecodeAgent:
             self.placement.observe_step(decode_s / (len(out) - 1))
         metrics.update(
             completion_tokens=len(out),
+            # max_tokens here is the request's, capped by what the context leaves.
+            finish_reason="length" if len(out) >= max_tokens else "stop",
             ttft=ttft,
             decode_time=decode_s,
             decode_speed=(len(out) - 1) / decode_s if len(out) > 1 and decode_s > 0 else None,
@@ -437,10 +451,15 @@ def main(argv: list[str] | None = None) -> None:
         help="memory for prompt K/V reused across requests sharing a prefix "
         f"(default min(2 GiB, 10%% of RAM): {default_max_mb()} MB here; 0: off)",
     )
+    parser.add_argument(
+        "--allow-mixed",
+        action="store_true",
+        help="accept prefill agents whose weights differ from ours (metrics say so)",
+    )
     args = parser.parse_args(argv)
     if args.max_batch < 1:
         fail("--max-batch must be at least 1")
-    setup_logging("decode")
+    setup_logging("decode", args.log_file, args.log_max_bytes)
     token = load_token(args.token_file)
     try:
         engine = DecodeEngine(args.model, dtype=args.dtype, device=args.device)
@@ -452,17 +471,11 @@ def main(argv: list[str] | None = None) -> None:
         args.name or f"decode@{socket.gethostname()}",
         token,
         max_batch=args.max_batch,
+        max_request_bytes=args.max_request_bytes,
+        allow_mixed=args.allow_mixed,
         prefix_cache_mb=args.prefix_cache_mb,
     )
-    serve(
-        "decode",
-        args,
-        token,
-        agent.handle,
-        agent.status,
-        agent.prometheus,
-        busy=lambda: agent.stats.in_flight,
-    )
+    serve("decode", args, token, agent)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,10 @@ is the only global library; it forwards to OpenBLAS opened privately.
 Linux only, and only when OpenBLAS and a C compiler are there; otherwise mlx
 keeps its own BLAS (correct, slower). DISAGG_BLAS=bundled keeps it always;
 DISAGG_BLAS=/path/libopenblas.so picks the library.
+
+Importing this module does it (`preload()`), so what runs mlx imports it before
+mlx: the decode agent and the mlx benchmarks. The CLI and the control plane never
+import it, and never compile or load the shim.
 """
 
 from __future__ import annotations
@@ -124,3 +128,6 @@ def preload() -> str:
     except (OSError, subprocess.SubprocessError):
         pass  # a broken install only costs speed, never correctness
     return loaded
+
+
+preload()

@@ -202,7 +202,11 @@ def _expand(raw: memoryview, codec: Codec, nbytes: int) -> bytes | memoryview:
             raise ProtocolError(f"raw K/V block is {len(raw)} bytes, shape says {nbytes}")
         return raw
     try:
-        # max_output_size bounds what a hostile frame can make us allocate.
+        # python-zstandard allocates what a frame declares and ignores
+        # max_output_size then: compare the declaration with the shape first.
+        declared = zstandard.frame_content_size(raw)
+        if declared not in (-1, nbytes):
+            raise ProtocolError(f"zstd block declares {declared} bytes, shape says {nbytes}")
         out = zstandard.ZstdDecompressor().decompress(raw, max_output_size=nbytes)
     except zstandard.ZstdError as e:
         raise ProtocolError(f"bad zstd block: {e}") from None
@@ -237,8 +241,25 @@ def decode_layer(
 
     `max_bytes` caps what the layer may expand to (its blocks decompressed, and
     its arrays dequantized), so a small frame that claims a huge shape cannot
-    make us allocate it. An int8 frame comes back in its model dtype.
+    make us allocate it; a receiver passes what the layer's expected shape
+    needs. An int8 frame comes back in its model dtype. Whatever goes wrong
+    (MemoryError included) is a ProtocolError, so the receiver can fall back.
     """
+    try:
+        return _decode_layer(payload, max_bytes)
+    except ProtocolError:
+        raise
+    except (ValueError, MemoryError, OverflowError, zstandard.ZstdError) as e:
+        raise ProtocolError(f"bad KV_LAYER frame: {type(e).__name__}: {e}") from None
+
+
+def layer_cap(heads: int, seq: int, head_dim: int) -> int:
+    """Most bytes one layer of `heads` x `seq` x `head_dim` may expand to in
+    decode_layer, whatever its dtype (float32 is the widest) or quantization."""
+    return 2 * heads * seq * (head_dim * 4 + SCALE_DTYPE.itemsize)
+
+
+def _decode_layer(payload: bytearray | bytes | memoryview, max_bytes: int) -> LayerKV:
     if len(payload) < LAYER_HEADER.size:
         raise ProtocolError("KV_LAYER frame shorter than its header")
     fields = LAYER_HEADER.unpack_from(payload)

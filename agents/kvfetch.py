@@ -12,7 +12,16 @@ import numpy as np
 
 from . import protocol as P
 from .codecpick import MIN_LINK_FRAME
-from .kvcodec import LAYER_HEADER, Codec, Kind, LayerKV, block_bytes, check_quant, decode_layer
+from .kvcodec import (
+    LAYER_HEADER,
+    Codec,
+    Kind,
+    LayerKV,
+    block_bytes,
+    check_quant,
+    decode_layer,
+    layer_cap,
+)
 from .mlxcache import check_layer, fill_layer
 from .prefixcache import Prefix
 
@@ -107,7 +116,14 @@ def fetch_kv(
         first = last = None
         logits: np.ndarray | None = None
         got: set[int] = set()
-        reader = P.FrameReader(sock)  # one buffer for every layer: fill_layer copies out
+        fp = hello["fingerprint"]
+        # What one layer of this prompt may expand to, and may take on the wire
+        # (zstd's worst case is a little over raw): more is a lie, refused unread.
+        cap = layer_cap(int(fp["num_kv_heads"]), len(ids), int(fp["head_dim"]))
+        wire_cap = cap + cap // 128 + (64 << 10)
+        max_frame = max(wire_cap, 4 * (vocab_size or 0), P.CONTROL_MAX_FRAME)
+        # One buffer for every layer: fill_layer copies out.
+        reader = P.FrameReader(sock, max_frame)
         while True:
             header, payload = reader.read()
             t_header = reader.header_at
@@ -117,7 +133,7 @@ def fetch_kv(
                     # From the header's arrival: time on the wire, not waiting for compute.
                     metrics["kv_link_bytes"] += header.length
                     metrics["kv_link_time"] += t_payload - t_header
-                kv = decode_layer(payload)
+                kv = decode_layer(payload, max_bytes=cap)
                 metrics["kv_decode_time"] += time.perf_counter() - t_payload
                 if kv.quant is not None and kv.quant != kv_quant:
                     raise P.ProtocolError(f"{kv.quant} K/V for a request that asked for lossless")
@@ -127,7 +143,6 @@ def fetch_kv(
                 metrics["kv_payload_bytes"] += len(payload) - LAYER_HEADER.size
                 if not 0 <= kv.layer < len(caches) or kv.layer in got:
                     raise P.ProtocolError(f"unexpected KV for layer {kv.layer}")
-                fp = hello["fingerprint"]
                 if kv.keys.shape[0] != fp["num_kv_heads"] or kv.keys.shape[2] != fp["head_dim"]:
                     raise P.ProtocolError(f"layer {kv.layer} K/V has shape {kv.keys.shape}")
                 if prefix and kv.kind == Kind.FULL and kv.keys.shape[1] == len(ids) - prefix.start:
@@ -144,6 +159,8 @@ def fetch_kv(
                 got.add(kv.layer)
                 metrics["kv_bytes"] += P.HEADER.size + len(payload)
             elif header.type == P.Frame.LOGITS:
+                if len(payload) % 4:
+                    raise P.ProtocolError(f"LOGITS of {len(payload)} bytes: not float32s")
                 logits = np.frombuffer(bytes(payload), np.float32)
                 if vocab_size and logits.shape[0] != vocab_size:
                     raise P.ProtocolError(f"{logits.shape[0]} logits for a vocab of {vocab_size}")
@@ -151,8 +168,7 @@ def fetch_kv(
                 done = P.decode_json(header, bytes(payload))
                 break
             elif header.type == P.Frame.ERROR:
-                err = P.decode_json(header, bytes(payload))
-                raise P.RemoteError(str(err.get("code")), str(err.get("message")))
+                raise P.error_from(header, payload)
             else:
                 raise P.ProtocolError(f"unexpected {header.type.name} during KV stream")
         if len(got) != len(caches) or logits is None:
@@ -160,20 +176,23 @@ def fetch_kv(
                 f"prefill sent {len(got)} of {len(caches)} layers, "
                 f"{'no' if logits is None else ''} logits"
             )
-    except (OSError, P.ProtocolError) as e:
-        raise PrefillUnavailable(f"prefill stream from {addr} failed: {e}") from e
+    except (OSError, P.ProtocolError, MemoryError) as e:
+        why = P.printable(e)
+        raise PrefillUnavailable(f"prefill stream from {addr} failed: {why}") from e
     except P.AuthError as e:
         # Not a fault to paper over with a local prefill: the cluster is misconfigured.
-        raise P.RemoteError("unauthorized", f"prefill agent {addr} refused us: {e}") from e
+        raise P.RemoteError("unauthorized", f"cannot use prefill agent {addr}: {e}") from e
     except P.RemoteError as e:
         if e.code == "model_mismatch":
             raise  # the user must see this; prefilling locally would hide it
-        raise PrefillUnavailable(f"prefill agent {addr} failed: {e.code}: {e.message}") from e
+        why = f"{P.printable(e.code, 40)}: {P.printable(e.message)}"
+        raise PrefillUnavailable(f"prefill agent {addr} failed: {why}") from e
     finally:
         sock.close()
     metrics.update(
         prefill_time=done.get("prefill_time"),
         prefill_server=ok.get("server") or addr,
+        weights=ok.get("weights", "same"),
         prefill_address=addr,
         kv_transfer_time=(last - first) if first and last else 0.0,
         kv_wait_time=(first - t_sent) if first else None,

@@ -35,6 +35,7 @@ from .metrics import Stats
 from .models import UnsupportedModel, get_adapter, layer_kinds_from_hf, load_hf_config
 from .prefillcache import PrefillPrefix
 from .prefixcache import default_max_mb, prefix_digest
+from .quant import check_supported, weights_identity, weights_mismatch
 from .server import common_args, fail, load_token, serve, setup_logging
 
 log = logging.getLogger("disagg.prefill")
@@ -77,13 +78,27 @@ class PrefillEngine:
     ) -> None:
         from transformers import AutoModelForCausalLM  # heavy: import once the args parsed
 
+        from .quant.loader import load_packed_model, needs_packed_loader
+
         self.model_dir = model_dir
+        check_supported(model_dir)
         self.cfg = load_hf_config(model_dir)
         self.adapter = get_adapter(self.cfg["model_type"])
         self.device = pick_device(device)
         self.dtype = pick_dtype(dtype, self.cfg)
-        model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=TORCH_DTYPES[self.dtype])
-        self.model = model.to(self.device).eval()
+        self.packed_bytes = 0  # quantized weights held packed (0: full precision)
+        model: Any
+        if needs_packed_loader(model_dir, self.cfg):
+            # transformers cannot read these; keep the weights packed (agents.quant).
+            model, self.packed_bytes = load_packed_model(
+                model_dir, self.cfg, TORCH_DTYPES[self.dtype], self.device
+            )
+        else:
+            loaded: Any = AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=TORCH_DTYPES[self.dtype]
+            )
+            model = loaded.to(self.device)
+        self.model = model.eval()
         # The decoder stack without the LM head: prefill never needs logits.
         self.body = getattr(self.model, self.model.base_model_prefix)
         self.head = self.model.get_output_embeddings()
@@ -96,6 +111,7 @@ class PrefillEngine:
             "head_dim": self.adapter.head_dim(self.cfg),
             "dtype": self.dtype,
             "layers": self.kinds,
+            "weights": weights_identity(model_dir),
         }
         self.lock = threading.Lock()  # one forward pass at a time per device
         # Fault-injection aid for tests: stretch the KV stream so a fault can land mid-way.
@@ -254,18 +270,21 @@ class LayerSender:
 
 class PrefillAgent:
     def __init__(
-        self, engine: PrefillEngine, name: str, prefix_cache_mb: float | None = None
+        self,
+        engine: PrefillEngine,
+        name: str,
+        max_request_bytes: int = P.CONTROL_MAX_FRAME,
+        prefix_cache_mb: float | None = None,
     ) -> None:
         self.engine = engine
         self.name = name
+        self.max_request_bytes = max_request_bytes  # largest HELLO / PREFILL frame taken
         self.stats = Stats("prefill")
         mb = default_max_mb() if prefix_cache_mb is None else prefix_cache_mb
         # K/V computed here, on this device and dtype: its own namespace.
         namespace = f"torch:{engine.device}:{engine.dtype}"
         self.prefix = PrefillPrefix(int(mb * (1 << 20)), engine.kinds, namespace)
-
-    def prometheus(self) -> str:
-        return self.stats.prometheus() + self.prefix.cache.prometheus("prefill")
+        self.stats.extra.append(lambda: self.prefix.cache.prometheus("prefill"))
 
     def status(self) -> dict[str, Any]:
         return {
@@ -283,9 +302,9 @@ class PrefillAgent:
     def handle(self, sock: socket.socket, peer: str) -> None:
         """One decode agent connection: HELLO, then any number of PREFILLs."""
         try:
-            _, hello = P.recv_json(sock, P.Frame.HELLO)
+            _, hello = P.recv_json(sock, P.Frame.HELLO, self.max_request_bytes)
         except (P.ProtocolError, P.RemoteError, OSError) as e:
-            log.warning("%s: bad hello: %s", peer, e)
+            log.warning("%s: bad hello: %s", peer, P.printable(e))
             P.send_error(sock, "protocol", str(e))
             return
         ours = self.engine.fingerprint
@@ -293,23 +312,38 @@ class PrefillAgent:
         if diffs:
             msg = (
                 f"model mismatch: prefill {self.name} has {self.engine.model_dir}, "
-                f"decode has {hello.get('model')}: {'; '.join(diffs)}"
+                f"decode has {P.printable(hello.get('model'))}: {'; '.join(diffs)}"
             )
-            log.warning("%s: %s", peer, msg)
+            log.warning("%s: %s", peer, P.printable(msg, 1000))
             P.send_error(sock, "model_mismatch", msg)
+            return
+        # Different weights (bf16 here, 4-bit there) decode other text than either
+        # side alone would: refused unless the decode agent was told to allow it.
+        mixed = weights_mismatch(
+            ours, hello.get("fingerprint") or {}, self.engine.model_dir, str(hello.get("model"))
+        )
+        if mixed and hello.get("allow_mixed") is not True:
+            log.warning("%s: %s", peer, mixed)
+            P.send_error(sock, "model_mismatch", mixed)
             return
         P.send_json(
             sock,
             P.Frame.HELLO_OK,
-            {"fingerprint": ours, "model": self.engine.model_dir, "server": self.name},
+            {
+                "fingerprint": ours,
+                "model": self.engine.model_dir,
+                "server": self.name,
+                "weights": "mixed" if mixed else "same",
+            },
         )
         while True:
             try:
-                _, req = P.recv_json(sock, P.Frame.PREFILL)
+                _, req = P.recv_json(sock, P.Frame.PREFILL, self.max_request_bytes)
+            except P.PeerClosed:
+                return  # the decode agent is done with this connection
             except P.ProtocolError as e:
-                if "closed after 0 of" not in str(e):
-                    log.warning("%s: %s", peer, e)
-                    P.send_error(sock, "protocol", str(e))
+                log.warning("%s: %s", peer, P.printable(e))
+                P.send_error(sock, "protocol", str(e))
                 return
             except OSError:
                 return
@@ -403,7 +437,7 @@ def main(argv: list[str] | None = None) -> None:
         f"(default min(2 GiB, 10%% of RAM): {default_max_mb()} MB here; 0: off)",
     )
     args = parser.parse_args(argv)
-    setup_logging("prefill")
+    setup_logging("prefill", args.log_file, args.log_max_bytes)
     token = load_token(args.token_file)
     try:
         engine = PrefillEngine(
@@ -413,17 +447,12 @@ def main(argv: list[str] | None = None) -> None:
         fail(str(e))
     log.info("loaded %s on %s as %s", args.model, engine.device, engine.dtype)
     agent = PrefillAgent(
-        engine, args.name or f"prefill@{socket.gethostname()}", args.prefix_cache_mb
+        engine,
+        args.name or f"prefill@{socket.gethostname()}",
+        args.max_request_bytes,
+        args.prefix_cache_mb,
     )
-    serve(
-        "prefill",
-        args,
-        token,
-        agent.handle,
-        agent.status,
-        agent.prometheus,
-        busy=lambda: agent.stats.in_flight,
-    )
+    serve("prefill", args, token, agent)
 
 
 if __name__ == "__main__":

@@ -30,9 +30,17 @@ HEADER = struct.Struct("<2sBBB3xQ")
 # Refuse absurd lengths before allocating: one layer of a 30B model at 32k
 # tokens is ~0.5 GiB, so 2 GiB leaves room without letting a peer OOM us.
 DEFAULT_MAX_FRAME = 2 << 30
-# Control frames (requests, hellos, token ids) from peers; agents may lower it
-# with --max-request-bytes.
+# Control frames (requests, hellos, token ids) from peers; agents pass their
+# --max-request-bytes to recv_json instead.
 CONTROL_MAX_FRAME = 16 << 20
+# Before a peer has proved the token: CHALLENGE, AUTH, AUTH_OK and a short ERROR
+# are all far below this, so an unknown peer never makes us hold more.
+PREAUTH_MAX_FRAME = 4096
+# Frames are received into memory that grows as bytes arrive, in steps of at
+# most this: a header that claims 16 MiB costs nothing until 16 MiB came.
+RECV_STEP = 256 << 10
+# Peer text (ERROR messages, bad JSON) in logs and messages is cut to this.
+PEER_TEXT_MAX = 200
 
 
 class Frame(enum.IntEnum):
@@ -56,6 +64,14 @@ class ProtocolError(Exception):
     """The peer sent something that is not a valid frame, or hung up."""
 
 
+class PeerClosed(ProtocolError):
+    """The peer hung up cleanly between two frames (before a header's first byte)."""
+
+
+class DeadlineExceeded(ProtocolError):
+    """The peer did not finish in time (the handshake deadline, for instance)."""
+
+
 class AuthError(Exception):
     """A peer failed to prove it holds the cluster token (or we have none to prove)."""
 
@@ -67,6 +83,39 @@ class RemoteError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def printable(text: object, limit: int | None = PEER_TEXT_MAX) -> str:
+    """Peer-supplied text made safe for one log line: control characters shown
+    as escapes (\\x1b, \\n), never interpreted; at most `limit` characters."""
+    raw = str(text)
+    head = raw if limit is None else raw[:limit]
+    out = "".join(
+        _ESCAPES.get(c)
+        or (c if c.isprintable() else f"\\x{ord(c):02x}" if ord(c) < 256 else f"\\u{ord(c):04x}")
+        for c in head
+    )
+    if limit is not None and (len(out) > limit or len(raw) > limit):
+        return out[:limit] + "..."
+    return out
+
+
+class Deadline:
+    """One point in time for a whole exchange (e.g. the handshake), however its
+    bytes trickle in: each recv may wait only for what is left of it."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.at = time.monotonic() + seconds
+
+    def left(self) -> float:
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded(f"did not finish within {self.seconds:g}s")
+        return left
 
 
 @dataclass(frozen=True)
@@ -135,28 +184,74 @@ def send_error(sock: socket.socket, code: str, message: str) -> None:
         send_json(sock, Frame.ERROR, {"code": code, "message": message})
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        r = sock.recv_into(view[got:], n - got)
+def _recv_into(
+    sock: socket.socket, view: memoryview, deadline: Deadline | None, got: int = 0, total: int = 0
+) -> int:
+    """Fill `view` from the socket: the one receive loop. `got` and `total` place
+    `view` within the whole part being received, for the error message."""
+    n, at = len(view), 0
+    total = max(total, got + n)
+    while at < n:
+        if deadline is not None:
+            sock.settimeout(deadline.left())
+        try:
+            r = sock.recv_into(view[at:], n - at)
+        except TimeoutError:
+            if deadline is not None:
+                deadline.left()  # raises DeadlineExceeded when that is why
+            raise
         if r == 0:
-            raise ProtocolError(f"connection closed after {got} of {n} bytes")
-        got += r
-    return buf
+            raise ProtocolError(f"connection closed after {got + at} of {total} bytes")
+        at += r
+    return at
 
 
-def recv_frame(sock: socket.socket, max_frame: int = DEFAULT_MAX_FRAME) -> tuple[Header, bytearray]:
-    header = parse_header(recv_exact(sock, HEADER.size), max_frame)
-    return header, recv_exact(sock, header.length)
+def recv_exact(sock: socket.socket, n: int, deadline: Deadline | None = None) -> bytearray:
+    """`n` bytes, held in memory that grows as they arrive (never `n` up front)."""
+    buf = bytearray(min(n, RECV_STEP))
+    got = 0
+    while True:
+        with memoryview(buf) as view:
+            got += _recv_into(sock, view[got:], deadline, got, n) if got < len(buf) else 0
+        if got == n:
+            return buf
+        # Double, bounded by what was claimed: at most twice what actually came.
+        buf.extend(bytes(min(n, 2 * len(buf)) - len(buf)))
+
+
+def _recv_header(sock: socket.socket, into: bytearray, deadline: Deadline | None) -> None:
+    with memoryview(into) as view:
+        if deadline is not None:
+            sock.settimeout(deadline.left())
+        try:
+            first = sock.recv_into(view, HEADER.size)
+        except TimeoutError:
+            if deadline is not None:
+                deadline.left()
+            raise
+        if first == 0:
+            raise PeerClosed("connection closed")
+        if first < HEADER.size:
+            _recv_into(sock, view[first:], deadline, first, HEADER.size)
+
+
+def recv_frame(
+    sock: socket.socket, max_frame: int = DEFAULT_MAX_FRAME, deadline: Deadline | None = None
+) -> tuple[Header, bytearray]:
+    """One frame. PeerClosed when the peer hung up before it began; the payload's
+    memory grows with what arrives, so a lying length costs nothing."""
+    head = bytearray(HEADER.size)
+    _recv_header(sock, head, deadline)
+    header = parse_header(head, max_frame)
+    return header, recv_exact(sock, header.length, deadline)
 
 
 class FrameReader:
     """Reads one socket's frames into one reusable buffer: once it has grown to
     the largest frame, receiving allocates nothing (the KV stream's layers are
     all one size). A payload is a view of that buffer, valid until the next
-    `read`; `header_at` is when the last header had arrived (perf_counter)."""
+    `read`; `header_at` is when the last header had arrived (perf_counter).
+    For authenticated peers only: a frame's buffer is sized from its header."""
 
     def __init__(self, sock: socket.socket, max_frame: int = DEFAULT_MAX_FRAME) -> None:
         self.sock = sock
@@ -165,44 +260,47 @@ class FrameReader:
         self._head = bytearray(HEADER.size)
         self._buf = bytearray(0)
 
-    def _fill(self, view: memoryview) -> None:
-        got, n = 0, len(view)
-        while got < n:
-            r = self.sock.recv_into(view[got:], n - got)
-            if r == 0:
-                raise ProtocolError(f"connection closed after {got} of {n} bytes")
-            got += r
-
     def read(self) -> tuple[Header, memoryview]:
-        self._fill(memoryview(self._head))
+        _recv_header(self.sock, self._head, None)
         self.header_at = time.perf_counter()
         header = parse_header(self._head, self.max_frame)
         if header.length > len(self._buf):
             self._buf = bytearray(header.length)  # the old one lives on in old views only
         view = memoryview(self._buf)[: header.length]
-        self._fill(view)
+        _recv_into(self.sock, view, None)
         return header, view
 
 
-def decode_json(header: Header, payload: bytes | bytearray) -> dict[str, Any]:
+def decode_json(header: Header, payload: bytes | bytearray | memoryview) -> dict[str, Any]:
     try:
-        obj = json.loads(payload)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ProtocolError(f"{header.type.name} frame is not valid JSON: {e}") from None
+        obj = json.loads(bytes(payload) if isinstance(payload, memoryview) else payload)
+    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError, 4300+ digit ints
+        raise ProtocolError(f"{header.type.name} frame is not valid JSON: {printable(e)}") from None
+    except RecursionError:
+        raise ProtocolError(f"{header.type.name} frame nests JSON too deeply") from None
     if not isinstance(obj, dict):
         raise ProtocolError(f"{header.type.name} frame must hold a JSON object")
     return obj
 
 
+def error_from(header: Header, payload: bytes | bytearray | memoryview) -> RemoteError:
+    """An ERROR frame as the exception to raise: code and message as strings."""
+    obj = decode_json(header, payload)
+    return RemoteError(str(obj.get("code", "error")), str(obj.get("message", "")))
+
+
 def recv_json(
-    sock: socket.socket, expect: Frame | tuple[Frame, ...], max_frame: int | None = None
+    sock: socket.socket,
+    expect: Frame | tuple[Frame, ...],
+    max_frame: int = CONTROL_MAX_FRAME,
+    deadline: Deadline | None = None,
 ) -> tuple[Frame, dict[str, Any]]:
-    """Receive one control frame; an ERROR frame becomes RemoteError."""
-    header, payload = recv_frame(sock, CONTROL_MAX_FRAME if max_frame is None else max_frame)
+    """Receive one control frame; an ERROR frame becomes RemoteError, a hang-up
+    between frames PeerClosed."""
+    header, payload = recv_frame(sock, max_frame, deadline)
     allowed = expect if isinstance(expect, tuple) else (expect,)
     if header.type == Frame.ERROR:
-        obj = decode_json(header, payload)
-        raise RemoteError(str(obj.get("code", "error")), str(obj.get("message", "")))
+        raise error_from(header, payload)
     if header.type not in allowed:
         names = "/".join(f.name for f in allowed)
         raise ProtocolError(f"expected {names}, got {header.type.name}")
@@ -235,6 +333,7 @@ def fingerprint_mismatch(ours: dict[str, Any], theirs: dict[str, Any]) -> list[s
 # the server proves it knows the token too.
 
 NONCE_BYTES = 32
+TOKEN_MIN_CHARS = 32  # a cluster token file holds at least this (the generator writes 64 hex)
 
 
 def _mac(token: bytes, side: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
@@ -252,17 +351,31 @@ def _hex_field(obj: dict[str, Any], key: str, size: int) -> bytes:
     return raw
 
 
-def server_auth(sock: socket.socket, token: bytes | None) -> None:
-    """Open a connection as the server; raises AuthError after telling the peer why."""
+def server_auth(
+    sock: socket.socket,
+    token: bytes | None,
+    deadline: Deadline | None = None,
+    max_frame: int = PREAUTH_MAX_FRAME,
+) -> None:
+    """Open a connection as the server; raises AuthError after telling the peer why.
+
+    The whole exchange must end by `deadline`, and no frame may exceed `max_frame`
+    (the answer is tiny): an unknown peer costs a few kB for a bounded time."""
     nonce = secrets.token_bytes(NONCE_BYTES)
     send_json(sock, Frame.CHALLENGE, {"nonce": nonce.hex(), "auth": token is not None})
     if token is None:
         return
     try:
-        _, msg = recv_json(sock, Frame.AUTH)
+        _, msg = recv_json(sock, Frame.AUTH, max_frame, deadline)
         client_nonce = _hex_field(msg, "nonce", NONCE_BYTES)
         mac = _hex_field(msg, "mac", hashlib.sha256().digest_size)
-    except (ProtocolError, RemoteError) as e:
+    except RemoteError as e:
+        reason = f"sent ERROR {printable(e.code, 40)}: {printable(e.message)}"
+        send_error(sock, "unauthorized", "authentication required")
+        raise AuthError(reason) from None
+    except ProtocolError as e:
+        if isinstance(e, PeerClosed | DeadlineExceeded):
+            raise
         send_error(sock, "unauthorized", f"authentication required: {e}")
         raise AuthError(str(e)) from None
     if not hmac.compare_digest(mac, _mac(token, b"client", nonce, client_nonce)):
@@ -272,20 +385,28 @@ def server_auth(sock: socket.socket, token: bytes | None) -> None:
 
 
 def client_auth(sock: socket.socket, token: bytes | None) -> None:
-    """Open a connection as the client: answer the server's challenge."""
-    _, challenge = recv_json(sock, Frame.CHALLENGE)
+    """Open a connection as the client: answer the server's challenge.
+
+    Holding a token, we require the server's proof: one whose challenge says it
+    wants no token (a process that grabbed the port, say) is refused."""
+    _, challenge = recv_json(sock, Frame.CHALLENGE, PREAUTH_MAX_FRAME)
     nonce = _hex_field(challenge, "nonce", NONCE_BYTES)
     if not challenge.get("auth"):
-        return
+        if token is None:
+            return
+        raise AuthError(
+            "the agent runs without a cluster token, so it cannot prove it belongs to this "
+            "cluster: refusing to send it work; restart it with --token-file"
+        )
     if token is None:
         raise AuthError("the agent requires the cluster token and none was given")
     client_nonce = secrets.token_bytes(NONCE_BYTES)
     mac = _mac(token, b"client", nonce, client_nonce)
     send_json(sock, Frame.AUTH, {"nonce": client_nonce.hex(), "mac": mac.hex()})
     try:
-        _, ok = recv_json(sock, Frame.AUTH_OK)
+        _, ok = recv_json(sock, Frame.AUTH_OK, PREAUTH_MAX_FRAME)
     except RemoteError as e:
-        raise AuthError(e.message) from None
+        raise AuthError(printable(e.message)) from None
     proof = _hex_field(ok, "mac", hashlib.sha256().digest_size)
     if not hmac.compare_digest(proof, _mac(token, b"server", nonce, client_nonce)):
         raise AuthError("the agent could not prove it holds the cluster token")

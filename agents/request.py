@@ -185,7 +185,9 @@ def check(r: GenerateRequest) -> None:
             "placement", f"placement must be one of {', '.join(PLACEMENTS)}, got {r.placement!r}"
         )
     if r.kv_quant not in KV_QUANTS:
-        raise RequestError("kv_quant", f"kv_quant {r.kv_quant!r}: use int8, or leave it out")
+        raise RequestError(
+            "kv_quant", f"kv_quant {r.kv_quant!r}: use 'int8', or 'none' / leave it out"
+        )
     if isinstance(r.codec, bool) or r.codec not in CODECS:
         raise RequestError(
             "codec", f"unknown codec {r.codec!r}: 0 raw, 1 zstd, 2 shuffle+zstd, or auto"

@@ -1,13 +1,19 @@
 """What both agents share: a threaded TCP listener for frames, a small HTTP
 control endpoint (GET /health, GET /status), and the READY line that tells
-whoever started the agent which ports it got."""
+whoever started the agent which ports it got.
+
+Nobody without the token costs an agent much: a connection must finish the
+handshake within one deadline, in frames of a few kB; unauthenticated
+connections are capped per peer address and all connections per agent; the
+control port caps its connections and bounds each request's whole life."""
 
 from __future__ import annotations
 
 import argparse
-import hmac
+import contextlib
 import json
 import logging
+import logging.handlers
 import os
 import signal
 import socket
@@ -18,23 +24,51 @@ import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 from . import protocol as P
+from .httpauth import PROOF_HEADER, ServerAuth
+from .metrics import Stats
 
 log = logging.getLogger("disagg.agent")
 
-
-def setup_logging(role: str) -> None:
-    logging.basicConfig(
-        level=logging.INFO,
-        stream=sys.stderr,
-        format=f"%(asctime)s {role} %(levelname)s %(message)s",
-    )
+LOG_LINE_MAX = 4000  # characters of one log message; peer text is cut far shorter
+LOG_MAX_BYTES = 16 << 20  # --log-file rotates at this size, keeping LOG_BACKUPS old files
+LOG_BACKUPS = 3
 
 
-HANDSHAKE_TIMEOUT_S = 10.0  # a peer that connects and says nothing is dropped after this
+class OneLineFormatter(logging.Formatter):
+    """Every record's message on one line, control characters shown escaped
+    (`\\x1b`, `\\n`): nothing a peer says can forge a line or drive a terminal.
+    Tracebacks keep their own lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
+        record.message = P.printable(record.message, LOG_LINE_MAX)
+        return super().formatMessage(record)
+
+
+def setup_logging(role: str, log_file: str | None = None, max_bytes: int = LOG_MAX_BYTES) -> None:
+    """Log to stderr, or to `log_file` rotated at `max_bytes` (LOG_BACKUPS kept)."""
+    handler: logging.Handler
+    if log_file:
+        handler = logging.handlers.RotatingFileHandler(
+            log_file, maxBytes=max_bytes, backupCount=LOG_BACKUPS
+        )
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(OneLineFormatter(f"%(asctime)s {role} %(levelname)s %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+
+
+HANDSHAKE_TIMEOUT_S = 10.0  # a peer must finish the handshake within this, however it trickles
 IDLE_TIMEOUT_S = 600.0  # an open connection with no request for this long is closed
+MAX_CONNECTIONS = 512  # per agent, authenticated or not; half at most unauthenticated
+MAX_PREAUTH_PER_PEER = 64  # unauthenticated connections from one address at once
+CONTROL_MAX_CONNECTIONS = 64  # HTTP control port, at once
+CONTROL_MAX_PER_PEER = 16
+TOKEN_MIN_CHARS = P.TOKEN_MIN_CHARS
 
 
 def fail(message: str) -> NoReturn:
@@ -69,6 +103,28 @@ def common_args(role: str) -> argparse.ArgumentParser:
         help="largest control frame (request, hello) accepted from a peer",
     )
     p.add_argument(
+        "--handshake-timeout",
+        type=float,
+        default=HANDSHAKE_TIMEOUT_S,
+        help="seconds a new connection has to authenticate (an HTTP call: to be answered)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=MAX_CONNECTIONS,
+        help="connections at once on the data port (half at most unauthenticated)",
+    )
+    p.add_argument(
+        "--max-preauth-per-peer",
+        type=int,
+        default=MAX_PREAUTH_PER_PEER,
+        help="unauthenticated connections at once from one address",
+    )
+    p.add_argument("--log-file", default=None, help="log here, rotated by size (else stderr)")
+    p.add_argument(
+        "--log-max-bytes", type=int, default=LOG_MAX_BYTES, help="rotate --log-file at this size"
+    )
+    p.add_argument(
         "--drain-timeout",
         type=float,
         default=30.0,
@@ -88,9 +144,68 @@ def load_token(path: str | None) -> bytes | None:
         fail(f"cannot read token file {path}: {e.strerror}")
     if st.st_mode & 0o077:
         fail(f"token file {path} is readable by others; fix: chmod 600 {path}")
-    if len(token) < 16:
-        fail(f"token file {path} holds no usable token (at least 16 characters)")
+    if len(token) < TOKEN_MIN_CHARS:
+        what = "is empty" if not token else f"holds only {len(token)} characters"
+        fail(
+            f"token file {path} {what}, a cluster token has at least {TOKEN_MIN_CHARS}; "
+            "fix: copy the operator's token there again (disagg deploy does), chmod 600"
+        )
     return token
+
+
+class Gate:
+    """Caps connections: `total` at once, of which at most half unauthenticated,
+    and at most `preauth_per_peer` unauthenticated ones from one address. A
+    refused connection is closed before it costs a thread."""
+
+    def __init__(self, total: int, preauth_per_peer: int, preauth_total: int | None = None) -> None:
+        self.total = total
+        self.preauth_total = max(1, total // 2) if preauth_total is None else preauth_total
+        self.preauth_per_peer = preauth_per_peer
+        self.open = 0
+        self.preauth: dict[str, int] = {}
+        self.lock = threading.Lock()
+        self.refused = 0
+        self._told_at = 0.0
+
+    def admit(self, peer: str) -> str | None:
+        """Take a slot for a new, unauthenticated connection; else why not."""
+        with self.lock:
+            if self.open >= self.total:
+                why = f"{self.open} connections open"
+            elif sum(self.preauth.values()) >= self.preauth_total:
+                why = f"{self.preauth_total} unauthenticated connections open"
+            elif self.preauth.get(peer, 0) >= self.preauth_per_peer:
+                why = f"{self.preauth_per_peer} unauthenticated connections from {peer} open"
+            else:
+                self.open += 1
+                self.preauth[peer] = self.preauth.get(peer, 0) + 1
+                return None
+            self.refused += 1
+            # One line per 10 s at most: a flood must not flood the log too.
+            now = time.monotonic()
+            if now - self._told_at < 10:
+                return why
+            self._told_at, count = now, self.refused
+        log.warning("refused connections (%d so far): %s", count, why)
+        return why
+
+    def authenticated(self, peer: str) -> None:
+        with self.lock:
+            self._leave_preauth(peer)
+
+    def _leave_preauth(self, peer: str) -> None:
+        left = self.preauth.get(peer, 0) - 1
+        if left > 0:
+            self.preauth[peer] = left
+        else:
+            self.preauth.pop(peer, None)
+
+    def release(self, peer: str, authenticated: bool) -> None:
+        with self.lock:
+            self.open -= 1
+            if not authenticated:
+                self._leave_preauth(peer)
 
 
 class FrameServer(socketserver.ThreadingTCPServer):
@@ -104,28 +219,108 @@ class FrameServer(socketserver.ThreadingTCPServer):
         port: int,
         handle: Callable[[socket.socket, str], None],
         token: bytes | None,
+        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+        max_connections: int = MAX_CONNECTIONS,
+        max_preauth_per_peer: int = MAX_PREAUTH_PER_PEER,
     ) -> None:
+        self.gate = gate = Gate(max_connections, max_preauth_per_peer)
+
         class _Handler(socketserver.BaseRequestHandler):
             def handle(inner) -> None:
                 sock: socket.socket = inner.request
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                peer = f"{inner.client_address[0]}:{inner.client_address[1]}"
+                addr = inner.client_address[0]
+                peer = f"{addr}:{inner.client_address[1]}"
+                authed = False
                 try:
-                    sock.settimeout(HANDSHAKE_TIMEOUT_S)
-                    P.server_auth(sock, token)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    deadline = P.Deadline(handshake_timeout_s)
+                    sock.settimeout(handshake_timeout_s)
+                    P.server_auth(sock, token, deadline)
                     sock.settimeout(IDLE_TIMEOUT_S)
+                    gate.authenticated(addr)
+                    authed = True
                 except P.AuthError as e:
-                    log.warning("refused %s: %s", peer, e)
+                    log.warning("refused %s: %s", peer, P.printable(e))
                     return
                 except (OSError, P.ProtocolError) as e:
-                    log.info("dropped %s before it authenticated: %s", peer, e)
+                    log.info("dropped %s before it authenticated: %s", peer, P.printable(e))
                     return
+                finally:
+                    if not authed:
+                        gate.release(addr, authenticated=False)
                 try:
                     handle(sock, peer)
                 except Exception:  # a bad connection must never take the agent down
                     log.exception("connection from %s failed", peer)
+                finally:
+                    gate.release(addr, authenticated=True)
 
         super().__init__((host, port), _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if self.gate.admit(client_address[0]) is not None:
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+
+class Reaper:
+    """Closes sockets that outlive their deadline, from one thread for all: an
+    HTTP client trickling its request a byte at a time is cut off at the end."""
+
+    def __init__(self) -> None:
+        self.due: dict[socket.socket, float] = {}
+        self.lock = threading.Lock()
+        threading.Thread(target=self._run, daemon=True, name="reaper").start()
+
+    def watch(self, sock: socket.socket, seconds: float) -> None:
+        with self.lock:
+            self.due[sock] = time.monotonic() + seconds
+
+    def forget(self, sock: socket.socket) -> None:
+        with self.lock:
+            self.due.pop(sock, None)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(0.1)
+            now = time.monotonic()
+            with self.lock:
+                late = [s for s, at in self.due.items() if at <= now]
+                for s in late:
+                    del self.due[s]
+            for s in late:
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)  # wakes the handler's blocked read
+
+
+class ControlServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 128  # as FrameServer: a burst must not wait on SYN retries
+
+    def __init__(self, address: tuple[str, int], handler: Any, deadline_s: float) -> None:
+        super().__init__(address, handler)
+        # Every HTTP connection stays "unauthenticated" in the gate's terms.
+        self.gate = Gate(CONTROL_MAX_CONNECTIONS, CONTROL_MAX_PER_PEER, CONTROL_MAX_CONNECTIONS)
+        self.reaper = Reaper()
+        self.deadline_s = deadline_s
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if self.gate.admit(client_address[0]) is not None:
+            self.shutdown_request(request)
+            return
+        self.reaper.watch(request, self.deadline_s)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        self.reaper.forget(request)
+        super().shutdown_request(request)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.gate.release(client_address[0], authenticated=False)
 
 
 def start_control(
@@ -135,71 +330,112 @@ def start_control(
     metrics: Callable[[], str],
     token: bytes | None,
     draining: threading.Event,
+    deadline_s: float = HANDSHAKE_TIMEOUT_S,
 ) -> ThreadingHTTPServer:
+    """GET /health for anyone; /status and /metrics for token holders, proven by
+    challenge-response (agents.httpauth) so the token never crosses the wire."""
+    auth = ServerAuth(token) if token is not None else None
+
     class _Handler(BaseHTTPRequestHandler):
+        timeout = deadline_s  # per read; the server's Reaper bounds the whole request
+
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
             kind = "application/json"
+            extra: dict[str, str] = {}
+            proven: tuple[str, str] | None = None
             if self.path == "/health":
                 # A draining agent says so, so routers send new work elsewhere.
                 ok = not draining.is_set()
                 raw, code = json.dumps({"ok": ok, "draining": not ok}).encode(), 200 if ok else 503
-            elif not self._authorized():
-                log.warning(
-                    "refused HTTP %s from %s: bad or missing bearer token",
-                    self.path,
-                    self.client_address[0],
-                )
-                raw, code = b'{"error": "unauthorized: send Authorization: Bearer TOKEN"}', 401
-            elif self.path == "/status":
+                self._answer(code, kind, raw, extra)
+                return
+            if auth is not None:
+                checked = auth.check("GET", self.path, self.headers.get("Authorization"))
+                if isinstance(checked, str):
+                    self._refuse(auth, checked)
+                    return
+                proven = checked
+            if self.path == "/status":
                 raw, code = json.dumps(status()).encode(), 200
             elif self.path == "/metrics":
                 raw, code = metrics().encode(), 200
                 kind = "text/plain; version=0.0.4"
             else:
-                raw, code = json.dumps({"error": f"no such endpoint {self.path}"}).encode(), 404
+                raw, code = b'{"error": "no such endpoint"}', 404
+            if auth is not None and proven is not None:
+                extra[PROOF_HEADER] = auth.proof("GET", self.path, *proven, code, raw)
+            self._answer(code, kind, raw, extra)
+
+        def _refuse(self, auth: ServerAuth, why: str) -> None:
+            if why != "no credentials":  # a bare request is the protocol's first step
+                log.warning(
+                    "refused HTTP GET %s from %s: %s",
+                    P.printable(self.path, 100),
+                    self.client_address[0],
+                    why,
+                )
+            raw = b'{"error": "unauthorized: answer the Disagg-HMAC challenge (agents.httpauth)"}'
+            self._answer(401, "application/json", raw, {"WWW-Authenticate": auth.challenge()})
+
+        def _answer(self, code: int, kind: str, raw: bytes, extra: dict[str, str]) -> None:
             self.send_response(code)
             self.send_header("Content-Type", kind)
             self.send_header("Content-Length", str(len(raw)))
+            for k, v in extra.items():
+                self.send_header(k, v)
             self.end_headers()
             self.wfile.write(raw)
-
-        def _authorized(self) -> bool:
-            if token is None:
-                return True
-            given = self.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-            return hmac.compare_digest(given.encode(), token)
 
         def log_message(self, format: str, *args: Any) -> None:
             pass  # health polls would drown the agent's log
 
-    server = ThreadingHTTPServer((host, port), _Handler)
-    server.daemon_threads = True
+    server = ControlServer((host, port), _Handler, deadline_s)
     threading.Thread(target=server.serve_forever, daemon=True, name="control").start()
     return server
 
 
-def serve(
-    role: str,
-    args: argparse.Namespace,
-    token: bytes | None,
-    handle: Callable[[socket.socket, str], None],
-    status: Callable[[], dict[str, Any]],
-    metrics: Callable[[], str],
-    busy: Callable[[], int],
-) -> None:
+class Agent(Protocol):
+    """What serve() needs of a prefill or decode agent."""
+
+    stats: Stats
+
+    def handle(self, sock: socket.socket, peer: str) -> None: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+
+def serve(role: str, args: argparse.Namespace, token: bytes | None, agent: Agent) -> None:
     """Bind both ports on every address, print READY, serve until SIGTERM/SIGINT,
     then stop accepting and let in-flight requests finish (up to --drain-timeout)."""
+    handle, status, metrics = agent.handle, agent.status, agent.stats.prometheus
+
+    def busy() -> int:
+        return agent.stats.in_flight
+
     hosts = [h.strip() for h in str(args.host).split(",") if h.strip()]
-    P.CONTROL_MAX_FRAME = args.max_request_bytes  # what any peer may make us allocate at once
     draining = threading.Event()
     frames: list[FrameServer] = []
     controls: list[ThreadingHTTPServer] = []
     port, control_port = args.port, args.control_port
     try:
         for host in hosts:  # port 0: the first bind picks it, the others reuse it
-            frames.append(FrameServer(host, port, handle, token))
+            frames.append(
+                FrameServer(
+                    host,
+                    port,
+                    handle,
+                    token,
+                    args.handshake_timeout,
+                    args.max_connections,
+                    args.max_preauth_per_peer,
+                )
+            )
             port = frames[-1].server_address[1]
-            controls.append(start_control(host, control_port, status, metrics, token, draining))
+            controls.append(
+                start_control(
+                    host, control_port, status, metrics, token, draining, args.handshake_timeout
+                )
+            )
             control_port = controls[-1].server_address[1]
     except OSError as e:
         fail(f"cannot listen on {host}: {e.strerror}")

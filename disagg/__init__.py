@@ -5,8 +5,6 @@ from disagg import Client
 
 from typing import Any
 
-import agents  # noqa: F401  (gives mlx an optimized BLAS before anything imports it)
-
 __version__ = "0.1.0"
 __all__ = ["Client", "Completion", "Chunk", "DisaggError"]
 

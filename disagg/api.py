@@ -61,13 +61,20 @@ class Client:
         n_decode: int = 1,
         dtype: str = "auto",
         say: Say = lambda _msg: None,
+        prefill_model: str | None = None,
+        allow_mixed: bool = False,
     ) -> Client:
         """Start a prefill and `n_decode` decode agents per model on this machine.
 
         `model`: a model dir, several (one pipeline each, named by the dir), or None
-        for the embedded default. close() stops the agents.
+        for the embedded default. `prefill_model`: the prefill agent loads that dir
+        instead (one model only); agents on different weights refuse to pair unless
+        `allow_mixed`, and results then say weights: "mixed". close() stops the agents.
         """
         wanted = model if isinstance(model, list) else [model]
+        if prefill_model is not None and len(wanted) != 1:
+            raise UsageError("--prefill-model goes with exactly one --model")
+        prefill_dir = resolve_model(prefill_model, say) if prefill_model is not None else None
         dirs = {}
         for m in wanted:
             path = resolve_model(m, say)
@@ -78,7 +85,12 @@ class Client:
         try:
             for name, path in dirs.items():
                 prefill, decodes = start_local_agents(
-                    path, n_decode=n_decode, dtype=dtype, token_file=token_file
+                    path,
+                    n_decode=n_decode,
+                    dtype=dtype,
+                    token_file=token_file,
+                    prefill_model_dir=prefill_dir,
+                    decode_args=["--allow-mixed"] if allow_mixed else [],
                 )
                 agents += [prefill, *decodes]
                 pipelines.append(
@@ -121,10 +133,12 @@ class Client:
         top_p: float = 1.0,
         stop: str | list[str] | None = None,
         stream: bool = False,
+        cancel: threading.Event | None = None,
         **extra: Any,
     ) -> Completion | Iterator[Chunk]:
         """Text plus the seed's metrics, or with stream=True an iterator of chunks
-        whose last one has done=True and the Completion."""
+        whose last one has done=True and the Completion. Setting `cancel` stops
+        decoding at the next token (a gateway's client hung up)."""
         if (prompt is None) == (messages is None):
             raise UsageError("give exactly one of prompt= or messages=")
         req = build_request(
@@ -139,15 +153,24 @@ class Client:
         name = self.router.pipeline(model).name
         stops = list(req.get("stop", []))
         if stream:
-            return self._stream(name, req, stops)
-        return self._run(name, req, stops, lambda _text: None)
+            return self._stream(name, req, stops, cancel)
+        return self._run(name, req, stops, lambda _text: None, cancel)
 
-    def _run(self, model: str, req: dict[str, Any], stops: list[str], emit: Any) -> Completion:
+    def _run(
+        self,
+        model: str,
+        req: dict[str, Any],
+        stops: list[str],
+        emit: Any,
+        cancel: threading.Event | None = None,
+    ) -> Completion:
         matcher = StopMatcher(stops)
         count = 0
 
         def on_token(tok: dict[str, Any]) -> None:
             nonlocal count
+            if cancel is not None and cancel.is_set():
+                raise StopGeneration
             count += tok.get("id") is not None
             text = matcher.feed(tok.get("text") or "")
             if text:
@@ -165,12 +188,20 @@ class Client:
         if tail:
             emit(tail)
         m = result.metrics
-        reason = "length" if m.get("completion_tokens") == req["max_tokens"] else "stop"
+        reason = m.get("finish_reason") or (
+            "length" if m.get("completion_tokens") == req["max_tokens"] else "stop"
+        )
         return Completion(result.text, result.token_ids, m, reason, model)
 
-    def _stream(self, model: str, req: dict[str, Any], stops: list[str]) -> Iterator[Chunk]:
+    def _stream(
+        self,
+        model: str,
+        req: dict[str, Any],
+        stops: list[str],
+        cancel: threading.Event | None = None,
+    ) -> Iterator[Chunk]:
         q: queue.Queue[Chunk | BaseException] = queue.Queue()
-        cancelled = threading.Event()
+        cancelled = cancel or threading.Event()
 
         def emit(text: str) -> None:
             if cancelled.is_set():
@@ -179,7 +210,8 @@ class Client:
 
         def work() -> None:
             try:
-                q.put(Chunk("", done=True, completion=self._run(model, req, stops, emit)))
+                done = self._run(model, req, stops, emit, cancelled)
+                q.put(Chunk("", done=True, completion=done))
             except BaseException as e:  # handed to the consumer's thread
                 q.put(e)
 

@@ -4,6 +4,8 @@ agents as processes on 127.0.0.1, shared across a test module."""
 from __future__ import annotations
 
 import os
+import socket
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +15,7 @@ import pytest
 from disagg.serving import wireclient as client
 from disagg.serving.defaultmodel import ensure_default_model
 from disagg.serving.localagents import AgentProc, start_local_pair
-from tests.tinymodels import make_tiny
+from tests.tinymodels import PROMPT, make_tiny
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -86,3 +88,58 @@ def agent_pair(
         for pair in reversed(started):
             for agent in reversed(pair):
                 agent.stop()
+
+
+def remote_request(
+    prefill: AgentProc | dict[str, Any] | None,
+    prompt: str = PROMPT,
+    max_tokens: int = 8,
+    **fields: Any,
+) -> dict[str, Any]:
+    """A raw-prompt request of exactly `max_tokens` (EOS ignored) that the decode
+    agent must prefill at `prefill` (an agent or a target dict); greedy unless told."""
+    req = {
+        "prompt": prompt,
+        "raw": True,
+        "max_tokens": max_tokens,
+        "placement": "remote",
+        "ignore_eos": True,
+        **fields,
+    }
+    if isinstance(prefill, AgentProc):
+        req["prefill"] = {"host": prefill.host, "port": prefill.port}
+    elif prefill is not None:
+        req["prefill"] = prefill
+    return req
+
+
+def socket_pair() -> tuple[socket.socket, socket.socket]:
+    """Two connected sockets with a 5 s timeout: frames on a real socket, no agent."""
+    a, b = socket.socketpair()
+    a.settimeout(5)
+    b.settimeout(5)
+    return a, b
+
+
+class LocalServer:
+    """A TCP listener on 127.0.0.1 (port 0) whose accept loop hands each
+    connection to `on_connection` in its own thread; for fake peers and relays."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self.listener.getsockname()[1])
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self.on_connection, args=(conn,), daemon=True).start()
+
+    def on_connection(self, conn: socket.socket) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.listener.close()

@@ -11,7 +11,7 @@ import pytest
 
 from disagg.errors import ModelMismatch
 from disagg.serving.localagents import AgentProc, make_token_file
-from tests.conftest import PairFactory, ask
+from tests.conftest import PairFactory, ask, remote_request
 from tests.tinymodels import PROMPT
 
 from .references import hf_greedy, mlx_greedy
@@ -52,15 +52,7 @@ def test_tiny_agents_match_both_monolithic_references(
     from agents.decode import DecodeEngine
 
     path, prefill, decode = tiny[arch]
-    req: dict[str, Any] = {
-        "prompt": long_prompt(),
-        "raw": True,
-        "max_tokens": N_NEW,
-        "ignore_eos": True,
-        "return_prompt_ids": True,
-        "placement": "remote",
-        "prefill": {"host": prefill.host, "port": prefill.port},
-    }
+    req = remote_request(prefill, long_prompt(), N_NEW, return_prompt_ids=True)
     res = ask(decode, req)
     ids = res.prompt_ids or []
     assert res.metrics["method"] == "disaggregated" and res.metrics["kv_bytes"] > 0
@@ -77,13 +69,7 @@ def test_mismatched_models_fail_naming_both(
     gpt_dir, _, gpt_decode = tiny["gpt_oss"]
     moe_dir, moe_prefill, _ = tiny["qwen3_moe"]
     texts: list[str] = []
-    req = {
-        "prompt": PROMPT,
-        "raw": True,
-        "max_tokens": 8,
-        "placement": "remote",
-        "prefill": {"host": moe_prefill.host, "port": moe_prefill.port},
-    }
+    req = remote_request(moe_prefill, ignore_eos=False)
     with pytest.raises(ModelMismatch) as info:
         ask(gpt_decode, req, on_text=texts.append)
     message = str(info.value)

@@ -10,33 +10,30 @@ import socket
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from agents import protocol as P
+from agents.httpauth import control_get
 from disagg.errors import AuthError
 from disagg.serving import wireclient as client
-from disagg.serving.localagents import AgentProc, spawn_agent, start_local_pair, wait_ready
-from tests.tinymodels import PROMPT, make_tiny
+from disagg.serving.localagents import AgentProc, spawn_agent, wait_ready
+from tests.conftest import LocalServer, PairFactory, ask
+from tests.tinymodels import PROMPT
 
 pytestmark = [pytest.mark.auth, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny("llama", tmp_path_factory.mktemp("auth") / "llama", seed=6)
+def tiny_dir(tiny_model: Callable[..., Path]) -> Path:
+    return tiny_model("llama", seed=6)
 
 
 @pytest.fixture(scope="module")
-def pair(
-    tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[AgentProc, AgentProc]]:
-    agents = start_local_pair(tiny_dir, log_dir=tmp_path_factory.mktemp("auth-logs"))
-    yield agents
-    for a in reversed(agents):
-        a.stop()
+def pair(tiny_dir: Path, agent_pair: PairFactory) -> tuple[AgentProc, AgentProc]:
+    return agent_pair(tiny_dir)
 
 
 def request(prefill_host: str, prefill_port: int) -> dict[str, object]:
@@ -55,9 +52,7 @@ def prefill_requests(prefill: AgentProc) -> int:
 
 def test_right_token_works(pair: tuple[AgentProc, AgentProc]) -> None:
     prefill, decode = pair
-    res = client.generate(
-        decode.host, decode.port, request(prefill.host, prefill.port), token=decode.token
-    )
+    res = ask(decode, request(prefill.host, prefill.port))
     assert res.metrics["method"] == "disaggregated" and res.token_ids
 
 
@@ -100,6 +95,7 @@ def test_prefill_agent_refuses_a_decode_side_without_the_token(
 
 
 def http_status(agent: AgentProc, path: str, token: str | None) -> int:
+    """The status code of a bare GET or one with `Authorization: Bearer <token>`."""
     req = urllib.request.Request(f"http://{agent.host}:{agent.control_port}{path}")
     if token is not None:
         req.add_header("Authorization", f"Bearer {token}")
@@ -110,7 +106,7 @@ def http_status(agent: AgentProc, path: str, token: str | None) -> int:
         return int(e.code)
 
 
-def test_http_wants_the_bearer_token_except_health(pair: tuple[AgentProc, AgentProc]) -> None:
+def test_http_wants_proof_of_the_token_except_health(pair: tuple[AgentProc, AgentProc]) -> None:
     for agent in pair:
         assert agent.token is not None
         right = agent.token.decode()
@@ -118,29 +114,25 @@ def test_http_wants_the_bearer_token_except_health(pair: tuple[AgentProc, AgentP
         for path in ("/status", "/metrics"):
             assert http_status(agent, path, None) == 401
             assert http_status(agent, path, "wrong") == 401
-            assert http_status(agent, path, right) == 200
+            assert http_status(agent, path, right) == 401  # the token itself is no longer taken
+            assert control_get(agent.host, agent.control_port, path, agent.token)
+            with pytest.raises(P.AuthError, match="refused our proof"):
+                control_get(agent.host, agent.control_port, path, b"0" * 64)
 
 
-class Recorder:
+class Recorder(LocalServer):
     """A TCP relay that keeps every byte it forwards, both ways."""
 
     def __init__(self, target: tuple[str, int]) -> None:
         self.target = target
         self.seen = bytearray()
         self.lock = threading.Lock()
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                a, _ = self.listener.accept()
-            except OSError:
-                return
-            b = socket.create_connection(self.target)
-            for src, dst in ((a, b), (b, a)):
-                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+    def on_connection(self, a: socket.socket) -> None:
+        b = socket.create_connection(self.target)
+        threading.Thread(target=self._pump, args=(b, a), daemon=True).start()
+        self._pump(a, b)
 
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         try:

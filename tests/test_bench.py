@@ -3,30 +3,21 @@ the bench works and reports sane numbers, not the speed bars."""
 
 from __future__ import annotations
 
-import json
-import math
 from pathlib import Path
-from typing import Any
 
 import pytest
 from rich.console import Console
 
 from disagg.bench.core import bench_table, run_core_bench
+from tests.benchcheck import positive, run_section
 
 pytestmark = pytest.mark.slow
 
 
-def positive(x: Any) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x > 0
-
-
 def test_core_bench_runs(default_model: Path) -> None:
-    messages: list[str] = []
-    report = run_core_bench(
-        default_model, repeats=1, decode_tokens=8, long_prompt_tokens=300, say=messages.append
+    report, _ = run_section(
+        run_core_bench, default_model, repeats=1, decode_tokens=8, long_prompt_tokens=300
     )
-    assert messages
-    json.dumps(report)  # plain data
 
     assert report["settings"] == {"repeats": 1, "decode_tokens": 8, "long_prompt_tokens": 300}
     assert report["model"] == str(default_model)

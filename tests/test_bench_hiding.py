@@ -4,7 +4,6 @@ namespace and veth are gone afterwards. Structure and sanity, not the speed bar.
 
 from __future__ import annotations
 
-import json
 import subprocess
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pytest
 from rich.console import Console
 
 from disagg.bench.hiding import INNER, cannot_run, hiding_table, run_hiding_bench
+from tests.benchcheck import run_section
 
 pytestmark = [
     pytest.mark.slow,
@@ -20,11 +20,9 @@ pytestmark = [
 
 
 def test_hiding_bench_runs_over_the_shaped_link(default_model: Path) -> None:
-    messages: list[str] = []
-    report = run_hiding_bench(
-        default_model, lengths=(700,), rates=("1gbit",), repeats=1, say=messages.append
+    report, messages = run_section(
+        run_hiding_bench, default_model, lengths=(700,), rates=("1gbit",), repeats=1
     )
-    json.dumps(report)  # plain data
     assert any("namespace" in m for m in messages)
     [row] = report["rows"]
     assert row["rate"] == "1gbit" and 650 <= row["prompt_tokens"] <= 700

@@ -4,19 +4,13 @@ the speed bars. Plus the pipeline arithmetic it rests on."""
 
 from __future__ import annotations
 
-import json
-import math
 from pathlib import Path
-from typing import Any
 
 import pytest
 from rich.console import Console
 
 from disagg.bench.wire import CODECS, pipeline_time, run_wire_bench, wire_tables
-
-
-def positive(x: Any) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+from tests.benchcheck import positive, run_section
 
 
 def test_pipeline_time() -> None:
@@ -32,12 +26,7 @@ def test_pipeline_time() -> None:
 
 @pytest.mark.slow
 def test_wire_bench_runs(default_model: Path) -> None:
-    messages: list[str] = []
-    report = run_wire_bench(
-        default_model, tokens=48, repeats=1, codec_repeats=1, say=messages.append
-    )
-    assert messages
-    json.dumps(report)  # plain data
+    report, _ = run_section(run_wire_bench, default_model, tokens=48, repeats=1, codec_repeats=1)
     Console(file=None, width=200, record=True).print(*wire_tables(report))
 
     assert set(report["dtypes"]) == {"float32", "bfloat16"}

@@ -10,7 +10,7 @@ import pytest
 
 from agents.kvcodec import DType, LayerKV, decode_layer, encode_layer
 from disagg.serving.localagents import AgentProc
-from tests.conftest import PairFactory, ask
+from tests.conftest import PairFactory, ask, remote_request
 
 from .references import mlx_greedy
 
@@ -34,14 +34,9 @@ def test_bf16_run_equals_mlx_continued_from_the_same_kv(
     from agents.prefill import PrefillEngine
 
     prefill, decode = bf16_agents
-    req = {
-        "prompt": "Name three planets of the solar system.",
-        "max_tokens": N_NEW,
-        "ignore_eos": True,
-        "return_prompt_ids": True,
-        "placement": "remote",
-        "prefill": {"host": prefill.host, "port": prefill.port},
-    }
+    req = remote_request(
+        prefill, "Name three planets of the solar system.", N_NEW, raw=False, return_prompt_ids=True
+    )
     res = ask(decode, req)
     assert res.metrics["method"] == "disaggregated"
     ids = res.prompt_ids or []

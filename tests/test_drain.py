@@ -10,8 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import PairFactory, ask
-from tests.tinymodels import PROMPT
+from tests.conftest import PairFactory, ask, remote_request
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
 
@@ -29,14 +28,7 @@ def _refused_within(host: str, port: int, limit_s: float) -> bool:
 
 def test_sigterm_drains_a_decode_in_flight(agent_pair: PairFactory) -> None:
     prefill, decode = agent_pair("qwen3", seed=9)
-    req = {
-        "prompt": PROMPT,
-        "raw": True,
-        "max_tokens": 1500,
-        "ignore_eos": True,
-        "placement": "remote",
-        "prefill": {"host": prefill.host, "port": prefill.port},
-    }
+    req = remote_request(prefill, max_tokens=1500)
     reference = ask(decode, req)
     box: dict[str, Any] = {}
     worker = threading.Thread(target=lambda: box.update(r=ask(decode, req)))
@@ -54,13 +46,7 @@ def test_sigterm_drains_a_decode_in_flight(agent_pair: PairFactory) -> None:
 def test_sigterm_drains_a_prefill_in_flight(agent_pair: PairFactory) -> None:
     # The KV stream of the 4-layer model is stretched to ~1.6 s so SIGTERM lands inside it.
     prefill, decode = agent_pair("qwen3", seed=9, prefill_args=["--fault-layer-delay", "0.4"])
-    req = {
-        "prompt": PROMPT,
-        "raw": True,
-        "max_tokens": 8,
-        "placement": "remote",
-        "prefill": {"host": prefill.host, "port": prefill.port},
-    }
+    req = remote_request(prefill, ignore_eos=False)
     box: dict[str, Any] = {}
     worker = threading.Thread(target=lambda: box.update(r=ask(decode, req)))
     worker.start()

@@ -17,7 +17,7 @@ import pytest
 from disagg.errors import AgentError
 from disagg.serving.localagents import AgentProc, start_local_agents
 from disagg.serving.router import Endpoint, Route, Router
-from tests.conftest import PairFactory, ask
+from tests.conftest import PairFactory, ask, remote_request
 from tests.tinymodels import PROMPT
 
 pytestmark = pytest.mark.slow
@@ -57,14 +57,7 @@ def test_prefill_killed_mid_kv_stream_falls_back_with_the_same_text(
     slow_prefill_pair: tuple[AgentProc, AgentProc],
 ) -> None:
     prefill, decode = slow_prefill_pair
-    req: dict[str, Any] = {
-        "prompt": PROMPT,
-        "raw": True,
-        "max_tokens": 32,
-        "ignore_eos": True,
-        "placement": "remote",
-        "prefill": {"host": prefill.host, "port": prefill.port},
-    }
+    req = remote_request(prefill, max_tokens=32)
     undisturbed = ask(decode, req)
     assert undisturbed.metrics["method"] == "disaggregated"
 

@@ -9,9 +9,7 @@ import os
 import random
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -19,19 +17,15 @@ from agents import protocol as P
 from agents.server import HANDSHAKE_TIMEOUT_S
 from disagg.errors import UsageError
 from disagg.serving import wireclient as client
-from disagg.serving.localagents import AgentProc, start_local_pair
-from tests.tinymodels import PROMPT, make_tiny
+from disagg.serving.localagents import AgentProc
+from tests.conftest import PairFactory, ask, remote_request
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def agents(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[AgentProc, AgentProc]]:
-    root = tmp_path_factory.mktemp("faults")
-    pair = start_local_pair(make_tiny("gpt_oss", root / "m", seed=8), log_dir=root)
-    yield pair
-    for a in reversed(pair):
-        a.stop()
+def agents(agent_pair: PairFactory) -> tuple[AgentProc, AgentProc]:
+    return agent_pair("gpt_oss", seed=8)
 
 
 def usage(agent: AgentProc) -> dict[str, int]:
@@ -66,29 +60,18 @@ def settle(
         time.sleep(0.2)
 
 
-def good_request(prefill: AgentProc, max_tokens: int = 8) -> dict[str, Any]:
-    return {
-        "prompt": PROMPT,
-        "raw": True,
-        "max_tokens": max_tokens,
-        "placement": "remote",
-        "ignore_eos": True,
-        "prefill": {"host": prefill.host, "port": prefill.port},
-    }
-
-
 def in_flight(agent: AgentProc) -> int:
     return int(json.loads(agent.control("/status"))["in_flight"])
 
 
 def test_silent_clients_are_dropped_and_do_not_block(agents: tuple[AgentProc, AgentProc]) -> None:
     prefill, decode = agents
-    reference = client.generate(decode.host, decode.port, good_request(prefill), token=decode.token)
+    reference = ask(decode, remote_request(prefill))
     silent = [
         socket.create_connection((a.host, a.port), timeout=30) for a in agents for _ in range(10)
     ]
     # Twenty idle connections do not stop real work.
-    res = client.generate(decode.host, decode.port, good_request(prefill), token=decode.token)
+    res = ask(decode, remote_request(prefill))
     assert res.token_ids == reference.token_ids
     t0 = time.monotonic()
     for s in silent:
@@ -102,7 +85,7 @@ def test_silent_clients_are_dropped_and_do_not_block(agents: tuple[AgentProc, Ag
 def test_client_gone_mid_stream_stops_the_decode(agents: tuple[AgentProc, AgentProc]) -> None:
     prefill, decode = agents
     events = client.stream(
-        decode.host, decode.port, good_request(prefill, 3000), token=decode.token
+        decode.host, decode.port, remote_request(prefill, max_tokens=3000), token=decode.token
     )
     for _ in range(5):
         kind, _ = next(events)
@@ -113,15 +96,13 @@ def test_client_gone_mid_stream_stops_the_decode(agents: tuple[AgentProc, AgentP
         time.sleep(0.05)
     assert in_flight(decode) == 0, "the decode agent kept generating for nobody"
     assert "client went away" in decode.log_path.read_text()
-    res = client.generate(decode.host, decode.port, good_request(prefill), token=decode.token)
+    res = ask(decode, remote_request(prefill))
     assert len(res.token_ids) == 8
 
 
 def test_two_hundred_mixed_requests_leak_nothing(agents: tuple[AgentProc, AgentProc]) -> None:
     prefill, decode = agents
-    reference = client.generate(
-        decode.host, decode.port, good_request(prefill), token=decode.token
-    ).token_ids
+    reference = ask(decode, remote_request(prefill)).token_ids
     baseline = {a.role: usage(a) for a in agents}
     rng = random.Random(5)
     counts = {"ok": 0, "gone": 0, "bad": 0, "silent": 0, "fallback": 0}
@@ -129,24 +110,25 @@ def test_two_hundred_mixed_requests_leak_nothing(agents: tuple[AgentProc, AgentP
     for _ in range(200):
         kind = rng.choice(list(counts))
         if kind == "ok":
-            res = client.generate(
-                decode.host, decode.port, good_request(prefill), token=decode.token
-            )
+            res = ask(decode, remote_request(prefill))
             assert res.token_ids == reference
         elif kind == "gone":
             events = client.stream(
-                decode.host, decode.port, good_request(prefill, 500), token=decode.token
+                decode.host,
+                decode.port,
+                remote_request(prefill, max_tokens=500),
+                token=decode.token,
             )
             next(events)
             events.close()
         elif kind == "bad":
             with pytest.raises(UsageError):
-                client.generate(decode.host, decode.port, {"prompt": ""}, token=decode.token)
+                ask(decode, {"prompt": ""})
         elif kind == "silent":
             silent.append(socket.create_connection((prefill.host, prefill.port)))
         else:  # the prefill target is gone: the decode agent prefills itself
-            req = {**good_request(prefill), "prefill": {"host": "127.0.0.1", "port": 1}}
-            res = client.generate(decode.host, decode.port, req, token=decode.token)
+            req = {**remote_request(prefill), "prefill": {"host": "127.0.0.1", "port": 1}}
+            res = ask(decode, req)
             assert res.metrics["method"] == "local-fallback" and res.token_ids == reference
         counts[kind] += 1
     for s in silent:
@@ -160,5 +142,5 @@ def test_two_hundred_mixed_requests_leak_nothing(agents: tuple[AgentProc, AgentP
         assert used["fds"] <= base["fds"], (role, base, used)
         assert used["threads"] <= base["threads"], (role, base, used)
         assert used["rss_kb"] - base["rss_kb"] < 64 * 1024, (role, base, used)
-    res = client.generate(decode.host, decode.port, good_request(prefill), token=decode.token)
+    res = ask(decode, remote_request(prefill))
     assert res.token_ids == reference

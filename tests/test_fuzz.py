@@ -12,7 +12,6 @@ import socket
 import struct
 import time
 import tracemalloc
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -22,9 +21,9 @@ from hypothesis import strategies as st
 
 from agents import kvcodec as K
 from agents import protocol as P
-from disagg.serving import wireclient as client
-from disagg.serving.localagents import AgentProc, start_local_pair
-from tests.tinymodels import PROMPT, make_tiny
+from disagg.serving.localagents import AgentProc
+from tests.conftest import PairFactory, ask
+from tests.tinymodels import PROMPT
 
 pytestmark = pytest.mark.fuzz
 
@@ -146,12 +145,8 @@ def test_any_bytes_parse_or_are_refused(data: bytes) -> None:
 
 
 @pytest.fixture(scope="module")
-def agents(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[AgentProc, AgentProc]]:
-    root = tmp_path_factory.mktemp("fuzz")
-    pair = start_local_pair(make_tiny("qwen3", root / "m", seed=7), log_dir=root)
-    yield pair
-    for a in reversed(pair):
-        a.stop()
+def agents(agent_pair: PairFactory) -> tuple[AgentProc, AgentProc]:
+    return agent_pair("qwen3", seed=7)
 
 
 def rss_kb(agent: AgentProc) -> int:
@@ -218,7 +213,7 @@ def test_a_thousand_hostile_frames_at_each_live_agent(
         "placement": "remote",
         "prefill": {"host": prefill.host, "port": prefill.port},
     }
-    before = client.generate(decode.host, decode.port, good, token=decode.token)
+    before = ask(decode, good)
     rss0 = {a.role: rss_kb(a) for a in agents}
     rng = random.Random(99)
     t0 = time.monotonic()
@@ -231,7 +226,7 @@ def test_a_thousand_hostile_frames_at_each_live_agent(
         assert seen["error"] + seen["closed"] >= 900, seen
         assert agent.alive(), agent.role
     assert time.monotonic() - t0 < 600
-    after = client.generate(decode.host, decode.port, good, token=decode.token)
+    after = ask(decode, good)
     assert after.token_ids == before.token_ids and after.metrics["method"] == "disaggregated"
     for agent in agents:
         grown_mb = (rss_kb(agent) - rss0[agent.role]) / 1024

@@ -2,31 +2,24 @@
 
 from __future__ import annotations
 
-import socket
 import struct
 import threading
 
 import pytest
 
 from agents import protocol as P
-
-
-def pair() -> tuple[socket.socket, socket.socket]:
-    a, b = socket.socketpair()
-    a.settimeout(5)
-    b.settimeout(5)
-    return a, b
+from tests.conftest import socket_pair
 
 
 def test_json_frame_round_trip() -> None:
-    a, b = pair()
+    a, b = socket_pair()
     P.send_json(a, P.Frame.GENERATE, {"prompt": "hi", "max_tokens": 3})
     kind, obj = P.recv_json(b, P.Frame.GENERATE)
     assert kind == P.Frame.GENERATE and obj == {"prompt": "hi", "max_tokens": 3}
 
 
 def test_multi_buffer_frame_arrives_whole() -> None:
-    a, b = pair()
+    a, b = socket_pair()
     parts = [b"x" * 70_000, memoryview(b"y" * 100_000), bytearray(b"z" * 5)]
     sender = threading.Thread(target=P.send_frame, args=(a, P.Frame.KV_LAYER, parts))
     sender.start()
@@ -37,7 +30,7 @@ def test_multi_buffer_frame_arrives_whole() -> None:
 
 
 def test_error_frame_becomes_remote_error() -> None:
-    a, b = pair()
+    a, b = socket_pair()
     P.send_error(a, "model_mismatch", "prefill has A, decode has B")
     with pytest.raises(P.RemoteError) as info:
         P.recv_json(b, P.Frame.HELLO_OK)
@@ -59,7 +52,7 @@ def test_bad_headers_are_refused(raw: bytes, message: str) -> None:
 
 
 def test_unexpected_frame_type_and_bad_json() -> None:
-    a, b = pair()
+    a, b = socket_pair()
     P.send_json(a, P.Frame.TOKEN, {"id": 1})
     with pytest.raises(P.ProtocolError, match="expected HELLO, got TOKEN"):
         P.recv_json(b, P.Frame.HELLO)
@@ -72,7 +65,7 @@ def test_unexpected_frame_type_and_bad_json() -> None:
 
 
 def test_peer_hangup_mid_frame() -> None:
-    a, b = pair()
+    a, b = socket_pair()
     a.sendall(P.pack_header(P.Frame.KV_LAYER, 1000) + b"only a little")
     a.close()
     with pytest.raises(P.ProtocolError, match="closed after 13 of 1000"):

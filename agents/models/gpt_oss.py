@@ -11,13 +11,16 @@ class GptOssAdapter(Adapter):
     def mlx_weights(self, weights: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
         import mlx.core as mx
 
+        if not any(k.endswith("mlp.experts.gate_up_proj") for k in weights):
+            # Not transformers 5's float layout: an mlx-converted dir, or OpenAI's
+            # MXFP4 *_blocks/*_scales; mlx-lm's own sanitize handles those as they are.
+            return weights
         out: dict[str, Any] = {}
         for k, v in weights.items():
             # transformers stores the experts as in its matmuls, x @ W:
             #   gate_up_proj [E, hidden, 2I], gate/up interleaved on the last axis,
             #   down_proj [E, I, hidden].
             # mlx-lm's SwitchGLU wants Linear orientation [E, out, in] per projection.
-            # (The original mxfp4 checkpoints, *_blocks/*_scales, are left to mlx-lm.)
             if k.endswith("mlp.experts.gate_up_proj"):
                 base = k[: -len("gate_up_proj")]
                 out[base + "gate_proj.weight"] = mx.contiguous(v[..., ::2].swapaxes(-1, -2))

@@ -25,14 +25,23 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from rich.table import Table
 
-Say = Callable[[str], None]
+from disagg.bench.common import (
+    Pair,
+    Say,
+    disaggregated,
+    long_text,
+    pair_machine_info,
+    quiet,
+    table,
+    verdict,
+)
 
 RATES: dict[str, float] = {"1gbit": 1e9, "10gbit": 10e9}  # bits per second
 BURSTS = {"1gbit": "256kb", "10gbit": "2mb"}  # as the test bed shapes its links
@@ -102,7 +111,7 @@ def run_hiding_bench(
     lengths: tuple[int, ...] = LENGTHS,
     rates: tuple[str, ...] = tuple(RATES),
     repeats: int = 2,
-    say: Say = lambda _: None,
+    say: Say = quiet,
 ) -> dict[str, Any]:
     """Plain data; {"skipped": why} where the link cannot be built."""
     why = cannot_run()
@@ -110,99 +119,17 @@ def run_hiding_bench(
         return {"skipped": why}
     from transformers import AutoTokenizer
 
-    from disagg.bench.core import long_text, machine_info
-    from disagg.serving import wireclient as client
-    from disagg.serving.localagents import AgentProc, make_token_file, spawn_agent, wait_ready
-
     tok: Any = AutoTokenizer.from_pretrained(str(model_dir))
     texts = {n: long_text(lambda s: len(tok.encode(s)), n) for n in lengths}
-    logs = Path(tempfile.mkdtemp(prefix="disagg-hiding-"))
-    token_file, token = make_token_file(logs)
-    agents: list[AgentProc] = []
     rows: list[dict[str, Any]] = []
-    with shaped_link() as link:
-        try:
-            say(f"starting the prefill agent in namespace {link.ns}, the decode agent here")
-            for role, host, prefix in (
-                ("prefill", INNER, ["ip", "netns", "exec", link.ns]),
-                ("decode", "127.0.0.1", []),
-            ):
-                spawned = spawn_agent(
-                    role,
-                    model_dir,
-                    host=host,
-                    log_dir=logs / role,
-                    prefix=prefix,
-                    extra_args=["--token-file", str(token_file)],
-                )
-                agents.append(wait_ready(role, *spawned, timeout_s=300))
-                agents[-1].token = token
-            prefill, decode = agents
-            target = {"host": INNER, "port": prefill.port}
-
-            def once(text: str) -> dict[str, Any]:
-                stamps: list[float] = []
-                req = {
-                    "prompt": text,
-                    "raw": True,
-                    "max_tokens": 1,
-                    "placement": "remote",
-                    "codec": 0,  # raw bytes: hiding the whole KV, not a compressed one
-                    "prefill": target,
-                }
-                t0 = time.perf_counter()
-                res = client.generate(
-                    decode.host,
-                    decode.port,
-                    req,
-                    on_token=lambda ev: stamps.append(time.perf_counter()),
-                    token=token,
-                    timeout_s=600,
-                )
-                m = res.metrics
-                if m.get("method") != "disaggregated":
-                    raise RuntimeError(f"not disaggregated: {m.get('fallback_reason')}")
-                ttft = stamps[0] - t0
-                compute = float(m["prefill_time"])
-                return {
-                    "ttft_s": ttft,
-                    "compute_s": compute,
-                    "overhead_s": ttft - compute,
-                    "kv_bytes": int(m["kv_bytes"]),
-                    "prompt_tokens": int(m["prompt_tokens"]),
-                    "kv_link_gbit_s": (
-                        m["kv_link_bytes"] * 8 / m["kv_link_time"] / 1e9
-                        if m.get("kv_link_time")
-                        else None
-                    ),
-                }
-
-            once(texts[min(lengths)])  # warm-up: connections, allocators, caches
-            for rate in rates:
-                link.shape(rate)
-                for n in lengths:
-                    say(f"{rate}: {n}-token prompt x{repeats}")
-                    runs = [once(texts[n]) for _ in range(repeats)]
-                    best = sorted(runs, key=lambda r: r["overhead_s"])[len(runs) // 2]
-                    link_s = best["kv_bytes"] * 8 / RATES[rate]
-                    applies = link_s < best["compute_s"]
-                    ratio = best["overhead_s"] / best["compute_s"]
-                    rows.append(
-                        {
-                            "rate": rate,
-                            **best,
-                            "link_time_s": link_s,
-                            "serial_estimate_s": best["compute_s"] + link_s,
-                            "overhead_over_compute": ratio,
-                            "bar_applies": applies,
-                            "ok": (ratio <= HIDING_BAR) if applies else None,
-                            "overheads_s": [r["overhead_s"] for r in runs],
-                        }
-                    )
-            machine = machine_info("cpu", "cpu")
-        finally:
-            for agent in reversed(agents):
-                agent.stop()
+    with shaped_link() as link, split_pair(model_dir, link, say) as pair:
+        once(pair, texts[min(lengths)])  # warm-up: connections, allocators, caches
+        for rate in rates:
+            link.shape(rate)
+            for n in lengths:
+                say(f"{rate}: {n}-token prompt x{repeats}")
+                rows.append(hiding_row(rate, [once(pair, texts[n]) for _ in range(repeats)]))
+        machine = pair_machine_info(*pair)
     applicable = [r for r in rows if r["bar_applies"]]
     return {
         "rates": list(rates),
@@ -219,36 +146,104 @@ def run_hiding_bench(
     }
 
 
+@contextmanager
+def split_pair(model_dir: Path, link: Link, say: Say) -> Iterator[Pair]:
+    """The prefill agent in the link's namespace (at INNER), the decode agent here,
+    one cluster token; stopped on the way out."""
+    from disagg.serving.localagents import AgentProc, make_token_file, spawn_agent, wait_ready
+
+    logs = Path(tempfile.mkdtemp(prefix="disagg-hiding-"))
+    token_file, token = make_token_file(logs)
+    agents: list[AgentProc] = []
+    say(f"starting the prefill agent in namespace {link.ns}, the decode agent here")
+    try:
+        for role, host, prefix in (
+            ("prefill", INNER, ["ip", "netns", "exec", link.ns]),
+            ("decode", "127.0.0.1", []),
+        ):
+            spawned = spawn_agent(
+                role,
+                model_dir,
+                host=host,
+                log_dir=logs / role,
+                prefix=prefix,
+                extra_args=["--token-file", str(token_file)],
+            )
+            agents.append(wait_ready(role, *spawned, timeout_s=300))
+            agents[-1].token = token
+        yield agents[0], agents[1]
+    finally:
+        for agent in reversed(agents):
+            agent.stop()
+
+
+def once(pair: Pair, text: str) -> dict[str, Any]:
+    """One raw-KV handoff of `text`: client-observed TTFT against the prefill's compute."""
+    req = {
+        "prompt": text,
+        "raw": True,
+        "max_tokens": 1,
+        "codec": 0,  # raw bytes: hiding the whole KV, not a compressed one
+    }
+    t0 = time.perf_counter()
+    res, stamps = disaggregated(*pair, req, timeout_s=600)
+    m = res.metrics
+    ttft = stamps[0] - t0
+    compute = float(m["prefill_time"])
+    return {
+        "ttft_s": ttft,
+        "compute_s": compute,
+        "overhead_s": ttft - compute,
+        "kv_bytes": int(m["kv_bytes"]),
+        "prompt_tokens": int(m["prompt_tokens"]),
+        "kv_link_gbit_s": (
+            m["kv_link_bytes"] * 8 / m["kv_link_time"] / 1e9 if m.get("kv_link_time") else None
+        ),
+    }
+
+
+def hiding_row(rate: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median overhead, against the bar where the link is faster than compute."""
+    best = sorted(runs, key=lambda r: r["overhead_s"])[len(runs) // 2]
+    link_s = best["kv_bytes"] * 8 / RATES[rate]
+    applies = link_s < best["compute_s"]
+    ratio = best["overhead_s"] / best["compute_s"]
+    return {
+        "rate": rate,
+        **best,
+        "link_time_s": link_s,
+        "serial_estimate_s": best["compute_s"] + link_s,
+        "overhead_over_compute": ratio,
+        "bar_applies": applies,
+        "ok": (ratio <= HIDING_BAR) if applies else None,
+        "overheads_s": [r["overhead_s"] for r in runs],
+    }
+
+
 def hiding_table(report: dict[str, Any]) -> Table:
     if "skipped" in report:
         t = Table(title="Transfer hiding")
         t.add_column("skipped")
         t.add_row(report["skipped"])
         return t
-    t = Table(
-        title="Transfer hiding behind prefill compute (layer-wise streaming, raw KV)",
-        header_style="bold",
+    t = table(
+        "Transfer hiding behind prefill compute (layer-wise streaming, raw KV)",
+        (
+            "link",
+            "prompt tokens",
+            "KV MB",
+            "link time s",
+            "compute s",
+            "TTFT s",
+            "TTFT - compute s",
+            "/ compute",
+            "unstreamed est. s",
+            f"bar <= {report['bar']:.2f}",
+        ),
         caption=report["note"],
     )
-    for col in (
-        "link",
-        "prompt tokens",
-        "KV MB",
-        "link time s",
-        "compute s",
-        "TTFT s",
-        "TTFT - compute s",
-        "/ compute",
-        "unstreamed est. s",
-        f"bar <= {report['bar']:.2f}",
-    ):
-        t.add_column(col, justify="right")
     for r in report["rows"]:
-        verdict = (
-            "n/a (link slower)"
-            if not r["bar_applies"]
-            else ("[green]pass[/]" if r["ok"] else "[red]FAIL[/]")
-        )
+        mark = "n/a (link slower)" if not r["bar_applies"] else verdict(r["ok"])
         t.add_row(
             r["rate"],
             str(r["prompt_tokens"]),
@@ -259,6 +254,6 @@ def hiding_table(report: dict[str, Any]) -> Table:
             f"{r['overhead_s']:.3f}",
             f"{r['overhead_over_compute']:.3f}",
             f"{r['serial_estimate_s']:.3f}",
-            verdict,
+            mark,
         )
     return t

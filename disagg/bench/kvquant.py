@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -37,8 +37,8 @@ from rich.table import Table
 
 from agents import protocol as P
 from agents.kvcodec import Codec, LayerKV, QuantKV, decode_layer, encode_layer, quantize_layer
+from disagg.bench.common import Say, long_text, quiet, table
 
-Say = Callable[[str], None]
 # ints: a deterministic inventory of about that many tokens (chat template on);
 # strings: that user message as is.
 DEFAULT_PROMPTS: tuple[int | str, ...] = (
@@ -52,8 +52,6 @@ CODECS = {"raw": Codec.RAW, "shuffle_zstd": Codec.SHUFFLE_ZSTD}
 def prompt_ids(tokenizer: Any, prompt: int | str) -> list[int]:
     """Token ids of a chat turn: `prompt` itself, or an inventory of ~`prompt` tokens
     with a question about it (so decoding must attend over the whole prompt)."""
-    from disagg.bench.core import long_text
-
     if isinstance(prompt, str):
         text = prompt
     else:
@@ -215,7 +213,7 @@ def run_kvquant_bench(
     prompts: Sequence[int | str] = DEFAULT_PROMPTS,
     tokens: int = 64,
     dtype: str = "auto",
-    say: Say = lambda _msg: None,
+    say: Say = quiet,
 ) -> dict[str, Any]:
     """int8 vs lossless KV on `model_dir` for each prompt; plain data."""
     from agents.decode import DecodeEngine
@@ -243,10 +241,26 @@ def run_kvquant_bench(
     }
 
 
+KVQUANT_COLUMNS = (
+    "prompt",
+    "vs lossless",
+    "KV bytes",
+    "ratio",
+    "ratio (shuffle+zstd)",
+    "max |Δ logprob|",
+    "mean |Δ logprob|",
+    "greedy agreement",
+    "first diff",
+    "forced agreement",
+    "max margin",
+)
+
+
 def kvquant_table(report: dict[str, Any]) -> Table:
-    t = Table(
-        title=f"int8 KV on the wire vs lossless: {Path(report['model']).name}, {report['dtype']}",
-        header_style="bold",
+    t = table(
+        f"int8 KV on the wire vs lossless: {Path(report['model']).name}, {report['dtype']}",
+        KVQUANT_COLUMNS,
+        left=("vs lossless",),
         caption=(
             f"{report['date']} · greedy, {report['new_tokens']} new tokens (token 0 is the "
             "prefill's own) · |Δ logprob|: first decode step, over the vocab · forced: both "
@@ -254,20 +268,6 @@ def kvquant_table(report: dict[str, Any]) -> Table:
             "otherwise · mlx prefill: no wire at all, the noise floor of disaggregation"
         ),
     )
-    for col in (
-        "prompt",
-        "vs lossless",
-        "KV bytes",
-        "ratio",
-        "ratio (shuffle+zstd)",
-        "max |Δ logprob|",
-        "mean |Δ logprob|",
-        "greedy agreement",
-        "first diff",
-        "forced agreement",
-        "max margin",
-    ):
-        t.add_column(col, justify="left" if col == "vs lossless" else "right")
     for p in report["prompts"]:
         b = p["kv_bytes"]
         rows = [

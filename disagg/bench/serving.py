@@ -24,28 +24,33 @@ process, transformers and mlx-lm on the same weights, then measures:
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
-from collections.abc import Callable
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from rich.table import Table
 
-from disagg.errors import AgentError
-
-Say = Callable[[str], None]
+from disagg.bench.common import (
+    DECODE_PROMPT,
+    Pair,
+    Say,
+    Stamp,
+    cell,
+    disaggregated,
+    local_pair,
+    long_text,
+    median_or_none,
+    pair_machine_info,
+    quiet,
+    table,
+    verdict,
+)
 
 LENGTHS = (128, 1024, 4096)
 CONCURRENCY = (1, 4, 16)
 MEMORY_BAR = 1.5  # decode agent peak during a handoff <= model + this x KV size
 CONCURRENCY_BAR = 4.0  # aggregate tok/s at 16 requests >= this x single stream
-
-
-def _median(xs: list[float]) -> float | None:
-    return float(statistics.median(xs)) if xs else None
 
 
 def _proc_status(pid: int) -> dict[str, int]:
@@ -71,6 +76,86 @@ def _timing(stamps: list[float], t0: float) -> dict[str, float | None]:
     return {"ttft_s": stamps[0] - t0, "tpot_s": tpot, "tokens": len(stamps)}
 
 
+class _Stamper:
+    """A transformers streamer that stamps each new token's arrival."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+        self.seen_prompt = False
+
+    def put(self, value: Any) -> None:
+        if not self.seen_prompt:
+            self.seen_prompt = True  # generate() first puts the prompt itself
+            return
+        self.stamps.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+class Systems:
+    """The three systems on the same weights, each timed on one prompt: disagg
+    (the local agent pair), and transformers and mlx-lm in this process."""
+
+    def __init__(self, pair: Pair, model_dir: Path, tokens: int) -> None:
+        import torch
+        from mlx_lm import load as mlx_load
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.pair, self.model_dir, self.tokens = pair, model_dir, tokens
+        self.tok: Any = AutoTokenizer.from_pretrained(str(model_dir))
+        self.hf: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.mlx_model = mlx_load(str(model_dir))[0]
+
+    def prompt_for(self, n: int) -> tuple[str, list[int]]:
+        text = long_text(lambda s: len(self.tok.encode(s)), n)
+        return text, list(self.tok.encode(text))
+
+    def disagg_once(self, text: str) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        req = {"prompt": text, "raw": True, "max_tokens": self.tokens, "ignore_eos": True}
+        res, stamps = disaggregated(*self.pair, req)
+        out = _timing(stamps, t0)
+        out["kv_bytes"] = res.metrics.get("kv_bytes")
+        out["prefill_time"] = res.metrics.get("prefill_time")
+        out["first_token"] = res.token_ids[0] if res.token_ids else None
+        return out
+
+    def hf_once(self, ids: list[int]) -> dict[str, Any]:
+        import torch
+
+        st = _Stamper()
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            out = self.hf.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=self.tokens,
+                min_new_tokens=self.tokens,
+                do_sample=False,
+                streamer=st,
+                pad_token_id=self.tok.eos_token_id,
+            )
+        res = _timing(st.stamps, t0)
+        res["first_token"] = int(out[0, len(ids)])
+        return res
+
+    def mlx_once(self, ids: list[int]) -> dict[str, Any]:
+        import mlx.core as mx
+        from mlx_lm.generate import generate_step
+
+        stamps: list[float] = []
+        first = None
+        t0 = time.perf_counter()
+        for token, _ in generate_step(mx.array(ids), self.mlx_model, max_tokens=self.tokens):
+            stamps.append(time.perf_counter())
+            if first is None:
+                first = int(token)
+        res = _timing(stamps, t0)
+        res["first_token"] = first
+        return res
+
+
 def run_serving_bench(
     model_dir: Path,
     *,
@@ -80,244 +165,28 @@ def run_serving_bench(
     mlx_cap_s: float = 300.0,
     concurrency: tuple[int, ...] = CONCURRENCY,
     concurrency_tokens: int = 128,  # long enough that admission ramps do not dominate
-    say: Say = lambda _msg: None,
+    say: Say = quiet,
 ) -> dict[str, Any]:
     """Latency per prompt length, decode memory, concurrency; plain data."""
     if tokens < 2 or repeats < 1 or not lengths:
         raise ValueError("tokens >= 2, repeats >= 1, at least one length")
-    import mlx.core as mx
-    import torch
-    from mlx_lm import load as mlx_load
-    from mlx_lm.generate import generate_step
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from disagg.bench.core import DECODE_PROMPT, _loadavg, long_text, machine_info
-    from disagg.serving import wireclient as client
-    from disagg.serving.localagents import start_local_pair
-
     model_dir = Path(model_dir)
-    t_start = time.perf_counter()
-    load_start = _loadavg()
-    date = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    say("starting prefill and decode agents")
-    prefill, decode = start_local_pair(model_dir)
-    try:
-        target = {"host": prefill.host, "port": prefill.port}
-
-        def agent_run(req: dict[str, Any], timeout_s: float = 900.0) -> client.Result:
-            stamps: list[float] = []
-
-            def on_token(ev: dict[str, Any]) -> None:
-                if ev.get("id") is not None:
-                    stamps.append(time.perf_counter())
-
-            full = {**req, "prefill": target, "placement": "remote"}
-            res = client.generate(
-                decode.host,
-                decode.port,
-                full,
-                on_token=on_token,
-                timeout_s=timeout_s,
-                token=decode.token,
-            )
-            if res.metrics.get("method") != "disaggregated":
-                raise AgentError(f"not disaggregated: {res.metrics.get('fallback_reason')}")
-            res.metrics["_stamps"] = stamps
-            return res
-
+    stamp = Stamp()
+    with local_pair(model_dir, say) as pair:
         say("loading transformers and mlx-lm in this process")
-        tok: Any = AutoTokenizer.from_pretrained(str(model_dir))
-        hf: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        mlx_model = mlx_load(str(model_dir))[0]
-
-        def prompt_for(n: int) -> tuple[str, list[int]]:
-            text = long_text(lambda s: len(tok.encode(s)), n)
-            return text, list(tok.encode(text))
-
-        def disagg_once(text: str) -> dict[str, Any]:
-            t0 = time.perf_counter()
-            res = agent_run({"prompt": text, "raw": True, "max_tokens": tokens, "ignore_eos": True})
-            out = _timing(res.metrics.pop("_stamps"), t0)
-            out["kv_bytes"] = res.metrics.get("kv_bytes")
-            out["prefill_time"] = res.metrics.get("prefill_time")
-            out["first_token"] = res.token_ids[0] if res.token_ids else None
-            return out
-
-        class Stamper:
-            def __init__(self) -> None:
-                self.stamps: list[float] = []
-                self.seen_prompt = False
-
-            def put(self, value: Any) -> None:
-                if not self.seen_prompt:
-                    self.seen_prompt = True  # generate() first puts the prompt itself
-                    return
-                self.stamps.append(time.perf_counter())
-
-            def end(self) -> None:
-                pass
-
-        @torch.inference_mode()
-        def hf_once(ids: list[int]) -> dict[str, Any]:
-            st = Stamper()
-            t0 = time.perf_counter()
-            out = hf.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=tokens,
-                min_new_tokens=tokens,
-                do_sample=False,
-                streamer=st,
-                pad_token_id=tok.eos_token_id,
-            )
-            res = _timing(st.stamps, t0)
-            res["first_token"] = int(out[0, len(ids)])
-            return res
-
-        def mlx_once(ids: list[int]) -> dict[str, Any]:
-            stamps: list[float] = []
-            first = None
-            t0 = time.perf_counter()
-            for token, _ in generate_step(mx.array(ids), mlx_model, max_tokens=tokens):
-                stamps.append(time.perf_counter())
-                if first is None:
-                    first = int(token)
-            res = _timing(stamps, t0)
-            res["first_token"] = first
-            return res
-
-        # ---- warm-up, then the decode agent's memory during the longest handoff ----
+        systems = Systems(pair, model_dir, tokens)
         say("warming up the three systems")
-        short_text, short_ids = prompt_for(min(lengths))
-        disagg_once(short_text)
-        hf_once(short_ids)
-        mlx_once(short_ids)
-
-        longest = max(lengths)
-        long_text_, long_ids = prompt_for(longest)
-        say(f"memory: decode agent peak RSS during a {len(long_ids)}-token handoff")
-        pid = decode.proc.pid
-        memory: dict[str, Any] = {"prompt_tokens": len(long_ids), "pid": pid}
-        try:
-            _reset_peak(pid)
-            before = _proc_status(pid)
-            res = agent_run(
-                {"prompt": long_text_, "raw": True, "max_tokens": 2, "ignore_eos": True}
-            )
-            after = _proc_status(pid)
-            kv = int(res.metrics["kv_bytes"])
-            model_bytes = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
-            growth = after["VmHWM"] - before["VmRSS"]
-            memory.update(
-                baseline_rss=before["VmRSS"],
-                peak_rss=after["VmHWM"],
-                growth=growth,
-                kv_bytes=kv,
-                model_bytes=model_bytes,
-                growth_over_kv=growth / kv,
-                bar=MEMORY_BAR,
-                # peak <= model + runtime + 1.5 x KV, runtime = what the agent holds
-                # besides the weights before the request (python, mlx, tokenizer):
-                ok=growth <= MEMORY_BAR * kv,
-                # the bar read literally, no runtime allowance:
-                ok_literal=after["VmHWM"] <= model_bytes + MEMORY_BAR * kv,
-            )
-        except OSError as e:
-            memory["error"] = f"cannot read /proc for the decode agent: {e}"
-
-        # ---- latency per prompt length, interleaved ----------------------------------
-        latency: list[dict[str, Any]] = []
-        mlx_rate: float | None = None  # seconds per prompt token, from the longest so far
-        for n in sorted(lengths):
-            text, ids = prompt_for(n)
-            row: dict[str, Any] = {"target": n, "prompt_tokens": len(ids)}
-            runs: dict[str, list[dict[str, Any]]] = {"disagg": [], "transformers": [], "mlx_lm": []}
-            for i in range(repeats):
-                say(f"latency {len(ids)} tokens {i + 1}/{repeats}: disagg, transformers")
-                runs["disagg"].append(disagg_once(text))
-                runs["transformers"].append(hf_once(ids))
-            projected = mlx_rate * len(ids) if mlx_rate else None
-            if projected is not None and projected > mlx_cap_s:
-                say(
-                    f"latency {len(ids)} tokens: mlx-lm in a child process, killed after "
-                    f"{mlx_cap_s:.0f} s (projected TTFT {projected:.0f} s)"
-                )
-                capped = mlx_capped(model_dir, ids, tokens, mlx_cap_s)
-                if isinstance(capped, str):
-                    row["mlx_lm_capped"] = capped
-                else:
-                    row["mlx_lm_child_process"] = True
-                    runs["mlx_lm"].append(capped)
-            else:
-                say(f"latency {len(ids)} tokens: mlx-lm (once; its CPU prefill is slow)")
-                runs["mlx_lm"].append(mlx_once(ids))
-                mlx_rate = float(runs["mlx_lm"][-1]["ttft_s"]) / len(ids)
-            for system, rs in runs.items():
-                row[system] = {
-                    "ttft_s": _median([r["ttft_s"] for r in rs if r["ttft_s"] is not None]),
-                    "tpot_s": _median([r["tpot_s"] for r in rs if r["tpot_s"] is not None]),
-                    "runs": rs,
-                }
-            firsts = {r["first_token"] for rs in runs.values() for r in rs}
-            row["same_first_token"] = len(firsts) == 1
-            latency.append(row)
-
-        # ---- concurrency -------------------------------------------------------------
-        conc: list[dict[str, Any]] = []
-        req = {"prompt": DECODE_PROMPT, "max_tokens": concurrency_tokens, "ignore_eos": True}
-        for n in concurrency:
-            say(f"concurrency: {n} requests at once, {concurrency_tokens} tokens each")
-            results: list[client.Result | BaseException] = []
-            lock = threading.Lock()
-
-            def one(results: list[Any] = results, lock: threading.Lock = lock) -> None:
-                try:
-                    r: client.Result | BaseException = agent_run(req)
-                except BaseException as e:  # reported, never lost in a thread
-                    r = e
-                with lock:
-                    results.append(r)
-
-            threads = [threading.Thread(target=one) for _ in range(n)]
-            t0 = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            wall = time.perf_counter() - t0
-            errors = [str(r) for r in results if isinstance(r, BaseException)]
-            done = [r for r in results if isinstance(r, client.Result)]
-            total = sum(len(r.token_ids) for r in done)
-            stamps = [r.metrics["_stamps"] for r in done if r.metrics["_stamps"]]
-            window = max(s[-1] for s in stamps) - min(s[0] for s in stamps) if stamps else 0.0
-            after_first = sum(len(s) - 1 for s in stamps)
-            conc.append(
-                {
-                    "requests": n,
-                    "errors": errors,
-                    "completion_tokens": total,
-                    "wall_s": wall,
-                    "aggregate_tok_s": after_first / window if window > 0 else 0.0,
-                    "end_to_end_tok_s": total / wall,
-                    "decode_window_s": window,
-                    "per_request_decode_tok_s": _median(
-                        [float(r.metrics["decode_speed"]) for r in done]
-                    ),
-                    "ttft_p50_s": _median([float(r.metrics["ttft"]) for r in done]),
-                    "ttft_max_s": max((float(r.metrics["ttft"]) for r in done), default=None),
-                }
-            )
-        single = conc[0]["aggregate_tok_s"] if conc and conc[0]["requests"] == 1 else None
-        for c in conc:
-            c["vs_single"] = c["aggregate_tok_s"] / single if single else None
-        last = conc[-1] if conc else None
-        machine = machine_info("cpu", str(mx.default_device()))
-    finally:
-        for agent in (decode, prefill):
-            agent.stop()
-
+        short_text, short_ids = systems.prompt_for(min(lengths))
+        systems.disagg_once(short_text)
+        systems.hf_once(short_ids)
+        systems.mlx_once(short_ids)
+        memory = memory_part(systems, max(lengths), say)
+        latency = latency_part(systems, lengths, repeats, mlx_cap_s, say)
+        conc = concurrency_part(pair, concurrency, concurrency_tokens, say)
+        machine = pair_machine_info(*pair)
+    last = conc[-1] if conc else None
     return {
-        "date": date,
+        "date": stamp.date,
         "model": str(model_dir),
         "settings": {
             "lengths": list(lengths),
@@ -340,14 +209,171 @@ def run_serving_bench(
                 "tokens after each first token / (last token - earliest first token)"
             ),
         },
-        "load_avg_1m": {"start": load_start, "end": _loadavg()},
-        "elapsed_s": time.perf_counter() - t_start,
+        "load_avg_1m": stamp.load_avg_1m(),
+        "elapsed_s": stamp.elapsed_s(),
+    }
+
+
+def memory_part(systems: Systems, length: int, say: Say) -> dict[str, Any]:
+    """The decode agent's peak RSS during one handoff of a `length`-token prompt."""
+    text, ids = systems.prompt_for(length)
+    say(f"memory: decode agent peak RSS during a {len(ids)}-token handoff")
+    pid = systems.pair[1].proc.pid
+    memory: dict[str, Any] = {"prompt_tokens": len(ids), "pid": pid}
+    try:
+        _reset_peak(pid)
+        before = _proc_status(pid)
+        req = {"prompt": text, "raw": True, "max_tokens": 2, "ignore_eos": True}
+        res = disaggregated(*systems.pair, req)[0]
+        after = _proc_status(pid)
+    except OSError as e:
+        memory["error"] = f"cannot read /proc for the decode agent: {e}"
+        return memory
+    kv = int(res.metrics["kv_bytes"])
+    model_bytes = sum(p.stat().st_size for p in systems.model_dir.glob("*.safetensors"))
+    growth = after["VmHWM"] - before["VmRSS"]
+    memory.update(
+        baseline_rss=before["VmRSS"],
+        peak_rss=after["VmHWM"],
+        growth=growth,
+        kv_bytes=kv,
+        model_bytes=model_bytes,
+        growth_over_kv=growth / kv,
+        bar=MEMORY_BAR,
+        # peak <= model + runtime + 1.5 x KV, runtime = what the agent holds
+        # besides the weights before the request (python, mlx, tokenizer):
+        ok=growth <= MEMORY_BAR * kv,
+        # the bar read literally, no runtime allowance:
+        ok_literal=after["VmHWM"] <= model_bytes + MEMORY_BAR * kv,
+    )
+    return memory
+
+
+def latency_part(
+    systems: Systems, lengths: tuple[int, ...], repeats: int, mlx_cap_s: float, say: Say
+) -> list[dict[str, Any]]:
+    """TTFT and TPOT per prompt length, the three systems interleaved."""
+    latency: list[dict[str, Any]] = []
+    mlx_rate: float | None = None  # seconds per prompt token, from the longest so far
+    for n in sorted(lengths):
+        text, ids = systems.prompt_for(n)
+        row: dict[str, Any] = {"target": n, "prompt_tokens": len(ids)}
+        runs: dict[str, list[dict[str, Any]]] = {"disagg": [], "transformers": [], "mlx_lm": []}
+        for i in range(repeats):
+            say(f"latency {len(ids)} tokens {i + 1}/{repeats}: disagg, transformers")
+            runs["disagg"].append(systems.disagg_once(text))
+            runs["transformers"].append(systems.hf_once(ids))
+        mlx_rate = _mlx_latency(systems, ids, mlx_rate, mlx_cap_s, row, runs["mlx_lm"], say)
+        for system, rs in runs.items():
+            row[system] = {
+                "ttft_s": median_or_none([r["ttft_s"] for r in rs if r["ttft_s"] is not None]),
+                "tpot_s": median_or_none([r["tpot_s"] for r in rs if r["tpot_s"] is not None]),
+                "runs": rs,
+            }
+        firsts = {r["first_token"] for rs in runs.values() for r in rs}
+        row["same_first_token"] = len(firsts) == 1
+        latency.append(row)
+    return latency
+
+
+def _mlx_latency(
+    systems: Systems,
+    ids: list[int],
+    rate: float | None,
+    cap_s: float,
+    row: dict[str, Any],
+    runs: list[dict[str, Any]],
+    say: Say,
+) -> float | None:
+    """mlx-lm once on `ids` (into `runs`), in a child process killed after about
+    `cap_s` when its projected TTFT passes that (marked in `row`). Returns the
+    seconds per prompt token to project the next length with."""
+    projected = rate * len(ids) if rate else None
+    if projected is None or projected <= cap_s:
+        say(f"latency {len(ids)} tokens: mlx-lm (once; its CPU prefill is slow)")
+        runs.append(systems.mlx_once(ids))
+        return float(runs[-1]["ttft_s"]) / len(ids)
+    say(
+        f"latency {len(ids)} tokens: mlx-lm in a child process, killed after "
+        f"{cap_s:.0f} s (projected TTFT {projected:.0f} s)"
+    )
+    capped = mlx_capped(systems.model_dir, ids, systems.tokens, cap_s)
+    if isinstance(capped, str):
+        row["mlx_lm_capped"] = capped
+    else:
+        row["mlx_lm_child_process"] = True
+        runs.append(capped)
+    return rate
+
+
+Stamped = tuple[Any, list[float]]  # (wireclient.Result, token arrival times)
+
+
+def concurrency_part(
+    pair: Pair, concurrency: tuple[int, ...], tokens: int, say: Say
+) -> list[dict[str, Any]]:
+    """Aggregate decode tokens/s of `n` requests at once to the one decode agent, per n."""
+    req = {"prompt": DECODE_PROMPT, "max_tokens": tokens, "ignore_eos": True}
+    conc: list[dict[str, Any]] = []
+    for n in concurrency:
+        say(f"concurrency: {n} requests at once, {tokens} tokens each")
+        t0 = time.perf_counter()
+        results = _at_once(pair, req, n)
+        conc.append(_concurrency_row(n, results, time.perf_counter() - t0))
+    single = conc[0]["aggregate_tok_s"] if conc and conc[0]["requests"] == 1 else None
+    for c in conc:
+        c["vs_single"] = c["aggregate_tok_s"] / single if single else None
+    return conc
+
+
+def _at_once(pair: Pair, req: dict[str, Any], n: int) -> list[Stamped | BaseException]:
+    """`n` copies of `req` in threads; each outcome, errors kept."""
+    results: list[Stamped | BaseException] = []
+    lock = threading.Lock()
+
+    def one() -> None:
+        try:
+            r: Stamped | BaseException = disaggregated(*pair, req)
+        except BaseException as e:  # reported, never lost in a thread
+            r = e
+        with lock:
+            results.append(r)
+
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def _concurrency_row(n: int, results: list[Stamped | BaseException], wall: float) -> dict[str, Any]:
+    errors = [str(r) for r in results if isinstance(r, BaseException)]
+    ok = [r for r in results if not isinstance(r, BaseException)]
+    done = [r for r, _ in ok]
+    stamps = [s for _, s in ok if s]
+    total = sum(len(r.token_ids) for r in done)
+    window = max(s[-1] for s in stamps) - min(s[0] for s in stamps) if stamps else 0.0
+    after_first = sum(len(s) - 1 for s in stamps)
+    return {
+        "requests": n,
+        "errors": errors,
+        "completion_tokens": total,
+        "wall_s": wall,
+        "aggregate_tok_s": after_first / window if window > 0 else 0.0,
+        "end_to_end_tok_s": total / wall,
+        "decode_window_s": window,
+        "per_request_decode_tok_s": median_or_none(
+            [float(r.metrics["decode_speed"]) for r in done]
+        ),
+        "ttft_p50_s": median_or_none([float(r.metrics["ttft"]) for r in done]),
+        "ttft_max_s": max((float(r.metrics["ttft"]) for r in done), default=None),
     }
 
 
 MLX_CHILD = """
 import json, sys, time
-import agents  # the same BLAS as the decode agent (agents/fastblas.py)
+import agents.fastblas  # the same BLAS as the decode agent
 import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.generate import generate_step
@@ -446,75 +472,80 @@ def ttft_chart(report: dict[str, Any], path: Path) -> Path:
     return path
 
 
-def _s(x: float | None, scale: float = 1.0, fmt: str = "{:.3f}") -> str:
-    return "-" if x is None else fmt.format(x * scale)
-
-
 def serving_tables(report: dict[str, Any]) -> list[Table]:
-    def verdict(ok: bool) -> str:
-        return "[green]pass[/]" if ok else "[red]FAIL[/]"
+    return [_latency_table(report), _memory_table(report["memory"]), _concurrency_table(report)]
 
-    lat = Table(
-        title=f"TTFT and TPOT ({report['settings']['tokens']} new tokens, greedy)",
-        header_style="bold",
+
+def _latency_table(report: dict[str, Any]) -> Table:
+    lat = table(
+        f"TTFT and TPOT ({report['settings']['tokens']} new tokens, greedy)",
+        (
+            "prompt tokens",
+            *(f"{label}\nTTFT s / TPOT ms" for _, label in SYSTEMS),
+            "same 1st token",
+        ),
+        left=("same 1st token",),
         caption=(
             f"{report['date']} · load avg (1 min) {report['load_avg_1m']['start']} -> "
             f"{report['load_avg_1m']['end']} · disagg and transformers: median of "
             f"{report['settings']['repeats']}; mlx-lm: one run"
         ),
     )
-    lat.add_column("prompt tokens", justify="right")
-    for _, label in SYSTEMS:
-        lat.add_column(f"{label}\nTTFT s / TPOT ms", justify="right")
-    lat.add_column("same 1st token")
     for row in report["latency"]:
         cells = []
         for key, _ in SYSTEMS:
             if key == "mlx_lm" and row.get("mlx_lm_capped"):
                 cells.append(row["mlx_lm_capped"])
             else:
-                cells.append(f"{_s(row[key]['ttft_s'])} / {_s(row[key]['tpot_s'], 1e3, '{:.1f}')}")
+                cells.append(
+                    f"{cell(row[key]['ttft_s'])} / {cell(row[key]['tpot_s'], 1e3, '{:.1f}')}"
+                )
         lat.add_row(str(row["prompt_tokens"]), *cells, str(row["same_first_token"]))
+    return lat
 
-    mem = report["memory"]
-    mt = Table(title="Decode agent memory during the longest handoff", header_style="bold")
-    mt.add_column("measure")
-    mt.add_column("value", justify="right")
+
+def _memory_table(mem: dict[str, Any]) -> Table:
+    mt = table(
+        "Decode agent memory during the longest handoff", ("measure", "value"), left=("measure",)
+    )
     if "error" in mem:
         mt.add_row("error", mem["error"])
-    else:
-        for key in ("baseline_rss", "peak_rss", "growth", "kv_bytes", "model_bytes"):
-            mt.add_row(key, f"{mem[key] / 1e6:.1f} MB")
-        mt.add_row(
-            f"growth / KV ({mem['prompt_tokens']} tokens)",
-            f"{mem['growth_over_kv']:.2f} (<= {mem['bar']} {verdict(mem['ok'])})",
-        )
-        mt.add_row(
-            "peak <= model + 1.5 x KV, literally (no runtime allowance)",
-            verdict(mem["ok_literal"]),
-        )
-
-    c = report["concurrency"]
-    ct = Table(
-        title="Concurrent requests to one decode agent", header_style="bold", caption=c["note"]
+        return mt
+    for key in ("baseline_rss", "peak_rss", "growth", "kv_bytes", "model_bytes"):
+        mt.add_row(key, f"{mem[key] / 1e6:.1f} MB")
+    mt.add_row(
+        f"growth / KV ({mem['prompt_tokens']} tokens)",
+        f"{mem['growth_over_kv']:.2f} (<= {mem['bar']} {verdict(mem['ok'])})",
     )
-    for col in (
-        "requests",
-        "aggregate decode tok/s",
-        "x single",
-        "end-to-end tok/s",
-        "per-request tok/s",
-        "TTFT p50/max s",
-    ):
-        ct.add_column(col, justify="right")
+    mt.add_row(
+        "peak <= model + 1.5 x KV, literally (no runtime allowance)",
+        verdict(mem["ok_literal"]),
+    )
+    return mt
+
+
+def _concurrency_table(report: dict[str, Any]) -> Table:
+    c = report["concurrency"]
+    ct = table(
+        "Concurrent requests to one decode agent",
+        (
+            "requests",
+            "aggregate decode tok/s",
+            "x single",
+            "end-to-end tok/s",
+            "per-request tok/s",
+            "TTFT p50/max s",
+        ),
+        caption=c["note"],
+    )
     for r in c["runs"]:
         ct.add_row(
             str(r["requests"]),
             f"{r['aggregate_tok_s']:.2f}",
-            _s(r["vs_single"], fmt="{:.2f}"),
+            cell(r["vs_single"], form="{:.2f}"),
             f"{r.get('end_to_end_tok_s', 0.0):.2f}",
-            _s(r["per_request_decode_tok_s"], fmt="{:.2f}"),
-            f"{_s(r['ttft_p50_s'], fmt='{:.1f}')} / {_s(r['ttft_max_s'], fmt='{:.1f}')}"
+            cell(r["per_request_decode_tok_s"], form="{:.2f}"),
+            f"{cell(r['ttft_p50_s'], form='{:.1f}')} / {cell(r['ttft_max_s'], form='{:.1f}')}"
             + (f" [red]{len(r['errors'])} errors[/]" if r["errors"] else ""),
         )
     ct.add_row(
@@ -525,4 +556,4 @@ def serving_tables(report: dict[str, Any]) -> list[Table]:
         "",
         "",
     )
-    return [lat, mt, ct]
+    return ct

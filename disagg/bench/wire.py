@@ -21,26 +21,15 @@
 
 The real KV comes from `agents.prefill.PrefillEngine` run in this process on a
 deterministic prompt (fp32 and bf16). `run_wire_bench` returns plain data;
-`wire_tables` renders it.
+`wire_tables` renders it. The receiving process and the three senders are in
+`handoff.py`.
 """
 
 from __future__ import annotations
 
-import base64
-import contextlib
-import hashlib
-import http.client
-import json
 import math
 import os
-import socket
-import statistics
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterable
-from datetime import datetime, timezone
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +38,9 @@ from rich.table import Table
 
 from agents import protocol as P
 from agents.codecpick import CodecSpeed, pick_codec, stream_rate
-from agents.kvcodec import WIRE_NUMPY, Codec, DType, Kind, LayerKV, decode_layer, encode_layer
-from disagg.bench.core import _loadavg
-
-Say = Callable[[str], None]
+from agents.kvcodec import Codec, LayerKV, decode_layer, encode_layer
+from disagg.bench.common import Say, Stamp, long_text, median, quiet, table, verdict
+from disagg.bench.handoff import Receiver, kv_digest, raw_size
 
 HANDOFF_BARE_BAR = 0.85  # ours / bare socket, at least
 HANDOFF_JSON_BAR = 10.0  # ours / JSON+base64 over HTTP, at least
@@ -67,8 +55,6 @@ CODECS: tuple[tuple[str, Codec, int], ...] = (
     ("shuffle+zstd-3", Codec.SHUFFLE_ZSTD, 3),
 )
 AGENT_LEVEL = 1
-ACK = b"k"
-RECEIVER_CODE = "from disagg.bench.wire import _receiver_main; _receiver_main()"
 
 
 # ---------------------------------------------------------------------------
@@ -81,7 +67,6 @@ def real_kv(model_dir: Path, tokens: int, dtype: str) -> list[LayerKV]:
     from transformers import AutoTokenizer
 
     from agents.prefill import PrefillEngine
-    from disagg.bench.core import long_text
 
     tok: Any = AutoTokenizer.from_pretrained(str(model_dir))
     text = long_text(lambda s: len(tok.encode(s)), tokens)
@@ -94,225 +79,6 @@ def real_kv(model_dir: Path, tokens: int, dtype: str) -> list[LayerKV]:
 
     engine.prefill(ids, keep)
     return layers
-
-
-def kv_digest(layers: Iterable[LayerKV]) -> str:
-    h = hashlib.sha256()
-    for kv in layers:
-        h.update(np.ascontiguousarray(kv.keys).tobytes())
-        h.update(np.ascontiguousarray(kv.values).tobytes())
-    return h.hexdigest()
-
-
-def raw_size(layers: list[LayerKV]) -> int:
-    return sum(kv.keys.nbytes + kv.values.nbytes for kv in layers)
-
-
-# ---------------------------------------------------------------------------
-# the receiving process
-
-
-def _recv_ours(sock: socket.socket, verify: bool) -> str | None:
-    h = hashlib.sha256() if verify else None
-    reader = P.FrameReader(sock)  # as agents.kvfetch receives
-    while True:
-        header, payload = reader.read()
-        if header.type == P.Frame.PREFILL_DONE:
-            break
-        kv = decode_layer(payload)
-        if h is not None:
-            h.update(kv.keys.tobytes())
-            h.update(kv.values.tobytes())
-    return h.hexdigest() if h else None
-
-
-def _recv_bare(sock: socket.socket, buf: bytearray) -> None:
-    view, got = memoryview(buf), 0
-    while got < len(buf):
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            raise ConnectionError(f"closed after {got} of {len(buf)} bytes")
-        got += n
-
-
-def _json_layers(body: bytes) -> list[LayerKV]:
-    doc = json.loads(body)
-    out = []
-    for item in doc["layers"]:
-        dt = DType[item["dtype"]]
-        np_dtype = WIRE_NUMPY[dt]
-        keys = np.frombuffer(base64.b64decode(item["k"]), np_dtype).reshape(item["k_shape"])
-        values = np.frombuffer(base64.b64decode(item["v"]), np_dtype).reshape(item["v_shape"])
-        out.append(LayerKV(item["layer"], Kind(item["kind"]), dt, keys, values))
-    return out
-
-
-class _JsonHandler(BaseHTTPRequestHandler):
-    result: list[str | None] = [None]
-    verify = False
-
-    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        layers = _json_layers(body)
-        type(self).result[0] = kv_digest(layers) if type(self).verify else None
-        self.send_response(200)
-        self.send_header("Content-Length", "1")
-        self.end_headers()
-        self.wfile.write(ACK)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
-def _receiver_main() -> None:
-    """Child process: one transfer per job line on stdin, one answer line on stdout."""
-    tcp = socket.create_server(("127.0.0.1", 0))
-    httpd = HTTPServer(("127.0.0.1", 0), _JsonHandler)
-
-    def answer(obj: Any) -> None:
-        sys.stdout.write(json.dumps(obj) + "\n")
-        sys.stdout.flush()
-
-    answer([tcp.getsockname()[1], httpd.server_address[1]])
-    for line in sys.stdin:
-        mode, total, verify = json.loads(line)
-        digest: str | None = None
-        if mode == "json":
-            _JsonHandler.verify = verify
-            answer("ready")
-            httpd.handle_request()
-            digest = _JsonHandler.result[0]
-        else:
-            buf = bytearray(total) if mode == "bare" else bytearray()
-            answer("ready")
-            sock, _ = tcp.accept()
-            with sock:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                if mode == "bare":
-                    _recv_bare(sock, buf)
-                else:
-                    digest = _recv_ours(sock, verify)
-                sock.sendall(ACK)
-            del buf
-        answer(digest)
-    tcp.close()
-    httpd.server_close()
-
-
-class Receiver:
-    """The receiving side in its own process (as the decode agent is)."""
-
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", RECEIVER_CODE],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        self.tcp_port, self.http_port = self._read()
-
-    def _read(self) -> Any:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the receiver process exited with {self.proc.wait()}")
-        return json.loads(line)
-
-    def __enter__(self) -> Receiver:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(OSError):
-                assert self.proc.stdin is not None
-                self.proc.stdin.close()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc.stdout:
-            self.proc.stdout.close()
-
-    def _start(self, mode: str, total: int, verify: bool) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps([mode, total, verify]) + "\n")
-        self.proc.stdin.flush()
-        if self._read() != "ready":
-            raise RuntimeError("the receiver did not get ready")
-
-    def _dial(self) -> socket.socket:
-        sock = socket.create_connection(("127.0.0.1", self.tcp_port))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock
-
-    def ours(
-        self, layers: list[LayerKV], codec: Codec = Codec.RAW, verify: bool = False
-    ) -> tuple[float, int, str | None]:
-        """Seconds, bytes on the wire, and (with verify) the receiver's digest."""
-        from agents.prefill import LayerSender  # imports torch: only in the sender
-
-        self._start("ours", 0, verify)
-        with self._dial() as sock:
-            t0 = time.perf_counter()
-            sender = LayerSender(sock, codec)
-            for kv in layers:
-                sender.put(kv)
-            sender.close()
-            if sender.error is not None:
-                raise sender.error
-            P.send_json(sock, P.Frame.PREFILL_DONE, {"layers": len(layers)})
-            if P.recv_exact(sock, 1) != ACK:
-                raise RuntimeError("bad ack")
-            secs = time.perf_counter() - t0
-        return secs, sender.bytes, self._read()
-
-    def bare(self, layers: list[LayerKV]) -> float:
-        self._start("bare", raw_size(layers), False)
-        with self._dial() as sock:
-            t0 = time.perf_counter()
-            for kv in layers:
-                sock.sendall(memoryview(kv.keys).cast("B"))  # type: ignore[arg-type]
-                sock.sendall(memoryview(kv.values).cast("B"))  # type: ignore[arg-type]
-            if P.recv_exact(sock, 1) != ACK:
-                raise RuntimeError("bad ack")
-            secs = time.perf_counter() - t0
-        self._read()
-        return secs
-
-    def json(self, layers: list[LayerKV], verify: bool = False) -> tuple[float, int, str | None]:
-        self._start("json", 0, verify)
-        conn = http.client.HTTPConnection("127.0.0.1", self.http_port, timeout=600)
-        conn.connect()
-        try:
-            t0 = time.perf_counter()
-            body = json.dumps(
-                {
-                    "layers": [
-                        {
-                            "layer": kv.layer,
-                            "kind": int(kv.kind),
-                            "dtype": kv.dtype.name,
-                            "k_shape": list(kv.keys.shape),
-                            "v_shape": list(kv.values.shape),
-                            "k": base64.b64encode(kv.keys.tobytes()).decode("ascii"),
-                            "v": base64.b64encode(kv.values.tobytes()).decode("ascii"),
-                        }
-                        for kv in layers
-                    ]
-                }
-            ).encode()
-            conn.request("POST", "/kv", body, {"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            if resp.status != 200 or resp.read() != ACK:
-                raise RuntimeError(f"json receiver answered {resp.status}")
-            secs = time.perf_counter() - t0
-        finally:
-            conn.close()
-        return secs, len(body), self._read()
 
 
 # ---------------------------------------------------------------------------
@@ -354,8 +120,8 @@ def measure_codec(layers: list[LayerKV], codec: Codec, level: int, repeats: int)
             d.append(t3 - t2)
         if not (np.array_equal(back.keys, kv.keys) and np.array_equal(back.values, kv.values)):
             raise AssertionError(f"{codec.name}: layer {kv.layer} did not round-trip")
-        enc.append(statistics.median(e))
-        dec.append(statistics.median(d))
+        enc.append(median(e))
+        dec.append(median(d))
         frame.append(P.HEADER.size + len(payload))
     raw = raw_size(layers)
     wire = sum(frame)
@@ -439,10 +205,6 @@ def compression_part(layers: list[LayerKV], repeats: int) -> dict[str, Any]:
 # the run
 
 
-def _median(xs: list[float]) -> float:
-    return float(statistics.median(xs))
-
-
 def handoff_part(
     rx: Receiver, layers: list[LayerKV], repeats: int, say: Say, label: str
 ) -> dict[str, Any]:
@@ -474,7 +236,7 @@ def handoff_part(
         secs, wire["ours_shuffle_zstd"], _ = rx.ours(layers, Codec.SHUFFLE_ZSTD)
         runs["ours_shuffle_zstd"].append(secs)
     wire["bare"] = raw
-    med = {k: _median(v) for k, v in runs.items()}
+    med = {k: median(v) for k, v in runs.items()}
     gbs = {k: raw / v / 1e9 for k, v in med.items()}
     return {
         "layers": len(layers),
@@ -504,14 +266,12 @@ def run_wire_bench(
     dtypes: tuple[str, ...] = ("float32", "bfloat16"),
     repeats: int = 11,  # short transfers on a shared 2-core box: a median of many
     codec_repeats: int = 3,
-    say: Say = lambda _msg: None,
+    say: Say = quiet,
 ) -> dict[str, Any]:
     """Handoff throughput and compression on real KV of `model_dir`; plain data."""
     if repeats < 1 or codec_repeats < 1 or tokens < 2:
         raise ValueError("repeats and codec_repeats >= 1, tokens >= 2")
-    t_start = time.perf_counter()
-    load_start = _loadavg()
-    date = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    stamp = Stamp()
     parts: dict[str, Any] = {}
     with Receiver() as rx:
         for dtype in dtypes:
@@ -523,14 +283,14 @@ def run_wire_bench(
             parts[dtype] = part
             del layers
     return {
-        "date": date,
+        "date": stamp.date,
         "model": str(model_dir),
         "settings": {"tokens": tokens, "repeats": repeats, "codec_repeats": codec_repeats},
         "cpu_count": os.cpu_count(),
         "timing": "handoff: connection open -> receiver's ack after its last numpy array; "
         "medians. Link rates: arithmetic on measured per-layer codec times, pipelined.",
         "dtypes": parts,
-        "load_avg_1m": {"start": load_start, "end": _loadavg()},
+        "load_avg_1m": stamp.load_avg_1m(),
         "ok": all(
             p["ok_bare"]
             and p["ok_json"]
@@ -539,7 +299,7 @@ def run_wire_bench(
             and p["compression"]["adaptive_ok_1gbit"]
             for p in parts.values()
         ),
-        "elapsed_s": time.perf_counter() - t_start,
+        "elapsed_s": stamp.elapsed_s(),
     }
 
 
@@ -547,103 +307,100 @@ def run_wire_bench(
 # rendering
 
 
-def _verdict(ok: bool) -> str:
-    return "[green]pass[/]" if ok else "[red]FAIL[/]"
-
-
 def wire_tables(report: dict[str, Any]) -> list[Table]:
+    """Per dtype: the handoff table, then the compression table."""
     tables = []
     for dtype, p in report["dtypes"].items():
-        t = Table(
-            title=(
-                f"KV handoff on loopback: {p['prompt_tokens']} tokens x {p['layers']} layers, "
-                f"{dtype}, {p['raw_bytes'] / 1e6:.1f} MB of K/V"
-            ),
-            header_style="bold",
-            caption=(
-                f"{report['date']} · {report['cpu_count']} CPUs · load avg (1 min) "
-                f"{report['load_avg_1m']['start']} -> {report['load_avg_1m']['end']} · "
-                "GB/s = raw K/V bytes / (connection open -> receiver's ack), median"
-            ),
-        )
-        for col in ("path", "GB/s", "median s", "bytes on the wire", "bar"):
-            t.add_column(col, justify="left" if col == "path" else "right")
-        rows = (
-            ("ours: KV_LAYER frames, LayerSender -> FrameReader + decode_layer", "ours"),
-            ("bare socket.sendall -> recv_into", "bare"),
-            ("seeds: JSON + base64 over HTTP (one POST)", "json"),
-            ("ours, zstd-1", "ours_zstd"),
-            ("ours, shuffle+zstd-1", "ours_shuffle_zstd"),
-        )
-        for label, key in rows:
-            t.add_row(
-                label,
-                f"{p['gb_s'][key]:.3f}",
-                f"{p['median_s'][key]:.3f}",
-                f"{p['wire_bytes'][key] / 1e6:.1f} MB",
-                "",
-            )
-        t.add_section()
-        t.add_row(
-            "ours / bare",
-            f"{p['ours_vs_bare']:.2f}",
-            "",
-            "bit-exact" if p["bit_exact"] else "[red]NOT bit-exact[/]",
-            f">= {p['bare_bar']} {_verdict(p['ok_bare'])}",
-        )
-        t.add_row(
-            "ours / JSON+base64",
-            f"{p['ours_vs_json']:.1f}",
-            "",
-            "",
-            f">= {p['json_bar']:g} {_verdict(p['ok_json'])}",
-        )
-        tables.append(t)
-
-        c = p["compression"]
-        t = Table(
-            title=f"Compression on that KV ({dtype}); handoff at emulated link rates",
-            header_style="bold",
-            caption="pipelined per layer: max-stage flow shop of compress -> link -> "
-            "decompress (serial sum in brackets); the agents use level 1",
-        )
-        t.add_column("codec")
-        t.add_column("ratio", justify="right")
-        t.add_column("enc GB/s", justify="right")
-        t.add_column("dec GB/s", justify="right")
-        for gbit in c["rates_gbit"]:
-            t.add_column(f"{gbit} Gbit/s", justify="right")
-        for name, m in c["codecs"].items():
-            cells = [
-                f"{r['codecs'][name]['pipelined_s']:.3f} s ({r['codecs'][name]['serial_s']:.3f})"
-                for r in c["rates_gbit"].values()
-            ]
-            t.add_row(
-                name,
-                f"{m['ratio']:.3f}",
-                f"{m['encode_gb_s']:.2f}",
-                f"{m['decode_gb_s']:.2f}",
-                *cells,
-            )
-        t.add_section()
-        t.add_row(
-            "adaptive (codecpick)",
-            "",
-            "",
-            "",
-            *[
-                f"{r['adaptive']['codec']}: {r['adaptive']['pipelined_s']:.3f} s, "
-                f"x{r['adaptive']['speedup_vs_off']:.2f} vs off"
-                for r in c["rates_gbit"].values()
-            ],
-        )
-        t.add_row(
-            "bars",
-            "",
-            "",
-            "",
-            f"never slower {_verdict(c['adaptive_never_slower'])}; "
-            f">= x{c['adaptive_bar']} at 1 Gbit/s {_verdict(c['adaptive_ok_1gbit'])}",
-        )
-        tables.append(t)
+        tables.append(_handoff_table(report, dtype, p))
+        tables.append(_compression_table(dtype, p["compression"]))
     return tables
+
+
+HANDOFF_ROWS = (
+    ("ours: KV_LAYER frames, LayerSender -> FrameReader + decode_layer", "ours"),
+    ("bare socket.sendall -> recv_into", "bare"),
+    ("seeds: JSON + base64 over HTTP (one POST)", "json"),
+    ("ours, zstd-1", "ours_zstd"),
+    ("ours, shuffle+zstd-1", "ours_shuffle_zstd"),
+)
+
+
+def _handoff_table(report: dict[str, Any], dtype: str, p: dict[str, Any]) -> Table:
+    t = table(
+        f"KV handoff on loopback: {p['prompt_tokens']} tokens x {p['layers']} layers, "
+        f"{dtype}, {p['raw_bytes'] / 1e6:.1f} MB of K/V",
+        ("path", "GB/s", "median s", "bytes on the wire", "bar"),
+        left=("path",),
+        caption=(
+            f"{report['date']} · {report['cpu_count']} CPUs · load avg (1 min) "
+            f"{report['load_avg_1m']['start']} -> {report['load_avg_1m']['end']} · "
+            "GB/s = raw K/V bytes / (connection open -> receiver's ack), median"
+        ),
+    )
+    for label, key in HANDOFF_ROWS:
+        t.add_row(
+            label,
+            f"{p['gb_s'][key]:.3f}",
+            f"{p['median_s'][key]:.3f}",
+            f"{p['wire_bytes'][key] / 1e6:.1f} MB",
+            "",
+        )
+    t.add_section()
+    t.add_row(
+        "ours / bare",
+        f"{p['ours_vs_bare']:.2f}",
+        "",
+        "bit-exact" if p["bit_exact"] else "[red]NOT bit-exact[/]",
+        f">= {p['bare_bar']} {verdict(p['ok_bare'])}",
+    )
+    t.add_row(
+        "ours / JSON+base64",
+        f"{p['ours_vs_json']:.1f}",
+        "",
+        "",
+        f">= {p['json_bar']:g} {verdict(p['ok_json'])}",
+    )
+    return t
+
+
+def _compression_table(dtype: str, c: dict[str, Any]) -> Table:
+    t = table(
+        f"Compression on that KV ({dtype}); handoff at emulated link rates",
+        ("codec", "ratio", "enc GB/s", "dec GB/s", *(f"{g} Gbit/s" for g in c["rates_gbit"])),
+        left=("codec",),
+        caption="pipelined per layer: max-stage flow shop of compress -> link -> "
+        "decompress (serial sum in brackets); the agents use level 1",
+    )
+    for name, m in c["codecs"].items():
+        cells = [
+            f"{r['codecs'][name]['pipelined_s']:.3f} s ({r['codecs'][name]['serial_s']:.3f})"
+            for r in c["rates_gbit"].values()
+        ]
+        t.add_row(
+            name,
+            f"{m['ratio']:.3f}",
+            f"{m['encode_gb_s']:.2f}",
+            f"{m['decode_gb_s']:.2f}",
+            *cells,
+        )
+    t.add_section()
+    t.add_row(
+        "adaptive (codecpick)",
+        "",
+        "",
+        "",
+        *[
+            f"{r['adaptive']['codec']}: {r['adaptive']['pipelined_s']:.3f} s, "
+            f"x{r['adaptive']['speedup_vs_off']:.2f} vs off"
+            for r in c["rates_gbit"].values()
+        ],
+    )
+    t.add_row(
+        "bars",
+        "",
+        "",
+        "",
+        f"never slower {verdict(c['adaptive_never_slower'])}; "
+        f">= x{c['adaptive_bar']} at 1 Gbit/s {verdict(c['adaptive_ok_1gbit'])}",
+    )
+    return t

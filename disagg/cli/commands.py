@@ -9,12 +9,14 @@ from typing import Annotated, Any
 import typer
 
 from disagg.cli.common import (
+    AllowMixed,
     Dtype,
     Inventory,
     Json,
     Local,
     Model,
     Models,
+    PrefillModel,
     app,
     err,
     friendly,
@@ -31,9 +33,16 @@ def _open_client(
     inventory: str | None,
     dtype: str = "auto",
     n_decode: int = 1,
+    prefill_model: str | None = None,
+    allow_mixed: bool = False,
 ) -> Any:
     from disagg.api import Client
 
+    if (prefill_model or allow_mixed) and not local:
+        raise UsageError(
+            "--prefill-model and --allow-mixed go with --local; "
+            "for a fleet, set mixed_weights = true on the pipeline in the inventory"
+        )
     if not local:
         from disagg.fleet.inventory import InventoryError
 
@@ -44,7 +53,14 @@ def _open_client(
                 raise InventoryError(f"{e}; or add --local to run the agents here") from None
             raise
     with err.status("starting prefill and decode agents…"):
-        return Client.local(models, dtype=dtype, n_decode=n_decode, say=say)
+        return Client.local(
+            models,
+            dtype=dtype,
+            n_decode=n_decode,
+            say=say,
+            prefill_model=prefill_model,
+            allow_mixed=allow_mixed,
+        )
 
 
 @app.command()
@@ -76,6 +92,8 @@ def generate(
     out_file: Annotated[
         Path | None, typer.Option("--out", help="Where --batch writes its JSONL results.")
     ] = None,
+    prefill_model: PrefillModel = None,
+    allow_mixed: AllowMixed = False,
     dtype: Dtype = "auto",
     as_json: Json = False,
 ) -> None:
@@ -104,7 +122,9 @@ def generate(
         build_request(prompt, **opts)  # bad input fails before any agent starts
         requests = []
     models: list[str | None] = list(model) if model else [None]
-    with _open_client(local, models, inventory, dtype) as client:
+    with _open_client(
+        local, models, inventory, dtype, prefill_model=prefill_model, allow_mixed=allow_mixed
+    ) as client:
         # Local pipelines are named by their model dir; fleet ones by the inventory.
         names = (
             list(client.model_dirs) if local else [client.router.pipeline(m).name for m in models]
@@ -195,19 +215,62 @@ def serve(
         int, typer.Option("--decode-agents", help="Decode agents per model with --local.")
     ] = 1,
     dtype: Dtype = "auto",
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            "--api-key",
+            envvar="DISAGG_API_KEY",
+            help="Require this key (Authorization: Bearer KEY) on every route.",
+        ),
+    ] = None,
+    api_key_file: Annotated[
+        Path | None, typer.Option("--api-key-file", help="Read the API key from this file.")
+    ] = None,
 ) -> None:
-    """OpenAI-compatible gateway: /v1/models, /v1/completions, /v1/chat/completions."""
+    """OpenAI- and Ollama-compatible gateway: /v1/... and /api/... on one port."""
+    import signal
+    import sys
+
     import uvicorn
 
     from disagg.serving.gateway import create_app
 
     if decode_agents < 1:
         raise UsageError(f"--decode-agents must be at least 1, got {decode_agents}")
+    key = _api_key(api_key, api_key_file)
+    if key is None and host not in LOOPBACK:
+        err.print(
+            f"[yellow]warning:[/] serving on {host} without an API key: anyone who reaches "
+            "this port can use the models (add --api-key or DISAGG_API_KEY)",
+            soft_wrap=True,
+        )
+    # SIGTERM (systemd, docker, kill) unwinds like Ctrl-C, so the local agents stop too;
+    # uvicorn hands the signal back to this handler once it has shut down.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     with _open_client(
         local, list(model) if model else [None], inventory, dtype, decode_agents
     ) as client:
-        err.print(f"serving {', '.join(client.models())} on http://{host}:{port}/v1")
-        uvicorn.run(create_app(client), host=host, port=port, log_level="warning")
+        err.print(
+            f"serving {', '.join(client.models())} on http://{host}:{port} "
+            f"(OpenAI: /v1, Ollama: /api){', API key required' if key else ''}"
+        )
+        uvicorn.run(create_app(client, api_key=key), host=host, port=port, log_level="warning")
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _api_key(given: str | None, path: Path | None) -> str | None:
+    if given is not None and path is not None:
+        raise UsageError("give --api-key or --api-key-file, not both")
+    if path is not None:
+        try:
+            given = path.read_text().strip()
+        except OSError as e:
+            raise UsageError(f"cannot read --api-key-file {path}: {e.strerror}") from None
+    if given is not None and not given.strip():
+        raise UsageError("the API key is empty: give a non-empty --api-key")
+    return given.strip() if given is not None else None
 
 
 @app.command()
@@ -221,6 +284,8 @@ def verify(
         float, typer.Option("--min-agreement", help="Fail below this token agreement (0..1).")
     ] = 1.0,
     raw: Annotated[bool, typer.Option("--raw")] = False,
+    prefill_model: PrefillModel = None,
+    allow_mixed: AllowMixed = False,
     dtype: Dtype = "auto",
     as_json: Json = False,
 ) -> None:
@@ -234,7 +299,9 @@ def verify(
     if not 0 <= min_agreement <= 1:
         raise UsageError(f"--min-agreement must be in [0, 1], got {min_agreement}")
     build_request(prompt, max_tokens=max_tokens)
-    with _open_client(True, [model], None, dtype) as session:
+    with _open_client(
+        True, [model], None, dtype, prefill_model=prefill_model, allow_mixed=allow_mixed
+    ) as session:
         p, d = session.agents[0], session.agents[1]
         base: dict[str, Any] = {
             "max_tokens": max_tokens,
@@ -315,9 +382,20 @@ def bench(
             "prefix cache off vs on: TTFT, K/V bytes, same tokens.",
         ),
     ] = False,
+    quant_weights: Annotated[
+        bool,
+        typer.Option(
+            "--quant-weights",
+            help="Also: a 4-bit checkpoint prefilled on packed weights: memory, prefill "
+            "tok/s and TTFT against the model dequantized at load, agreement with mlx-lm.",
+        ),
+    ] = False,
     everything: Annotated[
         bool,
-        typer.Option("--all", help="Every section: --wire --serving --hiding --quant --prefix."),
+        typer.Option(
+            "--all",
+            help="Every section: --wire --serving --hiding --quant --quant-weights --prefix.",
+        ),
     ] = False,
 ) -> None:
     """Measure the handoff against its peers in one run: decode tokens/s against
@@ -338,7 +416,9 @@ def bench(
     )
     tables = [bench_table(report)]
     wire, serving, hiding = wire or everything, serving or everything, hiding or everything
-    quant, prefix = quant or everything, prefix or everything
+    quant = quant or everything
+    quant_weights = quant_weights or everything
+    prefix = prefix or everything
     if wire:
         from disagg.bench.wire import run_wire_bench, wire_tables
 
@@ -362,6 +442,16 @@ def bench(
 
         report["kv_quant"] = run_kvquant_bench(model_dir, say=say)
         tables.append(kvquant_table(report["kv_quant"]))
+    if quant_weights:
+        from agents.models import load_hf_config
+
+        # On the model quantized to 4 bits (by mlx_lm.convert, once), or -m if it is one.
+        from agents.quant import is_quantized
+        from disagg.bench.quant_weights import quant_weights_table, run_quant_weights_bench
+
+        qdir = model_dir if is_quantized(load_hf_config(model_dir)) else None
+        report["quant_weights"] = run_quant_weights_bench(qdir, say=say)
+        tables.append(quant_weights_table(report["quant_weights"]))
     if prefix:
         from disagg.bench.prefix import prefix_table, run_prefix_bench
 

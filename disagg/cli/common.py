@@ -84,6 +84,22 @@ Local = Annotated[bool, typer.Option("--local", help="Run the agents on this mac
 Json = Annotated[
     bool, typer.Option("--json", help="Print one JSON object on stdout, nothing else.")
 ]
+PrefillModel = Annotated[
+    str | None,
+    typer.Option(
+        "--prefill-model",
+        help="With --local: the prefill agent loads this dir instead of --model "
+        "(e.g. bf16 prefill, 4-bit decode); needs --allow-mixed.",
+    ),
+]
+AllowMixed = Annotated[
+    bool,
+    typer.Option(
+        "--allow-mixed",
+        help="With --local: let prefill and decode run on different weights; "
+        'results then say weights: "mixed".',
+    ),
+]
 Dtype = Annotated[str, typer.Option("--dtype", help="auto, float32, float16 or bfloat16.")]
 
 

@@ -103,15 +103,15 @@ def status(
     if watch and not as_json:
         from rich.live import Live
 
-        with Live(status_table(fleet.status(inv, hosts)), console=out) as live:
+        with Live(status_table(fleet.status(inv, hosts), out.width), console=out) as live:
             while True:
                 time.sleep(interval)
-                live.update(status_table(fleet.status(inv, hosts)))
+                live.update(status_table(fleet.status(inv, hosts), out.width))
     rows = fleet.status(inv, hosts)
     if as_json:
         print(json.dumps(status_json(rows)))
     else:
-        out.print(status_table(rows))
+        out.print(status_table(rows, out.width))
     if any(not r.ok for r in rows):
         raise typer.Exit(1)
 

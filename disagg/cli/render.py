@@ -18,6 +18,8 @@ def metrics_table(metrics: dict[str, Any], title: str = "metrics") -> Table:
         table.add_row(name, fmt(metrics.get(name), UNITS.get(name, "")))
     if metrics.get("fallback_reason"):
         table.add_row("fallback_reason", str(metrics["fallback_reason"]))
+    if metrics.get("weights"):
+        table.add_row("weights", str(metrics["weights"]))  # "mixed": other weights prefilled
     return table
 
 
@@ -33,6 +35,8 @@ def verify_table(report: dict[str, Any]) -> Table:
     table.add_row("max |logit diff| (log-softmax)", f"{report['max_logit_diff']:.3g}")
     table.add_row("logit diff at divergence", fmt(report["logit_diff_at_divergence"]))
     table.add_row("kv_bytes", fmt(report["kv_bytes"], "B"))
+    if report.get("weights"):
+        table.add_row("weights (prefill vs decode)", str(report["weights"]))
     verdict = "[green]pass[/]" if report["ok"] else "[red]FAIL[/]"
     table.add_row("verdict", verdict)
     return table

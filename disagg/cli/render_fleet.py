@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from agents.protocol import printable
 from disagg.fleet.deploy import HostDeploy
 from disagg.fleet.operations import AgentAction, AgentStatus, LogLine
 from disagg.fleet.ssh import HostResult
@@ -18,6 +20,7 @@ STATE_STYLE = {
     "stopped": "yellow",
     "starting": "cyan",
     "not responding": "red",
+    "bad answer": "red",
     "unreachable": "red",
     "not deployed": "yellow",
 }
@@ -71,6 +74,47 @@ def _mem(rss_bytes: int | None) -> str:
     return "-" if rss_bytes is None else f"{rss_bytes / 2**20:,.0f} MiB"
 
 
+def _plain(value: object) -> Text:
+    """What an agent said, as text: never parsed as markup, control characters shown."""
+    return Text(printable(value, 120))
+
+
+def status_table(rows: list[AgentStatus], width: int | None = None) -> RenderableType:
+    """One table with a column per fact when it fits `width` with every cell on one
+    line; otherwise (an 80-column terminal) a short table of host, role, state,
+    requests and p50 TTFT, with each agent's details on lines under it."""
+    cols = ("host", "role", "state", "model", "loaded", "backend/device", "address",
+            "uptime", "requests", "ttft p50/p95/p99", "prefix cache", "memory")  # fmt: skip
+    cells = [_wide_row(s) for s in rows]
+    widths = [max([len(c), *(len(str(r[i])) for r in cells)]) for i, c in enumerate(cols)]
+    if width is not None and sum(widths) + 3 * len(cols) + 1 > width:
+        return _status_narrow(rows)
+    table = Table(title="fleet status", header_style="bold")
+    for col in cols:  # they fit: only the state's detail may wrap
+        table.add_column(col, overflow="fold", no_wrap=col != "state")
+    for s, row in zip(rows, cells, strict=True):
+        table.add_row(*(_plain(c) for c in row[:2]), _state(s), *(_plain(c) for c in row[3:]))
+    return table
+
+
+def _wide_row(s: AgentStatus) -> list[str]:
+    st = s.status
+    return [
+        s.host,
+        s.role,
+        s.state,
+        _model(st),
+        fmt(st.get("loaded")),
+        _backend(st),
+        s.address or "-",
+        fmt(st.get("uptime_s"), "s"),
+        fmt(st.get("requests")),
+        _ttfts(st),
+        _prefix_cache(st),
+        _mem(s.rss_bytes),
+    ]
+
+
 def _prefix_cache(st: dict[str, Any]) -> str:
     """Hit rate over lookups, then bytes held of the budget (agents' /status)."""
     pc = st.get("prefix_cache")
@@ -79,41 +123,62 @@ def _prefix_cache(st: dict[str, Any]) -> str:
     rate = pc.get("hit_rate")
     hits = "-" if rate is None else f"{100 * rate:.0f}%"
     size = f"{_mem(pc.get('bytes'))} / {_mem(pc.get('max_bytes'))}"
-    return f"hit {hits} of {fmt(pc.get('queries'))}\n{size}"
+    return f"hit {hits} of {fmt(pc.get('queries'))}, {size}"
 
 
-def status_table(rows: list[AgentStatus]) -> Table:
+def _ttfts(st: dict[str, Any]) -> str:
+    if not st:
+        return "-"
+    return " / ".join(fmt(st.get(f"ttft_p{p}_s"), "s") for p in (50, 95, 99))
+
+
+def _state(s: AgentStatus) -> Text:
+    state = Text(s.state, style=STATE_STYLE.get(s.state, ""))
+    if s.detail and not s.ok:
+        state.append(f"\n{printable(s.detail, 300)}", style="dim")
+    if s.ssh_error:
+        state.append(f"\nbut ssh failed: {printable(s.ssh_error, 300)}", style="red")
+    return state
+
+
+def _model(st: dict[str, Any]) -> str:
+    return printable(str(st.get("model", "-")).rstrip("/").rsplit("/", 1)[-1], 120)
+
+
+def _backend(st: dict[str, Any]) -> str:
+    return printable(f"{st['backend']}/{st.get('device')}", 120) if st.get("backend") else "-"
+
+
+def _status_narrow(rows: list[AgentStatus]) -> Group:
     table = Table(title="fleet status", header_style="bold")
-    cols = ("host", "role", "state", "model", "loaded", "backend/device", "address",
-            "uptime", "requests", "ttft", "prefix cache", "memory")  # fmt: skip
-    for col in cols:
-        table.add_column(col, overflow="fold")
+    for col in ("host", "role", "state", "requests", "ttft p50"):
+        table.add_column(col, no_wrap=True, overflow="ellipsis")
+    details: list[Text] = []
     for s in rows:
         st = s.status
-        state = Text(s.state, style=STATE_STYLE.get(s.state, ""))
-        if s.detail and not s.ok:
-            state.append(f"\n{s.detail}", style="dim")
-        if s.ssh_error:
-            state.append(f"\nbut ssh failed: {s.ssh_error}", style="red")
-        model = str(st.get("model", "-")).rstrip("/").rsplit("/", 1)[-1]
-        backend = f"{st['backend']}/{st.get('device')}" if st.get("backend") else "-"
-        # One line per percentile: narrow enough for an 80-column terminal.
-        ttft = "\n".join(f"p{p} {fmt(st.get(f'ttft_p{p}_s'), 's')}" for p in (50, 95, 99))
         table.add_row(
-            s.host,
-            s.role,
-            state,
-            model,
-            fmt(st.get("loaded")),
-            backend,
-            s.address or "-",
-            fmt(st.get("uptime_s"), "s"),
-            fmt(st.get("requests")),
-            ttft if st else "-",
-            _prefix_cache(st),
-            _mem(s.rss_bytes),
+            _plain(s.host),
+            _plain(s.role),
+            Text(s.state, style=STATE_STYLE.get(s.state, "")),
+            fmt(st.get("requests")) if st else "-",
+            fmt(st.get("ttft_p50_s"), "s") if st else "-",
         )
-    return table
+        line = Text(printable(f"{s.host}/{s.role}", 120), style="bold")
+        if st:
+            line.append(f"  {_model(st)}")
+            address = printable(s.address or "-", 120)
+            line.append(
+                f"\n  {_backend(st)} at {address}, up {fmt(st.get('uptime_s'), 's')}, "
+                f"memory {_mem(s.rss_bytes)}\n  ttft p50/p95/p99 {_ttfts(st)}"
+            )
+            if isinstance(st.get("prefix_cache"), dict):
+                line.append(f"\n  prefix cache {_prefix_cache(st)}")
+        if s.detail and not s.ok:
+            line.append(f"\n  {printable(s.detail, 300)}", style="dim")
+        if s.ssh_error:
+            line.append(f"\n  but ssh failed: {printable(s.ssh_error, 300)}", style="red")
+        details.append(line)
+    return Group(table, *details)
 
 
 def status_json(rows: list[AgentStatus]) -> list[dict[str, Any]]:

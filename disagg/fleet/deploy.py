@@ -16,26 +16,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import agents
-from disagg.errors import AgentError, ModelError
+from disagg.errors import AgentError, AuthError, ModelError
 from disagg.fleet import service
 from disagg.fleet.inventory import Agent, Host, Inventory
 from disagg.fleet.operations import start_agent
+from disagg.fleet.requirements import role_modules, role_requirements
 from disagg.fleet.service import HostInfo, host_python, probe, remote_root, service_kind
 from disagg.fleet.ssh import HostResult, Session, on_hosts, q
 from disagg.fleet.token import load_token
 
 Say = Callable[[str, str], None]  # (host, message)
-
-# What each role imports on a host; mirrors pyproject's [prefill] and [decode] extras.
-ROLE_MODULES = {
-    "prefill": ["torch", "transformers", "safetensors", "zstandard", "numpy"],
-    "decode": ["mlx_lm", "zstandard", "numpy"],
-}
-ROLE_REQUIREMENTS = {
-    "prefill": ["torch>=2.4,<3", "transformers>=4.56", "safetensors>=0.4"],
-    "decode": ["mlx-lm>=0.28"],
-}
-COMMON_REQUIREMENTS = ["zstandard>=0.22", "numpy>=1.26"]
 
 HASH_SCRIPT = """
 import hashlib, json, os, sys
@@ -87,7 +77,7 @@ def _ensure_python(
     host: Host, session: Session, info: HostInfo, roles: list[str], dry: bool, say: Say
 ) -> str:
     py = host_python(host, info)
-    mods = sorted({m for r in roles for m in ROLE_MODULES[r]})
+    mods = sorted({m for r in roles for m in role_modules(r)})
     res = session.run(f"{q(py)} -c {q(CHECK_SCRIPT)} {' '.join(mods)}")
     missing = json.loads(res.out)["missing"] if res.rc == 0 else mods
     if not missing:
@@ -99,7 +89,7 @@ def _ensure_python(
             f"{host.name}: python {py} {why}; fix: pip install 'disagg[{extras}]' with it, or "
             f"remove hosts.{host.name}.python so deploy prepares a venv"
         )
-    reqs = sorted({r for role in roles for r in ROLE_REQUIREMENTS[role]} | set(COMMON_REQUIREMENTS))
+    reqs = sorted({r for role in roles for r in role_requirements(role)})
     if dry:
         say(host.name, f"would create {py} and pip install {' '.join(reqs)}")
         return py
@@ -179,6 +169,7 @@ def agent_config(agent: Agent, info: HostInfo, python: str, root: str) -> dict[s
         "token_file": f"{root}/token",
         # Only when set, so hosts without it keep their config hash across upgrades.
         **({"cpus": agent.host.cpus} if agent.host.cpus else {}),
+        **({"allow_mixed": True} if agent.allow_mixed else {}),
     }
 
 
@@ -216,6 +207,8 @@ def deploy_host(
     else:
         say(host.name, f"agents unchanged ({result.unchanged} files), nothing uploaded")
     if not dry:
+        if not token:
+            raise AuthError("no cluster token to deploy; fix: run disagg deploy without --dry-run")
         # The cluster's one token, so agents of different hosts accept each other.
         session.check(
             f"mkdir -p {q(root)}/logs {q(root)}/run && umask 077 && "
@@ -263,7 +256,9 @@ def deploy(
 ) -> list[HostResult[HostDeploy]]:
     """Deploy to the named hosts (all when None), in parallel; one result per host."""
     chosen = inv.select(hosts)
-    token = load_token(inv.path, create=not dry_run) or b"(made on the first real deploy)"
+    # A dry run before the first deploy has no token yet: b"" only feeds the config
+    # hash and is never written (a dry run writes nothing).
+    token = load_token(inv.path, create=not dry_run) or b""
     return on_hosts(
         chosen, inv.ssh, lambda host, session: deploy_host(inv, host, session, dry_run, say, token)
     )

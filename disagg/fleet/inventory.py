@@ -55,6 +55,7 @@ PIPELINE_KEYS = {
     "decode_timeout",
     "dtype",
     "aliases",
+    "mixed_weights",
 }
 SSH_KEYS = {"config", "known_hosts", "connect_timeout"}
 
@@ -103,6 +104,9 @@ class Pipeline:
     decode_timeout: float = DEFAULT_TIMEOUTS_S["decode"]
     dtype: str = "auto"
     aliases: tuple[str, ...] = ()
+    # Prefill and decode on different weights (e.g. bf16 prefill, 4-bit decode): the
+    # agents refuse that unless told; results then say weights: "mixed".
+    mixed_weights: bool = False
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,7 @@ class Agent:
     model: str
     dtype: str
     pipelines: tuple[str, ...]
+    allow_mixed: bool = False  # a decode agent of a mixed_weights pipeline
 
     @property
     def label(self) -> str:
@@ -158,13 +163,22 @@ class Inventory:
                 for name in members:
                     host = self.hosts[name]
                     key = (name, role)
+                    mixed = role == "decode" and p.mixed_weights
                     if key in found:
                         a = found[key]
                         found[key] = Agent(
-                            host, role, a.ports, a.model, a.dtype, (*a.pipelines, p.name)
+                            host,
+                            role,
+                            a.ports,
+                            a.model,
+                            a.dtype,
+                            (*a.pipelines, p.name),
+                            a.allow_mixed or mixed,
                         )
                     elif name in names:
-                        found[key] = Agent(host, role, host.roles[role], model, p.dtype, (p.name,))
+                        found[key] = Agent(
+                            host, role, host.roles[role], model, p.dtype, (p.name,), mixed
+                        )
         order = list(self.hosts)
         return sorted(found.values(), key=lambda a: (order.index(a.host.name), a.role))
 
@@ -262,6 +276,12 @@ class _Checker:
             raise self.fail(f"{key}.{name}", f"expected a list of strings: {val!r}", "quote them")
         return tuple(val)
 
+    def flag(self, raw: dict[str, Any], key: str, name: str) -> bool:
+        val = raw.get(name, False)
+        if not isinstance(val, bool):
+            raise self.fail(f"{key}.{name}", f"expected true or false, got {val!r}", "unquote it")
+        return val
+
     def seconds(self, raw: dict[str, Any], key: str, name: str, default: float) -> float:
         val = raw.get(name, default)
         if not isinstance(val, int | float) or isinstance(val, bool) or val <= 0:
@@ -335,10 +355,22 @@ def _host(c: _Checker, name: str, raw: Any) -> Host:
         data=c.strings(raw, key, "data"),
         roles=roles,
         python=c.text(raw, key, "python"),
-        remote_dir=c.text(raw, key, "remote_dir") or "~/.disagg",
+        remote_dir=_remote_dir(c, raw, key),
         service=c.choice(raw, key, "service", SERVICES),
         cpus=c.cpu_list(raw, key, "cpus"),
     )
+
+
+def _remote_dir(c: _Checker, raw: Any, key: str) -> str:
+    path = c.text(raw, key, "remote_dir") or "~/.disagg"
+    # Every other character is quoted for the shell, systemd or launchd; a newline can't be.
+    if any(ord(ch) < 32 or ord(ch) == 127 for ch in path):
+        raise c.fail(
+            f"{key}.remote_dir",
+            f"{path!r} holds a newline or control character",
+            "choose a directory name without one",
+        )
+    return path
 
 
 def _pipeline(c: _Checker, name: str, raw: Any, hosts: dict[str, Host]) -> Pipeline:
@@ -375,6 +407,7 @@ def _pipeline(c: _Checker, name: str, raw: Any, hosts: dict[str, Host]) -> Pipel
         decode_timeout=c.seconds(raw, key, "decode_timeout", DEFAULT_TIMEOUTS_S["decode"]),
         dtype=c.choice(raw, key, "dtype", DTYPES),
         aliases=c.strings(raw, key, "aliases"),
+        mixed_weights=c.flag(raw, key, "mixed_weights"),
     )
 
 

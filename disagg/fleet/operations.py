@@ -12,17 +12,19 @@ import queue
 import re
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from agents.protocol import AuthError as ProtocolAuthError
+from agents.protocol import printable
 from disagg.errors import AgentError, DisaggError, ModelError
 from disagg.fleet import service
 from disagg.fleet.inventory import Agent, Host, Inventory
 from disagg.fleet.service import AgentPaths, host_python, probe, remote_root, service_kind
 from disagg.fleet.ssh import HostResult, Session, connect_host, on_hosts, q
 from disagg.fleet.token import load_token
+from disagg.serving.control import control_status, parse_status
 
 LOAD_TIMEOUT_S = 600.0  # a 120B model can take minutes to load
 HTTP_TIMEOUT_S = 1.5
@@ -38,8 +40,12 @@ class AgentAction:
     detail: str = ""
 
 
-def _tail_log(session: Session, paths: AgentPaths, n: int = 5) -> str:
-    return session.run(f"tail -n {n} {q(paths.log)} 2>/dev/null").out.strip()
+def _tail_log(session: Session, paths: AgentPaths, n: int = 5, stderr: bool = True) -> str:
+    """The end of the agent's log, then of its stderr (where a crash's traceback goes)."""
+    cmd = f"tail -n {n} {q(paths.log)} 2>/dev/null"
+    if stderr:
+        cmd += f"; tail -n {n} {q(paths.stderr)} 2>/dev/null"
+    return session.run(cmd).out.strip()
 
 
 def start_agent(
@@ -63,12 +69,12 @@ def start_agent(
         if seen_alive and not alive:
             raise AgentError(
                 f"{session.name}: {paths.role} agent exited while starting; "
-                f"{paths.log}:\n{_tail_log(session, paths)}"
+                f"{paths.log}, {paths.role}.stderr:\n{_tail_log(session, paths)}"
             )
         time.sleep(0.5)
     raise AgentError(
         f"{session.name}: {paths.role} agent not READY within {timeout_s:.0f}s; "
-        f"{paths.log}:\n{_tail_log(session, paths)}"
+        f"{paths.log}, {paths.role}.stderr:\n{_tail_log(session, paths)}"
     )
 
 
@@ -150,24 +156,27 @@ class AgentStatus:
 
 def _http_status(
     addresses: list[str], port: int, token: bytes | None
-) -> tuple[str, dict[str, Any]] | None:
+) -> tuple[str, dict[str, Any]] | str | None:
+    """(ADDR:PORT, status) from the first address that answers, proving the token by
+    challenge-response (it never crosses the wire); a string says what was wrong
+    with an answer; None: nobody answered."""
+    wrong: str | None = None
     for addr in addresses:
-        req = urllib.request.Request(f"http://{addr}:{port}/status")
-        if token:
-            req.add_header("Authorization", f"Bearer {token.decode()}")
         try:
-            with urllib.request.urlopen(req, timeout=HTTP_TIMEOUT_S) as resp:
-                return f"{addr}:{port}", dict(json.loads(resp.read()))
-        except (OSError, ValueError):
+            return f"{addr}:{port}", control_status(addr, port, token, HTTP_TIMEOUT_S)
+        except (ProtocolAuthError, ValueError) as e:
+            wrong = wrong or f"{addr}:{port}: {printable(e)}"
+        except OSError:
             continue
-    return None
+    return wrong
 
 
-# Run on the host itself; reads the agents' token there, so it never travels.
+# Run on the host itself with the agents' code there: it proves the token it reads
+# there by challenge-response, so the token never travels, not even over loopback.
 FETCH_SCRIPT = (
-    "import sys, urllib.request; r = urllib.request.Request(sys.argv[1]); "
-    "r.add_header('Authorization', 'Bearer ' + open(sys.argv[2]).read().strip()); "
-    "print(urllib.request.urlopen(r, timeout=3).read().decode())"
+    "import sys; sys.path.insert(0, sys.argv[3]); from agents.httpauth import control_get; "
+    "t = open(sys.argv[2], 'rb').read().strip(); "
+    "sys.stdout.write(control_get('127.0.0.1', int(sys.argv[1]), '/status', t, 3).decode())"
 )
 
 
@@ -188,7 +197,9 @@ def _host_status(inv: Inventory, host: Host) -> list[AgentStatus]:
             if a.role in {r.role for r in rows}:
                 continue
             found = direct[a.role]
-            if found:
+            if isinstance(found, str):
+                rows.append(AgentStatus(host.name, a.role, "bad answer", detail=found))
+            elif found:
                 rows.append(AgentStatus(host.name, a.role, "healthy", *found, ssh_error=str(e)))
             else:
                 rows.append(AgentStatus(host.name, a.role, "unreachable", detail=str(e)))
@@ -200,7 +211,7 @@ def _agent_status(
     a: Agent,
     paths: AgentPaths,
     py: str,
-    direct: tuple[str, dict[str, Any]] | None,
+    direct: tuple[str, dict[str, Any]] | str | None,
 ) -> AgentStatus:
     host = a.host.name
     if session.run(f"test -f {q(paths.hash)}").rc != 0:
@@ -213,23 +224,26 @@ def _agent_status(
     rss = nums[1] * 1024 if len(nums) > 1 else None
     if pid is None:
         return AgentStatus(host, a.role, "stopped")
+    if isinstance(direct, str):
+        return AgentStatus(host, a.role, "bad answer", pid=pid, rss_bytes=rss, detail=direct)
     if direct:
         return AgentStatus(host, a.role, "healthy", direct[0], direct[1], pid, rss)
-    url = f"http://127.0.0.1:{a.ports.control_port}/status"
-    token_file = f"{paths.root}/token"
-    fetched = session.run(f"{q(py)} -c {q(FETCH_SCRIPT)} {q(url)} {q(token_file)}", timeout_s=10)
+    port, token_file = str(a.ports.control_port), f"{paths.root}/token"
+    fetched = session.run(
+        f"{q(py)} -c {q(FETCH_SCRIPT)} {port} {q(token_file)} {q(paths.root)}", timeout_s=10
+    )
     if fetched.rc == 0:
         try:
-            st = dict(json.loads(fetched.out))
-            note = "control port not reachable from here"
-            return AgentStatus(host, a.role, "healthy", "ssh", st, pid, rss, note)
-        except ValueError:
-            pass
+            st = parse_status(fetched.out)
+        except ValueError as e:
+            detail = f"via ssh: {printable(e)}"
+            return AgentStatus(host, a.role, "bad answer", pid=pid, rss_bytes=rss, detail=detail)
+        note = "control port not reachable from here"
+        return AgentStatus(host, a.role, "healthy", "ssh", st, pid, rss, note)
     starting = session.run(f"grep -c '^READY ' {q(paths.out)}").out.strip() in ("", "0")
     state = "starting" if starting else "not responding"
-    return AgentStatus(
-        host, a.role, state, pid=pid, rss_bytes=rss, detail=_tail_log(session, paths, 1)
-    )
+    last = _tail_log(session, paths, 1, stderr=False)
+    return AgentStatus(host, a.role, state, pid=pid, rss_bytes=rss, detail=last)
 
 
 def status(inv: Inventory, hosts: list[str] | None = None) -> list[AgentStatus]:
@@ -287,9 +301,25 @@ def _read_log(inv: Inventory, host: Host, n: int, follow: bool, out: queue.Queue
         out.put(None)
 
 
+# Terminal escape sequences: CSI (colours, cursor, clear screen), OSC (titles,
+# hyperlinks, clipboard) and the two-byte rest; whatever control byte is left is
+# shown escaped by `printable`.
+_TERMINAL_ESCAPE = re.compile(
+    r"\x1b\[[0-?]*[ -/]*[@-~]|\x9b[0-?]*[ -/]*[@-~]"  # CSI, 7- and 8-bit
+    r"|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?"  # OSC, to BEL or ST
+    r"|\x1b[@-Z\\-_]"  # the other two-byte sequences
+)
+
+
+def strip_escapes(line: str) -> str:
+    """A log line as plain text: terminal escapes removed, other control characters
+    shown escaped, so printing it cannot drive the operator's terminal."""
+    return printable(_TERMINAL_ESCAPE.sub("", line), limit=None)
+
+
 def _pump(host: str, role: str, chan: Any, out: queue.Queue[Any]) -> None:
     for raw in chan.makefile("rb"):
-        out.put(LogLine(host, role, raw.decode(errors="replace").rstrip("\n")))
+        out.put(LogLine(host, role, strip_escapes(raw.decode(errors="replace").rstrip("\n"))))
 
 
 def logs(

@@ -6,11 +6,13 @@ Remote layout under the host's remote_dir (ROOT):
   agents/            the uploaded agent package
   ROLE.json          the agent's config;  ROLE.sh  its run script;  ROLE.hash
   token              auth token, 0600
-  logs/ROLE.log      the agent's stderr
+  logs/ROLE.log      the agent's log, rotated by size (--log-file);  logs/ROLE.stderr  the rest
   run/ROLE.out       its stdout (the READY / FAILED line);  run/ROLE.pid
   run/ROLE.started   the ROLE.hash the running agent was started with
 
 A host's `cpus` (a Linux CPU list) pins its agents with `taskset -c`, in the run script.
+ROOT may hold any character but a control one: each text quotes it its own way (the
+shell's, systemd's, XML's). A pidfile counts only while its pid runs this agent.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from typing import Any
+from xml.sax.saxutils import escape
 
-from disagg.fleet.inventory import Host
+from disagg.fleet.inventory import Host, InventoryError
 from disagg.fleet.ssh import Session, q
 
 KINDS = ("systemd", "launchd", "nohup")
@@ -57,6 +60,10 @@ class AgentPaths:
     @property
     def log(self) -> str:
         return f"{self.root}/logs/{self.role}.log"
+
+    @property
+    def stderr(self) -> str:
+        return f"{self.root}/logs/{self.role}.stderr"
 
     @property
     def out(self) -> str:
@@ -103,6 +110,9 @@ def run_script(paths: AgentPaths, config: dict[str, Any]) -> str:
         config["dtype"],
         "--token-file",
         config["token_file"],
+        "--log-file",
+        paths.log,
+        *(["--allow-mixed"] if config.get("allow_mixed") else []),
     ]
     return (
         "#!/bin/sh\n"
@@ -110,15 +120,23 @@ def run_script(paths: AgentPaths, config: dict[str, Any]) -> str:
         f"cd {q(paths.root)} || exit 1\n"
         f"export PYTHONPATH={q(paths.root)} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false\n"
         f"echo $$ > {q(paths.pid)}\n"
-        f"exec {' '.join(q(a) for a in args)} > {q(paths.out)} 2>> {q(paths.log)} < /dev/null\n"
+        # The agent rotates its own log; stderr (a crash's traceback) gets a file of its own.
+        f"exec {' '.join(q(a) for a in args)} > {q(paths.out)} 2>> {q(paths.stderr)} < /dev/null\n"
     )
+
+
+def systemd_quote(arg: str) -> str:
+    """One ExecStart word, per systemd.syntax: double-quoted with C escapes, and `%`
+    (specifiers) and `$` (variables) doubled so systemd expands neither."""
+    s = arg.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%").replace("$", "$$")
+    return f'"{s}"'
 
 
 def systemd_unit(paths: AgentPaths) -> str:
     return (
         f"[Unit]\nDescription=disagg {paths.role} agent\n\n"
-        f"[Service]\nExecStart=/bin/sh {paths.script}\nRestart=no\nKillSignal=SIGTERM\n\n"
-        "[Install]\nWantedBy=default.target\n"
+        f"[Service]\nExecStart=/bin/sh {systemd_quote(paths.script)}\nRestart=no\n"
+        "KillSignal=SIGTERM\n\n[Install]\nWantedBy=default.target\n"
     )
 
 
@@ -126,8 +144,8 @@ def launchd_plist(paths: AgentPaths) -> str:
     return f"""<?xml version="1.0" encoding="UTF-8"?>
 <!DOCTYPE plist PUBLIC "-//Apple//DTD PLIST 1.0//EN" "http://www.apple.com/DTDs/PropertyList-1.0.dtd">
 <plist version="1.0"><dict>
-  <key>Label</key><string>{paths.label}</string>
-  <key>ProgramArguments</key><array><string>/bin/sh</string><string>{paths.script}</string></array>
+  <key>Label</key><string>{escape(paths.label)}</string>
+  <key>ProgramArguments</key><array><string>/bin/sh</string><string>{escape(paths.script)}</string></array>
   <key>RunAtLoad</key><false/>
   <key>KeepAlive</key><false/>
 </dict></plist>
@@ -150,9 +168,27 @@ def after_install(kind: str) -> str:
     return "systemctl --user daemon-reload && (loginctl enable-linger 2>/dev/null || true)"
 
 
+def _agent_pid(paths: AgentPaths) -> str:
+    """Shell: sets $pid and exits 0 iff the pidfile's pid is alive AND runs this agent:
+    its command line names the agent's module and ROOT (or is its run script, which
+    becomes the agent by exec). Else the pidfile is stale (the pid died or was reused
+    by another process): removed, so nothing ever signals a stranger."""
+    module, root, sh = q(f"agents.{paths.role}"), q(f"{paths.root}/"), q(f"/bin/sh {paths.script}")
+    return (
+        f"pid=$(cat {q(paths.pid)} 2>/dev/null); "
+        'case "$pid" in ""|*[!0-9]*) pid="";; *) '
+        # /proc joins arguments with NULs (Linux); ps (macOS) needs -ww to never cut the line.
+        'cmd=$(tr "\\0" " " 2>/dev/null < /proc/"$pid"/cmdline || ps -ww -o command= -p "$pid"); '
+        f'case "$cmd" in {sh}|{sh}" ") ;; *{module}*) case "$cmd" in *{root}*) ;; *) pid="";; '
+        'esac;; *) pid="";; esac;; esac; '
+        'if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then true; '
+        f"else pid=; rm -f {q(paths.pid)}; false; fi"
+    )
+
+
 def is_running(paths: AgentPaths) -> str:
-    """Exit 0 iff the agent's recorded pid is alive."""
-    return f'pid=$(cat {q(paths.pid)} 2>/dev/null) && [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null'
+    """Exit 0 iff the agent's recorded pid is alive and is the agent ($pid set)."""
+    return f"{{ {_agent_pid(paths)}; }}"
 
 
 def start(kind: str, paths: AgentPaths, home: str) -> str:
@@ -184,10 +220,12 @@ def stop(kind: str, paths: AgentPaths, grace_s: int = 35) -> str:
         "launchd": f'launchctl bootout gui/"$(id -u)"/{paths.label} 2>/dev/null; ',
     }.get(kind, "")
     ticks = grace_s * 5
+    running = is_running(paths)
     return first + (
-        f'pid=$(cat {q(paths.pid)} 2>/dev/null); if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; '
-        f'then kill -TERM "$pid"; i=0; while kill -0 "$pid" 2>/dev/null && [ $i -lt {ticks} ]; '
-        f'do sleep 0.2; i=$((i+1)); done; kill -KILL "$pid" 2>/dev/null; fi; '
+        f'if {running}; then kill -TERM "$pid"; i=0; '
+        f'while kill -0 "$pid" 2>/dev/null && [ $i -lt {ticks} ]; do sleep 0.2; i=$((i+1)); done; '
+        # Asked again: in the meantime the pid may have exited and been reused.
+        f'if {running}; then kill -KILL "$pid"; fi; fi; '
         f"rm -f {q(paths.pid)} {q(paths.started)}; true"
     )
 
@@ -222,7 +260,13 @@ def probe(session: Session) -> HostInfo:
 
 
 def remote_root(host: Host, info: HostInfo) -> str:
-    return info.expand(host.remote_dir).rstrip("/")
+    root = info.expand(host.remote_dir).rstrip("/")
+    if any(ord(ch) < 32 or ord(ch) == 127 for ch in root):
+        raise InventoryError(
+            f"hosts.{host.name}.remote_dir: {root!r} holds a newline or control character; "
+            "fix: choose a directory name without one"
+        )
+    return root
 
 
 def host_python(host: Host, info: HostInfo) -> str:

@@ -1,5 +1,6 @@
 """SSH to the fleet's hosts with paramiko: key auth, ~/.ssh/config aliases and
-ProxyJump, host keys checked accept-new style, errors that say what to do.
+ProxyJump, host keys checked accept-new style against every known_hosts file
+OpenSSH would read (knownhosts.py), errors that say what to do.
 
 `on_hosts` runs a function on every host at once and returns per-host results.
 """
@@ -9,7 +10,6 @@ from __future__ import annotations
 import getpass
 import logging
 import shlex
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -19,12 +19,12 @@ from typing import Any, Generic, TypeVar
 import paramiko
 
 from disagg.errors import AgentError, ConnectError, DisaggError
+from disagg.fleet import knownhosts
 from disagg.fleet.inventory import Host, SshSettings
 
 T = TypeVar("T")
 # paramiko logs failures we already turn into errors; keep it off the user's stderr.
 logging.getLogger("paramiko").addHandler(logging.NullHandler())
-_known_hosts_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,8 @@ class SshTarget:
     user: str
     key_files: tuple[str, ...]
     jump: SshTarget | None = None
+    # ssh_config's UserKnownHostsFile / GlobalKnownHostsFile for this host, when set.
+    known_hosts_config: tuple[tuple[str, str], ...] = ()
 
     @property
     def where(self) -> str:
@@ -94,6 +96,9 @@ def resolve(
         user=str(user or entry.get("user") or getpass.getuser()),
         key_files=tuple(str(Path(k).expanduser()) for k in keys),
         jump=jump,
+        known_hosts_config=tuple(
+            (k, str(entry[k])) for k in ("userknownhostsfile", "globalknownhostsfile") if k in entry
+        ),
     )
 
 
@@ -109,22 +114,26 @@ def target_for(host: Host, settings: SshSettings) -> SshTarget:
 
 
 class _AcceptNew(paramiko.MissingHostKeyPolicy):
-    """Like OpenSSH's StrictHostKeyChecking=accept-new: remember keys never seen;
-    a changed key fails in paramiko before this policy is asked."""
+    """Like OpenSSH's StrictHostKeyChecking=accept-new: remember keys never seen (hashed,
+    in the inventory's known_hosts); never a revoked one. paramiko refuses a changed key
+    before asking this policy."""
 
-    def __init__(self, known_hosts: Path) -> None:
-        self.known_hosts = known_hosts
+    def __init__(self, name: str, known: knownhosts.KnownHosts, write_to: Path) -> None:
+        self.name, self.known, self.write_to = name, known, write_to
 
     def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: Any) -> None:
+        revoked = self.known.revoked_key(key)
+        if revoked is not None:
+            raise ConnectError(_revoked_message(self.name, hostname, revoked))
         client.get_host_keys().add(hostname, key.get_name(), key)
-        line = f"{hostname} {key.get_name()} {key.get_base64()}\n"
-        with _known_hosts_lock:
-            self.known_hosts.parent.mkdir(parents=True, exist_ok=True)
-            # Another thread (a jump through this host) may have just added it.
-            if self.known_hosts.is_file() and line in self.known_hosts.read_text():
-                return
-            with open(self.known_hosts, "a") as f:
-                f.write(line)
+        knownhosts.append(self.write_to, hostname, key)
+
+
+def _revoked_message(name: str, hostname: str, entry: knownhosts.Entry) -> str:
+    return (
+        f"{name}: host key of {hostname} is REVOKED (@revoked in {entry.path}); refusing to "
+        "connect: the host must get a new host key (ssh-keygen -A there), then connect again"
+    )
 
 
 @dataclass
@@ -194,12 +203,13 @@ class Session:
 
 
 def _open(
-    name: str, t: SshTarget, settings: SshSettings, sock: Any, known: Path
+    name: str, t: SshTarget, settings: SshSettings, sock: Any, known_file: Path
 ) -> paramiko.SSHClient:
+    known = knownhosts.load(knownhosts.files(known_file, dict(t.known_hosts_config)))
+    entry = t.hostname if t.port == 22 else f"[{t.hostname}]:{t.port}"  # as paramiko names it
     client = paramiko.SSHClient()
-    if known.is_file():
-        client.load_host_keys(str(known))
-    client.set_missing_host_key_policy(_AcceptNew(known))
+    known.add_to(client.get_host_keys(), entry)
+    client.set_missing_host_key_policy(_AcceptNew(name, known, known_file))
     missing = [k for k in t.key_files if not Path(k).is_file()]
     if missing and len(missing) == len(t.key_files):
         raise ConnectError(
@@ -221,13 +231,20 @@ def _open(
             auth_timeout=settings.connect_timeout,
             sock=sock,
         )
-    except paramiko.BadHostKeyException:
+    except paramiko.BadHostKeyException as e:
         client.close()
-        entry = t.hostname if t.port == 22 else f"[{t.hostname}]:{t.port}"
+        revoked = known.revoked_key(e.key)
+        if revoked is not None:
+            raise ConnectError(_revoked_message(name, entry, revoked)) from None
+        held = known.lookup(entry)
+        where = held[0].path if held else str(known_file)
         raise ConnectError(
-            f"{name}: host key of {t.hostname} CHANGED (not the one in {known}); if the host "
-            f"was reinstalled, remove the old key: ssh-keygen -R '{entry}' -f {known}"
+            f"{name}: host key of {t.hostname} CHANGED (not the one in {where}); if the host "
+            f"was reinstalled, remove the old key: ssh-keygen -R {q(entry)} -f {q(where)}"
         ) from None
+    except DisaggError:  # from the policy: a revoked key
+        client.close()
+        raise
     except paramiko.AuthenticationException:
         client.close()
         how = f"key {', '.join(keys)}" if keys else "ssh-agent / default keys"
@@ -254,7 +271,7 @@ def _open(
 
 def connect(name: str, target: SshTarget, settings: SshSettings) -> Session:
     """Open an SSH session to `target`, through its jump hosts if any."""
-    known = Path(settings.known_hosts).expanduser()
+    known_file = Path(settings.known_hosts).expanduser()
     hops: list[SshTarget] = []
     t: SshTarget | None = target
     while t is not None:
@@ -265,7 +282,7 @@ def connect(name: str, target: SshTarget, settings: SshSettings) -> Session:
     try:
         for i, hop in enumerate(hops):
             label = name if i == len(hops) - 1 else f"{name} (via jump host {hop.label})"
-            client = _open(label, hop, settings, sock, known)
+            client = _open(label, hop, settings, sock, known_file)
             clients.append(client)
             if i < len(hops) - 1:
                 nxt = hops[i + 1]

@@ -13,6 +13,7 @@ import os
 import secrets
 from pathlib import Path
 
+from agents.protocol import TOKEN_MIN_CHARS
 from disagg.errors import AuthError
 
 
@@ -29,7 +30,14 @@ def load_token(inventory_path: Path, create: bool = False) -> bytes | None:
     if path.is_file():
         if path.stat().st_mode & 0o077:
             raise AuthError(f"token file {path} is readable by others; fix: chmod 600 {path}")
-        return path.read_bytes().strip()
+        token = path.read_bytes().strip()
+        if len(token) < TOKEN_MIN_CHARS:
+            what = "is empty" if not token else f"holds only {len(token)} characters"
+            raise AuthError(
+                f"token file {path} {what}, a cluster token has at least {TOKEN_MIN_CHARS}; "
+                f"fix: rm {path} and run disagg deploy to make a new one for every host"
+            )
+        return token
     if not create:
         return None
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)

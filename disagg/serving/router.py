@@ -86,8 +86,9 @@ class Router:
         try:
             url = f"http://{ep.host}:{ep.control_port}/health"
             with urllib.request.urlopen(url, timeout=1.0) as resp:
-                ok = bool(json.loads(resp.read()).get("ok"))
-        except (OSError, ValueError):
+                answer = json.loads(resp.read(1 << 16))
+            ok = isinstance(answer, dict) and answer.get("ok") is True
+        except (OSError, ValueError, RecursionError):
             ok = False
         self.health[ep.name] = (now, ok)
         return ok

@@ -33,6 +33,8 @@ def compare(disagg: Result, local: Result, min_agreement: float, model: str) -> 
         if first is not None and first < len(diffs)
         else None,
         "kv_bytes": disagg.metrics.get("kv_bytes"),
+        # "mixed": the prefill agent ran other weights; the agreement is what that costs.
+        "weights": disagg.metrics.get("weights"),
         "disaggregated_text": disagg.text,
         "decode_only_text": local.text,
         "ok": agreement >= min_agreement,

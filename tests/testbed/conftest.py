@@ -4,6 +4,7 @@ and `fleet_cli` to run the `disagg` fleet commands from the ops namespace."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -70,6 +71,7 @@ def inventory_text(
     *,
     dtype: dict[str, str] | None = None,
     key_for: dict[str, Path] | None = None,
+    remote_dir: dict[str, str] | None = None,
 ) -> str:
     """A test inventory like inventory.toml, with the test bed's addresses. Two hosts
     are ssh-config aliases (mac-studio-1 via ProxyJump), two are spelled out. Each
@@ -77,6 +79,7 @@ def inventory_text(
     dtype = dtype or {}
     cpus = pipeline_cpus()
     key_for = key_for or {}
+    remote_dir = remote_dir or {}
     py = sys.executable
     out = [
         "[ssh]",
@@ -100,6 +103,7 @@ def inventory_text(
             f'roles = ["{role}"]',
             f'python = "{py}"',
             f'cpus = "{cpus[name]}"',
+            *([f"remote_dir = {json.dumps(remote_dir[name])}"] if name in remote_dir else []),
             f"{role} = {{ port = {port}, control_port = {port + 10} }}",
             "",
         ]

@@ -16,7 +16,6 @@ import struct
 import sys
 import threading
 import time
-import urllib.request
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from agents import protocol as P
+from agents.httpauth import control_get
 from agents.server import HANDSHAKE_TIMEOUT_S
 from disagg.api import Client, Completion
 from disagg.errors import DisaggError
@@ -171,10 +171,7 @@ class Rig:
         """An agent's /status over the switch (call in an ops thread)."""
         m = BY_NAME[host]
         port = 8010 if m.role == "prefill" else 8011
-        req = urllib.request.Request(f"http://{m.switch_addr}:{port}/status")
-        req.add_header("Authorization", f"Bearer {self.token.decode()}")
-        with urllib.request.urlopen(req, timeout=3) as resp:
-            return dict(json.loads(resp.read()))
+        return dict(json.loads(control_get(m.switch_addr, port, "/status", self.token, 3)))
 
     def busy(self, host: str) -> int:
         st = self.status(host)

@@ -1,0 +1,246 @@
+"""The receiving side of the wire bench, in a process of its own (as the decode
+agent is), and the three ways `Receiver` hands it the same K/V: our KV_LAYER
+frames, a bare socket, and JSON + base64 over HTTP. Each is timed from an open
+connection to the receiver's one-byte ack after its last array exists."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import http.client
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from typing import Any
+
+import numpy as np
+
+from agents import protocol as P
+from agents.kvcodec import WIRE_NUMPY, Codec, DType, Kind, LayerKV, decode_layer
+
+ACK = b"k"
+RECEIVER_CODE = "from disagg.bench.handoff import _receiver_main; _receiver_main()"
+
+
+def kv_digest(layers: Iterable[LayerKV]) -> str:
+    h = hashlib.sha256()
+    for kv in layers:
+        h.update(np.ascontiguousarray(kv.keys).tobytes())
+        h.update(np.ascontiguousarray(kv.values).tobytes())
+    return h.hexdigest()
+
+
+def raw_size(layers: list[LayerKV]) -> int:
+    return sum(kv.keys.nbytes + kv.values.nbytes for kv in layers)
+
+
+# ---------------------------------------------------------------------------
+# the receiving process
+
+
+def _recv_ours(sock: socket.socket, verify: bool) -> str | None:
+    h = hashlib.sha256() if verify else None
+    reader = P.FrameReader(sock)  # as agents.kvfetch receives
+    while True:
+        header, payload = reader.read()
+        if header.type == P.Frame.PREFILL_DONE:
+            break
+        kv = decode_layer(payload)
+        if h is not None:
+            h.update(kv.keys.tobytes())
+            h.update(kv.values.tobytes())
+    return h.hexdigest() if h else None
+
+
+def _recv_bare(sock: socket.socket, buf: bytearray) -> None:
+    view, got = memoryview(buf), 0
+    while got < len(buf):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError(f"closed after {got} of {len(buf)} bytes")
+        got += n
+
+
+def _json_layers(body: bytes) -> list[LayerKV]:
+    doc = json.loads(body)
+    out = []
+    for item in doc["layers"]:
+        dt = DType[item["dtype"]]
+        np_dtype = WIRE_NUMPY[dt]
+        keys = np.frombuffer(base64.b64decode(item["k"]), np_dtype).reshape(item["k_shape"])
+        values = np.frombuffer(base64.b64decode(item["v"]), np_dtype).reshape(item["v_shape"])
+        out.append(LayerKV(item["layer"], Kind(item["kind"]), dt, keys, values))
+    return out
+
+
+class _JsonHandler(BaseHTTPRequestHandler):
+    result: list[str | None] = [None]
+    verify = False
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        layers = _json_layers(body)
+        type(self).result[0] = kv_digest(layers) if type(self).verify else None
+        self.send_response(200)
+        self.send_header("Content-Length", "1")
+        self.end_headers()
+        self.wfile.write(ACK)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def _receiver_main() -> None:
+    """Child process: one transfer per job line on stdin, one answer line on stdout."""
+    tcp = socket.create_server(("127.0.0.1", 0))
+    httpd = HTTPServer(("127.0.0.1", 0), _JsonHandler)
+
+    def answer(obj: Any) -> None:
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    answer([tcp.getsockname()[1], httpd.server_address[1]])
+    for line in sys.stdin:
+        mode, total, verify = json.loads(line)
+        digest: str | None = None
+        if mode == "json":
+            _JsonHandler.verify = verify
+            answer("ready")
+            httpd.handle_request()
+            digest = _JsonHandler.result[0]
+        else:
+            buf = bytearray(total) if mode == "bare" else bytearray()
+            answer("ready")
+            sock, _ = tcp.accept()
+            with sock:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if mode == "bare":
+                    _recv_bare(sock, buf)
+                else:
+                    digest = _recv_ours(sock, verify)
+                sock.sendall(ACK)
+            del buf
+        answer(digest)
+    tcp.close()
+    httpd.server_close()
+
+
+class Receiver:
+    """The receiving side in its own process (as the decode agent is)."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", RECEIVER_CODE],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.tcp_port, self.http_port = self._read()
+
+    def _read(self) -> Any:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the receiver process exited with {self.proc.wait()}")
+        return json.loads(line)
+
+    def __enter__(self) -> Receiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout:
+            self.proc.stdout.close()
+
+    def _start(self, mode: str, total: int, verify: bool) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps([mode, total, verify]) + "\n")
+        self.proc.stdin.flush()
+        if self._read() != "ready":
+            raise RuntimeError("the receiver did not get ready")
+
+    def _dial(self) -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", self.tcp_port))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    def ours(
+        self, layers: list[LayerKV], codec: Codec = Codec.RAW, verify: bool = False
+    ) -> tuple[float, int, str | None]:
+        """Seconds, bytes on the wire, and (with verify) the receiver's digest."""
+        from agents.prefill import LayerSender  # imports torch: only in the sender
+
+        self._start("ours", 0, verify)
+        with self._dial() as sock:
+            t0 = time.perf_counter()
+            sender = LayerSender(sock, codec)
+            for kv in layers:
+                sender.put(kv)
+            sender.close()
+            if sender.error is not None:
+                raise sender.error
+            P.send_json(sock, P.Frame.PREFILL_DONE, {"layers": len(layers)})
+            if P.recv_exact(sock, 1) != ACK:
+                raise RuntimeError("bad ack")
+            secs = time.perf_counter() - t0
+        return secs, sender.bytes, self._read()
+
+    def bare(self, layers: list[LayerKV]) -> float:
+        self._start("bare", raw_size(layers), False)
+        with self._dial() as sock:
+            t0 = time.perf_counter()
+            for kv in layers:
+                sock.sendall(memoryview(kv.keys).cast("B"))  # type: ignore[arg-type]
+                sock.sendall(memoryview(kv.values).cast("B"))  # type: ignore[arg-type]
+            if P.recv_exact(sock, 1) != ACK:
+                raise RuntimeError("bad ack")
+            secs = time.perf_counter() - t0
+        self._read()
+        return secs
+
+    def json(self, layers: list[LayerKV], verify: bool = False) -> tuple[float, int, str | None]:
+        self._start("json", 0, verify)
+        conn = http.client.HTTPConnection("127.0.0.1", self.http_port, timeout=600)
+        conn.connect()
+        try:
+            t0 = time.perf_counter()
+            body = json.dumps(
+                {
+                    "layers": [
+                        {
+                            "layer": kv.layer,
+                            "kind": int(kv.kind),
+                            "dtype": kv.dtype.name,
+                            "k_shape": list(kv.keys.shape),
+                            "v_shape": list(kv.values.shape),
+                            "k": base64.b64encode(kv.keys.tobytes()).decode("ascii"),
+                            "v": base64.b64encode(kv.values.tobytes()).decode("ascii"),
+                        }
+                        for kv in layers
+                    ]
+                }
+            ).encode()
+            conn.request("POST", "/kv", body, {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            if resp.status != 200 or resp.read() != ACK:
+                raise RuntimeError(f"json receiver answered {resp.status}")
+            secs = time.perf_counter() - t0
+        finally:
+            conn.close()
+        return secs, len(body), self._read()

@@ -1,0 +1,36 @@
+"""An agent's HTTP control endpoints (/health, /status, /metrics) as data.
+
+The request itself is `agents.httpauth.control_get`: it proves the cluster token
+by challenge-response, so the token never crosses the wire. Local agents, fleet
+status and the benchmarks all read /status through `control_status`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from agents.httpauth import control_get
+from agents.protocol import printable
+
+
+def parse_status(raw: bytes | str) -> dict[str, Any]:
+    """An agent's /status answer as a dict; ValueError saying what is wrong
+    (not JSON, not an object, nested past reason)."""
+    try:
+        obj = json.loads(raw)
+    except RecursionError:
+        raise ValueError("/status answer nests JSON too deeply") from None
+    except ValueError as e:
+        raise ValueError(f"/status answer is not JSON: {printable(e, 80)}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"/status answer is JSON {type(obj).__name__}, not an object")
+    return obj
+
+
+def control_status(
+    host: str, control_port: int, token: bytes | None, timeout_s: float = 5.0
+) -> dict[str, Any]:
+    """The agent's /status document. Raises OSError (no answer), agents.protocol's
+    AuthError (token refused) or ValueError (a malformed answer)."""
+    return parse_status(control_get(host, control_port, "/status", token, timeout_s))

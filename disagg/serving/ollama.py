@@ -1,0 +1,353 @@
+"""Ollama's API over a disagg Client, so Ollama clients (the `ollama` Python and JS
+libraries, Open WebUI, editor plugins) use the cluster unchanged.
+
+GET /api/tags, /api/ps, /api/version; POST /api/show, /api/generate, /api/chat
+(NDJSON streaming by default, one object with `"stream": false`). Requests map
+into the one request type (`agents.request`) through `Client.generate`; the
+response's durations (ns) and counts come from the agents' metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import AsyncIterator
+from datetime import datetime, timezone
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from agents.protocol import AuthError
+from disagg.api import Chunk, Client, Completion
+from disagg.errors import DisaggError, UsageError
+from disagg.serving.control import control_status
+from disagg.serving.guard import unless_gone
+
+VERSION = "0.12.0"  # the Ollama API version whose shapes these are
+# Ollama's defaults for a model without a Modelfile of its own.
+DEFAULT_TEMPERATURE = 0.8
+DEFAULT_TOP_P = 0.9
+UNLIMITED = 1 << 20  # num_predict < 0: until EOS; the decode agent caps it by the context
+INFO_TTL_S = 30.0
+NDJSON = "application/x-ndjson"
+
+
+class OllamaError(Exception):
+    """Answered as `{"error": message}` with this status."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+class Options(BaseModel):
+    # Ollama clients send many runner options (num_ctx, top_k, ...); the ones
+    # that shape sampling here are mapped, the rest are accepted and ignored.
+    model_config = ConfigDict(extra="allow")
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    num_predict: int | None = None
+    stop: str | list[str] | None = None
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str
+    stream: bool = True
+    options: Options | None = None
+    keep_alive: str | float | None = None  # agents stay loaded; accepted
+    format: str | dict[str, Any] | None = None
+
+
+class GenerateBody(_Common):
+    prompt: str | None = None
+    system: str | None = None
+    raw: bool = False
+    images: list[str] | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str = ""
+    images: list[str] | None = None
+
+
+class ChatBody(_Common):
+    messages: list[ChatMessage] = Field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+
+
+class ShowBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    name: str | None = None  # older clients
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _ns(seconds: Any) -> int:
+    return int(float(seconds) * 1e9) if isinstance(seconds, int | float) else 0
+
+
+def resolve(client: Client, name: str) -> str:
+    """The pipeline a name means, as `-m` resolves it (names and aliases); Ollama's
+    implicit `:latest` tag is dropped when the bare name is served."""
+    served = client.models()
+    if name in served:
+        return name
+    if name.endswith(":latest") and name[: -len(":latest")] in served:
+        return name[: -len(":latest")]
+    raise OllamaError(404, f'model "{name}" not found; served: {", ".join(served) or "none"}')
+
+
+class ModelInfo:
+    """What the decode agents say about each model (architecture, context,
+    dtype), fetched from their /status and kept for a short while."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self.cache: dict[str, tuple[float, dict[str, Any]]] = {}
+        self.lock = threading.Lock()
+
+    def get(self, name: str) -> dict[str, Any]:
+        now = time.monotonic()
+        with self.lock:
+            hit = self.cache.get(name)
+        if hit and now - hit[0] < INFO_TTL_S:
+            return hit[1]
+        info: dict[str, Any] = {}
+        router = self.client.router
+        for ep in router.pipeline(name).decode:
+            if ep.control_port is None:
+                continue
+            try:
+                info = control_status(ep.host, ep.control_port, router.token, timeout_s=2.0)
+                break
+            except (OSError, ValueError, AuthError):
+                continue
+        with self.lock:
+            self.cache[name] = (now, info)
+        return info
+
+
+def _details(info: dict[str, Any]) -> dict[str, Any]:
+    fp = info.get("fingerprint") or {}
+    arch = str(fp.get("architecture") or "")
+    return {
+        "parent_model": "",
+        "format": "safetensors",
+        "family": arch,
+        "families": [arch] if arch else None,
+        "parameter_size": "",
+        "quantization_level": str(fp.get("dtype") or "").upper(),
+    }
+
+
+def _context(info: dict[str, Any]) -> int | None:
+    ctx = info.get("context")
+    return int(ctx) if isinstance(ctx, int) else None
+
+
+def _sampling(body: _Common) -> dict[str, Any]:
+    if body.format:
+        raise OllamaError(400, "format (structured output) is not supported by disagg")
+    o = body.options or Options()
+    num_predict = o.num_predict
+    return {
+        "temperature": DEFAULT_TEMPERATURE if o.temperature is None else o.temperature,
+        "top_p": DEFAULT_TOP_P if o.top_p is None else o.top_p,
+        "seed": o.seed,
+        "stop": o.stop,
+        "max_tokens": UNLIMITED if num_predict is None or num_predict < 0 else num_predict,
+    }
+
+
+def _durations(c: Completion, t0: float) -> dict[str, Any]:
+    m = c.metrics
+    return {
+        "total_duration": _ns(time.perf_counter() - t0),
+        "load_duration": 0,  # agents keep their model loaded
+        "prompt_eval_count": int(m.get("prompt_tokens") or 0),
+        "prompt_eval_duration": _ns(m.get("ttft")),
+        "eval_count": int(m.get("completion_tokens") or 0),
+        "eval_duration": _ns(m.get("decode_time")),
+    }
+
+
+def routes(client: Client) -> APIRouter:
+    """Ollama's endpoints, for `gateway.create_app` to mount."""
+    api = APIRouter()
+    info = ModelInfo(client)
+
+    async def describe(name: str) -> dict[str, Any]:
+        return await asyncio.to_thread(info.get, name)
+
+    @api.get("/", response_class=PlainTextResponse)
+    @api.head("/", response_class=PlainTextResponse)
+    async def alive() -> str:
+        return "Ollama is running"  # what Ollama answers; clients probe it
+
+    @api.get("/api/version")
+    async def version() -> dict[str, str]:
+        return {"version": VERSION}
+
+    @api.get("/api/tags")
+    async def tags() -> dict[str, Any]:
+        models = []
+        for name in client.models():
+            models.append(
+                {
+                    "name": name,
+                    "model": name,
+                    "modified_at": _now(),
+                    "size": 0,
+                    "digest": "",
+                    "details": _details(await describe(name)),
+                }
+            )
+        return {"models": models}
+
+    @api.get("/api/ps")
+    async def ps() -> dict[str, Any]:
+        models = []
+        for name in client.models():
+            about = await describe(name)
+            models.append(
+                {
+                    "name": name,
+                    "model": name,
+                    "size": 0,
+                    "digest": "",
+                    "details": _details(about),
+                    "expires_at": "9999-12-31T23:59:59Z",  # loaded until the agents stop
+                    "size_vram": 0,
+                    "context_length": _context(about),
+                }
+            )
+        return {"models": models}
+
+    @api.post("/api/show")
+    async def show(body: ShowBody) -> dict[str, Any]:
+        name = resolve(client, body.model or body.name or "")
+        about = await describe(name)
+        fp = about.get("fingerprint") or {}
+        arch = str(fp.get("architecture") or "unknown")
+        model_info: dict[str, Any] = {"general.architecture": arch}
+        for key, value in (
+            ("context_length", _context(about)),
+            ("block_count", fp.get("num_layers")),
+            ("attention.head_count_kv", fp.get("num_kv_heads")),
+            ("attention.key_length", fp.get("head_dim")),
+        ):
+            if value is not None:
+                model_info[f"{arch}.{key}"] = value
+        return {
+            "modelfile": f"# served by disagg: pipeline {name}\n",
+            "parameters": f"temperature {DEFAULT_TEMPERATURE}\ntop_p {DEFAULT_TOP_P}",
+            "template": "",
+            "details": _details(about),
+            "model_info": model_info,
+            "capabilities": ["completion"],
+            "modified_at": _now(),
+        }
+
+    async def answer(request: Request, body: _Common, kind: str, inputs: dict[str, Any]) -> Any:
+        name = resolve(client, body.model)
+        t0 = time.perf_counter()
+        head = {"model": body.model}
+        if not inputs:  # no prompt or messages: Ollama's "load the model" request
+            done = {"created_at": _now(), "done": True, "done_reason": "load"}
+            return {**head, **({"response": ""} if kind == "generate" else _msg("")), **done}
+        args = {"model": name, **_sampling(body), **inputs}
+        try:
+            if not body.stream:
+                c = await unless_gone(
+                    request, lambda cancel: client.agenerate(**args, cancel=cancel)
+                )
+                return _final(head, kind, c, t0, c.text)
+            cancel = threading.Event()
+            chunks = await client.agenerate(**args, stream=True, cancel=cancel)
+        except UsageError as e:
+            raise OllamaError(400, str(e)) from None
+        except DisaggError as e:
+            raise OllamaError(500, str(e)) from None
+        assert not isinstance(chunks, Completion)
+        return StreamingResponse(
+            _ndjson(head, kind, chunks, t0, cancel), media_type=NDJSON, status_code=200
+        )
+
+    @api.post("/api/generate", response_model=None)
+    async def generate(request: Request, body: GenerateBody) -> Any:
+        if body.images:
+            raise OllamaError(400, "images are not supported by disagg's text models")
+        inputs: dict[str, Any] = {}
+        if body.prompt:
+            inputs = {"prompt": body.prompt, "raw": body.raw}
+            if body.system is not None:
+                inputs["system"] = body.system
+        return await answer(request, body, "generate", inputs)
+
+    @api.post("/api/chat", response_model=None)
+    async def chat(request: Request, body: ChatBody) -> Any:
+        if body.tools:
+            raise OllamaError(400, "tools are not supported by disagg yet")
+        if any(m.images for m in body.messages):
+            raise OllamaError(400, "images are not supported by disagg's text models")
+        messages = [{"role": m.role, "content": m.content} for m in body.messages]
+        return await answer(request, body, "chat", {"messages": messages} if messages else {})
+
+    @api.api_route("/api/{what}", methods=["POST", "DELETE", "PUT"], include_in_schema=False)
+    async def unsupported(what: str) -> Response:
+        raise OllamaError(
+            501 if what in ("pull", "push", "create", "copy", "delete", "embed") else 404,
+            f"/api/{what} is not served by disagg: models are the inventory's pipelines",
+        )
+
+    return api
+
+
+def _msg(text: str) -> dict[str, Any]:
+    return {"message": {"role": "assistant", "content": text}}
+
+
+def _final(head: dict[str, Any], kind: str, c: Completion, t0: float, text: str) -> dict[str, Any]:
+    piece = {"response": text} if kind == "generate" else _msg(text)
+    return {
+        **head,
+        "created_at": _now(),
+        **piece,
+        "done": True,
+        "done_reason": c.finish_reason,
+        **_durations(c, t0),
+    }
+
+
+async def _ndjson(
+    head: dict[str, Any],
+    kind: str,
+    chunks: AsyncIterator[Chunk],
+    t0: float,
+    cancel: threading.Event,
+) -> AsyncIterator[str]:
+    def line(obj: dict[str, Any]) -> str:
+        return json.dumps(obj) + "\n"
+
+    try:
+        async for chunk in chunks:
+            if chunk.text:
+                piece = {"response": chunk.text} if kind == "generate" else _msg(chunk.text)
+                yield line({**head, "created_at": _now(), **piece, "done": False})
+            if chunk.done and chunk.completion is not None:
+                yield line(_final(head, kind, chunk.completion, t0, ""))
+    except DisaggError as e:
+        yield line({"error": str(e)})  # the ollama client raises ResponseError on it
+    finally:
+        cancel.set()  # a client that left mid-stream stops the decoding

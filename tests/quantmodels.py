@@ -1,0 +1,116 @@
+"""Quantized checkpoints for the tests, written once per machine into a cache.
+
+MLX dirs come from mlx-lm's own `mlx_lm.convert` (as a user makes them); the
+OpenAI-layout MXFP4 gpt-oss is written here from a tiny random gpt_oss by
+`mxfp4_quantize`, which follows the OCP MX spec (E2M1 values, E8M0 scale per 32).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from disagg.serving.defaultmodel import ensure_default_model
+from disagg.serving.quantize import mlx_quantized, publish, quant_cache
+from tests.tinymodels import make_tiny
+
+E2M1_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float64)
+
+# name -> (source, convert kwargs); sources: "smol" (the default model) or a tiny arch.
+MLX_DIRS: dict[str, tuple[str, dict[str, Any]]] = {
+    "smol-affine4": ("smol", {"q_bits": 4, "q_group_size": 64}),
+    "smol-affine8": ("smol", {"q_bits": 8, "q_group_size": 64}),
+    "smol-mxfp4": ("smol", {"q_mode": "mxfp4"}),
+    # moe_intermediate_size is 32: group 32 quantizes every expert; mlx-lm keeps
+    # the router mlp.gate at 8 bits, group 64 (its qwen3_moe quant_predicate).
+    "moe-affine4": ("qwen3_moe", {"q_bits": 4, "q_group_size": 32}),
+}
+
+
+def tiny_source(arch: str) -> Path:
+    """A tiny random checkpoint with the config keys mlx-lm needs (as a real HF
+    config has them), so that mlx_lm.convert can read it."""
+    from agents.models import get_adapter
+
+    def build(dst: Path) -> None:
+        make_tiny(arch, dst, seed=3)
+        cfg_path = dst / "config.json"
+        cfg = json.loads(cfg_path.read_text())
+        cfg.update(get_adapter(arch).mlx_config(cfg))
+        cfg_path.write_text(json.dumps(cfg, indent=2))
+
+    return publish(build, quant_cache() / f"tiny-{arch}")
+
+
+def quant_dir(name: str) -> Path:
+    """The cached checkpoint `name` (see MLX_DIRS, or "gptoss-hf-mxfp4")."""
+    if name == "gptoss-hf-mxfp4":
+        return publish(
+            lambda dst: write_hf_mxfp4_gptoss(tiny_source("gpt_oss"), dst), quant_cache() / name
+        )
+    source, kwargs = MLX_DIRS[name]
+    src = ensure_default_model() if source == "smol" else tiny_source(source)
+    return mlx_quantized(src, name, **kwargs)
+
+
+def mxfp4_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[..., out, in] float -> (blocks uint8 [..., out, in/32, 16], scales uint8 [..., out, in/32]).
+
+    OCP MX: per block of 32, shared scale 2^(floor(log2(amax)) - 2) (E2M1's largest
+    exponent is 2), stored as E8M0 (e + 127); elements rounded to the nearest E2M1
+    value (ties to even code), saturating at 6; two per byte, low nibble first.
+    """
+    *lead, out, n_in = w.shape
+    g = w.astype(np.float64).reshape(*lead, out, n_in // 32, 32)
+    amax = np.abs(g).max(axis=-1, keepdims=True)
+    exp = np.where(amax > 0, np.floor(np.log2(np.maximum(amax, 1e-30))) - 2, -127)
+    exp = np.clip(exp, -127, 127)
+    x = g / np.exp2(exp)
+    mag = np.minimum(np.abs(x), 6.0)
+    dist = np.abs(mag[..., None] - E2M1_MAGNITUDES)
+    code = dist.argmin(axis=-1)  # argmin takes the lower (even) code on a tie
+    code = code | np.where(np.signbit(x), 8, 0)
+    code = code.astype(np.uint8).reshape(*lead, out, n_in // 32, 16, 2)
+    blocks = code[..., 0] | (code[..., 1] << 4)
+    scales = (exp[..., 0] + 127).astype(np.uint8)
+    return blocks, scales
+
+
+def write_hf_mxfp4_gptoss(src: Path, dst: Path) -> Path:
+    """OpenAI's gpt-oss checkpoint layout from a transformers-saved gpt_oss: experts
+    as `{gate_up,down}_proj_{blocks,scales}` in Linear orientation [E, out, ...]
+    (gate/up interleaved by rows), biases as `*_proj_bias`, the rest as is."""
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors*"):
+        f.unlink()
+    tensors: dict[str, np.ndarray] = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    out: dict[str, np.ndarray] = {}
+    for name, t in tensors.items():
+        if name.endswith("mlp.experts.gate_up_proj") or name.endswith("mlp.experts.down_proj"):
+            # transformers keeps x @ W ([E, in, out]); OpenAI stores [E, out, in].
+            blocks, scales = mxfp4_quantize(np.ascontiguousarray(np.swapaxes(t, -1, -2)))
+            out[name + "_blocks"], out[name + "_scales"] = blocks, scales
+        else:
+            out[name] = t
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg_path = dst / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    return dst

@@ -1,0 +1,102 @@
+"""Local agents never outlive `disagg serve --local`: SIGTERM stops them as Ctrl-C
+does, and a SIGKILLed gateway's agents notice and exit (agents/lifeline.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.fault]
+
+GONE_WITHIN_S = 15.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie nobody reaped yet counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def children(pid: int) -> list[int]:
+    done = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    return [int(p) for p in done.stdout.split()]
+
+
+def start_serve(model: Path, log: Path) -> tuple[subprocess.Popen[bytes], list[int]]:
+    """A real `disagg serve --local` on a free port; returns it and its agents' pids
+    once it answers."""
+    port = free_port()
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "disagg.cli",
+                "serve",
+                "--local",
+                "-m",
+                str(model),
+                "--port",
+                str(port),
+            ],  # fmt: skip
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"serve did not start:\n{log.read_text()}") from None
+            time.sleep(0.3)
+    agents = children(proc.pid)
+    assert len(agents) == 2, f"expected a prefill and a decode agent, got {agents}"
+    return proc, agents
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_agents_die_with_serve(
+    tiny_model: Callable[..., Path], tmp_path: Path, sig: signal.Signals
+) -> None:
+    proc, agents = start_serve(tiny_model("qwen3", seed=3), tmp_path / "serve.log")
+    try:
+        proc.send_signal(sig)
+        proc.wait(GONE_WITHIN_S)
+        deadline = time.monotonic() + GONE_WITHIN_S
+        while any(alive(p) for p in agents) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in agents if alive(p)], (tmp_path / "serve.log").read_text()
+        if sig == signal.SIGTERM:
+            assert proc.returncode == 128 + signal.SIGTERM
+    finally:
+        for p in agents:
+            if alive(p):
+                os.kill(p, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()

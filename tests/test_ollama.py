@@ -1,0 +1,252 @@
+"""The gateway's Ollama API driven by the official `ollama` client, and the API key
+and body cap on both APIs: a real gateway app on a free port (uvicorn in a
+thread) over real local SmolLM2 agents, one per module."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import ollama
+import openai
+import pytest
+import uvicorn
+
+from disagg.api import Client
+from disagg.serving.gateway import create_app
+
+pytestmark = pytest.mark.slow
+
+KEY = "test-key-4f1c"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+QUESTION = "What is the capital of France?"
+GREEDY: dict[str, Any] = {"temperature": 0, "num_predict": 20}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def served(default_model: Path) -> Iterator[tuple[str, Client]]:
+    client = Client.local(str(default_model))
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(client, api_key=KEY, max_body=1 << 20),
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+        )
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "gateway did not start"
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}", client
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def base(served: tuple[str, Client]) -> str:
+    return served[0]
+
+
+@pytest.fixture(scope="module")
+def oc(base: str) -> ollama.Client:
+    return ollama.Client(host=base, headers=AUTH, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def model(oc: ollama.Client) -> str:
+    names = [m.model for m in oc.list().models]
+    assert names == ["SmolLM2-135M-Instruct"]
+    assert names[0] is not None
+    return names[0]
+
+
+def test_list_and_ps_describe_the_model(oc: ollama.Client, model: str) -> None:
+    listed = oc.list().models[0]
+    assert listed.details is not None and listed.details.family == "llama"
+    running = oc.ps().models
+    assert [m.model for m in running] == [model] and running[0].context_length == 8192
+
+
+def test_show_gives_architecture_and_context(oc: ollama.Client, model: str) -> None:
+    shown = oc.show(model)
+    assert shown.modelinfo is not None
+    assert shown.modelinfo["general.architecture"] == "llama"
+    assert shown.modelinfo["llama.context_length"] == 8192
+    assert shown.capabilities == ["completion"]
+    # Ollama's implicit tag resolves to the served name.
+    assert oc.show(f"{model}:latest").modelinfo == shown.modelinfo
+
+
+def test_generate_answers_with_ollama_fields(oc: ollama.Client, model: str) -> None:
+    r = oc.generate(model=model, prompt=QUESTION, options=GREEDY, stream=False)
+    assert r.response and "Paris" in r.response
+    assert r.done and r.done_reason == "stop" and r.model == model
+    assert r.prompt_eval_count and r.prompt_eval_count > 5 and r.eval_count
+    assert r.prompt_eval_duration and r.eval_duration and r.total_duration
+    assert r.total_duration >= r.eval_duration > 0  # nanoseconds
+    assert r.created_at and r.created_at.endswith("Z")
+
+
+def test_chat_streamed_is_the_same_text(oc: ollama.Client, model: str) -> None:
+    msgs = [{"role": "user", "content": QUESTION}]
+    whole = oc.chat(model=model, messages=msgs, options=GREEDY, stream=False)
+    parts = list(oc.chat(model=model, messages=msgs, options=GREEDY, stream=True))
+    assert len(parts) > 3 and all(not p.done for p in parts[:-1])
+    last = parts[-1]
+    assert last.done and last.done_reason == "stop" and last.eval_count == whole.eval_count
+    assert "".join(p.message.content or "" for p in parts) == whole.message.content
+    assert "Paris" in (whole.message.content or "") and whole.message.role == "assistant"
+
+
+def test_generate_streams_ndjson_by_default(base: str, model: str) -> None:
+    body = {"model": model, "prompt": QUESTION, "options": GREEDY}
+    with httpx.stream("POST", f"{base}/api/generate", json=body, headers=AUTH) as r:
+        assert r.headers["content-type"].startswith("application/x-ndjson")
+        lines = [json.loads(line) for line in r.iter_lines() if line]
+    assert lines[-1]["done"] is True and "eval_count" in lines[-1]
+    assert "Paris" in "".join(line["response"] for line in lines)
+
+
+def test_seeded_sampling_is_reproducible(oc: ollama.Client, model: str) -> None:
+    opts = {"temperature": 1.0, "seed": 1234, "num_predict": 16}
+    story = "Tell me a story about a fox."
+    first = oc.generate(model=model, prompt=story, options=opts).response
+    again = oc.generate(model=model, prompt=story, options=opts).response
+    assert first == again and first
+    greedy = [oc.generate(model=model, prompt=story, options=GREEDY).response for _ in range(2)]
+    assert greedy[0] == greedy[1]
+
+
+def test_num_predict_and_stop_are_honoured(oc: ollama.Client, model: str) -> None:
+    short = oc.generate(model=model, prompt=QUESTION, options={"temperature": 0, "num_predict": 3})
+    assert short.eval_count == 3 and short.done_reason == "length"
+    full = oc.generate(model=model, prompt=QUESTION, options=GREEDY).response or ""
+    assert "Paris" in full
+    cut = oc.generate(model=model, prompt=QUESTION, options={**GREEDY, "stop": ["Paris"]})
+    assert cut.response == full[: full.index("Paris")]
+
+
+def test_num_predict_beyond_the_context_is_capped_not_refused(
+    oc: ollama.Client, model: str
+) -> None:
+    r = oc.generate(model=model, prompt=QUESTION, options={"temperature": 0, "num_predict": 10**9})
+    assert "Paris" in (r.response or "") and r.done_reason == "stop"
+
+
+def test_load_request_without_a_prompt(oc: ollama.Client, model: str) -> None:
+    r = oc.generate(model=model)
+    assert r.done and r.done_reason == "load" and r.response == ""
+
+
+def test_unknown_model_is_a_404_in_ollama_shape(oc: ollama.Client, base: str) -> None:
+    with pytest.raises(ollama.ResponseError) as info:
+        oc.generate(model="no-such-model", prompt=QUESTION)
+    assert info.value.status_code == 404 and "no-such-model" in info.value.error
+    r = httpx.post(f"{base}/api/chat", json={"model": "qwen3-coder:30b"}, headers=AUTH)
+    assert r.status_code == 404 and set(r.json()) == {"error"}
+
+
+def test_bad_option_is_a_400(oc: ollama.Client, model: str) -> None:
+    with pytest.raises(ollama.ResponseError) as info:
+        oc.generate(model=model, prompt=QUESTION, options={"top_p": 0})
+    assert info.value.status_code == 400 and "top_p" in info.value.error
+
+
+def test_version_and_liveness(base: str) -> None:
+    assert httpx.get(f"{base}/api/version", headers=AUTH).json()["version"]
+    assert httpx.get(f"{base}/").text == "Ollama is running"  # open: no key needed
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"X-Key": KEY}])
+def test_both_apis_refuse_a_missing_or_wrong_key(base: str, headers: dict[str, str]) -> None:
+    with pytest.raises(ollama.ResponseError) as info:
+        ollama.Client(host=base, headers=headers).list()
+    assert info.value.status_code == 401
+    r = httpx.post(f"{base}/api/generate", json={"model": "x", "prompt": "hi"}, headers=headers)
+    assert r.status_code == 401 and set(r.json()) == {"error"}
+    oai = openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as err:
+        oai.models.list()
+    assert isinstance(err.value.body, dict) and err.value.body["code"] == "invalid_api_key"
+
+
+def test_openai_client_with_the_key(base: str, model: str) -> None:
+    oai = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=300)
+    r = oai.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=20
+    )
+    assert "Paris" in (r.choices[0].message.content or "")
+
+
+@pytest.mark.parametrize("path", ["/api/generate", "/v1/completions"])
+def test_bodies_over_the_cap_are_413(base: str, path: str) -> None:
+    big = {"model": "m", "prompt": "x" * (2 << 20)}
+    r = httpx.post(f"{base}{path}", json=big, headers=AUTH)
+    assert r.status_code == 413
+    err = r.json()["error"]
+    assert "body" in (err if path.startswith("/api") else err["message"])
+
+
+def _in_flight(client: Client) -> int:
+    return int(client.agents[1].status()["in_flight"])
+
+
+STORY = "Write a very long story about the sea."
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/api/generate", {"prompt": STORY, "stream": False, "options": {"num_predict": 4000}}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": STORY}], "max_tokens": 4000},
+        ),
+    ],
+)
+def test_a_client_that_hangs_up_stops_decoding(
+    served: tuple[str, Client], model: str, path: str, body: dict[str, Any]
+) -> None:
+    base, client = served
+    gone: list[BaseException] = []
+
+    def hang_up() -> None:
+        try:
+            httpx.post(
+                f"{base}{path}",
+                json={"model": model, **body},
+                headers=AUTH,
+                timeout=httpx.Timeout(5, read=3),
+            )
+        except httpx.ReadTimeout as e:
+            gone.append(e)
+
+    caller = threading.Thread(target=hang_up)
+    caller.start()
+    time.sleep(2)
+    assert _in_flight(client) == 1  # decoding
+    caller.join()
+    assert gone, "the request ended before the client hung up"
+    deadline = time.monotonic() + 5
+    while _in_flight(client) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _in_flight(client) == 0

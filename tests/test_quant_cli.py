@@ -1,0 +1,65 @@
+"""Quantized checkpoints through the `disagg` command, as a user runs it: a 4-bit
+dir answers, other weights on the prefill side are refused or labelled, and a
+format neither side runs is one line before any agent starts."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.quantmodels import quant_dir
+from tests.test_cli import disagg, one_error_line
+
+PROMPT = "What is the capital of France?"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["smol-affine4", "smol-mxfp4"])
+def test_generate_local_runs_on_a_quantized_dir(name: str) -> None:
+    proc = disagg("generate", "--local", "-m", str(quant_dir(name)), "-n", "12", "--json", PROMPT)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["metrics"]["method"] == "disaggregated" and out["metrics"]["weights"] == "same"
+    assert len(out["token_ids"]) > 0 and out["text"].strip()
+
+
+@pytest.mark.slow
+def test_mixed_weights_on_the_command_line(default_model: Path) -> None:
+    q4 = str(quant_dir("smol-affine4"))
+    refused = disagg(
+        "generate", "--local", "-m", q4, "--prefill-model", str(default_model), "-n", "4", PROMPT
+    )
+    one_error_line(refused, "full precision", "4-bit", "--allow-mixed")
+    allowed = disagg(
+        "verify", "--local", "-m", q4, "--prefill-model", str(default_model),
+        "--allow-mixed", "-n", "16", "--min-agreement", "0", "--json", PROMPT,
+    )  # fmt: skip
+    assert allowed.returncode == 0, allowed.stderr
+    report = json.loads(allowed.stdout)
+    assert report["weights"] == "mixed" and 0 <= report["agreement"] <= 1
+
+
+def test_unsupported_format_is_one_line_and_starts_no_agent(
+    default_model: Path, tmp_path: Path
+) -> None:
+    model = tmp_path / "gptq"
+    model.mkdir()
+    cfg = json.loads((default_model / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (model / "config.json").write_text(json.dumps(cfg))
+    (model / "model.safetensors").write_bytes(b"")
+    t0 = time.monotonic()
+    proc = disagg("generate", "--local", "-m", str(model), "hi")
+    one_error_line(proc, "GPTQ", "not supported", "mlx_lm.convert")
+    assert "starting" not in proc.stderr  # refused before any agent process
+    assert time.monotonic() - t0 < 10  # an agent pair takes longer than that to load
+
+
+def test_a_gguf_file_is_refused_in_one_line(tmp_path: Path) -> None:
+    gguf = tmp_path / "model.Q4_K_M.gguf"
+    gguf.write_bytes(b"GGUF\x03\x00\x00\x00")
+    proc = disagg("generate", "--local", "-m", str(gguf), "hi")
+    one_error_line(proc, "GGUF", "mlx_lm.convert")

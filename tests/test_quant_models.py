@@ -1,0 +1,181 @@
+"""Quantized checkpoints end to end: the prefill agent's packed weights against
+mlx's own dequantization, real agent pairs against mlx-lm alone on the same dir,
+mixed weights refused (or allowed and labelled), and packed prefill's memory.
+
+Dirs are written once per machine (tests/quantmodels.py): SmolLM2 by
+mlx_lm.convert at affine 4/8-bit and mxfp4, a tiny qwen3_moe at affine 4-bit
+(8-bit router), a tiny gpt_oss in OpenAI's MXFP4 layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from disagg.errors import ModelMismatch
+from disagg.serving import wireclient as client
+from disagg.serving.localagents import (
+    AgentProc,
+    make_token_file,
+    spawn_agent,
+    wait_ready,
+)
+from tests.conftest import PairFactory, ask, remote_request
+from tests.quantmodels import quant_dir, tiny_source
+from tests.tinymodels import PROMPT
+
+from .references import mlx_greedy
+
+pytestmark = pytest.mark.slow
+
+N_NEW = 64
+DIRS = ["smol-affine4", "smol-affine8", "smol-mxfp4", "moe-affine4", "gptoss-hf-mxfp4"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One token file for every agent here: the mixed-weights test crosses pairs."""
+    return make_token_file(tmp_path_factory.mktemp("quant-cluster"))[0]
+
+
+@pytest.fixture(scope="module")
+def pair_for(
+    agent_pair: PairFactory, cluster: Path
+) -> Callable[[str], tuple[AgentProc, AgentProc]]:
+    """The agent pair serving a quantized dir, started on first use."""
+    started: dict[str, tuple[AgentProc, AgentProc]] = {}
+
+    def get(name: str) -> tuple[AgentProc, AgentProc]:
+        if name not in started:
+            started[name] = agent_pair(quant_dir(name), token_file=cluster)
+        return started[name]
+
+    return get
+
+
+def request(prefill: AgentProc, n: int = N_NEW) -> dict[str, Any]:
+    return remote_request(prefill, " ".join([PROMPT] * 2), n, return_prompt_ids=True)
+
+
+def mlx_counterpart(torch_model: Any, path: str) -> Any:
+    """The Packed weight the prefill model holds for mlx-lm's module `path`."""
+    from agents.quant.modules import PackedExperts
+
+    for store in ("switch_mlp", "experts"):
+        for proj in ("gate", "up", "down"):
+            suffix = f".mlp.{store}.{proj}_proj"
+            if path.endswith(suffix):
+                experts = torch_model.get_submodule(path[: -len(suffix)] + ".mlp.experts")
+                assert isinstance(experts, PackedExperts)
+                return getattr(experts, proj)
+    return torch_model.get_submodule(path).__dict__["packed"]
+
+
+@pytest.mark.parametrize("name", DIRS)
+def test_packed_weights_are_bit_identical_to_mx_dequantize(name: str) -> None:
+    """Every quantized module mlx-lm builds from the dir, dequantized by mlx, equals
+    what the prefill agent dequantizes from its packed copy."""
+    import mlx.core as mx
+    import torch
+    from mlx_lm.utils import load_model
+
+    from agents.prefill import PrefillEngine
+    from agents.quant.dequant import Packed
+
+    from .test_quant_units import same_bits, to_torch
+
+    d = quant_dir(name)
+    pre = PrefillEngine(str(d), device="cpu")
+    model, _ = load_model(d)
+    checked = modes = 0
+    seen_modes = set()
+    for path, mod in model.named_modules():
+        if "scales" not in mod:
+            continue
+        ref = mx.dequantize(
+            mod["weight"],
+            mod["scales"],
+            mod.get("biases"),
+            mod.group_size,
+            mod.bits,
+            mode=mod.mode,
+            dtype=mx.float32 if mod.mode != "affine" else None,
+        )
+        ours = mlx_counterpart(pre.model, path)
+        assert isinstance(ours, Packed), path
+        assert (ours.spec.mode, ours.spec.bits, ours.spec.group_size) == (
+            mod.mode,
+            mod.bits,
+            mod.group_size,
+        ), path
+        assert same_bits(ours.full(), to_torch(ref).to(ours.dtype)), path
+        checked += 1
+        seen_modes.add((mod.mode, mod.bits))
+    modes = len(seen_modes)
+    assert checked > 0 and modes >= 1
+    if name == "moe-affine4":  # mlx-lm's 8-bit router override, and 4-bit experts
+        assert seen_modes == {("affine", 4), ("affine", 8)}
+    assert pre.packed_bytes > 0 and all(p.device.type != "meta" for p in pre.model.parameters())
+    del torch
+
+
+@pytest.mark.parametrize("name", DIRS)
+def test_agents_on_one_quantized_dir_match_mlx_lm_alone(
+    pair_for: Callable[[str], tuple[AgentProc, AgentProc]], name: str
+) -> None:
+    from agents.decode import DecodeEngine
+
+    prefill, decode = pair_for(name)
+    res = ask(decode, request(prefill))
+    assert res.metrics["method"] == "disaggregated" and res.metrics["weights"] == "same"
+    alone = mlx_greedy(DecodeEngine(str(quant_dir(name))).model, res.prompt_ids or [], N_NEW)
+    assert len(alone) == N_NEW and res.token_ids == alone
+
+
+def test_mixed_weights_are_refused_unless_allowed_then_labelled(
+    pair_for: Callable[[str], tuple[AgentProc, AgentProc]], cluster: Path, tmp_path: Path
+) -> None:
+    """Decode on the tiny qwen3_moe's full-precision source, prefill on its 4-bit
+    conversion: one line naming both; with --allow-mixed it runs, labelled."""
+    prefill, _ = pair_for("moe-affine4")
+    source = tiny_source("qwen3_moe")
+    decodes = []
+    try:
+        for allow in (False, True):
+            extra = ["--token-file", str(cluster)] + (["--allow-mixed"] * allow)
+            spawned = spawn_agent(
+                "decode",
+                source,
+                name=f"decode-mixed-{allow}",
+                log_dir=tmp_path / f"mixed-{allow}",
+                extra_args=extra,
+            )
+            decodes.append(wait_ready("decode", *spawned, timeout_s=300))
+        token = cluster.read_bytes().strip()
+        with pytest.raises(ModelMismatch) as info:
+            client.generate(decodes[0].host, decodes[0].port, request(prefill, 4), token=token)
+        line = str(info.value)
+        assert str(source) in line and str(quant_dir("moe-affine4")) in line
+        assert "4-bit affine g32" in line and "full precision" in line
+        assert "--allow-mixed" in line and "mixed_weights = true" in line
+        res = client.generate(decodes[1].host, decodes[1].port, request(prefill, 4), token=token)
+        assert res.metrics["method"] == "disaggregated" and res.metrics["weights"] == "mixed"
+    finally:
+        for agent in decodes:
+            agent.stop()
+
+
+def test_packed_prefill_memory_stays_within_checkpoint_bytes() -> None:
+    """Fresh process: RSS growth over an idle agent, through load and prefill, stays
+    within 1.25x the checkpoint + one layer dequantized (+ the prompt's K/V, which
+    prefill holds until sent); dequantizing at load would not."""
+    from disagg.bench import quant_weights as bench
+
+    d = quant_dir("smol-affine4")
+    packed = bench.probe(d, "packed", tokens=128, repeats=1)
+    budget = 1.25 * packed["checkpoint_bytes"] + packed["one_layer_dequantized_bytes"]
+    assert packed["loaded_rss_growth"] <= 1.1 * packed["checkpoint_bytes"]
+    assert packed["peak_rss_growth"] - packed["kv_cache_bytes"] <= budget
