@@ -29,8 +29,10 @@ from .kvcodec import Codec, LayerKV
 from .kvfetch import PrefillUnavailable, fetch_kv
 from .metrics import Stats
 from .mlxcache import MX_DTYPES, cache_kinds, fill_layer
+from .mlxprefix import DecodePrefix, Hit
 from .models import UnsupportedModel, get_adapter, load_hf_config
 from .placement import Placement
+from .prefixcache import default_max_mb
 from .quant import check_supported, weights_identity
 from .request import GenerateRequest, RequestError
 from .server import common_args, fail, load_token, serve, setup_logging
@@ -133,6 +135,7 @@ class DecodeAgent:
         max_batch: int = 32,
         max_request_bytes: int = P.CONTROL_MAX_FRAME,
         allow_mixed: bool = False,
+        prefix_cache_mb: float | None = None,
     ) -> None:
         self.engine = engine
         # Accept a prefill agent on other weights (results then say weights: "mixed").
@@ -147,6 +150,9 @@ class DecodeAgent:
         self.codec_tuners: dict[str, CodecTuner] = {}
         # All mlx work runs on the loop's thread; requests decode there together.
         self.loop = DecodeLoop(engine.model, max_batch=max_batch)
+        mb = default_max_mb() if prefix_cache_mb is None else prefix_cache_mb
+        self.prefix = DecodePrefix(int(mb * (1 << 20)), engine.fingerprint["layers"], engine.dtype)
+        self.stats.extra.append(lambda: self.prefix.cache.prometheus("decode"))
 
     def status(self) -> dict[str, Any]:
         batch = self.loop.snapshot()
@@ -164,6 +170,7 @@ class DecodeAgent:
             "max_batch": self.loop.max_batch,
             **batch,
             **self.stats.snapshot(),
+            "prefix_cache": self.prefix.cache.snapshot(),
         }
 
     def handle(self, sock: socket.socket, peer: str) -> None:
@@ -208,11 +215,17 @@ class DecodeAgent:
             )
         return min(req.max_tokens, self.engine.context - len(ids))
 
+    def _lookup(self, req: GenerateRequest, namespace: str, ids: list[int], local: bool) -> Hit:
+        if not req.prefix_cache or req.kv_quant:  # int8 K/V is lossy: never reused
+            return Hit(namespace, [], [], self.prefix.cache.block)
+        return self.prefix.lookup(namespace, ids, local)
+
     def _prefill(
-        self, req: GenerateRequest, ids: list[int], metrics: dict[str, Any]
+        self, req: GenerateRequest, ids: list[int], metrics: dict[str, Any], hits: list[Hit]
     ) -> tuple[list[Any], np.ndarray | None]:
         """Caches holding the prompt and, after a remote prefill, the logits of
-        its last position (None: prefill here, with local_prefill)."""
+        its last position (None: prefill here, with local_prefill). A prefix
+        cache hit is appended to `hits`, to store the prompt's blocks later."""
         caches = make_prompt_cache(self.engine.model)
         if req.prefill is None:
             metrics["method"] = "decode-only"
@@ -245,10 +258,16 @@ class DecodeAgent:
             "allow_mixed": self.allow_mixed,
         }
         fills: list[Future[Any]] = []
+        hit = self._lookup(req, f"remote:{key}", ids, local=False)
 
         def place(cache: Any, kv: LayerKV, prompt_len: int) -> None:
-            # A copy: the reader reuses its buffer for the next layer at once.
-            own = LayerKV(kv.layer, kv.kind, kv.dtype, kv.keys.copy(), kv.values.copy())
+            # A copy: the reader reuses its buffer for the next layer at once
+            # (a layer extended with a cached prefix is a new array already).
+            own = kv
+            if not (kv.keys.flags.owndata and kv.values.flags.owndata):
+                own = LayerKV(kv.layer, kv.kind, kv.dtype, kv.keys.copy(), kv.values.copy())
+            if req.prefix_cache and not req.kv_quant:
+                self.prefix.keep(hit, own, prompt_len)
             fills.append(self.loop.post(fill_layer, cache, own, prompt_len))
 
         try:
@@ -263,6 +282,8 @@ class DecodeAgent:
                 probe,
                 place,
                 kv_quant=kv_quant,
+                prefix=self.prefix.remote_prefix(hit, ids),
+                prefill_cache=req.prefix_cache,
             )
             for f in fills:
                 f.result()
@@ -270,17 +291,39 @@ class DecodeAgent:
             log.warning("%s; prefilling locally", e)
             metrics.update(method="local-fallback", fallback_reason=str(e))
             return make_prompt_cache(self.engine.model), None
-        self.placement.observe_remote(key, len(ids), len(caches), fetched)
+        # Rates from what was computed and sent, not what came from a prefix cache.
+        computed = len(ids) - max(hit.tokens if hit.used else 0, fetched["prefill_cached_tokens"])
+        self.placement.observe_remote(key, computed, len(caches), fetched)
         if tuner is not None:
             tuner.observe_fetch(fetched)
-        metrics.update(fetched, method="disaggregated")
+        metrics.update(fetched, method="disaggregated", cached_tokens=hit.used and hit.tokens)
+        hits.append(hit)
         return caches, logits
 
-    def _local_prefill(self, ids: list[int], caches: list[Any]) -> mx.array:
+    def _local_prefill(
+        self,
+        ids: list[int],
+        caches: list[Any],
+        req: GenerateRequest | None = None,
+        metrics: dict[str, Any] | None = None,
+        hits: list[Hit] | None = None,
+    ) -> mx.array:
         """The prompt through the model here, chunked exactly as mlx-lm's
         generate_step does (so the text matches it), one chunk per loop task so
-        the batch keeps decoding in between. Returns the last position's logits."""
+        the batch keeps decoding in between. Returns the last position's logits.
+        With `req`, a prefix cache hit (mlx's own K/V, namespace "local") seeds
+        the caches and only the rest is computed."""
         model = self.engine.model
+        done = 0
+        hit = None
+        if req is not None and hits is not None:
+            hit = self._lookup(req, "local", ids, local=True)
+            hits.append(hit)
+            if hit.tokens:
+                self.loop.call(self.prefix.seed, hit, caches)
+                done = hit.tokens
+            if metrics is not None:
+                metrics["cached_tokens"] = hit.tokens
 
         def chunk(part: list[int]) -> None:
             model(mx.array(part)[None], cache=caches)
@@ -290,9 +333,11 @@ class DecodeAgent:
         def last() -> mx.array:
             logits = model(mx.array(ids[-1:])[None], cache=caches)[:, -1, :]
             mx.eval(logits)
+            if hit is not None and req is not None and req.prefix_cache and not self.prefix.window:
+                self.prefix.keep_caches(hit, caches, len(ids))  # before any decode step
             return logits[0]
 
-        for start in range(0, len(ids) - 1, PREFILL_STEP):
+        for start in range(done, len(ids) - 1, PREFILL_STEP):
             self.loop.call(chunk, ids[start : min(start + PREFILL_STEP, len(ids) - 1)])
         return self.loop.call(last)
 
@@ -308,11 +353,17 @@ class DecodeAgent:
             "decode_server": self.name,
             "prefill_server": None,
             "prefill_time": None,
+            "cached_tokens": 0,  # prompt positions whose K/V came from the prefix cache
             "weights": "same",  # a remote prefill on other weights says "mixed"
         }
-        caches, remote_logits = self._prefill(req, ids, metrics)
+        hits: list[Hit] = []
+        caches, remote_logits = self._prefill(req, ids, metrics, hits)
         t_local = time.perf_counter()
-        logits = remote_logits if remote_logits is not None else self._local_prefill(ids, caches)
+        logits: np.ndarray | mx.array
+        if remote_logits is not None:
+            logits = remote_logits
+        else:
+            logits = self._local_prefill(ids, caches, req, metrics, hits)
         sampler = make_sampler(req.temperature, req.top_p, req.seed)
         want_logprobs = req.logprobs
         first, first_lp = self.loop.call(first_token, logits, sampler, want_logprobs)
@@ -334,16 +385,18 @@ class DecodeAgent:
 
         if first not in eos:
             emit(first, first_lp)
-            if max_tokens > 1:
-                seq = Seq(caches, first, sampler, max_tokens, eos, want_logprobs)
-                self.loop.join(seq)
-                try:
-                    while (item := seq.out.get()) is not None:
-                        if isinstance(item, Exception):
-                            raise item
-                        emit(*item)
-                finally:
-                    seq.done = True  # a no-op when it ended; stops it if we failed
+        for hit in hits:  # after the first token: off the TTFT path, before DONE
+            self.prefix.store(hit)
+        if first not in eos and max_tokens > 1:
+            seq = Seq(caches, first, sampler, max_tokens, eos, want_logprobs)
+            self.loop.join(seq)
+            try:
+                while (item := seq.out.get()) is not None:
+                    if isinstance(item, Exception):
+                        raise item
+                    emit(*item)
+            finally:
+                seq.done = True  # a no-op when it ended; stops it if we failed
         detok.finalize()
         t_end = time.perf_counter()
         tail = detok.last_segment
@@ -351,7 +404,9 @@ class DecodeAgent:
             P.send_json(sock, P.Frame.TOKEN, {"id": None, "text": tail})
         decode_s = t_end - t_first
         if metrics["method"] != "disaggregated" and metrics["prefill_time"]:
-            self.placement.observe_local(len(ids), metrics["prefill_time"])
+            self.placement.observe_local(
+                len(ids) - metrics["cached_tokens"], metrics["prefill_time"]
+            )
         if len(out) > 1:
             self.placement.observe_step(decode_s / (len(out) - 1))
         metrics.update(
@@ -390,6 +445,13 @@ def main(argv: list[str] | None = None) -> None:
         help="most requests decoded together in one step; more wait for a free slot",
     )
     parser.add_argument(
+        "--prefix-cache-mb",
+        type=float,
+        default=None,
+        help="memory for prompt K/V reused across requests sharing a prefix "
+        f"(default min(2 GiB, 10%% of RAM): {default_max_mb()} MB here; 0: off)",
+    )
+    parser.add_argument(
         "--allow-mixed",
         action="store_true",
         help="accept prefill agents whose weights differ from ours (metrics say so)",
@@ -411,6 +473,7 @@ def main(argv: list[str] | None = None) -> None:
         max_batch=args.max_batch,
         max_request_bytes=args.max_request_bytes,
         allow_mixed=args.allow_mixed,
+        prefix_cache_mb=args.prefix_cache_mb,
     )
     serve("decode", args, token, agent)
 

@@ -15,6 +15,7 @@ from .codecpick import MIN_LINK_FRAME
 from .kvcodec import (
     LAYER_HEADER,
     Codec,
+    Kind,
     LayerKV,
     block_bytes,
     check_quant,
@@ -22,6 +23,7 @@ from .kvcodec import (
     layer_cap,
 )
 from .mlxcache import check_layer, fill_layer
+from .prefixcache import Prefix
 
 # Puts one received layer into its cache: fill_layer itself, or a hand-off of a
 # copy to the thread that owns mlx (the reader's buffer is reused for the next).
@@ -61,12 +63,18 @@ def fetch_kv(
     probe: bool = False,
     place: Place = fill_layer,
     kv_quant: str | None = None,
+    prefix: Prefix | None = None,
+    prefill_cache: bool = True,
 ) -> tuple[dict[str, Any], np.ndarray]:
     """Fill `caches` with the K/V of `ids` from the prefill agent; return metrics
     and the float32 logits of the prompt's last position. With `probe`, the
     prefill agent also measures its other codecs on one layer (`codec_probe`).
     With `kv_quant` "int8" the K/V travels lossy as int8 rows (kvcodec) and is
     dequantized here; a lossless stream is taken too (an older prefill agent).
+    With `prefix`, the decode side holds the first `prefix.start` positions and
+    asks only for the rest; a full-attention layer that arrives as just those
+    is extended with them (an older prefill agent sends all: taken as is).
+    `prefill_cache` False asks the prefill agent not to use its own cache.
 
     Raises PrefillUnavailable when the agent is down, slow past its timeout, fails,
     or drops the stream (the caller prefills locally); RemoteError only for a
@@ -99,6 +107,10 @@ def fetch_kv(
             request["probe_codecs"] = True
         if kv_quant:
             request["kv_quant"] = kv_quant  # absent when lossless: older agents never see it
+        if prefix is not None:  # absent without a hit: older agents never see it
+            request.update(start=prefix.start, prefix_digest=prefix.digest)
+        if not prefill_cache:
+            request["prefix_cache"] = False
         P.send_json(sock, P.Frame.PREFILL, request)
         t_sent = time.perf_counter()
         first = last = None
@@ -133,6 +145,8 @@ def fetch_kv(
                     raise P.ProtocolError(f"unexpected KV for layer {kv.layer}")
                 if kv.keys.shape[0] != fp["num_kv_heads"] or kv.keys.shape[2] != fp["head_dim"]:
                     raise P.ProtocolError(f"layer {kv.layer} K/V has shape {kv.keys.shape}")
+                if prefix and kv.kind == Kind.FULL and kv.keys.shape[1] == len(ids) - prefix.start:
+                    kv = prefix.extend(kv)
                 try:
                     check_layer(caches[kv.layer], kv, len(ids))
                     place(caches[kv.layer], kv, len(ids))
@@ -186,6 +200,7 @@ def fetch_kv(
         prefill_last_layer_at=done.get("last_layer_at"),
         kv_encode_time=done.get("kv_encode_time"),
         kv_quant_time=done.get("kv_quant_time"),
+        prefill_cached_tokens=int(done.get("cached_tokens") or 0),
     )
     if isinstance(done.get("codec_probe"), dict):
         metrics["codec_probe"] = done["codec_probe"]

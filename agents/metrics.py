@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -58,6 +59,8 @@ class Stats:
         self.prefill = Histogram()
         self.kv_bytes = 0
         self.recent_ttft: list[float] = []
+        # More Prometheus text from the agent's other parts (e.g. its prefix cache).
+        self.extra: list[Callable[[], str]] = []
 
     def begin(self) -> None:
         with self.lock:
@@ -119,4 +122,4 @@ class Stats:
                 ("prefill_seconds", self.prefill),
             ):
                 lines += [f"# TYPE {p}_{name} histogram", *hist.lines(f"{p}_{name}")]
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines) + "\n" + "".join(fn() for fn in self.extra)

@@ -33,6 +33,8 @@ from .kvcodec import (
 )
 from .metrics import Stats
 from .models import UnsupportedModel, get_adapter, layer_kinds_from_hf, load_hf_config
+from .prefillcache import PrefillPrefix
+from .prefixcache import default_max_mb, prefix_digest
 from .quant import check_supported, weights_identity, weights_mismatch
 from .server import common_args, fail, load_token, serve, setup_logging
 
@@ -117,16 +119,26 @@ class PrefillEngine:
 
     @torch.inference_mode()
     def prefill(
-        self, token_ids: list[int], on_layer: Callable[[LayerKV], None]
+        self,
+        token_ids: list[int],
+        on_layer: Callable[[LayerKV], None],
+        start: int = 0,
+        prefix: PrefillPrefix | None = None,
+        after: list[Callable[[], None]] | None = None,
     ) -> tuple[dict[str, Any], np.ndarray]:
         """Run the prompt; call `on_layer` with each layer's K/V the moment it exists.
 
+        Only positions from `start` on are sent (the decode side holds the rest).
+        With `prefix`, a cached prefix of the prompt is not computed again, and
+        the prompt's blocks are kept: at once, or by a call appended to `after`
+        for the caller to make once the K/V and logits are out.
         Returns timings and the float32 logits of the last position, from which
         the decode side samples the first token without running a step itself.
         """
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
+        total = len(token_ids)
         marks: dict[str, float] = {}
         wire = DTYPE_NAMES[self.dtype]
 
@@ -134,7 +146,10 @@ class PrefillEngine:
             def _after_layer(module: Any, args: Any, output: Any) -> None:
                 layer: Any = cache.layers[idx]
                 kind = Kind.SLIDING if self.kinds[idx][0] == "sliding" else Kind.FULL
-                on_layer(LayerKV(idx, kind, wire, to_wire(layer.keys), to_wire(layer.values)))
+                # [1, H, S, D]: a sliding layer holds only the prompt's last S positions.
+                keep = min(layer.keys.shape[2], total - start)
+                keys, values = layer.keys[:, :, -keep:], layer.values[:, :, -keep:]
+                on_layer(LayerKV(idx, kind, wire, to_wire(keys), to_wire(values)))
                 if idx == len(self.layers) - 1:
                     marks["last_layer_at"] = time.time()
                 elif self.layer_delay_s:
@@ -147,7 +162,8 @@ class PrefillEngine:
             handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(self.layers)]
             try:
                 t0 = time.perf_counter()
-                ids = torch.tensor([token_ids], device=self.device)
+                keys, cached = prefix.seed(cache, token_ids) if prefix else ([], 0)
+                ids = torch.tensor([token_ids[cached:]], device=self.device)
                 out = self.body(input_ids=ids, past_key_values=cache, use_cache=True)
                 # [1, S, hidden] -> the LM head on the last position only: [vocab]
                 logits = self.head(out.last_hidden_state[:, -1:, :])[0, -1].float().cpu()
@@ -155,7 +171,19 @@ class PrefillEngine:
             finally:
                 for h in handles:
                     h.remove()
-        stats = {"prefill_time": compute_s, "tokens": len(token_ids), **marks}
+            if prefix:
+                store = prefix.storer(keys, cache)
+                if after is None:
+                    store()
+                else:
+                    after.append(store)
+        stats = {
+            "prefill_time": compute_s,
+            "tokens": len(token_ids),
+            "start": start,
+            "cached_tokens": cached,
+            **marks,
+        }
         return stats, logits.numpy()
 
 
@@ -242,12 +270,21 @@ class LayerSender:
 
 class PrefillAgent:
     def __init__(
-        self, engine: PrefillEngine, name: str, max_request_bytes: int = P.CONTROL_MAX_FRAME
+        self,
+        engine: PrefillEngine,
+        name: str,
+        max_request_bytes: int = P.CONTROL_MAX_FRAME,
+        prefix_cache_mb: float | None = None,
     ) -> None:
         self.engine = engine
         self.name = name
         self.max_request_bytes = max_request_bytes  # largest HELLO / PREFILL frame taken
         self.stats = Stats("prefill")
+        mb = default_max_mb() if prefix_cache_mb is None else prefix_cache_mb
+        # K/V computed here, on this device and dtype: its own namespace.
+        namespace = f"torch:{engine.device}:{engine.dtype}"
+        self.prefix = PrefillPrefix(int(mb * (1 << 20)), engine.kinds, namespace)
+        self.stats.extra.append(lambda: self.prefix.cache.prometheus("prefill"))
 
     def status(self) -> dict[str, Any]:
         return {
@@ -259,6 +296,7 @@ class PrefillAgent:
             "device": self.engine.device,
             "fingerprint": self.engine.fingerprint,
             **self.stats.snapshot(),
+            "prefix_cache": self.prefix.cache.snapshot(),
         }
 
     def handle(self, sock: socket.socket, peer: str) -> None:
@@ -331,12 +369,22 @@ class PrefillAgent:
         except ValueError as e:
             P.send_error(sock, "bad_request", str(e))
             return False
+        start = req.get("start", 0)
+        if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start < len(ids):
+            P.send_error(sock, "bad_request", f"start must be in 0..{len(ids) - 1}, got {start!r}")
+            return False
+        digest = req.get("prefix_digest")
+        if digest is not None and digest != prefix_digest(ids[:start]):
+            P.send_error(sock, "bad_request", "prefix_digest does not match the first start tokens")
+            return False
+        prefix = self.prefix if req.get("prefix_cache", True) is not False else None
         self.stats.begin()
         probe = self.engine.fingerprint["num_layers"] // 2 if req.get("probe_codecs") else None
         sender = LayerSender(sock, codec, probe, kv_quant)
         outcome, result = "error", None
+        after: list[Callable[[], None]] = []  # the prefix cache's store, once all is sent
         try:
-            result, logits = self.engine.prefill(ids, sender.put)
+            result, logits = self.engine.prefill(ids, sender.put, start, prefix, after)
             sender.close()
             if sender.error is not None:
                 raise sender.error
@@ -373,12 +421,21 @@ class PrefillAgent:
             return False
         finally:
             sender.close()
+            for fn in after:
+                fn()
             self.stats.end(outcome, result)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = common_args("prefill")
     parser.add_argument("--fault-layer-delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--prefix-cache-mb",
+        type=float,
+        default=None,
+        help="memory for prompt K/V reused across prompts sharing a prefix "
+        f"(default min(2 GiB, 10%% of RAM): {default_max_mb()} MB here; 0: off)",
+    )
     args = parser.parse_args(argv)
     setup_logging("prefill", args.log_file, args.log_max_bytes)
     token = load_token(args.token_file)
@@ -390,7 +447,10 @@ def main(argv: list[str] | None = None) -> None:
         fail(str(e))
     log.info("loaded %s on %s as %s", args.model, engine.device, engine.dtype)
     agent = PrefillAgent(
-        engine, args.name or f"prefill@{socket.gethostname()}", args.max_request_bytes
+        engine,
+        args.name or f"prefill@{socket.gethostname()}",
+        args.max_request_bytes,
+        args.prefix_cache_mb,
     )
     serve("prefill", args, token, agent)
 

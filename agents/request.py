@@ -87,6 +87,7 @@ class GenerateRequest:
     codec: int | str = 0  # KV compression, see CODECS
     return_prompt_ids: bool = False
     prefill: PrefillTarget | None = None
+    prefix_cache: bool = True  # reuse (and keep) K/V of prompt prefixes seen before
 
     def __post_init__(self) -> None:
         check(self)
@@ -158,7 +159,7 @@ def check(r: GenerateRequest) -> None:
         raise RequestError("prompt", "the prompt is empty: give some text")
     if r.system is not None and not isinstance(r.system, str):
         raise RequestError("system", "system must be text")
-    for name in ("raw", "logprobs", "ignore_eos", "return_prompt_ids"):
+    for name in ("raw", "logprobs", "ignore_eos", "return_prompt_ids", "prefix_cache"):
         if not isinstance(getattr(r, name), bool):
             raise RequestError(name, f"{name} must be true or false")
     if not _is_int(r.max_tokens) or r.max_tokens < 1:

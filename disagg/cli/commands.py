@@ -374,6 +374,14 @@ def bench(
             help="Also: lossy int8 KV vs lossless: bytes, logit error, token agreement.",
         ),
     ] = False,
+    prefix: Annotated[
+        bool,
+        typer.Option(
+            "--prefix",
+            help="Also: a ~3k-token shared prefix + 16 ~300-token suffixes, "
+            "prefix cache off vs on: TTFT, K/V bytes, same tokens.",
+        ),
+    ] = False,
     quant_weights: Annotated[
         bool,
         typer.Option(
@@ -385,7 +393,8 @@ def bench(
     everything: Annotated[
         bool,
         typer.Option(
-            "--all", help="Every section: --wire --serving --hiding --quant --quant-weights."
+            "--all",
+            help="Every section: --wire --serving --hiding --quant --quant-weights --prefix.",
         ),
     ] = False,
 ) -> None:
@@ -409,6 +418,7 @@ def bench(
     wire, serving, hiding = wire or everything, serving or everything, hiding or everything
     quant = quant or everything
     quant_weights = quant_weights or everything
+    prefix = prefix or everything
     if wire:
         from disagg.bench.wire import run_wire_bench, wire_tables
 
@@ -442,6 +452,11 @@ def bench(
         qdir = model_dir if is_quantized(load_hf_config(model_dir)) else None
         report["quant_weights"] = run_quant_weights_bench(qdir, say=say)
         tables.append(quant_weights_table(report["quant_weights"]))
+    if prefix:
+        from disagg.bench.prefix import prefix_table, run_prefix_bench
+
+        report["prefix"] = run_prefix_bench(model_dir, say=say)
+        tables.append(prefix_table(report["prefix"]))
     if as_json:
         print(json.dumps(report))
     else:

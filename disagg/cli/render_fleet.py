@@ -84,7 +84,7 @@ def status_table(rows: list[AgentStatus], width: int | None = None) -> Renderabl
     line; otherwise (an 80-column terminal) a short table of host, role, state,
     requests and p50 TTFT, with each agent's details on lines under it."""
     cols = ("host", "role", "state", "model", "loaded", "backend/device", "address",
-            "uptime", "requests", "ttft p50/p95/p99", "memory")  # fmt: skip
+            "uptime", "requests", "ttft p50/p95/p99", "prefix cache", "memory")  # fmt: skip
     cells = [_wide_row(s) for s in rows]
     widths = [max([len(c), *(len(str(r[i])) for r in cells)]) for i, c in enumerate(cols)]
     if width is not None and sum(widths) + 3 * len(cols) + 1 > width:
@@ -110,8 +110,20 @@ def _wide_row(s: AgentStatus) -> list[str]:
         fmt(st.get("uptime_s"), "s"),
         fmt(st.get("requests")),
         _ttfts(st),
+        _prefix_cache(st),
         _mem(s.rss_bytes),
     ]
+
+
+def _prefix_cache(st: dict[str, Any]) -> str:
+    """Hit rate over lookups, then bytes held of the budget (agents' /status)."""
+    pc = st.get("prefix_cache")
+    if not isinstance(pc, dict):
+        return "-"
+    rate = pc.get("hit_rate")
+    hits = "-" if rate is None else f"{100 * rate:.0f}%"
+    size = f"{_mem(pc.get('bytes'))} / {_mem(pc.get('max_bytes'))}"
+    return f"hit {hits} of {fmt(pc.get('queries'))}, {size}"
 
 
 def _ttfts(st: dict[str, Any]) -> str:
@@ -159,6 +171,8 @@ def _status_narrow(rows: list[AgentStatus]) -> Group:
                 f"\n  {_backend(st)} at {address}, up {fmt(st.get('uptime_s'), 's')}, "
                 f"memory {_mem(s.rss_bytes)}\n  ttft p50/p95/p99 {_ttfts(st)}"
             )
+            if isinstance(st.get("prefix_cache"), dict):
+                line.append(f"\n  prefix cache {_prefix_cache(st)}")
         if s.detail and not s.ok:
             line.append(f"\n  {printable(s.detail, 300)}", style="dim")
         if s.ssh_error:

@@ -96,13 +96,15 @@ def _from_disagg(e: DisaggError) -> OpenAIError:
     return OpenAIError(500, str(e), "server_error")
 
 
-def _usage(c: Completion) -> dict[str, int]:
+def _usage(c: Completion) -> dict[str, Any]:
     prompt = int(c.metrics.get("prompt_tokens") or 0)
     completion = int(c.metrics.get("completion_tokens") or 0)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        # OpenAI's field: prompt tokens whose K/V came from the prefix cache.
+        "prompt_tokens_details": {"cached_tokens": int(c.metrics.get("cached_tokens") or 0)},
     }
 
 

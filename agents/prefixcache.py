@@ -1,0 +1,173 @@
+"""Prefix cache: a prompt's K/V kept in blocks of tokens, found by chained block
+hashes and evicted least recently used by bytes.
+
+Block i's key hashes block i-1's key with its own tokens, so one walk over a
+prompt's keys finds the longest cached prefix in O(prompt). Framework-free: the
+decode agent keeps numpy blocks (agents.mlxprefix), the prefill agent torch ones
+(agents.prefillcache). A block is immutable once stored, so a request holding
+one is never hurt when it is evicted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+BLOCK_TOKENS = 16  # tokens per block: hits are multiples of this
+
+
+def default_max_mb() -> int:
+    """min(2 GiB, 10 % of this machine's memory)."""
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        ram = 16 << 30
+    return int(min(2048, ram / 10 / (1 << 20)))
+
+
+def block_keys(ids: Sequence[int], namespace: str, block: int = BLOCK_TOKENS) -> list[bytes]:
+    """One chained key per whole block of `ids`; `namespace` keeps K/V that was
+    computed differently (another framework, device or dtype) apart."""
+    arr = np.asarray(ids, dtype="<i8")
+    h = hashlib.blake2b(namespace.encode(), digest_size=16).digest()
+    out: list[bytes] = []
+    for i in range(len(ids) // block):
+        h = hashlib.blake2b(h + arr[i * block : (i + 1) * block].tobytes(), digest_size=16).digest()
+        out.append(h)
+    return out
+
+
+def prefix_digest(ids: Sequence[int]) -> str:
+    """What PREFILL's `prefix_digest` carries for its first `start` tokens."""
+    return hashlib.sha256(np.asarray(ids, dtype="<i8").tobytes()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Block:
+    """One block's K/V: per layer (keys, values), None for a layer not kept
+    (sliding-window layers)."""
+
+    layers: tuple[tuple[Any, Any] | None, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Prefix:
+    """What a decode agent asks a prefill agent for: the K/V of positions from
+    `start` on, since it holds the first `start` itself."""
+
+    start: int
+    digest: str  # prefix_digest(ids[:start])
+    # Prepends the held positions to a full-attention layer's suffix K/V.
+    extend: Callable[[Any], Any]
+
+
+class PrefixCache:
+    """Blocks by chained key, LRU by bytes; thread-safe."""
+
+    def __init__(self, max_bytes: int, block: int = BLOCK_TOKENS) -> None:
+        self.max_bytes = max(0, int(max_bytes))
+        self.block = block
+        self.lock = threading.Lock()
+        self.blocks: OrderedDict[bytes, Block] = OrderedDict()
+        self.bytes = 0
+        self.queries = 0
+        self.hits = 0
+        self.hit_tokens = 0
+        self.query_tokens = 0
+        self.evictions = 0
+
+    def _touch(self, keys: Sequence[bytes]) -> None:
+        # Deepest first, the first block last: the least recently used end then
+        # holds leaves, so eviction never strands a chain's tail behind a gap.
+        for k in reversed(keys):
+            if k in self.blocks:
+                self.blocks.move_to_end(k)
+
+    def longest(self, keys: Sequence[bytes], max_blocks: int) -> list[Block]:
+        """The cached blocks that start the prompt, at most `max_blocks`."""
+        found: list[Block] = []
+        with self.lock:
+            for k in keys[: max(0, max_blocks)]:
+                b = self.blocks.get(k)
+                if b is None:
+                    break
+                found.append(b)
+            self._touch(keys[: len(found)])
+        return found
+
+    def record(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """Count one lookup (a hit when any token came from the cache)."""
+        with self.lock:
+            self.queries += 1
+            self.query_tokens += prompt_tokens
+            if cached_tokens:
+                self.hits += 1
+                self.hit_tokens += cached_tokens
+
+    def add(self, keys: Sequence[bytes], make: Callable[[int], Block]) -> None:
+        """Store block i (made by `make(i)`) for each key not cached yet, then
+        evict the least recently used blocks past the budget."""
+        for i, k in enumerate(keys):
+            with self.lock:
+                if k in self.blocks:
+                    continue
+            b = make(i)  # outside the lock: it copies
+            if b.nbytes > self.max_bytes:
+                break  # a later block could only be found through this one
+            with self.lock:
+                if k not in self.blocks:
+                    self.blocks[k] = b
+                    self.bytes += b.nbytes
+        with self.lock:
+            self._touch(keys)
+            while self.bytes > self.max_bytes and self.blocks:
+                _, old = self.blocks.popitem(last=False)
+                self.bytes -= old.nbytes
+                self.evictions += 1
+
+    def clear(self) -> None:
+        with self.lock:
+            self.blocks.clear()
+            self.bytes = 0
+
+    def snapshot(self) -> dict[str, Any]:
+        """For /status."""
+        with self.lock:
+            return {
+                "max_bytes": self.max_bytes,
+                "bytes": self.bytes,
+                "blocks": len(self.blocks),
+                "block_tokens": self.block,
+                "queries": self.queries,
+                "hits": self.hits,
+                "hit_rate": self.hits / self.queries if self.queries else None,
+                "cached_tokens": self.hit_tokens,
+                "token_hit_rate": self.hit_tokens / self.query_tokens
+                if self.query_tokens
+                else None,
+                "evictions": self.evictions,
+            }
+
+    def prometheus(self, role: str) -> str:
+        s = self.snapshot()
+        p, lab = "disagg_prefix_cache", f'{{role="{role}"}}'
+        rows = [
+            ("queries_total", "counter", s["queries"]),
+            ("hits_total", "counter", s["hits"]),
+            ("cached_tokens_total", "counter", s["cached_tokens"]),
+            ("evictions_total", "counter", s["evictions"]),
+            ("bytes", "gauge", s["bytes"]),
+            ("max_bytes", "gauge", s["max_bytes"]),
+        ]
+        lines: list[str] = []
+        for name, kind, value in rows:
+            lines += [f"# TYPE {p}_{name} {kind}", f"{p}_{name}{lab} {value}"]
+        return "\n".join(lines) + "\n"
