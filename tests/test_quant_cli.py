@@ -11,15 +11,17 @@ from pathlib import Path
 import pytest
 
 from tests.quantmodels import quant_dir
+from tests.test_quant_models import DIRS
 from tests.test_cli import disagg, one_error_line
 
 PROMPT = "What is the capital of France?"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["smol-affine4", "smol-mxfp4"])
+@pytest.mark.parametrize("name", DIRS)
 def test_generate_local_runs_on_a_quantized_dir(name: str) -> None:
-    proc = disagg("generate", "--local", "-m", str(quant_dir(name)), "-n", "12", "--json", PROMPT)
+    model = str(quant_dir(name))
+    proc = disagg("generate", "--local", "-m", model, "-n", "12", "--raw", "--json", PROMPT)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["metrics"]["method"] == "disaggregated" and out["metrics"]["weights"] == "same"
