@@ -31,6 +31,10 @@ MLX_DIRS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+# Every checkpoint the tests run end to end.
+DIRS = ["smol-affine4", "smol-affine8", "smol-mxfp4", "moe-affine4", "gptoss-hf-mxfp4"]
+
+
 def tiny_source(arch: str) -> Path:
     """A tiny random checkpoint with the config keys mlx-lm needs (as a real HF
     config has them), so that mlx_lm.convert can read it."""

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.quantmodels import quant_dir
-from tests.test_quant_models import DIRS
+from tests.quantmodels import DIRS, quant_dir
 from tests.test_cli import disagg, one_error_line
 
 PROMPT = "What is the capital of France?"

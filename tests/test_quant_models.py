@@ -24,7 +24,7 @@ from disagg.serving.localagents import (
     wait_ready,
 )
 from tests.conftest import PairFactory, ask, remote_request
-from tests.quantmodels import quant_dir, tiny_source
+from tests.quantmodels import DIRS, quant_dir, tiny_source
 from tests.tinymodels import PROMPT
 
 from .references import mlx_greedy
@@ -32,7 +32,6 @@ from .references import mlx_greedy
 pytestmark = pytest.mark.slow
 
 N_NEW = 64
-DIRS = ["smol-affine4", "smol-affine8", "smol-mxfp4", "moe-affine4", "gptoss-hf-mxfp4"]
 
 
 @pytest.fixture(scope="module")
