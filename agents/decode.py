@@ -296,7 +296,7 @@ class DecodeAgent:
         self.placement.observe_remote(key, computed, len(caches), fetched)
         if tuner is not None:
             tuner.observe_fetch(fetched)
-        metrics.update(fetched, method="disaggregated", cached_tokens=hit.used and hit.tokens)
+        metrics.update(fetched, method="disaggregated", cached_tokens=hit.tokens if hit.used else 0)
         hits.append(hit)
         return caches, logits
 

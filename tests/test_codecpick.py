@@ -169,6 +169,9 @@ def test_auto_codec_through_real_agents(smol_agents: Any) -> None:
         "ignore_eos": True,
         "prefill": {"host": prefill.host, "port": prefill.port},
         "placement": "remote",
+        # The same prompt each time: without this the prefix cache would send only
+        # the last block, and the link would never be measured on large frames.
+        "prefix_cache": False,
     }
 
     def run(**kw: Any) -> client.Result:

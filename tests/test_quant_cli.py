@@ -20,7 +20,7 @@ PROMPT = "What is the capital of France?"
 @pytest.mark.parametrize("name", DIRS)
 def test_generate_local_runs_on_a_quantized_dir(name: str) -> None:
     model = str(quant_dir(name))
-    proc = disagg("generate", "--local", "-m", model, "-n", "12", "--raw", "--json", PROMPT)
+    proc = disagg("generate", "--local", "-m", model, "-n", "12", "--json", PROMPT)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["metrics"]["method"] == "disaggregated" and out["metrics"]["weights"] == "same"

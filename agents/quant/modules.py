@@ -17,7 +17,7 @@ from .dequant import Packed
 
 # A dequantized chunk of a big matrix (the LM head) stays under this many elements,
 # so the head never costs more memory than a layer.
-CHUNK_ELEMENTS = 1 << 22
+CHUNK_ELEMENTS = 1 << 21
 
 Weight = Packed | torch.Tensor  # an expert projection may be left unquantized
 

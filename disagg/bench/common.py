@@ -181,9 +181,10 @@ def disaggregated(
         if ev.get("id") is not None:
             stamps.append(time.perf_counter())
 
-    # placement "remote": never let the decode agent choose to prefill itself.
+    # placement "remote": never let the decode agent choose to prefill itself; and the
+    # whole prompt every time (benches repeat prompts; --prefix measures the cache).
     target = {"host": prefill.host, "port": prefill.port}
-    full = {**request, "prefill": target, "placement": "remote"}
+    full = {"prefix_cache": False, **request, "prefill": target, "placement": "remote"}
     result = wireclient.generate(
         decode.host, decode.port, full, on_token=on_token, timeout_s=timeout_s, token=decode.token
     )

@@ -129,8 +129,10 @@ def resolve_model(model: str | None, say: Say) -> Path:
         return ensure_default_model(say)
     path = Path(model).expanduser()
     try:
-        check_supported(path)  # a format neither side runs: one line, no agent started
+        if path.is_file():
+            check_supported(path)  # a single .gguf file: no config to read
         get_adapter(load_hf_config(path)["model_type"])
+        check_supported(path)  # a format neither side runs: one line, no agent started
     except UnsupportedModel as e:
         raise ModelError(f"--model {model}: {e}") from None
     return path.resolve()

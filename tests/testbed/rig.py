@@ -158,7 +158,14 @@ class Rig:
     def gen(self, model: str, prompt: str, **extra: Any) -> Completion:
         """One greedy request through the fleet (call in an ops thread)."""
         assert self.client is not None
-        args: dict[str, Any] = {"max_tokens": MAX_TOKENS, "placement": "remote", **extra}
+        # The whole prompt over the wire every time: the faults here land in the KV
+        # stream, which a prefix-cache hit would shrink to one block.
+        args: dict[str, Any] = {
+            "max_tokens": MAX_TOKENS,
+            "placement": "remote",
+            "prefix_cache": False,
+            **extra,
+        }
         c = self.client.generate(model=model, prompt=prompt, **args)
         assert isinstance(c, Completion)
         return c
