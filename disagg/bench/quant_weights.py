@@ -135,46 +135,52 @@ def probe(model_dir: str | Path, mode: str, tokens: int = 512, repeats: int = 3)
 
 
 def agents_part(
-    model_dir: Path, tokens: int, new_tokens: int, repeats: int, say: Say
+    model_dir: Path, tokens: int, mlx_tokens: int, new_tokens: int, repeats: int, say: Say
 ) -> dict[str, Any]:
-    """TTFT of the real pair, disaggregated and with the decode agent (mlx-lm)
-    prefilling the same dir itself; greedy tokens against mlx-lm alone."""
+    """TTFT of the real pair at `tokens`; at `mlx_tokens` (mlx's quantized matmuls
+    on a Linux CPU take minutes at 2k tokens) TTFT disaggregated vs the decode agent
+    (mlx-lm) prefilling the same dir itself, and greedy tokens against mlx-lm alone."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
     from agents.decode import DecodeEngine
+    from disagg.serving import wireclient
 
     eng = DecodeEngine(str(model_dir))
-    prompt = long_text(lambda s: len(eng.tokenizer.encode(s)), tokens)
+    long_prompt, short_prompt = (
+        long_text(lambda s: len(eng.tokenizer.encode(s)), n) for n in (tokens, mlx_tokens)
+    )
     with local_pair(model_dir, say) as (prefill, decode):
-        base: dict[str, Any] = {"prompt": prompt, "raw": True, "return_prompt_ids": True}
 
-        def ttft(placement: str, repeats: int, warm: int = 1) -> float:
-            from disagg.serving import wireclient
-
-            runs = []
-            for _ in range(repeats + warm):
+        def ttft(prompt: str, placement: str, runs: int, warm: int) -> float:
+            times = []
+            for _ in range(runs + warm):
+                req = {"prompt": prompt, "raw": True, "max_tokens": 1}
                 if placement == "remote":
-                    res, _ = disaggregated(prefill, decode, {**base, "max_tokens": 1})
+                    res, _ = disaggregated(prefill, decode, req)
                 else:
-                    req = {**base, "max_tokens": 1, "placement": "local"}
+                    req.update(placement="local", prefix_cache=False)
                     res = wireclient.generate(decode.host, decode.port, req, token=decode.token)
-                runs.append(float(res.metrics["ttft"]))
-            return statistics.median(runs[warm:])
+                times.append(float(res.metrics["ttft"]))
+            return statistics.median(times[warm:])
 
-        say("quant weights: TTFT disaggregated and mlx-lm prefilling the dir itself")
-        # mlx's quantized matmuls on a Linux CPU are slow (minutes at 2k tokens): one run.
-        remote, local = ttft("remote", repeats), ttft("local", 1, warm=0)
-        req = {**base, "max_tokens": new_tokens, "ignore_eos": True}
-        res, _ = disaggregated(prefill, decode, req)
+        say(f"quant weights: TTFT disaggregated at {tokens} and {mlx_tokens} tokens")
+        remote, remote_short = (ttft(p, "remote", repeats, 1) for p in (long_prompt, short_prompt))
+        say(f"quant weights: mlx-lm prefilling the 4-bit dir itself ({mlx_tokens} tokens, once)")
+        local_short = ttft(short_prompt, "local", 1, 0)
+        req = {"prompt": short_prompt, "raw": True, "max_tokens": new_tokens, "ignore_eos": True}
+        res, _ = disaggregated(prefill, decode, {**req, "return_prompt_ids": True})
+    say("quant weights: mlx-lm alone on the same prompt")
     steps = generate_step(mx.array(res.prompt_ids or []), eng.model, max_tokens=new_tokens)
     alone = [int(t) for t, _ in steps]
     pairs = list(zip(res.token_ids, alone, strict=False))
     first = next((i for i, (a, b) in enumerate(pairs) if a != b), len(alone))
     return {
-        "prompt_tokens": len(res.prompt_ids or []),
+        "prompt_tokens": len(eng.tokenizer.encode(long_prompt)),
+        "mlx_prompt_tokens": len(res.prompt_ids or []),
         "ttft_disaggregated_s": remote,
-        "ttft_mlx_local_s": local,
+        "ttft_disaggregated_short_s": remote_short,
+        "ttft_mlx_local_short_s": local_short,
         "greedy_tokens": len(alone),
         "greedy_agreement": sum(a == b for a, b in pairs) / max(1, len(alone)),
         "greedy_identical_prefix": first,
@@ -186,6 +192,7 @@ def run_quant_weights_bench(
     model_dir: Path | None = None,
     tokens: int = 2000,
     memory_tokens: int = 128,
+    mlx_tokens: int = 256,
     new_tokens: int = 64,
     repeats: int = 3,
     say: Say = quiet,
@@ -200,7 +207,7 @@ def run_quant_weights_bench(
     say(f"quant weights: prefill speed, packed vs dequantized at load ({tokens} tokens)")
     packed = probe(model_dir, "packed", tokens, repeats)
     dequant = probe(model_dir, "dequantized", tokens, repeats)
-    agents = agents_part(model_dir, tokens, new_tokens, repeats, say)
+    agents = agents_part(model_dir, tokens, mlx_tokens, new_tokens, repeats, say)
     ckpt = packed["checkpoint_bytes"]
     budget = 1.25 * ckpt + packed["one_layer_dequantized_bytes"]
     return {
@@ -220,7 +227,8 @@ def run_quant_weights_bench(
         "memory_vs_budget": memory["packed"]["loaded_rss_growth"] / budget,
         "packed_vs_dequantized_tok_s": packed["prefill_tok_s"] / dequant["prefill_tok_s"],
         "ttft_vs_transformers_dequantized": agents["ttft_disaggregated_s"] / dequant["prefill_s"],
-        "ttft_vs_mlx_local": agents["ttft_disaggregated_s"] / agents["ttft_mlx_local_s"],
+        "ttft_vs_mlx_local": agents["ttft_disaggregated_short_s"]
+        / agents["ttft_mlx_local_short_s"],
     }
 
 
@@ -276,15 +284,15 @@ def quant_weights_table(report: dict[str, Any]) -> Table:
         verdict(ttft <= 1.15),
     )
     t.add_row(
-        "",
-        "",
-        f"mlx-lm prefilling the dir {ag['ttft_mlx_local_s']:.3f} s",
+        f"TTFT disaggregated, {ag['mlx_prompt_tokens']} tokens",
+        f"{ag['ttft_disaggregated_short_s']:.3f} s",
+        f"mlx-lm prefilling the 4-bit dir {ag['ttft_mlx_local_short_s']:.3f} s",
         f"{report['ttft_vs_mlx_local']:.2f}",
         "",
         "",
     )
     t.add_row(
-        "greedy tokens = mlx-lm alone",
+        f"greedy = mlx-lm alone, {ag['mlx_prompt_tokens']} tokens",
         f"{ag['greedy_identical_prefix']}/{ag['greedy_tokens']}",
         f"weights: {ag['weights']}",
         f"{ag['greedy_agreement']:.0%}",
