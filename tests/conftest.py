@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -143,3 +146,32 @@ class LocalServer:
 
     def close(self) -> None:
         self.listener.close()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_serve(
+    *args: str, log_path: Path, timeout_s: float = 300
+) -> tuple[subprocess.Popen[bytes], int]:
+    """`disagg serve --local ARGS` as a real process on a free port, returned once
+    it answers there. The caller stops it (SIGTERM stops its agents too)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "disagg.cli", "serve", "--local", *args, "--port", str(port)]
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc, port
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                raise RuntimeError(f"disagg serve did not start:\n{log_path.read_text()}") from None
+            time.sleep(0.3)

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -15,52 +11,20 @@ from typing import Any
 import openai
 import pytest
 
+from tests.conftest import start_serve
+
 pytestmark = pytest.mark.slow
 
 QUESTION: Any = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def gateway(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    log = (tmp_path_factory.mktemp("gateway") / "serve.log").open("w")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "disagg.cli",
-            "serve",
-            "--local",
-            "--decode-agents",
-            "2",
-            "--port",
-            str(port),
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**os.environ},
-    )
-    base = f"http://127.0.0.1:{port}/v1"
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"gateway did not start; see {log.name}") from None
-            time.sleep(0.5)
-    yield base
+    log = tmp_path_factory.mktemp("gateway") / "serve.log"
+    proc, port = start_serve("--decode-agents", "2", log_path=log)
+    yield f"http://127.0.0.1:{port}/v1"
     proc.terminate()
     proc.wait(30)
-    log.close()
 
 
 @pytest.fixture(scope="module")

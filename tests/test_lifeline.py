@@ -5,24 +5,18 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import start_serve
+
 pytestmark = [pytest.mark.slow, pytest.mark.fault]
 
 GONE_WITHIN_S = 15.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def alive(pid: int) -> bool:
@@ -45,36 +39,10 @@ def children(pid: int) -> list[int]:
     return [int(p) for p in done.stdout.split()]
 
 
-def start_serve(model: Path, log: Path) -> tuple[subprocess.Popen[bytes], list[int]]:
+def start_with_agents(model: Path, log: Path) -> tuple[subprocess.Popen[bytes], list[int]]:
     """A real `disagg serve --local` on a free port; returns it and its agents' pids
     once it answers."""
-    port = free_port()
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "disagg.cli",
-                "serve",
-                "--local",
-                "-m",
-                str(model),
-                "--port",
-                str(port),
-            ],  # fmt: skip
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"serve did not start:\n{log.read_text()}") from None
-            time.sleep(0.3)
+    proc, _ = start_serve("-m", str(model), log_path=log)
     agents = children(proc.pid)
     assert len(agents) == 2, f"expected a prefill and a decode agent, got {agents}"
     return proc, agents
@@ -84,7 +52,7 @@ def start_serve(model: Path, log: Path) -> tuple[subprocess.Popen[bytes], list[i
 def test_agents_die_with_serve(
     tiny_model: Callable[..., Path], tmp_path: Path, sig: signal.Signals
 ) -> None:
-    proc, agents = start_serve(tiny_model("qwen3", seed=3), tmp_path / "serve.log")
+    proc, agents = start_with_agents(tiny_model("qwen3", seed=3), tmp_path / "serve.log")
     try:
         proc.send_signal(sig)
         proc.wait(GONE_WITHIN_S)

@@ -5,7 +5,6 @@ thread) over real local SmolLM2 agents, one per module."""
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ import uvicorn
 
 from disagg.api import Client
 from disagg.serving.gateway import create_app
+from tests.conftest import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -27,12 +27,6 @@ KEY = "test-key-4f1c"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 QUESTION = "What is the capital of France?"
 GREEDY: dict[str, Any] = {"temperature": 0, "num_predict": 20}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")

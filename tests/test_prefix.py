@@ -5,11 +5,6 @@ output is token for token what the same request gives with the cache off."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,7 +15,7 @@ import pytest
 from agents.prefixcache import BLOCK_TOKENS as BLOCK
 from disagg.serving.localagents import AgentProc, make_token_file, spawn_agent, wait_ready
 from disagg.serving.wireclient import Result
-from tests.conftest import PairFactory, ask
+from tests.conftest import PairFactory, ask, start_serve
 from tests.tinymodels import PROMPT
 
 pytestmark = pytest.mark.slow
@@ -192,28 +187,13 @@ def test_restarted_prefill_agent_answers_identically(
 @pytest.fixture(scope="module")
 def gateway(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`disagg serve --local` with one decode agent, as a process."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    log = (tmp_path_factory.mktemp("gateway") / "serve.log").open("w")
-    cmd = [sys.executable, "-m", "disagg.cli", "serve", "--local", "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"gateway did not start; see {log.name}") from None
-            time.sleep(0.5)
+    log = tmp_path_factory.mktemp("gateway") / "serve.log"
+    proc, port = start_serve(log_path=log)
     try:
         yield f"http://127.0.0.1:{port}/v1"
     finally:
         proc.terminate()
         proc.wait(30)
-        log.close()
 
 
 def test_chat_of_three_turns_through_the_gateway_hits(gateway: str) -> None:
