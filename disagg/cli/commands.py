@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.text import Text
 
 from disagg.cli.common import (
     AllowMixed,
@@ -325,7 +326,8 @@ def verify(
     else:
         out.print(verify_table(report))
         if report.get("error"):
-            err.print(f"[red]error:[/] {report['error']}")
+            # As friendly() prints errors: the reason quotes an agent, never markup.
+            err.print(Text.assemble(("error: ", "red"), report["error"]), highlight=False)
     if not report["ok"]:
         raise typer.Exit(1)
 
