@@ -12,7 +12,7 @@ import queue
 import tempfile
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,18 +28,21 @@ from disagg.serving.stops import StopMatcher
 
 @dataclass
 class Completion:
-    text: str
+    text: str  # the answer: never the model's reasoning nor its tool-call markup
     token_ids: list[int]
     metrics: Metrics
-    finish_reason: str  # "stop" (EOS or a stop sequence) or "length"
+    finish_reason: str  # "stop" (EOS or a stop sequence), "length", or "tool_calls"
     model: str
+    reasoning: str = ""  # the model's private reasoning (harmony analysis, <think>)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # {"name", "arguments": {}}
 
 
 @dataclass
 class Chunk:
-    text: str
+    text: str  # answer text
     done: bool = False
     completion: Completion | None = None
+    reasoning: str = ""  # reasoning text, streamed apart from the answer
 
 
 class Client:
@@ -145,39 +148,48 @@ class Client:
         name = self.router.pipeline(model).name
         if stream:
             return self._stream(name, request, cancel)
-        return self._run(name, request, lambda _text: None, cancel)
+        return self._run(name, request, lambda _chunk: None, cancel)
 
     def _run(
         self,
         model: str,
         req: GenerateRequest,
-        emit: Callable[[str], None],
+        emit: Callable[[Chunk], None],
         cancel: threading.Event | None = None,
     ) -> Completion:
-        matcher = StopMatcher(req.stop)
+        matcher = StopMatcher(req.stop)  # stop sequences end the answer, not the reasoning
         count = 0
+        reasoning: list[str] = []
 
         def on_token(tok: dict[str, Any]) -> None:
             nonlocal count
             if cancel is not None and cancel.is_set():
                 raise StopGeneration
             count += tok.get("id") is not None
+            if tok.get("channel") == "reasoning":
+                if tok.get("text"):
+                    reasoning.append(tok["text"])
+                    emit(Chunk("", reasoning=tok["text"]))
+                return
             text = matcher.feed(tok.get("text") or "")
             if text:
-                emit(text)
+                emit(Chunk(text))
             if matcher.hit:
                 raise StopGeneration
 
         try:
             result = self.router.run(model, req, on_token=on_token)
         except StopGeneration:
-            return Completion(matcher.text, [], Metrics(completion_tokens=count), "stop", model)
+            m = Metrics(completion_tokens=count)
+            return Completion(matcher.text, [], m, "stop", model, "".join(reasoning))
         tail = matcher.flush()
         if tail:
-            emit(tail)
+            emit(Chunk(tail))
         m = result.metrics
         reason = m.finish_reason or ("length" if m.completion_tokens == req.max_tokens else "stop")
-        return Completion(result.text, result.token_ids, m, reason, model)
+        return Completion(
+            result.text, result.token_ids, m, reason, model, result.reasoning, result.tool_calls
+        )
 
     def _stream(
         self,
@@ -188,10 +200,10 @@ class Client:
         q: queue.Queue[Chunk | BaseException] = queue.Queue()
         cancelled = cancel or threading.Event()
 
-        def emit(text: str) -> None:
+        def emit(chunk: Chunk) -> None:
             if cancelled.is_set():
                 raise StopGeneration  # the consumer went away: stop decoding
-            q.put(Chunk(text))
+            q.put(chunk)
 
         def work() -> None:
             try:

@@ -95,6 +95,25 @@ def generate(
     ] = None,
     prefill_model: PrefillModel = None,
     allow_mixed: AllowMixed = False,
+    think: Annotated[
+        str | None,
+        typer.Option(
+            "--think",
+            help="reasoning models: on, off, or an effort (low, medium, high) where the "
+            "model's chat template takes one",
+        ),
+    ] = None,
+    fmt: Annotated[
+        str | None,
+        typer.Option(
+            "--format",
+            help="structured output: json (any JSON object), or a JSON Schema file the "
+            "answer must follow",
+        ),
+    ] = None,
+    hide_reasoning: Annotated[
+        bool, typer.Option("--hide-reasoning", help="Do not show the model's reasoning.")
+    ] = False,
     dtype: Dtype = "auto",
     as_json: Json = False,
 ) -> None:
@@ -114,6 +133,10 @@ def generate(
         raise UsageError(f"--kv-quant {kv_quant!r}: use int8, or leave it out")
     if kv_quant == "int8":
         opts["kv_quant"] = "int8"
+    if think is not None:
+        opts["think"] = _think(think)
+    if fmt is not None:
+        opts["response_format"] = _response_format(fmt)
     # The request is built and checked before any agent starts.
     items: list[BatchItem] = []
     if batch is not None:
@@ -130,21 +153,53 @@ def generate(
             list(client.model_dirs) if local else [client.router.pipeline(m).name for m in models]
         )
         if request is not None and batch is None and len(names) == 1:
-            _run_one(client, names[0], request, as_json)
+            _run_one(client, names[0], request, as_json, hide_reasoning)
             return
         if request is not None and not items:
             items = [BatchItem(i + 1, n, request) for i, n in enumerate(names)]
         _run_many(client, items, names[0], batch, out_file, as_json)
 
 
-def _run_one(client: Any, name: str, request: Any, as_json: bool) -> None:
-    from disagg.cli.render import metrics_table
+def _think(value: str) -> bool | str:
+    on = {"on": True, "true": True, "yes": True, "off": False, "false": False, "no": False}
+    if value.lower() in on:
+        return on[value.lower()]
+    if value in ("low", "medium", "high"):
+        return value
+    raise UsageError(f"--think {value!r}: use on, off, low, medium or high")
+
+
+def _response_format(value: str) -> dict[str, Any]:
+    if value == "json":
+        return {"type": "json_object"}
+    path = Path(value)
+    try:
+        schema = json.loads(path.read_text())
+    except OSError as e:
+        why = f"use json, or a JSON Schema file ({e.strerror})"
+        raise UsageError(f"--format {value}: {why}") from None
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--format {value}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    return {"type": "json_schema", "schema": schema, "strict": True}
+
+
+def _run_one(client: Any, name: str, request: Any, as_json: bool, hide_reasoning: bool) -> None:
+    from disagg.cli.render import metrics_table, tool_calls_table
 
     if as_json:
         c = client.generate(request, model=name)
     else:
+        thinking = False
         for chunk in client.generate(request, model=name, stream=True):
-            out.print(chunk.text, end="", markup=False, highlight=False)
+            if chunk.reasoning and not hide_reasoning:
+                # Reasoning goes to stderr, dim: stdout carries only the answer.
+                err.print(chunk.reasoning, end="", style="dim", markup=False, highlight=False)
+                thinking = True
+            if chunk.text:
+                if thinking:
+                    err.print()
+                    thinking = False
+                out.print(chunk.text, end="", markup=False, highlight=False)
             c = chunk.completion
     model_dir = str(client.model_dirs.get(name, name))
     if as_json:
@@ -152,6 +207,9 @@ def _run_one(client: Any, name: str, request: Any, as_json: bool) -> None:
             json.dumps(
                 {
                     "text": c.text,
+                    "reasoning": c.reasoning,
+                    "tool_calls": c.tool_calls,
+                    "finish_reason": c.finish_reason,
                     "token_ids": c.token_ids,
                     "model": model_dir,
                     "metrics": c.metrics.to_dict(),
@@ -160,6 +218,8 @@ def _run_one(client: Any, name: str, request: Any, as_json: bool) -> None:
         )
         return
     out.print()
+    if c.tool_calls:
+        out.print(tool_calls_table(c.tool_calls))
     out.print(metrics_table(c.metrics, title=f"metrics: {name}"))
 
 

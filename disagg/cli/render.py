@@ -23,6 +23,21 @@ def metrics_table(metrics: Metrics, title: str = "metrics") -> Table:
     return table
 
 
+def tool_calls_table(calls: list[dict[str, Any]]) -> Table:
+    """The model's tool calls: each function with its arguments as JSON (plain text,
+    never markup: they are the model's words)."""
+    import json
+
+    from rich.text import Text
+
+    table = Table(title="tool calls", header_style="bold")
+    table.add_column("function")
+    table.add_column("arguments")
+    for call in calls:
+        table.add_row(Text(str(call.get("name"))), Text(json.dumps(call.get("arguments"))))
+    return table
+
+
 def verify_table(report: dict[str, Any]) -> Table:
     table = Table(title="verify: disaggregated vs decode-only", header_style="bold")
     table.add_column("check")

@@ -31,6 +31,8 @@ class Result:
     metrics: Metrics
     logprobs: list[np.ndarray] = field(default_factory=list)
     prompt_ids: list[int] | None = None
+    reasoning: str = ""  # the model's reasoning, apart from `text` (the answer)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # {"name", "arguments"}
 
 
 def _raise_remote(e: P.RemoteError) -> None:
@@ -157,11 +159,14 @@ def _collect(
             # The agent's ttft is its own; the client's includes the way here.
             metrics.agent_ttft, metrics.ttft = metrics.ttft, ttft
             metrics.total_time = time.perf_counter() - t0
+            calls = data.get("tool_calls")
             return Result(
                 str(data.get("text", "")),
                 list(data.get("token_ids") or []),
                 metrics,
                 logprobs,
                 data.get("prompt_ids"),
+                str(data.get("reasoning") or ""),
+                [c for c in calls if isinstance(c, dict)] if isinstance(calls, list) else [],
             )
     raise AgentError(f"decode agent {host}:{port} closed the stream without a result")
