@@ -28,9 +28,50 @@ from disagg.frontends.guard import MAX_BODY_BYTES, Guard, unless_gone
 from disagg.serving.request import build_request
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends a JSON string
+
+
+class ToolCall(BaseModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class Message(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    # Text, or OpenAI's content parts ({"type": "text", "text": ...}); None on a tool call.
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool result: the call it answers
+    reasoning_content: str | None = None  # an assistant turn's reasoning, as we return it
+
+    def as_request(self) -> dict[str, Any]:
+        """This message as the one request type takes it."""
+        out: dict[str, Any] = {"role": self.role, "content": _text(self.content)}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump(exclude_none=True) for c in self.tool_calls]
+            out["content"] = out["content"] or None
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+
+def _text(content: str | list[dict[str, Any]] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    for part in content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise OpenAIError(
+                400,
+                f"content part of type {part.get('type')!r}: disagg's models take text only",
+                "invalid_request_error",
+                "messages",
+            )
+    return "".join(part["text"] for part in content)
 
 
 class StreamOptions(BaseModel):
@@ -53,10 +94,16 @@ class _Common(BaseModel):
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # accepted: calls are parsed as the model makes them
+    response_format: dict[str, Any] | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
 
 class CompletionRequest(_Common):
     prompt: str
+    suffix: str | None = None  # fill-in-the-middle: the text after the completion
 
 
 class OpenAIError(Exception):
@@ -125,14 +172,64 @@ def _request(body: _Common, inputs: dict[str, Any]) -> GenerateRequest:
         raise _from_disagg(e) from None
 
 
+def response_format(rf: dict[str, Any] | None) -> dict[str, Any] | None:
+    """OpenAI's response_format as the request's: json_object, or json_schema with
+    the schema itself (OpenAI nests it under json_schema.schema)."""
+    if rf is None or rf.get("type") == "text":
+        return None
+    if rf.get("type") == "json_object":
+        return {"type": "json_object"}
+    if rf.get("type") == "json_schema":
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise OpenAIError(
+                400,
+                "response_format.json_schema.schema must be a JSON Schema object",
+                "invalid_request_error",
+                "response_format",
+            )
+        return {"type": "json_schema", "schema": spec["schema"], "strict": bool(spec.get("strict"))}
+    raise OpenAIError(
+        400,
+        f"response_format type {rf.get('type')!r}: use text, json_object or json_schema",
+        "invalid_request_error",
+        "response_format",
+    )
+
+
 def chat_request(body: ChatRequest) -> GenerateRequest:
     """/v1/chat/completions' body as the one request."""
-    return _request(body, {"messages": [m.model_dump() for m in body.messages]})
+    inputs: dict[str, Any] = {"messages": [m.as_request() for m in body.messages]}
+    if body.tools:
+        inputs.update(tools=body.tools, tool_choice=body.tool_choice)
+    elif body.tool_choice not in (None, "none", "auto"):
+        raise OpenAIError(
+            400,
+            "tool_choice names a tool, but no tools were given",
+            "invalid_request_error",
+            "tool_choice",
+        )
+    inputs["response_format"] = response_format(body.response_format)
+    inputs["think"] = body.reasoning_effort
+    return _request(body, inputs)
 
 
 def completion_request(body: CompletionRequest) -> GenerateRequest:
-    """/v1/completions' body as the one request: the prompt as is, no chat template."""
-    return _request(body, {"prompt": body.prompt, "raw": True})
+    """/v1/completions' body as the one request: the prompt as is, no chat template;
+    with `suffix`, fill-in-the-middle where the model's tokenizer has FIM tokens."""
+    return _request(body, {"prompt": body.prompt, "raw": True, "suffix": body.suffix})
+
+
+def tool_calls(c: Completion) -> list[dict[str, Any]]:
+    """The model's calls in OpenAI's shape: arguments as a JSON string."""
+    return [
+        {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])},
+        }
+        for call in c.tool_calls
+    ]
 
 
 def create_app(
@@ -220,11 +317,12 @@ def create_app(
 
 def _full(kind: str, rid: str, created: int, c: Completion) -> dict[str, Any]:
     if kind == "chat":
-        choice: dict[str, Any] = {
-            "index": 0,
-            "finish_reason": c.finish_reason,
-            "message": {"role": "assistant", "content": c.text},
-        }
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        if c.reasoning:
+            message["reasoning_content"] = c.reasoning
+        if c.tool_calls:
+            message.update(tool_calls=tool_calls(c), content=c.text or None)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": c.finish_reason, "message": message}
         obj = "chat.completion"
     else:
         choice = {"index": 0, "finish_reason": c.finish_reason, "text": c.text, "logprobs": None}
@@ -273,9 +371,16 @@ async def _sse(
         )
     try:
         async for chunk in chunks:
+            if chunk.reasoning and kind == "chat":
+                thought: dict[str, Any] = {"reasoning_content": chunk.reasoning}
+                yield event({"index": 0, "delta": thought, "finish_reason": None})
             if chunk.text:
                 yield event(piece(chunk.text))
             if chunk.done and chunk.completion is not None:
+                calls = tool_calls(chunk.completion) if kind == "chat" else []
+                for i, call in enumerate(calls):  # each call whole, in one delta
+                    called: dict[str, Any] = {"tool_calls": [{"index": i, **call}]}
+                    yield event({"index": 0, "delta": called, "finish_reason": None})
                 yield event(piece("", chunk.completion.finish_reason))
                 if include_usage:
                     yield event({}, usage=_usage(chunk.completion))
