@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
@@ -63,11 +63,13 @@ class _Common(BaseModel):
     stream: bool = True
     options: Options | None = None
     keep_alive: str | float | None = None  # agents stay loaded; accepted
-    format: str | dict[str, Any] | None = None
+    format: str | dict[str, Any] | None = None  # "", "json", or a JSON Schema
+    think: bool | Literal["low", "medium", "high"] | None = None
 
 
 class GenerateBody(_Common):
     prompt: str | None = None
+    suffix: str | None = None  # fill-in-the-middle: the text after the insertion
     system: str | None = None
     raw: bool = False
     images: list[str] | None = None
@@ -78,6 +80,21 @@ class ChatMessage(BaseModel):
     role: str
     content: str = ""
     images: list[str] | None = None
+    thinking: str | None = None  # an assistant turn's reasoning
+    tool_calls: list[dict[str, Any]] | None = None  # [{"function": {"name", "arguments"}}]
+    tool_name: str | None = None  # a tool result: which function answered
+
+    def as_request(self) -> dict[str, Any]:
+        """This message as the one request type takes it."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.thinking:
+            out["thinking"] = self.thinking
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+            out["content"] = self.content or None
+        if self.tool_name:
+            out["name"] = self.tool_name
+        return out
 
 
 class ChatBody(_Common):
@@ -158,9 +175,18 @@ def _context(info: dict[str, Any]) -> int | None:
     return int(ctx) if isinstance(ctx, int) else None
 
 
+def response_format(fmt: str | dict[str, Any] | None) -> dict[str, Any] | None:
+    """Ollama's `format` as the request's response_format."""
+    if fmt is None or fmt == "":
+        return None
+    if fmt == "json":
+        return {"type": "json_object"}
+    if isinstance(fmt, dict):
+        return {"type": "json_schema", "schema": fmt, "strict": True}
+    raise OllamaError(400, f'format {fmt!r}: use "json" or a JSON Schema object')
+
+
 def _sampling(body: _Common) -> dict[str, Any]:
-    if body.format:
-        raise OllamaError(400, "format (structured output) is not supported by disagg")
     o = body.options or Options()
     num_predict = o.num_predict
     return {
@@ -169,6 +195,8 @@ def _sampling(body: _Common) -> dict[str, Any]:
         "seed": o.seed,
         "stop": o.stop,
         "max_tokens": UNLIMITED if num_predict is None or num_predict < 0 else num_predict,
+        "response_format": response_format(body.format),
+        "think": body.think,
     }
 
 
@@ -184,22 +212,24 @@ def generate_request(body: GenerateBody) -> GenerateRequest | None:
     call (no prompt)."""
     if body.images:
         raise OllamaError(400, "images are not supported by disagg's text models")
-    if not body.prompt:
+    if not body.prompt and body.suffix is None:
         return None
-    return _request(body, {"prompt": body.prompt, "raw": body.raw, "system": body.system})
+    inputs = {"prompt": body.prompt or "", "raw": body.raw, "system": body.system}
+    if body.suffix is not None:  # continue.dev's autocomplete: the PSM prompt, as is
+        inputs.update(suffix=body.suffix, raw=True)
+    return _request(body, inputs)
 
 
 def chat_request(body: ChatBody) -> GenerateRequest | None:
     """/api/chat's body as the one request; None without messages (a load call)."""
-    if body.tools:
-        raise OllamaError(400, "tools are not supported by disagg yet")
     if any(m.images for m in body.messages):
         raise OllamaError(400, "images are not supported by disagg's text models")
     if not body.messages:
         return None
-    return _request(
-        body, {"messages": [{"role": m.role, "content": m.content} for m in body.messages]}
-    )
+    inputs: dict[str, Any] = {"messages": [m.as_request() for m in body.messages]}
+    if body.tools:
+        inputs["tools"] = body.tools
+    return _request(body, inputs)
 
 
 def show_model(name: str, about: dict[str, Any]) -> dict[str, Any]:
@@ -215,15 +245,37 @@ def show_model(name: str, about: dict[str, Any]) -> dict[str, Any]:
     ):
         if value is not None:
             model_info[f"{arch}.{key}"] = value
+    chat = about.get("chat")
+    chat = chat if isinstance(chat, dict) else {}
+    params = [f"temperature {DEFAULT_TEMPERATURE}", f"top_p {DEFAULT_TOP_P}"]
+    if _context(about):
+        params.insert(0, f"num_ctx {_context(about)}")
+    params += [f"stop {json.dumps(s)}" for s in chat.get("stop") or [] if isinstance(s, str)]
+    caps = chat.get("capabilities")
     return {
         "modelfile": f"# served by disagg: pipeline {name}\n",
-        "parameters": f"temperature {DEFAULT_TEMPERATURE}\ntop_p {DEFAULT_TOP_P}",
-        "template": "",
+        "parameters": "\n".join(params),
+        "template": _template(chat),
         "details": _details(about),
         "model_info": model_info,
-        "capabilities": ["completion"],
+        "capabilities": caps if isinstance(caps, list) else ["completion"],
         "modified_at": _now(),
     }
+
+
+def _template(chat: dict[str, Any]) -> str:
+    """The model's chat template (Jinja, as its tokenizer has it). With FIM tokens
+    it is wrapped in the fill-in-the-middle rule as Ollama writes it, so editors
+    that look for `.Suffix` (continue.dev) know they may send one."""
+    text = str(chat.get("template") or "")
+    fim = chat.get("fim_tokens")
+    if not (isinstance(fim, list) and len(fim) == 3 and all(isinstance(t, str) for t in fim)):
+        return text
+    pre, suf, mid = fim
+    return (
+        f"{{{{- if .Suffix }}}}{pre}{{{{ .Prompt }}}}{suf}{{{{ .Suffix }}}}{mid}"
+        f"{{{{- else }}}}{text}{{{{- end }}}}"
+    )
 
 
 def _durations(c: Completion, t0: float) -> dict[str, Any]:
@@ -309,7 +361,7 @@ def routes(client: Client) -> APIRouter:
                 c = await unless_gone(
                     request, lambda cancel: client.agenerate(req, model=name, cancel=cancel)
                 )
-                return _final(head, kind, c, t0, c.text)
+                return _final(head, kind, c, t0, whole=True)
             cancel = threading.Event()
             chunks = await client.agenerate(req, model=name, stream=True, cancel=cancel)
         except UsageError as e:
@@ -339,18 +391,42 @@ def routes(client: Client) -> APIRouter:
     return api
 
 
-def _msg(text: str) -> dict[str, Any]:
-    return {"message": {"role": "assistant", "content": text}}
+def _msg(
+    text: str, thinking: str = "", calls: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if thinking:
+        message["thinking"] = thinking
+    if calls:  # Ollama's shape: arguments as an object
+        message["tool_calls"] = [
+            {"function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls
+        ]
+    return {"message": message}
 
 
-def _final(head: dict[str, Any], kind: str, c: Completion, t0: float, text: str) -> dict[str, Any]:
-    piece = {"response": text} if kind == "generate" else _msg(text)
+def _piece(kind: str, text: str, thinking: str = "") -> dict[str, Any]:
+    if kind == "chat":
+        return _msg(text, thinking)
+    return {"response": text, **({"thinking": thinking} if thinking else {})}
+
+
+def _final(
+    head: dict[str, Any], kind: str, c: Completion, t0: float, whole: bool
+) -> dict[str, Any]:
+    """The last object: the whole answer (`whole`, not streaming) or an empty piece."""
+    if not whole:
+        piece = _piece(kind, "")
+    elif kind == "chat":
+        piece = _msg(c.text, c.reasoning, c.tool_calls)
+    else:
+        piece = _piece(kind, c.text, c.reasoning)
     return {
         **head,
         "created_at": _now(),
         **piece,
         "done": True,
-        "done_reason": c.finish_reason,
+        # Ollama says "stop" after a tool call too; the calls themselves tell.
+        "done_reason": "stop" if c.finish_reason == "tool_calls" else c.finish_reason,
         **_durations(c, t0),
     }
 
@@ -367,11 +443,15 @@ async def _ndjson(
 
     try:
         async for chunk in chunks:
-            if chunk.text:
-                piece = {"response": chunk.text} if kind == "generate" else _msg(chunk.text)
+            if chunk.text or chunk.reasoning:
+                piece = _piece(kind, chunk.text, chunk.reasoning)
                 yield line({**head, "created_at": _now(), **piece, "done": False})
             if chunk.done and chunk.completion is not None:
-                yield line(_final(head, kind, chunk.completion, t0, ""))
+                c = chunk.completion
+                if c.tool_calls and kind == "chat":  # as Ollama streams them: before done
+                    calls = _msg("", "", c.tool_calls)
+                    yield line({**head, "created_at": _now(), **calls, "done": False})
+                yield line(_final(head, kind, c, t0, whole=False))
     except DisaggError as e:
         yield line({"error": str(e)})  # the ollama client raises ResponseError on it
     finally:
