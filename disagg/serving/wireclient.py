@@ -46,6 +46,10 @@ class Result:
     metrics: dict[str, Any]
     logprobs: list[np.ndarray] = field(default_factory=list)
     prompt_ids: list[int] | None = None
+    # The model's reasoning apart from `text`, and the tools it called
+    # ({"name", "arguments": object}); finish_reason is then "tool_calls".
+    reasoning: str | None = None
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _raise_remote(e: P.RemoteError) -> None:
@@ -157,7 +161,7 @@ def _collect(
                 ttft = time.perf_counter() - t0
             if on_token:
                 on_token(data)
-            if on_text and data.get("text"):
+            if on_text and data.get("text") and data.get("channel") != "reasoning":
                 on_text(data["text"])
         elif kind == "logprobs":
             logprobs.append(data)
@@ -174,5 +178,7 @@ def _collect(
                 metrics,
                 logprobs,
                 data.get("prompt_ids"),
+                data.get("reasoning"),
+                list(data.get("tool_calls") or []),
             )
     raise AgentError(f"decode agent {host}:{port} closed the stream without a result")
