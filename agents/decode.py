@@ -24,6 +24,7 @@ from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 
 from . import protocol as P
 from .batching import DecodeLoop, Sampler, Seq, make_sampler, sample_rows
+from .chatformat import ChatStream, FormatError, Piece, detect, open_stream, render_chat, render_fim
 from .codecpick import CodecTuner
 from .kvcodec import Codec, LayerKV
 from .kvfetch import PrefillUnavailable, fetch_kv
@@ -80,6 +81,7 @@ class DecodeEngine:
         self.model.set_dtype(MX_DTYPES[self.dtype])
         mx.eval(self.model.parameters())
         self.tokenizer = load_tokenizer(Path(model_dir))
+        self.chat = detect(self.tokenizer)  # its chat format, from vocab and template
         self.context = int(self.cfg.get("max_position_embeddings") or 1 << 20)
         self.vocab_size = int(self.cfg["vocab_size"])
         self.device = str(mx.default_device())
@@ -94,22 +96,78 @@ class DecodeEngine:
         }
 
     def encode(self, req: GenerateRequest) -> list[int]:
-        """The request's prompt as token ids: chat template unless raw."""
+        """The request's prompt as token ids: chat template unless raw, or the
+        fill-in-the-middle prompt when it has a suffix."""
         tok = self.tokenizer
-        if req.messages is not None:
-            messages = req.messages
-            if not getattr(tok, "chat_template", None):
-                raise BadRequest(
-                    f"{Path(self.model_dir).name} has no chat template: send a raw prompt instead"
-                )
-        else:
-            assert req.prompt is not None  # GenerateRequest checked it
-            if req.raw or not getattr(tok, "chat_template", None):
+        try:
+            if req.suffix is not None:
+                return render_fim(tok, self.chat, req.prompt or "", req.suffix)
+            if not self.is_chat(req):
+                if req.messages is not None:
+                    raise BadRequest(
+                        f"{Path(self.model_dir).name} has no chat template: "
+                        "send a raw prompt instead"
+                    )
+                assert req.prompt is not None  # GenerateRequest checked it
                 return list(tok.encode(req.prompt))
-            messages = [{"role": "user", "content": req.prompt}]
-        if req.system:
-            messages = [{"role": "system", "content": req.system}, *messages]
-        return list(tok.apply_chat_template(messages, add_generation_prompt=True))
+            messages = req.messages or [{"role": "user", "content": req.prompt}]
+            return render_chat(
+                tok, self.chat, messages, system=req.system, tools=_tools(req), think=req.think
+            )
+        except FormatError as e:
+            raise BadRequest(str(e)) from None
+
+    def is_chat(self, req: GenerateRequest) -> bool:
+        """Whether the prompt goes through the chat template."""
+        has_template = bool(getattr(self.tokenizer, "chat_template", None))
+        return req.suffix is None and has_template and (req.messages is not None or not req.raw)
+
+    def stops(self, req: GenerateRequest) -> frozenset[int]:
+        """Token ids that end the answer (and are not sent): EOS, harmony's
+        <|return|> and <|call|>, and for FIM what starts another file."""
+        if req.ignore_eos:
+            return frozenset()
+        ids = set(self.tokenizer.eos_token_ids or []) | self.chat.stop_ids
+        if req.suffix is not None:
+            ids |= self.chat.fim_stop_ids
+        return frozenset(ids)
+
+    def stream(self, req: GenerateRequest, ids: list[int]) -> ChatStream:
+        """The answer's parser: reasoning, content and tool calls apart."""
+        return open_stream(
+            self.chat, self.tokenizer, ids, chat=self.is_chat(req), tools=_tools(req)
+        )
+
+
+def _tools(req: GenerateRequest) -> list[dict[str, Any]] | None:
+    """The tools the model is shown: none when tool_choice is "none"."""
+    return None if req.tool_choice == "none" else req.tools
+
+
+def send_events(sock: socket.socket, tid: int | None, events: list[Any]) -> None:
+    """TOKEN frames for what one token completed. The first carries the id (one
+    per token, even when markup shows nothing); reasoning text is marked
+    `"channel": "reasoning"`; a finished tool call rides as `"tool_call"`."""
+    frames: list[dict[str, Any]] = []
+    for e in events:
+        if isinstance(e, Piece):
+            if (
+                frames
+                and frames[-1].get("channel", "content") == e.channel
+                and "tool_call" not in frames[-1]
+            ):
+                frames[-1]["text"] += e.text
+                continue
+            frame: dict[str, Any] = {"text": e.text}
+            if e.channel == "reasoning":
+                frame["channel"] = "reasoning"
+        else:
+            frame = {"text": "", "tool_call": e.to_dict()}
+        frames.append(frame)
+    if tid is not None and not frames:
+        frames.append({"text": ""})
+    for n, frame in enumerate(frames):
+        P.send_json(sock, P.Frame.TOKEN, {"id": tid if n == 0 else None, **frame})
 
 
 def first_token(
@@ -171,6 +229,7 @@ class DecodeAgent:
             **batch,
             **self.stats.snapshot(),
             "prefix_cache": self.prefix.cache.snapshot(),
+            "chat": {**self.engine.chat.describe(), "template": self.engine.chat.template},
         }
 
     def handle(self, sock: socket.socket, peer: str) -> None:
@@ -368,15 +427,13 @@ class DecodeAgent:
         ttft = t_first - t0
         if metrics["method"] != "disaggregated":
             metrics["prefill_time"] = t_first - t_local
-        eos = frozenset() if req.ignore_eos else frozenset(eng.tokenizer.eos_token_ids or [])
-        detok = eng.tokenizer.detokenizer
-        detok.reset()
+        eos = eng.stops(req)
+        chat = eng.stream(req, ids)
         out: list[int] = []
 
         def emit(tid: int, lp: np.ndarray | None) -> None:
             out.append(tid)
-            detok.add_token(tid)
-            P.send_json(sock, P.Frame.TOKEN, {"id": tid, "text": detok.last_segment})
+            send_events(sock, tid, chat.add(tid))
             if lp is not None:
                 P.send_frame(sock, P.Frame.LOGPROBS, lp.tobytes())
 
@@ -394,11 +451,8 @@ class DecodeAgent:
                     emit(*item)
             finally:
                 seq.done = True  # a no-op when it ended; stops it if we failed
-        detok.finalize()
+        send_events(sock, None, chat.finish())
         t_end = time.perf_counter()
-        tail = detok.last_segment
-        if tail:
-            P.send_json(sock, P.Frame.TOKEN, {"id": None, "text": tail})
         decode_s = t_end - t_first
         if metrics["method"] != "disaggregated" and metrics["prefill_time"]:
             self.placement.observe_local(
@@ -409,7 +463,11 @@ class DecodeAgent:
         metrics.update(
             completion_tokens=len(out),
             # max_tokens here is the request's, capped by what the context leaves.
-            finish_reason="length" if len(out) >= max_tokens else "stop",
+            finish_reason="tool_calls"
+            if chat.tool_calls
+            else "length"
+            if len(out) >= max_tokens
+            else "stop",
             ttft=ttft,
             decode_time=decode_s,
             decode_speed=(len(out) - 1) / decode_s if len(out) > 1 and decode_s > 0 else None,
@@ -417,7 +475,8 @@ class DecodeAgent:
             agent_total_time=t_end - t0,
             prefill_speed=(len(ids) / metrics["prefill_time"]) if metrics["prefill_time"] else None,
         )
-        done: dict[str, Any] = {"text": detok.text, "token_ids": out, "metrics": metrics}
+        # text is the answer only; reasoning and tool_calls ride beside it.
+        done: dict[str, Any] = {**chat.result(), "token_ids": out, "metrics": metrics}
         if req.return_prompt_ids:
             done["prompt_ids"] = ids
         P.send_json(sock, P.Frame.DONE, done)

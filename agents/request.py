@@ -9,7 +9,9 @@ frame), checked once on the prefill agent. Stdlib only: agents ship alone.
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from dataclasses import replace as _replace
@@ -26,6 +28,11 @@ PLACEMENTS = ("auto", "local", "remote")
 KV_QUANTS = (None, "int8")
 CODECS = (0, 1, 2, "auto")  # raw, zstd, shuffle+zstd, or chosen per link
 WIRE_CODECS = (0, 1, 2)  # what a PREFILL may ask for: "auto" is resolved before
+TOOLS_MAX = 128  # function definitions per request
+TOOL_CHOICES = ("auto", "none", "required")
+THINK_LEVELS = ("low", "medium", "high")
+# OpenAI's rule for function names, plus dots (MCP servers name tools a.b).
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 class RequestError(ValueError):
@@ -76,7 +83,7 @@ class GenerateRequest:
     """A prompt (or chat messages) and how to sample its continuation."""
 
     prompt: str | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     system: str | None = None
     raw: bool = False  # no chat template
     max_tokens: int = 256  # the agent caps it by the model's context
@@ -92,6 +99,12 @@ class GenerateRequest:
     return_prompt_ids: bool = False
     prefill: PrefillTarget | None = None
     prefix_cache: bool = True  # reuse (and keep) K/V of prompt prefixes seen before
+    # Chat formats (agents/chatformat): OpenAI-style function definitions, which
+    # of them the model may call, its reasoning effort, and fill-in-the-middle.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # auto, none, required, or one function
+    think: bool | str | None = None  # None: the template's default; or low, medium, high
+    suffix: str | None = None  # the text after the middle the model writes (FIM)
 
     def __post_init__(self) -> None:
         check(self)
@@ -150,17 +163,20 @@ def check(r: GenerateRequest) -> None:
     if r.messages is not None:
         if r.prompt is not None:
             raise RequestError("messages", "give a prompt or messages, not both")
+        if r.suffix is not None:
+            raise RequestError(
+                "suffix", "suffix goes with a prompt (fill-in-the-middle), not messages"
+            )
         ok = isinstance(r.messages, list) and 0 < len(r.messages) <= MESSAGES_MAX
-        if not ok or not all(
-            isinstance(m, Mapping) and m.get("role") in ROLES and isinstance(m.get("content"), str)
-            for m in r.messages
-        ):
+        if not ok or not all(isinstance(m, Mapping) and m.get("role") in ROLES for m in r.messages):
             raise RequestError(
                 "messages",
                 f"messages must be a non-empty list of {{role, content}} objects "
                 f"(roles: {', '.join(ROLES)})",
             )
-    elif not isinstance(r.prompt, str) or not r.prompt.strip():
+        for i, m in enumerate(r.messages):
+            _check_message(i, m)
+    elif not isinstance(r.prompt, str) or (r.suffix is None and not r.prompt.strip()):
         raise RequestError("prompt", "the prompt is empty: give some text")
     if r.system is not None and not isinstance(r.system, str):
         raise RequestError("system", "system must be text")
@@ -196,6 +212,7 @@ def check(r: GenerateRequest) -> None:
         )
     if r.prefill is not None and not isinstance(r.prefill, PrefillTarget):
         raise RequestError("prefill", "prefill must be a PrefillTarget")
+    _check_chat_fields(r)
 
 
 def check_kv_quant(kv_quant: Any) -> str | None:
@@ -264,3 +281,97 @@ class PrefillRequest:
         if self.probe_codecs:
             out["probe_codecs"] = True
         return out
+
+
+def _check_message(i: int, m: Mapping[str, Any]) -> None:
+    """One chat message: text content, except an assistant's tool-call turn
+    (content may be empty) and its reasoning; tool results with their call's id."""
+    where = f"messages[{i}]"
+    calls = m.get("tool_calls")
+    content = m.get("content")
+    if not isinstance(content, str) and not (content is None and calls):
+        raise RequestError("messages", f"{where}.content must be text")
+    for key in ("thinking", "reasoning_content", "tool_call_id", "name"):
+        if m.get(key) is not None and not isinstance(m[key], str):
+            raise RequestError("messages", f"{where}.{key} must be text")
+    if calls is None:
+        return
+    if m["role"] != "assistant" or not isinstance(calls, list):
+        raise RequestError("messages", f"{where}.tool_calls: a list, on assistant messages only")
+    for n, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+            raise RequestError(
+                "messages", f"{where}.tool_calls[{n}] must be {{function: {{name, arguments}}}}"
+            )
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError:
+                args = None
+        if args is not None and not isinstance(args, Mapping):
+            raise RequestError(
+                "messages",
+                f"{where}.tool_calls[{n}].function.arguments must be a JSON object "
+                "(or a string holding one)",
+            )
+
+
+def _tool_names(tools: Any) -> list[str]:
+    if not isinstance(tools, list) or len(tools) > TOOLS_MAX:
+        raise RequestError("tools", f"tools must be a list of at most {TOOLS_MAX} functions")
+    names = []
+    for n, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, Mapping) else None
+        kind = tool.get("type", "function") if isinstance(tool, Mapping) else None
+        if kind != "function" or not isinstance(fn, Mapping):
+            raise RequestError(
+                "tools", f"tools[{n}] must be {{type: function, function: {{name, parameters}}}}"
+            )
+        name = fn.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise RequestError(
+                "tools", f"tools[{n}].function.name must be 1-64 of a-z A-Z 0-9 _ . -, got {name!r}"
+            )
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, Mapping):
+            raise RequestError(
+                "tools", f"tools[{n}].function.parameters must be a JSON schema object"
+            )
+        names.append(name)
+    return names
+
+
+def _check_chat_fields(r: GenerateRequest) -> None:
+    names = _tool_names(r.tools) if r.tools is not None else []
+    choice = r.tool_choice
+    if isinstance(choice, Mapping):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, Mapping) else None
+        if choice.get("type", "function") != "function" or not isinstance(name, str):
+            raise RequestError(
+                "tool_choice", 'tool_choice must be {"type": "function", "function": {"name": ...}}'
+            )
+        if name not in names:
+            known = ", ".join(names) or "none given"
+            raise RequestError(
+                "tool_choice",
+                f"tool_choice names function {name!r}, which is not in tools ({known})",
+            )
+    elif choice is not None:
+        if choice not in TOOL_CHOICES:
+            raise RequestError(
+                "tool_choice",
+                f"tool_choice must be one of {', '.join(TOOL_CHOICES)} or a function, "
+                f"got {choice!r}",
+            )
+        if choice == "required" and not names:
+            raise RequestError("tool_choice", "tool_choice 'required' needs tools to choose from")
+    if r.think is not None and not isinstance(r.think, bool) and r.think not in THINK_LEVELS:
+        raise RequestError(
+            "think",
+            f"think must be true, false or one of {', '.join(THINK_LEVELS)}, got {r.think!r}",
+        )
+    if r.suffix is not None and not isinstance(r.suffix, str):
+        raise RequestError("suffix", "suffix must be text")

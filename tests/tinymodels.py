@@ -121,18 +121,28 @@ def _config(arch: str, vocab: int, eos: int, pad: int) -> Any:
     raise ValueError(f"unknown tiny architecture {arch!r} (known: {', '.join(ARCHS)})")
 
 
-def make_tiny(arch: str, out_dir: Path, seed: int = 0, **overrides: Any) -> Path:
+def make_tiny(
+    arch: str, out_dir: Path, seed: int = 0, chat: str | None = None, **overrides: Any
+) -> Path:
     """Build, seed and save a tiny `arch` checkpoint plus tokenizer into `out_dir`.
 
-    `overrides` set config fields, e.g. rope_parameters={...YaRN...} on qwen3_moe.
+    `chat` gives it a tokenizer speaking a real chat format (tests/chattokenizers:
+    "harmony", "qwen3", "qwen3_coder"). `overrides` set config fields, e.g.
+    rope_parameters={...YaRN...} on qwen3_moe.
     """
     import torch
     from transformers import AutoModelForCausalLM
 
     out_dir = Path(out_dir)
-    tok = _tokenizer(vocab_size=512)
+    if chat is not None:
+        from tests.chattokenizers import build
+
+        tok = build(chat)
+        eos, pad = tok.eos_token_id, tok.pad_token_id
+    else:
+        tok = _tokenizer(vocab_size=512)
+        eos, pad = tok.convert_tokens_to_ids(SPECIALS)
     vocab = len(tok)
-    eos, pad = tok.convert_tokens_to_ids(SPECIALS)
     config = _config(arch, vocab, eos, pad)
     for key, value in overrides.items():
         setattr(config, key, value)

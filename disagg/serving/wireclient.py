@@ -149,7 +149,7 @@ def _collect(
                 ttft = time.perf_counter() - t0
             if on_token:
                 on_token(data)
-            if on_text and data.get("text"):
+            if on_text and data.get("text") and data.get("channel") != "reasoning":
                 on_text(data["text"])
         elif kind == "logprobs":
             logprobs.append(data)

@@ -1,0 +1,129 @@
+"""A model's output token by token: the tokenizer's streaming detokenizer for
+the text, a format's parser for its meaning, and what has been said so far."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .detect import ChatFormat
+from .parse import (
+    Event,
+    HarmonyParser,
+    Piece,
+    PlainParser,
+    TagParser,
+    ToolCall,
+    parse_qwen_json,
+    parse_qwen_xml,
+)
+
+
+class ChatStream:
+    """Feed token ids with `add`, then `finish`; each answers the events that
+    token completed. Harmony's markup tokens never go through the detokenizer:
+    each one flushes it, so no markup text exists at all."""
+
+    def __init__(self, detokenizer: Any, parser: Any, markup: dict[int, str]) -> None:
+        self.detok = detokenizer
+        self.detok.reset()
+        self.parser = parser
+        self.markup = markup
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.tool_calls: list[ToolCall] = []
+
+    @property
+    def mode(self) -> str:
+        """What the model is writing now: "content", "reasoning", "tool"
+        (a call's arguments) or "markup" (a harmony header)."""
+        return str(self.parser.mode)
+
+    def add(self, tid: int) -> list[Event]:
+        name = self.markup.get(tid)
+        if name is not None:
+            return self._keep(self._flush() + self.parser.special(name))
+        self.detok.add_token(tid)
+        return self._keep(self.parser.text(self.detok.last_segment))
+
+    def finish(self) -> list[Event]:
+        return self._keep(self._flush() + self.parser.finish())
+
+    def _flush(self) -> list[Event]:
+        self.detok.finalize()
+        tail = self.detok.last_segment
+        self.detok.reset()
+        return self.parser.text(tail) if tail else []
+
+    def _keep(self, events: list[Event]) -> list[Event]:
+        for e in events:
+            if isinstance(e, ToolCall):
+                self.tool_calls.append(e)
+            else:
+                (self.reasoning if e.channel == "reasoning" else self.content).append(e.text)
+        return events
+
+    def result(self) -> dict[str, Any]:
+        """What DONE carries: `text` (content only), and `reasoning` and
+        `tool_calls` when there are any."""
+        out: dict[str, Any] = {"text": "".join(self.content)}
+        if self.reasoning:
+            out["reasoning"] = "".join(self.reasoning)
+        if self.tool_calls:
+            out["tool_calls"] = [c.to_dict() for c in self.tool_calls]
+        return out
+
+
+def open_stream(
+    fmt: ChatFormat,
+    tokenizer: Any,
+    prompt_ids: list[int],
+    *,
+    chat: bool = True,
+    tools: list[dict[str, Any]] | None = None,
+    detokenizer: Any = None,
+) -> ChatStream:
+    """The stream for one request's answer.
+
+    chat: the prompt went through the chat template (False: raw or FIM; Qwen's
+    tags are then plain text, harmony's markup tokens still never show).
+    tools: the request's tools; Qwen's tool calls are parsed only when given.
+    """
+    detok = detokenizer if detokenizer is not None else tokenizer.detokenizer
+    if fmt.kind == "harmony":
+        markup = {i: n for n, i in fmt.special_ids.items()}
+        return ChatStream(detok, _harmony_after(prompt_ids, markup, tokenizer), markup)
+    if not chat or (fmt.kind == "plain" and not fmt.reasoning):
+        return ChatStream(detok, PlainParser(), {})
+    tool_parser = None
+    if tools and fmt.kind in ("qwen_json", "qwen_xml"):
+        tool_parser = parse_qwen_xml if fmt.kind == "qwen_xml" else parse_qwen_json
+    tail = tokenizer.decode(prompt_ids[-8:]) if prompt_ids else ""
+    first = fmt.reasoning and tail.rstrip().endswith("<think>")
+    parser = TagParser(
+        think=fmt.reasoning, tool_parser=tool_parser, tools=tools, reasoning_first=first
+    )
+    return ChatStream(detok, parser, {})
+
+
+def _harmony_after(prompt_ids: list[int], markup: dict[int, str], tokenizer: Any) -> HarmonyParser:
+    """A harmony parser in the state the prompt leaves it: the chat template ends
+    with `<|start|>assistant`, so the answer begins inside a header."""
+    parser = HarmonyParser()
+    start = max((i for i, t in enumerate(prompt_ids) if markup.get(t) == "<|start|>"), default=-1)
+    if start < 0:
+        return parser
+    run: list[int] = []
+    for tid in prompt_ids[start:]:
+        if tid in markup:
+            if run:
+                parser.text(tokenizer.decode(run))
+                run = []
+            parser.special(markup[tid])
+        else:
+            run.append(tid)
+    if run:
+        parser.text(tokenizer.decode(run))
+    return parser
+
+
+__all__ = ["ChatStream", "Piece", "ToolCall", "open_stream"]
