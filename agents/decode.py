@@ -25,6 +25,7 @@ from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 from . import protocol as P
 from .batching import DecodeLoop, Sampler, Seq, make_sampler, sample_rows
 from .codecpick import CodecTuner
+from .grammar import Grammars, Matcher
 from .kvcodec import Codec, LayerKV
 from .kvfetch import PrefillUnavailable, fetch_kv
 from .metrics import Stats
@@ -82,6 +83,9 @@ class DecodeEngine:
         self.tokenizer = load_tokenizer(Path(model_dir))
         self.context = int(self.cfg.get("max_position_embeddings") or 1 << 20)
         self.vocab_size = int(self.cfg["vocab_size"])
+        # Structured outputs: compiled grammars for this tokenizer, cached.
+        eos_ids = self.tokenizer.eos_token_ids or []
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, eos_ids)
         self.device = str(mx.default_device())
         self.fingerprint = {
             "architecture": self.cfg["model_type"],
@@ -113,14 +117,20 @@ class DecodeEngine:
 
 
 def first_token(
-    logits: np.ndarray | mx.array, sampler: Sampler | None, want_logprobs: bool
+    logits: np.ndarray | mx.array,
+    sampler: Sampler | None,
+    want_logprobs: bool,
+    allowed: np.ndarray | None = None,
 ) -> tuple[int, np.ndarray | None]:
     """The first new token, sampled from the prompt's last-position logits (the
-    prefill side's, or a local prefill's) as mlx-lm's generate_step samples it.
-    Runs on the mlx thread."""
+    prefill side's, or a local prefill's) as mlx-lm's generate_step samples it;
+    `allowed` ([vocab] bool): a grammar's mask for it. Runs on the mlx thread."""
     row = mx.array(logits).astype(mx.float32).reshape(1, -1)
     logprobs = row - mx.logsumexp(row, keepdims=True)
-    token = sample_rows(logprobs, [sampler])
+    pick = logprobs
+    if allowed is not None:
+        pick = mx.where(mx.array(allowed[: row.shape[-1]])[None], logprobs, -mx.inf)
+    token = sample_rows(pick, [sampler])
     mx.eval(token, logprobs)
     tid = int(np.array(token)[0])
     return tid, np.array(logprobs[0]) if want_logprobs else None
@@ -149,7 +159,8 @@ class DecodeAgent:
         # Per prefill agent: what its KV stream measured, for requests with codec "auto".
         self.codec_tuners: dict[str, CodecTuner] = {}
         # All mlx work runs on the loop's thread; requests decode there together.
-        self.loop = DecodeLoop(engine.model, max_batch=max_batch)
+        self.loop = DecodeLoop(engine.model, max_batch=max_batch, grammars=engine.grammars)
+        engine.grammars.warm()  # its tokenizer (~0.5 s) off the first request's path
         mb = default_max_mb() if prefix_cache_mb is None else prefix_cache_mb
         self.prefix = DecodePrefix(int(mb * (1 << 20)), engine.fingerprint["layers"], engine.dtype)
         self.stats.extra.append(lambda: self.prefix.cache.prometheus("decode"))
@@ -341,11 +352,23 @@ class DecodeAgent:
             self.loop.call(chunk, ids[start : min(start + PREFILL_STEP, len(ids) - 1)])
         return self.loop.call(last)
 
+    def _matcher(self, req: GenerateRequest) -> Matcher | None:
+        """The request's output grammar, compiled (or found in the cache) before
+        any compute: an invalid or unenforceable schema is a bad request."""
+        return self.engine.grammars.matcher(
+            req.response_format,
+            kind=getattr(req, "format_kind", None) or "plain",  # the lead wires chat formats
+            tools=getattr(req, "tools", None),
+            tool_choice=getattr(req, "tool_choice", None),
+        )
+
     def _generate(self, req: GenerateRequest, sock: socket.socket) -> dict[str, Any]:
         eng = self.engine
         t0 = time.perf_counter()
         ids = eng.encode(req)
         max_tokens = self._max_tokens(req, ids)
+        matcher = self._matcher(req)
+        allowed = eng.grammars.masks([matcher])[0] if matcher is not None else None
         metrics: dict[str, Any] = {
             "prompt_tokens": len(ids),
             "kv_bytes": 0,
@@ -366,12 +389,15 @@ class DecodeAgent:
             logits = self._local_prefill(ids, caches, req, metrics, hits)
         sampler = make_sampler(req.temperature, req.top_p, req.seed)
         want_logprobs = req.logprobs
-        first, first_lp = self.loop.call(first_token, logits, sampler, want_logprobs)
+        first, first_lp = self.loop.call(first_token, logits, sampler, want_logprobs, allowed)
         t_first = time.perf_counter()
         ttft = t_first - t0
         if metrics["method"] != "disaggregated":
             metrics["prefill_time"] = t_first - t_local
         eos = frozenset() if req.ignore_eos else frozenset(eng.tokenizer.eos_token_ids or [])
+        if matcher is not None:
+            matcher.consume(first)
+            eos = eos | matcher.eos  # under a grammar EOS comes only where it accepts
         detok = eng.tokenizer.detokenizer
         detok.reset()
         out: list[int] = []
@@ -387,8 +413,9 @@ class DecodeAgent:
             emit(first, first_lp)
         for hit in hits:  # after the first token: off the TTFT path, before DONE
             self.prefix.store(hit)
-        if first not in eos and max_tokens > 1:
-            seq = Seq(caches, first, sampler, max_tokens, eos, want_logprobs)
+        ended = matcher is not None and matcher.finished
+        if first not in eos and max_tokens > 1 and not ended:
+            seq = Seq(caches, first, sampler, max_tokens, eos, want_logprobs, matcher=matcher)
             self.loop.join(seq)
             try:
                 while (item := seq.out.get()) is not None:

@@ -7,6 +7,7 @@ what arrives with the same `from_dict`. Stdlib only: agents ship alone.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
@@ -22,6 +23,7 @@ ROLES = ("system", "user", "assistant", "tool", "developer")
 PLACEMENTS = ("auto", "local", "remote")
 KV_QUANTS = (None, "int8")
 CODECS = (0, 1, 2, "auto")  # raw, zstd, shuffle+zstd, or chosen per link
+SCHEMA_MAX_CHARS = 65536  # a response_format's JSON Schema, as JSON text
 
 
 class RequestError(ValueError):
@@ -88,6 +90,9 @@ class GenerateRequest:
     return_prompt_ids: bool = False
     prefill: PrefillTarget | None = None
     prefix_cache: bool = True  # reuse (and keep) K/V of prompt prefixes seen before
+    # Constrained output: None (text), {"type": "json_object"} or
+    # {"type": "json_schema", "schema": {...}, "strict": bool}; see response_format().
+    response_format: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         check(self)
@@ -108,6 +113,8 @@ class GenerateRequest:
             args["stop"] = [args["stop"]]
         if "prefill" in args:
             args["prefill"] = PrefillTarget.from_dict(args["prefill"])
+        if "response_format" in args:
+            args["response_format"] = response_format(args["response_format"])
         return cls(**args)
 
     def to_wire(self) -> dict[str, Any]:
@@ -130,6 +137,26 @@ class GenerateRequest:
         if self.prefill is not None:
             d["prefill"] = self.prefill.to_wire()
         return d
+
+
+def response_format(v: Any) -> dict[str, Any] | None:
+    """Normalize Ollama's `format` ("json" or a schema) and OpenAI's
+    `response_format` ({"type": "json_schema", "json_schema": {"name", "schema",
+    "strict"}}) to None, {"type": "json_object"} or {"type": "json_schema",
+    "schema": ..., "strict": ...}."""
+    if v is None or v == "" or (isinstance(v, Mapping) and v.get("type") == "text"):
+        return None
+    if v == "json" or (isinstance(v, Mapping) and v.get("type") == "json_object"):
+        return {"type": "json_object"}
+    if not isinstance(v, Mapping):
+        raise RequestError("response_format", 'response_format must be "json" or a JSON object')
+    if v.get("type") == "json_schema":
+        inner = v.get("json_schema", v)  # OpenAI's wrapper, or already flat
+        if not isinstance(inner, Mapping) or not isinstance(inner.get("schema"), Mapping):
+            raise RequestError("response_format", "a json_schema response_format needs a schema")
+        strict = inner.get("strict", v.get("strict", False))
+        return {"type": "json_schema", "schema": dict(inner["schema"]), "strict": strict is True}
+    return {"type": "json_schema", "schema": dict(v), "strict": False}  # Ollama: a bare schema
 
 
 def _is_int(v: Any) -> bool:
@@ -194,3 +221,12 @@ def check(r: GenerateRequest) -> None:
         )
     if r.prefill is not None and not isinstance(r.prefill, PrefillTarget):
         raise RequestError("prefill", "prefill must be a PrefillTarget")
+    if r.response_format is not None:
+        if response_format(r.response_format) != r.response_format:
+            raise RequestError("response_format", "response_format must be normalized")
+        chars = len(json.dumps(r.response_format.get("schema", {})))
+        if chars > SCHEMA_MAX_CHARS:
+            raise RequestError(
+                "response_format",
+                f"the JSON Schema is {chars} characters; at most {SCHEMA_MAX_CHARS} are taken",
+            )
