@@ -367,7 +367,9 @@ class DecodeAgent:
         t0 = time.perf_counter()
         ids = eng.encode(req)
         max_tokens = self._max_tokens(req, ids)
+        t_grammar = time.perf_counter()
         matcher = self._matcher(req)
+        grammar_ms = (time.perf_counter() - t_grammar) * 1000 if matcher is not None else None
         allowed = eng.grammars.masks([matcher])[0] if matcher is not None else None
         metrics: dict[str, Any] = {
             "prompt_tokens": len(ids),
@@ -378,6 +380,7 @@ class DecodeAgent:
             "prefill_time": None,
             "cached_tokens": 0,  # prompt positions whose K/V came from the prefix cache
             "weights": "same",  # a remote prefill on other weights says "mixed"
+            "grammar_ms": grammar_ms,  # compiling the output grammar, or its cache hit
         }
         hits: list[Hit] = []
         caches, remote_logits = self._prefill(req, ids, metrics, hits)

@@ -20,7 +20,7 @@ import copy
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -133,7 +133,7 @@ class Grammars:
         response_format: Mapping[str, Any] | None = None,
         *,
         kind: str = "plain",
-        tools: list[Mapping[str, Any]] | None = None,
+        tools: Sequence[Any] | None = None,
         tool_choice: Any = None,
         trigger: list[int] | None = None,
         analysis_max_tokens: int = ANALYSIS_MAX_TOKENS,

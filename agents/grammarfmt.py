@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .request import RequestError
@@ -56,7 +56,7 @@ def function_of(tool: Any) -> tuple[str, dict[str, Any]]:
     return name, dict(params)
 
 
-def forced_tools(tools: list[Any] | None, tool_choice: Any) -> list[tuple[str, dict[str, Any]]]:
+def forced_tools(tools: Sequence[Any] | None, tool_choice: Any) -> list[tuple[str, dict[str, Any]]]:
     """The functions one of which must be called: all for "required", the named
     one for {"type": "function", "function": {"name": N}}; [] when not forced."""
     if tool_choice in (None, "auto", "none"):
