@@ -25,7 +25,7 @@ from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 from . import protocol as P
 from .batching import DecodeLoop, Sampler, Seq, make_sampler, sample_rows
 from .codecpick import CodecTuner
-from .grammar import Grammars, Matcher
+from .grammar import ANALYSIS_MAX_TOKENS, Grammars, Matcher
 from .kvcodec import Codec, LayerKV
 from .kvfetch import PrefillUnavailable, fetch_kv
 from .metrics import Stats
@@ -86,6 +86,13 @@ class DecodeEngine:
         # Structured outputs: compiled grammars for this tokenizer, cached.
         eos_ids = self.tokenizer.eos_token_ids or []
         self.grammars = Grammars(self.tokenizer, self.vocab_size, eos_ids)
+        # The chat format ("harmony", "qwen_json", "qwen_xml", "plain") decides what a
+        # grammar wraps around the JSON; set from agents/chatformat's detection.
+        self.format_kind = "plain"
+        # Reasoning that ends with "</think>" (one token in Qwen3's vocab): a
+        # constraint then starts after it.
+        think_end = self.tokenizer.encode("</think>", add_special_tokens=False)
+        self.think_end: list[int] | None = think_end if len(think_end) == 1 else None
         self.device = str(mx.default_device())
         self.fingerprint = {
             "architecture": self.cfg["model_type"],
@@ -355,11 +362,16 @@ class DecodeAgent:
     def _matcher(self, req: GenerateRequest) -> Matcher | None:
         """The request's output grammar, compiled (or found in the cache) before
         any compute: an invalid or unenforceable schema is a bad request."""
-        return self.engine.grammars.matcher(
+        eng = self.engine
+        thinks = eng.format_kind.startswith("qwen") and getattr(req, "think", None) is not False
+        return eng.grammars.matcher(
             req.response_format,
-            kind=getattr(req, "format_kind", None) or "plain",  # the lead wires chat formats
+            kind=eng.format_kind,
+            # tools / tool_choice: GenerateRequest fields another change adds
             tools=getattr(req, "tools", None),
             tool_choice=getattr(req, "tool_choice", None),
+            trigger=eng.think_end if thinks else None,
+            analysis_max_tokens=min(ANALYSIS_MAX_TOKENS, req.max_tokens // 2),
         )
 
     def _generate(self, req: GenerateRequest, sock: socket.socket) -> dict[str, Any]:

@@ -44,24 +44,43 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 class Matcher:
     """One request's grammar state. `trigger`: token ids after which the grammar
     starts (reasoning models: the answer, not the reasoning, is constrained);
-    until then every token but EOS is allowed."""
+    until then every token but EOS is allowed, for at most `budget` tokens,
+    after which the trigger itself is forced (so the answer still comes)."""
 
-    def __init__(self, inner: Any, eos: frozenset[int], trigger: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        inner: Any,
+        eos: frozenset[int],
+        trigger: list[int] | None = None,
+        budget: int = ANALYSIS_MAX_TOKENS,
+    ) -> None:
         self.inner = inner
         self.eos = eos
         self.trigger = trigger or []
         self.active = not self.trigger
         self.tail: list[int] = []
+        self.free = 0  # tokens before the trigger
+        self.budget = budget
         self.failed: str | None = None
 
     def consume(self, token: int) -> None:
         """Advance past a sampled token (one the mask allowed)."""
         if not self.active:
             self.tail = (self.tail + [token])[-len(self.trigger) :]
+            self.free += 1
             self.active = self.tail == self.trigger
             return
         if not self.inner.consume_token(token):
             self.failed = self.inner.get_error() or f"token {token} was not allowed"
+
+    def forced(self) -> int | None:
+        """Past the budget: the trigger's next token (continuing a partial one)."""
+        if self.active or self.free < self.budget:
+            return None
+        for k in range(len(self.trigger) - 1, 0, -1):
+            if self.tail[-k:] == self.trigger[:k]:
+                return self.trigger[k]
+        return self.trigger[0]
 
     @property
     def finished(self) -> bool:
@@ -146,6 +165,8 @@ class Grammars:
             constrains the whole output (bounded analysis, then a final message).
         tools, tool_choice: OpenAI's; "required" or a named function forces a call.
         trigger: token ids (e.g. of "</think>") after which the grammar starts.
+        analysis_max_tokens: the reasoning's budget (harmony's analysis message, or
+            the tokens before the trigger); then the answer is forced to begin.
         """
         from . import grammarfmt  # lark builders; only needed here
 
@@ -169,13 +190,15 @@ class Grammars:
                     else ""
                 )
                 m = self.compile("json:" + canonical(schema), grammar, "response_format")
-                return Matcher(m.deep_copy(), self.eos, trigger)
+                return Matcher(m.deep_copy(), self.eos, trigger, analysis_max_tokens)
             field = "response_format"
         else:
             return None
         grammar = llg.LLMatcher.grammar_from_lark(lark) if llg is not None else ""
         m = self.compile("lark:" + lark, grammar, field)
-        return Matcher(m.deep_copy(), self.eos, trigger if kind != "harmony" else None)
+        # harmony's grammar covers the reasoning itself; others start at the trigger
+        trigger = trigger if kind != "harmony" else None
+        return Matcher(m.deep_copy(), self.eos, trigger, analysis_max_tokens)
 
     # -- masks for a batch -------------------------------------------------------
 
@@ -197,7 +220,13 @@ class Grammars:
         allowed = unpack(bits, self.vocab_size)
         eos = [t for t in self.eos if t < self.vocab_size]
         for i, m in enumerate(matchers):
-            if m is not None and not m.active and eos:
+            if m is None or m.active:
+                continue
+            forced = m.forced()
+            if forced is not None:
+                allowed[i] = False
+                allowed[i, forced] = True
+            elif eos:
                 allowed[i, eos] = False  # before its trigger: anything but the end
         return allowed
 

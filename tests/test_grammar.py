@@ -417,3 +417,19 @@ def test_bad_constraints_are_bad_requests_and_the_agent_stays_healthy(tiny_pair:
 
 
 TinyModel = Callable[..., Path]
+
+
+def test_an_unended_reasoning_is_cut_at_its_budget_and_the_answer_follows(
+    grammars: Grammars, harmony_tok: Any
+) -> None:
+    trigger = harmony_tok.encode("</x>")
+    for seed in range(4):
+        m = grammars.matcher(
+            {"type": "json_schema", "schema": GRADER}, trigger=trigger, analysis_max_tokens=5
+        )
+        assert m is not None
+        ids = [t for t in walk(grammars, m, seed) if t not in m.eos]
+        ends = [i for i in range(len(ids)) if ids[i : i + len(trigger)] == trigger]
+        assert ends and ends[0] <= 5, ids  # within the budget, or forced right after it
+        answer = harmony_tok.decode(ids[ends[0] + len(trigger) :])
+        jsonschema.validate(json.loads(answer), GRADER)

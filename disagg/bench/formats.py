@@ -21,7 +21,8 @@ from typing import Any
 
 from rich.table import Table
 
-from disagg.bench.common import Stamp, disaggregated, local_pair, pair_machine_info, quiet, table
+from disagg.bench.common import Stamp, local_pair, pair_machine_info, quiet, table
+from disagg.errors import AgentError
 from disagg.serving.defaultmodel import Say
 
 SPEED_BAR = 0.9  # constrained decode tok/s / unconstrained, at least
@@ -65,6 +66,8 @@ def _speeds(results: list[Any], wall_s: float) -> dict[str, Any]:
 def run_formats_bench(
     model_dir: Path | str, new_tokens: int = 128, repeats: int = 2, say: Say = quiet
 ) -> dict[str, Any]:
+    from disagg.serving import wireclient
+
     stamp = Stamp()
     with local_pair(Path(model_dir), say) as (prefill, decode):
 
@@ -72,12 +75,19 @@ def run_formats_bench(
             req: dict[str, Any] = {
                 "messages": [{"role": "user", "content": f"{PROMPT} (answer {i})"}],
                 "max_tokens": new_tokens,
+                "placement": "remote",
+                "prefix_cache": False,
             }
             if schema is None:
                 req["ignore_eos"] = True  # exactly new_tokens
             else:
                 req["response_format"] = {"type": "json_schema", "schema": schema}
-            return disaggregated(prefill, decode, req)[0]
+            # 16 prompts queue at one prefill agent: allow for the wait.
+            req["prefill"] = {"host": prefill.host, "port": prefill.port, "timeout": 900}
+            res = wireclient.generate(decode.host, decode.port, req, token=decode.token)
+            if res.metrics.get("method") != "disaggregated":
+                raise AgentError(f"not disaggregated: {res.metrics.get('fallback_reason')}")
+            return res
 
         say("warming up (the grammar engine reads the tokenizer once)")
         ask({"type": "object", "properties": {"warm": {"type": "boolean"}}})
