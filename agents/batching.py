@@ -29,6 +29,8 @@ import numpy as np
 from mlx_lm.generate import generation_stream
 from mlx_lm.sample_utils import apply_top_p
 
+from .grammar import Grammars, Matcher
+
 log = logging.getLogger("disagg.decode")
 
 Sampler = Callable[[mx.array], mx.array]  # [1, vocab] logprobs -> [1] token
@@ -95,13 +97,16 @@ class Seq:
     done: bool = False
     produced: int = 1
     fresh: bool = True  # its next step input is `first`, which was already sent
+    # Structured output: the grammar its tokens must follow (it has consumed `first`).
+    matcher: Matcher | None = None
 
 
 class DecodeLoop:
     """Owns the model's mlx work: tasks from other threads, then one decode step."""
 
-    def __init__(self, model: Any, max_batch: int = 32) -> None:
+    def __init__(self, model: Any, max_batch: int = 32, grammars: Grammars | None = None) -> None:
         self.model = model
+        self.grammars = grammars  # masks rows whose Seq carries a matcher
         self.max_batch = max_batch
         self.tasks: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
         self.waiting: list[Seq] = []  # joined while the batch was full
@@ -206,10 +211,22 @@ class DecodeLoop:
         current, current_logprobs = self.next_tokens, self.next_logprobs
         logits = self.model(current[:, None], cache=self.caches)[:, -1, :]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        self.next_tokens = sample_rows(logprobs, [s.sampler for s in self.seqs])
+        samplers = [s.sampler for s in self.seqs]
+        tokens: list[int]
+        if self.grammars is not None and any(s.matcher is not None for s in self.seqs):
+            # The forward runs while the masks are computed: they need this
+            # step's inputs (the tokens sampled last step), not its logits.
+            mx.async_eval(logprobs)
+            tokens = current.tolist()  # type: ignore[assignment]  # a [B] array
+            allowed = mx.array(self._advance(self.grammars, tokens))
+            self.next_tokens = sample_rows(mx.where(allowed, logprobs, -mx.inf), samplers)
+        else:
+            self.next_tokens = sample_rows(logprobs, samplers)
+            tokens = []
         self.next_logprobs = logprobs
         mx.async_eval(self.next_tokens, logprobs)
-        tokens: list[int] = current.tolist()  # type: ignore[assignment]  # a [B] array
+        if not tokens:
+            tokens = current.tolist()  # type: ignore[assignment]  # a [B] array
         self.steps += 1
         keep: list[int] = []
         for i, (seq, tid) in enumerate(zip(self.seqs, tokens, strict=True)):
@@ -220,11 +237,15 @@ class DecodeLoop:
                 if seq.want_logprobs and current_logprobs is not None:
                     lp = np.array(current_logprobs[i].astype(mx.float32))
                 seq.produced += 1
-                if tid in seq.eos:
+                m = seq.matcher
+                if tid in seq.eos or (m is not None and tid in m.eos):
                     seq.done = True  # the stop token itself is not sent
+                elif m is not None and m.failed:
+                    seq.out.put(RuntimeError(f"the output grammar failed: {m.failed}"))
+                    seq.done = True
                 else:
                     seq.out.put((tid, lp))
-                    if seq.produced >= seq.max_tokens:
+                    if seq.produced >= seq.max_tokens or (m is not None and m.finished):
                         seq.done = True
             if seq.done:
                 seq.out.put(None)
@@ -232,6 +253,17 @@ class DecodeLoop:
                 keep.append(i)
         if len(keep) < len(self.seqs):
             self._keep(keep)
+
+    def _advance(self, grammars: Grammars, tokens: list[int]) -> np.ndarray:
+        """Each matcher consumes its row's new token (a fresh row's `first` was
+        consumed when it was sampled); returns the rows' allowed tokens [B, vocab]."""
+        matchers: list[Matcher | None] = []
+        for seq, tid in zip(self.seqs, tokens, strict=True):
+            m = seq.matcher if not seq.done else None
+            if m is not None and not seq.fresh:
+                m.consume(tid)
+            matchers.append(m)
+        return grammars.masks(matchers)
 
     def _keep(self, keep: list[int]) -> None:
         self.seqs = [self.seqs[i] for i in keep]

@@ -26,6 +26,7 @@ from . import protocol as P
 from .batching import DecodeLoop, Sampler, Seq, make_sampler, sample_rows
 from .chatformat import ChatStream, FormatError, Piece, detect, open_stream, render_chat, render_fim
 from .codecpick import CodecTuner
+from .grammar import ANALYSIS_MAX_TOKENS, Grammars, Matcher
 from .kvcodec import Codec, LayerKV
 from .kvfetch import PrefillUnavailable, fetch_kv
 from .kvplace import MX_DTYPES, cache_kinds, fill_layer
@@ -84,6 +85,16 @@ class DecodeEngine:
         self.chat = detect(self.tokenizer)  # its chat format, from vocab and template
         self.context = int(self.cfg.get("max_position_embeddings") or 1 << 20)
         self.vocab_size = int(self.cfg["vocab_size"])
+        # Structured outputs: compiled grammars for this tokenizer, cached.
+        eos_ids = self.tokenizer.eos_token_ids or []
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, eos_ids)
+        # The chat format ("harmony", "qwen_json", "qwen_xml", "plain") decides what a
+        # grammar wraps around the JSON.
+        self.format_kind = self.chat.kind
+        # Reasoning that ends with "</think>" (one token in Qwen3's vocab): a
+        # constraint then starts after it.
+        think_end = self.tokenizer.encode("</think>", add_special_tokens=False)
+        self.think_end: list[int] | None = think_end if len(think_end) == 1 else None
         self.device = str(mx.default_device())
         self.fingerprint = {
             "architecture": self.cfg["model_type"],
@@ -171,14 +182,20 @@ def send_events(sock: socket.socket, tid: int | None, events: list[Any]) -> None
 
 
 def first_token(
-    logits: np.ndarray | mx.array, sampler: Sampler | None, want_logprobs: bool
+    logits: np.ndarray | mx.array,
+    sampler: Sampler | None,
+    want_logprobs: bool,
+    allowed: np.ndarray | None = None,
 ) -> tuple[int, np.ndarray | None]:
     """The first new token, sampled from the prompt's last-position logits (the
-    prefill side's, or a local prefill's) as mlx-lm's generate_step samples it.
-    Runs on the mlx thread."""
+    prefill side's, or a local prefill's) as mlx-lm's generate_step samples it;
+    `allowed` ([vocab] bool): a grammar's mask for it. Runs on the mlx thread."""
     row = mx.array(logits).astype(mx.float32).reshape(1, -1)
     logprobs = row - mx.logsumexp(row, keepdims=True)
-    token = sample_rows(logprobs, [sampler])
+    pick = logprobs
+    if allowed is not None:
+        pick = mx.where(mx.array(allowed[: row.shape[-1]])[None], logprobs, -mx.inf)
+    token = sample_rows(pick, [sampler])
     mx.eval(token, logprobs)
     tid = int(np.array(token)[0])
     return tid, np.array(logprobs[0]) if want_logprobs else None
@@ -207,7 +224,8 @@ class DecodeAgent:
         # Per prefill agent: what its KV stream measured, for requests with codec "auto".
         self.codec_tuners: dict[str, CodecTuner] = {}
         # All mlx work runs on the loop's thread; requests decode there together.
-        self.loop = DecodeLoop(engine.model, max_batch=max_batch)
+        self.loop = DecodeLoop(engine.model, max_batch=max_batch, grammars=engine.grammars)
+        engine.grammars.warm()  # its tokenizer (~0.5 s) off the first request's path
         mb = default_max_mb() if prefix_cache_mb is None else prefix_cache_mb
         self.prefix = DecodePrefix(int(mb * (1 << 20)), engine.fingerprint["layers"], engine.dtype)
         self.stats.extra.append(lambda: self.prefix.cache.prometheus("decode"))
@@ -397,11 +415,30 @@ class DecodeAgent:
             self.loop.call(chunk, ids[start : min(start + PREFILL_STEP, len(ids) - 1)])
         return self.loop.call(last)
 
+    def _matcher(self, req: GenerateRequest) -> Matcher | None:
+        """The request's output grammar, compiled (or found in the cache) before
+        any compute: an invalid or unenforceable schema is a bad request."""
+        eng = self.engine
+        # <think> templates: the answer (and its constraint) starts after </think>.
+        thinks = eng.chat.reasoning and eng.chat.kind != "harmony" and req.think is not False
+        return eng.grammars.matcher(
+            req.response_format,
+            kind=eng.format_kind,
+            tools=req.tools,
+            tool_choice=req.tool_choice,
+            trigger=eng.think_end if thinks else None,
+            analysis_max_tokens=min(ANALYSIS_MAX_TOKENS, req.max_tokens // 2),
+        )
+
     def _generate(self, req: GenerateRequest, sock: socket.socket) -> dict[str, Any]:
         eng = self.engine
         t0 = time.perf_counter()
         ids = eng.encode(req)
         max_tokens = self._max_tokens(req, ids)
+        t_grammar = time.perf_counter()
+        matcher = self._matcher(req)
+        grammar_ms = (time.perf_counter() - t_grammar) * 1000 if matcher is not None else None
+        allowed = eng.grammars.masks([matcher])[0] if matcher is not None else None
         metrics: dict[str, Any] = {
             "prompt_tokens": len(ids),
             "kv_bytes": 0,
@@ -411,6 +448,7 @@ class DecodeAgent:
             "prefill_time": None,
             "cached_tokens": 0,  # prompt positions whose K/V came from the prefix cache
             "weights": "same",  # a remote prefill on other weights says "mixed"
+            "grammar_ms": grammar_ms,  # compiling the output grammar, or its cache hit
         }
         hits: list[Hit] = []
         caches, remote_logits = self._prefill(req, ids, metrics, hits)
@@ -422,12 +460,15 @@ class DecodeAgent:
             logits = self._local_prefill(ids, caches, req, metrics, hits)
         sampler = make_sampler(req.temperature, req.top_p, req.seed)
         want_logprobs = req.logprobs
-        first, first_lp = self.loop.call(first_token, logits, sampler, want_logprobs)
+        first, first_lp = self.loop.call(first_token, logits, sampler, want_logprobs, allowed)
         t_first = time.perf_counter()
         ttft = t_first - t0
         if metrics["method"] != "disaggregated":
             metrics["prefill_time"] = t_first - t_local
         eos = eng.stops(req)
+        if matcher is not None:
+            matcher.consume(first)
+            eos = eos | matcher.eos  # under a grammar EOS comes only where it accepts
         chat = eng.stream(req, ids)
         out: list[int] = []
 
@@ -441,8 +482,9 @@ class DecodeAgent:
             emit(first, first_lp)
         for hit in hits:  # after the first token: off the TTFT path, before DONE
             self.prefix.store(hit)
-        if first not in eos and max_tokens > 1:
-            seq = Seq(caches, first, sampler, max_tokens, eos, want_logprobs)
+        ended = matcher is not None and matcher.finished
+        if first not in eos and max_tokens > 1 and not ended:
+            seq = Seq(caches, first, sampler, max_tokens, eos, want_logprobs, matcher=matcher)
             self.loop.join(seq)
             try:
                 while (item := seq.out.get()) is not None:

@@ -33,6 +33,7 @@ TOOL_CHOICES = ("auto", "none", "required")
 THINK_LEVELS = ("low", "medium", "high")
 # OpenAI's rule for function names, plus dots (MCP servers name tools a.b).
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+SCHEMA_MAX_CHARS = 65536  # a response_format's JSON Schema, as JSON text
 
 
 class RequestError(ValueError):
@@ -105,6 +106,9 @@ class GenerateRequest:
     tool_choice: str | dict[str, Any] | None = None  # auto, none, required, or one function
     think: bool | str | None = None  # None: the template's default; or low, medium, high
     suffix: str | None = None  # the text after the middle the model writes (FIM)
+    # Constrained output: None (text), {"type": "json_object"} or
+    # {"type": "json_schema", "schema": {...}, "strict": bool}; see response_format().
+    response_format: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         check(self)
@@ -125,6 +129,8 @@ class GenerateRequest:
             args["stop"] = [args["stop"]]
         if "prefill" in args:
             args["prefill"] = PrefillTarget.from_dict(args["prefill"])
+        if "response_format" in args:
+            args["response_format"] = response_format(args["response_format"])
         return cls(**args)
 
     def to_wire(self) -> dict[str, Any]:
@@ -148,6 +154,26 @@ class GenerateRequest:
         if self.prefill is not None:
             d["prefill"] = self.prefill.to_wire()
         return d
+
+
+def response_format(v: Any) -> dict[str, Any] | None:
+    """Normalize Ollama's `format` ("json" or a schema) and OpenAI's
+    `response_format` ({"type": "json_schema", "json_schema": {"name", "schema",
+    "strict"}}) to None, {"type": "json_object"} or {"type": "json_schema",
+    "schema": ..., "strict": ...}."""
+    if v is None or v == "" or (isinstance(v, Mapping) and v.get("type") == "text"):
+        return None
+    if v == "json" or (isinstance(v, Mapping) and v.get("type") == "json_object"):
+        return {"type": "json_object"}
+    if not isinstance(v, Mapping):
+        raise RequestError("response_format", 'response_format must be "json" or a JSON object')
+    if v.get("type") == "json_schema":
+        inner = v.get("json_schema", v)  # OpenAI's wrapper, or already flat
+        if not isinstance(inner, Mapping) or not isinstance(inner.get("schema"), Mapping):
+            raise RequestError("response_format", "a json_schema response_format needs a schema")
+        strict = inner.get("strict", v.get("strict", False))
+        return {"type": "json_schema", "schema": dict(inner["schema"]), "strict": strict is True}
+    return {"type": "json_schema", "schema": dict(v), "strict": False}  # Ollama: a bare schema
 
 
 def _is_int(v: Any) -> bool:
@@ -212,6 +238,15 @@ def check(r: GenerateRequest) -> None:
         )
     if r.prefill is not None and not isinstance(r.prefill, PrefillTarget):
         raise RequestError("prefill", "prefill must be a PrefillTarget")
+    if r.response_format is not None:
+        if response_format(r.response_format) != r.response_format:
+            raise RequestError("response_format", "response_format must be normalized")
+        chars = len(json.dumps(r.response_format.get("schema", {})))
+        if chars > SCHEMA_MAX_CHARS:
+            raise RequestError(
+                "response_format",
+                f"the JSON Schema is {chars} characters; at most {SCHEMA_MAX_CHARS} are taken",
+            )
     _check_chat_fields(r)
 
 

@@ -448,11 +448,20 @@ def bench(
             "tok/s and TTFT against the model dequantized at load, agreement with mlx-lm.",
         ),
     ] = False,
+    formats: Annotated[
+        bool,
+        typer.Option(
+            "--formats",
+            help="Also: decode tok/s with a JSON Schema constraint vs without at batch 1 "
+            "and 16, and the grader schema's compile time, cold and cached.",
+        ),
+    ] = False,
     everything: Annotated[
         bool,
         typer.Option(
             "--all",
-            help="Every section: --wire --serving --hiding --quant --quant-weights --prefix.",
+            help="Every section: --wire --serving --hiding --quant --quant-weights --prefix "
+            "--formats.",
         ),
     ] = False,
 ) -> None:
@@ -515,6 +524,11 @@ def bench(
 
         report["prefix"] = run_prefix_bench(model_dir, say=say)
         tables.append(prefix_table(report["prefix"]))
+    if formats or everything:
+        from disagg.bench.formats import formats_table, run_formats_bench
+
+        report["formats"] = run_formats_bench(model_dir, say=say)
+        tables.append(formats_table(report["formats"]))
     if as_json:
         print(json.dumps(report))
     else:

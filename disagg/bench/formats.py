@@ -1,0 +1,198 @@
+"""Structured outputs' cost (`disagg bench --formats`).
+
+Through a real prefill + decode agent pair: decode tokens/s of requests whose
+output must follow a JSON Schema against the same requests unconstrained, one
+at a time and 16 at once (each of the 16 with its own schema, so 16 grammars
+mask 16 rows of one batch); and the decode agent's own time to compile the
+grader-style schema (an integer 0-10, an enum and a string) the first time and
+on a cache hit (`grammar_ms` in each result's metrics).
+
+`run_formats_bench` returns plain data; `formats_table` renders it.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from disagg.bench.common import Stamp, local_pair, pair_machine_info, quiet, table
+from disagg.errors import AgentError
+from disagg.serving.defaultmodel import Say
+
+SPEED_BAR = 0.9  # constrained decode tok/s / unconstrained, at least
+COMPILE_BAR_MS = 50.0  # the grader schema, compiled cold
+HIT_BAR_MS = 1.0  # ... and found in the cache ("0 ms")
+GRADER = {
+    "type": "object",
+    "properties": {
+        "score": {"type": "integer", "minimum": 0, "maximum": 10},
+        "verdict": {"enum": ["pass", "fail", "partial"]},
+        "reason": {"type": "string"},
+    },
+    "required": ["score", "verdict", "reason"],
+    "additionalProperties": False,
+}
+PROMPT = (
+    "Grade this answer to 'What is the capital of France?': 'Paris, on the Seine.' "
+    "Reply in JSON with a score from 0 to 10, a verdict and a long, detailed reason."
+)
+
+
+def long_schema(i: int) -> dict[str, Any]:
+    """A grader schema whose reason must be long, so constrained rows decode about
+    as many tokens as the unconstrained ones; `i` makes each row's schema its own."""
+    s = json.loads(json.dumps(GRADER))
+    s["properties"]["reason"] = {"type": "string", "minLength": 400, "maxLength": 600}
+    s["properties"]["score"]["maximum"] = 10 + i
+    return s
+
+
+def _speeds(results: list[Any], wall_s: float) -> dict[str, Any]:
+    per_row = [r.metrics["decode_speed"] for r in results if r.metrics.get("decode_speed")]
+    tokens = sum(len(r.token_ids) for r in results)
+    return {
+        "row_tok_s": statistics.fmean(per_row),
+        "total_tok_s": tokens / wall_s,
+        "tokens_mean": tokens / len(results),
+    }
+
+
+def run_formats_bench(
+    model_dir: Path | str, new_tokens: int = 128, repeats: int = 2, say: Say = quiet
+) -> dict[str, Any]:
+    from disagg.serving import wireclient
+
+    stamp = Stamp()
+    with local_pair(Path(model_dir), say) as (prefill, decode):
+
+        def ask(schema: dict[str, Any] | None, i: int = 0) -> Any:
+            req: dict[str, Any] = {
+                "messages": [{"role": "user", "content": f"{PROMPT} (answer {i})"}],
+                "max_tokens": new_tokens,
+                "placement": "remote",
+                "prefix_cache": False,
+            }
+            if schema is None:
+                req["ignore_eos"] = True  # exactly new_tokens
+            else:
+                req["response_format"] = {"type": "json_schema", "schema": schema}
+            # 16 prompts queue at one prefill agent: allow for the wait.
+            req["prefill"] = {"host": prefill.host, "port": prefill.port, "timeout": 900}
+            res = wireclient.generate(decode.host, decode.port, req, token=decode.token)
+            if res.metrics.get("method") != "disaggregated":
+                raise AgentError(f"not disaggregated: {res.metrics.get('fallback_reason')}")
+            return res
+
+        say("warming up (the grammar engine reads the tokenizer once)")
+        ask({"type": "object", "properties": {"warm": {"type": "boolean"}}})
+        cold = ask(GRADER).metrics["grammar_ms"]
+        hits = [ask(GRADER).metrics["grammar_ms"] for _ in range(5)]
+        say(f"grader schema: compile {cold:.2f} ms, cache hit {statistics.median(hits):.3f} ms")
+
+        runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
+        for batch in (1, 16):
+            for name in ("free", "json"):
+                runs.setdefault(str(batch), {}).setdefault(name, [])
+            for rep in range(repeats):
+                for name in ("free", "json"):
+                    t0 = time.perf_counter()
+                    with ThreadPoolExecutor(batch) as pool:
+                        results = list(
+                            pool.map(
+                                lambda i, n=name, r=rep: ask(
+                                    long_schema(i + 100 * r) if n == "json" else None, i
+                                ),
+                                range(batch),
+                            )
+                        )
+                    speeds = _speeds(results, time.perf_counter() - t0)
+                    if name == "json":  # what the constraint gave is checked, not trusted
+                        speeds["valid"] = all(_valid(r.text) for r in results)
+                    runs[str(batch)][name].append(speeds)
+                    say(
+                        f"batch {batch} {name}: {speeds['row_tok_s']:.1f} tok/s per row, "
+                        f"{speeds['total_tok_s']:.1f} in all"
+                    )
+        machine = pair_machine_info(prefill, decode)
+    out: dict[str, Any] = {
+        "model": str(model_dir),
+        "date": stamp.date,
+        "machine": machine,
+        "load_avg_1m": stamp.load_avg_1m(),
+        "settings": {"new_tokens": new_tokens, "repeats": repeats},
+        "compile_cold_ms": cold,
+        "compile_hit_ms": statistics.median(hits),
+        "batches": {},
+    }
+    ok = cold <= COMPILE_BAR_MS and out["compile_hit_ms"] <= HIT_BAR_MS
+    for size, modes in runs.items():
+        free = statistics.median(s["row_tok_s"] for s in modes["free"])
+        constrained = statistics.median(s["row_tok_s"] for s in modes["json"])
+        valid = all(s["valid"] for s in modes["json"])
+        out["batches"][size] = {
+            "free_tok_s": free,
+            "json_tok_s": constrained,
+            "ratio": constrained / free,
+            "free_total_tok_s": statistics.median(s["total_tok_s"] for s in modes["free"]),
+            "json_total_tok_s": statistics.median(s["total_tok_s"] for s in modes["json"]),
+            "json_tokens_mean": statistics.fmean(s["tokens_mean"] for s in modes["json"]),
+            "all_valid": valid,
+        }
+        ok = ok and constrained / free >= SPEED_BAR and valid
+    out.update(speed_bar=SPEED_BAR, compile_bar_ms=COMPILE_BAR_MS, hit_bar_ms=HIT_BAR_MS)
+    out["elapsed_s"] = stamp.elapsed_s()
+    out["ok"] = ok
+    return out
+
+
+def _valid(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def formats_table(r: dict[str, Any]) -> Table:
+    t = table(
+        f"structured outputs: JSON Schema constraint vs none ({r['settings']['new_tokens']} "
+        "new tokens, per-row decode tok/s)",
+        ("", "unconstrained", "constrained", "ratio", "bar", "ok"),
+        left=("",),
+    )
+
+    def ok(good: bool) -> str:
+        return "[green]yes[/]" if good else "[red]no[/]"
+
+    for batch, b in r["batches"].items():
+        t.add_row(
+            f"decode, batch {batch}",
+            f"{b['free_tok_s']:.1f} tok/s",
+            f"{b['json_tok_s']:.1f} tok/s",
+            f"{b['ratio']:.3f}",
+            f">= {r['speed_bar']}",
+            ok(b["ratio"] >= r["speed_bar"] and b["all_valid"]),
+        )
+    t.add_row(
+        "grader schema compile",
+        "",
+        f"{r['compile_cold_ms']:.2f} ms",
+        "",
+        f"<= {r['compile_bar_ms']:g} ms",
+        ok(r["compile_cold_ms"] <= r["compile_bar_ms"]),
+    )
+    t.add_row(
+        "... on a cache hit",
+        "",
+        f"{r['compile_hit_ms']:.3f} ms",
+        "",
+        f"<= {r['hit_bar_ms']:g} ms",
+        ok(r["compile_hit_ms"] <= r["hit_bar_ms"]),
+    )
+    return t
