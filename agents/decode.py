@@ -128,6 +128,20 @@ class DecodeEngine:
         except FormatError as e:
             raise BadRequest(str(e)) from None
 
+    def chat_info(self) -> dict[str, Any]:
+        """What /api/show tells clients: the chat format, its template, what stops it,
+        and the fill-in-the-middle tokens where the tokenizer has them."""
+        tok = self.tokenizer
+        stop_ids = set(tok.eos_token_ids or []) | self.chat.stop_ids
+        info = {
+            **self.chat.describe(),
+            "template": self.chat.template,
+            "stop": sorted({tok.convert_ids_to_tokens(i) for i in stop_ids}),
+        }
+        if self.chat.fim is not None:
+            info["fim_tokens"] = tok.convert_ids_to_tokens(list(self.chat.fim))
+        return info
+
     def is_chat(self, req: GenerateRequest) -> bool:
         """Whether the prompt goes through the chat template."""
         has_template = bool(getattr(self.tokenizer, "chat_template", None))
