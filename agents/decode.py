@@ -261,7 +261,7 @@ class DecodeAgent:
             **batch,
             **self.stats.snapshot(),
             "prefix_cache": self.prefix.cache.snapshot(),
-            "chat": {**self.engine.chat.describe(), "template": self.engine.chat.template},
+            "chat": self.engine.chat_info(),  # for /api/show: capabilities, template, stops
         }
 
     def handle(self, sock: socket.socket, peer: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -81,8 +82,12 @@ def url(tiny_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFactor
         args += ["-m", str(shutil.copytree(tiny_model(arch, 0, chat=chat), root / name))]
     proc, port = start_serve(*args, log_path=root / "serve.log")
     yield f"http://127.0.0.1:{port}"
-    proc.terminate()
-    proc.wait(30)
+    proc.terminate()  # serve stops its six agents, each draining first
+    try:
+        proc.wait(120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 @pytest.fixture(scope="module")
