@@ -122,8 +122,15 @@ class DecodeEngine:
                 assert req.prompt is not None  # GenerateRequest checked it
                 return list(tok.encode(req.prompt))
             messages = req.messages or [{"role": "user", "content": req.prompt}]
+            forced = req.tool_choice not in (None, "auto", "none")
             return render_chat(
-                tok, self.chat, messages, system=req.system, tools=_tools(req), think=req.think
+                tok,
+                self.chat,
+                messages,
+                system=req.system,
+                tools=_tools(req),
+                think=req.think,
+                forced=forced,
             )
         except FormatError as e:
             raise BadRequest(str(e)) from None

@@ -406,6 +406,9 @@ def test_think_settings(toks: dict[str, Any]) -> None:
     render_chat(plain, detect(plain), user, think=False)  # false is always fine
     with pytest.raises(FormatError, match="tools"):
         render_chat(plain, detect(plain), user, tools=[WEATHER])
+    # A call forced by constrained decoding needs no tools in the template.
+    forced = render_chat(plain, detect(plain), user, tools=[WEATHER], forced=True)
+    assert forced == render_chat(plain, detect(plain), user)
 
 
 # -- fill-in-the-middle ----------------------------------------------------------

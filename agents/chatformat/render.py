@@ -134,19 +134,24 @@ def render_chat(
     system: str | None = None,
     tools: list[dict[str, Any]] | None = None,
     think: bool | str | None = None,
+    forced: bool = False,
 ) -> list[int]:
     """The conversation through the tokenizer's chat template, ending where the
-    assistant speaks next. Raises FormatError for what the model cannot take."""
+    assistant speaks next. Raises FormatError for what the model cannot take.
+
+    forced: a tool call is forced by constrained decoding (tool_choice
+    "required" or a named function), so a template without tools is no refusal.
+    """
     if not fmt.template:
         raise FormatError("this model has no chat template: send a raw prompt instead")
     kwargs = template_kwargs(fmt, think)
-    if tools:
-        if not fmt.tools:
-            raise FormatError(
-                "tools: this model's chat template does not take tools; send the request "
-                "without tools"
-            )
+    if tools and fmt.tools:
         kwargs["tools"] = tools
+    elif tools and not forced:
+        raise FormatError(
+            "tools: this model's chat template does not take tools, so it cannot call "
+            "them; send the request without tools (or force a call with tool_choice)"
+        )
     msgs = chat_messages(messages, system, fmt)
     try:
         ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, **kwargs)

@@ -56,7 +56,11 @@ def stream(
     timeout_s: float = 240.0,
     token: bytes | None = None,
 ) -> Generator[tuple[str, Any], None, None]:
-    """Yield ("token", {"id", "text"}), ("logprobs", array) and finally ("done", result)."""
+    """Yield ("token", {"id", "text"}), ("logprobs", array) and finally ("done", result).
+
+    A token event may also carry "channel": "reasoning" (its text is reasoning,
+    not content) or "tool_call": {"name", "arguments"}; "id" is None on events
+    that follow the first one of the same token."""
     try:
         sock = socket.create_connection((host, port), timeout=min(timeout_s, 10.0))
     except OSError as e:
