@@ -113,7 +113,7 @@ def test_show_and_models_tell_the_truth(olla: ollama.Client, oai: openai.OpenAI)
     caps = {m: set(olla.show(m).capabilities or []) for m in MODELS}
     assert {"completion", "thinking", "tools"} <= caps[HARMONY] and "insert" not in caps[HARMONY]
     assert {"completion", "tools", "thinking"} <= caps[QWEN] and "insert" not in caps[QWEN]
-    assert {"completion", "tools", "insert"} <= caps[CODER]
+    assert {"completion", "tools", "insert"} <= caps[CODER] and "thinking" not in caps[CODER]
     coder = olla.show(CODER)
     assert ".Suffix" in (coder.template or "") and "<|fim_prefix|>" in (coder.template or "")
     assert ".Suffix" not in (olla.show(QWEN).template or "")
@@ -265,13 +265,15 @@ def test_openai_required_tool_choice_streams_the_call(oai: openai.OpenAI) -> Non
 
 @pytest.mark.parametrize("model", MODELS)
 def test_ollama_tools_think_and_no_markup(olla: ollama.Client, model: str) -> None:
+    # think where the model reasons (elsewhere it is refused, as Ollama does).
+    think = True if "thinking" in (olla.show(model).capabilities or []) else None
     # Random weights write special tokens often: none may reach content or thinking.
     for seed in range(3):
         r = olla.chat(
             model=model,
             messages=ASK,
             tools=[WEATHER],
-            think=True,
+            think=think,
             options={"num_predict": 48, "seed": seed, "temperature": 1.0},
         )
         no_markup(r.message.content)
@@ -279,7 +281,7 @@ def test_ollama_tools_think_and_no_markup(olla: ollama.Client, model: str) -> No
         for call in r.message.tool_calls or []:
             assert call.function.name == "get_weather" and isinstance(call.function.arguments, dict)
     streamed = olla.chat(
-        model=model, messages=ASK, stream=True, think=True, options={"num_predict": 32, "seed": 1}
+        model=model, messages=ASK, stream=True, think=think, options={"num_predict": 32, "seed": 1}
     )
     for part in streamed:
         no_markup(part.message.content)
@@ -345,6 +347,9 @@ def test_bad_input_is_one_clear_400(olla: ollama.Client, oai: openai.OpenAI) -> 
             tool_choice={"type": "function", "function": {"name": "get_stock"}},
         )
     assert "get_stock" in str(unknown_tool.value)
+    with pytest.raises(ollama.ResponseError) as no_thinking:
+        olla.chat(model=CODER, messages=ASK, think=True)
+    assert no_thinking.value.status_code == 400
     with pytest.raises(ollama.ResponseError) as no_fim:
         olla.generate(model=QWEN, prompt="def f():", suffix="return 1")
     assert no_fim.value.status_code == 400 and "fill-in-the-middle" in no_fim.value.error.lower()

@@ -361,6 +361,8 @@ def routes(client: Client) -> APIRouter:
                 c = await unless_gone(
                     request, lambda cancel: client.agenerate(req, model=name, cancel=cancel)
                 )
+                if body.think is False:  # as Ollama: no thinking when it was turned off
+                    c.reasoning = ""
                 return _final(head, kind, c, t0, whole=True)
             cancel = threading.Event()
             chunks = await client.agenerate(req, model=name, stream=True, cancel=cancel)
@@ -370,7 +372,9 @@ def routes(client: Client) -> APIRouter:
             raise OllamaError(500, str(e)) from None
         assert not isinstance(chunks, Completion)
         return StreamingResponse(
-            _ndjson(head, kind, chunks, t0, cancel), media_type=NDJSON, status_code=200
+            _ndjson(head, kind, chunks, t0, cancel, body.think is not False),
+            media_type=NDJSON,
+            status_code=200,
         )
 
     @api.post("/api/generate", response_model=None)
@@ -437,14 +441,15 @@ async def _ndjson(
     chunks: AsyncIterator[Chunk],
     t0: float,
     cancel: threading.Event,
+    thinking: bool = True,
 ) -> AsyncIterator[str]:
     def line(obj: dict[str, Any]) -> str:
         return json.dumps(obj) + "\n"
 
     try:
         async for chunk in chunks:
-            if chunk.text or chunk.reasoning:
-                piece = _piece(kind, chunk.text, chunk.reasoning)
+            if chunk.text or (chunk.reasoning and thinking):
+                piece = _piece(kind, chunk.text, chunk.reasoning if thinking else "")
                 yield line({**head, "created_at": _now(), **piece, "done": False})
             if chunk.done and chunk.completion is not None:
                 c = chunk.completion
