@@ -95,6 +95,8 @@ class DecodeEngine:
         # constraint then starts after it.
         think_end = self.tokenizer.encode("</think>", add_special_tokens=False)
         self.think_end: list[int] | None = think_end if len(think_end) == 1 else None
+        think_start = self.tokenizer.encode("<think>", add_special_tokens=False)
+        self.think_start: int | None = think_start[0] if len(think_start) == 1 else None
         self.device = str(mx.default_device())
         self.fingerprint = {
             "architecture": self.cfg["model_type"],
@@ -436,12 +438,14 @@ class DecodeAgent:
             self.loop.call(chunk, ids[start : min(start + PREFILL_STEP, len(ids) - 1)])
         return self.loop.call(last)
 
-    def _matcher(self, req: GenerateRequest) -> Matcher | None:
+    def _matcher(self, req: GenerateRequest, ids: list[int]) -> Matcher | None:
         """The request's output grammar, compiled (or found in the cache) before
         any compute: an invalid or unenforceable schema is a bad request."""
         eng = self.engine
-        # <think> templates: the answer (and its constraint) starts after </think>.
+        # <think> templates: the answer (and its constraint) starts after </think>;
+        # <think> itself comes first unless the prompt opened it.
         thinks = eng.chat.reasoning and eng.chat.kind != "harmony" and req.think is not False
+        opener = eng.think_start if thinks and ids[-1:] != [eng.think_start] else None
         return eng.grammars.matcher(
             req.response_format,
             kind=eng.format_kind,
@@ -449,6 +453,7 @@ class DecodeAgent:
             tool_choice=req.tool_choice,
             trigger=eng.think_end if thinks else None,
             analysis_max_tokens=min(ANALYSIS_MAX_TOKENS, req.max_tokens // 2),
+            opener=opener,
         )
 
     def _generate(self, req: GenerateRequest, sock: socket.socket) -> dict[str, Any]:
@@ -457,7 +462,7 @@ class DecodeAgent:
         ids = eng.encode(req)
         max_tokens = self._max_tokens(req, ids)
         t_grammar = time.perf_counter()
-        matcher = self._matcher(req)
+        matcher = self._matcher(req, ids)
         grammar_ms = (time.perf_counter() - t_grammar) * 1000 if matcher is not None else None
         allowed = eng.grammars.masks([matcher])[0] if matcher is not None else None
         metrics: dict[str, Any] = {

@@ -53,8 +53,12 @@ class Matcher:
         eos: frozenset[int],
         trigger: list[int] | None = None,
         budget: int = ANALYSIS_MAX_TOKENS,
+        opener: int | None = None,
     ) -> None:
         self.inner = inner
+        # The reasoning's opening token (<think>), forced first when the prompt did
+        # not open it: so what comes before the trigger is reasoning, never answer.
+        self.opener = opener
         self.eos = eos
         self.trigger = trigger or []
         self.active = not self.trigger
@@ -75,7 +79,11 @@ class Matcher:
 
     def forced(self) -> int | None:
         """Past the budget: the trigger's next token (continuing a partial one)."""
-        if self.active or self.free < self.budget:
+        if self.active:
+            return None
+        if self.free == 0 and self.opener is not None:
+            return self.opener
+        if self.free < self.budget:
             return None
         for k in range(len(self.trigger) - 1, 0, -1):
             if self.tail[-k:] == self.trigger[:k]:
@@ -156,6 +164,7 @@ class Grammars:
         tool_choice: Any = None,
         trigger: list[int] | None = None,
         analysis_max_tokens: int = ANALYSIS_MAX_TOKENS,
+        opener: int | None = None,
     ) -> Matcher | None:
         """The request's matcher, or None when nothing constrains it.
 
@@ -167,6 +176,7 @@ class Grammars:
         trigger: token ids (e.g. of "</think>") after which the grammar starts.
         analysis_max_tokens: the reasoning's budget (harmony's analysis message, or
             the tokens before the trigger); then the answer is forced to begin.
+        opener: with a trigger, the token that opens the reasoning, forced first.
         """
         from . import grammarfmt  # lark builders; only needed here
 
@@ -190,7 +200,7 @@ class Grammars:
                     else ""
                 )
                 m = self.compile("json:" + canonical(schema), grammar, "response_format")
-                return Matcher(m.deep_copy(), self.eos, trigger, analysis_max_tokens)
+                return Matcher(m.deep_copy(), self.eos, trigger, analysis_max_tokens, opener)
             field = "response_format"
         else:
             return None
@@ -198,7 +208,7 @@ class Grammars:
         m = self.compile("lark:" + lark, grammar, field)
         # harmony's grammar covers the reasoning itself; others start at the trigger
         trigger = trigger if kind != "harmony" else None
-        return Matcher(m.deep_copy(), self.eos, trigger, analysis_max_tokens)
+        return Matcher(m.deep_copy(), self.eos, trigger, analysis_max_tokens, opener)
 
     # -- masks for a batch -------------------------------------------------------
 
@@ -245,7 +255,40 @@ def _tokenizer_json(hf: Any) -> str:
     backend = copy.copy(backend)
     backend.no_padding()
     backend.no_truncation()
-    return str(backend.to_str())
+    return _added_as_text(str(backend.to_str()))
+
+
+def _byte_chars() -> dict[int, str]:
+    """GPT-2's byte -> printable character map, as byte-level BPE vocabs write bytes."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    out, extra = {b: chr(b) for b in keep}, 0
+    for b in range(256):
+        if b not in out:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+def _added_as_text(tokenizer_json: str) -> str:
+    """llguidance takes every added token for a special one (matched only by id), but
+    a byte-level vocab's non-special added tokens (Qwen's <tool_call>, <think>) are
+    text the model writes: move them into the vocab, spelled as the vocab spells
+    bytes, so grammars match them as the text they are."""
+    data = json.loads(tokenizer_json)
+    model = data.get("model") or {}
+    byte_level = "ByteLevel" in json.dumps(data.get("decoder"))
+    if model.get("type") != "BPE" or not byte_level or not isinstance(model.get("vocab"), dict):
+        return tokenizer_json
+    chars = _byte_chars()
+    keep = []
+    for added in data.get("added_tokens") or []:
+        if added.get("special", True):
+            keep.append(added)
+        else:
+            spelled = "".join(chars[b] for b in str(added["content"]).encode())
+            model["vocab"][spelled] = added["id"]
+    data["added_tokens"] = keep
+    return json.dumps(data)
 
 
 def unpack(bits: np.ndarray, vocab_size: int) -> np.ndarray:
@@ -260,7 +303,28 @@ def json_schema_of(response_format: Mapping[str, Any]) -> dict[str, Any]:
     if response_format.get("type") == "json_object":
         return {"type": "object"}
     schema = response_format.get("schema")
-    return dict(schema) if isinstance(schema, Mapping) else {}
+    return closed(schema) if isinstance(schema, Mapping) else {}
+
+
+def closed(schema: Any) -> Any:
+    """`schema` with objects that list properties closed to others unless they say
+    so (`additionalProperties` left out means false), as Ollama's grammars and
+    OpenAI's strict mode have it: otherwise a model may add keys without end."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in ("properties", "$defs", "definitions") and isinstance(value, Mapping):
+            out[key] = {name: closed(sub) for name, sub in value.items()}  # names, not a schema
+        elif key in ("const", "enum", "default", "examples"):
+            out[key] = value  # values, not schemas
+        else:
+            out[key] = closed(value)
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def canonical(schema: Any) -> str:

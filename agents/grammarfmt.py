@@ -53,7 +53,9 @@ def function_of(tool: Any) -> tuple[str, dict[str, Any]]:
     params = fn.get("parameters") or {"type": "object"}  # type: ignore[union-attr]
     if not isinstance(params, Mapping):
         raise RequestError("tools", f"tool {name}: parameters must be a JSON Schema object")
-    return name, dict(params)
+    from .grammar import closed
+
+    return name, dict(closed(params))
 
 
 def forced_tools(tools: Sequence[Any] | None, tool_choice: Any) -> list[tuple[str, dict[str, Any]]]:
