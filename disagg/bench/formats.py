@@ -48,7 +48,7 @@ def long_schema(i: int) -> dict[str, Any]:
     """A grader schema whose reason must be long, so constrained rows decode about
     as many tokens as the unconstrained ones; `i` makes each row's schema its own."""
     s = json.loads(json.dumps(GRADER))
-    s["properties"]["reason"] = {"type": "string", "minLength": 400, "maxLength": 600}
+    s["properties"]["reason"] = {"type": "string", "minLength": 200, "maxLength": 300}
     s["properties"]["score"]["maximum"] = 10 + i
     return s
 
@@ -64,7 +64,7 @@ def _speeds(results: list[Any], wall_s: float) -> dict[str, Any]:
 
 
 def run_formats_bench(
-    model_dir: Path | str, new_tokens: int = 128, repeats: int = 2, say: Say = quiet
+    model_dir: Path | str, new_tokens: int = 64, repeats: int = 2, say: Say = quiet
 ) -> dict[str, Any]:
     from disagg.serving import wireclient
 
@@ -80,11 +80,14 @@ def run_formats_bench(
             }
             if schema is None:
                 req["ignore_eos"] = True  # exactly new_tokens
-            else:
+            else:  # room to finish the JSON: speeds are rates, lengths may differ
                 req["response_format"] = {"type": "json_schema", "schema": schema}
+                req["max_tokens"] = 4 * new_tokens
             # 16 prompts queue at one prefill agent: allow for the wait.
             req["prefill"] = {"host": prefill.host, "port": prefill.port, "timeout": 900}
-            res = wireclient.generate(decode.host, decode.port, req, token=decode.token)
+            res = wireclient.generate(
+                decode.host, decode.port, req, token=decode.token, timeout_s=1800
+            )
             if res.metrics.get("method") != "disaggregated":
                 raise AgentError(f"not disaggregated: {res.metrics.get('fallback_reason')}")
             return res
@@ -113,7 +116,9 @@ def run_formats_bench(
                         )
                     speeds = _speeds(results, time.perf_counter() - t0)
                     if name == "json":  # what the constraint gave is checked, not trusted
-                        speeds["valid"] = all(_valid(r.text) for r in results)
+                        speeds["valid"] = all(
+                            _valid(r.text) and r.metrics["finish_reason"] == "stop" for r in results
+                        )
                     runs[str(batch)][name].append(speeds)
                     say(
                         f"batch {batch} {name}: {speeds['row_tok_s']:.1f} tok/s per row, "
