@@ -39,6 +39,7 @@ class Metrics:
     rerouted_from: list[str] | None = None  # decode agents that failed this request first
     cached_tokens: int | None = None  # prompt positions whose K/V came from a prefix cache
     prefill_cached_tokens: int | None = None  # ... of those, served by the prefill agent's cache
+    grammar_ms: float | None = None  # compiling the output grammar, or finding it cached
     # --- the K/V stream (disaggregated runs) -----------------------------------------
     prefill_address: str | None = None  # the address the decode agent reached it on
     path_failures: list[str] | None = None  # faster addresses that did not answer first
