@@ -134,8 +134,14 @@ def _qwen_xml_call(name: str, params: dict[str, Any]) -> str:
     for arg, sub in props.items():
         if not NAME_RE.match(str(arg)):
             raise RequestError("tools", f"tool {name}: parameter name {arg!r} cannot be written")
-        is_str = isinstance(sub, Mapping) and sub.get("type") == "string" and "enum" not in sub
-        value = _raw_text(sub) if is_str else inline(sub if isinstance(sub, Mapping) else {})
+        sub = sub if isinstance(sub, Mapping) else {}
+        words = sub.get("enum")
+        if isinstance(words, list) and words and all(isinstance(w, str) for w in words):
+            value = "(" + " | ".join(lark_str(w) for w in words) + ")"  # raw, as the parser reads
+        elif sub.get("type") == "string":
+            value = _raw_text(sub)
+        else:
+            value = inline(sub)
         opening = lark_str(f"<parameter={arg}>\n")
         part = f'{opening} {value} "\\n</parameter>\\n"'
         parts.append(part if arg in required else f"({part})?")

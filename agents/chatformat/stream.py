@@ -23,11 +23,20 @@ class ChatStream:
     token completed. Harmony's markup tokens never go through the detokenizer:
     each one flushes it, so no markup text exists at all."""
 
-    def __init__(self, detokenizer: Any, parser: Any, markup: dict[int, str]) -> None:
+    def __init__(
+        self,
+        detokenizer: Any,
+        parser: Any,
+        markup: dict[int, str],
+        hidden: frozenset[int] = frozenset(),
+    ) -> None:
         self.detok = detokenizer
         self.detok.reset()
         self.parser = parser
         self.markup = markup
+        # Special tokens no format gives a meaning (<|im_start|>, <|endoftext|>): in a
+        # chat answer they are never text, as servers skip them (vLLM, Ollama).
+        self.hidden = hidden
         self.content: list[str] = []
         self.reasoning: list[str] = []
         self.tool_calls: list[ToolCall] = []
@@ -42,6 +51,8 @@ class ChatStream:
         name = self.markup.get(tid)
         if name is not None:
             return self._keep(self._flush() + self.parser.special(name))
+        if tid in self.hidden:
+            return self._keep(self._flush())
         self.detok.add_token(tid)
         return self._keep(self.parser.text(self.detok.last_segment))
 
@@ -89,11 +100,14 @@ def open_stream(
     tools: the request's tools; Qwen's tool calls are parsed only when given.
     """
     detok = detokenizer if detokenizer is not None else tokenizer.detokenizer
+    # Raw and FIM prompts keep every token's text, as mlx-lm's own generation does.
+    hidden = frozenset(getattr(tokenizer, "all_special_ids", None) or []) if chat else frozenset()
     if fmt.kind == "harmony":
         markup = {i: n for n, i in fmt.special_ids.items()}
-        return ChatStream(detok, _harmony_after(prompt_ids, markup, tokenizer), markup)
+        harmony = _harmony_after(prompt_ids, markup, tokenizer)
+        return ChatStream(detok, harmony, markup, hidden - set(markup))
     if not chat or (fmt.kind == "plain" and not fmt.reasoning):
-        return ChatStream(detok, PlainParser(), {})
+        return ChatStream(detok, PlainParser(), {}, hidden)
     tool_parser = None
     if tools and fmt.kind in ("qwen_json", "qwen_xml"):
         tool_parser = parse_qwen_xml if fmt.kind == "qwen_xml" else parse_qwen_json
@@ -102,7 +116,7 @@ def open_stream(
     parser = TagParser(
         think=fmt.reasoning, tool_parser=tool_parser, tools=tools, reasoning_first=first
     )
-    return ChatStream(detok, parser, {})
+    return ChatStream(detok, parser, {}, hidden)
 
 
 def _harmony_after(prompt_ids: list[int], markup: dict[int, str], tokenizer: Any) -> HarmonyParser:
