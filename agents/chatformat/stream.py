@@ -101,7 +101,7 @@ def open_stream(
     """
     detok = detokenizer if detokenizer is not None else tokenizer.detokenizer
     # Raw and FIM prompts keep every token's text, as mlx-lm's own generation does.
-    hidden = frozenset(getattr(tokenizer, "all_special_ids", None) or []) if chat else frozenset()
+    hidden = special_ids(tokenizer) if chat else frozenset()
     if fmt.kind == "harmony":
         markup = {i: n for n, i in fmt.special_ids.items()}
         harmony = _harmony_after(prompt_ids, markup, tokenizer)
@@ -117,6 +117,15 @@ def open_stream(
         think=fmt.reasoning, tool_parser=tool_parser, tools=tools, reasoning_first=first
     )
     return ChatStream(detok, parser, {}, hidden)
+
+
+def special_ids(tokenizer: Any) -> frozenset[int]:
+    """Every special token: the named ones (eos, pad, ...) and the added tokens
+    marked special (<|im_start|>, <|file_sep|>, ...), which not all configs name."""
+    ids = set(getattr(tokenizer, "all_special_ids", None) or [])
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    ids |= {int(i) for i, tok in added.items() if getattr(tok, "special", False)}
+    return frozenset(ids)
 
 
 def _harmony_after(prompt_ids: list[int], markup: dict[int, str], tokenizer: Any) -> HarmonyParser:
