@@ -3,6 +3,8 @@ Prometheus text for /metrics. Stdlib only."""
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from collections import Counter
@@ -37,6 +39,22 @@ class Histogram:
             f"{name}_count {self.total}",
         ]
         return out
+
+
+def rss_bytes() -> int | None:
+    """This process's resident memory now (Linux), else its peak (macOS: bytes)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(peak if sys.platform == "darwin" else peak * 1024)
+    except (ImportError, OSError):
+        return None
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -97,6 +115,7 @@ class Stats:
             "ttft_p50_s": percentile(recent, 0.50),
             "ttft_p95_s": percentile(recent, 0.95),
             "ttft_p99_s": percentile(recent, 0.99),
+            "rss_bytes": rss_bytes(),
         }
 
     def prometheus(self) -> str:
