@@ -3,6 +3,7 @@ Prometheus text for /metrics. Stdlib only."""
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -39,6 +40,25 @@ class Histogram:
             f"{name}_count {self.total}",
         ]
         return out
+
+
+class LastError(logging.Handler):
+    """Keeps the agent's last ERROR line (time and message) for /status, so a
+    dashboard can mark an agent that is up but failing."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.last: dict[str, Any] | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            e = record.exc_info[1]
+            text += f": {type(e).__name__}: {e}"
+        self.last = {"at": record.created, "message": text[:500]}
+
+
+LAST_ERROR = LastError()  # installed on the root logger by agents.server.setup_logging
 
 
 def rss_bytes() -> int | None:
@@ -116,6 +136,7 @@ class Stats:
             "ttft_p95_s": percentile(recent, 0.95),
             "ttft_p99_s": percentile(recent, 0.99),
             "rss_bytes": rss_bytes(),
+            "last_error": LAST_ERROR.last,
         }
 
     def prometheus(self) -> str:

@@ -117,7 +117,10 @@ class FleetWatch:
             prefix_hit_rate=pc.get("hit_rate"),
             ttft_p50_s=st.get("ttft_p50_s"),
         )
-        if local is not None:
+        reported = st.get("last_error")
+        if isinstance(reported, dict) and reported.get("message"):
+            row["last_error"] = printable(reported["message"], 300)
+        elif local is not None:
             row["last_error"] = last_error_line(local.log_path)
         return row
 
