@@ -49,8 +49,9 @@ function percentile(values, q) {
 
 function topology(state) {
   const box = document.getElementById("topology");
-  const W = Math.max(320, Math.min(1000, box.clientWidth - 24));
-  const nodeW = Math.min(250, (W - 90) / 2), nodeH = 62, gap = 12;
+  const W = Math.max(280, Math.min(1000, box.clientWidth - 24));
+  const narrow = W < 560; // phones: prefill agents above, decode agents below
+  const nodeH = 62, gap = 12;
   const byName = Object.fromEntries(state.agents.map((a) => [a.name, a]));
   const svg = s("svg", { role: "img", "aria-label": "prefill and decode agents and their links" });
   let y = 4;
@@ -59,24 +60,43 @@ function topology(state) {
     const pre = mine.filter((a) => a.role === "prefill"), dec = mine.filter((a) => a.role === "decode");
     svg.append(s("text", { x: 4, y: y + 14, class: "pipe" }, model));
     y += 24;
-    const rows = Math.max(pre.length, dec.length, 1);
-    const top = y, height = rows * (nodeH + gap);
-    const place = (list, x) => list.map((a, i) => {
-      const ny = top + (height - list.length * (nodeH + gap)) / 2 + i * (nodeH + gap);
-      return { a, x, y: ny };
-    });
-    const P = place(pre, 4), D = place(dec, W - nodeW - 4);
+    let P, D, nodeW, bottom;
+    if (narrow) {
+      const row = (list, ry) => {
+        const w = (W - 8 - gap * (list.length - 1)) / Math.max(list.length, 1);
+        return list.map((a, i) => ({ a, x: 4 + i * (w + gap), y: ry, w }));
+      };
+      P = row(pre, y);
+      D = row(dec, y + nodeH + 56);
+      bottom = y + 2 * nodeH + 56;
+    } else {
+      nodeW = Math.min(260, (W - 90) / 2);
+      const rows = Math.max(pre.length, dec.length, 1), height = rows * (nodeH + gap);
+      const col = (list, x) => list.map((a, i) => ({
+        a, x, w: nodeW, y: y + (height - list.length * (nodeH + gap)) / 2 + i * (nodeH + gap),
+      }));
+      P = col(pre, 4);
+      D = col(dec, W - nodeW - 4);
+      bottom = y + height - gap;
+    }
     for (const l of state.links.filter((l) => l.model === model)) {
       const p = P.find((n) => n.a.name === l.prefill), d = D.find((n) => n.a.name === l.decode);
       if (!p || !d) continue;
-      const x1 = p.x + nodeW, y1 = p.y + nodeH / 2, x2 = d.x, y2 = d.y + nodeH / 2, mx = (x1 + x2) / 2;
       const up = byName[l.prefill]?.up && byName[l.decode]?.up;
-      svg.append(s("path", { d: `M${x1},${y1} C${mx},${y1} ${mx},${y2} ${x2},${y2}`, class: `link${l.requests && up ? " active" : ""}` }));
+      const cls = `link${l.requests && up ? " active" : ""}`;
       const label = l.requests ? `${fmtB(l.bytes_per_s)}/s · ${l.requests} req` : "no K/V yet";
-      svg.append(s("text", { x: mx, y: (y1 + y2) / 2 - 5, "text-anchor": "middle", class: "rate" }, label));
+      if (narrow) {
+        const x1 = p.x + p.w / 2, y1 = p.y + nodeH, x2 = d.x + d.w / 2, y2 = d.y, my = (y1 + y2) / 2;
+        svg.append(s("path", { d: `M${x1},${y1} C${x1},${my} ${x2},${my} ${x2},${y2}`, class: cls }));
+        svg.append(s("text", { x: (x1 + x2) / 2 + 8, y: my + 4, class: "rate" }, label));
+      } else {
+        const x1 = p.x + p.w, y1 = p.y + nodeH / 2, x2 = d.x, y2 = d.y + nodeH / 2, mx = (x1 + x2) / 2;
+        svg.append(s("path", { d: `M${x1},${y1} C${mx},${y1} ${mx},${y2} ${x2},${y2}`, class: cls }));
+        svg.append(s("text", { x: mx, y: (y1 + y2) / 2 - 5, "text-anchor": "middle", class: "rate" }, label));
+      }
     }
-    for (const n of [...P, ...D]) svg.append(node(n, nodeW, nodeH));
-    y = top + height + 6;
+    for (const n of [...P, ...D]) svg.append(node(n, n.w, nodeH));
+    y = bottom + 14;
   }
   svg.setAttribute("viewBox", `0 0 ${W} ${y}`);
   box.replaceChildren(svg);
@@ -85,14 +105,14 @@ function topology(state) {
 function node({ a, x, y }, w, hgt) {
   const g = s("g", { "data-node": a.name, class: a.up ? "up" : "down" });
   g.append(s("rect", { x, y, width: w, height: hgt, rx: 8, class: `node${a.up ? "" : " down"}` }));
-  const chars = Math.floor(w / 7.5);
+  const chars = Math.floor((w - 16) / 7.6), sub = Math.floor((w - 16) / 6.2);
   g.append(s("text", { x: x + 10, y: y + 19 }, clip(`${a.up ? "●" : "✕"} ${a.name}`, chars)));
   const what = [a.role, a.device, a.model_dir].filter(Boolean).join(" · ");
-  g.append(s("text", { x: x + 10, y: y + 36, class: "sub" }, clip(what, chars + 4)));
+  g.append(s("text", { x: x + 10, y: y + 36, class: "sub" }, clip(what, sub)));
   const line3 = a.up
     ? `${a.in_flight ?? 0} in flight · ${a.tokens_per_s ?? 0} tok/s${a.role === "decode" ? ` · batch ${a.batch ?? 0}` : ""}`
-    : clip(a.last_error || a.error || "down", chars + 4);
-  g.append(s("text", { x: x + 10, y: y + 52, class: "sub" }, line3));
+    : clip(a.error || a.last_error || "down", sub);
+  g.append(s("text", { x: x + 10, y: y + 52, class: "sub" }, clip(line3, sub)));
   return g;
 }
 
@@ -110,7 +130,8 @@ function agentCard(a) {
   return h("div", { class: `card agent${a.up ? "" : " down"}`, "data-agent": a.name, "data-up": String(a.up) },
     h("div", { class: "head" }, h("span", { class: "name" }, a.name), h("span", { class: `badge ${a.up ? "up" : "down"}` }, a.up ? "up" : "down")),
     h("dl", {}, rows.map(([k, v]) => [h("dt", {}, k), h("dd", {}, String(v))])),
-    !a.up || a.last_error ? h("div", { class: "err", title: a.error || "" }, a.last_error || a.error || "") : null);
+    a.up ? null : h("div", { class: "err" }, a.error || "down"),
+    a.last_error ? h("div", { class: "err", title: "the agent's last error" }, a.last_error) : null);
 }
 
 // ---- requests ------------------------------------------------------------------
