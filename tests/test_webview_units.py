@@ -21,6 +21,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from disagg.api import Client
+from disagg.fleet.crashes import crash_tail_command, last_error_from_tails
 from disagg.fleet.operations import LogLine, log_commands, merge_by_time, pump_lines
 from disagg.fleet.service import AgentPaths
 from disagg.serving.gateway import create_app
@@ -165,6 +166,27 @@ def test_last_error_line_finds_the_crash(tmp_path: Path) -> None:
     log.write_text("2026-11-23 10:00:00,001 decode ERROR generate failed\n2026 decode INFO ok\n")
     assert last_error_line(log) == "2026-11-23 10:00:00,001 decode ERROR generate failed"
     assert last_error_line(tmp_path / "missing.log") is None
+
+
+def test_a_fleet_agents_crash_line_comes_from_the_file_changed_last(tmp_path: Path) -> None:
+    err, log = tmp_path / "decode.stderr", tmp_path / "decode.log"
+    err.write_text("Traceback (most recent call last):\n  File 'a.py'\nOSError: old crash\n")
+    log.write_text("2026-11-23 10:00:00,001 decode ERROR generate failed: boom\n")
+    cmd = crash_tail_command(str(err), str(log))
+
+    def run() -> str | None:
+        return last_error_from_tails(
+            subprocess.run(["bash", "-c", cmd], capture_output=True, text=True).stdout
+        )
+
+    subprocess.run(["touch", "-d", "2020-01-01", str(err)], check=True)
+    assert run() == "2026-11-23 10:00:00,001 decode ERROR generate failed: boom"
+    subprocess.run(["touch", "-d", "2020-01-01", str(log)], check=True)
+    subprocess.run(["touch", str(err)], check=True)  # the crash is the newest
+    assert run() == "OSError: old crash"
+    err.unlink()
+    log.write_text("2026-11-23 10:00:00,001 decode INFO drained and stopped\n")
+    assert run() is None  # stopped cleanly: nothing to show
 
 
 def test_logs_read_stderr_and_place_the_crash_by_time(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from agents.protocol import AuthError as ProtocolAuthError
 from agents.protocol import printable
 from disagg.errors import AgentError, DisaggError, ModelError
 from disagg.fleet import service
+from disagg.fleet.crashes import crash_tail_command, last_error_from_tails
 from disagg.fleet.inventory import Agent, Host, Inventory
 from disagg.fleet.service import AgentPaths, host_python, probe, remote_root, service_kind
 from disagg.fleet.ssh import HostResult, Session, connect_host, on_hosts, q
@@ -259,6 +260,26 @@ def status(inv: Inventory, hosts: list[str] | None = None) -> list[AgentStatus]:
     for t in threads:
         t.join()
     return [r for h in chosen for r in rows.get(h.name, [])]
+
+
+# ---- crash lines ----------------------------------------------------------------------
+
+
+def crash_line(inv: Inventory, agent_name: str) -> str | None:
+    """Over SSH, the last error of a deployed agent named ROLE@HOST (as the
+    inventory names it); None when it has none or its host cannot be reached."""
+    role, _, host_name = agent_name.partition("@")
+    host = inv.hosts.get(host_name)
+    if host is None or role not in ("prefill", "decode"):
+        return None
+    try:
+        with connect_host(host, inv.ssh) as session:
+            root = remote_root(host, probe(session))
+            paths = AgentPaths(root, role)
+            out = session.run(crash_tail_command(paths.stderr, paths.log), timeout_s=10).out
+    except DisaggError:
+        return None
+    return last_error_from_tails(out)
 
 
 # ---- logs -----------------------------------------------------------------------------

@@ -14,17 +14,19 @@ from pathlib import Path
 from typing import Any
 
 from agents.protocol import AuthError, printable
+from disagg.fleet.crashes import last_error_in
 from disagg.serving.control import control_status
 from disagg.webview.tracker import RequestLog
 
 POLL_EVERY_S = 1.0
+CRASH_EVERY_S = 30.0  # a down fleet agent's last error is read over SSH at most this often
 POLL_TIMEOUT_S = 1.5
 RATE_WINDOW_S = 30.0  # tokens/s and link rates over the last this many seconds
 
 
 def last_error_line(log_path: Path, max_bytes: int = 64 << 10) -> str | None:
-    """The line a crash ends with (`RuntimeError: ...` after a traceback), or the
-    last ERROR line, from the end of an agent's log; None if neither."""
+    """The last error (a crash's closing line, or an ERROR line) at the end of a
+    local agent's log, where its stderr goes too; None if none."""
     try:
         with log_path.open("rb") as f:
             f.seek(0, 2)
@@ -32,14 +34,7 @@ def last_error_line(log_path: Path, max_bytes: int = 64 << 10) -> str | None:
             lines = f.read().decode(errors="replace").splitlines()
     except OSError:
         return None
-    for i in range(len(lines) - 1, -1, -1):
-        line = lines[i]
-        if line.startswith("Traceback (most recent call last)"):
-            tail = [x for x in lines[i + 1 :] if x and not x.startswith((" ", "\t"))]
-            return printable(tail[0] if tail else line, 300)
-        if " ERROR " in line or line.startswith("FAILED "):
-            return printable(line, 300)
-    return None
+    return last_error_in(lines)
 
 
 def _device(st: dict[str, Any]) -> str | None:
@@ -60,9 +55,33 @@ class FleetWatch:
         self.client = client
         self.log = log
         self.lock = threading.Lock()
+        self.lock_crashes = threading.Lock()
         self.polled_at = 0.0
         self.agents: list[dict[str, Any]] = []
         self.pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ui-poll")
+        # Fleet agents that stopped answering: their last error, read over SSH in the
+        # background (name -> (when asked, line)); the poll never waits for it.
+        self.crashes: dict[str, tuple[float, str | None]] = {}
+        self.ssh = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ui-ssh")
+
+    def _fleet_crash(self, name: str) -> str | None:
+        inv = getattr(self.client, "inventory", None)
+        if inv is None:
+            return None
+        now = time.monotonic()
+        with self.lock_crashes:
+            asked = self.crashes.get(name)
+            if asked is None or now - asked[0] > CRASH_EVERY_S:
+                self.crashes[name] = (now, asked[1] if asked else None)
+                self.ssh.submit(self._read_crash, inv, name, now)
+            return self.crashes[name][1]
+
+    def _read_crash(self, inv: Any, name: str, asked: float) -> None:
+        from disagg.fleet.operations import crash_line  # SSH: only for a fleet
+
+        line = crash_line(inv, name)
+        with self.lock_crashes:
+            self.crashes[name] = (asked, line)
 
     def _endpoints(self) -> list[tuple[str, str, Any]]:
         pipes = self.client.router.pipelines.values()
@@ -98,6 +117,8 @@ class FleetWatch:
             row["error"] = printable(e, 200)
             if local is not None:
                 row["last_error"] = last_error_line(local.log_path)
+            else:
+                row["last_error"] = self._fleet_crash(ep.name)
             return row
         pc = st.get("prefix_cache") or {}
         row.update(

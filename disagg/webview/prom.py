@@ -134,7 +134,9 @@ class GatewayMetrics:
                         continue
                     lab = (("model", model),)
                     for edge, c in zip(h.buckets, h.counts, strict=True):
-                        out.append(f"{P}_{name}_bucket{_labels((*lab, ('le', f'{edge:g}')))} {c}")
+                        out.append(
+                            f"{P}_{name}_bucket{_labels((*lab, ('le', f'{edge:.12g}')))} {c}"
+                        )
                     out.append(f"{P}_{name}_bucket{_labels((*lab, ('le', '+Inf')))} {h.total}")
                     out.append(f"{P}_{name}_sum{_labels(lab)} {h.sum}")
                     out.append(f"{P}_{name}_count{_labels(lab)} {h.total}")
