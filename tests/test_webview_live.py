@@ -188,6 +188,45 @@ def test_a_request_sent_after_the_page_opened_appears_with_its_timeline(
     assert kv["x"] < pre["x"] + pre["width"] and pre["x"] < kv["x"] + kv["width"]
 
 
+@needs_browser
+def test_an_in_flight_request_shows_while_it_runs(gateways: Any, browser: Any) -> None:
+    _, url = gateways["open"]
+    browser.get(f"{url}/ui")
+    wait_for(lambda: agents_on_page(browser), 30, "page did not load")
+    prompt = f"Count from one to one hundred in words. ({time.time():.0f})"
+    oai = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+    done = threading.Event()
+
+    def long_request() -> None:
+        # A raw prompt that runs on: about 120 tokens at this box's decode speed.
+        oai.completions.create(model=MODEL, prompt=prompt, max_tokens=120, temperature=0)
+        done.set()
+
+    worker = threading.Thread(target=long_request)
+    worker.start()
+    try:
+
+        def running() -> Any:
+            for r in browser.find_elements("css selector", ".req[data-state=running]"):
+                if prompt[:30] in r.text:
+                    return r.text
+            return None
+
+        text = wait_for(running, 30, "the request never showed as running")
+        assert "prefilling" in text or "decoding" in text
+        assert not done.is_set()
+    finally:
+        worker.join(300)
+    wait_for(
+        lambda: any(
+            prompt[:30] in r.text
+            for r in browser.find_elements("css selector", ".req[data-state=done]")
+        ),
+        15,
+        "the finished request never showed as done",
+    )
+
+
 def test_every_grafana_panel_names_a_metric_the_live_gateway_exports(gateways: Any) -> None:
     _, url = gateways["open"]
     ask(url, "Say hi.")

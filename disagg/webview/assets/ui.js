@@ -161,7 +161,9 @@ function segments(r) {
 }
 
 function requestRow(r) {
-  const label = r.state === "done" ? r.method || "done" : r.state;
+  // Where a running request is: before its first token (queued or prefilling), or decoding.
+  const where = r.tokens ? "decoding" : "prefilling";
+  const label = r.state === "done" ? r.method || "done" : r.state === "running" ? where : r.state;
   const servers = [r.prefill_server, r.decode_server].filter(Boolean).join(" → ");
   const nums = r.state === "done"
     ? [h("div", {}, `ttft ${fmtS(r.ttft)}`), h("div", { class: "muted" }, `${r.tokens} tok · ${fmtS(r.elapsed)}`)]
