@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .kvcodec import Codec
+from .metrics import ema
 
 MARGIN = 1.10  # a compressing codec must be at least this much faster than raw
 # A KV frame smaller than this may sit whole in the socket buffer before we
 # read it, so its read time says nothing about the link: not measured.
 MIN_LINK_FRAME = 256 << 10
-ALPHA = 0.3  # weight of the newest observation in each moving average
 
 
 @dataclass(frozen=True)
@@ -77,10 +77,6 @@ def pick_codec(
         if rate > best_rate:
             best, best_rate = codec, rate
     return best
-
-
-def _ema(old: float | None, new: float) -> float:
-    return new if old is None else (1 - ALPHA) * old + ALPHA * new
 
 
 @dataclass
@@ -138,7 +134,7 @@ class CodecTuner:
     def observe_link(self, wire_bytes: float, seconds: float) -> None:
         if _ok(wire_bytes) and _ok(seconds):
             with self.lock:
-                self.link_bps = _ema(self.link_bps, wire_bytes / seconds)
+                self.link_bps = ema(self.link_bps, wire_bytes / seconds)
 
     def observe_codec(
         self,
@@ -153,11 +149,11 @@ class CodecTuner:
             return
         with self.lock:
             a = self.codecs.setdefault(codec, _Avg())
-            a.ratio = _ema(a.ratio, raw_bytes / wire_bytes)
+            a.ratio = ema(a.ratio, raw_bytes / wire_bytes)
             if encode_s is not None and _ok(encode_s):
-                a.encode_bps = _ema(a.encode_bps, raw_bytes / encode_s)
+                a.encode_bps = ema(a.encode_bps, raw_bytes / encode_s)
             if decode_s is not None and _ok(decode_s):
-                a.decode_bps = _ema(a.decode_bps, raw_bytes / decode_s)
+                a.decode_bps = ema(a.decode_bps, raw_bytes / decode_s)
 
     def observe_fetch(self, m: Mapping[str, Any]) -> None:
         """Learn from one fetch's metrics (`agents.kvfetch.fetch_kv`).

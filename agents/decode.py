@@ -27,15 +27,15 @@ from .batching import DecodeLoop, Sampler, Seq, make_sampler, sample_rows
 from .codecpick import CodecTuner
 from .kvcodec import Codec, LayerKV
 from .kvfetch import PrefillUnavailable, fetch_kv
+from .kvplace import MX_DTYPES, cache_kinds, fill_layer
 from .metrics import Stats
-from .mlxcache import MX_DTYPES, cache_kinds, fill_layer
-from .mlxprefix import DecodePrefix, Hit
-from .models import UnsupportedModel, get_adapter, load_hf_config
+from .models import get_adapter, load_hf_config
 from .placement import Placement
-from .prefixcache import default_max_mb
+from .prefix.decode_side import DecodePrefix, Hit
+from .prefix.store import default_max_mb
 from .quant import check_supported, weights_identity
-from .request import GenerateRequest, RequestError
-from .server import common_args, fail, load_token, serve, setup_logging
+from .request import GenerateRequest, PrefillRequest, RequestError
+from .server import common_args, fail, serve, start_agent
 
 log = logging.getLogger("disagg.decode")
 
@@ -230,7 +230,6 @@ class DecodeAgent:
         if req.prefill is None:
             metrics["method"] = "decode-only"
             return caches, None
-        target = req.prefill.to_wire()
         key = f"{','.join(req.prefill.hosts)}:{req.prefill.port}"
         tuner: CodecTuner | None = None
         probe = False
@@ -242,7 +241,6 @@ class DecodeAgent:
             metrics["codec_reason"] = why
         else:
             codec = Codec(int(req.codec))
-        kv_quant = req.kv_quant
         where, why = self.placement.choose(key, len(ids))
         if req.placement in ("local", "remote"):
             where, why = req.placement, "placement forced by the request"
@@ -271,19 +269,18 @@ class DecodeAgent:
             fills.append(self.loop.post(fill_layer, cache, own, prompt_len))
 
         try:
-            fetched, logits = fetch_kv(
-                target,
+            prefix = self.prefix.remote_prefix(hit, ids)
+            ask = PrefillRequest(
                 ids,
-                caches,
-                hello,
-                codec,
-                self.token,
-                self.engine.vocab_size,
-                probe,
-                place,
-                kv_quant=kv_quant,
-                prefix=self.prefix.remote_prefix(hit, ids),
-                prefill_cache=req.prefix_cache,
+                codec=int(codec),
+                kv_quant=req.kv_quant,
+                start=prefix.start if prefix else 0,
+                prefix_digest=prefix.digest if prefix else None,
+                prefix_cache=req.prefix_cache,
+                probe_codecs=probe,
+            )
+            fetched, logits = fetch_kv(
+                req.prefill, ask, caches, hello, self.token, self.engine.vocab_size, place, prefix
             )
             for f in fills:
                 f.result()
@@ -479,7 +476,7 @@ def timeline(
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
+def main() -> None:
     parser = common_args("decode")
     parser.add_argument(
         "--max-batch",
@@ -488,27 +485,17 @@ def main(argv: list[str] | None = None) -> None:
         help="most requests decoded together in one step; more wait for a free slot",
     )
     parser.add_argument(
-        "--prefix-cache-mb",
-        type=float,
-        default=None,
-        help="memory for prompt K/V reused across requests sharing a prefix "
-        f"(default min(2 GiB, 10%% of RAM): {default_max_mb()} MB here; 0: off)",
-    )
-    parser.add_argument(
         "--allow-mixed",
         action="store_true",
         help="accept prefill agents whose weights differ from ours (metrics say so)",
     )
-    args = parser.parse_args(argv)
-    if args.max_batch < 1:
-        fail("--max-batch must be at least 1")
-    setup_logging("decode", args.log_file, args.log_max_bytes)
-    token = load_token(args.token_file)
-    try:
-        engine = DecodeEngine(args.model, dtype=args.dtype, device=args.device)
-    except UnsupportedModel as e:
-        fail(str(e))
-    log.info("loaded %s on %s as %s", args.model, engine.device, engine.dtype)
+
+    def load(args: Any) -> DecodeEngine:
+        if args.max_batch < 1:
+            fail("--max-batch must be at least 1")
+        return DecodeEngine(args.model, dtype=args.dtype, device=args.device)
+
+    args, token, engine = start_agent("decode", parser, load)
     agent = DecodeAgent(
         engine,
         args.name or f"decode@{socket.gethostname()}",

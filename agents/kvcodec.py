@@ -23,6 +23,7 @@ import numpy as np
 import zstandard
 
 from .protocol import DEFAULT_MAX_FRAME, ProtocolError
+from .request import check_kv_quant as check_quant  # noqa: F401  (one check, re-exported)
 
 # layer, kind, dtype, codec, base, heads, seq, k_dim, v_dim, k_len, v_len
 # (base was a pad byte, always 0: old lossless frames parse unchanged)
@@ -49,8 +50,6 @@ class Kind(enum.IntEnum):
 
 WIRE_NUMPY = {DType.FLOAT32: np.float32, DType.FLOAT16: np.float16, DType.BFLOAT16: np.uint16}
 DTYPE_NAMES = {"float32": DType.FLOAT32, "float16": DType.FLOAT16, "bfloat16": DType.BFLOAT16}
-# Request values of "kv_quant": None (or "none") is lossless, the default.
-KV_QUANTS = ("int8",)
 QMAX = 127  # symmetric: -127..127, so -x quantizes to -q
 SCALE_DTYPE = np.dtype(np.float32)
 
@@ -76,16 +75,6 @@ class QuantKV:
     values: np.ndarray  # [heads, seq, v_dim] int8
     k_scale: np.ndarray  # [heads, seq] float32
     v_scale: np.ndarray  # [heads, seq] float32
-
-
-def check_quant(name: object) -> str | None:
-    """A request's "kv_quant" as "int8" or None (lossless); ValueError otherwise."""
-    if name is None or name == "none":
-        return None
-    if isinstance(name, str) and name in KV_QUANTS:
-        return name
-    allowed = ", ".join(repr(q) for q in KV_QUANTS)
-    raise ValueError(f"unknown kv_quant {name!r}: use {allowed}, or 'none' / leave it out")
 
 
 def to_float32(a: np.ndarray, dtype: DType) -> np.ndarray:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -14,16 +15,15 @@ from . import protocol as P
 from .codecpick import MIN_LINK_FRAME
 from .kvcodec import (
     LAYER_HEADER,
-    Codec,
     Kind,
     LayerKV,
     block_bytes,
-    check_quant,
     decode_layer,
     layer_cap,
 )
-from .mlxcache import check_layer, fill_layer
-from .prefixcache import Prefix
+from .kvplace import check_layer, fill_layer
+from .prefix.store import Prefix
+from .request import PrefillRequest, PrefillTarget
 
 # Puts one received layer into its cache: fill_layer itself, or a hand-off of a
 # copy to the thread that owns mlx (the reader's buffer is reused for the next).
@@ -42,12 +42,6 @@ class PrefillUnavailable(Exception):
         self.kind = kind
 
 
-def target_hosts(target: dict[str, Any]) -> list[str]:
-    """Data-plane addresses to try, fastest path first."""
-    hosts = target.get("hosts") or [target.get("host")]
-    return [str(h) for h in hosts if h]
-
-
 def dial(hosts: list[str], port: int, timeout_s: float) -> tuple[socket.socket, str, list[str]]:
     """Connect to the first address that answers; also return why the others failed."""
     failures: list[str] = []
@@ -62,43 +56,58 @@ def dial(hosts: list[str], port: int, timeout_s: float) -> tuple[socket.socket, 
     )
 
 
-def fetch_kv(
-    target: dict[str, Any],
-    ids: list[int],
-    caches: list[Any],
-    hello: dict[str, Any],
-    codec: Codec,
-    token: bytes | None = None,
-    vocab_size: int | None = None,
-    probe: bool = False,
-    place: Place = fill_layer,
-    kv_quant: str | None = None,
-    prefix: Prefix | None = None,
-    prefill_cache: bool = True,
-) -> tuple[dict[str, Any], np.ndarray]:
-    """Fill `caches` with the K/V of `ids` from the prefill agent; return metrics
-    and the float32 logits of the prompt's last position. With `probe`, the
-    prefill agent also measures its other codecs on one layer (`codec_probe`).
-    With `kv_quant` "int8" the K/V travels lossy as int8 rows (kvcodec) and is
-    dequantized here; a lossless stream is taken too (an older prefill agent).
-    With `prefix`, the decode side holds the first `prefix.start` positions and
-    asks only for the rest; a full-attention layer that arrives as just those
-    is extended with them (an older prefill agent sends all: taken as is).
-    `prefill_cache` False asks the prefill agent not to use its own cache.
+@dataclass
+class Session:
+    """An open, authenticated connection to a prefill agent that took our HELLO."""
 
-    Raises PrefillUnavailable when the agent is down, slow past its timeout, fails,
-    or drops the stream (the caller prefills locally); RemoteError only for a
-    model mismatch, which must never be papered over by a local prefill.
-    """
-    kv_quant = check_quant(kv_quant)  # ValueError before we dial
-    port = int(target["port"])
-    timeout_s = float(target.get("timeout", 60.0))
-    t0 = time.perf_counter()
-    sock, host, failures = dial(target_hosts(target), port, timeout_s)
-    addr = f"{host}:{port}"
-    metrics: dict[str, Any] = {
+    sock: socket.socket
+    addr: str
+    hello_ok: dict[str, Any]
+    failures: list[str]  # addresses tried first that did not answer
+
+
+@dataclass
+class Received:
+    """What one PREFILL's stream delivered, beyond the K/V placed in the caches."""
+
+    logits: np.ndarray
+    done: dict[str, Any]  # the PREFILL_DONE frame
+    t_sent: float  # perf_counter when the PREFILL went out
+    first: float | None  # ... when the first and the last layer were placed
+    last: float | None
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+def open_session(target: PrefillTarget, hello: dict[str, Any], token: bytes | None) -> Session:
+    """Dial the target's addresses in order, prove ourselves, and say HELLO."""
+    timeout_s = target.timeout or 60.0
+    sock, host, failures = dial(target.hosts, target.port, timeout_s)
+    try:
+        sock.settimeout(timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        P.client_auth(sock, token)
+        P.send_json(sock, P.Frame.HELLO, hello)
+        _, ok = P.recv_json(sock, P.Frame.HELLO_OK)
+    except BaseException:
+        sock.close()
+        raise
+    return Session(sock, f"{host}:{target.port}", ok, failures)
+
+
+def receive_layers(
+    sock: socket.socket,
+    request: PrefillRequest,
+    caches: list[Any],
+    fingerprint: dict[str, Any],
+    vocab_size: int | None,
+    place: Place,
+    prefix: Prefix | None,
+) -> Received:
+    """Send the PREFILL and take its stream: each layer checked and placed as it
+    arrives, then the last position's logits and PREFILL_DONE."""
+    ids = request.token_ids
+    m: dict[str, Any] = {
         "kv_bytes": 0,
-        "codec": int(codec),
         "kv_payload_bytes": 0,  # K/V blocks as sent (compressed or not)
         "kv_raw_bytes": 0,  # K/V blocks expanded (int8 rows + scales when quantized)
         "kv_quant": None,  # how the layers arrived: None lossless, "int8"
@@ -106,86 +115,107 @@ def fetch_kv(
         "kv_link_bytes": 0,  # large frames only: see agents.codecpick
         "kv_link_time": 0.0,
     }
+    P.send_json(sock, P.Frame.PREFILL, request.to_wire())
+    t_sent = time.perf_counter()
+    first = last = None
+    logits: np.ndarray | None = None
+    got: set[int] = set()
+    heads, head_dim = int(fingerprint["num_kv_heads"]), int(fingerprint["head_dim"])
+    # What one layer of this prompt may expand to, and may take on the wire
+    # (zstd's worst case is a little over raw): more is a lie, refused unread.
+    cap = layer_cap(heads, len(ids), head_dim)
+    wire_cap = cap + cap // 128 + (64 << 10)
+    max_frame = max(wire_cap, 4 * (vocab_size or 0), P.CONTROL_MAX_FRAME)
+    # One buffer for every layer: fill_layer copies out.
+    reader = P.FrameReader(sock, max_frame)
+    while True:
+        header, payload = reader.read()
+        if header.type == P.Frame.KV_LAYER:
+            t_payload = time.perf_counter()
+            if header.length >= MIN_LINK_FRAME:
+                # From the header's arrival: time on the wire, not waiting for compute.
+                m["kv_link_bytes"] += header.length
+                m["kv_link_time"] += t_payload - reader.header_at
+            kv = decode_layer(payload, max_bytes=cap)
+            m["kv_decode_time"] += time.perf_counter() - t_payload
+            if kv.quant is not None and kv.quant != request.kv_quant:
+                raise P.ProtocolError(f"{kv.quant} K/V for a request that asked for lossless")
+            m["kv_quant"] = kv.quant
+            # The codec's own bytes, so codecpick's ratio is not the quantizer's.
+            m["kv_raw_bytes"] += block_bytes(kv)
+            m["kv_payload_bytes"] += len(payload) - LAYER_HEADER.size
+            if not 0 <= kv.layer < len(caches) or kv.layer in got:
+                raise P.ProtocolError(f"unexpected KV for layer {kv.layer}")
+            if kv.keys.shape[0] != heads or kv.keys.shape[2] != head_dim:
+                raise P.ProtocolError(f"layer {kv.layer} K/V has shape {kv.keys.shape}")
+            if prefix and kv.kind == Kind.FULL and kv.keys.shape[1] == len(ids) - prefix.start:
+                kv = prefix.extend(kv)
+            try:
+                check_layer(caches[kv.layer], kv, len(ids))
+                place(caches[kv.layer], kv, len(ids))
+            except ValueError as e:  # token count or cache kind does not fit
+                raise P.ProtocolError(str(e)) from None
+            last = time.perf_counter()
+            if first is None:
+                first = last
+                m["kv_first_layer_at"] = time.time()
+            got.add(kv.layer)
+            m["kv_bytes"] += P.HEADER.size + len(payload)
+        elif header.type == P.Frame.LOGITS:
+            if len(payload) % 4:
+                raise P.ProtocolError(f"LOGITS of {len(payload)} bytes: not float32s")
+            logits = np.frombuffer(bytes(payload), np.float32)
+            if vocab_size and logits.shape[0] != vocab_size:
+                raise P.ProtocolError(f"{logits.shape[0]} logits for a vocab of {vocab_size}")
+        elif header.type == P.Frame.PREFILL_DONE:
+            done = P.decode_json(header, bytes(payload))
+            break
+        elif header.type == P.Frame.ERROR:
+            raise P.error_from(header, payload)
+        else:
+            raise P.ProtocolError(f"unexpected {header.type.name} during KV stream")
+    if len(got) != len(caches) or logits is None:
+        raise P.ProtocolError(
+            f"prefill sent {len(got)} of {len(caches)} layers, "
+            f"{'no' if logits is None else ''} logits"
+        )
+    return Received(logits, done, t_sent, first, last, m)
+
+
+def fetch_kv(
+    target: PrefillTarget,
+    request: PrefillRequest,
+    caches: list[Any],
+    hello: dict[str, Any],
+    token: bytes | None = None,
+    vocab_size: int | None = None,
+    place: Place = fill_layer,
+    prefix: Prefix | None = None,
+) -> tuple[dict[str, Any], np.ndarray]:
+    """Fill `caches` with the K/V of `request.token_ids` from the prefill agent;
+    return metrics and the float32 logits of the prompt's last position.
+
+    With `request.kv_quant` "int8" the K/V travels lossy as int8 rows and is
+    dequantized here (a lossless stream is taken too: an older prefill agent).
+    With `prefix`, the decode side holds the first `prefix.start` positions and
+    asked only for the rest; a full-attention layer that arrives as just those
+    is extended with them (an older prefill agent sends all: taken as is).
+
+    Raises PrefillUnavailable when the agent is down, slow past its timeout, fails,
+    or drops the stream (the caller prefills locally); RemoteError only for a
+    model mismatch, which must never be papered over by a local prefill.
+    """
+    t0 = time.perf_counter()
+    addr = f"{target.hosts[0]}:{target.port}"
     try:
-        sock.settimeout(timeout_s)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        P.client_auth(sock, token)
-        P.send_json(sock, P.Frame.HELLO, hello)
-        _, ok = P.recv_json(sock, P.Frame.HELLO_OK)
-        request: dict[str, Any] = {"token_ids": ids, "codec": int(codec)}
-        if probe:
-            request["probe_codecs"] = True
-        if kv_quant:
-            request["kv_quant"] = kv_quant  # absent when lossless: older agents never see it
-        if prefix is not None:  # absent without a hit: older agents never see it
-            request.update(start=prefix.start, prefix_digest=prefix.digest)
-        if not prefill_cache:
-            request["prefix_cache"] = False
-        P.send_json(sock, P.Frame.PREFILL, request)
-        t_sent = time.perf_counter()
-        first = last = None
-        logits: np.ndarray | None = None
-        got: set[int] = set()
-        fp = hello["fingerprint"]
-        # What one layer of this prompt may expand to, and may take on the wire
-        # (zstd's worst case is a little over raw): more is a lie, refused unread.
-        cap = layer_cap(int(fp["num_kv_heads"]), len(ids), int(fp["head_dim"]))
-        wire_cap = cap + cap // 128 + (64 << 10)
-        max_frame = max(wire_cap, 4 * (vocab_size or 0), P.CONTROL_MAX_FRAME)
-        # One buffer for every layer: fill_layer copies out.
-        reader = P.FrameReader(sock, max_frame)
-        while True:
-            header, payload = reader.read()
-            t_header = reader.header_at
-            if header.type == P.Frame.KV_LAYER:
-                t_payload = time.perf_counter()
-                if header.length >= MIN_LINK_FRAME:
-                    # From the header's arrival: time on the wire, not waiting for compute.
-                    metrics["kv_link_bytes"] += header.length
-                    metrics["kv_link_time"] += t_payload - t_header
-                kv = decode_layer(payload, max_bytes=cap)
-                metrics["kv_decode_time"] += time.perf_counter() - t_payload
-                if kv.quant is not None and kv.quant != kv_quant:
-                    raise P.ProtocolError(f"{kv.quant} K/V for a request that asked for lossless")
-                metrics["kv_quant"] = kv.quant
-                # The codec's own bytes, so codecpick's ratio is not the quantizer's.
-                metrics["kv_raw_bytes"] += block_bytes(kv)
-                metrics["kv_payload_bytes"] += len(payload) - LAYER_HEADER.size
-                if not 0 <= kv.layer < len(caches) or kv.layer in got:
-                    raise P.ProtocolError(f"unexpected KV for layer {kv.layer}")
-                if kv.keys.shape[0] != fp["num_kv_heads"] or kv.keys.shape[2] != fp["head_dim"]:
-                    raise P.ProtocolError(f"layer {kv.layer} K/V has shape {kv.keys.shape}")
-                if prefix and kv.kind == Kind.FULL and kv.keys.shape[1] == len(ids) - prefix.start:
-                    kv = prefix.extend(kv)
-                try:
-                    check_layer(caches[kv.layer], kv, len(ids))
-                    place(caches[kv.layer], kv, len(ids))
-                except ValueError as e:  # token count or cache kind does not fit
-                    raise P.ProtocolError(str(e)) from None
-                last = time.perf_counter()
-                if first is None:
-                    first = last
-                    metrics["kv_first_layer_at"] = time.time()
-                got.add(kv.layer)
-                metrics["kv_bytes"] += P.HEADER.size + len(payload)
-            elif header.type == P.Frame.LOGITS:
-                if len(payload) % 4:
-                    raise P.ProtocolError(f"LOGITS of {len(payload)} bytes: not float32s")
-                logits = np.frombuffer(bytes(payload), np.float32)
-                if vocab_size and logits.shape[0] != vocab_size:
-                    raise P.ProtocolError(f"{logits.shape[0]} logits for a vocab of {vocab_size}")
-            elif header.type == P.Frame.PREFILL_DONE:
-                done = P.decode_json(header, bytes(payload))
-                break
-            elif header.type == P.Frame.ERROR:
-                raise P.error_from(header, payload)
-            else:
-                raise P.ProtocolError(f"unexpected {header.type.name} during KV stream")
-        if len(got) != len(caches) or logits is None:
-            raise P.ProtocolError(
-                f"prefill sent {len(got)} of {len(caches)} layers, "
-                f"{'no' if logits is None else ''} logits"
+        session = open_session(target, hello, token)
+        addr = session.addr
+        try:
+            got = receive_layers(
+                session.sock, request, caches, hello["fingerprint"], vocab_size, place, prefix
             )
+        finally:
+            session.sock.close()
     except (OSError, P.ProtocolError, MemoryError) as e:
         why = P.printable(e)
         kind = "timeout" if isinstance(e, TimeoutError) else "stream"
@@ -198,27 +228,35 @@ def fetch_kv(
             raise  # the user must see this; prefilling locally would hide it
         why = f"{P.printable(e.code, 40)}: {P.printable(e.message)}"
         raise PrefillUnavailable(f"prefill agent {addr} failed: {why}", "prefill_error") from e
-    finally:
-        sock.close()
-    metrics.update(
-        prefill_time=done.get("prefill_time"),
-        prefill_server=ok.get("server") or addr,
-        weights=ok.get("weights", "same"),
-        prefill_address=addr,
-        kv_transfer_time=(last - first) if first and last else 0.0,
-        kv_wait_time=(first - t_sent) if first else None,
-        kv_fetch_time=time.perf_counter() - t0,
-        prefill_last_layer_at=done.get("last_layer_at"),
-        kv_encode_time=done.get("kv_encode_time"),
-        kv_quant_time=done.get("kv_quant_time"),
-        prefill_cached_tokens=int(done.get("cached_tokens") or 0),
-        prefill_queue_time=done.get("queue_time"),
-    )
-    # perf_counter times on this host for the caller's timeline (agents.decode
-    # turns them into offsets); never sent on.
-    metrics["marks"] = {"sent": t_sent, "kv_first": first, "kv_last": last}
+    return fetch_metrics(request, session, got, t0), got.logits
+
+
+def fetch_metrics(
+    request: PrefillRequest, session: Session, got: Received, t0: float
+) -> dict[str, Any]:
+    """The metrics of one fetch, in the names results carry."""
+    done, ok = got.done, session.hello_ok
+    m = {
+        **got.metrics,
+        "codec": request.codec,
+        "prefill_time": done.get("prefill_time"),
+        "prefill_server": ok.get("server") or session.addr,
+        "weights": ok.get("weights", "same"),
+        "prefill_address": session.addr,
+        "kv_transfer_time": (got.last - got.first) if got.first and got.last else 0.0,
+        "kv_wait_time": (got.first - got.t_sent) if got.first else None,
+        "kv_fetch_time": time.perf_counter() - t0,
+        "prefill_last_layer_at": done.get("last_layer_at"),
+        "kv_encode_time": done.get("kv_encode_time"),
+        "kv_quant_time": done.get("kv_quant_time"),
+        "prefill_cached_tokens": int(done.get("cached_tokens") or 0),
+        "prefill_queue_time": done.get("queue_time"),
+        # perf_counter times on this host for the caller's timeline (agents.decode
+        # turns them into offsets); never sent on.
+        "marks": {"sent": got.t_sent, "kv_first": got.first, "kv_last": got.last},
+    }
     if isinstance(done.get("codec_probe"), dict):
-        metrics["codec_probe"] = done["codec_probe"]
-    if failures:
-        metrics["path_failures"] = failures
-    return metrics, logits
+        m["codec_probe"] = done["codec_probe"]
+    if session.failures:
+        m["path_failures"] = session.failures
+    return m

@@ -15,6 +15,12 @@ from typing import Any
 BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BUCKETS_BYTES = tuple(float(1 << s) for s in range(10, 34, 2))  # 1 KiB .. 8 GiB, x4 apart
 WINDOW = 1000  # recent TTFTs kept for percentiles
+EMA_ALPHA = 0.3  # weight of the newest observation in the agents' moving averages
+
+
+def ema(old: float | None, new: float) -> float:
+    """An exponential moving average's next value (the first observation as is)."""
+    return new if old is None else (1 - EMA_ALPHA) * old + EMA_ALPHA * new
 
 
 class Histogram:

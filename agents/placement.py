@@ -12,11 +12,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-ALPHA = 0.3  # weight of the newest observation in each moving average
-
-
-def _ema(old: float | None, new: float) -> float:
-    return new if old is None else (1 - ALPHA) * old + ALPHA * new
+from .metrics import ema
 
 
 @dataclass
@@ -37,12 +33,12 @@ class Placement:
     def observe_local(self, tokens: int, seconds: float) -> None:
         if tokens > 1 and seconds > 0:
             with self.lock:
-                self.local_tokens_per_s = _ema(self.local_tokens_per_s, tokens / seconds)
+                self.local_tokens_per_s = ema(self.local_tokens_per_s, tokens / seconds)
 
     def observe_step(self, seconds: float) -> None:
         if seconds > 0:
             with self.lock:
-                self.step_s = _ema(self.step_s, seconds)
+                self.step_s = ema(self.step_s, seconds)
 
     def observe_remote(self, key: str, tokens: int, layers: int, m: dict[str, float]) -> None:
         """`m`: the metrics of one KV fetch (prefill_time, kv_fetch_time, kv_bytes, ...)."""
@@ -51,11 +47,11 @@ class Placement:
             return
         with self.lock:
             r = self.remote.setdefault(key, RemoteRates())
-            r.tokens_per_s = _ema(r.tokens_per_s, tokens / prefill_s)
-            r.handshake_s = _ema(r.handshake_s, max(0.0, fetch_s - prefill_s))
+            r.tokens_per_s = ema(r.tokens_per_s, tokens / prefill_s)
+            r.handshake_s = ema(r.handshake_s, max(0.0, fetch_s - prefill_s))
             r.layer_bytes_per_token = m["kv_bytes"] / layers / tokens
             if m.get("kv_transfer_time"):
-                r.bytes_per_s = _ema(r.bytes_per_s, m["kv_bytes"] / m["kv_transfer_time"])
+                r.bytes_per_s = ema(r.bytes_per_s, m["kv_bytes"] / m["kv_transfer_time"])
 
     def choose(self, key: str, tokens: int) -> tuple[str, str]:
         """("remote" | "local", why) for a prompt of `tokens` to prefill."""

@@ -26,17 +26,17 @@ from .kvcodec import (
     LayerKV,
     QuantKV,
     block_bytes,
-    check_quant,
     decode_layer,
     encode_layer,
     quantize_layer,
 )
 from .metrics import Stats
-from .models import UnsupportedModel, get_adapter, layer_kinds_from_hf, load_hf_config
-from .prefillcache import PrefillPrefix
-from .prefixcache import default_max_mb, prefix_digest
+from .models import get_adapter, layer_kinds_from_hf, load_hf_config
+from .prefix.prefill_side import PrefillPrefix
+from .prefix.store import default_max_mb, prefix_digest
 from .quant import check_supported, weights_identity, weights_mismatch
-from .server import common_args, fail, load_token, serve, setup_logging
+from .request import PrefillRequest, RequestError
+from .server import common_args, serve, start_agent
 
 log = logging.getLogger("disagg.prefill")
 
@@ -210,7 +210,7 @@ class LayerSender:
     ) -> None:
         self.sock = sock
         self.codec = codec
-        self.kv_quant = check_quant(kv_quant)
+        self.kv_quant = kv_quant
         self.probe_layer = probe_layer
         self.probe: dict[str, dict[str, float]] = {}
         self.q: queue.Queue[LayerKV | None] = queue.Queue()
@@ -353,36 +353,19 @@ class PrefillAgent:
             if not self._prefill_one(sock, peer, req):
                 return
 
-    def _prefill_one(self, sock: socket.socket, peer: str, req: dict[str, Any]) -> bool:
-        ids = req.get("token_ids")
-        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
-            P.send_error(sock, "bad_request", "PREFILL needs a non-empty list of token ids")
-            return False
-        vocab = int(self.engine.cfg.get("vocab_size") or 0)
-        if vocab and any(i < 0 or i >= vocab for i in ids):
-            P.send_error(sock, "bad_request", f"token id out of range 0..{vocab - 1}")
-            return False
+    def _prefill_one(self, sock: socket.socket, peer: str, frame: dict[str, Any]) -> bool:
         try:
-            codec = Codec(int(req.get("codec", 0)))
-        except ValueError:
-            P.send_error(sock, "bad_request", f"unknown codec {req.get('codec')}")
-            return False
-        try:
-            kv_quant = check_quant(req.get("kv_quant"))
-        except ValueError as e:
+            req = PrefillRequest.from_dict(frame, int(self.engine.cfg.get("vocab_size") or 0))
+            digest = req.prefix_digest
+            if digest is not None and digest != prefix_digest(req.token_ids[: req.start]):
+                raise RequestError("prefix_digest", "prefix_digest does not match the start tokens")
+        except RequestError as e:
             P.send_error(sock, "bad_request", str(e))
             return False
-        start = req.get("start", 0)
-        if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start < len(ids):
-            P.send_error(sock, "bad_request", f"start must be in 0..{len(ids) - 1}, got {start!r}")
-            return False
-        digest = req.get("prefix_digest")
-        if digest is not None and digest != prefix_digest(ids[:start]):
-            P.send_error(sock, "bad_request", "prefix_digest does not match the first start tokens")
-            return False
-        prefix = self.prefix if req.get("prefix_cache", True) is not False else None
+        ids, start, kv_quant, codec = req.token_ids, req.start, req.kv_quant, Codec(req.codec)
+        prefix = self.prefix if req.prefix_cache else None
         self.stats.begin()
-        probe = self.engine.fingerprint["num_layers"] // 2 if req.get("probe_codecs") else None
+        probe = self.engine.fingerprint["num_layers"] // 2 if req.probe_codecs else None
         sender = LayerSender(sock, codec, probe, kv_quant)
         outcome, result = "error", None
         after: list[Callable[[], None]] = []  # the prefix cache's store, once all is sent
@@ -429,26 +412,16 @@ class PrefillAgent:
             self.stats.end(outcome, result)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main() -> None:
     parser = common_args("prefill")
     parser.add_argument("--fault-layer-delay", type=float, default=0.0, help=argparse.SUPPRESS)
-    parser.add_argument(
-        "--prefix-cache-mb",
-        type=float,
-        default=None,
-        help="memory for prompt K/V reused across prompts sharing a prefix "
-        f"(default min(2 GiB, 10%% of RAM): {default_max_mb()} MB here; 0: off)",
+    args, token, engine = start_agent(
+        "prefill",
+        parser,
+        lambda a: PrefillEngine(
+            a.model, device=a.device, dtype=a.dtype, layer_delay_s=a.fault_layer_delay
+        ),
     )
-    args = parser.parse_args(argv)
-    setup_logging("prefill", args.log_file, args.log_max_bytes)
-    token = load_token(args.token_file)
-    try:
-        engine = PrefillEngine(
-            args.model, device=args.device, dtype=args.dtype, layer_delay_s=args.fault_layer_delay
-        )
-    except UnsupportedModel as e:
-        fail(str(e))
-    log.info("loaded %s on %s as %s", args.model, engine.device, engine.dtype)
     agent = PrefillAgent(
         engine,
         args.name or f"prefill@{socket.gethostname()}",

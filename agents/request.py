@@ -1,8 +1,10 @@
-"""One generate request: its fields, defaults and limits, defined once.
+"""The two requests on the wire, their fields, defaults and limits, defined once.
 
-The CLI, the Python API, batch files and the gateway build a `GenerateRequest`;
-it travels as the GENERATE frame's JSON (`to_wire`), and the decode agent checks
-what arrives with the same `from_dict`. Stdlib only: agents ship alone.
+`GenerateRequest`: every front door (CLI, Python API, batch files, the OpenAI and
+Ollama gateways) turns its input into one; it travels as the GENERATE frame's
+JSON (`to_wire`) and the decode agent parses it once with `from_dict`.
+`PrefillRequest`: what a decode agent asks a prefill agent for (the PREFILL
+frame), checked once on the prefill agent. Stdlib only: agents ship alone.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
+from dataclasses import replace as _replace
 from typing import Any
 
 # Limits, in one place. OpenAI and Ollama both take temperature up to 2.
@@ -22,6 +25,7 @@ ROLES = ("system", "user", "assistant", "tool", "developer")
 PLACEMENTS = ("auto", "local", "remote")
 KV_QUANTS = (None, "int8")
 CODECS = (0, 1, 2, "auto")  # raw, zstd, shuffle+zstd, or chosen per link
+WIRE_CODECS = (0, 1, 2)  # what a PREFILL may ask for: "auto" is resolved before
 
 
 class RequestError(ValueError):
@@ -123,7 +127,8 @@ class GenerateRequest:
         return out
 
     def replace(self, **changes: Any) -> GenerateRequest:
-        return GenerateRequest.from_dict({**self.as_dict(), **changes})
+        """A copy with `changes`, checked like any request."""
+        return _replace(self, **changes)
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -184,13 +189,78 @@ def check(r: GenerateRequest) -> None:
         raise RequestError(
             "placement", f"placement must be one of {', '.join(PLACEMENTS)}, got {r.placement!r}"
         )
-    if r.kv_quant not in KV_QUANTS:
-        raise RequestError(
-            "kv_quant", f"kv_quant {r.kv_quant!r}: use 'int8', or 'none' / leave it out"
-        )
+    check_kv_quant(r.kv_quant)
     if isinstance(r.codec, bool) or r.codec not in CODECS:
         raise RequestError(
             "codec", f"unknown codec {r.codec!r}: 0 raw, 1 zstd, 2 shuffle+zstd, or auto"
         )
     if r.prefill is not None and not isinstance(r.prefill, PrefillTarget):
         raise RequestError("prefill", "prefill must be a PrefillTarget")
+
+
+def check_kv_quant(kv_quant: Any) -> str | None:
+    """None (lossless) or "int8"; "none" means None."""
+    kv_quant = None if kv_quant == "none" else kv_quant
+    if kv_quant not in KV_QUANTS:
+        raise RequestError(
+            "kv_quant", f"kv_quant {kv_quant!r}: use 'int8', or 'none' / leave it out"
+        )
+    return kv_quant
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    """The PREFILL frame: a prompt's token ids and how to send their K/V back.
+
+    Optional fields are left off the wire at their defaults, so a prefill agent
+    of an older release never sees what it would not know.
+    """
+
+    token_ids: list[int]
+    codec: int = 0  # 0 raw, 1 zstd, 2 shuffle+zstd (kvcodec.Codec)
+    kv_quant: str | None = None  # "int8": lossy 8-bit rows
+    start: int = 0  # positions the decode side already holds (a prefix cache hit)
+    prefix_digest: str | None = None  # digest of token_ids[:start], checked by the prefill side
+    prefix_cache: bool = True  # False: the prefill agent neither uses nor fills its cache
+    probe_codecs: bool = False  # also time the other codecs on one layer
+
+    @classmethod
+    def from_dict(cls, d: Any, vocab_size: int | None = None) -> PrefillRequest:
+        """Check a received PREFILL; `vocab_size` bounds the token ids."""
+        if not isinstance(d, Mapping):
+            raise RequestError("request", "PREFILL must be a JSON object")
+        ids = d.get("token_ids")
+        if not isinstance(ids, list) or not ids or not all(_is_int(i) for i in ids):
+            raise RequestError("token_ids", "PREFILL needs a non-empty list of token ids")
+        if vocab_size and any(i < 0 or i >= vocab_size for i in ids):
+            raise RequestError("token_ids", f"token id out of range 0..{vocab_size - 1}")
+        codec = d.get("codec", 0)
+        if not _is_int(codec) or codec not in WIRE_CODECS:
+            raise RequestError("codec", f"unknown codec {codec!r}")
+        start = d.get("start", 0)
+        if not _is_int(start) or not 0 <= start < len(ids):
+            raise RequestError("start", f"start must be in 0..{len(ids) - 1}, got {start!r}")
+        digest = d.get("prefix_digest")
+        if digest is not None and not isinstance(digest, str):
+            raise RequestError("prefix_digest", "prefix_digest must be text")
+        return cls(
+            token_ids=ids,
+            codec=codec,
+            kv_quant=check_kv_quant(d.get("kv_quant")),
+            start=start,
+            prefix_digest=digest,
+            prefix_cache=d.get("prefix_cache", True) is not False,
+            probe_codecs=d.get("probe_codecs") is True,
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"token_ids": self.token_ids, "codec": self.codec}
+        if self.kv_quant:
+            out["kv_quant"] = self.kv_quant
+        if self.start:
+            out.update(start=self.start, prefix_digest=self.prefix_digest)
+        if not self.prefix_cache:
+            out["prefix_cache"] = False
+        if self.probe_codecs:
+            out["probe_codecs"] = True
+        return out

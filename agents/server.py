@@ -24,11 +24,12 @@ import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, NoReturn, Protocol
+from typing import Any, NoReturn, Protocol, TypeVar
 
 from . import protocol as P
 from .httpauth import PROOF_HEADER, ServerAuth
 from .metrics import LAST_ERROR, Stats
+from .prefix.store import default_max_mb
 
 log = logging.getLogger("disagg.agent")
 
@@ -130,7 +131,35 @@ def common_args(role: str) -> argparse.ArgumentParser:
         default=30.0,
         help="on SIGTERM, seconds to let in-flight requests finish",
     )
+    p.add_argument(
+        "--prefix-cache-mb",
+        type=float,
+        default=None,
+        help="memory for prompt K/V reused across requests sharing a prefix "
+        f"(default min(2 GiB, 10%% of RAM): {default_max_mb()} MB here; 0: off)",
+    )
     return p
+
+
+E = TypeVar("E")
+
+
+def start_agent(
+    role: str, parser: argparse.ArgumentParser, load: Callable[[argparse.Namespace], E]
+) -> tuple[argparse.Namespace, bytes | None, E]:
+    """An agent's start, whatever its role: options, logging, the cluster token, and
+    the engine `load` builds (an unsupported model ends here with one FAILED line)."""
+    from .models import UnsupportedModel
+
+    args = parser.parse_args()
+    setup_logging(role, args.log_file, args.log_max_bytes)
+    token = load_token(args.token_file)
+    try:
+        engine = load(args)
+    except UnsupportedModel as e:
+        fail(str(e))
+    log.info("loaded %s on %s as %s", args.model, engine.device, engine.dtype)  # type: ignore[attr-defined]
+    return args, token, engine
 
 
 def load_token(path: str | None) -> bytes | None:

@@ -11,14 +11,16 @@ import asyncio
 import queue
 import tempfile
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agents.request import GenerateRequest
 from disagg.errors import DisaggError, UsageError
 from disagg.serving.defaultmodel import Say, resolve_model
 from disagg.serving.localagents import AgentProc, make_token_file, start_local_agents
+from disagg.serving.metrics import Metrics
 from disagg.serving.request import build_request
 from disagg.serving.router import Endpoint, Route, Router, StopGeneration
 from disagg.serving.stops import StopMatcher
@@ -28,7 +30,7 @@ from disagg.serving.stops import StopMatcher
 class Completion:
     text: str
     token_ids: list[int]
-    metrics: dict[str, Any]
+    metrics: Metrics
     finish_reason: str  # "stop" (EOS or a stop sequence) or "length"
     model: str
 
@@ -128,46 +130,34 @@ class Client:
 
     def generate(
         self,
+        request: GenerateRequest | None = None,
+        *,
         model: str | None = None,
-        prompt: str | None = None,
-        messages: list[dict[str, Any]] | None = None,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        stop: str | list[str] | None = None,
         stream: bool = False,
         cancel: threading.Event | None = None,
-        **extra: Any,
+        **fields: Any,
     ) -> Completion | Iterator[Chunk]:
         """Text plus the seed's metrics, or with stream=True an iterator of chunks
-        whose last one has done=True and the Completion. Setting `cancel` stops
-        decoding at the next token (a gateway's client hung up)."""
-        if (prompt is None) == (messages is None):
-            raise UsageError("give exactly one of prompt= or messages=")
-        req = build_request(
-            prompt,
-            messages=messages,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            stop=stop,
-            **extra,
-        )
+        whose last one has done=True and the Completion.
+
+        `request`: a `GenerateRequest`; or its fields as keywords (prompt= or
+        messages=, max_tokens=, temperature=, top_p=, stop=, seed=, ...). Setting
+        `cancel` stops decoding at the next token (a gateway's client hung up).
+        """
+        request = _request_from(request, fields)
         name = self.router.pipeline(model).name
-        stops = list(req.get("stop", []))
         if stream:
-            return self._stream(name, req, stops, cancel)
-        return self._run(name, req, stops, lambda _text: None, cancel)
+            return self._stream(name, request, cancel)
+        return self._run(name, request, lambda _text: None, cancel)
 
     def _run(
         self,
         model: str,
-        req: dict[str, Any],
-        stops: list[str],
-        emit: Any,
+        req: GenerateRequest,
+        emit: Callable[[str], None],
         cancel: threading.Event | None = None,
     ) -> Completion:
-        matcher = StopMatcher(stops)
+        matcher = StopMatcher(req.stop)
         count = 0
 
         def on_token(tok: dict[str, Any]) -> None:
@@ -184,23 +174,18 @@ class Client:
         try:
             result = self.router.run(model, req, on_token=on_token)
         except StopGeneration:
-            return Completion(
-                matcher.text, [], {"completion_tokens": count, "method": None}, "stop", model
-            )
+            return Completion(matcher.text, [], Metrics(completion_tokens=count), "stop", model)
         tail = matcher.flush()
         if tail:
             emit(tail)
         m = result.metrics
-        reason = m.get("finish_reason") or (
-            "length" if m.get("completion_tokens") == req["max_tokens"] else "stop"
-        )
+        reason = m.finish_reason or ("length" if m.completion_tokens == req.max_tokens else "stop")
         return Completion(result.text, result.token_ids, m, reason, model)
 
     def _stream(
         self,
         model: str,
-        req: dict[str, Any],
-        stops: list[str],
+        req: GenerateRequest,
         cancel: threading.Event | None = None,
     ) -> Iterator[Chunk]:
         q: queue.Queue[Chunk | BaseException] = queue.Queue()
@@ -213,7 +198,7 @@ class Client:
 
         def work() -> None:
             try:
-                done = self._run(model, req, stops, emit, cancelled)
+                done = self._run(model, req, emit, cancelled)
                 q.put(Chunk("", done=True, completion=done))
             except BaseException as e:  # handed to the consumer's thread
                 q.put(e)
@@ -230,15 +215,35 @@ class Client:
         finally:
             cancelled.set()
 
-    async def agenerate(self, *args: Any, **kwargs: Any) -> Completion | AsyncIterator[Chunk]:
+    async def agenerate(
+        self,
+        request: GenerateRequest | None = None,
+        *,
+        model: str | None = None,
+        stream: bool = False,
+        cancel: threading.Event | None = None,
+        **fields: Any,
+    ) -> Completion | AsyncIterator[Chunk]:
         """The async twin of generate: awaits a Completion, or gives an async iterator."""
-        if not kwargs.get("stream"):
-            result = await asyncio.to_thread(self.generate, *args, **kwargs)
+        request = _request_from(request, fields)
+        if not stream:
+            result = await asyncio.to_thread(self.generate, request, model=model, cancel=cancel)
             assert isinstance(result, Completion)
             return result
-        chunks = self.generate(*args, **kwargs)
+        chunks = self.generate(request, model=model, stream=True, cancel=cancel)
         assert not isinstance(chunks, Completion)
         return _aiter(chunks)
+
+
+def _request_from(request: GenerateRequest | None, fields: dict[str, Any]) -> GenerateRequest:
+    """The Python API takes a request, or its fields as keywords."""
+    if request is None:
+        if ("prompt" in fields) == ("messages" in fields):
+            raise UsageError("give exactly one of prompt= or messages=")
+        return build_request(**fields)
+    if fields:
+        raise UsageError(f"give a request or its fields, not both: {', '.join(fields)}")
+    return request
 
 
 async def _aiter(chunks: Iterator[Chunk]) -> AsyncIterator[Chunk]:
@@ -256,4 +261,4 @@ async def _aiter(chunks: Iterator[Chunk]) -> AsyncIterator[Chunk]:
             close()
 
 
-__all__ = ["Chunk", "Client", "Completion", "DisaggError"]
+__all__ = ["Chunk", "Client", "Completion", "DisaggError", "GenerateRequest", "Metrics"]

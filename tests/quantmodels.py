@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from disagg.bench.quantize import mlx_quantized, publish, quant_cache
 from disagg.serving.defaultmodel import ensure_default_model
-from disagg.serving.quantize import mlx_quantized, publish, quant_cache
 from tests.tinymodels import make_tiny
 
 E2M1_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float64)

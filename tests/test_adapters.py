@@ -127,7 +127,7 @@ def disaggregated(pre: Any, dec: Any, ids: list[int], n: int) -> tuple[list[int]
     from agents.batching import DecodeLoop, Seq
     from agents.decode import first_token
     from agents.kvcodec import Codec, LayerKV, decode_layer, encode_layer
-    from agents.mlxcache import fill_layer
+    from agents.kvplace import fill_layer
 
     layers: list[LayerKV] = []
     _, logits = pre.prefill(ids, layers.append)

@@ -30,7 +30,7 @@ def test_bf16_run_equals_mlx_continued_from_the_same_kv(
     from mlx_lm.models.cache import make_prompt_cache
 
     from agents.decode import DecodeEngine
-    from agents.mlxcache import fill_layer
+    from agents.kvplace import fill_layer
     from agents.prefill import PrefillEngine
 
     prefill, decode = bf16_agents

@@ -11,6 +11,7 @@ import pytest
 from disagg.errors import UsageError
 from disagg.serving import wireclient as client
 from disagg.serving.localagents import AgentProc
+from disagg.serving.metrics import SEED_NAMES
 from tests.conftest import ask
 
 from .references import hf_greedy, mlx_greedy
@@ -106,7 +107,7 @@ def test_layers_stream_while_prefill_computes(long_run: client.Result) -> None:
 def test_metrics_have_the_seed_names(smol_agents: tuple[AgentProc, AgentProc]) -> None:
     res = run(smol_agents, "Say hello.", max_tokens=4)
     m = res.metrics
-    for name in client.METRIC_NAMES:
+    for name in SEED_NAMES:
         assert m[name] is not None, name
     assert m["prefill_server"] == "prefill@127.0.0.1" and m["decode_server"] == "decode@127.0.0.1"
     assert m["completion_tokens"] == 4 and m["prompt_tokens"] == len(res.prompt_ids or [])

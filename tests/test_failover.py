@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from agents.request import GenerateRequest
 from disagg.errors import AgentError
 from disagg.serving.localagents import AgentProc, start_local_agents
 from disagg.serving.router import Endpoint, Route, Router
@@ -85,13 +86,9 @@ def decoders(tiny_dir: Path, tmp_path: Path) -> Iterator[tuple[AgentProc, list[A
         agent.stop()
 
 
-LONG_DECODE: dict[str, Any] = {
-    "prompt": PROMPT,
-    "raw": True,
-    "max_tokens": 3000,
-    "ignore_eos": True,
-    "placement": "remote",
-}
+LONG_DECODE = GenerateRequest(
+    prompt=PROMPT, raw=True, max_tokens=3000, ignore_eos=True, placement="remote"
+)
 
 
 def test_decode_killed_alone_is_a_clear_error_within_the_timeout(
@@ -130,7 +127,7 @@ def test_decode_killed_with_a_sibling_is_rerouted_and_completes(
     router = Router(
         [Route("tiny", [endpoint(prefill)], [endpoint(d) for d in decodes])], token=prefill.token
     )
-    req = {**LONG_DECODE, "max_tokens": 1500}
+    req = LONG_DECODE.replace(max_tokens=1500)
     undisturbed = router.run("tiny", req)
     seen: list[int] = []
     box: dict[str, Any] = {}

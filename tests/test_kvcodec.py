@@ -46,7 +46,7 @@ def test_round_trip_is_bit_exact(dtype: torch.dtype, wire: K.DType, codec: K.Cod
 def test_bf16_bits_survive_into_mlx() -> None:
     import mlx.core as mx
 
-    from agents.mlxcache import to_mx
+    from agents.kvplace import to_mx
 
     k, _ = torch_kv(torch.bfloat16)
     kv = K.decode_layer(

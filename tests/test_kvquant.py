@@ -76,6 +76,7 @@ def test_fetch_kv_int8_over_a_socket(
 
     from agents.kvcodec import Codec
     from agents.kvfetch import fetch_kv
+    from agents.request import PrefillRequest, PrefillTarget
 
     _, dec = engines
     ids = chat_ids(dec)
@@ -84,16 +85,10 @@ def test_fetch_kv_int8_over_a_socket(
         caches = make_prompt_cache(dec.model)
         # prefill_cache=False: both runs compute the whole prompt, so the logits match bit
         # for bit (a prefill-side prefix hit computes only the suffix: last bits may differ).
-        runs[quant] = fetch_kv(
-            prefill_target,
-            ids,
-            caches,
-            hello(dec),
-            Codec.RAW,
-            probe=True,
-            kv_quant=quant,
-            prefill_cache=False,
+        ask = PrefillRequest(
+            ids, codec=Codec.RAW, kv_quant=quant, prefix_cache=False, probe_codecs=True
         )
+        runs[quant] = fetch_kv(PrefillTarget.from_dict(prefill_target), ask, caches, hello(dec))
         assert all(c.offset == len(ids) for c in caches)
     (lossless, logits), (int8, int8_logits) = runs[None], runs["int8"]
     assert (lossless["kv_quant"], int8["kv_quant"]) == (None, "int8")

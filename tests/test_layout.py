@@ -3,6 +3,9 @@
 - `agents` ships alone to the hosts: it never imports `disagg`.
 - Only `disagg.cli` imports typer; nothing imports `disagg.cli`.
 - rich only in `disagg.cli` and the benchmarks' tables (`disagg.bench`).
+- Arrows run one way, up: `disagg.serving` (what the API is built on) never imports
+  the API or the front doors; the API never imports the front doors
+  (`disagg.frontends`: gateways, guard, batch runner).
 """
 
 from __future__ import annotations
@@ -60,6 +63,17 @@ def test_nothing_imports_the_cli() -> None:
 def test_rich_only_in_cli_and_bench() -> None:
     assert violations("disagg", "rich", ("disagg/cli/", "disagg/bench/")) == []
     assert violations("agents", "rich") == []
+
+
+def test_serving_never_imports_the_api_or_front_doors() -> None:
+    assert violations("disagg/serving", "disagg.api") == []
+    assert violations("disagg/serving", "disagg.frontends") == []
+    assert violations("disagg/fleet", "disagg.frontends") == []
+
+
+def test_the_api_never_imports_the_front_doors() -> None:
+    api = REPO / "disagg" / "api.py"
+    assert not [n for n in imports(api) if n.startswith("disagg.frontends")]
 
 
 @pytest.mark.parametrize(

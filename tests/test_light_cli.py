@@ -14,7 +14,7 @@ for argv in (["--help"], ["status", "--help"], ["deploy", "--help"], ["serve", "
     sys.argv = ["disagg", *argv]
     with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
         main()
-import disagg.api, disagg.fleet.deploy, disagg.fleet.operations, disagg.serving.gateway
+import disagg.api, disagg.fleet.deploy, disagg.fleet.operations, disagg.frontends.gateway
 print(json.dumps({m: m in sys.modules for m in ("agents.fastblas", "mlx.core", "torch")}))
 """
 

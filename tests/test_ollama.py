@@ -18,7 +18,7 @@ import pytest
 import uvicorn
 
 from disagg.api import Client
-from disagg.serving.gateway import create_app
+from disagg.frontends.gateway import create_app
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.slow

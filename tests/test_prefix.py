@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from agents.prefixcache import BLOCK_TOKENS as BLOCK
+from agents.prefix.store import BLOCK_TOKENS as BLOCK
 from disagg.serving.localagents import AgentProc, make_token_file, spawn_agent, wait_ready
 from disagg.serving.wireclient import Result
 from tests.conftest import PairFactory, ask, start_serve

@@ -3,7 +3,7 @@ LRU by bytes that evicts a chain's tail before its head."""
 
 from __future__ import annotations
 
-from agents.prefixcache import Block, PrefixCache, block_keys, prefix_digest
+from agents.prefix.store import Block, PrefixCache, block_keys, prefix_digest
 from disagg.cli.render_fleet import _prefix_cache
 
 

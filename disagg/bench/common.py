@@ -22,7 +22,6 @@ from rich.table import Table
 
 from agents import fastblas
 from agents.protocol import AuthError
-from disagg.errors import AgentError
 from disagg.serving.defaultmodel import Say
 from disagg.units import fmt
 
@@ -173,7 +172,8 @@ def disaggregated(
 ) -> tuple[Result, list[float]]:
     """Run `request` on `decode` with its KV from `prefill`; the result and each
     token's arrival (perf_counter seconds). Raises AgentError unless disaggregated."""
-    from disagg.serving import wireclient
+    from disagg.serving.pair import run_remote
+    from disagg.serving.request import build_request
 
     stamps: list[float] = []
 
@@ -181,19 +181,9 @@ def disaggregated(
         if ev.get("id") is not None:
             stamps.append(time.perf_counter())
 
-    # placement "remote": never let the decode agent choose to prefill itself; and the
-    # whole prompt every time (benches repeat prompts; --prefix measures the cache).
-    target = {"host": prefill.host, "port": prefill.port}
-    full = {"prefix_cache": False, **request, "prefill": target, "placement": "remote"}
-    result = wireclient.generate(
-        decode.host, decode.port, full, on_token=on_token, timeout_s=timeout_s, token=decode.token
-    )
-    if result.metrics.get("method") != "disaggregated":
-        raise AgentError(
-            "the benchmark request was not disaggregated: "
-            f"{result.metrics.get('fallback_reason') or result.metrics.get('method')}"
-        )
-    return result, stamps
+    # The whole prompt every time (benches repeat prompts; --prefix measures the cache).
+    req = build_request(**{"prefix_cache": False, **request})
+    return run_remote(prefill, decode, req, on_token=on_token, timeout_s=timeout_s), stamps
 
 
 # ---- table cells -------------------------------------------------------------------------

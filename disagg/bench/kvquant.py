@@ -3,7 +3,7 @@
 Per prompt, on a real model, in this process: `agents.prefill.PrefillEngine`
 computes the prompt's K/V and last-position logits; every layer goes through
 `kvcodec` twice, lossless and int8, into two sets of mlx caches of
-`agents.decode.DecodeEngine`'s model (`agents.mlxcache.fill_layer`), and mlx-lm's
+`agents.decode.DecodeEngine`'s model (`agents.kvplace.fill_layer`), and mlx-lm's
 `generate_step` decodes greedily on from each. Measured:
 
 * bytes: the KV_LAYER frames of each, raw and with shuffle+zstd, and the ratio;
@@ -100,7 +100,7 @@ def through_wire(
 def fill_caches(model: Any, layers: list[LayerKV], prompt_len: int) -> list[Any]:
     from mlx_lm.models.cache import make_prompt_cache
 
-    from agents.mlxcache import fill_layer
+    from agents.kvplace import fill_layer
 
     caches = make_prompt_cache(model)
     for kv in layers:

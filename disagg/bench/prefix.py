@@ -24,7 +24,6 @@ from typing import Any
 
 from rich.table import Table
 
-from disagg.errors import AgentError
 from disagg.units import fmt
 
 Say = Callable[[str], None]
@@ -71,8 +70,10 @@ def run_prefix_bench(
 ) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
+    from agents.request import GenerateRequest
     from disagg.serving import wireclient as client
     from disagg.serving.localagents import start_local_pair
+    from disagg.serving.pair import run_remote
 
     model_dir = Path(model_dir)
     date = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -87,25 +88,19 @@ def run_prefix_bench(
     prefill, decode = start_local_pair(model_dir)
     t0 = time.perf_counter()
     try:
-        target = {"host": prefill.host, "port": prefill.port}
 
         def ask(user: str, cache: bool) -> client.Result:
-            req = {
-                "messages": [
+            req = GenerateRequest(
+                messages=[
                     {"role": "system", "content": rubric},
                     {"role": "user", "content": user},
                 ],
-                "max_tokens": new_tokens,
-                "ignore_eos": True,
-                "return_prompt_ids": True,
-                "placement": "remote",
-                "prefill": target,
-                "prefix_cache": cache,
-            }
-            res = client.generate(decode.host, decode.port, req, token=decode.token)
-            if res.metrics.get("method") != "disaggregated":
-                raise AgentError(f"not disaggregated: {res.metrics.get('fallback_reason')}")
-            return res
+                max_tokens=new_tokens,
+                ignore_eos=True,
+                return_prompt_ids=True,
+                prefix_cache=cache,
+            )
+            return run_remote(prefill, decode, req)
 
         runs: dict[str, list[client.Result]] = {}
         primer_ids: list[int] = []

@@ -198,7 +198,7 @@ def run_quant_weights_bench(
     say: Say = quiet,
 ) -> dict[str, Any]:
     """Every figure for one quantized dir (default: SmolLM2 4-bit, converted once)."""
-    from disagg.serving.quantize import default_quantized
+    from disagg.bench.quantize import default_quantized
 
     stamp = Stamp()
     model_dir = model_dir or default_quantized(say=say)

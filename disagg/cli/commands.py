@@ -99,6 +99,7 @@ def generate(
     as_json: Json = False,
 ) -> None:
     """Generate text: prefill agent -> KV over TCP -> decode agent."""
+    from disagg.frontends.batch import BatchItem, load_requests
     from disagg.serving.request import build_request
 
     opts: dict[str, Any] = dict(
@@ -113,15 +114,13 @@ def generate(
         raise UsageError(f"--kv-quant {kv_quant!r}: use int8, or leave it out")
     if kv_quant == "int8":
         opts["kv_quant"] = "int8"
+    # The request is built and checked before any agent starts.
+    items: list[BatchItem] = []
     if batch is not None:
-        from disagg.serving.batch import load_requests
-
-        requests = load_requests(batch)
+        items = load_requests(batch, opts)
     elif prompt is None:
         raise UsageError('give a prompt, e.g. disagg generate --local "Hi", or --batch FILE')
-    else:
-        build_request(prompt, **opts)  # bad input fails before any agent starts
-        requests = []
+    request = build_request(prompt=prompt, **opts) if prompt is not None else None
     models: list[str | None] = list(model) if model else [None]
     with _open_client(
         local, models, inventory, dtype, prefill_model=prefill_model, allow_mixed=allow_mixed
@@ -130,30 +129,33 @@ def generate(
         names = (
             list(client.model_dirs) if local else [client.router.pipeline(m).name for m in models]
         )
-        if batch is not None or len(names) > 1:
-            if not requests:
-                requests = [
-                    {"id": i + 1, "model": n, "prompt": prompt} for i, n in enumerate(names)
-                ]
-            _run_many(client, requests, opts, names[0], batch, out_file, as_json)
+        if request is not None and batch is None and len(names) == 1:
+            _run_one(client, names[0], request, as_json)
             return
-        _run_one(client, names[0], prompt or "", opts, as_json)
+        if request is not None and not items:
+            items = [BatchItem(i + 1, n, request) for i, n in enumerate(names)]
+        _run_many(client, items, names[0], batch, out_file, as_json)
 
 
-def _run_one(client: Any, name: str, prompt: str, opts: dict[str, Any], as_json: bool) -> None:
+def _run_one(client: Any, name: str, request: Any, as_json: bool) -> None:
     from disagg.cli.render import metrics_table
 
     if as_json:
-        c = client.generate(model=name, prompt=prompt, **opts)
+        c = client.generate(request, model=name)
     else:
-        for chunk in client.generate(model=name, prompt=prompt, stream=True, **opts):
+        for chunk in client.generate(request, model=name, stream=True):
             out.print(chunk.text, end="", markup=False, highlight=False)
             c = chunk.completion
     model_dir = str(client.model_dirs.get(name, name))
     if as_json:
         print(
             json.dumps(
-                {"text": c.text, "token_ids": c.token_ids, "model": model_dir, "metrics": c.metrics}
+                {
+                    "text": c.text,
+                    "token_ids": c.token_ids,
+                    "model": model_dir,
+                    "metrics": c.metrics.to_dict(),
+                }
             )
         )
         return
@@ -163,8 +165,7 @@ def _run_one(client: Any, name: str, prompt: str, opts: dict[str, Any], as_json:
 
 def _run_many(
     client: Any,
-    requests: list[dict[str, Any]],
-    opts: dict[str, Any],
+    items: list[Any],
     default: str,
     batch: Path | None,
     out_file: Path | None,
@@ -173,9 +174,8 @@ def _run_many(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     from disagg.cli.render import batch_table
-    from disagg.serving.batch import run_batch
+    from disagg.frontends.batch import run_batch
 
-    defaults = {**opts, "model": default}
     with Progress(
         "[progress.description]{task.description}",
         BarColumn(),
@@ -184,8 +184,8 @@ def _run_many(
         console=err,
         transient=True,
     ) as progress:
-        task = progress.add_task("requests", total=len(requests))
-        result = run_batch(client, requests, defaults, on_done=lambda _r: progress.advance(task))
+        task = progress.add_task("requests", total=len(items))
+        result = run_batch(client, items, default, on_done=lambda _r: progress.advance(task))
     summary: dict[str, Any] = {
         "requests": len(result.results),
         "failed": result.failed,
@@ -234,7 +234,7 @@ def serve(
 
     import uvicorn
 
-    from disagg.serving.gateway import create_app
+    from disagg.frontends.gateway import create_app
 
     if decode_agents < 1:
         raise UsageError(f"--decode-agents must be at least 1, got {decode_agents}")
@@ -293,28 +293,24 @@ def verify(
 ) -> None:
     """Greedy run twice: disaggregated and decode-only; report what the handoff changes."""
     from disagg.cli.render import verify_table
-    from disagg.serving import wireclient as client
+    from disagg.serving import wireclient
+    from disagg.serving.pair import run_remote
     from disagg.serving.request import build_request
     from disagg.serving.verify import compare
 
     need_local(local)
     if not 0 <= min_agreement <= 1:
         raise UsageError(f"--min-agreement must be in [0, 1], got {min_agreement}")
-    build_request(prompt, max_tokens=max_tokens)
+    request = build_request(
+        prompt=prompt, max_tokens=max_tokens, raw=raw, logprobs=True, placement="remote"
+    )
     with _open_client(
         True, [model], None, dtype, prefill_model=prefill_model, allow_mixed=allow_mixed
     ) as session:
         p, d = session.agents[0], session.agents[1]
-        base: dict[str, Any] = {
-            "max_tokens": max_tokens,
-            "raw": raw,
-            "logprobs": True,
-            "placement": "remote",
-        }
-        disagg = client.generate(
-            d.host, d.port, build_request(prompt, prefill_agent=p, **base), token=d.token
-        )
-        alone = client.generate(d.host, d.port, build_request(prompt, **base), token=d.token)
+        disagg = run_remote(p, d, request, require=False)
+        # Decode-only: no prefill target, so the decode agent prefills itself.
+        alone = wireclient.generate(d.host, d.port, request, token=d.token)
         model_dir = str(next(iter(session.model_dirs.values())))
     report = compare(disagg, alone, min_agreement, model_dir)
     if disagg.metrics.get("method") != "disaggregated":

@@ -6,15 +6,15 @@ from typing import Any
 
 from rich.table import Table
 
-from disagg.serving.wireclient import METRIC_NAMES
+from disagg.serving.metrics import SEED_NAMES, Metrics
 from disagg.units import UNITS, fmt
 
 
-def metrics_table(metrics: dict[str, Any], title: str = "metrics") -> Table:
+def metrics_table(metrics: Metrics, title: str = "metrics") -> Table:
     table = Table(title=title, show_header=True, header_style="bold")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    for name in METRIC_NAMES:
+    for name in SEED_NAMES:
         table.add_row(name, fmt(metrics.get(name), UNITS.get(name, "")))
     if metrics.get("fallback_reason"):
         table.add_row("fallback_reason", str(metrics["fallback_reason"]))

@@ -1,1 +1,2 @@
-"""Serving: the Python client, routing, batches, the HTTP gateway, local agents."""
+"""Serving: requests, routing, the wire client, local agents, the default model and
+verification; what the Python API (`disagg.api`) is built on."""

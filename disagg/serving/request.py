@@ -1,5 +1,6 @@
-"""Requests from the CLI, the Python API, batch files and the gateway, built as
-the one request type the decode agent checks (`agents.request`)."""
+"""The one request type (`agents.request.GenerateRequest`) as the control plane
+builds it: input errors become `UsageError`s naming the field, so bad input never
+costs an agent start."""
 
 from __future__ import annotations
 
@@ -7,17 +8,19 @@ from typing import Any
 
 from agents.request import GenerateRequest, RequestError
 from disagg.errors import UsageError
-from disagg.serving.localagents import AgentProc
 
 
-def build_request(
-    prompt: str | None = None, *, prefill_agent: AgentProc | None = None, **fields: Any
-) -> dict[str, Any]:
-    """The GENERATE frame's JSON for these fields, checked here so bad input
-    never costs an agent start. `prefill_agent`: prefill from that local agent."""
-    if prefill_agent is not None:
-        fields["prefill"] = {"hosts": [prefill_agent.host], "port": prefill_agent.port}
+def build_request(**fields: Any) -> GenerateRequest:
+    """A checked request from JSON-like fields (unknown ones refused)."""
     try:
-        return GenerateRequest.from_dict({"prompt": prompt, **fields}).to_wire()
+        return GenerateRequest.from_dict(fields)
+    except RequestError as e:
+        raise UsageError(str(e), param=e.field) from None
+
+
+def with_fields(request: GenerateRequest, **changes: Any) -> GenerateRequest:
+    """`request` with `changes` applied, checked as any request."""
+    try:
+        return request.replace(**changes)
     except RequestError as e:
         raise UsageError(str(e), param=e.field) from None

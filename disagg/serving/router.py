@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from agents.request import GenerateRequest, PrefillTarget
 from disagg.errors import AgentError, AuthError, ConnectError, ModelMismatch, UsageError
 from disagg.serving import wireclient as client
 
@@ -31,6 +32,10 @@ class Endpoint:
     port: int
     control_port: int | None = None
     hosts: list[str] = field(default_factory=list)  # data-plane addresses, fastest first
+
+    def prefill_target(self, timeout_s: float | None = None) -> PrefillTarget:
+        """This prefill agent as a request's prefill target: the one place it is built."""
+        return PrefillTarget(self.hosts or [self.host], self.port, timeout_s, self.name)
 
 
 @dataclass
@@ -104,20 +109,16 @@ class Router:
             busy = dict(self.busy)
         return sorted(endpoints, key=lambda ep: (not self._healthy(ep), busy.get(ep.name, 0)))
 
-    def prefill_target(self, pipe: Route) -> dict[str, Any] | None:
+    def prefill_target(self, pipe: Route) -> PrefillTarget | None:
+        """The pipeline's healthiest, least busy prefill agent, if it has one."""
         for ep in self.order(pipe.prefill):
-            return {
-                "hosts": ep.hosts or [ep.host],
-                "port": ep.port,
-                "name": ep.name,
-                "timeout": pipe.prefill_timeout_s,
-            }
+            return ep.prefill_target(pipe.prefill_timeout_s)
         return None
 
     def run(
         self,
         model: str | None,
-        request: dict[str, Any],
+        request: GenerateRequest,
         on_token: Callable[[dict[str, Any]], None] | None = None,
     ) -> client.Result:
         """Run one request, rerouting to another decode agent if one fails.
@@ -126,10 +127,10 @@ class Router:
         tokens are skipped until it is past what `on_token` saw.
         """
         pipe = self.pipeline(model)
-        req = dict(request)
+        req = request
         target = self.prefill_target(pipe)
-        if target and "prefill" not in req:
-            req["prefill"] = target
+        if target and req.prefill is None:
+            req = req.replace(prefill=target)
         deadline = time.monotonic() + pipe.decode_timeout_s
         delivered: list[dict[str, Any]] = []
         failures: list[str] = []
@@ -156,9 +157,9 @@ class Router:
                 result = client.generate(
                     ep.host, ep.port, req, on_token=forward, timeout_s=left, token=self.token
                 )
-                result.metrics["decode_server"] = result.metrics.get("decode_server") or ep.name
+                result.metrics.decode_server = result.metrics.decode_server or ep.name
                 if failures:
-                    result.metrics["rerouted_from"] = failures
+                    result.metrics.rerouted_from = failures
                 return result
             except (UsageError, ModelMismatch, AuthError, StopGeneration):
                 raise

@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextlib
 import socket
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from agents import protocol as P
+from agents.request import GenerateRequest
 from disagg.errors import (
     AgentError,
     AuthError,
@@ -20,30 +21,14 @@ from disagg.errors import (
     ModelMismatch,
     UsageError,
 )
-
-# Metrics the seed documents name; every result carries all of them.
-METRIC_NAMES = (
-    "prefill_time",
-    "decode_time",
-    "total_time",
-    "ttft",
-    "prompt_tokens",
-    "completion_tokens",
-    "prefill_speed",
-    "decode_speed",
-    "kv_bytes",
-    "kv_transfer_time",
-    "method",
-    "prefill_server",
-    "decode_server",
-)
+from disagg.serving.metrics import Metrics
 
 
 @dataclass
 class Result:
     text: str
     token_ids: list[int]
-    metrics: dict[str, Any]
+    metrics: Metrics
     logprobs: list[np.ndarray] = field(default_factory=list)
     prompt_ids: list[int] | None = None
 
@@ -58,10 +43,14 @@ def _raise_remote(e: P.RemoteError) -> None:
     raise AgentError(f"{e.code}: {e.message}") from None
 
 
+# A typed request, or a GENERATE frame's JSON as is (tests of the wire send those).
+Request = GenerateRequest | Mapping[str, Any]
+
+
 def stream(
     host: str,
     port: int,
-    request: dict[str, Any],
+    request: Request,
     timeout_s: float = 240.0,
     token: bytes | None = None,
 ) -> Generator[tuple[str, Any], None, None]:
@@ -86,7 +75,8 @@ def stream(
                 f"decode agent {host}:{port} accepted the connection but did not open it "
                 f"within {min(timeout_s, 10.0):.0f}s (overloaded or hung?)"
             ) from None
-        P.send_json(sock, P.Frame.GENERATE, request)
+        wire = request.to_wire() if isinstance(request, GenerateRequest) else dict(request)
+        P.send_json(sock, P.Frame.GENERATE, wire)
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -124,7 +114,7 @@ def stream(
 def generate(
     host: str,
     port: int,
-    request: dict[str, Any],
+    request: Request,
     on_text: Callable[[str], None] | None = None,
     timeout_s: float = 240.0,
     on_token: Callable[[dict[str, Any]], None] | None = None,
@@ -162,12 +152,11 @@ def _collect(
         elif kind == "logprobs":
             logprobs.append(data)
         else:
-            metrics = dict(data.get("metrics") or {})
-            metrics["agent_ttft"] = metrics.get("ttft")
-            metrics["ttft"] = ttft
-            metrics["total_time"] = time.perf_counter() - t0
-            for name in METRIC_NAMES:
-                metrics.setdefault(name, None)
+            sent = data.get("metrics")
+            metrics = Metrics.from_wire(sent if isinstance(sent, dict) else {})
+            # The agent's ttft is its own; the client's includes the way here.
+            metrics.agent_ttft, metrics.ttft = metrics.ttft, ttft
+            metrics.total_time = time.perf_counter() - t0
             return Result(
                 str(data.get("text", "")),
                 list(data.get("token_ids") or []),

@@ -223,7 +223,7 @@ def traffic(
             done.append(("error", time.monotonic() - t0, {"error": str(e)}))
 
 
-def path(metrics: dict[str, Any]) -> str:
+def path(metrics: Any) -> str:
     """Which way a request's KV came: over the fast link, the switch, or not at all."""
     addr = metrics.get("prefill_address") or ""
     return "switch" if addr.startswith("10.77.") else "fast link" if addr else "local"

@@ -46,11 +46,11 @@ def generate(bed: TestBed, inventory: Path, model: str, max_tokens: int = 6) -> 
     """`generate -m MODEL` against the fleet, from the ops namespace."""
     code = (
         "import json, sys\n"
-        "from disagg.fleet.inventory import load\n"
-        "from disagg.fleet.routing import generate_on_fleet\n"
-        f"r = generate_on_fleet(load({str(inventory)!r}), {model!r}, "
-        f"{{'prompt': {PROMPTS[model]!r}, 'max_tokens': {max_tokens}, 'placement': 'remote'}})\n"
-        "print(json.dumps({'text': r.text, 'metrics': r.metrics}))\n"
+        "from disagg import Client\n"
+        f"with Client({str(inventory)!r}) as c:\n"
+        f"    r = c.generate(model={model!r}, prompt={PROMPTS[model]!r}, "
+        f"max_tokens={max_tokens}, placement='remote')\n"
+        "print(json.dumps({'text': r.text, 'metrics': r.metrics.to_dict()}))\n"
     )
     proc = bed.ops(sys.executable, "-c", code, cwd=REPO, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]

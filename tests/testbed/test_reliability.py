@@ -32,11 +32,12 @@ from typing import Any
 
 import pytest
 
+from agents.request import GenerateRequest
 from agents.server import HANDSHAKE_TIMEOUT_S
 from disagg.api import Completion
 from disagg.errors import DisaggError, UsageError
+from disagg.frontends.batch import BatchItem, run_batch
 from disagg.serving import wireclient as wire
-from disagg.serving.batch import run_batch
 from disagg.serving.request import build_request
 from tests.testbed.bed import BY_NAME, TestBed
 from tests.testbed.conftest import FleetCli
@@ -68,6 +69,11 @@ from tests.testbed.rig import (
 )
 
 pytestmark = pytest.mark.testbed
+
+
+def remote_req(prompt: str) -> GenerateRequest:
+    """The reliability rig's usual request: MAX_TOKENS, prefilled remotely."""
+    return build_request(prompt=prompt, max_tokens=MAX_TOKENS, placement="remote")
 
 
 @pytest.fixture(scope="module")
@@ -349,8 +355,13 @@ def gone_mid_stream(rig: Rig, model: str) -> float:
     assert rig.client is not None
     pipe = rig.client.router.pipeline(model)
     ep = pipe.decode[0]
-    req = build_request(PROMPTS[1], max_tokens=200, ignore_eos=True, placement="remote")
-    req["prefill"] = rig.client.router.prefill_target(pipe)
+    req = build_request(
+        prompt=PROMPTS[1],
+        max_tokens=200,
+        ignore_eos=True,
+        placement="remote",
+        prefill=rig.client.router.prefill_target(pipe),
+    )
     events = wire.stream(ep.host, ep.port, req, token=rig.token)
     for _ in range(2):
         kind, _data = next(events)
@@ -392,20 +403,18 @@ def test_64_concurrent_requests(rig: Rig, window: Ledger) -> None:
     """64 requests at once, 32 per pipeline, four distinct prompts: all complete within a
     bound, each token-identical to the same request run alone; p50/p99 latency."""
     assert rig.client is not None
-    reqs: list[dict[str, Any]] = [
-        {"id": i, "model": MODELS[i % 2], "prompt": PROMPTS[(i // 2) % len(PROMPTS)]}
-        for i in range(64)
+    reqs = [
+        BatchItem(i, MODELS[i % 2], remote_req(PROMPTS[(i // 2) % len(PROMPTS)])) for i in range(64)
     ]
-    defaults = {"max_tokens": MAX_TOKENS, "placement": "remote"}
     overflows = listen_overflows()
-    batch = rig.in_ops(run_batch, rig.client, reqs, defaults, 64, timeout=600)
+    batch = rig.in_ops(run_batch, rig.client, reqs, None, 64, timeout=600)
     overflows = {h: n - overflows[h] for h, n in listen_overflows().items()}
     window.add("load", len(reqs))
     errors = [(r["id"], round(r["time"], 1), r["error"]) for r in batch.results if r.get("error")]
     assert batch.failed == 0, (overflows, errors)
     same = total = 0
     for req, row in zip(reqs, batch.results, strict=True):
-        ref = rig.refs[(req["model"], req["prompt"])]
+        ref = rig.refs[(str(req.model), str(req.request.prompt))]
         total += len(ref.token_ids)
         same += sum(a == b for a, b in zip(row["token_ids"], ref.token_ids, strict=False))
         assert row["token_ids"] == ref.token_ids and row["text"] == ref.text, (row, ref.text)
@@ -449,8 +458,10 @@ def mixed(rig: Rig, kind: str, model: str, silent: list[socket.socket]) -> None:
         with pytest.raises(UsageError):
             wire.generate(ep.host, ep.port, {"prompt": "", "max_tokens": 2}, token=rig.token)
     else:  # the prefill target is gone: the decode agent prefills locally, same text
-        req = build_request(PROMPTS[2], max_tokens=MAX_TOKENS, placement="remote")
-        req["prefill"] = {"hosts": [BY_NAME[PREFILL[model]].link_addr], "port": 1, "timeout": 5}
+        gone = {"hosts": [BY_NAME[PREFILL[model]].link_addr], "port": 1, "timeout": 5}
+        req = build_request(
+            prompt=PROMPTS[2], max_tokens=MAX_TOKENS, placement="remote", prefill=gone
+        )
         res = rig.client.router.run(model, req)
         assert res.metrics["method"] == "local-fallback", res.metrics
         ref = rig.refs[(model, PROMPTS[2])]
@@ -531,16 +542,14 @@ def test_restart_drains_requests_in_flight(rig: Rig) -> None:
     reference text; new requests are served after."""
     assert rig.client is not None
     before = {h: agent_pid(h) for h in BY_NAME}
-    reqs: list[dict[str, Any]] = [
-        {"id": i, "model": MODELS[i % 2], "prompt": PROMPTS[(i // 2) % len(PROMPTS)]}
-        for i in range(8)
+    reqs = [
+        BatchItem(i, MODELS[i % 2], remote_req(PROMPTS[(i // 2) % len(PROMPTS)])) for i in range(8)
     ]
-    defaults = {"max_tokens": MAX_TOKENS, "placement": "remote"}
     finished: Counter[str] = Counter()
     logs = {h: len(agent_log(h)) for h in BY_NAME}
     t0 = time.monotonic()
     fut = rig.submit(
-        run_batch, rig.client, reqs, defaults, 8, on_done=lambda r: finished.update([r["model"]])
+        run_batch, rig.client, reqs, None, 8, on_done=lambda r: finished.update([r["model"]])
     )
     # Every request accepted by its decode agent (running, queued or done), none in a backlog.
     rig.in_ops(
@@ -558,7 +567,7 @@ def test_restart_drains_requests_in_flight(rig: Rig) -> None:
     batch = fut.result(REQUEST_TIMEOUT_S)
     assert batch.failed == 0, [r for r in batch.results if r.get("error")]
     for req, row in zip(reqs, batch.results, strict=True):
-        ref = rig.refs[(req["model"], req["prompt"])]
+        ref = rig.refs[(str(req.model), str(req.request.prompt))]
         assert row["token_ids"] == ref.token_ids and row["text"] == ref.text, (row, ref.text)
     done_by = max(r["time"] for r in batch.results) - (t_restart - t0)
     after = {h: agent_pid(h) for h in BY_NAME}

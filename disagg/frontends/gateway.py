@@ -2,7 +2,7 @@
 
 GET /v1/models, POST /v1/completions, POST /v1/chat/completions, with and
 without SSE streaming; errors in OpenAI's shape with 4xx/5xx codes. Ollama's
-API shares the port (`disagg.serving.ollama`); `disagg.serving.guard` checks
+API shares the port (`disagg.frontends.ollama`); `disagg.frontends.guard` checks
 the API key and caps bodies for both.
 """
 
@@ -20,11 +20,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
-from disagg import webview
+from agents.request import GenerateRequest
 from disagg.api import Chunk, Client, Completion
 from disagg.errors import AgentError, DisaggError, ModelMismatch, UsageError
-from disagg.serving import ollama
-from disagg.serving.guard import MAX_BODY_BYTES, Guard, unless_gone
+from disagg.frontends import ollama, webview
+from disagg.frontends.guard import MAX_BODY_BYTES, Guard, unless_gone
+from disagg.serving.request import build_request
 
 
 class Message(BaseModel):
@@ -109,6 +110,31 @@ def _usage(c: Completion) -> dict[str, Any]:
     }
 
 
+def _request(body: _Common, inputs: dict[str, Any]) -> GenerateRequest:
+    asked = [getattr(body, "max_completion_tokens", None), body.max_tokens]
+    try:
+        return build_request(
+            max_tokens=next((n for n in asked if n is not None), 256),
+            temperature=body.temperature,
+            top_p=body.top_p,
+            stop=body.stop,
+            seed=body.seed,
+            **inputs,
+        )
+    except UsageError as e:
+        raise _from_disagg(e) from None
+
+
+def chat_request(body: ChatRequest) -> GenerateRequest:
+    """/v1/chat/completions' body as the one request."""
+    return _request(body, {"messages": [m.model_dump() for m in body.messages]})
+
+
+def completion_request(body: CompletionRequest) -> GenerateRequest:
+    """/v1/completions' body as the one request: the prompt as is, no chat template."""
+    return _request(body, {"prompt": body.prompt, "raw": True})
+
+
 def create_app(
     client: Client, *, api_key: str | None = None, max_body: int = MAX_BODY_BYTES
 ) -> FastAPI:
@@ -161,46 +187,34 @@ def create_app(
                 "model_not_found",
             )
 
-    async def run(request: Request, req: _Common, kind: str, **inputs: Any) -> Any:
-        check_model(req.model)
-        asked = [getattr(req, "max_completion_tokens", None), req.max_tokens]
-        max_tokens = next((n for n in asked if n is not None), 256)
-        args = dict(
-            model=req.model,
-            max_tokens=max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            stop=req.stop,
-            seed=req.seed,
-            stream=req.stream,
-            **inputs,
-        )
+    async def run(request: Request, body: _Common, req: GenerateRequest, kind: str) -> Any:
+        check_model(body.model)
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         try:
-            if not req.stream:
+            if not body.stream:
                 result = await unless_gone(
-                    request, lambda cancel: client.agenerate(**args, cancel=cancel)
+                    request, lambda cancel: client.agenerate(req, model=body.model, cancel=cancel)
                 )
                 return _full(kind, rid, created, result)
             cancel = threading.Event()
-            chunks = await client.agenerate(**args, cancel=cancel)
+            chunks = await client.agenerate(req, model=body.model, stream=True, cancel=cancel)
         except DisaggError as e:
             raise _from_disagg(e) from None
         assert not isinstance(chunks, Completion)
-        usage = bool(req.stream_options and req.stream_options.include_usage)
+        usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
-            _sse(kind, rid, created, req.model, chunks, usage, cancel),
+            _sse(kind, rid, created, body.model, chunks, usage, cancel),
             media_type="text/event-stream",
         )
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat(request: Request, req: ChatRequest) -> Any:
-        return await run(request, req, "chat", messages=[m.model_dump() for m in req.messages])
+    async def chat(request: Request, body: ChatRequest) -> Any:
+        return await run(request, body, chat_request(body), "chat")
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(request: Request, req: CompletionRequest) -> Any:
-        return await run(request, req, "text", prompt=req.prompt, raw=True)
+    async def completions(request: Request, body: CompletionRequest) -> Any:
+        return await run(request, body, completion_request(body), "text")
 
     return app
 
@@ -223,7 +237,7 @@ def _full(kind: str, rid: str, created: int, c: Completion) -> dict[str, Any]:
         "model": c.model,
         "choices": [choice],
         "usage": _usage(c),
-        "disagg_metrics": c.metrics,
+        "disagg_metrics": c.metrics.to_dict(),
     }
 
 

@@ -22,10 +22,12 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from agents.protocol import AuthError
+from agents.request import GenerateRequest
 from disagg.api import Chunk, Client, Completion
 from disagg.errors import DisaggError, UsageError
+from disagg.frontends.guard import unless_gone
 from disagg.serving.control import control_status
-from disagg.serving.guard import unless_gone
+from disagg.serving.request import build_request
 
 VERSION = "0.12.0"  # the Ollama API version whose shapes these are
 # Ollama's defaults for a model without a Modelfile of its own.
@@ -170,6 +172,60 @@ def _sampling(body: _Common) -> dict[str, Any]:
     }
 
 
+def _request(body: _Common, inputs: dict[str, Any]) -> GenerateRequest:
+    try:
+        return build_request(**_sampling(body), **inputs)
+    except UsageError as e:
+        raise OllamaError(400, str(e)) from None
+
+
+def generate_request(body: GenerateBody) -> GenerateRequest | None:
+    """/api/generate's body as the one request; None for Ollama's "load the model"
+    call (no prompt)."""
+    if body.images:
+        raise OllamaError(400, "images are not supported by disagg's text models")
+    if not body.prompt:
+        return None
+    return _request(body, {"prompt": body.prompt, "raw": body.raw, "system": body.system})
+
+
+def chat_request(body: ChatBody) -> GenerateRequest | None:
+    """/api/chat's body as the one request; None without messages (a load call)."""
+    if body.tools:
+        raise OllamaError(400, "tools are not supported by disagg yet")
+    if any(m.images for m in body.messages):
+        raise OllamaError(400, "images are not supported by disagg's text models")
+    if not body.messages:
+        return None
+    return _request(
+        body, {"messages": [{"role": m.role, "content": m.content} for m in body.messages]}
+    )
+
+
+def show_model(name: str, about: dict[str, Any]) -> dict[str, Any]:
+    """/api/show's answer for a served model, from its decode agent's /status."""
+    fp = about.get("fingerprint") or {}
+    arch = str(fp.get("architecture") or "unknown")
+    model_info: dict[str, Any] = {"general.architecture": arch}
+    for key, value in (
+        ("context_length", _context(about)),
+        ("block_count", fp.get("num_layers")),
+        ("attention.head_count_kv", fp.get("num_kv_heads")),
+        ("attention.key_length", fp.get("head_dim")),
+    ):
+        if value is not None:
+            model_info[f"{arch}.{key}"] = value
+    return {
+        "modelfile": f"# served by disagg: pipeline {name}\n",
+        "parameters": f"temperature {DEFAULT_TEMPERATURE}\ntop_p {DEFAULT_TOP_P}",
+        "template": "",
+        "details": _details(about),
+        "model_info": model_info,
+        "capabilities": ["completion"],
+        "modified_at": _now(),
+    }
+
+
 def _durations(c: Completion, t0: float) -> dict[str, Any]:
     m = c.metrics
     return {
@@ -237,44 +293,25 @@ def routes(client: Client) -> APIRouter:
     @api.post("/api/show")
     async def show(body: ShowBody) -> dict[str, Any]:
         name = resolve(client, body.model or body.name or "")
-        about = await describe(name)
-        fp = about.get("fingerprint") or {}
-        arch = str(fp.get("architecture") or "unknown")
-        model_info: dict[str, Any] = {"general.architecture": arch}
-        for key, value in (
-            ("context_length", _context(about)),
-            ("block_count", fp.get("num_layers")),
-            ("attention.head_count_kv", fp.get("num_kv_heads")),
-            ("attention.key_length", fp.get("head_dim")),
-        ):
-            if value is not None:
-                model_info[f"{arch}.{key}"] = value
-        return {
-            "modelfile": f"# served by disagg: pipeline {name}\n",
-            "parameters": f"temperature {DEFAULT_TEMPERATURE}\ntop_p {DEFAULT_TOP_P}",
-            "template": "",
-            "details": _details(about),
-            "model_info": model_info,
-            "capabilities": ["completion"],
-            "modified_at": _now(),
-        }
+        return show_model(name, await describe(name))
 
-    async def answer(request: Request, body: _Common, kind: str, inputs: dict[str, Any]) -> Any:
+    async def answer(
+        request: Request, body: _Common, kind: str, req: GenerateRequest | None
+    ) -> Any:
         name = resolve(client, body.model)
         t0 = time.perf_counter()
         head = {"model": body.model}
-        if not inputs:  # no prompt or messages: Ollama's "load the model" request
+        if req is None:  # no prompt or messages: Ollama's "load the model" request
             done = {"created_at": _now(), "done": True, "done_reason": "load"}
             return {**head, **({"response": ""} if kind == "generate" else _msg("")), **done}
-        args = {"model": name, **_sampling(body), **inputs}
         try:
             if not body.stream:
                 c = await unless_gone(
-                    request, lambda cancel: client.agenerate(**args, cancel=cancel)
+                    request, lambda cancel: client.agenerate(req, model=name, cancel=cancel)
                 )
                 return _final(head, kind, c, t0, c.text)
             cancel = threading.Event()
-            chunks = await client.agenerate(**args, stream=True, cancel=cancel)
+            chunks = await client.agenerate(req, model=name, stream=True, cancel=cancel)
         except UsageError as e:
             raise OllamaError(400, str(e)) from None
         except DisaggError as e:
@@ -286,23 +323,11 @@ def routes(client: Client) -> APIRouter:
 
     @api.post("/api/generate", response_model=None)
     async def generate(request: Request, body: GenerateBody) -> Any:
-        if body.images:
-            raise OllamaError(400, "images are not supported by disagg's text models")
-        inputs: dict[str, Any] = {}
-        if body.prompt:
-            inputs = {"prompt": body.prompt, "raw": body.raw}
-            if body.system is not None:
-                inputs["system"] = body.system
-        return await answer(request, body, "generate", inputs)
+        return await answer(request, body, "generate", generate_request(body))
 
     @api.post("/api/chat", response_model=None)
     async def chat(request: Request, body: ChatBody) -> Any:
-        if body.tools:
-            raise OllamaError(400, "tools are not supported by disagg yet")
-        if any(m.images for m in body.messages):
-            raise OllamaError(400, "images are not supported by disagg's text models")
-        messages = [{"role": m.role, "content": m.content} for m in body.messages]
-        return await answer(request, body, "chat", {"messages": messages} if messages else {})
+        return await answer(request, body, "chat", chat_request(body))
 
     @api.api_route("/api/{what}", methods=["POST", "DELETE", "PUT"], include_in_schema=False)
     async def unsupported(what: str) -> Response:

@@ -7,6 +7,6 @@ fetched from elsewhere. `auth` holds the cookie the page signs in with, which
 the gateway's guard also checks.
 """
 
-from disagg.webview.routes import routes
+from disagg.frontends.webview.routes import routes
 
 __all__ = ["routes"]

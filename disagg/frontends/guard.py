@@ -14,7 +14,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from disagg.webview import auth as webauth
+from disagg.frontends.webview import auth as webauth
 
 MAX_BODY_BYTES = 4 << 20
 OPEN_PATHS = frozenset({"/", "/health"})  # liveness only: no model, no data

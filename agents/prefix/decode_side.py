@@ -20,8 +20,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from .kvcodec import DTYPE_NAMES, Kind, LayerKV
-from .prefixcache import Block, Prefix, PrefixCache, block_keys, prefix_digest
+from ..kvcodec import DTYPE_NAMES, Kind, LayerKV
+from .store import Block, Prefix, PrefixCache, block_keys, prefix_digest
 
 
 @dataclass
@@ -120,7 +120,7 @@ class DecodePrefix:
 
     def seed(self, hit: Hit, caches: list[Any]) -> None:
         """Fill every (full-attention) cache with the hit's prefix."""
-        from .mlxcache import fill_layer
+        from ..kvplace import fill_layer
 
         for layer, cache in enumerate(caches):
             keys, values = self.prefix_layer(hit, layer)

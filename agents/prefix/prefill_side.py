@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .prefixcache import Block, PrefixCache, block_keys
+from .store import Block, PrefixCache, block_keys
 
 
 class PrefillPrefix:

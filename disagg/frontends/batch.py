@@ -19,6 +19,15 @@ from disagg.serving.request import build_request
 REQUEST_KEYS = {f.name for f in fields(GenerateRequest)} - {"prefill"} | {"model", "id"}
 
 
+@dataclass(frozen=True)
+class BatchItem:
+    """One line of a batch: the request, the model that runs it, and its id."""
+
+    id: Any
+    model: str | None
+    request: GenerateRequest
+
+
 @dataclass
 class BatchResult:
     results: list[dict[str, Any]]
@@ -30,72 +39,74 @@ class BatchResult:
         return sum(1 for r in self.results if r.get("error"))
 
 
-def load_requests(path: Path) -> list[dict[str, Any]]:
+def parse_line(obj: Any, n: int, defaults: dict[str, Any]) -> BatchItem:
+    """A batch line as a request: the line's fields over `defaults` (the CLI's options)."""
+    if not isinstance(obj, dict) or not (obj.get("prompt") or obj.get("messages")):
+        raise UsageError("each line needs a JSON object with prompt or messages")
+    unknown = set(obj) - REQUEST_KEYS
+    if unknown:
+        raise UsageError(f"unknown keys {sorted(unknown)}")
+    fields = {k: v for k, v in obj.items() if k not in ("model", "id")}
+    return BatchItem(obj.get("id", n), obj.get("model"), build_request(**{**defaults, **fields}))
+
+
+def load_requests(path: Path, defaults: dict[str, Any] | None = None) -> list[BatchItem]:
     """Parse a JSONL file of requests; errors name the line."""
     try:
         lines = path.read_text().splitlines()
     except OSError as e:
         raise UsageError(f"cannot read --batch file {path}: {e.strerror}") from None
-    reqs = []
+    items = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            items.append(parse_line(json.loads(line), n, defaults or {}))
         except json.JSONDecodeError as e:
             raise UsageError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-        if not isinstance(obj, dict) or not (obj.get("prompt") or obj.get("messages")):
-            raise UsageError(f"{path}:{n}: each line needs a JSON object with prompt or messages")
-        unknown = set(obj) - REQUEST_KEYS
-        if unknown:
-            raise UsageError(f"{path}:{n}: unknown keys {sorted(unknown)}")
-        try:
-            build_request(**{k: v for k, v in obj.items() if k not in ("model", "id")})
         except UsageError as e:
-            raise UsageError(f"{path}:{n}: {e}") from None
-        obj.setdefault("id", n)
-        reqs.append(obj)
-    if not reqs:
+            raise UsageError(f"{path}:{n}: {e}", param=e.param) from None
+    if not items:
         raise UsageError(f"{path} holds no requests")
-    return reqs
+    return items
 
 
 def run_batch(
     client: Client,
-    requests: list[dict[str, Any]],
-    defaults: dict[str, Any],
+    items: list[BatchItem],
+    default_model: str | None = None,
     concurrency: int = 16,
     on_done: Callable[[dict[str, Any]], None] = lambda _r: None,
 ) -> BatchResult:
     """Run all requests concurrently (at most `concurrency` at a time)."""
 
-    def one(req: dict[str, Any]) -> dict[str, Any]:
-        args = {**defaults, **{k: v for k, v in req.items() if k != "id"}}
+    def one(item: BatchItem) -> dict[str, Any]:
+        model = item.model or default_model
         t0 = time.perf_counter()
         try:
-            c = client.generate(**args)
+            c = client.generate(item.request, model=model)
             assert isinstance(c, Completion)
             row: dict[str, Any] = {
-                "id": req["id"],
+                "id": item.id,
                 "model": c.model,
                 "text": c.text,
                 "token_ids": c.token_ids,
                 "finish_reason": c.finish_reason,
-                "metrics": c.metrics,
+                "metrics": c.metrics.to_dict(),
             }
         except DisaggError as e:
-            row = {"id": req["id"], "model": args.get("model"), "error": str(e)}
+            row = {"id": item.id, "model": model, "error": str(e)}
         row["time"] = time.perf_counter() - t0
         return row
 
     t0 = time.perf_counter()
     rows: list[dict[str, Any]] = []
-    with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(requests)))) as pool:
-        futures = [pool.submit(one, r) for r in requests]
+    with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(items)))) as pool:
+        futures = [pool.submit(one, item) for item in items]
         for fut in as_completed(futures):
             rows.append(fut.result())
             on_done(rows[-1])
     wall = time.perf_counter() - t0
-    order = {r["id"]: i for i, r in enumerate(requests)}
+    order = {item.id: i for i, item in enumerate(items)}
     rows.sort(key=lambda r: order[r["id"]])
     return BatchResult(rows, wall, sum(r["time"] for r in rows))

@@ -15,8 +15,8 @@ from typing import Any
 
 from agents.protocol import AuthError, printable
 from disagg.fleet.crashes import last_error_in
+from disagg.frontends.webview.tracker import RequestLog
 from disagg.serving.control import control_status
-from disagg.webview.tracker import RequestLog
 
 POLL_EVERY_S = 1.0
 CRASH_EVERY_S = 30.0  # a down fleet agent's last error is read over SSH at most this often

@@ -16,17 +16,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from disagg.webview.prom import GatewayMetrics
+from disagg.frontends.webview.prom import GatewayMetrics
 
 KEEP = 300  # finished requests kept for the view's list and charts
 PROMPT_CHARS = 120  # of a prompt shown in the list
 
 
-def prompt_of(request: dict[str, Any]) -> str:
-    """The text a person recognises the request by: the prompt, or the last user message."""
-    text = request.get("prompt")
+def prompt_of(request: Any) -> str:
+    """The text a person recognises the request by (a GenerateRequest, or its dict):
+    the prompt, or the last user message."""
+    get = request.get if isinstance(request, dict) else lambda k: getattr(request, k, None)
+    text = get("prompt")
     if text is None:
-        users = [m for m in request.get("messages") or [] if m.get("role") == "user"]
+        users = [m for m in get("messages") or [] if m.get("role") == "user"]
         text = users[-1].get("content") if users else ""
     text = " ".join(str(text or "").split())
     return text if len(text) <= PROMPT_CHARS else text[: PROMPT_CHARS - 1] + "…"
@@ -96,7 +98,7 @@ class RequestLog:
         @functools.wraps(run)
         def tracked(
             model: str | None,
-            request: dict[str, Any],
+            request: Any,
             on_token: Callable[[dict[str, Any]], None] | None = None,
             **kw: Any,
         ) -> Any:
@@ -117,12 +119,13 @@ class RequestLog:
                 stopped = type(e).__name__ == "StopGeneration"
                 self.end(t, None, None if stopped else (str(e) or type(e).__name__))
                 raise
-            self.end(t, result.metrics, None)
+            m = result.metrics
+            self.end(t, m.to_dict() if hasattr(m, "to_dict") else dict(m), None)
             return result
 
         return tracked
 
-    def begin(self, model: str, request: dict[str, Any]) -> Tracked:
+    def begin(self, model: str, request: Any) -> Tracked:
         t = Tracked(next(self.ids), model, prompt_of(request), time.time())
         with self.lock:
             self.running[t.id] = t

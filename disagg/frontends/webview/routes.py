@@ -19,9 +19,9 @@ from fastapi.responses import (
     Response,
 )
 
-from disagg.webview.auth import key_digest, key_matches, set_cookie_header, signed_in
-from disagg.webview.fleet import FleetWatch
-from disagg.webview.tracker import RequestLog
+from disagg.frontends.webview.auth import key_digest, key_matches, set_cookie_header, signed_in
+from disagg.frontends.webview.fleet import FleetWatch
+from disagg.frontends.webview.tracker import RequestLog
 
 ASSETS = {"ui.css": "text/css", "ui.js": "text/javascript", "favicon.svg": "image/svg+xml"}
 # The page loads nothing from elsewhere, and no other site may frame it.
@@ -35,7 +35,7 @@ PAGE_HEADERS = {
 
 
 def _asset(name: str) -> bytes:
-    return (resources.files("disagg.webview") / "assets" / name).read_bytes()
+    return (resources.files("disagg.frontends.webview") / "assets" / name).read_bytes()
 
 
 def _login_page(error: str = "") -> HTMLResponse:
