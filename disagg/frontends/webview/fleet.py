@@ -192,6 +192,9 @@ class FleetWatch:
                             "decode": dec.name,
                             "requests": len(ms),
                             "bytes_per_s": rate,
+                            # "link": timed on the wire (large frames, agents.codecpick);
+                            # "stream": K/V bytes over first-to-last layer, paced by compute
+                            "rate_kind": "link" if link_s > 0 else "stream",
                             "kv_bytes_last": ms[-1].get("kv_bytes") if ms else None,
                         }
                     )

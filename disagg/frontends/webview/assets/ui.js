@@ -84,7 +84,8 @@ function topology(state) {
       if (!p || !d) continue;
       const up = byName[l.prefill]?.up && byName[l.decode]?.up;
       const cls = `link${l.requests && up ? " active" : ""}`;
-      const label = l.requests ? `${fmtB(l.bytes_per_s)}/s · ${l.requests} req` : "no K/V yet";
+      const kind = l.rate_kind === "link" ? "link" : "K/V";
+      const label = l.requests ? `${kind} ${fmtB(l.bytes_per_s)}/s · ${l.requests} req` : "no K/V yet";
       if (narrow) {
         const x1 = p.x + p.w / 2, y1 = p.y + nodeH, x2 = d.x + d.w / 2, y2 = d.y, my = (y1 + y2) / 2;
         svg.append(s("path", { d: `M${x1},${y1} C${x1},${my} ${x2},${my} ${x2},${y2}`, class: cls }));
