@@ -5,6 +5,7 @@ logs`' stderr tail run by a real shell."""
 
 from __future__ import annotations
 
+import json
 import queue
 import socket
 import subprocess
@@ -227,8 +228,10 @@ KEY = "sesame-" + "k" * 20
 def gateway() -> Iterator[str]:
     """The gateway with an API key over one pipeline whose agents are not running."""
     dead = free_port()
-    route = Route("m", [Endpoint("prefill@dead", "127.0.0.1", dead, dead)], [])
-    app = create_app(Client(router=Router([route])), api_key=KEY)
+    prefill = [Endpoint("prefill@dead", "127.0.0.1", dead, dead)]
+    # An inventory alias is a second route over the same agents.
+    routes = [Route("m", prefill, []), Route("m-alias", prefill, [])]
+    app = create_app(Client(router=Router(routes)), api_key=KEY)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     threading.Thread(target=server.run, daemon=True).start()
@@ -272,8 +275,11 @@ def test_key_in_the_address_sets_a_strict_cookie_and_leaves(gateway: str) -> Non
     assert attrs == {"path", "httponly", "samesite"} and "SameSite=Strict" in cookie
     assert "Path=/ui" in cookie and KEY not in cookie  # no Domain: this host only
     jar = cookie.split(";")[0]
-    status, _, state = get(f"{gateway}/ui/api/state", {"Cookie": jar})
-    assert status == 200 and "prefill@dead" in state
+    status, _, raw = get(f"{gateway}/ui/api/state", {"Cookie": jar})
+    state = json.loads(raw)
+    assert status == 200 and state["models"] == ["m"]  # the alias is not a second pipeline
+    (agent,) = state["agents"]
+    assert agent["name"] == "prefill@dead" and agent["up"] is False and agent["error"]
     # The cookie opens the view's data, never the model APIs or the metrics.
     assert get(f"{gateway}/v1/models", {"Cookie": jar})[0] == 401
     assert get(f"{gateway}/metrics", {"Cookie": jar})[0] == 401

@@ -83,8 +83,19 @@ class FleetWatch:
         with self.lock_crashes:
             self.crashes[name] = (asked, line)
 
+    def pipelines(self) -> list[Any]:
+        """The router's routes less aliases (an alias's route holds the same agents)."""
+        seen: set[tuple[str, ...]] = set()
+        out = []
+        for p in self.client.router.pipelines.values():
+            agents = tuple(ep.name for ep in (*p.prefill, *p.decode))
+            if agents not in seen:
+                seen.add(agents)
+                out.append(p)
+        return out
+
     def _endpoints(self) -> list[tuple[str, str, Any]]:
-        pipes = self.client.router.pipelines.values()
+        pipes = self.pipelines()
         return [
             (p.name, role, ep)
             for p in pipes
@@ -170,7 +181,7 @@ class FleetWatch:
         """Each pipeline's prefill -> decode pairs, with what their K/V streams measured."""
         recent = self.log.finished_since(RATE_WINDOW_S * 10)
         out = []
-        for p in self.client.router.pipelines.values():
+        for p in self.pipelines():
             for pre in p.prefill:
                 for dec in p.decode:
                     ms = [

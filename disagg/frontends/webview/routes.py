@@ -95,7 +95,7 @@ def routes(client: Any, api_key: str | None = None) -> APIRouter:
         agents = await asyncio.to_thread(fleet.poll)
         body = {
             "now": time.time(),
-            "models": client.models(),
+            "models": [p.name for p in fleet.pipelines()],
             "agents": agents,
             "links": fleet.links(),
             "requests": log.snapshot(),
