@@ -5,6 +5,7 @@ logs`' stderr tail run by a real shell."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import queue
 import socket
@@ -280,6 +281,13 @@ def test_key_in_the_address_sets_a_strict_cookie_and_leaves(gateway: str) -> Non
     assert status == 200 and state["models"] == ["m"]  # the alias is not a second pipeline
     (agent,) = state["agents"]
     assert agent["name"] == "prefill@dead" and agent["up"] is False and agent["error"]
+    # Polled every second: gzip when the browser takes it, the same JSON inside.
+    req = urllib.request.Request(
+        f"{gateway}/ui/api/state", headers={"Cookie": jar, "Accept-Encoding": "gzip"}
+    )
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.headers["Content-Encoding"] == "gzip"
+        assert json.loads(gzip.decompress(r.read()))["models"] == ["m"]
     # The cookie opens the view's data, never the model APIs or the metrics.
     assert get(f"{gateway}/v1/models", {"Cookie": jar})[0] == 401
     assert get(f"{gateway}/metrics", {"Cookie": jar})[0] == 401
