@@ -11,9 +11,13 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import random
 import re
 import shutil
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -25,7 +29,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import free_port, start_serve
+from tests.conftest import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -48,8 +52,7 @@ def gateways(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 
     def start(name: str, *args: str) -> None:
         try:
-            proc, port = start_serve(*args, log_path=logs / f"{name}.log")
-            started[name] = (proc, f"http://127.0.0.1:{port}")
+            started[name] = serve_on_a_quiet_port(args, logs / f"{name}.log")
         except Exception as e:  # raised below, on the test's thread
             started[name] = e
 
@@ -71,6 +74,43 @@ def gateways(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
             if not isinstance(v, Exception):
                 v[0].terminate()
                 v[0].wait(30)
+
+
+def quiet_port() -> int:
+    """A free port below Linux's ephemeral range (32768+), where the port-0 binds of
+    agents and other tests on this machine land: none can take it while our
+    gateway loads its model."""
+    while True:
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+
+
+def serve_on_a_quiet_port(args: tuple[str, ...], log: Path) -> tuple[Any, str]:
+    """`disagg serve --local ARGS` as a process; once its port answers, make sure it
+    is this process that answers (its web view's page), not another one."""
+    cmd = [sys.executable, "-m", "disagg.cli", "serve", "--local", *args]
+    port = quiet_port()
+    with log.open("wb") as out:
+        proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"disagg serve did not start:\n{log.read_text()}")
+        try:
+            with urllib.request.urlopen(f"{url}/ui", timeout=5) as r:
+                if b"/ui/assets/ui.css" in r.read():
+                    return proc, url
+        except OSError:
+            pass
+        time.sleep(0.3)
 
 
 def ask(url: str, prompt: str, key: str = "unused") -> Any:
@@ -329,7 +369,10 @@ def test_the_cookie_never_goes_with_another_sites_requests(gateways: Any, browse
         assert not leaked, leaked
         # Control: the browser does hold the cookie, and sends it on a same-site visit.
         browser.get(f"http://127.0.0.1:{tport}/ui/api/typed")
-        assert "disagg_ui=" in target.seen[-1][1]
+        typed = wait_for(
+            lambda: [c for p, c in target.seen if p == "/ui/api/typed"], 10, "no typed visit"
+        )
+        assert "disagg_ui=" in typed[0]
     finally:
         target.shutdown()
         evil.shutdown()
