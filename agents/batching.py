@@ -19,6 +19,7 @@ import ctypes
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -99,6 +100,9 @@ class Seq:
     fresh: bool = True  # its next step input is `first`, which was already sent
     # Structured output: the grammar its tokens must follow (it has consumed `first`).
     matcher: Matcher | None = None
+    # perf_counter: handed to the loop, and admitted to the batch (after a wait for a slot)
+    posted_at: float = 0.0
+    joined_at: float | None = None
 
 
 class DecodeLoop:
@@ -132,6 +136,7 @@ class DecodeLoop:
         return self.post(fn, *args).result()
 
     def join(self, seq: Seq) -> None:
+        seq.posted_at = time.perf_counter()
         self.post(self._admit, seq)
 
     def snapshot(self) -> dict[str, int]:
@@ -201,6 +206,7 @@ class DecodeLoop:
                     blank = mx.zeros((1, self.next_logprobs.shape[-1]), self.next_logprobs.dtype)
                     self.next_logprobs = mx.concatenate([self.next_logprobs, blank])
             seq.caches = []  # the batch owns them now
+            seq.joined_at = time.perf_counter()
             self.seqs.append(seq)
             self.peak_batch = max(self.peak_batch, len(self.seqs))
 

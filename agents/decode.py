@@ -386,7 +386,7 @@ class DecodeAgent:
                 f.result()
         except PrefillUnavailable as e:
             log.warning("%s; prefilling locally", e)
-            metrics.update(method="local-fallback", fallback_reason=str(e))
+            metrics.update(method="local-fallback", fallback_reason=str(e), fallback_kind=e.kind)
             return make_prompt_cache(self.engine.model), None
         # Rates from what was computed and sent, not what came from a prefix cache.
         computed = len(ids) - max(hit.tokens if hit.used else 0, fetched["prefill_cached_tokens"])
@@ -459,6 +459,7 @@ class DecodeAgent:
     def _generate(self, req: GenerateRequest, sock: socket.socket) -> dict[str, Any]:
         eng = self.engine
         t0 = time.perf_counter()
+        at = time.time()
         ids = eng.encode(req)
         max_tokens = self._max_tokens(req, ids)
         t_grammar = time.perf_counter()
@@ -484,6 +485,7 @@ class DecodeAgent:
             logits = remote_logits
         else:
             logits = self._local_prefill(ids, caches, req, metrics, hits)
+        t_prefilled = time.perf_counter()
         sampler = make_sampler(req.temperature, req.top_p, req.seed)
         want_logprobs = req.logprobs
         first, first_lp = self.loop.call(first_token, logits, sampler, want_logprobs, allowed)
@@ -509,6 +511,7 @@ class DecodeAgent:
         for hit in hits:  # after the first token: off the TTFT path, before DONE
             self.prefix.store(hit)
         ended = matcher is not None and matcher.finished
+        seq: Seq | None = None
         if first not in eos and max_tokens > 1 and not ended:
             seq = Seq(caches, first, sampler, max_tokens, eos, want_logprobs, matcher=matcher)
             self.loop.join(seq)
@@ -543,6 +546,13 @@ class DecodeAgent:
             agent_total_time=t_end - t0,
             prefill_speed=(len(ids) / metrics["prefill_time"]) if metrics["prefill_time"] else None,
         )
+        marks = metrics.pop("marks", None)  # agents.kvfetch's, on this host's clock
+        local_span = None if marks else (t_local, t_prefilled)
+        metrics["timeline"] = timeline(
+            at, t0, marks, metrics, local_span, t_first, seq.joined_at if seq else None, t_end
+        )
+        batch_wait = seq.joined_at - seq.posted_at if seq and seq.joined_at else 0.0
+        metrics["queue_time"] = (metrics.get("prefill_queue_time") or 0.0) + batch_wait
         # text is the answer only; reasoning and tool_calls ride beside it.
         done: dict[str, Any] = {**chat.result(), "token_ids": out, "metrics": metrics}
         if req.return_prompt_ids:
@@ -558,6 +568,39 @@ class DecodeAgent:
             metrics.get("prefill_address") or "local prefill",
         )
         return metrics
+
+
+def timeline(
+    at: float,
+    t0: float,
+    marks: dict[str, float | None] | None,
+    metrics: dict[str, Any],
+    local_span: tuple[float, float] | None,
+    t_first: float,
+    t_joined: float | None,
+    t_end: float,
+) -> dict[str, float | None]:
+    """A result's `timeline`, what `disagg serve`'s web view draws: `at`, the Unix
+    time this agent took the request; the rest seconds after it, on this agent's
+    clock (another host's clock never enters, so skew cannot bend a bar):
+    prefill_start/prefill_end (remote: the PREFILL frame's send time plus the prefill
+    agent's own queue and compute durations), kv_first/kv_last (K/V layers
+    arriving), first_token, joined (entered the decode batch), done."""
+
+    def rel(t: float | None) -> float | None:
+        return None if t is None else round(t - t0, 6)
+
+    out: dict[str, float | None] = {"at": at}
+    sent = marks.get("sent") if marks is not None else None
+    if marks is not None and sent is not None:
+        start = sent + float(metrics.get("prefill_queue_time") or 0.0)
+        out["prefill_start"] = rel(start)
+        out["prefill_end"] = rel(start + float(metrics.get("prefill_time") or 0.0))
+        out["kv_first"], out["kv_last"] = rel(marks.get("kv_first")), rel(marks.get("kv_last"))
+    elif local_span is not None:
+        out["prefill_start"], out["prefill_end"] = rel(local_span[0]), rel(local_span[1])
+    out.update(first_token=rel(t_first), joined=rel(t_joined), done=rel(t_end))
+    return out
 
 
 def main() -> None:

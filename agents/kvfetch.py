@@ -30,8 +30,16 @@ from .request import PrefillRequest, PrefillTarget
 Place = Callable[[Any, LayerKV, int], None]
 
 
+FALLBACK_KINDS = ("unreachable", "timeout", "stream", "prefill_error")
+
+
 class PrefillUnavailable(Exception):
-    """The prefill agent could not be reached or dropped the stream: fall back."""
+    """The prefill agent could not be reached or dropped the stream: fall back.
+    `kind`, one of FALLBACK_KINDS, is the reason as a metric label."""
+
+    def __init__(self, message: str, kind: str = "stream") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 def dial(hosts: list[str], port: int, timeout_s: float) -> tuple[socket.socket, str, list[str]]:
@@ -43,7 +51,9 @@ def dial(hosts: list[str], port: int, timeout_s: float) -> tuple[socket.socket, 
             return sock, host, failures
         except OSError as e:
             failures.append(f"{host}:{port}: {e}")
-    raise PrefillUnavailable(f"cannot reach prefill agent at {'; '.join(failures) or 'no address'}")
+    raise PrefillUnavailable(
+        f"cannot reach prefill agent at {'; '.join(failures) or 'no address'}", "unreachable"
+    )
 
 
 @dataclass
@@ -208,7 +218,8 @@ def fetch_kv(
             session.sock.close()
     except (OSError, P.ProtocolError, MemoryError) as e:
         why = P.printable(e)
-        raise PrefillUnavailable(f"prefill stream from {addr} failed: {why}") from e
+        kind = "timeout" if isinstance(e, TimeoutError) else "stream"
+        raise PrefillUnavailable(f"prefill stream from {addr} failed: {why}", kind) from e
     except P.AuthError as e:
         # Not a fault to paper over with a local prefill: the cluster is misconfigured.
         raise P.RemoteError("unauthorized", f"cannot use prefill agent {addr}: {e}") from e
@@ -216,7 +227,7 @@ def fetch_kv(
         if e.code == "model_mismatch":
             raise  # the user must see this; prefilling locally would hide it
         why = f"{P.printable(e.code, 40)}: {P.printable(e.message)}"
-        raise PrefillUnavailable(f"prefill agent {addr} failed: {why}") from e
+        raise PrefillUnavailable(f"prefill agent {addr} failed: {why}", "prefill_error") from e
     return fetch_metrics(request, session, got, t0), got.logits
 
 
@@ -239,6 +250,10 @@ def fetch_metrics(
         "kv_encode_time": done.get("kv_encode_time"),
         "kv_quant_time": done.get("kv_quant_time"),
         "prefill_cached_tokens": int(done.get("cached_tokens") or 0),
+        "prefill_queue_time": done.get("queue_time"),
+        # perf_counter times on this host for the caller's timeline (agents.decode
+        # turns them into offsets); never sent on.
+        "marks": {"sent": got.t_sent, "kv_first": got.first, "kv_last": got.last},
     }
     if isinstance(done.get("codec_probe"), dict):
         m["codec_probe"] = done["codec_probe"]

@@ -158,10 +158,12 @@ class PrefillEngine:
             return _after_layer
 
         # Hooks are per module, shared by all requests: add them only under the lock.
+        t_wait = time.perf_counter()
         with self.lock:
             handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(self.layers)]
             try:
                 t0 = time.perf_counter()
+                queue_s = t0 - t_wait  # behind other prompts' forward passes
                 keys, cached = prefix.seed(cache, token_ids) if prefix else ([], 0)
                 ids = torch.tensor([token_ids[cached:]], device=self.device)
                 out = self.body(input_ids=ids, past_key_values=cache, use_cache=True)
@@ -179,6 +181,7 @@ class PrefillEngine:
                     after.append(store)
         stats = {
             "prefill_time": compute_s,
+            "queue_time": queue_s,
             "tokens": len(token_ids),
             "start": start,
             "cached_tokens": cached,

@@ -28,7 +28,7 @@ from typing import Any, NoReturn, Protocol, TypeVar
 
 from . import protocol as P
 from .httpauth import PROOF_HEADER, ServerAuth
-from .metrics import Stats
+from .metrics import LAST_ERROR, Stats
 from .prefix.store import default_max_mb
 
 log = logging.getLogger("disagg.agent")
@@ -59,7 +59,7 @@ def setup_logging(role: str, log_file: str | None = None, max_bytes: int = LOG_M
         handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(OneLineFormatter(f"%(asctime)s {role} %(levelname)s %(message)s"))
     root = logging.getLogger()
-    root.handlers[:] = [handler]
+    root.handlers[:] = [handler, LAST_ERROR]
     root.setLevel(logging.INFO)
 
 

@@ -49,11 +49,14 @@ class Client:
     """Generate on a disagg cluster (an inventory) or on local agents."""
 
     def __init__(self, inventory: str | Path | None = None, *, router: Router | None = None):
+        self.inventory: Any = None  # the fleet's Inventory (the web view reads crash lines)
         if router is None:
             # Lazy: only fleet users need the inventory and SSH code.
+            from disagg.fleet.inventory import load
             from disagg.fleet.routing import router_from_inventory
 
-            router = router_from_inventory(inventory)
+            self.inventory = load(inventory)
+            router = router_from_inventory(self.inventory)
         self.router = router
         self.agents: list[AgentProc] = []
         self.model_dirs: dict[str, Path] = {}  # local pipelines: name -> model dir

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,13 @@ def test_generate_local_json_answers_paris(default_model: Path) -> None:
     m = out["metrics"]
     assert m["method"] == "disaggregated" and m["kv_bytes"] > 0
     assert m["completion_tokens"] == len(out["token_ids"])
+    # The per-request timeline (agents.decode.timeline): seconds on the decode agent's clock.
+    t = m["timeline"]
+    assert abs(t["at"] - time.time()) < 600
+    order = ["prefill_start", "kv_first", "kv_last", "first_token", "done"]
+    assert [t[k] for k in order] == sorted(t[k] for k in order), t
+    assert 0 <= t["prefill_start"] < t["prefill_end"] <= t["first_token"] + 1e-3
+    assert t["done"] <= m["total_time"] and m["queue_time"] >= 0
 
 
 @pytest.mark.slow

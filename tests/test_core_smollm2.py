@@ -152,6 +152,7 @@ def test_prefill_agent_down_falls_back_locally(smol_agents: tuple[AgentProc, Age
     res = ask(decode, req)
     assert res.metrics["method"] == "local-fallback"
     assert "cannot reach prefill agent" in res.metrics["fallback_reason"]
+    assert res.metrics["fallback_kind"] == "unreachable"
     assert "Paris" in res.text
 
 
@@ -202,6 +203,10 @@ def test_control_endpoints_report_what_happened(smol_agents: tuple[AgentProc, Ag
     for name in ("ttft_seconds", "tpot_seconds", "kv_transfer_seconds"):
         count = [ln for ln in text.splitlines() if ln.startswith(f"disagg_{name}_count")]
         assert count and int(count[0].split()[-1]) > 0, name
+    for name in ("queue_seconds", "kv_request_bytes"):
+        count = [ln for ln in text.splitlines() if ln.startswith(f"disagg_{name}_count")]
+        assert count and int(count[0].split()[-1]) > 0, name
+    assert 'disagg_fallbacks_total{role="decode",reason="unreachable"}' in text
     kv = [ln for ln in text.splitlines() if ln.startswith("disagg_kv_bytes_total")]
     assert int(kv[0].split()[-1]) > 1_000_000
     ptext = _get(prefill, "/metrics")

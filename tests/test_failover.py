@@ -73,6 +73,7 @@ def test_prefill_killed_mid_kv_stream_falls_back_with_the_same_text(
     res = box["r"]
     assert res.metrics["method"] == "local-fallback"
     assert "prefill stream from" in res.metrics["fallback_reason"]  # it died mid-stream
+    assert res.metrics["fallback_kind"] == "stream"
     assert res.token_ids == undisturbed.token_ids
     assert time.monotonic() - t0 < 60
 

@@ -116,12 +116,19 @@ def test_prometheus_text_is_well_formed() -> None:
     stats.begin()
     stats.end("ok", {"method": "disaggregated", "ttft": 0.2, "tpot": 0.01, "kv_bytes": 1000})
     stats.begin()
+    fell_back = {"method": "local-fallback", "fallback_kind": "timeout", "queue_time": 0.03}
+    stats.end("ok", fell_back)
+    stats.begin()
     stats.end("bad_request", {})
     text = stats.prometheus()
     sample = re.compile(r'^[a-z_]+(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? [0-9.e+-]+$')
     for line in text.splitlines():
         assert line.startswith("# TYPE ") or sample.match(line), line
     assert 'disagg_requests_total{role="decode",method="disaggregated",outcome="ok"} 1' in text
+    assert 'disagg_fallbacks_total{role="decode",reason="timeout"} 1' in text
+    assert 'disagg_queue_seconds_bucket{le="0.05"} 1' in text
+    assert 'disagg_queue_seconds_bucket{le="0.025"} 0' in text
+    assert 'disagg_kv_request_bytes_bucket{le="1024"} 1' in text  # exact bounds, not 1.02e+03
     assert 'outcome="bad_request"} 1' in text
     assert "disagg_kv_bytes_total 1000" in text
     assert (

@@ -315,6 +315,7 @@ def serve(
             f"serving {', '.join(client.models())} on http://{host}:{port} "
             f"(OpenAI: /v1, Ollama: /api){', API key required' if key else ''}"
         )
+        err.print(f"web view: http://{host}:{port}/ui{'?key=KEY' if key else ''}")
         uvicorn.run(create_app(client, api_key=key), host=host, port=port, log_level="warning")
 
 

@@ -124,7 +124,8 @@ def logs(
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Follow new lines.")] = False,
     lines: Annotated[int, typer.Option("-n", "--lines", help="Lines per agent.")] = 50,
 ) -> None:
-    """The agents' logs, each line prefixed by host/role, hosts interleaved."""
+    """The agents' logs, each line prefixed by host/role, hosts interleaved; lines from
+    an agent's stderr (a crash's traceback) are marked ! and shown in red."""
     from disagg.cli.render_fleet import log_line
     from disagg.fleet import operations as fleet
     from disagg.fleet.inventory import load

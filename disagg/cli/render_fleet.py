@@ -187,6 +187,10 @@ def status_json(rows: list[AgentStatus]) -> list[dict[str, Any]]:
 
 def log_line(line: LogLine, width: int) -> Text:
     prefix = f"{line.host}/{line.role}" if line.role else line.host
-    text = Text(f"{prefix:<{width}} | ", style="bold red" if line.error else "dim")
-    text.append(line.text, style="red" if line.error else "")
+    bad = line.error or line.stream == "stderr"  # stderr: what the agent could not log
+    text = Text(
+        f"{prefix:<{width}} {'!' if line.stream == 'stderr' else '|'} ",
+        style="bold red" if bad else "dim",
+    )
+    text.append(line.text, style="red" if bad else "")
     return text

@@ -20,6 +20,7 @@ from agents.protocol import AuthError as ProtocolAuthError
 from agents.protocol import printable
 from disagg.errors import AgentError, DisaggError, ModelError
 from disagg.fleet import service
+from disagg.fleet.crashes import crash_tail_command, last_error_from_tails
 from disagg.fleet.inventory import Agent, Host, Inventory
 from disagg.fleet.service import AgentPaths, host_python, probe, remote_root, service_kind
 from disagg.fleet.ssh import HostResult, Session, connect_host, on_hosts, q
@@ -261,6 +262,26 @@ def status(inv: Inventory, hosts: list[str] | None = None) -> list[AgentStatus]:
     return [r for h in chosen for r in rows.get(h.name, [])]
 
 
+# ---- crash lines ----------------------------------------------------------------------
+
+
+def crash_line(inv: Inventory, agent_name: str) -> str | None:
+    """Over SSH, the last error of a deployed agent named ROLE@HOST (as the
+    inventory names it); None when it has none or its host cannot be reached."""
+    role, _, host_name = agent_name.partition("@")
+    host = inv.hosts.get(host_name)
+    if host is None or role not in ("prefill", "decode"):
+        return None
+    try:
+        with connect_host(host, inv.ssh) as session:
+            root = remote_root(host, probe(session))
+            paths = AgentPaths(root, role)
+            out = session.run(crash_tail_command(paths.stderr, paths.log), timeout_s=10).out
+    except DisaggError:
+        return None
+    return last_error_from_tails(out)
+
+
 # ---- logs -----------------------------------------------------------------------------
 
 
@@ -270,9 +291,25 @@ class LogLine:
     role: str
     text: str
     error: bool = False
+    stream: str = "log"  # "log": ROLE.log; "stderr": ROLE.stderr (a crash's traceback)
+    stamp: str = ""  # stderr lines: the file's last change, to sort them among the log's
 
 
 _STAMP = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[,.]\d+")
+STDERR_STAMP = "@stamp "  # the first line of a stderr tail: when the file last changed
+
+
+def log_commands(paths: AgentPaths, n: int, follow: bool) -> list[tuple[str, str]]:
+    """(stream, shell command) per file of one agent: its log, and its stderr, where
+    what the agent could not log lands (a crash's traceback, a failed import). The
+    stderr tail opens with the file's change time in the log's own format."""
+    flag = "-F" if follow else ""
+    err = q(paths.stderr)
+    stamp = f"date -r {err} '+{STDERR_STAMP}%Y-%m-%d %H:%M:%S,999'"
+    return [
+        ("log", f"tail -n {int(n)} {flag} {q(paths.log)} 2>&1"),
+        ("stderr", f"{{ test -s {err} && {stamp}; }}; tail -n {int(n)} {flag} {err} 2>/dev/null"),
+    ]
 
 
 def _read_log(inv: Inventory, host: Host, n: int, follow: bool, out: queue.Queue[Any]) -> None:
@@ -282,14 +319,13 @@ def _read_log(inv: Inventory, host: Host, n: int, follow: bool, out: queue.Queue
             root = remote_root(host, info)
             chans = []
             for a in inv.agents([host]):
-                path = AgentPaths(root, a.role).log
-                flag = "-F" if follow else ""
-                chan = session.client.get_transport().open_session()
-                chan.exec_command(f"tail -n {int(n)} {flag} {q(path)} 2>&1")
-                chans.append((a.role, chan))
+                for stream, cmd in log_commands(AgentPaths(root, a.role), n, follow):
+                    chan = session.client.get_transport().open_session()
+                    chan.exec_command(cmd)
+                    chans.append((a.role, stream, chan))
             readers = [
-                threading.Thread(target=_pump, args=(host.name, role, chan, out), daemon=True)
-                for role, chan in chans
+                threading.Thread(target=_pump, args=(host.name, role, chan, out, s), daemon=True)
+                for role, s, chan in chans
             ]
             for t in readers:
                 t.start()
@@ -317,9 +353,34 @@ def strip_escapes(line: str) -> str:
     return printable(_TERMINAL_ESCAPE.sub("", line), limit=None)
 
 
-def _pump(host: str, role: str, chan: Any, out: queue.Queue[Any]) -> None:
-    for raw in chan.makefile("rb"):
-        out.put(LogLine(host, role, strip_escapes(raw.decode(errors="replace").rstrip("\n"))))
+def pump_lines(
+    host: str, role: str, lines: Iterator[bytes], out: queue.Queue[Any], stream: str = "log"
+) -> None:
+    """Each line as a LogLine on `out`; a stderr tail's stamp line tags the lines after it."""
+    stamp = ""
+    for raw in lines:
+        text = strip_escapes(raw.decode(errors="replace").rstrip("\n"))
+        if stream == "stderr" and not stamp and text.startswith(STDERR_STAMP):
+            stamp = text[len(STDERR_STAMP) :]
+            continue
+        out.put(LogLine(host, role, text, stream=stream, stamp=stamp))
+
+
+def _pump(host: str, role: str, chan: Any, out: queue.Queue[Any], stream: str = "log") -> None:
+    pump_lines(host, role, iter(chan.makefile("rb")), out, stream)
+
+
+def merge_by_time(lines: list[LogLine]) -> list[LogLine]:
+    """Each file's lines kept in order, files merged by timestamp. A line without
+    one (a traceback's) sorts with the line before it; stderr lines with their
+    file's change time, so a crash lands where it happened."""
+    streams: dict[tuple[str, str, str], list[tuple[str, LogLine]]] = {}
+    for item in lines:
+        stream = streams.setdefault((item.host, item.role, item.stream), [])
+        m = _STAMP.match(item.text)
+        key = m.group(0) if m else (stream[-1][0] if stream else item.stamp)
+        stream.append((key, item))
+    return [line for _key, line in heapq.merge(*streams.values(), key=lambda kv: kv[0])]
 
 
 def logs(
@@ -340,17 +401,12 @@ def logs(
             else:
                 yield item
         return
-    streams: dict[tuple[str, str], list[tuple[str, LogLine]]] = {}
+    got: list[LogLine] = []
     done = 0
     while done < len(chosen):
         item = out.get()
         if item is None:
             done += 1
             continue
-        stream = streams.setdefault((item.host, item.role), [])
-        m = _STAMP.match(item.text)
-        # A line without a timestamp (a traceback) sorts with the line before it.
-        key = m.group(0) if m else (stream[-1][0] if stream else "")
-        stream.append((key, item))
-    for _key, line in heapq.merge(*streams.values(), key=lambda kv: kv[0]):
-        yield line
+        got.append(item)
+    yield from merge_by_time(got)

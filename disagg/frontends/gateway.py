@@ -23,7 +23,7 @@ from pydantic import BaseModel, Field
 from agents.request import GenerateRequest
 from disagg.api import Chunk, Client, Completion
 from disagg.errors import AgentError, DisaggError, ModelMismatch, UsageError
-from disagg.frontends import ollama
+from disagg.frontends import ollama, webview
 from disagg.frontends.guard import MAX_BODY_BYTES, Guard, unless_gone
 from disagg.serving.request import build_request
 
@@ -240,6 +240,7 @@ def create_app(
     app = FastAPI(title="disagg gateway")
     app.add_middleware(Guard, api_key=api_key, max_body=max_body)
     app.include_router(ollama.routes(client))
+    app.include_router(webview.routes(client, api_key))  # /ui, /ui/api/..., /metrics
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, e: OpenAIError) -> JSONResponse:

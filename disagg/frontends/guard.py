@@ -14,6 +14,8 @@ from typing import Any
 
 from starlette.requests import Request
 
+from disagg.frontends.webview import auth as webauth
+
 MAX_BODY_BYTES = 4 << 20
 OPEN_PATHS = frozenset({"/", "/health"})  # liveness only: no model, no data
 DISCONNECT_POLL_S = 0.25
@@ -47,6 +49,11 @@ class Guard:
         if self.key_digest is None or scope["path"] in OPEN_PATHS:
             return True
         headers = dict(scope.get("headers") or [])
+        # The web view: its page shell is open; its sign-in cookie opens its data only.
+        if webauth.is_open_path(scope["path"]):
+            return True
+        if webauth.cookie_opens(scope["path"]) and webauth.signed_in(headers, self.key_digest):
+            return True
         auth = headers.get(b"authorization", b"").decode("latin-1").strip()
         scheme, _, given = auth.partition(" ")
         if scheme.lower() != "bearer":

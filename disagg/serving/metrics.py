@@ -58,6 +58,14 @@ class Metrics:
     kv_fetch_time: float | None = None  # dial to PREFILL_DONE
     kv_first_layer_at: float | None = None  # wall clock (time.time) of the first layer placed
     prefill_last_layer_at: float | None = None  # wall clock of the prefill side's last layer
+    # --- where the time went (the web view draws it; agents.decode.timeline) -----------
+    # at: Unix time the decode agent took the request; then seconds after it, on the
+    # decode agent's clock: prefill_start, prefill_end, kv_first, kv_last (K/V layers
+    # arriving), first_token, joined (entered the decode batch), done.
+    timeline: dict[str, float | None] | None = None
+    queue_time: float | None = None  # waiting: for the prefill device, then a batch slot
+    prefill_queue_time: float | None = None  # ... of it, on the prefill agent
+    fallback_kind: str | None = None  # unreachable | timeout | stream | prefill_error
     # Fields an agent of a newer release sends that this one does not know: kept.
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -1,0 +1,212 @@
+"""The fleet as the web view draws it: every agent the router knows, polled over
+its control port (/status, challenge-response with the cluster token), and the
+links between each pipeline's prefill and decode agents with measured rates.
+
+Polled on demand, at most once a second, so an idle gateway polls nobody.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from agents.protocol import AuthError, printable
+from disagg.fleet.crashes import last_error_in
+from disagg.frontends.webview.tracker import RequestLog
+from disagg.serving.control import control_status
+
+POLL_EVERY_S = 1.0
+CRASH_EVERY_S = 30.0  # a down fleet agent's last error is read over SSH at most this often
+POLL_TIMEOUT_S = 1.5
+RATE_WINDOW_S = 30.0  # tokens/s and link rates over the last this many seconds
+
+
+def last_error_line(log_path: Path, max_bytes: int = 64 << 10) -> str | None:
+    """The last error (a crash's closing line, or an ERROR line) at the end of a
+    local agent's log, where its stderr goes too; None if none."""
+    try:
+        with log_path.open("rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - max_bytes))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    return last_error_in(lines)
+
+
+def _device(st: dict[str, Any]) -> str | None:
+    """`cpu`, `cuda`, `gpu` …: mlx writes its device as `Device(cpu, 0)`."""
+    d = st.get("device")
+    return str(d).removeprefix("Device(").split(",")[0].rstrip(")") if d else None
+
+
+def _weights(st: dict[str, Any]) -> str | None:
+    fp = st.get("fingerprint") or {}
+    q = (fp.get("weights") or {}).get("quantization")
+    kind = f"{q.get('bits')}-bit {q.get('mode')}" if q else None
+    return " ".join(x for x in (kind, fp.get("dtype")) if x) or None
+
+
+class FleetWatch:
+    def __init__(self, client: Any, log: RequestLog) -> None:
+        self.client = client
+        self.log = log
+        self.lock = threading.Lock()
+        self.lock_crashes = threading.Lock()
+        self.polled_at = 0.0
+        self.agents: list[dict[str, Any]] = []
+        self.pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ui-poll")
+        # Fleet agents that stopped answering: their last error, read over SSH in the
+        # background (name -> (when asked, line)); the poll never waits for it.
+        self.crashes: dict[str, tuple[float, str | None]] = {}
+        self.ssh = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ui-ssh")
+
+    def _fleet_crash(self, name: str) -> str | None:
+        inv = getattr(self.client, "inventory", None)
+        if inv is None:
+            return None
+        now = time.monotonic()
+        with self.lock_crashes:
+            asked = self.crashes.get(name)
+            if asked is None or now - asked[0] > CRASH_EVERY_S:
+                self.crashes[name] = (now, asked[1] if asked else None)
+                self.ssh.submit(self._read_crash, inv, name, now)
+            return self.crashes[name][1]
+
+    def _read_crash(self, inv: Any, name: str, asked: float) -> None:
+        from disagg.fleet.operations import crash_line  # SSH: only for a fleet
+
+        line = crash_line(inv, name)
+        with self.lock_crashes:
+            self.crashes[name] = (asked, line)
+
+    def pipelines(self) -> list[Any]:
+        """The router's routes less aliases (an alias's route holds the same agents)."""
+        seen: set[tuple[str, ...]] = set()
+        out = []
+        for p in self.client.router.pipelines.values():
+            agents = tuple(ep.name for ep in (*p.prefill, *p.decode))
+            if agents not in seen:
+                seen.add(agents)
+                out.append(p)
+        return out
+
+    def _endpoints(self) -> list[tuple[str, str, Any]]:
+        pipes = self.pipelines()
+        return [
+            (p.name, role, ep)
+            for p in pipes
+            for role in ("prefill", "decode")
+            for ep in getattr(p, role)
+        ]
+
+    def _local(self, name: str) -> Any:
+        return next((a for a in getattr(self.client, "agents", []) if a.name == name), None)
+
+    def _poll_one(self, model: str, role: str, ep: Any) -> dict[str, Any]:
+        row: dict[str, Any] = {
+            "name": ep.name,
+            "role": role,
+            "model": model,
+            "address": f"{ep.host}:{ep.port}",
+            "up": False,
+        }
+        local = self._local(ep.name)
+        if local is not None and not local.alive():
+            row["error"] = f"exited with {local.proc.returncode}"
+            row["last_error"] = last_error_line(local.log_path)
+            return row
+        if ep.control_port is None:
+            row["error"] = "no control port"
+            return row
+        try:
+            st = control_status(ep.host, ep.control_port, self.client.router.token, POLL_TIMEOUT_S)
+        except (OSError, ValueError, AuthError) as e:
+            row["error"] = printable(e, 200)
+            if local is not None:
+                row["last_error"] = last_error_line(local.log_path)
+            else:
+                row["last_error"] = self._fleet_crash(ep.name)
+            return row
+        pc = st.get("prefix_cache") or {}
+        row.update(
+            up=True,
+            device=_device(st),
+            backend=st.get("backend"),
+            model_dir=Path(str(st.get("model") or "")).name or None,
+            weights=_weights(st),
+            in_flight=st.get("in_flight"),
+            queued=st.get("queued"),
+            batch=st.get("batch"),
+            max_batch=st.get("max_batch"),
+            requests=st.get("requests"),
+            errors=st.get("errors"),
+            uptime_s=st.get("uptime_s"),
+            rss_bytes=st.get("rss_bytes"),
+            prefix_hit_rate=pc.get("hit_rate"),
+            ttft_p50_s=st.get("ttft_p50_s"),
+        )
+        reported = st.get("last_error")
+        if isinstance(reported, dict) and reported.get("message"):
+            row["last_error"] = printable(reported["message"], 300)
+        elif local is not None:
+            row["last_error"] = last_error_line(local.log_path)
+        return row
+
+    def poll(self) -> list[dict[str, Any]]:
+        """Every agent's row, fresh to within POLL_EVERY_S."""
+        with self.lock:
+            if time.monotonic() - self.polled_at < POLL_EVERY_S:
+                return self.agents
+            futures = [self.pool.submit(self._poll_one, *e) for e in self._endpoints()]
+            rows = [f.result() for f in futures]
+            self._add_rates(rows)
+            for r in rows:
+                self.log.metrics.agent(r["name"], r["role"], r["model"], r["up"])
+            self.agents, self.polled_at = rows, time.monotonic()
+            return rows
+
+    def _add_rates(self, rows: list[dict[str, Any]]) -> None:
+        recent = self.log.finished_since(RATE_WINDOW_S)
+        for r in rows:
+            side = "decode_server" if r["role"] == "decode" else "prefill_server"
+            key = "completion_tokens" if r["role"] == "decode" else "prompt_tokens"
+            mine = [m for m in recent if m.get(side) == r["name"]]
+            r["tokens_per_s"] = round(sum(int(m.get(key) or 0) for m in mine) / RATE_WINDOW_S, 2)
+
+    def links(self) -> list[dict[str, Any]]:
+        """Each pipeline's prefill -> decode pairs, with what their K/V streams measured."""
+        recent = self.log.finished_since(RATE_WINDOW_S * 10)
+        out = []
+        for p in self.pipelines():
+            for pre in p.prefill:
+                for dec in p.decode:
+                    ms = [
+                        m
+                        for m in recent
+                        if m.get("prefill_server") == pre.name
+                        and m.get("decode_server") == dec.name
+                        and m.get("method") == "disaggregated"
+                    ]
+                    link_b = sum(float(m.get("kv_link_bytes") or 0) for m in ms)
+                    link_s = sum(float(m.get("kv_link_time") or 0) for m in ms)
+                    kv_b = sum(float(m.get("kv_bytes") or 0) for m in ms)
+                    kv_s = sum(float(m.get("kv_transfer_time") or 0) for m in ms)
+                    rate = link_b / link_s if link_s > 0 else (kv_b / kv_s if kv_s > 0 else None)
+                    out.append(
+                        {
+                            "model": p.name,
+                            "prefill": pre.name,
+                            "decode": dec.name,
+                            "requests": len(ms),
+                            "bytes_per_s": rate,
+                            # "link": timed on the wire (large frames, agents.codecpick);
+                            # "stream": K/V bytes over first-to-last layer, paced by compute
+                            "rate_kind": "link" if link_s > 0 else "stream",
+                            "kv_bytes_last": ms[-1].get("kv_bytes") if ms else None,
+                        }
+                    )
+        return out

@@ -1,0 +1,158 @@
+"""The gateway's Prometheus metrics, from every result it hands out.
+
+Agents' own /metrics sit behind the cluster token's challenge-response, which
+Prometheus cannot answer; the gateway sees every request's full metrics, so it
+is the one scrape target: `GET /metrics` on `disagg serve`'s port (with
+`--api-key`: Prometheus' `authorization: {credentials: KEY}`). Names are listed
+in METRICS; docs/grafana/disagg.json charts them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import Any
+
+P = "disagg_gateway"
+SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+BYTES = tuple(float(1 << s) for s in range(10, 34, 2))  # 1 KiB .. 8 GiB, x4 apart
+# Why a decode agent prefilled locally: agents.kvfetch.FALLBACK_KINDS (a test holds them equal).
+FALLBACK_KINDS = ("unreachable", "timeout", "stream", "prefill_error")
+
+# name -> (result metric it observes, buckets, help)
+HISTOGRAMS: dict[str, tuple[str, tuple[float, ...], str]] = {
+    "ttft_seconds": ("ttft", SECONDS, "Time to first token, seen by the gateway."),
+    "tpot_seconds": ("tpot", SECONDS, "Time per output token after the first."),
+    "prefill_seconds": ("prefill_time", SECONDS, "Prompt prefill compute."),
+    "queue_seconds": ("queue_time", SECONDS, "Waiting: for the prefill device, a batch slot."),
+    "kv_transfer_seconds": ("kv_transfer_time", SECONDS, "First to last K/V layer arriving."),
+    "kv_bytes": ("kv_bytes", BYTES, "K/V bytes on the wire per disaggregated request."),
+}
+COUNTERS = {
+    "requests_total": "Requests by model, method and outcome (ok, error).",
+    "fallbacks_total": "Requests prefilled on the decode agent because the prefill agent failed.",
+    "prefix_hits_total": "Requests whose prompt reused K/V from a prefix cache.",
+    "cached_tokens_total": "Prompt tokens whose K/V came from a prefix cache.",
+    "prompt_tokens_total": "Prompt tokens of finished requests.",
+    "completion_tokens_total": "Generated tokens of finished requests.",
+}
+GAUGES = {
+    "in_flight": "Requests running now.",
+    "agent_up": "1 when the agent's /status answers, else 0 (polled while someone looks).",
+}
+METRICS = [f"{P}_{n}" for n in (*HISTOGRAMS, *COUNTERS, *GAUGES)]
+
+
+def _labels(pairs: tuple[tuple[str, str], ...]) -> str:
+    esc = (
+        f'{k}="{v.replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
+        for k, v in pairs
+    )
+    return "{" + ",".join(esc) + "}"
+
+
+class _Hist:
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.buckets = buckets
+        self.counts = [0] * len(buckets)
+        self.total = 0
+        self.sum = 0.0
+
+    def observe(self, v: float) -> None:
+        self.total += 1
+        self.sum += v
+        for i, edge in enumerate(self.buckets):
+            if v <= edge:
+                self.counts[i] += 1
+
+
+class GatewayMetrics:
+    """Counters and histograms labelled by model; every series exists from the
+    start (at zero), so dashboards and alerts see the names before traffic."""
+
+    def __init__(self, models: list[str]) -> None:
+        self.lock = threading.Lock()
+        self.hists: dict[tuple[str, str], _Hist] = {}
+        self.counts: Counter[tuple[str, tuple[tuple[str, str], ...]]] = Counter()
+        self.in_flight: Counter[str] = Counter()
+        self.agents_up: dict[tuple[str, str, str], int] = {}
+        for m in models:
+            for name, (_, buckets, _) in HISTOGRAMS.items():
+                self.hists[(name, m)] = _Hist(buckets)
+            for reason in FALLBACK_KINDS:
+                self.counts[("fallbacks_total", (("model", m), ("reason", reason)))] += 0
+            for name in COUNTERS:
+                if name not in ("requests_total", "fallbacks_total"):
+                    self.counts[(name, (("model", m),))] += 0
+            self.in_flight[m] += 0
+
+    def begin(self, model: str) -> None:
+        with self.lock:
+            self.in_flight[model] += 1
+
+    def end(self, model: str, metrics: dict[str, Any] | None, ok: bool) -> None:
+        m = metrics or {}
+        method = str(m.get("method") or "none")
+        with self.lock:
+            self.in_flight[model] -= 1
+            outcome = "ok" if ok else "error"
+            self.counts[
+                ("requests_total", (("model", model), ("method", method), ("outcome", outcome)))
+            ] += 1
+            if not ok:
+                return
+            for name, (key, buckets, _) in HISTOGRAMS.items():
+                value = m.get(key)
+                if name.startswith("kv_") and method != "disaggregated":
+                    continue  # nothing crossed the wire
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    self.hists.setdefault((name, model), _Hist(buckets)).observe(float(value))
+            if m.get("method") == "local-fallback":
+                reason = str(m.get("fallback_kind") or "stream")
+                self.counts[("fallbacks_total", (("model", model), ("reason", reason)))] += 1
+            cached = int(m.get("cached_tokens") or 0)
+            self.counts[("prefix_hits_total", (("model", model),))] += cached > 0
+            self.counts[("cached_tokens_total", (("model", model),))] += cached
+            for name, key in (
+                ("prompt_tokens_total", "prompt_tokens"),
+                ("completion_tokens_total", "completion_tokens"),
+            ):
+                self.counts[(name, (("model", model),))] += int(m.get(key) or 0)
+
+    def agent(self, name: str, role: str, model: str, up: bool) -> None:
+        with self.lock:
+            self.agents_up[(name, role, model)] = int(up)
+
+    def text(self) -> str:
+        """Prometheus text exposition format 0.0.4."""
+        out: list[str] = []
+        with self.lock:
+            for name, (_, _, help_) in HISTOGRAMS.items():
+                out += [f"# HELP {P}_{name} {help_}", f"# TYPE {P}_{name} histogram"]
+                for (n, model), h in sorted(self.hists.items()):
+                    if n != name:
+                        continue
+                    lab = (("model", model),)
+                    for edge, c in zip(h.buckets, h.counts, strict=True):
+                        out.append(
+                            f"{P}_{name}_bucket{_labels((*lab, ('le', f'{edge:.12g}')))} {c}"
+                        )
+                    out.append(f"{P}_{name}_bucket{_labels((*lab, ('le', '+Inf')))} {h.total}")
+                    out.append(f"{P}_{name}_sum{_labels(lab)} {h.sum}")
+                    out.append(f"{P}_{name}_count{_labels(lab)} {h.total}")
+            for name, help_ in COUNTERS.items():
+                out += [f"# HELP {P}_{name} {help_}", f"# TYPE {P}_{name} counter"]
+                for (n, pairs), v in sorted(self.counts.items()):
+                    if n == name:
+                        out.append(f"{P}_{name}{_labels(pairs)} {v}")
+            out += [f"# HELP {P}_in_flight {GAUGES['in_flight']}", f"# TYPE {P}_in_flight gauge"]
+            out += [
+                f"{P}_in_flight{_labels((('model', m),))} {v}"
+                for m, v in sorted(self.in_flight.items())
+            ]
+            out += [f"# HELP {P}_agent_up {GAUGES['agent_up']}", f"# TYPE {P}_agent_up gauge"]
+            out += [
+                f"{P}_agent_up{_labels((('agent', a), ('role', r), ('model', m)))} {v}"
+                for (a, r, m), v in sorted(self.agents_up.items())
+            ]
+        return "\n".join(out) + "\n"

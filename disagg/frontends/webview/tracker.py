@@ -1,0 +1,159 @@
+"""Every request the gateway runs, while it runs and for a while after: what the
+web view lists and draws, and what the gateway's /metrics counts.
+
+It wraps the router's `run` (the one door every gateway request goes through),
+so the request path itself knows nothing of it.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from disagg.frontends.webview.prom import GatewayMetrics
+
+KEEP = 300  # finished requests kept for the view's list and charts
+PROMPT_CHARS = 120  # of a prompt shown in the list
+
+
+def prompt_of(request: Any) -> str:
+    """The text a person recognises the request by (a GenerateRequest, or its dict):
+    the prompt, or the last user message."""
+    get = request.get if isinstance(request, dict) else lambda k: getattr(request, k, None)
+    text = get("prompt")
+    if text is None:
+        users = [m for m in get("messages") or [] if m.get("role") == "user"]
+        text = users[-1].get("content") if users else ""
+    text = " ".join(str(text or "").split())
+    return text if len(text) <= PROMPT_CHARS else text[: PROMPT_CHARS - 1] + "…"
+
+
+def why(m: dict[str, Any]) -> str | None:
+    """Why the request was served the way it was, in one line."""
+    if m.get("method") == "local-fallback":
+        return m.get("fallback_reason")
+    if m.get("method") == "local":
+        return m.get("placement_reason")
+    return None
+
+
+@dataclass
+class Tracked:
+    id: int
+    model: str
+    prompt: str
+    started: float  # Unix time
+    t0: float = field(default_factory=time.monotonic)
+    tokens: int = 0
+    first_token_s: float | None = None
+    ended_s: float | None = None
+    error: str | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    def view(self, now: float) -> dict[str, Any]:
+        m = self.metrics
+        state = "running" if self.ended_s is None else ("failed" if self.error else "done")
+        return {
+            "id": self.id,
+            "model": self.model,
+            "prompt": self.prompt,
+            "started": self.started,
+            "state": state,
+            "elapsed": round((self.ended_s if self.ended_s is not None else now - self.t0), 4),
+            "tokens": int(m.get("completion_tokens") or self.tokens),
+            "first_token": self.first_token_s,
+            "error": self.error,
+            "method": m.get("method"),
+            "why": why(m),
+            "prefill_server": m.get("prefill_server"),
+            "decode_server": m.get("decode_server"),
+            "ttft": m.get("ttft"),
+            "tpot": m.get("tpot"),
+            "kv_bytes": m.get("kv_bytes"),
+            "prompt_tokens": m.get("prompt_tokens"),
+            "cached_tokens": m.get("cached_tokens"),
+            "timeline": m.get("timeline"),
+        }
+
+
+class RequestLog:
+    """In-flight and recent requests; thread-safe (requests run on worker threads)."""
+
+    def __init__(self, models: list[str]) -> None:
+        self.lock = threading.Lock()
+        self.ids = itertools.count(1)
+        self.running: dict[int, Tracked] = {}
+        self.done: deque[Tracked] = deque(maxlen=KEEP)
+        self.metrics = GatewayMetrics(models)
+
+    def wrap(self, run: Callable[..., Any]) -> Callable[..., Any]:
+        """`run` (Router.run's signature) that records each request it serves."""
+
+        @functools.wraps(run)
+        def tracked(
+            model: str | None,
+            request: Any,
+            on_token: Callable[[dict[str, Any]], None] | None = None,
+            **kw: Any,
+        ) -> Any:
+            t = self.begin(str(model or "?"), request)
+
+            def seen(tok: dict[str, Any]) -> None:
+                if tok.get("id") is not None:
+                    t.tokens += 1
+                    if t.first_token_s is None:
+                        t.first_token_s = round(time.monotonic() - t.t0, 4)
+                if on_token is not None:
+                    on_token(tok)
+
+            try:
+                result = run(model, request, on_token=seen, **kw)
+            except BaseException as e:
+                # A stop sequence ends a request early on purpose (StopGeneration).
+                stopped = type(e).__name__ == "StopGeneration"
+                self.end(t, None, None if stopped else (str(e) or type(e).__name__))
+                raise
+            m = result.metrics
+            self.end(t, m.to_dict() if hasattr(m, "to_dict") else dict(m), None)
+            return result
+
+        return tracked
+
+    def begin(self, model: str, request: Any) -> Tracked:
+        t = Tracked(next(self.ids), model, prompt_of(request), time.time())
+        with self.lock:
+            self.running[t.id] = t
+        self.metrics.begin(model)
+        return t
+
+    def end(self, t: Tracked, metrics: dict[str, Any] | None, error: str | None) -> None:
+        t.metrics = dict(metrics or {})
+        t.error = error
+        t.ended_s = round(time.monotonic() - t.t0, 4)
+        with self.lock:
+            self.running.pop(t.id, None)
+            self.done.append(t)
+        self.metrics.end(t.model, metrics, error is None and metrics is not None)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Newest first: running ones, then finished ones."""
+        now = time.monotonic()
+        with self.lock:
+            items = list(self.running.values())[::-1] + list(self.done)[::-1]
+        return [t.view(now) for t in items]
+
+    def finished_since(self, seconds: float) -> list[dict[str, Any]]:
+        """Metrics of requests that ended in the last `seconds`."""
+        cutoff = time.monotonic() - seconds
+        with self.lock:
+            return [
+                t.metrics
+                for t in self.done
+                if t.ended_s is not None and t.t0 + t.ended_s >= cutoff and t.metrics
+            ]

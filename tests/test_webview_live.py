@@ -1,0 +1,437 @@
+"""The web view against real `disagg serve --local` processes, in Debian's
+headless chromium driven by selenium: one gateway with an API key, one without
+(loopback). Also: every Grafana panel names a metric the live /metrics exports.
+
+With DISAGG_UI_SHOTS=DIR the browser's screenshots (laptop and phone widths,
+light and dark) are written there; docs/ui*.png come from that.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.slow
+
+KEY = "webview-test-key-" + "x" * 16
+MODEL = "SmolLM2-135M-Instruct"
+DASHBOARD = Path(__file__).resolve().parent.parent / "docs" / "grafana" / "disagg.json"
+CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+needs_browser = pytest.mark.skipif(
+    not (CHROMIUM and DRIVER),
+    reason="needs Debian's headless chromium and its driver: apt-get install chromium "
+    "chromium-driver (CI installs both)",
+)
+
+
+@pytest.fixture(scope="module")
+def gateways(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """{"open": (proc, url), "keyed": (proc, url)}: both start at once."""
+    logs = tmp_path_factory.mktemp("webview")
+    started: dict[str, Any] = {}
+
+    def start(name: str, *args: str) -> None:
+        try:
+            started[name] = serve_on_a_quiet_port(args, logs / f"{name}.log")
+        except Exception as e:  # raised below, on the test's thread
+            started[name] = e
+
+    threads = [
+        threading.Thread(target=start, args=("open",)),
+        threading.Thread(target=start, args=("keyed", "--api-key", KEY)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        for v in started.values():
+            if isinstance(v, Exception):
+                raise v
+        yield started
+    finally:
+        for v in started.values():
+            if not isinstance(v, Exception):
+                v[0].terminate()
+                v[0].wait(30)
+
+
+def quiet_port() -> int:
+    """A free port below Linux's ephemeral range (32768+), where the port-0 binds of
+    agents and other tests on this machine land: none can take it while our
+    gateway loads its model."""
+    while True:
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+
+
+def serve_on_a_quiet_port(args: tuple[str, ...], log: Path) -> tuple[Any, str]:
+    """`disagg serve --local ARGS` as a process; once its port answers, make sure it
+    is this process that answers (its web view's page), not another one."""
+    cmd = [sys.executable, "-m", "disagg.cli", "serve", "--local", *args]
+    port = quiet_port()
+    with log.open("wb") as out:
+        proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"disagg serve did not start:\n{log.read_text()}")
+        try:
+            with urllib.request.urlopen(f"{url}/ui", timeout=5) as r:
+                if b"/ui/assets/ui.css" in r.read():
+                    return proc, url
+        except OSError:
+            pass
+        time.sleep(0.3)
+
+
+def ask(url: str, prompt: str, key: str = "unused") -> Any:
+    oai = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=300)
+    return oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=12, temperature=0
+    )
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = str(CHROMIUM)
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1280,1000"):
+        opts.add_argument(arg)
+    driver = webdriver.Chrome(options=opts, service=Service(executable_path=str(DRIVER)))
+    yield driver
+    driver.quit()
+
+
+def wait_for(what: Callable[[], Any], seconds: float, message: str) -> Any:
+    deadline = time.monotonic() + seconds
+    while True:
+        got = what()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(message)
+        time.sleep(0.2)
+
+
+def shoot(driver: Any, name: str, width: int, dark: bool) -> None:
+    """A full-page screenshot at this width and colour scheme (DISAGG_UI_SHOTS or nowhere)."""
+    out = os.environ.get("DISAGG_UI_SHOTS")
+    if not out:
+        return
+    scheme = "dark" if dark else "light"
+    driver.execute_cdp_cmd(
+        "Emulation.setEmulatedMedia",
+        {"features": [{"name": "prefers-color-scheme", "value": scheme}]},
+    )
+    driver.execute_cdp_cmd(
+        "Emulation.setDeviceMetricsOverride",
+        {"width": width, "height": 900, "deviceScaleFactor": 1, "mobile": width < 700},
+    )
+    time.sleep(1.5)  # a poll and a redraw at the new width
+    height = driver.execute_script("return document.documentElement.scrollHeight")
+    driver.execute_cdp_cmd(
+        "Emulation.setDeviceMetricsOverride",
+        {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": width < 700},
+    )
+    time.sleep(0.5)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    Path(out, f"{name}.png").write_bytes(driver.get_screenshot_as_png())
+    driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+    driver.execute_cdp_cmd("Emulation.setEmulatedMedia", {"features": []})
+
+
+def agents_on_page(driver: Any) -> dict[str, str]:
+    return driver.execute_script(
+        "return Object.fromEntries([...document.querySelectorAll('[data-agent]')]"
+        ".map(e => [e.dataset.agent, e.dataset.up]))"
+    )
+
+
+# ---- without a key, on loopback ----------------------------------------------------------
+
+
+@needs_browser
+def test_page_shows_the_agents_and_the_model(gateways: Any, browser: Any) -> None:
+    _, url = gateways["open"]
+    browser.get(f"{url}/ui")
+    agents = wait_for(
+        lambda: len(agents_on_page(browser)) == 2 and agents_on_page(browser), 30, "no agents"
+    )
+    assert agents == {"prefill@127.0.0.1": "true", "decode@127.0.0.1": "true"}
+    body = browser.find_element("tag name", "body").text
+    assert MODEL in body and "decode@127.0.0.1" in body
+    # The picture: both agents drawn, and the link between them.
+    assert len(browser.find_elements("css selector", "#topology [data-node]")) == 2
+    assert browser.find_elements("css selector", "#topology path.link")
+
+
+@needs_browser
+def test_a_request_sent_after_the_page_opened_appears_with_its_timeline(
+    gateways: Any, browser: Any
+) -> None:
+    _, url = gateways["open"]
+    browser.get(f"{url}/ui")
+    wait_for(lambda: agents_on_page(browser), 30, "page did not load")
+    browser.execute_script("window.stillThisPage = true")
+    prompt = f"Name a colour. ({time.time():.0f})"
+    answer = ask(url, prompt)
+    assert answer.choices[0].message.content
+
+    def row() -> Any:
+        for r in browser.find_elements("css selector", ".req[data-state=done]"):
+            if prompt in r.text:
+                return r
+        return None
+
+    r = wait_for(row, 15, "the request never appeared on the page")
+    assert browser.execute_script("return window.stillThisPage") is True  # no reload
+    assert "disaggregated" in r.text
+    for part in ("queue", "prefill", "kv", "decode", "tok"):
+        assert r.find_elements("css selector", f".bar i.{part}"), f"no {part} segment"
+    # The K/V arrives while the prefill computes: the two segments overlap.
+    box = {
+        part: r.find_element("css selector", f".bar i.{part}").rect for part in ("prefill", "kv")
+    }
+    pre, kv = box["prefill"], box["kv"]
+    assert kv["x"] < pre["x"] + pre["width"] and pre["x"] < kv["x"] + kv["width"]
+
+
+@needs_browser
+def test_an_in_flight_request_shows_while_it_runs(gateways: Any, browser: Any) -> None:
+    _, url = gateways["open"]
+    browser.get(f"{url}/ui")
+    wait_for(lambda: agents_on_page(browser), 30, "page did not load")
+    prompt = f"Count from one to one hundred in words. ({time.time():.0f})"
+    oai = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+    done = threading.Event()
+
+    def long_request() -> None:
+        # A raw prompt that runs on: about 120 tokens at this box's decode speed.
+        oai.completions.create(model=MODEL, prompt=prompt, max_tokens=120, temperature=0)
+        done.set()
+
+    worker = threading.Thread(target=long_request)
+    worker.start()
+    try:
+
+        def running() -> Any:
+            for r in browser.find_elements("css selector", ".req[data-state=running]"):
+                if prompt[:30] in r.text:
+                    return r.text
+            return None
+
+        text = wait_for(running, 30, "the request never showed as running")
+        assert "prefilling" in text or "decoding" in text
+        assert not done.is_set()
+    finally:
+        worker.join(300)
+    wait_for(
+        lambda: any(
+            prompt[:30] in r.text
+            for r in browser.find_elements("css selector", ".req[data-state=done]")
+        ),
+        15,
+        "the finished request never showed as done",
+    )
+
+
+def test_every_grafana_panel_names_a_metric_the_live_gateway_exports(gateways: Any) -> None:
+    _, url = gateways["open"]
+    ask(url, "Say hi.")
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    exported = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    dash = json.loads(DASHBOARD.read_text())
+    panels = [p for p in dash["panels"] if p.get("type") != "row"]
+    named = 0
+    for p in panels:
+        assert p["targets"], p["title"]
+        for t in p["targets"]:
+            names = set(re.findall(r"\bdisagg_[a-z0-9_]+", t["expr"]))
+            assert names, f"{p['title']}: no disagg metric in {t['expr']}"
+            missing = names - exported
+            assert not missing, f"{p['title']}: {missing} not in /metrics"
+            named += len(names)
+    assert len(panels) >= 10 and named >= 15
+    # The request just made is counted.
+    ok = [
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "disagg_gateway_requests_total" and s.labels.get("outcome") == "ok"
+    ]
+    assert sum(ok) >= 1
+
+
+# ---- with --api-key ----------------------------------------------------------------------
+
+
+@needs_browser
+def test_without_the_key_no_agent_or_prompt_appears(gateways: Any, browser: Any) -> None:
+    _, url = gateways["keyed"]
+    secret_prompt = f"Tell me about otters ({time.time():.0f})."
+    ask(url, secret_prompt, key=KEY)
+    browser.delete_all_cookies()
+    browser.get(f"{url}/ui")
+    assert browser.find_elements("css selector", "input[name=key]")
+    time.sleep(2.5)  # give any script time to fetch what it could
+    page = browser.page_source + browser.find_element("tag name", "body").text
+    for secret in ("@127.0.0.1", secret_prompt[:20], "otters", MODEL):
+        assert secret not in page, secret
+    # The key in the address once: a cookie, and the key leaves the address bar.
+    browser.get(f"{url}/ui?key={KEY}")
+    wait_for(lambda: len(agents_on_page(browser)) == 2, 30, "no agents after signing in")
+    assert browser.current_url == f"{url}/ui"
+    wait_for(lambda: "otters" in browser.find_element("tag name", "body").text, 10, "no prompt")
+    (cookie,) = browser.get_cookies()
+    assert cookie["httpOnly"] is True and cookie["sameSite"] == "Strict"
+    assert cookie["domain"] == "127.0.0.1" and cookie["path"] == "/ui"  # host-only
+    assert browser.execute_script("return document.cookie") == ""  # scripts cannot read it
+
+
+class Recorder(http.server.ThreadingHTTPServer):
+    """Answers anything with a small page and keeps each request's path and Cookie."""
+
+    def __init__(self, page: str = "") -> None:
+        self.seen: list[tuple[str, str]] = []
+        outer = self
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802
+                outer.seen.append((self.path, self.headers.get("Cookie") or ""))
+                raw = page.encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/html")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def log_message(self, *a: Any) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", free_port()), H)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+
+@needs_browser
+def test_the_cookie_never_goes_with_another_sites_requests(gateways: Any, browser: Any) -> None:
+    _, url = gateways["keyed"]
+    browser.get(f"{url}/ui?key={KEY}")
+    wait_for(lambda: agents_on_page(browser), 30, "not signed in")
+    # A stand-in for this host at another port, and a page of another site
+    # (localhost is not 127.0.0.1 to a browser) that calls it every way it can.
+    target = Recorder()
+    tport = target.server_address[1]
+    evil = Recorder(
+        f'<img src="http://127.0.0.1:{tport}/ui/api/img">'
+        f'<iframe src="http://127.0.0.1:{tport}/ui/api/frame"></iframe>'
+        f'<form id="f" method="get" action="http://127.0.0.1:{tport}/ui/api/form"></form>'
+        f"<script>fetch('http://127.0.0.1:{tport}/ui/api/fetch',"
+        f"{{credentials:'include',mode:'no-cors'}});"
+        "setTimeout(()=>document.getElementById('f').submit(),500)</script>"
+    )
+    try:
+        browser.get(f"http://localhost:{evil.server_address[1]}/")
+        wait_for(lambda: len(target.seen) >= 4, 15, f"the page's requests: {target.seen}")
+        leaked = [(p, c) for p, c in target.seen if "disagg_ui=" in c]
+        assert not leaked, leaked
+        # Control: the browser does hold the cookie, and sends it on a same-site visit.
+        browser.get(f"http://127.0.0.1:{tport}/ui/api/typed")
+        typed = wait_for(
+            lambda: [c for p, c in target.seen if p == "/ui/api/typed"], 10, "no typed visit"
+        )
+        assert "disagg_ui=" in typed[0]
+    finally:
+        target.shutdown()
+        evil.shutdown()
+
+
+@needs_browser
+@pytest.mark.skipif(not os.environ.get("DISAGG_UI_SHOTS"), reason="set DISAGG_UI_SHOTS=DIR")
+def test_screenshots_for_the_docs(gateways: Any, browser: Any) -> None:
+    """Some traffic (a few at once, short and long prompts), then the page at a
+    laptop's and a phone's width, light and dark."""
+    _, url = gateways["open"]
+    browser.get(f"{url}/ui")
+    wait_for(lambda: agents_on_page(browser), 30, "page did not load")
+    prompts = [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "List three prime numbers.",
+        "Explain what a KV cache is. " * 12,
+        "Translate 'good morning' to Spanish.",
+        "What is 12 times 12?",
+    ]
+    for i in range(0, len(prompts), 3):
+        batch = [threading.Thread(target=ask, args=(url, p)) for p in prompts[i : i + 3]]
+        for t in batch:
+            t.start()
+        for t in batch:
+            t.join()
+    time.sleep(2)
+    shoot(browser, "ui", 1280, dark=False)
+    shoot(browser, "ui-dark", 1280, dark=True)
+    shoot(browser, "ui-phone", 390, dark=False)
+    shoot(browser, "ui-phone-dark", 390, dark=True)
+
+
+# ---- last: an agent dies -----------------------------------------------------------------
+
+
+def agent_pid(serve_pid: int, role: str) -> int:
+    for child in Path(f"/proc/{serve_pid}/task/{serve_pid}/children").read_text().split():
+        cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+        if f"agents.{role}".encode() in cmdline:
+            return int(child)
+    raise AssertionError(f"no {role} agent under {serve_pid}")
+
+
+@needs_browser
+def test_a_dead_agent_turns_red_within_seconds(gateways: Any, browser: Any) -> None:
+    proc, url = gateways["open"]
+    browser.get(f"{url}/ui")
+    wait_for(lambda: agents_on_page(browser).get("decode@127.0.0.1") == "true", 30, "not up")
+    os.kill(agent_pid(proc.pid, "decode"), signal.SIGKILL)
+    t0 = time.monotonic()
+    wait_for(
+        lambda: agents_on_page(browser).get("decode@127.0.0.1") == "false", 10, "still not red"
+    )
+    took = time.monotonic() - t0
+    card = browser.find_element("css selector", '[data-agent="decode@127.0.0.1"]')
+    assert "down" in card.get_attribute("class") and "exited" in card.text
+    node = browser.find_element("css selector", '#topology [data-node="decode@127.0.0.1"]')
+    assert node.get_attribute("class") == "down"
+    assert agents_on_page(browser)["prefill@127.0.0.1"] == "true"
+    print(f"decode agent killed: red on the page after {took:.1f}s")
