@@ -248,8 +248,10 @@ def serve(
 
     from disagg.frontends.gateway import create_app
     from disagg.frontends.keys import api_keys
-    from disagg.frontends.limits import Limits
+    from disagg.frontends.limits import Limits, raise_nofile
     from disagg.frontends.limits import serve as serve_app
+
+    raise_nofile()  # before the local agents start: they inherit it
 
     if decode_agents < 1:
         raise UsageError(f"--decode-agents must be at least 1, got {decode_agents}")
