@@ -375,3 +375,34 @@ decode_model = "/m"
     assert "\x1b[2J" not in proc.stderr and "\x1b]" not in proc.stderr and "\x07" not in proc.stderr
     assert "\x1b]8;" not in proc.stderr  # no live hyperlink
     assert "[link=http://evil.example]click[/link]" in proc.stderr  # the brackets, as text
+
+
+def test_ipv6_counts_per_64_and_trusted_peers_have_their_own_slots() -> None:
+    from agents.server import Gate, peer_key, trusted_set
+
+    assert peer_key("2001:db8::1") == peer_key("2001:db8::ffff:1") == "2001:db8::/64"
+    assert peer_key("2001:db8:0:1::1") != peer_key("2001:db8::1")
+    assert peer_key("::ffff:10.0.0.1") == "10.0.0.1"
+    gate = Gate(8, 2, trusted=trusted_set("10.0.0.5"))  # 4 unauthenticated slots for strangers
+    strangers = [f"2001:db8::{i}" for i in range(3)] + ["192.0.2.1"] * 2 + ["192.0.2.2"] * 2
+    admitted = [gate.admit(s) is None for s in strangers]
+    assert admitted == [True, True, False, True, True, False, False]  # /64 cap 2, pool of 4
+    for cluster in ("10.0.0.5", "127.0.0.1", "::1"):
+        assert gate.admit(cluster) is None  # the pool is full, the cluster still gets in
+
+
+def test_deploy_passes_the_inventorys_addresses_as_trusted_peers(tmp_path: Path) -> None:
+    from disagg.fleet import service
+    from disagg.fleet.deploy import inventory_addresses
+    from disagg.fleet.inventory import load
+
+    inv = load(Path(__file__).resolve().parent.parent / "inventory.toml")
+    addresses = inventory_addresses(inv)
+    assert "169.254.150.101" in addresses and "10.176.26.7" in addresses
+    paths = service.AgentPaths(str(tmp_path), "decode")
+    config = {
+        "python": "python3", "model": "/m", "bind": "127.0.0.1", "port": 1, "control_port": 2,
+        "name": "d", "dtype": "auto", "token_file": "/t", "trusted_peers": ",".join(addresses),
+    }  # fmt: skip
+    script = service.run_script(paths, config)
+    assert "--trusted-peers" in script and "10.176.26.7" in script

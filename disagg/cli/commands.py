@@ -267,7 +267,7 @@ def serve(
     if key is None and host not in LOOPBACK:
         err.print(
             f"[yellow]warning:[/] serving on {host} without an API key: anyone who reaches "
-            "this port can use the models (add --api-key or DISAGG_API_KEY)",
+            "this port can use the models (add --api-key-file or DISAGG_API_KEY)",
             soft_wrap=True,
         )
     # SIGTERM (systemd, docker, kill) unwinds like Ctrl-C, so the local agents stop too;
