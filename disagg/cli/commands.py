@@ -221,7 +221,7 @@ def serve(
         typer.Option(
             "--api-key",
             envvar="DISAGG_API_KEY",
-            help="Require this key (Authorization: Bearer KEY) on every route.",
+            help="Require this key (Authorization: Bearer KEY); shows in ps: prefer the env var.",
         ),
     ] = None,
     api_key_file: Annotated[
