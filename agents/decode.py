@@ -318,7 +318,7 @@ class DecodeAgent:
     def _lookup(self, req: GenerateRequest, namespace: str, ids: list[int], local: bool) -> Hit:
         if not req.prefix_cache or req.kv_quant:  # int8 K/V is lossy: never reused
             return Hit(namespace, [], [], self.prefix.cache.block)
-        return self.prefix.lookup(namespace, ids, local)
+        return self.prefix.lookup(namespace, ids, local, req.cache_salt)
 
     def _prefill(
         self, req: GenerateRequest, ids: list[int], metrics: dict[str, Any], hits: list[Hit]
@@ -378,6 +378,7 @@ class DecodeAgent:
                 prefix_digest=prefix.digest if prefix else None,
                 prefix_cache=req.prefix_cache,
                 probe_codecs=probe,
+                cache_salt=req.cache_salt,
             )
             fetched, logits = fetch_kv(
                 req.prefill, ask, caches, hello, self.token, self.engine.vocab_size, place, prefix

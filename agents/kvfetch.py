@@ -85,7 +85,7 @@ def open_session(target: PrefillTarget, hello: dict[str, Any], token: bytes | No
     try:
         sock.settimeout(timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        P.client_auth(sock, token)
+        P.client_auth(sock, token, target.integrity)
         P.send_json(sock, P.Frame.HELLO, hello)
         _, ok = P.recv_json(sock, P.Frame.HELLO_OK)
     except BaseException:

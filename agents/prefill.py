@@ -125,6 +125,7 @@ class PrefillEngine:
         start: int = 0,
         prefix: PrefillPrefix | None = None,
         after: list[Callable[[], None]] | None = None,
+        salt: str | None = None,
     ) -> tuple[dict[str, Any], np.ndarray]:
         """Run the prompt; call `on_layer` with each layer's K/V the moment it exists.
 
@@ -164,7 +165,7 @@ class PrefillEngine:
             try:
                 t0 = time.perf_counter()
                 queue_s = t0 - t_wait  # behind other prompts' forward passes
-                keys, cached = prefix.seed(cache, token_ids) if prefix else ([], 0)
+                keys, cached = prefix.seed(cache, token_ids, salt) if prefix else ([], 0)
                 ids = torch.tensor([token_ids[cached:]], device=self.device)
                 out = self.body(input_ids=ids, past_key_values=cache, use_cache=True)
                 # [1, S, hidden] -> the LM head on the last position only: [vocab]
@@ -370,7 +371,9 @@ class PrefillAgent:
         outcome, result = "error", None
         after: list[Callable[[], None]] = []  # the prefix cache's store, once all is sent
         try:
-            result, logits = self.engine.prefill(ids, sender.put, start, prefix, after)
+            result, logits = self.engine.prefill(
+                ids, sender.put, start, prefix, after, req.cache_salt
+            )
             sender.close()
             if sender.error is not None:
                 raise sender.error

@@ -19,7 +19,9 @@ import json
 import secrets
 import socket
 import struct
+import threading
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -171,7 +173,12 @@ def send_frame(
 ) -> int:
     parts = [payload] if isinstance(payload, bytes | bytearray | memoryview) else list(payload)
     length = sum(memoryview(p).nbytes for p in parts)
-    return send_buffers(sock, [pack_header(ftype, length, flags), *parts])
+    head = pack_header(ftype, length, flags)
+    seal = _SEALS.get(sock)
+    if seal is None:
+        return send_buffers(sock, [head, *parts])
+    with seal.send_lock:  # the tag's sequence number is the frame's place on the wire
+        return send_buffers(sock, [head, *parts, seal.sign(head, parts)])
 
 
 def send_json(sock: socket.socket, ftype: Frame, obj: dict[str, Any]) -> int:
@@ -243,7 +250,11 @@ def recv_frame(
     head = bytearray(HEADER.size)
     _recv_header(sock, head, deadline)
     header = parse_header(head, max_frame)
-    return header, recv_exact(sock, header.length, deadline)
+    payload = recv_exact(sock, header.length, deadline)
+    seal = _SEALS.get(sock)
+    if seal is not None:
+        seal.verify(header, head, payload, recv_exact(sock, TAG_BYTES, deadline))
+    return header, payload
 
 
 class FrameReader:
@@ -268,6 +279,9 @@ class FrameReader:
             self._buf = bytearray(header.length)  # the old one lives on in old views only
         view = memoryview(self._buf)[: header.length]
         _recv_into(self.sock, view, None)
+        seal = _SEALS.get(self.sock)
+        if seal is not None:  # checked before anyone decodes, places or caches it
+            seal.verify(header, self._head, view, recv_exact(self.sock, TAG_BYTES, None))
         return header, view
 
 
@@ -334,10 +348,19 @@ def fingerprint_mismatch(ours: dict[str, Any], theirs: dict[str, Any]) -> list[s
 
 NONCE_BYTES = 32
 TOKEN_MIN_CHARS = 32  # a cluster token file holds at least this (the generator writes 64 hex)
+# What protects the frames after the handshake, chosen by the client:
+# "mac": every frame carries an HMAC-SHA256 tag over its sequence number, header
+# and payload, keyed per connection and direction from the token and both nonces;
+# a frame altered, injected, dropped or replayed is refused. "none": nothing (an
+# older peer, or a pipeline on a link its operator trusts). Neither hides content.
+INTEGRITY = ("mac", "none")
 
 
-def _mac(token: bytes, side: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
-    msg = b"disagg-auth-v1|" + side + b"|" + server_nonce + b"|" + client_nonce
+def _mac(token: bytes, side: bytes, server_nonce: bytes, client_nonce: bytes, mode: str) -> bytes:
+    # The mode is inside the proof (but "none" keeps the old message): stripping
+    # "mac" from an AUTH on the path makes the proof fail, not the frames bare.
+    tag = b"" if mode == "none" else b"|" + mode.encode()
+    msg = b"disagg-auth-v1|" + side + tag + b"|" + server_nonce + b"|" + client_nonce
     return hmac.new(token, msg, hashlib.sha256).digest()
 
 
@@ -351,6 +374,65 @@ def _hex_field(obj: dict[str, Any], key: str, size: int) -> bytes:
     return raw
 
 
+# -- integrity after the handshake --------------------------------------------
+
+TAG_BYTES = 32  # HMAC-SHA256, after each frame's payload (not counted in its length)
+
+
+class IntegrityError(ProtocolError):
+    """A frame's tag does not match: altered, injected, reordered or replayed."""
+
+
+class Seal:
+    """One connection's frame keys and sequence numbers, both directions."""
+
+    def __init__(self, send_key: bytes, recv_key: bytes) -> None:
+        self.send_key, self.recv_key = send_key, recv_key
+        self.sent = self.received = 0
+        self.send_lock = threading.Lock()
+
+    @staticmethod
+    def _tag(key: bytes, seq: int, head: bytes | bytearray, parts: Sequence[Any]) -> bytes:
+        h = hmac.new(key, seq.to_bytes(8, "little"), hashlib.sha256)
+        h.update(head)
+        for p in parts:
+            h.update(p)
+        return h.digest()
+
+    def sign(self, head: bytes, parts: Sequence[Any]) -> bytes:
+        tag = self._tag(self.send_key, self.sent, head, parts)
+        self.sent += 1
+        return tag
+
+    def verify(
+        self, header: Header, head: bytes | bytearray, payload: Any, tag: bytes | bytearray
+    ) -> None:
+        want = self._tag(self.recv_key, self.received, head, [payload])
+        if not hmac.compare_digest(bytes(tag), want):
+            raise IntegrityError(
+                f"{header.type.name} frame {self.received} failed its integrity check "
+                "(altered on the path?): connection dropped"
+            )
+        self.received += 1
+
+
+# Sockets whose frames are sealed; a socket leaves with its last reference.
+_SEALS: weakref.WeakKeyDictionary[socket.socket, Seal] = weakref.WeakKeyDictionary()
+
+
+def _seal(sock: socket.socket, token: bytes, sn: bytes, cn: bytes, server: bool) -> None:
+    c2s, s2c = (
+        hmac.new(token, b"disagg-frames-v1|" + d + b"|" + sn + cn, hashlib.sha256).digest()
+        for d in (b"c2s", b"s2c")
+    )
+    _SEALS[sock] = Seal(s2c, c2s) if server else Seal(c2s, s2c)
+
+
+def sealed(sock: socket.socket) -> bool:
+    """Whether this connection's frames carry tags (see INTEGRITY)."""
+    return sock in _SEALS
+
+
 def server_auth(
     sock: socket.socket,
     token: bytes | None,
@@ -360,15 +442,22 @@ def server_auth(
     """Open a connection as the server; raises AuthError after telling the peer why.
 
     The whole exchange must end by `deadline`, and no frame may exceed `max_frame`
-    (the answer is tiny): an unknown peer costs a few kB for a bounded time."""
+    (the answer is tiny): an unknown peer costs a few kB for a bounded time.
+    Frames after it are sealed when the client asks (see INTEGRITY)."""
     nonce = secrets.token_bytes(NONCE_BYTES)
-    send_json(sock, Frame.CHALLENGE, {"nonce": nonce.hex(), "auth": token is not None})
+    challenge: dict[str, Any] = {"nonce": nonce.hex(), "auth": token is not None}
+    if token is not None:
+        challenge["integrity"] = ["mac"]
+    send_json(sock, Frame.CHALLENGE, challenge)
     if token is None:
         return
     try:
         _, msg = recv_json(sock, Frame.AUTH, max_frame, deadline)
         client_nonce = _hex_field(msg, "nonce", NONCE_BYTES)
         mac = _hex_field(msg, "mac", hashlib.sha256().digest_size)
+        mode = msg.get("integrity", "none")
+        if mode not in INTEGRITY:
+            raise ProtocolError(f"integrity {printable(mode, 20)}: this agent knows mac, none")
     except RemoteError as e:
         reason = f"sent ERROR {printable(e.code, 40)}: {printable(e.message)}"
         send_error(sock, "unauthorized", "authentication required")
@@ -378,17 +467,21 @@ def server_auth(
             raise
         send_error(sock, "unauthorized", f"authentication required: {e}")
         raise AuthError(str(e)) from None
-    if not hmac.compare_digest(mac, _mac(token, b"client", nonce, client_nonce)):
+    if not hmac.compare_digest(mac, _mac(token, b"client", nonce, client_nonce, mode)):
         send_error(sock, "unauthorized", "wrong token: this agent belongs to another cluster")
         raise AuthError("wrong token")
-    send_json(sock, Frame.AUTH_OK, {"mac": _mac(token, b"server", nonce, client_nonce).hex()})
+    proof = _mac(token, b"server", nonce, client_nonce, mode)
+    send_json(sock, Frame.AUTH_OK, {"mac": proof.hex()})
+    if mode == "mac":
+        _seal(sock, token, nonce, client_nonce, server=True)
 
 
-def client_auth(sock: socket.socket, token: bytes | None) -> None:
+def client_auth(sock: socket.socket, token: bytes | None, integrity: str = "mac") -> None:
     """Open a connection as the client: answer the server's challenge.
 
     Holding a token, we require the server's proof: one whose challenge says it
-    wants no token (a process that grabbed the port, say) is refused."""
+    wants no token (a process that grabbed the port, say) is refused. With
+    `integrity` "mac" every later frame is sealed; a server that cannot is refused."""
     _, challenge = recv_json(sock, Frame.CHALLENGE, PREAUTH_MAX_FRAME)
     nonce = _hex_field(challenge, "nonce", NONCE_BYTES)
     if not challenge.get("auth"):
@@ -400,13 +493,24 @@ def client_auth(sock: socket.socket, token: bytes | None) -> None:
         )
     if token is None:
         raise AuthError("the agent requires the cluster token and none was given")
+    offered = challenge.get("integrity")
+    if integrity == "mac" and not (isinstance(offered, list) and "mac" in offered):
+        raise AuthError(
+            "the agent cannot check frames after the handshake (an older release?): "
+            'upgrade it, or set integrity = "none" for this pipeline'
+        )
     client_nonce = secrets.token_bytes(NONCE_BYTES)
-    mac = _mac(token, b"client", nonce, client_nonce)
-    send_json(sock, Frame.AUTH, {"nonce": client_nonce.hex(), "mac": mac.hex()})
+    mac = _mac(token, b"client", nonce, client_nonce, integrity)
+    auth: dict[str, Any] = {"nonce": client_nonce.hex(), "mac": mac.hex()}
+    if integrity != "none":
+        auth["integrity"] = integrity
+    send_json(sock, Frame.AUTH, auth)
     try:
         _, ok = recv_json(sock, Frame.AUTH_OK, PREAUTH_MAX_FRAME)
     except RemoteError as e:
         raise AuthError(printable(e.message)) from None
     proof = _hex_field(ok, "mac", hashlib.sha256().digest_size)
-    if not hmac.compare_digest(proof, _mac(token, b"server", nonce, client_nonce)):
+    if not hmac.compare_digest(proof, _mac(token, b"server", nonce, client_nonce, integrity)):
         raise AuthError("the agent could not prove it holds the cluster token")
+    if integrity == "mac":
+        _seal(sock, token, nonce, client_nonce, server=False)

@@ -53,6 +53,7 @@ class PrefillTarget:
     port: int
     timeout: float | None = None
     name: str | None = None
+    integrity: str = "mac"  # the K/V stream's frames: "mac" tagged, "none" (protocol.INTEGRITY)
 
     @classmethod
     def from_dict(cls, d: Any) -> PrefillTarget:
@@ -68,7 +69,12 @@ class PrefillTarget:
         if timeout is not None and (not _is_num(timeout) or timeout <= 0):
             raise RequestError("prefill", f"prefill.timeout must be > 0 seconds, got {timeout!r}")
         name = d.get("name")
-        return cls(list(hosts), port, timeout, str(name) if name is not None else None)
+        integrity = d.get("integrity", "mac")
+        if integrity not in ("mac", "none"):
+            raise RequestError(
+                "prefill", f"prefill.integrity must be mac or none, got {integrity!r}"
+            )
+        return cls(list(hosts), port, timeout, str(name) if name is not None else None, integrity)
 
     def to_wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {"hosts": self.hosts, "host": self.hosts[0], "port": self.port}
@@ -76,6 +82,8 @@ class PrefillTarget:
             out["timeout"] = self.timeout
         if self.name is not None:
             out["name"] = self.name
+        if self.integrity != "mac":
+            out["integrity"] = self.integrity
         return out
 
 
@@ -109,6 +117,9 @@ class GenerateRequest:
     # Constrained output: None (text), {"type": "json_object"} or
     # {"type": "json_schema", "schema": {...}, "strict": bool}; see response_format().
     response_format: dict[str, Any] | None = None
+    # Mixed into the prefix cache's first block key on both agents: only requests
+    # with the same salt share cached K/V (the gateway sets one per API key).
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         check(self)
@@ -248,6 +259,18 @@ def check(r: GenerateRequest) -> None:
                 f"the JSON Schema is {chars} characters; at most {SCHEMA_MAX_CHARS} are taken",
             )
     _check_chat_fields(r)
+    check_cache_salt(r.cache_salt)
+
+
+CACHE_SALT_MAX = 256  # characters
+
+
+def check_cache_salt(salt: Any) -> str | None:
+    if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= CACHE_SALT_MAX):
+        raise RequestError(
+            "cache_salt", f"cache_salt must be text of 1 to {CACHE_SALT_MAX} characters"
+        )
+    return salt
 
 
 def check_kv_quant(kv_quant: Any) -> str | None:
@@ -275,6 +298,7 @@ class PrefillRequest:
     prefix_digest: str | None = None  # digest of token_ids[:start], checked by the prefill side
     prefix_cache: bool = True  # False: the prefill agent neither uses nor fills its cache
     probe_codecs: bool = False  # also time the other codecs on one layer
+    cache_salt: str | None = None  # the GENERATE's, for the prefill agent's cache keys
 
     @classmethod
     def from_dict(cls, d: Any, vocab_size: int | None = None) -> PrefillRequest:
@@ -303,6 +327,7 @@ class PrefillRequest:
             prefix_digest=digest,
             prefix_cache=d.get("prefix_cache", True) is not False,
             probe_codecs=d.get("probe_codecs") is True,
+            cache_salt=check_cache_salt(d.get("cache_salt")),
         )
 
     def to_wire(self) -> dict[str, Any]:
@@ -315,6 +340,8 @@ class PrefillRequest:
             out["prefix_cache"] = False
         if self.probe_codecs:
             out["probe_codecs"] = True
+        if self.cache_salt is not None:
+            out["cache_salt"] = self.cache_salt
         return out
 
 

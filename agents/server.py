@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ipaddress
 import json
 import logging
 import logging.handlers
@@ -63,7 +64,9 @@ def setup_logging(role: str, log_file: str | None = None, max_bytes: int = LOG_M
     root.setLevel(logging.INFO)
 
 
-HANDSHAKE_TIMEOUT_S = 10.0  # a peer must finish the handshake within this, however it trickles
+# A peer must finish the handshake within this, however it trickles: two tiny
+# frames, milliseconds on a LAN; short, so a flood must renew its sockets often.
+HANDSHAKE_TIMEOUT_S = 5.0
 IDLE_TIMEOUT_S = 600.0  # an open connection with no request for this long is closed
 MAX_CONNECTIONS = 512  # per agent, authenticated or not; half at most unauthenticated
 MAX_PREAUTH_PER_PEER = 64  # unauthenticated connections from one address at once
@@ -120,6 +123,12 @@ def common_args(role: str) -> argparse.ArgumentParser:
         type=int,
         default=MAX_PREAUTH_PER_PEER,
         help="unauthenticated connections at once from one address",
+    )
+    p.add_argument(
+        "--trusted-peers",
+        default="",
+        help="the cluster's own addresses, comma-separated (disagg deploy passes the "
+        "inventory's): their connections have slots strangers cannot fill (loopback always)",
     )
     p.add_argument("--log-file", default=None, help="log here, rotated by size (else stderr)")
     p.add_argument(
@@ -182,33 +191,77 @@ def load_token(path: str | None) -> bytes | None:
     return token
 
 
+LOOPBACK = frozenset({"127.0.0.1", "::1"})  # the local pair and its client
+
+
+def peer_key(addr: str) -> str:
+    """What one peer is, for the per-peer cap: an IPv4 address, an IPv6 /64
+    (one host may own a whole /64, so its addresses count as one)."""
+    try:
+        ip = ipaddress.ip_address(addr.split("%")[0])
+    except ValueError:
+        return addr
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
+
+
+def trusted_set(peers: str | list[str] | tuple[str, ...] = ()) -> frozenset[str]:
+    """`--trusted-peers` (comma-separated addresses) plus loopback, as peer keys."""
+    items = peers.split(",") if isinstance(peers, str) else list(peers)
+    return frozenset(peer_key(p.strip()) for p in [*items, *LOOPBACK] if p.strip())
+
+
 class Gate:
     """Caps connections: `total` at once, of which at most half unauthenticated,
-    and at most `preauth_per_peer` unauthenticated ones from one address. A
-    refused connection is closed before it costs a thread."""
+    and at most `preauth_per_peer` unauthenticated ones from one peer (an IPv6
+    /64 is one). `trusted` peers (the inventory's addresses, loopback) have
+    their own unauthenticated slots, so strangers filling theirs cannot lock
+    the cluster out. A refused connection is closed before it costs a thread."""
 
-    def __init__(self, total: int, preauth_per_peer: int, preauth_total: int | None = None) -> None:
+    def __init__(
+        self,
+        total: int,
+        preauth_per_peer: int,
+        preauth_total: int | None = None,
+        trusted: frozenset[str] = frozenset(),
+    ) -> None:
         self.total = total
         self.preauth_total = max(1, total // 2) if preauth_total is None else preauth_total
         self.preauth_per_peer = preauth_per_peer
+        self.trusted = trusted or trusted_set()
         self.open = 0
         self.preauth: dict[str, int] = {}
+        self.trusted_preauth = 0
         self.lock = threading.Lock()
         self.refused = 0
         self._told_at = 0.0
 
     def admit(self, peer: str) -> str | None:
         """Take a slot for a new, unauthenticated connection; else why not."""
+        key = peer_key(peer)
         with self.lock:
-            if self.open >= self.total:
+            strangers = sum(self.preauth.values())
+            if key in self.trusted:  # the reserve: never counted with strangers
+                if self.trusted_preauth >= self.preauth_total:
+                    why = f"{self.preauth_total} unauthenticated connections from the cluster"
+                elif self.open >= self.total + self.preauth_total:
+                    why = f"{self.open} connections open"
+                else:
+                    self.open += 1
+                    self.trusted_preauth += 1
+                    return None
+            elif self.open >= self.total:
                 why = f"{self.open} connections open"
-            elif sum(self.preauth.values()) >= self.preauth_total:
+            elif strangers >= self.preauth_total:
                 why = f"{self.preauth_total} unauthenticated connections open"
-            elif self.preauth.get(peer, 0) >= self.preauth_per_peer:
-                why = f"{self.preauth_per_peer} unauthenticated connections from {peer} open"
+            elif self.preauth.get(key, 0) >= self.preauth_per_peer:
+                why = f"{self.preauth_per_peer} unauthenticated connections from {key} open"
             else:
                 self.open += 1
-                self.preauth[peer] = self.preauth.get(peer, 0) + 1
+                self.preauth[key] = self.preauth.get(key, 0) + 1
                 return None
             self.refused += 1
             # One line per 10 s at most: a flood must not flood the log too.
@@ -224,11 +277,15 @@ class Gate:
             self._leave_preauth(peer)
 
     def _leave_preauth(self, peer: str) -> None:
-        left = self.preauth.get(peer, 0) - 1
+        key = peer_key(peer)
+        if key in self.trusted:
+            self.trusted_preauth -= 1
+            return
+        left = self.preauth.get(key, 0) - 1
         if left > 0:
-            self.preauth[peer] = left
+            self.preauth[key] = left
         else:
-            self.preauth.pop(peer, None)
+            self.preauth.pop(key, None)
 
     def release(self, peer: str, authenticated: bool) -> None:
         with self.lock:
@@ -251,8 +308,9 @@ class FrameServer(socketserver.ThreadingTCPServer):
         handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
         max_connections: int = MAX_CONNECTIONS,
         max_preauth_per_peer: int = MAX_PREAUTH_PER_PEER,
+        trusted: frozenset[str] = frozenset(),
     ) -> None:
-        self.gate = gate = Gate(max_connections, max_preauth_per_peer)
+        self.gate = gate = Gate(max_connections, max_preauth_per_peer, trusted=trusted)
 
         class _Handler(socketserver.BaseRequestHandler):
             def handle(inner) -> None:
@@ -327,10 +385,18 @@ class ControlServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128  # as FrameServer: a burst must not wait on SYN retries
 
-    def __init__(self, address: tuple[str, int], handler: Any, deadline_s: float) -> None:
+    def __init__(
+        self,
+        address: tuple[str, int],
+        handler: Any,
+        deadline_s: float,
+        trusted: frozenset[str] = frozenset(),
+    ) -> None:
         super().__init__(address, handler)
         # Every HTTP connection stays "unauthenticated" in the gate's terms.
-        self.gate = Gate(CONTROL_MAX_CONNECTIONS, CONTROL_MAX_PER_PEER, CONTROL_MAX_CONNECTIONS)
+        self.gate = Gate(
+            CONTROL_MAX_CONNECTIONS, CONTROL_MAX_PER_PEER, CONTROL_MAX_CONNECTIONS, trusted
+        )
         self.reaper = Reaper()
         self.deadline_s = deadline_s
 
@@ -360,6 +426,7 @@ def start_control(
     token: bytes | None,
     draining: threading.Event,
     deadline_s: float = HANDSHAKE_TIMEOUT_S,
+    trusted: frozenset[str] = frozenset(),
 ) -> ThreadingHTTPServer:
     """GET /health for anyone; /status and /metrics for token holders, proven by
     challenge-response (agents.httpauth) so the token never crosses the wire."""
@@ -418,7 +485,7 @@ def start_control(
         def log_message(self, format: str, *args: Any) -> None:
             pass  # health polls would drown the agent's log
 
-    server = ControlServer((host, port), _Handler, deadline_s)
+    server = ControlServer((host, port), _Handler, deadline_s, trusted)
     threading.Thread(target=server.serve_forever, daemon=True, name="control").start()
     return server
 
@@ -442,6 +509,7 @@ def serve(role: str, args: argparse.Namespace, token: bytes | None, agent: Agent
         return agent.stats.in_flight
 
     hosts = [h.strip() for h in str(args.host).split(",") if h.strip()]
+    trusted = trusted_set(args.trusted_peers)
     draining = threading.Event()
     frames: list[FrameServer] = []
     controls: list[ThreadingHTTPServer] = []
@@ -457,12 +525,20 @@ def serve(role: str, args: argparse.Namespace, token: bytes | None, agent: Agent
                     args.handshake_timeout,
                     args.max_connections,
                     args.max_preauth_per_peer,
+                    trusted,
                 )
             )
             port = frames[-1].server_address[1]
             controls.append(
                 start_control(
-                    host, control_port, status, metrics, token, draining, args.handshake_timeout
+                    host,
+                    control_port,
+                    status,
+                    metrics,
+                    token,
+                    draining,
+                    args.handshake_timeout,
+                    trusted,
                 )
             )
             control_port = controls[-1].server_address[1]

@@ -173,7 +173,9 @@ def hostile_session(agent: AgentProc, rng: random.Random, base: list[bytes]) -> 
     with socket.create_connection((agent.host, agent.port), timeout=20) as s:
         authed = rng.random() < 0.8  # most frames reach the request parser behind auth
         if authed:
-            P.client_auth(s, agent.token)
+            # Untagged frames, so mutated bytes reach the request parser (a sealed
+            # connection would refuse them all at the tag, before parsing).
+            P.client_auth(s, agent.token, "none")
         else:
             P.recv_json(s, P.Frame.CHALLENGE)
         data = mutate(rng, rng.choice(base)) if rng.random() < 0.7 else rng.randbytes(40)

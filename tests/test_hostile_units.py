@@ -307,12 +307,17 @@ def test_http_tricklers_are_cut_and_connections_capped(control: tuple[str, int])
     s.close()
     assert cut < 1.6, cut
     # More than CONTROL_MAX_PER_PEER at once from one address: the rest are closed at once.
+    # (A stranger's address: loopback is the local pair's, with slots of its own.)
     from agents.server import CONTROL_MAX_PER_PEER
 
-    held = [socket.create_connection((host, port), timeout=5) for _ in range(CONTROL_MAX_PER_PEER)]
+    src = ("127.0.0.3", 0)
+    held = [
+        socket.create_connection((host, port), timeout=5, source_address=src)
+        for _ in range(CONTROL_MAX_PER_PEER)
+    ]
     time.sleep(0.2)
     t0 = time.monotonic()
-    extra = socket.create_connection((host, port), timeout=5)
+    extra = socket.create_connection((host, port), timeout=5, source_address=src)
     assert extra.recv(1) == b"" and time.monotonic() - t0 < 0.5  # not the deadline's doing
     # Another address is still served meanwhile.
     with socket.create_connection((host, port), 5, source_address=("127.0.0.2", 0)) as other:

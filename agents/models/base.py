@@ -23,8 +23,10 @@ def load_hf_config(model_dir: str | Path) -> dict[str, Any]:
         raise UnsupportedModel(f"{path} has no config.json: not a Hugging Face model dir")
     try:
         cfg = json.loads(cfg_path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # JSONDecodeError, bad UTF-8, 4300+ digit ints
         raise UnsupportedModel(f"cannot read {cfg_path}: {e}") from None
+    except RecursionError:
+        raise UnsupportedModel(f"cannot read {cfg_path}: nested too deeply") from None
     if not isinstance(cfg, dict) or "model_type" not in cfg:
         raise UnsupportedModel(f"{cfg_path} has no model_type")
     return cfg

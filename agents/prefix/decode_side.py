@@ -49,14 +49,14 @@ class DecodePrefix:
         self.window = max((int(k[1]) for k in kinds if k[0] != "full"), default=0)
         self.dtype = DTYPE_NAMES[dtype]
 
-    def lookup(self, namespace: str, ids: list[int], local: bool) -> Hit:
+    def lookup(self, namespace: str, ids: list[int], local: bool, salt: str | None = None) -> Hit:
         """The longest usable cached prefix of `ids` (a miss: tokens 0). The last
         prompt token is always computed: its logits start the decode."""
         cap = len(ids) - 1
         if self.window:
             cap = -1 if local else min(cap, len(ids) - self.window)
         b = self.cache.block
-        keys = block_keys(ids, namespace, b)
+        keys = block_keys(ids, namespace, b, salt)
         blocks = self.cache.longest(keys, cap // b) if cap > 0 and self.cache.max_bytes else []
         hit = Hit(namespace, keys, blocks, b)
         self.cache.record(len(ids), hit.tokens)

@@ -31,14 +31,14 @@ class PrefillPrefix:
         # out): the next prompt waits for them rather than missing.
         self.storing = threading.Lock()
 
-    def seed(self, dyn: Any, ids: list[int]) -> tuple[list[bytes], int]:
+    def seed(self, dyn: Any, ids: list[int], salt: str | None = None) -> tuple[list[bytes], int]:
         """Fill the DynamicCache `dyn` with the longest cached prefix of `ids`
         (never the last token: its logits are the answer). Returns the prompt's
         block keys and the cached token count."""
         if not self.enabled:
             return [], 0
         b = self.cache.block
-        keys = block_keys(ids, self.namespace, b)
+        keys = block_keys(ids, self.namespace, b, salt)
         with self.storing:
             blocks = self.cache.longest(keys, (len(ids) - 1) // b)
         n = len(blocks) * b

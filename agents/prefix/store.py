@@ -32,11 +32,16 @@ def default_max_mb() -> int:
     return int(min(2048, ram / 10 / (1 << 20)))
 
 
-def block_keys(ids: Sequence[int], namespace: str, block: int = BLOCK_TOKENS) -> list[bytes]:
+def block_keys(
+    ids: Sequence[int], namespace: str, block: int = BLOCK_TOKENS, salt: str | None = None
+) -> list[bytes]:
     """One chained key per whole block of `ids`; `namespace` keeps K/V that was
-    computed differently (another framework, device or dtype) apart."""
+    computed differently (another framework, device or dtype) apart, `salt`
+    one tenant's prompts from another's (mixed into the first key, so every
+    later key differs too): a probe with another salt never hits."""
     arr = np.asarray(ids, dtype="<i8")
-    h = hashlib.blake2b(namespace.encode(), digest_size=16).digest()
+    seed = namespace.encode() if salt is None else namespace.encode() + b"\0salt\0" + salt.encode()
+    h = hashlib.blake2b(seed, digest_size=16).digest()
     out: list[bytes] = []
     for i in range(len(ids) // block):
         h = hashlib.blake2b(h + arr[i * block : (i + 1) * block].tobytes(), digest_size=16).digest()

@@ -81,6 +81,8 @@ def check_supported(model_dir: str | Path) -> None:
         raise _refuse(path, "NVIDIA ModelOpt (hf_quant_config.json)")
     if not list(path.glob("*.safetensors")):
         raise UnsupportedModel(f"{path} has no *.safetensors weights")
+    for file in weight_files(path):
+        read_header(file)  # a hostile header: one line here, before any loader sees it
     qc = cfg.get("quantization_config")
     method = qc.get("quant_method") if isinstance(qc, dict) else None
     if method is not None and method != "mxfp4":
@@ -118,8 +120,17 @@ def is_quantized(cfg: dict[str, Any]) -> bool:
     return mlx_quantization(cfg) is not None
 
 
+# Bytes per element of safetensors' dtypes (F4/F6 and the like: checked for fit only).
+ITEMSIZE = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+    "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+    "F8_E8M0": 1,
+}  # fmt: skip
+
+
 def read_header(file: Path) -> tuple[dict[str, Any], int]:
-    """A safetensors file's JSON header and the offset where its data starts."""
+    """A safetensors file's JSON header and the offset where its data starts,
+    checked (`check_header`): a hostile file gets one line, never a traceback."""
     with open(file, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
@@ -131,7 +142,56 @@ def read_header(file: Path) -> tuple[dict[str, Any], int]:
             header = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise UnsupportedModel(f"{file} has a broken safetensors header: {e}") from None
+        except RecursionError:
+            why = "nested too deeply"
+            raise UnsupportedModel(f"{file} has a broken safetensors header: {why}") from None
+        except ValueError as e:  # ints of 4300+ digits
+            raise UnsupportedModel(f"{file} has a broken safetensors header: {e}") from None
+    check_header(file, header, file.stat().st_size - 8 - n)
     return header, 8 + n
+
+
+def check_header(file: Path, header: Any, data_bytes: int) -> None:
+    """Every tensor's offsets ascend without overlap, fit the file's data, and span
+    exactly shape x itemsize bytes; else UnsupportedModel naming the tensor."""
+    if not isinstance(header, dict):
+        raise UnsupportedModel(f"{file}: the safetensors header is not a JSON object")
+    spans: list[tuple[int, int, str]] = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        bad = f"{file}: tensor {str(name)[:80]!r}"
+        if not isinstance(entry, dict):
+            raise UnsupportedModel(f"{bad} has no dtype/shape/data_offsets")
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        ints = (isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in shape or [None])
+        if not isinstance(shape, list) or (shape and not all(ints)):
+            raise UnsupportedModel(f"{bad} has a bad shape {str(shape)[:80]}")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in offsets)
+            or not 0 <= offsets[0] <= offsets[1]
+        ):
+            raise UnsupportedModel(f"{bad} has bad data_offsets {str(offsets)[:80]}")
+        if offsets[1] > data_bytes:
+            raise UnsupportedModel(
+                f"{bad} ends at byte {offsets[1]} of {data_bytes}: the file is truncated or lies"
+            )
+        count = 1
+        for d in shape:
+            count *= d
+        size = ITEMSIZE.get(str(dtype))
+        if size is not None and count * size != offsets[1] - offsets[0]:
+            raise UnsupportedModel(
+                f"{bad}: shape {shape} x {size} bytes is {count * size}, "
+                f"but its data_offsets span {offsets[1] - offsets[0]}"
+            )
+        spans.append((offsets[0], offsets[1], str(name)[:80]))
+    spans.sort()
+    for (_, end, a), (begin, _, b) in zip(spans, spans[1:], strict=False):
+        if begin < end:
+            raise UnsupportedModel(f"{file}: tensors {a!r} and {b!r} overlap")
 
 
 def weight_files(model_dir: str | Path) -> list[Path]:

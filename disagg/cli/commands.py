@@ -281,28 +281,53 @@ def serve(
         typer.Option(
             "--api-key",
             envvar="DISAGG_API_KEY",
-            help="Require this key (Authorization: Bearer KEY) on every route.",
+            help="Require this key (Authorization: Bearer KEY); shows in ps: prefer the env var.",
         ),
     ] = None,
     api_key_file: Annotated[
-        Path | None, typer.Option("--api-key-file", help="Read the API key from this file.")
+        Path | None,
+        typer.Option(
+            "--api-key-file",
+            help="Read the API keys from this file (0600; one per line, each a tenant).",
+        ),
     ] = None,
+    header_timeout: Annotated[
+        float,
+        typer.Option("--header-timeout", help="Seconds a connection has to send its headers."),
+    ] = 10.0,
+    max_connections: Annotated[
+        int, typer.Option("--max-connections", help="Connections at once, in total.")
+    ] = 1024,
+    max_per_address: Annotated[
+        int, typer.Option("--max-per-address", help="Connections at once from one address.")
+    ] = 64,
 ) -> None:
     """OpenAI- and Ollama-compatible gateway: /v1/... and /api/... on one port."""
     import signal
     import sys
 
-    import uvicorn
-
     from disagg.frontends.gateway import create_app
+    from disagg.frontends.keys import api_keys
+    from disagg.frontends.limits import Limits, raise_nofile
+    from disagg.frontends.limits import serve as serve_app
+
+    raise_nofile()  # before the local agents start: they inherit it
 
     if decode_agents < 1:
         raise UsageError(f"--decode-agents must be at least 1, got {decode_agents}")
-    key = _api_key(api_key, api_key_file)
+    on_command_line = any(a == "--api-key" or a.startswith("--api-key=") for a in sys.argv)
+    if api_key is not None and on_command_line:
+        err.print(
+            "[yellow]warning:[/] --api-key on the command line shows in ps to every "
+            "user of this machine: use --api-key-file (chmod 600) or DISAGG_API_KEY",
+            soft_wrap=True,
+        )
+    keys = api_keys(api_key, api_key_file)
+    key = keys or None
     if key is None and host not in LOOPBACK:
         err.print(
             f"[yellow]warning:[/] serving on {host} without an API key: anyone who reaches "
-            "this port can use the models (add --api-key or DISAGG_API_KEY)",
+            "this port can use the models (add --api-key-file or DISAGG_API_KEY)",
             soft_wrap=True,
         )
     # SIGTERM (systemd, docker, kill) unwinds like Ctrl-C, so the local agents stop too;
@@ -316,23 +341,11 @@ def serve(
             f"(OpenAI: /v1, Ollama: /api){', API key required' if key else ''}"
         )
         err.print(f"web view: http://{host}:{port}/ui{'?key=KEY' if key else ''}")
-        uvicorn.run(create_app(client, api_key=key), host=host, port=port, log_level="warning")
+        limits = Limits(header_timeout, max_connections, max_per_address)
+        serve_app(create_app(client, api_key=key), host, port, limits)
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-def _api_key(given: str | None, path: Path | None) -> str | None:
-    if given is not None and path is not None:
-        raise UsageError("give --api-key or --api-key-file, not both")
-    if path is not None:
-        try:
-            given = path.read_text().strip()
-        except OSError as e:
-            raise UsageError(f"cannot read --api-key-file {path}: {e.strerror}") from None
-    if given is not None and not given.strip():
-        raise UsageError("the API key is empty: give a non-empty --api-key")
-    return given.strip() if given is not None else None
 
 
 @app.command()

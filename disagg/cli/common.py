@@ -44,8 +44,11 @@ def friendly(fn: Callable[..., None]) -> Callable[..., None]:
                 traceback.print_exc()
             flag = FLAGS.get(e.param or "") if isinstance(e, UsageError) else None
             line = f"{e} ({flag})" if flag else str(e)
-            # A Text, not markup: messages quote user input that may hold [brackets].
-            err.print(Text.assemble(("error: ", "red"), line), highlight=False, soft_wrap=True)
+            # A Text, not markup: messages quote user input that may hold [brackets],
+            # and agents' ERROR text (escapes removed, control characters shown).
+            err.print(
+                Text.assemble(("error: ", "red"), safe_lines(line)), highlight=False, soft_wrap=True
+            )
             raise typer.Exit(1) from None
         except KeyboardInterrupt:
             err.print("[red]interrupted[/]")
@@ -55,7 +58,14 @@ def friendly(fn: Callable[..., None]) -> Callable[..., None]:
 
 
 def say(msg: str) -> None:
-    err.print(f"[dim]{msg}[/]")
+    err.print(Text(safe_lines(msg), style="dim"), highlight=False)
+
+
+def safe_lines(text: str) -> str:
+    """disagg.cli.plain's path, lines kept."""
+    from disagg.cli.plain import plain_lines
+
+    return plain_lines(text, None).plain
 
 
 Model = Annotated[

@@ -13,6 +13,7 @@ from typing import Annotated, Any
 import typer
 
 from disagg.cli.common import Inventory, Json, app, err, friendly, out
+from disagg.cli.plain import plain_lines
 
 HostsArg = Annotated[
     list[str] | None,
@@ -21,7 +22,8 @@ HostsArg = Annotated[
 
 
 def _say_host(host: str, msg: str) -> None:
-    err.print(f"[dim]{host}: {msg}[/]", highlight=False)
+    # Deploy's progress quotes remote output: plain text, never markup.
+    err.print(plain_lines(f"{host}: {msg}", None, style="dim"), highlight=False)
 
 
 def _fail_if_any(results: list[Any]) -> None:

@@ -6,6 +6,7 @@ from typing import Any
 
 from rich.table import Table
 
+from disagg.cli.plain import plain
 from disagg.serving.metrics import SEED_NAMES, Metrics
 from disagg.units import UNITS, fmt
 
@@ -17,9 +18,9 @@ def metrics_table(metrics: Metrics, title: str = "metrics") -> Table:
     for name in SEED_NAMES:
         table.add_row(name, fmt(metrics.get(name), UNITS.get(name, "")))
     if metrics.get("fallback_reason"):
-        table.add_row("fallback_reason", str(metrics["fallback_reason"]))
+        table.add_row("fallback_reason", plain(metrics["fallback_reason"], None))
     if metrics.get("weights"):
-        table.add_row("weights", str(metrics["weights"]))  # "mixed": other weights prefilled
+        table.add_row("weights", plain(metrics["weights"]))  # "mixed": other weights prefilled
     return table
 
 
@@ -42,7 +43,7 @@ def verify_table(report: dict[str, Any]) -> Table:
     table = Table(title="verify: disaggregated vs decode-only", header_style="bold")
     table.add_column("check")
     table.add_column("value", justify="right")
-    table.add_row("model", str(report["model"]))
+    table.add_row("model", plain(report["model"]))
     table.add_row("tokens compared", str(report["compared"]))
     table.add_row("token agreement", f"{report['agreement']:.1%}")
     div = report["first_divergence"]
@@ -63,15 +64,16 @@ def batch_table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> Table:
         table.add_column(col)
     for r in rows:
         m = r.get("metrics") or {}
-        text = r.get("error") and f"[red]{r['error']}[/]" or (r.get("text") or "").strip()
+        error = r.get("error")
+        text = plain(error, style="red") if error else plain((r.get("text") or "").strip(), 60)
         table.add_row(
-            str(r["id"]),
-            str(r.get("model")),
-            str(m.get("method", "-")),
+            plain(r["id"]),
+            plain(r.get("model")),
+            plain(m.get("method", "-")),
             fmt(m.get("ttft"), "s"),
             fmt(m.get("completion_tokens")),
             fmt(r.get("time"), "s"),
-            text[:60],
+            text,
         )
     ratio = summary["wall_time"] / summary["sum_time"] if summary["sum_time"] else 0.0
     table.caption = (

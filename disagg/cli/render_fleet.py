@@ -1,8 +1,11 @@
-"""Rich tables for fleet results; nothing here computes anything."""
+"""Rich tables for fleet results; nothing here computes anything. Every string
+a host or agent supplied goes through `disagg.cli.plain` (never markup), and
+each status row is rendered on its own: one hostile /status costs its row only."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from rich.console import Group, RenderableType
@@ -10,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from agents.protocol import printable
+from disagg.cli.plain import plain, plain_lines
 from disagg.fleet.deploy import HostDeploy
 from disagg.fleet.operations import AgentAction, AgentStatus, LogLine
 from disagg.fleet.ssh import HostResult
@@ -26,8 +30,8 @@ STATE_STYLE = {
 }
 
 
-def _error(text: str) -> str:
-    return f"[red]{text}[/]"
+def _error(text: str) -> Text:
+    return plain_lines(text, style="red")
 
 
 def deploy_table(results: list[HostResult[HostDeploy]], dry_run: bool = False) -> Table:
@@ -38,7 +42,7 @@ def deploy_table(results: list[HostResult[HostDeploy]], dry_run: bool = False) -
     for r in results:
         d = r.value
         if d is None:
-            table.add_row(r.host, "", "", "", "", "", _error(r.error or "failed"))
+            table.add_row(plain(r.host), "", "", "", "", "", _error(r.error or "failed"))
             continue
         if d.uploaded or d.removed:
             verb = "would upload" if dry_run else "uploaded"
@@ -49,9 +53,11 @@ def deploy_table(results: list[HostResult[HostDeploy]], dry_run: bool = False) -
             files = f"unchanged ({d.unchanged} files)"
         config = ", ".join(f"{role} changed" for role in d.configs_changed) or "unchanged"
         done = "; ".join([*(f"restarted {role}" for role in d.restarted), *d.notes])
-        table.add_row(
-            r.host, d.platform, d.service, d.python, files, config, f"[green]ok[/] {done}".strip()
-        )
+        result = Text("ok", style="green")
+        if done:
+            result.append(" ").append_text(plain_lines(done))
+        cells = (r.host, d.platform, d.service, d.python, files, config)
+        table.add_row(*(plain(c) for c in cells), result)
     return table
 
 
@@ -61,22 +67,40 @@ def actions_table(results: list[HostResult[list[AgentAction]]], title: str) -> T
         table.add_column(col, overflow="fold")
     for r in results:
         if r.value is None:
-            table.add_row(r.host, "", "[red]failed[/]", _error(r.error or ""))
+            table.add_row(plain(r.host), "", Text("failed", style="red"), _error(r.error or ""))
             continue
         if not r.value:
-            table.add_row(r.host, "", "-", "no agents placed here")
+            table.add_row(plain(r.host), "", "-", "no agents placed here")
         for a in r.value:
-            table.add_row(a.host, a.role, f"[green]{a.action}[/]", a.detail)
+            table.add_row(
+                plain(a.host), plain(a.role), plain(a.action, style="green"), plain_lines(a.detail)
+            )
     return table
 
 
-def _mem(rss_bytes: int | None) -> str:
-    return "-" if rss_bytes is None else f"{rss_bytes / 2**20:,.0f} MiB"
+def _mem(rss_bytes: object) -> str:
+    if not isinstance(rss_bytes, int | float) or isinstance(rss_bytes, bool):
+        return "-" if rss_bytes is None else printable(rss_bytes, 20)
+    return f"{rss_bytes / 2**20:,.0f} MiB"
 
 
 def _plain(value: object) -> Text:
     """What an agent said, as text: never parsed as markup, control characters shown."""
-    return Text(printable(value, 120))
+    return plain(value, 120)
+
+
+def _guarded(s: AgentStatus, render: Callable[[AgentStatus], list[Any]]) -> list[Any] | None:
+    """A row, or None when this agent's /status does not render (its row says so)."""
+    try:
+        return render(s)
+    except Exception:  # a hostile or broken answer: this row only
+        return None
+
+
+def _bad_row(s: AgentStatus, ncols: int) -> list[Any]:
+    why = Text("bad answer", style="red")
+    why.append("\n/status fields of unexpected types", style="dim")
+    return [_plain(s.host), _plain(s.role), why, *["-"] * (ncols - 3)]
 
 
 def status_table(rows: list[AgentStatus], width: int | None = None) -> RenderableType:
@@ -85,14 +109,18 @@ def status_table(rows: list[AgentStatus], width: int | None = None) -> Renderabl
     requests and p50 TTFT, with each agent's details on lines under it."""
     cols = ("host", "role", "state", "model", "loaded", "backend/device", "address",
             "uptime", "requests", "ttft p50/p95/p99", "prefix cache", "memory")  # fmt: skip
-    cells = [_wide_row(s) for s in rows]
-    widths = [max([len(c), *(len(str(r[i])) for r in cells)]) for i, c in enumerate(cols)]
+    cells = [_guarded(s, _wide_row) for s in rows]
+    good = [r for r in cells if r is not None]
+    widths = [max([len(c), *(len(str(r[i])) for r in good)]) for i, c in enumerate(cols)]
     if width is not None and sum(widths) + 3 * len(cols) + 1 > width:
         return _status_narrow(rows)
     table = Table(title="fleet status", header_style="bold")
     for col in cols:  # they fit: only the state's detail may wrap
         table.add_column(col, overflow="fold", no_wrap=col != "state")
     for s, row in zip(rows, cells, strict=True):
+        if row is None:
+            table.add_row(*_bad_row(s, len(cols)))
+            continue
         table.add_row(*(_plain(c) for c in row[:2]), _state(s), *(_plain(c) for c in row[3:]))
     return table
 
@@ -155,30 +183,40 @@ def _status_narrow(rows: list[AgentStatus]) -> Group:
         table.add_column(col, no_wrap=True, overflow="ellipsis")
     details: list[Text] = []
     for s in rows:
-        st = s.status
-        table.add_row(
-            _plain(s.host),
-            _plain(s.role),
-            Text(s.state, style=STATE_STYLE.get(s.state, "")),
-            fmt(st.get("requests")) if st else "-",
-            fmt(st.get("ttft_p50_s"), "s") if st else "-",
-        )
-        line = Text(printable(f"{s.host}/{s.role}", 120), style="bold")
-        if st:
-            line.append(f"  {_model(st)}")
-            address = printable(s.address or "-", 120)
-            line.append(
-                f"\n  {_backend(st)} at {address}, up {fmt(st.get('uptime_s'), 's')}, "
-                f"memory {_mem(s.rss_bytes)}\n  ttft p50/p95/p99 {_ttfts(st)}"
-            )
-            if isinstance(st.get("prefix_cache"), dict):
-                line.append(f"\n  prefix cache {_prefix_cache(st)}")
-        if s.detail and not s.ok:
-            line.append(f"\n  {printable(s.detail, 300)}", style="dim")
-        if s.ssh_error:
-            line.append(f"\n  but ssh failed: {printable(s.ssh_error, 300)}", style="red")
-        details.append(line)
+        row = _guarded(s, _narrow_row)
+        if row is None:
+            table.add_row(*_bad_row(s, 5))
+            continue
+        table.add_row(*row[:5])
+        details.append(row[5])
     return Group(table, *details)
+
+
+def _narrow_row(s: AgentStatus) -> list[Any]:
+    """The short table's cells, then the agent's lines under it."""
+    st = s.status
+    cells: list[Any] = [
+        _plain(s.host),
+        _plain(s.role),
+        Text(s.state, style=STATE_STYLE.get(s.state, "")),
+        _plain(fmt(st.get("requests"))) if st else "-",
+        _plain(fmt(st.get("ttft_p50_s"), "s")) if st else "-",
+    ]
+    line = Text(printable(f"{s.host}/{s.role}", 120), style="bold")
+    if st:
+        line.append(f"  {_model(st)}")
+        address = printable(s.address or "-", 120)
+        line.append(
+            f"\n  {_backend(st)} at {address}, up {fmt(st.get('uptime_s'), 's')}, "
+            f"memory {_mem(s.rss_bytes)}\n  ttft p50/p95/p99 {_ttfts(st)}"
+        )
+        if isinstance(st.get("prefix_cache"), dict):
+            line.append(f"\n  prefix cache {_prefix_cache(st)}")
+    if s.detail and not s.ok:
+        line.append(f"\n  {printable(s.detail, 300)}", style="dim")
+    if s.ssh_error:
+        line.append(f"\n  but ssh failed: {printable(s.ssh_error, 300)}", style="red")
+    return [*cells, line]
 
 
 def status_json(rows: list[AgentStatus]) -> list[dict[str, Any]]:
@@ -192,5 +230,5 @@ def log_line(line: LogLine, width: int) -> Text:
         f"{prefix:<{width}} {'!' if line.stream == 'stderr' else '|'} ",
         style="bold red" if bad else "dim",
     )
-    text.append(line.text, style="red" if bad else "")
+    text.append_text(plain(line.text, None, style="red" if bad else ""))
     return text

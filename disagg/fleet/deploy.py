@@ -154,7 +154,9 @@ def _check_cpus(inv: Inventory, host: Host, session: Session, info: HostInfo) ->
         )
 
 
-def agent_config(agent: Agent, info: HostInfo, python: str, root: str) -> dict[str, object]:
+def agent_config(
+    agent: Agent, info: HostInfo, python: str, root: str, trusted: list[str] | None = None
+) -> dict[str, object]:
     return {
         "role": agent.role,
         "name": f"{agent.role}@{agent.host.name}",
@@ -170,7 +172,14 @@ def agent_config(agent: Agent, info: HostInfo, python: str, root: str) -> dict[s
         # Only when set, so hosts without it keep their config hash across upgrades.
         **({"cpus": agent.host.cpus} if agent.host.cpus else {}),
         **({"allow_mixed": True} if agent.allow_mixed else {}),
+        # The inventory's addresses get connection slots strangers cannot fill.
+        **({"trusted_peers": ",".join(trusted)} if trusted else {}),
     }
+
+
+def inventory_addresses(inv: Inventory) -> list[str]:
+    """Every address of every host in the inventory, sorted (a stable config hash)."""
+    return sorted({a for h in inv.hosts.values() for a in h.addresses()})
 
 
 def _write(session: Session, path: str, text: str) -> None:
@@ -217,7 +226,7 @@ def deploy_host(
         )
     for a in mine:
         paths = service.AgentPaths(root, a.role)
-        cfg = agent_config(a, info, py, root)
+        cfg = agent_config(a, info, py, root, inventory_addresses(inv))
         script = service.run_script(paths, cfg)
         unit = service.unit_file(kind, paths, info.home)
         # The token's hash, not the token: a new token restarts the agents.

@@ -24,6 +24,7 @@ else:  # pragma: no cover
 ROLES = ("prefill", "decode")
 SERVICES = ("auto", "systemd", "launchd", "nohup")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+INTEGRITY = ("mac", "none")  # agents.protocol.INTEGRITY, default first
 # The seeds' ports: prefill 8000, decode 8001; control endpoints beside them.
 DEFAULT_PORTS = {"prefill": (8000, 8010), "decode": (8001, 8011)}
 DEFAULT_TIMEOUTS_S = {"prefill": 60.0, "decode": 180.0}
@@ -56,6 +57,7 @@ PIPELINE_KEYS = {
     "dtype",
     "aliases",
     "mixed_weights",
+    "integrity",
 }
 SSH_KEYS = {"config", "known_hosts", "connect_timeout"}
 
@@ -107,6 +109,9 @@ class Pipeline:
     # Prefill and decode on different weights (e.g. bf16 prefill, 4-bit decode): the
     # agents refuse that unless told; results then say weights: "mixed".
     mixed_weights: bool = False
+    # Frames between agents after the handshake: "mac" tags each one (altered K/V
+    # is refused before it is placed or cached), "none" trusts the link (README).
+    integrity: str = "mac"
 
 
 @dataclass(frozen=True)
@@ -408,6 +413,7 @@ def _pipeline(c: _Checker, name: str, raw: Any, hosts: dict[str, Host]) -> Pipel
         dtype=c.choice(raw, key, "dtype", DTYPES),
         aliases=c.strings(raw, key, "aliases"),
         mixed_weights=c.flag(raw, key, "mixed_weights"),
+        integrity=c.choice(raw, key, "integrity", INTEGRITY),
     )
 
 

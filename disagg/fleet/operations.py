@@ -25,6 +25,7 @@ from disagg.fleet.inventory import Agent, Host, Inventory
 from disagg.fleet.service import AgentPaths, host_python, probe, remote_root, service_kind
 from disagg.fleet.ssh import HostResult, Session, connect_host, on_hosts, q
 from disagg.fleet.token import load_token
+from disagg.safetext import strip_escapes
 from disagg.serving.control import control_status, parse_status
 
 LOAD_TIMEOUT_S = 600.0  # a 120B model can take minutes to load
@@ -335,22 +336,6 @@ def _read_log(inv: Inventory, host: Host, n: int, follow: bool, out: queue.Queue
         out.put(LogLine(host.name, "", f"error: {e}", error=True))
     finally:
         out.put(None)
-
-
-# Terminal escape sequences: CSI (colours, cursor, clear screen), OSC (titles,
-# hyperlinks, clipboard) and the two-byte rest; whatever control byte is left is
-# shown escaped by `printable`.
-_TERMINAL_ESCAPE = re.compile(
-    r"\x1b\[[0-?]*[ -/]*[@-~]|\x9b[0-?]*[ -/]*[@-~]"  # CSI, 7- and 8-bit
-    r"|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?"  # OSC, to BEL or ST
-    r"|\x1b[@-Z\\-_]"  # the other two-byte sequences
-)
-
-
-def strip_escapes(line: str) -> str:
-    """A log line as plain text: terminal escapes removed, other control characters
-    shown escaped, so printing it cannot drive the operator's terminal."""
-    return printable(_TERMINAL_ESCAPE.sub("", line), limit=None)
 
 
 def pump_lines(

@@ -34,7 +34,9 @@ def router_from_inventory(inventory: str | Path | Inventory | None = None) -> Ro
         prefill = [_endpoint(inv.hosts[h], "prefill") for h in p.prefill]
         decode = [_endpoint(inv.hosts[h], "decode") for h in p.decode]
         for name in (p.name, *p.aliases):
-            pipelines.append(Route(name, prefill, decode, p.prefill_timeout, p.decode_timeout))
+            pipelines.append(
+                Route(name, prefill, decode, p.prefill_timeout, p.decode_timeout, p.integrity)
+            )
     return Router(pipelines, token=load_token(inv.path))
 
 

@@ -113,6 +113,7 @@ def run_script(paths: AgentPaths, config: dict[str, Any]) -> str:
         "--log-file",
         paths.log,
         *(["--allow-mixed"] if config.get("allow_mixed") else []),
+        *(["--trusted-peers", config["trusted_peers"]] if config.get("trusted_peers") else []),
     ]
     return (
         "#!/bin/sh\n"

@@ -12,7 +12,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -24,7 +24,14 @@ from agents.request import GenerateRequest
 from disagg.api import Chunk, Client, Completion
 from disagg.errors import AgentError, DisaggError, ModelMismatch, UsageError
 from disagg.frontends import ollama, webview
-from disagg.frontends.guard import MAX_BODY_BYTES, Guard, unless_gone
+from disagg.frontends.guard import (
+    MAX_BODY_BYTES,
+    Guard,
+    cache_salt,
+    unless_gone,
+    wants_internals,
+)
+from disagg.serving.metrics import public_metrics
 from disagg.serving.request import build_request
 
 
@@ -89,6 +96,8 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     seed: int | None = None
     n: int = Field(default=1, ge=1, le=1)
+    # vLLM's: requests passing the same salt share cached prompt K/V (default: per API key).
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
 
 class ChatRequest(_Common):
@@ -233,14 +242,20 @@ def tool_calls(c: Completion) -> list[dict[str, Any]]:
 
 
 def create_app(
-    client: Client, *, api_key: str | None = None, max_body: int = MAX_BODY_BYTES
+    client: Client,
+    *,
+    api_key: str | Sequence[str] | None = None,
+    max_body: int = MAX_BODY_BYTES,
 ) -> FastAPI:
     """The gateway: OpenAI's API under /v1 and Ollama's under /api, one port.
-    With `api_key`, every route but `/` and `/health` wants it as a bearer token."""
+    With `api_key` (one, or several: each a tenant), every route but `/` and
+    `/health` wants one as a bearer token."""
     app = FastAPI(title="disagg gateway")
     app.add_middleware(Guard, api_key=api_key, max_body=max_body)
     app.include_router(ollama.routes(client))
-    app.include_router(webview.routes(client, api_key))  # /ui, /ui/api/..., /metrics
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    # /ui, /ui/api/..., /metrics; the web view's sign-in takes the first key.
+    app.include_router(webview.routes(client, keys[0] if keys else None))
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, e: OpenAIError) -> JSONResponse:
@@ -286,6 +301,8 @@ def create_app(
 
     async def run(request: Request, body: _Common, req: GenerateRequest, kind: str) -> Any:
         check_model(body.model)
+        req = req.replace(cache_salt=cache_salt(request, body.cache_salt))
+        internals = wants_internals(request)
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         try:
@@ -293,7 +310,7 @@ def create_app(
                 result = await unless_gone(
                     request, lambda cancel: client.agenerate(req, model=body.model, cancel=cancel)
                 )
-                return _full(kind, rid, created, result)
+                return _full(kind, rid, created, result, internals)
             cancel = threading.Event()
             chunks = await client.agenerate(req, model=body.model, stream=True, cancel=cancel)
         except DisaggError as e:
@@ -316,7 +333,7 @@ def create_app(
     return app
 
 
-def _full(kind: str, rid: str, created: int, c: Completion) -> dict[str, Any]:
+def _full(kind: str, rid: str, created: int, c: Completion, internals: bool) -> dict[str, Any]:
     if kind == "chat":
         message: dict[str, Any] = {"role": "assistant", "content": c.text}
         if c.reasoning:
@@ -335,7 +352,7 @@ def _full(kind: str, rid: str, created: int, c: Completion) -> dict[str, Any]:
         "model": c.model,
         "choices": [choice],
         "usage": _usage(c),
-        "disagg_metrics": c.metrics.to_dict(),
+        "disagg_metrics": c.metrics.to_dict() if internals else public_metrics(c.metrics),
     }
 
 

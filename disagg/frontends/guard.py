@@ -8,8 +8,9 @@ import asyncio
 import hashlib
 import hmac
 import json
+import secrets
 import threading
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
 
 from starlette.requests import Request
@@ -17,6 +18,7 @@ from starlette.requests import Request
 from disagg.frontends.webview import auth as webauth
 
 MAX_BODY_BYTES = 4 << 20
+BODY_TIMEOUT_S = 30.0  # a request's whole body must arrive within this (a trickle is cut)
 OPEN_PATHS = frozenset({"/", "/health"})  # liveness only: no model, no data
 DISCONNECT_POLL_S = 0.25
 
@@ -36,30 +38,93 @@ def error_body(path: str, status: int, message: str, code: str) -> dict[str, Any
     return {"error": message}
 
 
+# -- tenants (issue 20) --------------------------------------------------------
+# Each API key is a tenant. Routes read what the guard found in the request's
+# scope["state"]: the tenant's prefix-cache salt and whether it holds a key.
+TENANT = "disagg_tenant"  # the matching key's digest (None: the gateway wants no key)
+SALT_KEY = "disagg_salt_key"
+INTERNALS_HEADER = b"x-disagg-internals"  # "1": a keyed caller asks for the metrics' internals
+
+
+def _state(request: Request) -> dict[str, Any]:
+    state = request.scope.get("state")
+    return state if isinstance(state, dict) else {}
+
+
+def cache_salt(request: Request, asked: str | None = None) -> str | None:
+    """The prefix-cache salt for this request: derived from the caller's API key
+    (never the key itself), or from `asked` (the body's `cache_salt`: callers who
+    pass the same one share, whatever their key). None: no keys and none asked."""
+    state = _state(request)
+    secret, tenant = state.get(SALT_KEY), state.get(TENANT)
+    if not isinstance(secret, bytes):
+        return asked
+    if asked is not None:
+        return "s" + hmac.new(secret, b"asked|" + asked.encode(), hashlib.sha256).hexdigest()[:32]
+    if tenant is None:
+        return None
+    return "t" + hmac.new(secret, b"key|" + tenant, hashlib.sha256).hexdigest()[:32]
+
+
+def wants_internals(request: Request) -> bool:
+    """Addresses, fallback reasons and reroutes go to callers that ask and hold a key."""
+    asked = dict(request.scope.get("headers") or []).get(INTERNALS_HEADER, b"") == b"1"
+    return asked and _state(request).get(TENANT) is not None
+
+
 class Guard:
-    """ASGI middleware: the API key (`Authorization: Bearer KEY`, compared in
-    constant time) and the body cap, before any route sees the request."""
+    """ASGI middleware: the API keys (`Authorization: Bearer KEY`, compared in
+    constant time; each key a tenant) and the body cap, before any route sees
+    the request."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body: int = MAX_BODY_BYTES):
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_key: str | Sequence[str] | None,
+        max_body: int = MAX_BODY_BYTES,
+        body_timeout_s: float = BODY_TIMEOUT_S,
+    ):
         self.app = app
-        self.key_digest = hashlib.sha256(api_key.encode()).digest() if api_key else None
+        keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+        self.key_digests = [hashlib.sha256(k.encode()).digest() for k in keys if k]
+        self.key_digest = self.key_digests[0] if self.key_digests else None
         self.max_body = max_body
+        self.body_timeout_s = body_timeout_s
+        # Salts are HMACs under a secret of this process: nobody can tell a key
+        # from its salt, and a restart only costs cache misses.
+        self.salt_key = secrets.token_bytes(32)
 
-    def authorized(self, scope: Scope) -> bool:
-        if self.key_digest is None or scope["path"] in OPEN_PATHS:
-            return True
+    def tenant(self, scope: Scope) -> bytes | None:
+        """The digest of the caller's key, if it holds one of ours."""
         headers = dict(scope.get("headers") or [])
-        # The web view: its page shell is open; its sign-in cookie opens its data only.
-        if webauth.is_open_path(scope["path"]):
-            return True
-        if webauth.cookie_opens(scope["path"]) and webauth.signed_in(headers, self.key_digest):
-            return True
         auth = headers.get(b"authorization", b"").decode("latin-1").strip()
         scheme, _, given = auth.partition(" ")
         if scheme.lower() != "bearer":
-            return False
+            return None
         # Digests: equal lengths, so the compare leaks nothing about the key.
-        return hmac.compare_digest(hashlib.sha256(given.strip().encode()).digest(), self.key_digest)
+        digest = hashlib.sha256(given.strip().encode()).digest()
+        found = None
+        for d in self.key_digests:  # all of them: the time does not say which matched
+            if hmac.compare_digest(digest, d):
+                found = d
+        return found
+
+    def web_view(self, scope: Scope) -> bool:
+        """The web view: its page shell is open; its sign-in cookie opens its data only."""
+        path = scope["path"]
+        if webauth.is_open_path(path):
+            return True
+        headers = dict(scope.get("headers") or [])
+        key = self.key_digest
+        return key is not None and webauth.cookie_opens(path) and webauth.signed_in(headers, key)
+
+    def authorized(self, scope: Scope) -> bool:
+        tenant = self.tenant(scope) if self.key_digests else None
+        state = scope.setdefault("state", {})
+        state.update({TENANT: tenant, SALT_KEY: self.salt_key})
+        if not self.key_digests or scope["path"] in OPEN_PATHS or tenant is not None:
+            return True
+        return self.web_view(scope)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -76,17 +141,28 @@ class Guard:
         if length is not None and length.isdigit() and int(length) > self.max_body:
             await _reply(send, path, 413, too_big, "request_too_large")
             return
-        # Read the body here (it is small by now) so a chunked one is capped too.
-        body, more = b"", True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > self.max_body:
-                await _reply(send, path, 413, too_big, "request_too_large")
-                return
+        # Read the body here (it is small by now) so a chunked one is capped too;
+        # pieces joined once (a `+=` per piece is quadratic in 1-byte pieces).
+        pieces: list[bytes] = []
+        size, more = 0, True
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                while more:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return
+                    piece = message.get("body", b"")
+                    pieces.append(piece)
+                    size += len(piece)
+                    more = message.get("more_body", False)
+                    if size > self.max_body:
+                        await _reply(send, path, 413, too_big, "request_too_large")
+                        return
+        except TimeoutError:
+            late = f"request body not received within {self.body_timeout_s:g}s"
+            await _reply(send, path, 408, late, "request_timeout")
+            return
+        body = b"".join(pieces)
         replayed = False
 
         async def replay() -> Message:

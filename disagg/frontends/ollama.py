@@ -25,7 +25,7 @@ from agents.protocol import AuthError
 from agents.request import GenerateRequest
 from disagg.api import Chunk, Client, Completion
 from disagg.errors import DisaggError, UsageError
-from disagg.frontends.guard import unless_gone
+from disagg.frontends.guard import cache_salt, unless_gone
 from disagg.serving.control import control_status
 from disagg.serving.request import build_request
 
@@ -351,6 +351,8 @@ def routes(client: Client) -> APIRouter:
         request: Request, body: _Common, kind: str, req: GenerateRequest | None
     ) -> Any:
         name = resolve(client, body.model)
+        if req is not None:  # each API key its own prefix-cache tenant
+            req = req.replace(cache_salt=cache_salt(request))
         t0 = time.perf_counter()
         head = {"model": body.model}
         if req is None:  # no prompt or messages: Ollama's "load the model" request

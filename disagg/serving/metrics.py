@@ -119,3 +119,27 @@ SEED_NAMES = (
     "prefill_server",
     "decode_server",
 )
+
+
+# What says where the fleet is and how it failed: agents' names and addresses,
+# fallback reasons, reroutes. Gateways leave these out unless a keyed caller asks.
+INTERNAL_NAMES = frozenset(
+    {
+        "prefill_server",
+        "decode_server",
+        "prefill_address",
+        "path_failures",
+        "fallback_reason",
+        "rerouted_from",
+        "placement_reason",
+        "codec_reason",
+        "codec_probe",
+    }
+)
+
+
+def public_metrics(m: Metrics) -> dict[str, Any]:
+    """`m.to_dict()` without the internals (seed names kept, as None) and without
+    fields this release does not know (they could be internals too)."""
+    out = {k: v for k, v in m.to_dict().items() if k in _NAMES and k not in INTERNAL_NAMES}
+    return {**out, **{k: None for k in SEED_NAMES if k in INTERNAL_NAMES}}

@@ -33,9 +33,11 @@ class Endpoint:
     control_port: int | None = None
     hosts: list[str] = field(default_factory=list)  # data-plane addresses, fastest first
 
-    def prefill_target(self, timeout_s: float | None = None) -> PrefillTarget:
+    def prefill_target(
+        self, timeout_s: float | None = None, integrity: str = "mac"
+    ) -> PrefillTarget:
         """This prefill agent as a request's prefill target: the one place it is built."""
-        return PrefillTarget(self.hosts or [self.host], self.port, timeout_s, self.name)
+        return PrefillTarget(self.hosts or [self.host], self.port, timeout_s, self.name, integrity)
 
 
 @dataclass
@@ -48,6 +50,7 @@ class Route:
     decode: list[Endpoint]
     prefill_timeout_s: float = 60.0
     decode_timeout_s: float = 180.0
+    integrity: str = "mac"  # frames between its agents: see agents.protocol.INTEGRITY
 
 
 class StopGeneration(Exception):
@@ -112,7 +115,7 @@ class Router:
     def prefill_target(self, pipe: Route) -> PrefillTarget | None:
         """The pipeline's healthiest, least busy prefill agent, if it has one."""
         for ep in self.order(pipe.prefill):
-            return ep.prefill_target(pipe.prefill_timeout_s)
+            return ep.prefill_target(pipe.prefill_timeout_s, pipe.integrity)
         return None
 
     def run(
