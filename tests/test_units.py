@@ -49,7 +49,9 @@ def reference(pieces: list[str], stops: list[str]) -> tuple[str, bool]:
     pieces=st.lists(st.text(alphabet="ab\nc", max_size=4), max_size=30),
     stops=st.lists(st.text(alphabet="abc\n", max_size=4), max_size=4),
 )
-def test_stop_matcher_equals_cutting_the_text_at_the_first_stop(pieces: list[str], stops: list[str]) -> None:
+def test_stop_matcher_equals_cutting_the_text_at_the_first_stop(
+    pieces: list[str], stops: list[str]
+) -> None:
     # Shown text = the text cut at the first stop; nothing shown is ever taken back.
     shown, kept, hit = run_matcher(pieces, stops)
     want, want_hit = reference(pieces, stops)
