@@ -22,7 +22,6 @@ from typing import Any
 from rich.table import Table
 
 from disagg.bench.common import Stamp, local_pair, pair_machine_info, quiet, table
-from disagg.errors import AgentError
 from disagg.serving.defaultmodel import Say
 
 SPEED_BAR = 0.9  # constrained decode tok/s / unconstrained, at least
@@ -66,31 +65,26 @@ def _speeds(results: list[Any], wall_s: float) -> dict[str, Any]:
 def run_formats_bench(
     model_dir: Path | str, new_tokens: int = 64, repeats: int = 2, say: Say = quiet
 ) -> dict[str, Any]:
-    from disagg.serving import wireclient
+    from disagg.serving.pair import run_remote
+    from disagg.serving.request import build_request
 
     stamp = Stamp()
     with local_pair(Path(model_dir), say) as (prefill, decode):
 
         def ask(schema: dict[str, Any] | None, i: int = 0) -> Any:
-            req: dict[str, Any] = {
+            fields: dict[str, Any] = {
                 "messages": [{"role": "user", "content": f"{PROMPT} (answer {i})"}],
                 "max_tokens": new_tokens,
-                "placement": "remote",
                 "prefix_cache": False,
             }
             if schema is None:
-                req["ignore_eos"] = True  # exactly new_tokens
+                fields["ignore_eos"] = True  # exactly new_tokens
             else:  # room to finish the JSON: speeds are rates, lengths may differ
-                req["response_format"] = {"type": "json_schema", "schema": schema}
-                req["max_tokens"] = 4 * new_tokens
+                fields["response_format"] = {"type": "json_schema", "schema": schema}
+                fields["max_tokens"] = 4 * new_tokens
             # 16 prompts queue at one prefill agent: allow for the wait.
-            req["prefill"] = {"host": prefill.host, "port": prefill.port, "timeout": 900}
-            res = wireclient.generate(
-                decode.host, decode.port, req, token=decode.token, timeout_s=1800
-            )
-            if res.metrics.get("method") != "disaggregated":
-                raise AgentError(f"not disaggregated: {res.metrics.get('fallback_reason')}")
-            return res
+            req = build_request(**fields)
+            return run_remote(prefill, decode, req, timeout_s=1800, prefill_timeout_s=900)
 
         say("warming up (the grammar engine reads the tokenizer once)")
         ask({"type": "object", "properties": {"warm": {"type": "boolean"}}})

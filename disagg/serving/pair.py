@@ -20,11 +20,13 @@ def run_remote(
     *,
     on_token: Callable[[dict[str, Any]], None] | None = None,
     timeout_s: float = 900.0,
+    prefill_timeout_s: float | None = None,
     require: bool = True,
 ) -> wireclient.Result:
     """Run `request` on `decode` with placement "remote" and `prefill` as its target.
     The decode agent still falls back to a local prefill if the prefill agent fails;
-    with `require` that is an AgentError, else the result says so in its metrics."""
+    with `require` that is an AgentError, else the result says so in its metrics.
+    `prefill_timeout_s`: how long the decode agent waits on the prefill agent."""
     # On loopback there is no path for tags to protect (as Client.local's pairs).
     integrity = "none" if prefill.host in ("127.0.0.1", "::1", "localhost") else "mac"
     target = Endpoint(prefill.name, prefill.host, prefill.port).prefill_target(integrity=integrity)
