@@ -457,6 +457,38 @@ class DecodeAgent:
             opener=opener,
         )
 
+    def _decoded(
+        self,
+        metrics: dict[str, Any],
+        n_prompt: int,
+        n_out: int,
+        max_tokens: int,
+        called: bool,
+        t0: float,
+        t_first: float,
+        t_end: float,
+    ) -> None:
+        """A finished request's decode metrics; placement learns its step time
+        (and a local prefill's rate)."""
+        decode_s = t_end - t_first
+        if metrics["method"] != "disaggregated" and metrics["prefill_time"]:
+            self.placement.observe_local(
+                n_prompt - metrics["cached_tokens"], metrics["prefill_time"]
+            )
+        if n_out > 1:
+            self.placement.observe_step(decode_s / (n_out - 1))
+        metrics.update(
+            completion_tokens=n_out,
+            # max_tokens here is the request's, capped by what the context leaves.
+            finish_reason="tool_calls" if called else "length" if n_out >= max_tokens else "stop",
+            ttft=t_first - t0,
+            decode_time=decode_s,
+            decode_speed=(n_out - 1) / decode_s if n_out > 1 and decode_s > 0 else None,
+            tpot=decode_s / (n_out - 1) if n_out > 1 else None,
+            agent_total_time=t_end - t0,
+            prefill_speed=(n_prompt / metrics["prefill_time"]) if metrics["prefill_time"] else None,
+        )
+
     def _generate(self, req: GenerateRequest, sock: socket.socket) -> dict[str, Any]:
         eng = self.engine
         t0 = time.perf_counter()
@@ -491,7 +523,6 @@ class DecodeAgent:
         want_logprobs = req.logprobs
         first, first_lp = self.loop.call(first_token, logits, sampler, want_logprobs, allowed)
         t_first = time.perf_counter()
-        ttft = t_first - t0
         if metrics["method"] != "disaggregated":
             metrics["prefill_time"] = t_first - t_local
         eos = eng.stops(req)
@@ -525,28 +556,8 @@ class DecodeAgent:
                 seq.done = True  # a no-op when it ended; stops it if we failed
         send_events(sock, None, chat.finish())
         t_end = time.perf_counter()
-        decode_s = t_end - t_first
-        if metrics["method"] != "disaggregated" and metrics["prefill_time"]:
-            self.placement.observe_local(
-                len(ids) - metrics["cached_tokens"], metrics["prefill_time"]
-            )
-        if len(out) > 1:
-            self.placement.observe_step(decode_s / (len(out) - 1))
-        metrics.update(
-            completion_tokens=len(out),
-            # max_tokens here is the request's, capped by what the context leaves.
-            finish_reason="tool_calls"
-            if chat.tool_calls
-            else "length"
-            if len(out) >= max_tokens
-            else "stop",
-            ttft=ttft,
-            decode_time=decode_s,
-            decode_speed=(len(out) - 1) / decode_s if len(out) > 1 and decode_s > 0 else None,
-            tpot=decode_s / (len(out) - 1) if len(out) > 1 else None,
-            agent_total_time=t_end - t0,
-            prefill_speed=(len(ids) / metrics["prefill_time"]) if metrics["prefill_time"] else None,
-        )
+        called = bool(chat.tool_calls)
+        self._decoded(metrics, len(ids), len(out), max_tokens, called, t0, t_first, t_end)
         marks = metrics.pop("marks", None)  # agents.kvfetch's, on this host's clock
         local_span = None if marks else (t_local, t_prefilled)
         metrics["timeline"] = timeline(
@@ -564,7 +575,7 @@ class DecodeAgent:
             metrics["method"],
             len(ids),
             len(out),
-            ttft,
+            metrics["ttft"],
             metrics["decode_speed"] or 0.0,
             metrics.get("prefill_address") or "local prefill",
         )

@@ -116,13 +116,30 @@ def run_prefix_bench(
         decode.stop()
         prefill.stop()
 
+    summary = _summary(runs["off"], runs["on"], primer_ids)
+    return {
+        "model": str(model_dir),
+        "date": date,
+        "settings": {
+            "prefix_tokens": prefix_tokens,
+            "suffix_tokens": suffix_tokens,
+            "requests": requests,
+            "new_tokens": new_tokens,
+        },
+        **summary,
+        "elapsed_s": time.perf_counter() - t0,
+    }
+
+
+def _summary(off: list[Any], on: list[Any], primer_ids: list[int]) -> dict[str, Any]:
+    """The cache-off and cache-on runs compared: TTFT, K/V bytes, tokens, verdict."""
+
     def shared(ids: list[int]) -> int:
         n = 0
         while n < min(len(ids), len(primer_ids)) and ids[n] == primer_ids[n]:
             n += 1
         return n
 
-    off, on = runs["off"], runs["on"]
     # Each prompt's share past the shared prefix, of the bytes the cache-off run sent.
     suffix_share = sum(
         r.metrics["kv_bytes"]
@@ -138,14 +155,6 @@ def run_prefix_bench(
     lengths = [len(r.prompt_ids or []) for r in on]
     ttft_ratio, bytes_ratio = ttft_on / ttft_off, bytes_on / suffix_share
     return {
-        "model": str(model_dir),
-        "date": date,
-        "settings": {
-            "prefix_tokens": prefix_tokens,
-            "suffix_tokens": suffix_tokens,
-            "requests": requests,
-            "new_tokens": new_tokens,
-        },
         "prompt_tokens_mean": statistics.fmean(lengths),
         "shared_tokens": shared(on[0].prompt_ids or []),
         "cached_tokens_mean": statistics.fmean(r.metrics["cached_tokens"] for r in on),
@@ -164,7 +173,6 @@ def run_prefix_bench(
         "kv_bytes_ratio": bytes_ratio,
         "kv_bytes_bar": BYTES_BAR,
         "same_tokens": same,
-        "elapsed_s": time.perf_counter() - t0,
         "ok": ttft_ratio <= TTFT_BAR and bytes_ratio <= BYTES_BAR and same,
     }
 

@@ -232,6 +232,26 @@ def chat_request(body: ChatBody) -> GenerateRequest | None:
     return _request(body, inputs)
 
 
+def listed(name: str, about: dict[str, Any]) -> dict[str, Any]:
+    """A model as /api/tags lists it."""
+    entry = {"name": name, "model": name, "modified_at": _now(), "size": 0, "digest": ""}
+    return {**entry, "details": _details(about)}
+
+
+def running(name: str, about: dict[str, Any]) -> dict[str, Any]:
+    """A model as /api/ps lists it: loaded until its agents stop."""
+    return {
+        "name": name,
+        "model": name,
+        "size": 0,
+        "digest": "",
+        "details": _details(about),
+        "expires_at": "9999-12-31T23:59:59Z",
+        "size_vram": 0,
+        "context_length": _context(about),
+    }
+
+
 def show_model(name: str, about: dict[str, Any]) -> dict[str, Any]:
     """/api/show's answer for a served model, from its decode agent's /status."""
     fp = about.get("fingerprint") or {}
@@ -309,38 +329,11 @@ def routes(client: Client) -> APIRouter:
 
     @api.get("/api/tags")
     async def tags() -> dict[str, Any]:
-        models = []
-        for name in client.models():
-            models.append(
-                {
-                    "name": name,
-                    "model": name,
-                    "modified_at": _now(),
-                    "size": 0,
-                    "digest": "",
-                    "details": _details(await describe(name)),
-                }
-            )
-        return {"models": models}
+        return {"models": [listed(name, await describe(name)) for name in client.models()]}
 
     @api.get("/api/ps")
     async def ps() -> dict[str, Any]:
-        models = []
-        for name in client.models():
-            about = await describe(name)
-            models.append(
-                {
-                    "name": name,
-                    "model": name,
-                    "size": 0,
-                    "digest": "",
-                    "details": _details(about),
-                    "expires_at": "9999-12-31T23:59:59Z",  # loaded until the agents stop
-                    "size_vram": 0,
-                    "context_length": _context(about),
-                }
-            )
-        return {"models": models}
+        return {"models": [running(name, await describe(name)) for name in client.models()]}
 
     @api.post("/api/show")
     async def show(body: ShowBody) -> dict[str, Any]:
