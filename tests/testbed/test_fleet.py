@@ -66,6 +66,18 @@ def agent_pids(bed: TestBed) -> dict[str, str]:
     return out
 
 
+@pytest.fixture
+def fleet_running(testbed: TestBed, inventory: Path, fleet_cli: FleetCli) -> None:
+    """The fleet deployed and its four agents running: already so after the deploy test
+    in a whole run; deployed and started here when a test runs alone (`-k`)."""
+    if all(pid and Path(f"/proc/{pid}").exists() for pid in agent_pids(testbed).values()):
+        return
+    dep = fleet_cli("deploy", "-i", str(inventory), "--json")
+    assert dep.returncode == 0, dep.stdout
+    started = fleet_cli("start", "-i", str(inventory), timeout=400)
+    assert started.returncode == 0, started.stdout
+
+
 def test_network_is_sealed(testbed: TestBed) -> None:
     for ns in NAMESPACES:
         assert in_ns(ns, "ip", "route", "show", "default").stdout.strip() == "", ns
@@ -151,7 +163,7 @@ def test_deploy_start_status_generate_logs(
 
 
 def test_agents_want_the_cluster_token_and_bind_only_their_addresses(
-    testbed: TestBed, inventory: Path
+    testbed: TestBed, inventory: Path, fleet_running: None
 ) -> None:
     m2 = BY_NAME["mac-studio-2"]
     code = (
@@ -183,7 +195,9 @@ def test_agents_want_the_cluster_token_and_bind_only_their_addresses(
     assert not any(p.endswith(":8000") and p.startswith(("0.0.0.0", "*", "[::]")) for p in ports)
 
 
-def test_fast_link_down_falls_back_to_switch(testbed: TestBed, inventory: Path) -> None:
+def test_fast_link_down_falls_back_to_switch(
+    testbed: TestBed, inventory: Path, fleet_running: None
+) -> None:
     testbed.link(1, up=False)
     try:
         m = generate(testbed, inventory, "qwen3-coder-30b")["metrics"]
@@ -204,7 +218,9 @@ def in_flight_span(metrics: dict[str, Any]) -> tuple[float, float]:
     return start, start + float(metrics["agent_total_time"]) - float(metrics["agent_ttft"])
 
 
-def test_both_pipelines_in_parallel(testbed: TestBed, inventory: Path, fleet_cli: FleetCli) -> None:
+def test_both_pipelines_in_parallel(
+    testbed: TestBed, inventory: Path, fleet_cli: FleetCli, fleet_running: None
+) -> None:
     """Issue 4: `disagg generate -m A -m B` runs both pipelines at once: their requests are
     on their decode agents at the same time (overlapping spans from the agents' own
     metrics), and each answers exactly what it answers alone. Each pipeline's hosts are
@@ -248,7 +264,11 @@ def test_both_pipelines_in_parallel(testbed: TestBed, inventory: Path, fleet_cli
 
 
 def test_redeploy_is_idempotent_and_restarts_only_changed(
-    testbed: TestBed, inventory: Path, fleet_cli: FleetCli, testbed_models: dict[str, Path]
+    testbed: TestBed,
+    inventory: Path,
+    fleet_cli: FleetCli,
+    testbed_models: dict[str, Path],
+    fleet_running: None,
 ) -> None:
     before = agent_pids(testbed)
     assert all(before.values()), before
@@ -280,7 +300,9 @@ def test_redeploy_is_idempotent_and_restarts_only_changed(
     assert m["method"] == "disaggregated"
 
 
-def test_logs_follow_interleaves_hosts(testbed: TestBed, inventory: Path) -> None:
+def test_logs_follow_interleaves_hosts(
+    testbed: TestBed, inventory: Path, fleet_running: None
+) -> None:
     cmd = [sys.executable, "-m", "disagg.cli", "logs", "-f", "-n", "0"]
     follow = subprocess.Popen(
         ["ip", "netns", "exec", "ops", *cmd, "-i", str(inventory)],
@@ -316,7 +338,7 @@ def test_logs_follow_interleaves_hosts(testbed: TestBed, inventory: Path) -> Non
 
 
 def test_stop_then_status_shows_stopped(
-    testbed: TestBed, inventory: Path, fleet_cli: FleetCli
+    testbed: TestBed, inventory: Path, fleet_cli: FleetCli, fleet_running: None
 ) -> None:
     stopped = fleet_cli("stop", "-i", str(inventory))
     assert stopped.returncode == 0, stopped.stdout
