@@ -9,6 +9,7 @@ import json
 import os
 import queue
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -78,6 +79,14 @@ def fleet_running(testbed: TestBed, inventory: Path, fleet_cli: FleetCli) -> Non
     assert started.returncode == 0, started.stdout
 
 
+@pytest.fixture
+def fleet_stopped(inventory: Path, fleet_cli: FleetCli) -> None:
+    """No agent of the test inventory running (a no-op when none is), for tests that
+    need the hosts' ports free or find the fleet stopped, in whatever order they run."""
+    stopped = fleet_cli("stop", "-i", str(inventory))
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+
+
 def test_network_is_sealed(testbed: TestBed) -> None:
     for ns in NAMESPACES:
         assert in_ns(ns, "ip", "route", "show", "default").stdout.strip() == "", ns
@@ -87,8 +96,11 @@ def test_network_is_sealed(testbed: TestBed) -> None:
 
 
 def test_deploy_start_status_generate_logs(
-    testbed: TestBed, inventory: Path, fleet_cli: FleetCli
+    testbed: TestBed, inventory: Path, fleet_cli: FleetCli, fleet_stopped: None
 ) -> None:
+    # From hosts never deployed to, whichever tests ran before.
+    for m in BY_NAME.values():
+        shutil.rmtree(m.home / ".disagg", ignore_errors=True)
     dry = fleet_cli("deploy", "--dry-run", "-i", str(inventory))
     assert dry.returncode == 0, dry.stdout
     assert "would upload" in dry.stderr
@@ -312,9 +324,6 @@ def test_logs_follow_interleaves_hosts(
         cwd=REPO,
     )
     try:
-        time.sleep(3)  # let tail -F start on every host
-        for model in PROMPTS:
-            generate(testbed, inventory, model, max_tokens=2)
         lines: queue.Queue[str] = queue.Queue()
         assert follow.stdout is not None
         out = follow.stdout
@@ -324,14 +333,21 @@ def test_logs_follow_interleaves_hosts(
                 lines.put(line)
 
         threading.Thread(target=pump, daemon=True).start()
+        # `-n 0` shows only what is logged after tail -F starts on each host, which takes
+        # a moment: ask again (each pipeline not yet seen) until both prefills show up.
         seen: set[str] = set()
-        deadline = time.monotonic() + 60
-        while seen != {"dgx-spark-1", "dgx-spark-2"} and time.monotonic() < deadline:
-            with contextlib.suppress(queue.Empty):
-                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-                if "prefilled" in line:
-                    seen.add(line.split("/", 1)[0].strip())
-        assert seen == {"dgx-spark-1", "dgx-spark-2"}
+        deadline = time.monotonic() + 180  # a hang guard
+        by_host = {"dgx-spark-1": "qwen3-coder-30b", "dgx-spark-2": "gpt-oss-120b"}
+        while seen != set(by_host):
+            assert time.monotonic() < deadline, f"logs -f showed prefills of {seen} only"
+            for host in set(by_host) - seen:
+                generate(testbed, inventory, by_host[host], max_tokens=2)
+            until = time.monotonic() + 5
+            while seen != set(by_host) and time.monotonic() < until:
+                with contextlib.suppress(queue.Empty):
+                    line = lines.get(timeout=0.5)
+                    if "prefilled" in line:
+                        seen.add(line.split("/", 1)[0].strip())
     finally:
         follow.terminate()
         follow.wait(10)
@@ -348,7 +364,7 @@ def test_stop_then_status_shows_stopped(
 
 
 def test_host_down_and_auth_refused(
-    testbed: TestBed, fleet_cli: FleetCli, testbed_models: dict[str, Path]
+    testbed: TestBed, fleet_cli: FleetCli, testbed_models: dict[str, Path], fleet_stopped: None
 ) -> None:
     bad = testbed.ops_dir / "inventory-bad-hosts.toml"
     bad.write_text(
@@ -468,7 +484,7 @@ def test_inventory_the_user_cannot_read(testbed: TestBed, inventory: Path) -> No
 
 
 def test_remote_dir_with_spaces_and_percent_deploys_and_starts(
-    testbed: TestBed, fleet_cli: FleetCli, testbed_models: dict[str, Path]
+    testbed: TestBed, fleet_cli: FleetCli, testbed_models: dict[str, Path], fleet_stopped: None
 ) -> None:
     """Issue 13: a remote_dir every text has to quote (shell, run script, pidfile check)
     deploys, starts, logs and stops; known_hosts lines paramiko cannot parse break
