@@ -101,7 +101,7 @@ def test_chat_streamed_is_the_same_text(oc: ollama.Client, model: str) -> None:
 
 def test_generate_streams_ndjson_by_default(base: str, model: str) -> None:
     body = {"model": model, "prompt": QUESTION, "options": GREEDY}
-    with httpx.stream("POST", f"{base}/api/generate", json=body, headers=AUTH) as r:
+    with httpx.stream("POST", f"{base}/api/generate", json=body, headers=AUTH, timeout=300) as r:
         assert r.headers["content-type"].startswith("application/x-ndjson")
         lines = [json.loads(line) for line in r.iter_lines() if line]
     assert lines[-1]["done"] is True and "eval_count" in lines[-1]
@@ -193,7 +193,7 @@ def _in_flight(tmp: Path) -> int:
     [log] = tmp.glob("disagg-logs-*/decode/decode.log")
     found = re.search(r"serving decode on \S+ port \d+ \(control (\d+)\)", log.read_text())
     assert found, log.read_text()
-    [token] = tmp.glob("disagg-logs-*/token")
+    [token] = tmp.glob("disagg-local-*/token")  # Client.local's cluster token
     status = control_status("127.0.0.1", int(found[1]), token.read_bytes().strip(), 5)
     return int(status["in_flight"])
 
