@@ -40,7 +40,7 @@ def test_mixed_weights_on_the_command_line(default_model: Path) -> None:
     assert allowed.returncode == 0, allowed.stderr
     report = json.loads(allowed.stdout)
     assert report["weights"] == "mixed" and report["compared"] > 0
-    # The prefill really ran the other weights: its first-token distribution is the bf16
+    # The prefill really ran the other weights: the log-probs are the full-precision
     # model's, not the 4-bit one's. 4-bit noise moves SmolLM2's log-probs by far more than
     # 1e-2; torch-vs-mlx float32 rounding on the same weights stays near 1e-4.
     assert report["max_logit_diff"] > 1e-2, report
