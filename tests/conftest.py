@@ -166,14 +166,17 @@ def free_port() -> int:
 
 
 def start_serve(
-    *args: str, log_path: Path, timeout_s: float = 300
+    *args: str, log_path: Path, timeout_s: float = 300, env: dict[str, str] | None = None
 ) -> tuple[subprocess.Popen[bytes], int]:
     """`disagg serve --local ARGS` as a real process on a free port, returned once
-    it answers there. The caller stops it (SIGTERM stops its agents too)."""
+    it answers there. The caller stops it (SIGTERM stops its agents too). `env` adds
+    to the environment (TMPDIR=dir: its agents' logs land in dir/disagg-logs-*)."""
     port = free_port()
     cmd = [sys.executable, "-m", "disagg.cli", "serve", "--local", *args, "--port", str(port)]
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
     deadline = time.monotonic() + timeout_s
     while True:
         try:

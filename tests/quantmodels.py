@@ -1,4 +1,6 @@
-"""Quantized checkpoints for the tests, written once per machine into a cache.
+"""Quantized checkpoints for the tests, written once per machine into a cache keyed by
+a digest of the code that writes them (see checkpoint_cache), so a changed helper never
+leaves a stale checkpoint behind.
 
 MLX dirs come from mlx-lm's own `mlx_lm.convert` (as a user makes them); the
 OpenAI-layout MXFP4 gpt-oss is written here from a tiny random gpt_oss by
@@ -7,15 +9,18 @@ OpenAI-layout MXFP4 gpt-oss is written here from a tiny random gpt_oss by
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
+from functools import cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from disagg.bench.quantize import mlx_quantized, publish, quant_cache
-from disagg.serving.defaultmodel import ensure_default_model
+from disagg.bench.quantize import publish
+from disagg.serving.defaultmodel import cache_root, ensure_default_model
+from tests import tinymodels
 from tests.tinymodels import make_tiny
 
 E2M1_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float64)
@@ -35,6 +40,23 @@ MLX_DIRS: dict[str, tuple[str, dict[str, Any]]] = {
 DIRS = ["smol-affine4", "smol-affine8", "smol-mxfp4", "moe-affine4", "gptoss-hf-mxfp4"]
 
 
+@cache
+def checkpoint_cache() -> Path:
+    """$DISAGG_CACHE/test-checkpoints/<digest>: the digest covers what writes the
+    checkpoints (this file, tinymodels.py, the adapters' mlx_config in agents/models)
+    and the versions of mlx-lm and transformers that convert and save them."""
+    import mlx_lm
+    import transformers
+
+    import agents.models
+
+    h = hashlib.sha256(f"{mlx_lm.__version__} {transformers.__version__}".encode())
+    models = Path(agents.models.__file__).parent
+    for f in [Path(__file__), Path(tinymodels.__file__), *sorted(models.glob("*.py"))]:
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return cache_root() / "test-checkpoints" / h.hexdigest()[:16]
+
+
 def tiny_source(arch: str) -> Path:
     """A tiny random checkpoint with the config keys mlx-lm needs (as a real HF
     config has them), so that mlx_lm.convert can read it."""
@@ -47,18 +69,25 @@ def tiny_source(arch: str) -> Path:
         cfg.update(get_adapter(arch).mlx_config(cfg))
         cfg_path.write_text(json.dumps(cfg, indent=2))
 
-    return publish(build, quant_cache() / f"tiny-{arch}")
+    return publish(build, checkpoint_cache() / f"tiny-{arch}")
 
 
 def quant_dir(name: str) -> Path:
     """The cached checkpoint `name` (see MLX_DIRS, or "gptoss-hf-mxfp4")."""
     if name == "gptoss-hf-mxfp4":
         return publish(
-            lambda dst: write_hf_mxfp4_gptoss(tiny_source("gpt_oss"), dst), quant_cache() / name
+            lambda dst: write_hf_mxfp4_gptoss(tiny_source("gpt_oss"), dst),
+            checkpoint_cache() / name,
         )
     source, kwargs = MLX_DIRS[name]
     src = ensure_default_model() if source == "smol" else tiny_source(source)
-    return mlx_quantized(src, name, **kwargs)
+
+    def convert(dst: Path) -> None:
+        import mlx_lm
+
+        mlx_lm.convert(hf_path=str(src), mlx_path=str(dst), quantize=True, **kwargs)
+
+    return publish(convert, checkpoint_cache() / name)
 
 
 def mxfp4_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

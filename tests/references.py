@@ -1,8 +1,10 @@
-"""Monolithic reference runs: transformers' generate and mlx-lm's own generation."""
+"""Monolithic reference runs: transformers' generate and mlx-lm's own generation, and
+the prompt ids the tokenizer itself makes (to check the ids the agents used)."""
 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -31,3 +33,16 @@ def mlx_greedy(model: Any, ids: list[int], n: int, cache: list[Any] | None = Non
     """mlx-lm's generate_step from a fresh cache, or continued from a given one."""
     steps = generate_step(mx.array(ids), model, max_tokens=n, prompt_cache=cache)
     return [int(tok) for tok, _ in steps]
+
+
+def tokenizer_ids(model_dir: str | Path, prompt: str, *, raw: bool = False) -> list[int]:
+    """The prompt's ids from transformers' own tokenizer of the dir: the chat template
+    with the generation prompt for one user message, or the plain encoding when raw."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    if raw or not tok.chat_template:
+        return [int(i) for i in tok.encode(prompt)]
+    messages = [{"role": "user", "content": prompt}]
+    out: Any = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
+    return [int(i) for i in out["input_ids"]]

@@ -1,5 +1,6 @@
 """The benchmark runs end to end on the default model (tiny settings): it checks
-the bench works and reports sane numbers, not the speed bars."""
+the bench works and reports numbers that must hold on any machine (same tokens as
+the references, time parts inside the whole), never the speed bars or their verdicts."""
 
 from __future__ import annotations
 
@@ -33,7 +34,6 @@ def test_core_bench_runs(default_model: Path) -> None:
     for key in ("agent_median_tok_s", "mlx_lm_median_tok_s", "ratio"):
         assert positive(d[key]), key
     assert all(positive(x) for x in d["agent_tok_s"] + d["mlx_lm_tok_s"])
-    assert d["ok"] == (d["ratio"] >= d["bar"])
     assert d["same_tokens"] is True  # greedy: the agent decodes what mlx-lm decodes
 
     t = report["ttft"]
@@ -41,14 +41,18 @@ def test_core_bench_runs(default_model: Path) -> None:
     assert len(t["disagg_ttft_s"]) == len(t["transformers_prefill_s"]) == 1
     for key in ("disagg_median_s", "transformers_median_s", "ratio"):
         assert positive(t[key]), key
-    assert t["ok"] == (t["ratio"] <= t["bar"])
     assert t["same_first_token"] is True
     b = t["breakdown"]
     for key in ("agent_ttft", "prefill_time", "kv_wait_time", "kv_transfer_time", "kv_bytes"):
         assert positive(b[key]), key
     assert isinstance(b["kv_bytes"], int)
+    # Parts of the time to first token are inside it, whatever the machine's speed.
+    assert b["prefill_time"] <= b["agent_ttft"] and b["kv_transfer_time"] <= b["agent_ttft"]
+    # SmolLM2-135M's K and V: 30 layers x 3 KV heads x 64 dims, at least a byte each
+    # (minus what the prefix cache already held), frames add headers on top.
+    assert b["kv_bytes"] >= 30 * 2 * 3 * 64 * 16
 
-    assert report["ok"] == (d["ok"] and t["ok"])
+    assert isinstance(report["ok"], bool)  # the verdict is the bench's, not a test's
     assert positive(report["elapsed_s"])
     assert set(report["load_avg_1m"]) == {"start", "end"}
 

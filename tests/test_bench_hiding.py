@@ -27,9 +27,11 @@ def test_hiding_bench_runs_over_the_shaped_link(default_model: Path) -> None:
     [row] = report["rows"]
     assert row["rate"] == "1gbit" and 650 <= row["prompt_tokens"] <= 700
     assert row["kv_bytes"] > 20e6 and 0 < row["compute_s"] < row["ttft_s"]
-    # Shaped to 1 Gbit/s: the KV crossed at about that (tbf's 256 KB burst lets part of each
-    # ~1 MB frame through at once); unshaped, a veth carries well over 10 Gbit/s here.
-    assert row["kv_link_gbit_s"] is not None and 0.5 < row["kv_link_gbit_s"] < 2.0
+    # Shaped to 1 Gbit/s, the KV really crossed the shaped link: no faster than the shaper
+    # lets it (tbf's 256 KB burst lets part of each ~1 MB frame through at once, hence the
+    # margin); unshaped, a veth carries well over 10 Gbit/s. No lower bound: a busy box only
+    # makes it slower, and the measured rate is the bench's figure, not a test's.
+    assert row["kv_link_gbit_s"] is not None and 0 < row["kv_link_gbit_s"] < 4.0
     assert row["link_time_s"] == pytest.approx(row["kv_bytes"] * 8 / 1e9)
     Console(width=160).print(hiding_table(report))
     # Nothing left behind: no namespace, no veth, no route to the link's addresses.

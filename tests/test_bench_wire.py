@@ -42,8 +42,6 @@ def test_wire_bench_runs(default_model: Path) -> None:
         assert p["wire_bytes"]["bare"] == p["raw_bytes"]
         assert p["wire_bytes"]["ours"] > p["raw_bytes"]  # headers
         assert p["wire_bytes"]["json"] > 4 / 3 * p["raw_bytes"]  # base64
-        assert p["ok_bare"] == (p["ours_vs_bare"] >= p["bare_bar"])
-        assert p["ok_json"] == (p["ours_vs_json"] >= p["json_bar"])
 
         c = p["compression"]
         assert set(c["codecs"]) == {name for name, _, _ in CODECS}

@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 
 
-def disagg(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+def disagg(
+    *args: str, timeout: float = 600, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     # Run where no inventory.toml lies: a test must never dial the real cluster.
-    env = {**os.environ, "COLUMNS": "200"}
+    env = {**os.environ, "COLUMNS": "200", **(env or {})}
     env.pop("DISAGG_INVENTORY", None)
     return subprocess.run(
         [sys.executable, "-m", "disagg.cli", *args],

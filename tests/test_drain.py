@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from disagg.serving.localagents import AgentProc
 from tests.conftest import PairFactory, ask, remote_request
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
@@ -26,21 +27,41 @@ def _refused_within(host: str, port: int, limit_s: float) -> bool:
     return False
 
 
+def _wait_in_flight(agent: AgentProc, limit_s: float = 60.0) -> None:
+    """Until the agent itself reports one request under way (the drain's precondition)."""
+    deadline = time.monotonic() + limit_s
+    while agent.status()["in_flight"] < 1:
+        assert time.monotonic() < deadline, f"no request reached the {agent.role} agent"
+        time.sleep(0.02)
+
+
 def test_sigterm_drains_a_decode_in_flight(agent_pair: PairFactory) -> None:
     prefill, decode = agent_pair("qwen3", seed=9)
     req = remote_request(prefill, max_tokens=1500)
     reference = ask(decode, req)
     box: dict[str, Any] = {}
-    worker = threading.Thread(target=lambda: box.update(r=ask(decode, req)))
+    seen: list[int] = []
+    # SIGTERM from inside the stream, at its 20th token: whatever the hardware's speed,
+    # the request is in flight then (the agent's own log line below says so too).
+    sent = threading.Event()
+
+    def on_token(_event: dict[str, Any]) -> None:
+        seen.append(1)
+        if len(seen) == 20:
+            decode.proc.send_signal(signal.SIGTERM)
+            sent.set()
+
+    worker = threading.Thread(target=lambda: box.update(r=ask(decode, req, on_token=on_token)))
     worker.start()
-    time.sleep(0.5)  # mid-decode
-    decode.proc.send_signal(signal.SIGTERM)
-    assert _refused_within(decode.host, decode.port, 5.0)  # no new work while draining
-    assert worker.is_alive()  # ... while the old request is still being decoded
-    worker.join(60)
+    assert sent.wait(120), "the request never streamed 20 tokens"
+    assert _refused_within(decode.host, decode.port, 30.0)  # no new work while draining
+    worker.join(300)
+    assert not worker.is_alive()
     assert box["r"].token_ids == reference.token_ids  # nothing lost
     assert decode.proc.wait(30) == 0
-    assert "decode drained and stopped" in decode.log_path.read_text()
+    log = decode.log_path.read_text()
+    assert "decode draining: no new connections, waiting for 1 requests" in log, log
+    assert "decode drained and stopped" in log
 
 
 def test_sigterm_drains_a_prefill_in_flight(agent_pair: PairFactory) -> None:
@@ -50,9 +71,13 @@ def test_sigterm_drains_a_prefill_in_flight(agent_pair: PairFactory) -> None:
     box: dict[str, Any] = {}
     worker = threading.Thread(target=lambda: box.update(r=ask(decode, req)))
     worker.start()
-    time.sleep(0.5)  # the KV stream is under way (4 layers, 0.4 s apart)
+    _wait_in_flight(prefill)  # the prefill agent holds the request: its KV stream is under way
     prefill.proc.send_signal(signal.SIGTERM)
-    worker.join(60)
+    worker.join(120)
+    assert not worker.is_alive()
     assert box["r"].metrics["method"] == "disaggregated"  # finished, not fallen back
     assert prefill.proc.wait(30) == 0
-    assert "prefill drained and stopped" in prefill.log_path.read_text()
+    log = prefill.log_path.read_text()
+    # The agent counted the request as running when the signal came, and let it finish.
+    assert "prefill draining: no new connections, waiting for 1 requests" in log, log
+    assert "prefill drained and stopped" in log

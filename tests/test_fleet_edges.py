@@ -355,9 +355,8 @@ def test_pid_of_the_agent_is_stopped(tmp_path: Path) -> None:
         Path(other.pid).parent.mkdir(parents=True)
         Path(other.pid).write_text(f"{agent.pid}\n")
         assert sh(service.is_running(other)).returncode == 1
-        t0 = time.monotonic()
         assert sh(service.stop("nohup", paths, grace_s=5)).returncode == 0
-        assert agent.wait(5) == -15 and time.monotonic() - t0 < 5
+        assert agent.wait(30) == -15  # SIGTERM ended it; after the grace it would be -9
     assert not Path(paths.pid).exists()
 
 

@@ -61,7 +61,10 @@ def test_a_trickling_peer_is_cut_at_the_handshake_deadline() -> None:
     t0 = time.monotonic()
     with pytest.raises(P.DeadlineExceeded):
         P.server_auth(b, TOKEN, P.Deadline(1.0))
-    assert 0.9 < time.monotonic() - t0 < 1.5
+    took = time.monotonic() - t0
+    # Cut by the deadline: not before it, and long before the ~41 s trickle would end
+    # (the ceiling only guards against a hang; a busy box may add seconds).
+    assert t.is_alive() and 0.9 < took < 20, took
     stop.set()
 
 
@@ -293,19 +296,24 @@ def test_http_tricklers_are_cut_and_connections_capped(control: tuple[str, int])
     s = socket.create_connection((host, port), timeout=5)
     s.settimeout(None)  # else Python waits for data before a MSG_DONTWAIT recv
     s.sendall(b"GET /sta")
-    for _ in range(30):  # a byte every 0.1 s: the per-read timeout alone never fires
+    was_cut = False
+    for _ in range(300):  # a byte every 0.1 s for 30 s: the per-read timeout never fires
         time.sleep(0.1)
         try:
             s.sendall(b"t")
             if s.recv(1, socket.MSG_DONTWAIT) == b"":
+                was_cut = True
                 break
         except BlockingIOError:
             continue
         except OSError:
+            was_cut = True
             break
     cut = time.monotonic() - t0
     s.close()
-    assert cut < 1.6, cut
+    # The server hung up (1 s request deadline) while bytes kept coming; the ceiling,
+    # far under the trickle's 30 s, only guards against a hang on a busy box.
+    assert was_cut and cut < 15, cut
     # More than CONTROL_MAX_PER_PEER at once from one address: the rest are closed at once.
     # (A stranger's address: loopback is the local pair's, with slots of its own.)
     from agents.server import CONTROL_MAX_PER_PEER
@@ -318,7 +326,15 @@ def test_http_tricklers_are_cut_and_connections_capped(control: tuple[str, int])
     time.sleep(0.2)
     t0 = time.monotonic()
     extra = socket.create_connection((host, port), timeout=5, source_address=src)
-    assert extra.recv(1) == b"" and time.monotonic() - t0 < 0.5  # not the deadline's doing
+    # Closed before it sent a byte, so not by the 1 s request deadline: that needs a
+    # request under way. The ceiling stays under the deadline (the box may be busy).
+    try:
+        extra.sendall(b"GET /health HTTP/1.0\r\n\r\n")
+        answer = extra.recv(64)
+    except ConnectionResetError:
+        answer = b""
+    assert answer == b"", "a connection over the per-peer cap was served"
+    assert time.monotonic() - t0 < 5
     # Another address is still served meanwhile.
     with socket.create_connection((host, port), 5, source_address=("127.0.0.2", 0)) as other:
         other.sendall(b"GET /health HTTP/1.0\r\n\r\n")

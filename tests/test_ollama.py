@@ -1,13 +1,14 @@
 """The gateway's Ollama API driven by the official `ollama` client, and the API key
-and body cap on both APIs: a real gateway app on a free port (uvicorn in a
-thread) over real local SmolLM2 agents, one per module."""
+and body cap on both APIs: a real `disagg serve --local --api-key KEY` process over
+its own SmolLM2 agents, one per module."""
 
 from __future__ import annotations
 
 import json
-import threading
+import re
+import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,48 +16,35 @@ import httpx
 import ollama
 import openai
 import pytest
-import uvicorn
 
-from disagg.api import Client
-from disagg.frontends.gateway import create_app
-from tests.conftest import free_port
+from disagg.frontends.guard import MAX_BODY_BYTES
+from disagg.serving.control import control_status
+from tests.conftest import start_serve
 
 pytestmark = pytest.mark.slow
 
-KEY = "test-key-4f1c"
+KEY = "test-key-4f1c-ollama"  # the CLI takes keys of 16 characters or more
 AUTH = {"Authorization": f"Bearer {KEY}"}
 QUESTION = "What is the capital of France?"
 GREEDY: dict[str, Any] = {"temperature": 0, "num_predict": 20}
 
 
 @pytest.fixture(scope="module")
-def served(default_model: Path) -> Iterator[tuple[str, Client]]:
-    client = Client.local(str(default_model))
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(client, api_key=KEY, max_body=1 << 20),
-            host="127.0.0.1",
-            port=port,
-            log_level="warning",
-        )
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
+def served(
+    default_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, Path]]:
+    """(base URL, the serve process's TMPDIR: its agents' logs and token are there)."""
+    tmp = tmp_path_factory.mktemp("ollama-serve")
+    proc, port = start_serve("--api-key", KEY, log_path=tmp / "serve.log", env={"TMPDIR": str(tmp)})
     try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "gateway did not start"
-            time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}", client
+        yield f"http://127.0.0.1:{port}", tmp
     finally:
-        server.should_exit = True
-        thread.join(30)
-        client.close()
+        proc.terminate()
+        proc.wait(30)
 
 
 @pytest.fixture(scope="module")
-def base(served: tuple[str, Client]) -> str:
+def base(served: tuple[str, Path]) -> str:
     return served[0]
 
 
@@ -113,7 +101,7 @@ def test_chat_streamed_is_the_same_text(oc: ollama.Client, model: str) -> None:
 
 def test_generate_streams_ndjson_by_default(base: str, model: str) -> None:
     body = {"model": model, "prompt": QUESTION, "options": GREEDY}
-    with httpx.stream("POST", f"{base}/api/generate", json=body, headers=AUTH) as r:
+    with httpx.stream("POST", f"{base}/api/generate", json=body, headers=AUTH, timeout=300) as r:
         assert r.headers["content-type"].startswith("application/x-ndjson")
         lines = [json.loads(line) for line in r.iter_lines() if line]
     assert lines[-1]["done"] is True and "eval_count" in lines[-1]
@@ -193,18 +181,37 @@ def test_openai_client_with_the_key(base: str, model: str) -> None:
 
 @pytest.mark.parametrize("path", ["/api/generate", "/v1/completions"])
 def test_bodies_over_the_cap_are_413(base: str, path: str) -> None:
-    big = {"model": "m", "prompt": "x" * (2 << 20)}
+    big = {"model": "m", "prompt": "x" * (MAX_BODY_BYTES + 1024)}
     r = httpx.post(f"{base}{path}", json=big, headers=AUTH)
     assert r.status_code == 413
     err = r.json()["error"]
     assert "body" in (err if path.startswith("/api") else err["message"])
 
 
-def _in_flight(client: Client) -> int:
-    return int(client.agents[1].status()["in_flight"])
+def _in_flight(tmp: Path) -> int:
+    """The serve process's decode agent's own count, over its control port with the token."""
+    [log] = tmp.glob("disagg-logs-*/decode/decode.log")
+    found = re.search(r"serving decode on \S+ port \d+ \(control (\d+)\)", log.read_text())
+    assert found, log.read_text()
+    [token] = tmp.glob("disagg-local-*/token")  # Client.local's cluster token
+    status = control_status("127.0.0.1", int(found[1]), token.read_bytes().strip(), 5)
+    return int(status["in_flight"])
 
 
 STORY = "Write a very long story about the sea."
+
+
+def _clients_gone(tmp: Path) -> int:
+    [log] = tmp.glob("disagg-logs-*/decode/decode.log")
+    return log.read_text(errors="replace").count("client went away")
+
+
+def _wait(cond: Callable[[], bool], what: str, limit_s: float = 120) -> None:
+    """Until cond() holds; the limit is a hang guard, not a speed bar."""
+    deadline = time.monotonic() + limit_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize(
@@ -218,29 +225,22 @@ STORY = "Write a very long story about the sea."
     ],
 )
 def test_a_client_that_hangs_up_stops_decoding(
-    served: tuple[str, Client], model: str, path: str, body: dict[str, Any]
+    served: tuple[str, Path], model: str, path: str, body: dict[str, Any]
 ) -> None:
-    base, client = served
-    gone: list[BaseException] = []
-
-    def hang_up() -> None:
-        try:
-            httpx.post(
-                f"{base}{path}",
-                json={"model": model, **body},
-                headers=AUTH,
-                timeout=httpx.Timeout(5, read=3),
-            )
-        except httpx.ReadTimeout as e:
-            gone.append(e)
-
-    caller = threading.Thread(target=hang_up)
-    caller.start()
-    time.sleep(2)
-    assert _in_flight(client) == 1  # decoding
-    caller.join()
-    assert gone, "the request ended before the client hung up"
-    deadline = time.monotonic() + 5
-    while _in_flight(client) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _in_flight(client) == 0
+    """A non-streamed request whose client leaves mid-decode: the decode agent is told
+    (it logs its client gone) instead of decoding up to 4000 tokens for nobody."""
+    base, tmp = served
+    gone_before = _clients_gone(tmp)
+    payload = json.dumps({"model": model, **body}).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+    )
+    caller = socket.create_connection(("127.0.0.1", int(base.rsplit(":", 1)[1])), 10)
+    caller.sendall(head.encode() + payload)
+    try:
+        _wait(lambda: _in_flight(tmp) == 1, "the request to reach the decode agent")
+    finally:
+        caller.close()  # hang up while it decodes
+    _wait(lambda: _clients_gone(tmp) > gone_before, "the decode agent to see its client gone")
+    _wait(lambda: _in_flight(tmp) == 0, "the decode agent to stop")

@@ -5,7 +5,6 @@ format neither side runs is one line before any agent starts."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -40,7 +39,11 @@ def test_mixed_weights_on_the_command_line(default_model: Path) -> None:
     )  # fmt: skip
     assert allowed.returncode == 0, allowed.stderr
     report = json.loads(allowed.stdout)
-    assert report["weights"] == "mixed" and 0 <= report["agreement"] <= 1
+    assert report["weights"] == "mixed" and report["compared"] > 0
+    # The prefill really ran the other weights: the log-probs are the full-precision
+    # model's, not the 4-bit one's. 4-bit noise moves SmolLM2's log-probs by far more than
+    # 1e-2; torch-vs-mlx float32 rounding on the same weights stays near 1e-4.
+    assert report["max_logit_diff"] > 1e-2, report
 
 
 def test_unsupported_format_is_one_line_and_starts_no_agent(
@@ -52,11 +55,12 @@ def test_unsupported_format_is_one_line_and_starts_no_agent(
     cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
     (model / "config.json").write_text(json.dumps(cfg))
     (model / "model.safetensors").write_bytes(b"")
-    t0 = time.monotonic()
-    proc = disagg("generate", "--local", "-m", str(model), "hi")
+    # Every local agent start makes a `disagg-logs-*` dir under TMPDIR: none may appear.
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = disagg("generate", "--local", "-m", str(model), "hi", env={"TMPDIR": str(tmp)})
     one_error_line(proc, "GPTQ", "not supported", "mlx_lm.convert")
-    assert "starting" not in proc.stderr  # refused before any agent process
-    assert time.monotonic() - t0 < 10  # an agent pair takes longer than that to load
+    assert list(tmp.glob("disagg-logs-*")) == []  # refused before any agent process
 
 
 def test_a_gguf_file_is_refused_in_one_line(tmp_path: Path) -> None:

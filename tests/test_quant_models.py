@@ -1,5 +1,6 @@
 """Quantized checkpoints end to end: the prefill agent's packed weights against
-mlx's own dequantization, real agent pairs against mlx-lm alone on the same dir,
+mlx's own dequantization, real agent pairs against mlx-lm's own `load` on the same dir
+(transformers where our adapter changes what mlx-lm computes),
 mixed weights refused (or allowed and labelled), and packed prefill's memory.
 
 Dirs are written once per machine (tests/quantmodels.py): SmolLM2 by
@@ -27,7 +28,7 @@ from tests.conftest import PairFactory, ask, remote_request
 from tests.quantmodels import DIRS, quant_dir, tiny_source
 from tests.tinymodels import PROMPT
 
-from .references import mlx_greedy
+from .references import hf_greedy, mlx_greedy, tokenizer_ids
 
 pytestmark = pytest.mark.slow
 
@@ -121,16 +122,52 @@ def test_packed_weights_are_bit_identical_to_mx_dequantize(name: str) -> None:
     del torch
 
 
+# Dirs on which our decode adapter changes what mlx-lm would compute (gpt_oss' YaRN RoPE is
+# replaced by transformers' own): there the reference is transformers, dequantizing the
+# MXFP4 experts itself. Elsewhere it is mlx-lm's own `load`, with no adapter of ours.
+TRANSFORMED = {"gptoss-hf-mxfp4"}
+
+
+def reference_greedy(name: str, ids: list[int]) -> list[int]:
+    """N_NEW greedy tokens from a monolithic run that shares no code with the agents."""
+    d = quant_dir(name)
+    if name in TRANSFORMED:
+        import torch
+        from transformers import AutoModelForCausalLM, Mxfp4Config  # type: ignore[attr-defined]
+
+        model = AutoModelForCausalLM.from_pretrained(
+            d, dtype=torch.float32, quantization_config=Mxfp4Config(dequantize=True)
+        )
+        return hf_greedy(model.eval(), ids, N_NEW)
+    from mlx_lm import load
+
+    return mlx_greedy(load(str(d))[0], ids, N_NEW)
+
+
 @pytest.mark.parametrize("name", DIRS)
-def test_agents_on_one_quantized_dir_match_mlx_lm_alone(
+def test_the_reference_is_chosen_by_what_our_adapter_changes(name: str) -> None:
+    """Stock mlx-lm is a fair reference only where the adapter leaves config and RoPE alone."""
+    from agents.models import get_adapter
+    from agents.models.base import hf_rope_parameters, load_hf_config
+
+    cfg = load_hf_config(quant_dir(name))
+    untouched = (
+        get_adapter(cfg["model_type"]).mlx_config(cfg) == {}
+        and hf_rope_parameters(cfg)["rope_type"] == "default"
+    )
+    assert untouched == (name not in TRANSFORMED), cfg
+
+
+@pytest.mark.parametrize("name", DIRS)
+def test_agents_on_one_quantized_dir_match_an_independent_reference(
     pair_for: Callable[[str], tuple[AgentProc, AgentProc]], name: str
 ) -> None:
-    from agents.decode import DecodeEngine
-
     prefill, decode = pair_for(name)
     res = ask(decode, request(prefill))
     assert res.metrics["method"] == "disaggregated" and res.metrics["weights"] == "same"
-    alone = mlx_greedy(DecodeEngine(str(quant_dir(name))).model, res.prompt_ids or [], N_NEW)
+    ids = tokenizer_ids(quant_dir(name), " ".join([PROMPT] * 2), raw=True)
+    assert res.prompt_ids == ids
+    alone = reference_greedy(name, ids)
     assert len(alone) == N_NEW and res.token_ids == alone
 
 

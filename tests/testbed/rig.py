@@ -10,6 +10,7 @@ import fcntl
 import json
 import os
 import random
+import re
 import select
 import socket
 import struct
@@ -327,6 +328,14 @@ def have_netem() -> bool:
     return ok.returncode == 0
 
 
+def netem_drops(ns: str, dev: str) -> int:
+    """Packets the root qdisc of `dev` in `ns` dropped (netem counts its losses there)."""
+    out = sh("tc", "-s", "-n", ns, "qdisc", "show", "dev", dev, "root").stdout
+    found = re.search(r"\(dropped (\d+)", out)
+    assert found, out
+    return int(found[1])
+
+
 @contextlib.contextmanager
 def impaired(delay_ms: int, loss_pct: float) -> Iterator[dict[str, Any]]:
     """Loss and delay, both ways, on the gpt-oss pipeline's data link (dgx-spark-2 <->
@@ -347,6 +356,9 @@ def impaired(delay_ms: int, loss_pct: float) -> Iterator[dict[str, Any]]:
         try:
             yield info
         finally:
+            drops = {dev_ns: netem_drops(*dev_ns) for dev_ns in devs}
+            info["data_link_dropped"] = sum(n for (_, d), n in drops.items() if d == "fast0")
+            info["switch_dropped"] = sum(n for (_, d), n in drops.items() if d != "fast0")
             for ns, dev in devs:
                 rate, burst = ("10gbit", "2mb") if dev == "fast0" else ("1gbit", "256kb")
                 sh("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
