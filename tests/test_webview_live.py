@@ -11,11 +11,9 @@ from __future__ import annotations
 import http.server
 import json
 import os
-import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -76,25 +74,11 @@ def gateways(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
                 v[0].wait(30)
 
 
-def quiet_port() -> int:
-    """A free port below Linux's ephemeral range (32768+), where the port-0 binds of
-    agents and other tests on this machine land: none can take it while our
-    gateway loads its model."""
-    while True:
-        port = random.randrange(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-
-
 def serve_on_a_quiet_port(args: tuple[str, ...], log: Path) -> tuple[Any, str]:
     """`disagg serve --local ARGS` as a process; once its port answers, make sure it
     is this process that answers (its web view's page), not another one."""
     cmd = [sys.executable, "-m", "disagg.cli", "serve", "--local", *args]
-    port = quiet_port()
+    port = free_port()
     with log.open("wb") as out:
         proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

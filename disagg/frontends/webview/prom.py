@@ -13,6 +13,8 @@ import threading
 from collections import Counter
 from typing import Any
 
+from agents.metrics import Histogram
+
 P = "disagg_gateway"
 SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BYTES = tuple(float(1 << s) for s in range(10, 34, 2))  # 1 KiB .. 8 GiB, x4 apart
@@ -51,34 +53,19 @@ def _labels(pairs: tuple[tuple[str, str], ...]) -> str:
     return "{" + ",".join(esc) + "}"
 
 
-class _Hist:
-    def __init__(self, buckets: tuple[float, ...]) -> None:
-        self.buckets = buckets
-        self.counts = [0] * len(buckets)
-        self.total = 0
-        self.sum = 0.0
-
-    def observe(self, v: float) -> None:
-        self.total += 1
-        self.sum += v
-        for i, edge in enumerate(self.buckets):
-            if v <= edge:
-                self.counts[i] += 1
-
-
 class GatewayMetrics:
     """Counters and histograms labelled by model; every series exists from the
     start (at zero), so dashboards and alerts see the names before traffic."""
 
     def __init__(self, models: list[str]) -> None:
         self.lock = threading.Lock()
-        self.hists: dict[tuple[str, str], _Hist] = {}
+        self.hists: dict[tuple[str, str], Histogram] = {}
         self.counts: Counter[tuple[str, tuple[tuple[str, str], ...]]] = Counter()
         self.in_flight: Counter[str] = Counter()
         self.agents_up: dict[tuple[str, str, str], int] = {}
         for m in models:
             for name, (_, buckets, _) in HISTOGRAMS.items():
-                self.hists[(name, m)] = _Hist(buckets)
+                self.hists[(name, m)] = Histogram(buckets)
             for reason in FALLBACK_KINDS:
                 self.counts[("fallbacks_total", (("model", m), ("reason", reason)))] += 0
             for name in COUNTERS:
@@ -106,7 +93,7 @@ class GatewayMetrics:
                 if name.startswith("kv_") and method != "disaggregated":
                     continue  # nothing crossed the wire
                 if isinstance(value, int | float) and not isinstance(value, bool):
-                    self.hists.setdefault((name, model), _Hist(buckets)).observe(float(value))
+                    self.hists.setdefault((name, model), Histogram(buckets)).observe(float(value))
             if m.get("method") == "local-fallback":
                 reason = str(m.get("fallback_kind") or "stream")
                 self.counts[("fallbacks_total", (("model", model), ("reason", reason)))] += 1
