@@ -44,8 +44,11 @@ def test_generate_local_json_answers_paris(default_model: Path) -> None:
     proc = disagg("generate", "--local", "What is the capital of France?", "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)  # exactly one JSON object on stdout
-    assert set(out) == {"text", "token_ids", "model", "metrics"}
+    want = {"text", "reasoning", "tool_calls", "finish_reason", "token_ids", "model", "metrics"}
+    assert set(out) == want
     assert "Paris" in out["text"]
+    # SmolLM2's template has no reasoning and no tools: the answer is all there is.
+    assert out["reasoning"] == "" and out["tool_calls"] == [] and out["finish_reason"] == "stop"
     assert out["model"] == str(default_model)
     m = out["metrics"]
     assert m["method"] == "disaggregated" and m["kv_bytes"] > 0
