@@ -57,6 +57,8 @@ class PrefillTarget:
 
     @classmethod
     def from_dict(cls, d: Any) -> PrefillTarget:
+        if isinstance(d, PrefillTarget):
+            return d  # already typed (a caller building a request from fields)
         if not isinstance(d, Mapping):
             raise RequestError("prefill", "prefill must be an object with hosts and port")
         hosts = d.get("hosts") or ([d["host"]] if d.get("host") else [])

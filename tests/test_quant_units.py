@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 import mlx.core as mx
@@ -97,7 +98,8 @@ def _dir(
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"model_type": "llama", **cfg}))
     for f in files:
-        (d / f).write_bytes(b"")
+        # A well-formed safetensors file holding no tensors (an 8-byte length, then "{}").
+        (d / f).write_bytes(struct.pack("<Q", 2) + b"{}")
     return d
 
 

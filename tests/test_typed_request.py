@@ -64,6 +64,8 @@ def test_generate_request_replace_is_typed_and_checked() -> None:
     assert moved.prefill is target and moved.to_wire()["prefill"]["port"] == 9000
     with pytest.raises(RequestError):
         req.replace(temperature=9.0)
+    # Fields with a typed target, as a caller holding one builds a request.
+    assert GenerateRequest.from_dict({"prompt": "hi", "prefill": target}).prefill is target
 
 
 def test_metrics_keep_the_wire_names() -> None:

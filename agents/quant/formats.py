@@ -81,8 +81,13 @@ def check_supported(model_dir: str | Path) -> None:
         raise _refuse(path, "NVIDIA ModelOpt (hf_quant_config.json)")
     if not list(path.glob("*.safetensors")):
         raise UnsupportedModel(f"{path} has no *.safetensors weights")
+    _check_format(path, cfg)  # what the config says first: the fix names the format
     for file in weight_files(path):
         read_header(file)  # a hostile header: one line here, before any loader sees it
+
+
+def _check_format(path: Path, cfg: dict[str, Any]) -> None:
+    """Refuse, in one line, a quantization neither agent runs."""
     qc = cfg.get("quantization_config")
     method = qc.get("quant_method") if isinstance(qc, dict) else None
     if method is not None and method != "mxfp4":
