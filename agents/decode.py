@@ -341,7 +341,12 @@ class DecodeAgent:
             metrics["codec_reason"] = why
         else:
             codec = Codec(int(req.codec))
-        where, why = self.placement.choose(key, len(ids))
+        # The remote prefix hit first: placement then weighs only what a remote
+        # prefill still computes and sends (most of a chat's next turn hits).
+        hit = Hit(f"remote:{key}", [], [], self.prefix.cache.block)
+        if req.placement != "local":
+            hit = self._lookup(req, f"remote:{key}", ids, local=False)
+        where, why = self.placement.choose(key, len(ids), cached=hit.tokens)
         if req.placement in ("local", "remote"):
             where, why = req.placement, "placement forced by the request"
         metrics.update(placement=where, placement_reason=why)
@@ -356,7 +361,6 @@ class DecodeAgent:
             "allow_mixed": self.allow_mixed,
         }
         fills: list[Future[Any]] = []
-        hit = self._lookup(req, f"remote:{key}", ids, local=False)
 
         def place(cache: Any, kv: LayerKV, prompt_len: int) -> None:
             # A copy: the reader reuses its buffer for the next layer at once

@@ -1,5 +1,7 @@
-"""Routing and failover: pick a healthy, least busy decode agent of a pipeline,
-hand it the pipeline's prefill agent, and reroute when a decode agent dies.
+"""Routing and failover: pick a healthy decode agent of a pipeline (the one
+holding the request's prefix unless it is too busy, disagg.serving.affinity; else
+the least busy), hand it the pipeline's prefill agent, and reroute when a decode
+agent dies.
 
 Prefill failover lives in the decode agent itself (it prefills locally when the
 prefill agent is down, slow, or drops the KV stream); the slower data path is the
@@ -19,6 +21,7 @@ from typing import Any
 
 from agents.request import GenerateRequest, PrefillTarget
 from disagg.errors import AgentError, AuthError, ConnectError, ModelMismatch, UsageError
+from disagg.serving import affinity
 from disagg.serving import wireclient as client
 
 DOWN_FOR_S = 5.0  # a failed agent is skipped this long before it is probed again
@@ -65,6 +68,7 @@ class Router:
         self.busy: Counter[str] = Counter()
         self.down_until: dict[str, float] = {}
         self.health: dict[str, tuple[float, bool]] = {}
+        self.affinity = affinity.AffinityTable()  # prefix -> the decode agent holding it
 
     def models(self) -> list[str]:
         return list(self.pipelines)
@@ -112,6 +116,21 @@ class Router:
             busy = dict(self.busy)
         return sorted(endpoints, key=lambda ep: (not self._healthy(ep), busy.get(ep.name, 0)))
 
+    def decode_order(
+        self, endpoints: list[Endpoint], keys: list[affinity.PrefixKey]
+    ) -> tuple[list[Endpoint], affinity.Choice]:
+        """As order(), but the agent holding the request's longest remembered
+        prefix goes first unless it is too busy (the rule: disagg.serving.affinity)."""
+        with self.lock:
+            busy = dict(self.busy)
+        healthy = {ep.name: busy.get(ep.name, 0) for ep in endpoints if self._healthy(ep)}
+        choice = affinity.choose(*self.affinity.match(keys), healthy)
+        ordered = sorted(
+            endpoints,
+            key=lambda ep: (ep.name not in healthy, ep.name != choice.agent, busy.get(ep.name, 0)),
+        )
+        return ordered, choice
+
     def prefill_target(self, pipe: Route) -> PrefillTarget | None:
         """The pipeline's healthiest, least busy prefill agent, if it has one."""
         for ep in self.order(pipe.prefill):
@@ -137,7 +156,9 @@ class Router:
         deadline = time.monotonic() + pipe.decode_timeout_s
         delivered: list[dict[str, Any]] = []
         failures: list[str] = []
-        for ep in self.order(pipe.decode):
+        keys = affinity.prefix_keys(pipe.name, req)
+        endpoints, choice = self.decode_order(pipe.decode, keys)
+        for ep in endpoints:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
@@ -161,6 +182,8 @@ class Router:
                     ep.host, ep.port, req, on_token=forward, timeout_s=left, token=self.token
                 )
                 result.metrics.decode_server = result.metrics.decode_server or ep.name
+                result.metrics.route = choice.to_dict()
+                self.affinity.remember(keys, ep.name)  # it now holds this prompt's K/V
                 if failures:
                     result.metrics.rerouted_from = failures
                 return result
