@@ -204,7 +204,7 @@ class PeerStalled(Exception):
 
 
 KV_BUFFER_MB = 4096  # per connection: raw K/V computed and not yet on the wire
-KV_STALL_S = 60.0  # a frame the peer takes nothing of for this long cuts it off
+KV_STALL_S = 60.0  # a peer that takes no K/V bytes for this long is cut off
 
 
 class LayerSender:
@@ -219,7 +219,7 @@ class LayerSender:
 
     `put` never waits on the socket (it runs inside the forward pass): layers
     queue here, at most `max_buffer_bytes` of them, and a peer that lets more
-    pile up, or takes nothing of one frame for `stall_s`, is cut off
+    pile up, or takes no bytes for `stall_s`, is cut off
     (PeerStalled), which ends that request only.
     """
 
@@ -243,7 +243,8 @@ class LayerSender:
         self.cond = threading.Condition()  # guards the counts below; never held over I/O
         self.buffered = 0  # raw K/V bytes put and not yet sent
         self.queued = 0  # items put and not yet sent (or dropped)
-        self.sending_since: float | None = None  # monotonic start of the send under way
+        # Monotonic time the send under way began or last got bytes out (None: idle).
+        self.sending_since: float | None = None
         self.bytes = 0
         self.raw_bytes = 0
         self.encode_s = 0.0
@@ -277,7 +278,7 @@ class LayerSender:
         self.q.put((ftype, payload))
 
     def stalled_s(self) -> float:
-        """How long the send under way has taken so far (0: none)."""
+        """How long the send under way has got no bytes out (0: none under way)."""
         since = self.sending_since
         return 0.0 if since is None else time.monotonic() - since
 
@@ -290,7 +291,7 @@ class LayerSender:
 
     def drain(self) -> None:
         """Wait until all that was put is on the wire; raises the sender's
-        error, cutting the peer off if a frame stalls for `stall_s`."""
+        error, cutting the peer off if it takes no bytes for `stall_s`."""
         with self.cond:
             while self.queued and self.error is None:
                 left = self.stall_s - self.stalled_s()
@@ -324,9 +325,13 @@ class LayerSender:
 
     def _send(self, ftype: P.Frame, payload: bytes | list[bytes | memoryview]) -> int:
         self.sending_since = time.monotonic()
-        sent = P.send_frame(self.sock, ftype, payload)
+        sent = P.send_frame(self.sock, ftype, payload, progress=self._progress)
         self.sending_since = None
         return sent
+
+    def _progress(self) -> None:
+        # A slow link that keeps taking bytes is not stalled, however long a frame.
+        self.sending_since = time.monotonic()
 
     def _send_layer(self, kv: LayerKV) -> None:
         t0 = time.perf_counter()
@@ -555,8 +560,7 @@ def main() -> None:
         "--kv-stall-timeout",
         type=float,
         default=KV_STALL_S,
-        help="cut a peer that takes none of a K/V frame for this many seconds "
-        f"(default {KV_STALL_S:.0f})",
+        help=f"cut a peer that takes no K/V bytes for this many seconds (default {KV_STALL_S:.0f})",
     )
     args, token, engine = start_agent(
         "prefill",

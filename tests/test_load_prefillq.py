@@ -108,6 +108,7 @@ def big_layer(i: int, mb: int = 4) -> LayerKV:
 def unread_pair() -> tuple[socket.socket, socket.socket]:
     """A connected pair whose reading end nobody reads."""
     a, b = socket.socketpair()
+    a.settimeout(600)  # as the agent's sockets: a send returns what fitted, not all
     a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)
     b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
     return a, b
@@ -139,6 +140,33 @@ def test_the_sender_cuts_a_peer_that_takes_nothing_for_the_stall_deadline() -> N
             sender.drain()
         sender.close()
         assert not sender.thread.is_alive()
+
+
+def test_a_slow_reader_that_keeps_reading_is_not_cut() -> None:
+    from agents.prefill import LayerSender
+
+    a, b = unread_pair()
+    got = 0
+
+    def read_slowly() -> None:
+        nonlocal got
+        while chunk := b.recv(32 << 10):  # ~128 kB/s: the 1 MiB frame takes ~8 s
+            got += len(chunk)
+            time.sleep(0.25)
+
+    reader = threading.Thread(target=read_slowly)
+    reader.start()
+    with a, b:
+        sender = LayerSender(a, Codec.RAW, stall_s=3)
+        t0 = time.monotonic()
+        sender.put(big_layer(0, mb=1))
+        sender.drain()  # no PeerStalled: bytes kept going out
+        took = time.monotonic() - t0
+        sender.close()
+        a.shutdown(socket.SHUT_WR)
+        reader.join()
+    assert took > 3  # the frame outlasted the deadline, yet it was not cut
+    assert got >= 1 << 20
 
 
 # --- a real prefill agent with a peer that stops reading ----------------------
