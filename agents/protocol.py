@@ -22,7 +22,7 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,12 +149,19 @@ def parse_header(raw: bytes | bytearray | memoryview, max_frame: int) -> Header:
     return Header(kind, flags, length)
 
 
-def send_buffers(sock: socket.socket, buffers: Sequence[bytes | bytearray | memoryview]) -> int:
-    """Send buffers back to back with sendmsg, without joining them first."""
+def send_buffers(
+    sock: socket.socket,
+    buffers: Sequence[bytes | bytearray | memoryview],
+    progress: Callable[[], None] | None = None,
+) -> int:
+    """Send buffers back to back with sendmsg, without joining them first;
+    `progress` is called each time the peer took some bytes."""
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
     total = sum(len(v) for v in views)
     while views:
         sent = sock.sendmsg(views[:512])  # IOV_MAX is 1024 on Linux and macOS
+        if progress is not None:
+            progress()
         while sent:
             if sent >= len(views[0]):
                 sent -= len(views[0])
@@ -170,15 +177,16 @@ def send_frame(
     ftype: Frame,
     payload: Sequence[bytes | bytearray | memoryview] | bytes = b"",
     flags: int = 0,
+    progress: Callable[[], None] | None = None,
 ) -> int:
     parts = [payload] if isinstance(payload, bytes | bytearray | memoryview) else list(payload)
     length = sum(memoryview(p).nbytes for p in parts)
     head = pack_header(ftype, length, flags)
     seal = _SEALS.get(sock)
     if seal is None:
-        return send_buffers(sock, [head, *parts])
+        return send_buffers(sock, [head, *parts], progress)
     with seal.send_lock:  # the tag's sequence number is the frame's place on the wire
-        return send_buffers(sock, [head, *parts, seal.sign(head, parts)])
+        return send_buffers(sock, [head, *parts, seal.sign(head, parts)], progress)
 
 
 def send_json(sock: socket.socket, ftype: Frame, obj: dict[str, Any]) -> int:

@@ -11,12 +11,12 @@ the tokens for every architecture).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from .pending import PendingStores
 from .store import Block, PrefixCache, block_keys
 
 
@@ -27,9 +27,9 @@ class PrefillPrefix:
         self.cache = PrefixCache(max_bytes)
         self.enabled = bool(self.cache.max_bytes) and all(k[0] == "full" for k in kinds)
         self.namespace = namespace
-        # Held while a finished prompt's blocks are copied in (after its K/V went
-        # out): the next prompt waits for them rather than missing.
-        self.storing = threading.Lock()
+        # A finished prompt's blocks, copied in after its K/V went out, or by the
+        # next lookup if that comes first: it never waits on a peer's socket.
+        self.pending = PendingStores()
 
     def seed(self, dyn: Any, ids: list[int], salt: str | None = None) -> tuple[list[bytes], int]:
         """Fill the DynamicCache `dyn` with the longest cached prefix of `ids`
@@ -39,8 +39,8 @@ class PrefillPrefix:
             return [], 0
         b = self.cache.block
         keys = block_keys(ids, self.namespace, b, salt)
-        with self.storing:
-            blocks = self.cache.longest(keys, (len(ids) - 1) // b)
+        self.pending.flush()
+        blocks = self.cache.longest(keys, (len(ids) - 1) // b)
         n = len(blocks) * b
         self.cache.record(len(ids), n)
         if n:
@@ -53,18 +53,19 @@ class PrefillPrefix:
 
     def storer(self, keys: list[bytes], dyn: Any) -> Callable[[], None]:
         """What keeps the blocks of a prompt just computed into `dyn`: to run
-        once its K/V and logits are sent. Until then the next prompt waits."""
+        once its K/V and logits are sent (the next seed() runs it if first)."""
         if not self.enabled or not keys:
             return lambda: None
-        self.storing.acquire()
+        return self.pending.add(lambda: self.store(keys, dyn))
 
-        def run() -> None:
-            try:
-                self.store(keys, dyn)
-            finally:
-                self.storing.release()
-
-        return run
+    def expected_hit(self, ids: list[int], salt: str | None = None) -> int:
+        """Tokens seed() would take from the cache now (the queue's cost guess;
+        counts no hit)."""
+        if not self.enabled:
+            return 0
+        b = self.cache.block
+        keys = block_keys(ids, self.namespace, b, salt)
+        return len(self.cache.longest(keys, (len(ids) - 1) // b)) * b
 
     def store(self, keys: list[bytes], dyn: Any) -> None:
         """Keep the blocks of a prompt just computed into `dyn`."""
