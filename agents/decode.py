@@ -27,6 +27,7 @@ from .batching import DecodeLoop, Sampler, Seq, make_sampler, sample_rows
 from .chatformat import ChatStream, FormatError, Piece, detect, open_stream, render_chat, render_fim
 from .codecpick import CodecTuner
 from .grammar import ANALYSIS_MAX_TOKENS, Grammars, Matcher
+from .keepalive import Keepalive, progress_interval
 from .kvcodec import Codec, LayerKV
 from .kvfetch import PrefillUnavailable, fetch_kv
 from .kvplace import MX_DTYPES, cache_kinds, fill_layer
@@ -289,7 +290,9 @@ class DecodeAgent:
             self.stats.begin()
             outcome, metrics = "error", None
             try:
-                metrics = self._generate(GenerateRequest.from_dict(req), sock)
+                # PROGRESS while no token is due, if the client asked (agents/keepalive).
+                with Keepalive(sock, progress_interval(req), self.loop) as progress:
+                    metrics = self._generate(GenerateRequest.from_dict(req), sock, progress)
                 outcome = "ok"
             except (BadRequest, RequestError) as e:
                 outcome = "bad_request"
@@ -493,7 +496,9 @@ class DecodeAgent:
             prefill_speed=(n_prompt / metrics["prefill_time"]) if metrics["prefill_time"] else None,
         )
 
-    def _generate(self, req: GenerateRequest, sock: socket.socket) -> dict[str, Any]:
+    def _generate(
+        self, req: GenerateRequest, sock: socket.socket, progress: Keepalive | None = None
+    ) -> dict[str, Any]:
         eng = self.engine
         t0 = time.perf_counter()
         at = time.time()
@@ -551,6 +556,8 @@ class DecodeAgent:
         if first not in eos and max_tokens > 1 and not ended:
             seq = Seq(caches, first, sampler, max_tokens, eos, want_logprobs, matcher=matcher)
             self.loop.join(seq)
+            if progress is not None:
+                progress.seq = seq  # PROGRESS now says queued (no batch slot yet) or decode
             try:
                 while (item := seq.out.get()) is not None:
                     if isinstance(item, Exception):
@@ -573,6 +580,8 @@ class DecodeAgent:
         done: dict[str, Any] = {**chat.result(), "token_ids": out, "metrics": metrics}
         if req.return_prompt_ids:
             done["prompt_ids"] = ids
+        if progress is not None:
+            progress.stop()  # nothing follows DONE
         P.send_json(sock, P.Frame.DONE, done)
         log.info(
             "%s: %d prompt + %d new tokens, ttft %.3fs, %.1f tok/s, %s",

@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agents.request import GenerateRequest, PrefillTarget
-from disagg.errors import AgentError, AuthError, ConnectError, ModelMismatch, UsageError
+from disagg.errors import (
+    AgentError,
+    AuthError,
+    ConnectError,
+    ModelMismatch,
+    RequestTimeout,
+    UsageError,
+)
 from disagg.serving import affinity
 from disagg.serving import wireclient as client
 
@@ -52,6 +59,8 @@ class Route:
     prefill: list[Endpoint]
     decode: list[Endpoint]
     prefill_timeout_s: float = 60.0
+    # An idle deadline: a decode agent that sends no frame (token or PROGRESS) for
+    # this long failed. A stream that keeps producing tokens runs as long as it needs.
     decode_timeout_s: float = 180.0
     integrity: str = "mac"  # frames between its agents: see agents.protocol.INTEGRITY
 
@@ -142,8 +151,11 @@ class Router:
         model: str | None,
         request: GenerateRequest,
         on_token: Callable[[dict[str, Any]], None] | None = None,
+        deadline_s: float | None = None,
     ) -> client.Result:
-        """Run one request, rerouting to another decode agent if one fails.
+        """Run one request, rerouting to another decode agent if one fails (sent
+        nothing for the pipeline's decode_timeout_s). `deadline_s` bounds the whole
+        request, reroutes included (RequestTimeout); None: no bound.
 
         A rerouted stream does not repeat text already delivered: the new run's
         tokens are skipped until it is past what `on_token` saw.
@@ -153,15 +165,18 @@ class Router:
         target = self.prefill_target(pipe)
         if target and req.prefill is None:
             req = req.replace(prefill=target)
-        deadline = time.monotonic() + pipe.decode_timeout_s
+        deadline = None if deadline_s is None else time.monotonic() + deadline_s
         delivered: list[dict[str, Any]] = []
         failures: list[str] = []
         keys = affinity.prefix_keys(pipe.name, req)
         endpoints, choice = self.decode_order(pipe.decode, keys)
         for ep in endpoints:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise RequestTimeout(
+                    f"the request did not finish within its deadline of {deadline_s:g}s"
+                    + (f" ({'; '.join(failures)})" if failures else "")
+                )
             seen = 0
 
             def forward(tok: dict[str, Any]) -> None:
@@ -179,7 +194,13 @@ class Router:
                 self.busy[ep.name] += 1
             try:
                 result = client.generate(
-                    ep.host, ep.port, req, on_token=forward, timeout_s=left, token=self.token
+                    ep.host,
+                    ep.port,
+                    req,
+                    on_token=forward,
+                    timeout_s=pipe.decode_timeout_s,
+                    token=self.token,
+                    deadline_s=left,
                 )
                 result.metrics.decode_server = result.metrics.decode_server or ep.name
                 result.metrics.route = choice.to_dict()
@@ -187,6 +208,10 @@ class Router:
                 if failures:
                     result.metrics.rerouted_from = failures
                 return result
+            except RequestTimeout as e:  # no fault of the agent: not marked down
+                raise RequestTimeout(
+                    f"the request did not finish within its deadline of {deadline_s:g}s: {e}"
+                ) from None
             except (UsageError, ModelMismatch, AuthError, StopGeneration):
                 raise
             except (ConnectError, AgentError) as e:
@@ -196,7 +221,7 @@ class Router:
                 with self.lock:
                     self.busy[ep.name] -= 1
         if not failures:
-            raise AgentError(f"pipeline {pipe.name} has no decode agent, or its timeout passed")
+            raise AgentError(f"pipeline {pipe.name} has no decode agent")
         raise AgentError(
             f"no decode agent of pipeline {pipe.name} could serve the request: "
             + "; ".join(failures)
