@@ -34,7 +34,7 @@ from tests.tinymodels import PROMPT
 pytestmark = pytest.mark.slow
 
 TIMEOUT_S = 3.0  # the pipelines' decode (idle) timeout in these tests
-LAYER_DELAY_S = 1.0  # the prefill agent's 4 layers take >= 4 s: longer than TIMEOUT_S
+LAYER_DELAY_S = 1.5  # between the prefill agent's 4 layers: >= 4.5 s, longer than TIMEOUT_S
 CONSUMER_DELAY_S = 0.002  # per token: 3000 tokens stream for >= 6 s on any machine
 LONG = GenerateRequest(prompt=PROMPT, raw=True, max_tokens=3000, ignore_eos=True, placement="local")
 
@@ -106,7 +106,7 @@ def test_progress_frames_while_prefilling_only_when_asked(
     kinds = [k for k, _ in asked]
     first_token = kinds.index(P.Frame.TOKEN)
     before = [body for k, body in asked[:first_token] if k == P.Frame.PROGRESS]
-    # >= 4 s of prefill at one frame per 0.5 s: several, each saying what it waits for.
+    # >= 4.5 s of prefill at one frame per 0.5 s: several, each saying what it waits for.
     assert len(before) >= 3 and all(b == {"phase": "prefill"} for b in before)
     assert kinds[-1] == P.Frame.DONE
     # A client that did not ask (an older one) never sees the frame type.
