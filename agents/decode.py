@@ -371,8 +371,6 @@ class DecodeAgent:
             own = kv
             if not (kv.keys.flags.owndata and kv.values.flags.owndata):
                 own = LayerKV(kv.layer, kv.kind, kv.dtype, kv.keys.copy(), kv.values.copy())
-            if req.prefix_cache and not req.kv_quant:
-                self.prefix.keep(hit, own, prompt_len)
             fills.append(self.loop.post(fill_layer, cache, own, prompt_len))
 
         try:
@@ -420,10 +418,10 @@ class DecodeAgent:
         the caches and only the rest is computed."""
         model = self.engine.model
         done = 0
-        hit = None
         if req is not None and hits is not None:
             hit = self._lookup(req, "local", ids, local=True)
             hits.append(hit)
+            self.prefix.record(hit, caches)  # a sliding layer's every position, to store
             if hit.tokens:
                 self.loop.call(self.prefix.seed, hit, caches)
                 done = hit.tokens
@@ -438,8 +436,6 @@ class DecodeAgent:
         def last() -> mx.array:
             logits = model(mx.array(ids[-1:])[None], cache=caches)[:, -1, :]
             mx.eval(logits)
-            if hit is not None and req is not None and req.prefix_cache and not self.prefix.window:
-                self.prefix.keep_caches(hit, caches, len(ids))  # before any decode step
             return logits[0]
 
         for start in range(done, len(ids) - 1, PREFILL_STEP):
@@ -549,8 +545,9 @@ class DecodeAgent:
 
         if first not in eos:
             emit(first, first_lp)
-        for hit in hits:  # after the first token: off the TTFT path, before DONE
-            self.prefix.store(hit)
+        for hit in hits:  # after the first token, before any decode step: from the caches
+            if hit.keys:
+                self.prefix.store(hit, self.loop.call(self.prefix.views, caches, len(ids)))
         ended = matcher is not None and matcher.finished
         seq: Seq | None = None
         if first not in eos and max_tokens > 1 and not ended:
