@@ -26,6 +26,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+from rich.console import Console
+
+from disagg.cli.render_fleet import status_table
+from disagg.fleet.operations import AgentStatus
+from tests.conftest import PairFactory
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the shim is for Linux")
 
@@ -206,3 +211,17 @@ def test_openblas_num_threads_is_respected() -> None:
     assert one["config"].endswith("threads 1"), one["config"]
     two = _run("numpy", OPENBLAS_NUM_THREADS="2")
     assert two["config"].endswith("threads 2") or os.cpu_count() == 1, two["config"]
+
+
+@pytest.mark.slow
+def test_status_says_which_blas_the_decode_agent_runs(agent_pair: PairFactory) -> None:
+    if os.environ.get("DISAGG_BLAS", "auto") != "auto":
+        pytest.skip("DISAGG_BLAS is set in this environment: the agent follows it")
+    _, decode = agent_pair("llama")
+    st = decode.status()
+    assert st["blas"] == f"openblas (numpy): {_numpy_openblas()}"
+    row = AgentStatus("localhost", "decode", "healthy", f"127.0.0.1:{decode.port}", st)
+    for width in (80, 240):  # the short table's detail line, and the wide table's column
+        console = Console(width=width, record=True, color_system=None)
+        console.print(status_table([row], width))
+        assert "mlx/Device(cpu, 0), openblas (numpy)" in console.export_text(), width
