@@ -12,75 +12,176 @@ through its PLT, and torch would then run on OpenBLAS, 2-6x slower. So a
 three-function shim, compiled once with the system C compiler into the cache,
 is the only global library; it forwards to OpenBLAS opened privately.
 
-Linux only, and only when OpenBLAS and a C compiler are there; otherwise mlx
-keeps its own BLAS (correct, slower). DISAGG_BLAS=bundled keeps it always;
-DISAGG_BLAS=/path/libopenblas.so picks the library.
+Which OpenBLAS (DISAGG_BLAS; default `auto`):
+  auto     numpy's, else the scipy-openblas wheels, else the system's
+  numpy    the one numpy's wheel bundles (numpy.libs/libscipy_openblas64_*.so)
+  wheel    the `scipy-openblas64` / `scipy-openblas32` pip wheels
+  system   Debian's libopenblas0-pthread (or whatever `ldconfig` finds)
+  bundled  none: mlx keeps its own BLAS
+  /a/path  that library
+numpy comes first because every decode host has it (the agents need numpy), so
+`pip install` alone gives the fast path, and it measured as fast as Debian's
+0.3.21 here (7.2 vs 7.3 ms for a SmolLM2 step's matmuls at one row, 8.4 vs 8.7
+at 16: README, "BLAS on a Linux CPU"); the system library is the fallback for a
+numpy built against something else.
 
-Importing this module does it (`preload()`), so what runs mlx imports it before
-mlx: the decode agent and the mlx benchmarks. The CLI and the control plane never
-import it, and never compile or load the shim.
+numpy's and the wheels' OpenBLAS are built with 64-bit integers and prefixed
+names (`scipy_cblas_sgemm64_`); the library's own `openblas_get_config()` says
+which (USE64BITINT), so the shim calls each kind with its own prototype. The
+thread count is OpenBLAS's own: OPENBLAS_NUM_THREADS if set, else every core.
+
+Linux only, and only when OpenBLAS and a C compiler are there; otherwise mlx
+keeps its own BLAS (correct, slower). Importing this module does it
+(`preload()`), so what runs mlx imports it before mlx: the decode agent and the
+mlx benchmarks. The CLI and the control plane never import it, and never
+compile or load the shim.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import glob
 import hashlib
+import importlib.util
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-CANDIDATES = (
+SYSTEM_PATHS = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
     "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0",
     "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
     "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
     "/usr/lib64/libopenblas.so.0",
 )
+# (prefix, suffix) of the exported names: reference, scipy-openblas32, numpy / scipy-openblas64,
+# Debian's libopenblas64.
+NAMINGS = (("", ""), ("scipy_", ""), ("scipy_", "64_"), ("", "64_"))
 
 SHIM_C = r"""
 #include <dlfcn.h>
-#include <stdlib.h>
-typedef void (*gemm_t)();
-static gemm_t s, d, c;
-__attribute__((constructor)) static void load(void) {
-    void *h = dlopen(getenv("DISAGG_OPENBLAS_PATH"), RTLD_NOW | RTLD_LOCAL);
-    if (!h) abort();
-    s = (gemm_t)dlsym(h, "cblas_sgemm");
-    d = (gemm_t)dlsym(h, "cblas_dgemm");
-    c = (gemm_t)dlsym(h, "cblas_cgemm");
-    if (!s || !d || !c) abort();
+#include <stdint.h>
+#include <stdio.h>
+typedef void (*fn_t)(void);
+typedef int64_t i64;
+static fn_t s, d, c;
+static int ilp64;
+/* Bind the three gemms of `path`, named PREFIXcblas_Xgemm SUFFIX; 0 when all are there. */
+int disagg_blas_bind(const char *path, const char *prefix, const char *suffix, int wide) {
+    void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    char name[96];
+    fn_t f[3];
+    const char *x = "sdc";
+    if (!h) return 1;
+    for (int i = 0; i < 3; i++) {
+        snprintf(name, sizeof name, "%scblas_%cgemm%s", prefix, x[i], suffix);
+        if (!(f[i] = (fn_t)dlsym(h, name))) return 2;
+    }
+    s = f[0], d = f[1], c = f[2], ilp64 = wide;
+    return 0;
 }
-void cblas_sgemm(int o, int ta, int tb, int m, int n, int k, float al, const float *a,
-                 int lda, const float *b, int ldb, float be, float *cc, int ldc) {
-    ((void (*)(int, int, int, int, int, int, float, const float *, int, const float *,
-               int, float, float *, int))s)(o, ta, tb, m, n, k, al, a, lda, b, ldb, be, cc, ldc);
+/* mlx's calls take int; a 64-bit-integer OpenBLAS takes int64_t (enums stay int). */
+#define GEMM(NAME, F, T, S)                                                                \
+void NAME(int o, int ta, int tb, int m, int n, int k, S al, const T *a, int lda,           \
+          const T *b, int ldb, S be, T *cc, int ldc) {                                     \
+    if (ilp64)                                                                             \
+        ((void (*)(int, int, int, i64, i64, i64, S, const T *, i64, const T *, i64, S,     \
+                   T *, i64))F)(o, ta, tb, m, n, k, al, a, lda, b, ldb, be, cc, ldc);      \
+    else                                                                                   \
+        ((void (*)(int, int, int, int, int, int, S, const T *, int, const T *, int, S,     \
+                   T *, int))F)(o, ta, tb, m, n, k, al, a, lda, b, ldb, be, cc, ldc);      \
 }
-void cblas_dgemm(int o, int ta, int tb, int m, int n, int k, double al, const double *a,
-                 int lda, const double *b, int ldb, double be, double *cc, int ldc) {
-    ((void (*)(int, int, int, int, int, int, double, const double *, int, const double *,
-               int, double, double *, int))d)(o, ta, tb, m, n, k, al, a, lda, b, ldb, be, cc, ldc);
-}
-void cblas_cgemm(int o, int ta, int tb, int m, int n, int k, const void *al, const void *a,
-                 int lda, const void *b, int ldb, const void *be, void *cc, int ldc) {
-    ((void (*)(int, int, int, int, int, int, const void *, const void *, int, const void *,
-               int, const void *, void *, int))c)(o, ta, tb, m, n, k, al, a, lda, b, ldb, be,
-                                                   cc, ldc);
-}
+GEMM(cblas_sgemm, s, float, float)
+GEMM(cblas_dgemm, d, double, double)
+GEMM(cblas_cgemm, c, void, const void *)
 """
 
-# What this process ended up with, for status and bench reports.
+# What this process ended up with, for status and bench reports: "bundled" or
+# "openblas (SOURCE): PATH".
 loaded = "bundled"
+# OpenBLAS's own description of itself (version, int width, core, threads), "" if bundled.
+config = ""
 
 
-def find_openblas() -> str | None:
-    for path in CANDIDATES:
-        if Path(path).exists():
-            return path
-    return ctypes.util.find_library("openblas")
+@dataclass(frozen=True)
+class Blas:
+    path: str
+    prefix: str
+    suffix: str
+    ilp64: bool  # 64-bit integer arguments
+    config: str
+
+
+def _numpy_libs() -> list[str]:
+    """numpy's bundled OpenBLAS, found beside the package without importing numpy."""
+    spec = importlib.util.find_spec("numpy")
+    if spec is None or not spec.origin:
+        return []
+    libs = Path(spec.origin).parent.parent / "numpy.libs"
+    return sorted(glob.glob(str(libs / "libscipy_openblas*.so*")))
+
+
+def _wheel_libs() -> list[str]:
+    """The scipy-openblas64 / scipy-openblas32 wheels' libraries (package dir/lib)."""
+    found: list[str] = []
+    for pkg in ("scipy_openblas64", "scipy_openblas32"):
+        spec = importlib.util.find_spec(pkg)
+        for where in (spec.submodule_search_locations or []) if spec else []:
+            found += sorted(glob.glob(str(Path(where) / "lib" / "libscipy_openblas*.so")))
+    return found
+
+
+def _system_libs() -> list[str]:
+    found = [p for p in SYSTEM_PATHS if Path(p).exists()]
+    name = ctypes.util.find_library("openblas")  # a soname; dlopen searches for it
+    return found + ([name] if name else [])
+
+
+SOURCES = {"numpy": _numpy_libs, "wheel": _wheel_libs, "system": _system_libs}
+
+
+def probe(path: str) -> Blas | None:
+    """How `path`'s gemms are named and how wide its integers are; None if it has none
+    or cannot load. Opened privately: nothing of it enters the global scope."""
+    try:
+        lib = ctypes.CDLL(path, mode=os.RTLD_LOCAL)
+    except OSError:
+        return None
+    for prefix, suffix in NAMINGS:
+        if not hasattr(lib, f"{prefix}cblas_sgemm{suffix}"):
+            continue
+        conf = _call(lib, f"{prefix}openblas_get_config{suffix}", ctypes.c_char_p)
+        text = " ".join((conf or b"").decode(errors="replace").split())
+        threads = _call(lib, f"{prefix}openblas_get_num_threads{suffix}", ctypes.c_int)
+        if threads is not None:
+            text += f", threads {threads}"
+        # Not OpenBLAS (no config) but a plain cblas_sgemm: the CBLAS standard's int.
+        return Blas(path, prefix, suffix, "USE64BITINT" in text.split(), text)
+    return None
+
+
+def _call(lib: ctypes.CDLL, name: str, restype: type) -> Any:
+    """`name()` from `lib` if it has it, else None."""
+    if not hasattr(lib, name):
+        return None
+    fn = getattr(lib, name)
+    fn.restype = restype
+    return fn()
+
+
+def candidates(choice: str) -> list[tuple[str, str]]:
+    """(source, path) to try in order for a DISAGG_BLAS value."""
+    if choice == "auto":
+        return [(src, p) for src in ("numpy", "wheel", "system") for p in SOURCES[src]()]
+    if choice in SOURCES:
+        return [(choice, p) for p in SOURCES[choice]()]
+    return [("DISAGG_BLAS", choice)]
 
 
 def _shim() -> Path | None:
@@ -108,25 +209,41 @@ def _shim() -> Path | None:
     return lib
 
 
+def _bind(shim: Path, blas: Blas) -> bool:
+    """Bind the shim privately, then make it global: a shim that failed to bind never
+    enters the global scope, so mlx never calls a gemm that is not there."""
+    local = ctypes.CDLL(str(shim), mode=os.RTLD_LOCAL)
+    bind = local.disagg_blas_bind
+    bind.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int]
+    if bind(blas.path.encode(), blas.prefix.encode(), blas.suffix.encode(), int(blas.ilp64)):
+        return False
+    ctypes.CDLL(str(shim), mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)  # promote the loaded copy
+    return True
+
+
 def preload() -> str:
     """Route mlx's matmuls to OpenBLAS if this is Linux and it can be done.
     Must run before mlx is imported; afterwards it changes nothing."""
-    global loaded
-    choice = os.environ.get("DISAGG_BLAS", "auto")
+    global loaded, config
+    choice = os.environ.get("DISAGG_BLAS", "auto") or "auto"
     if sys.platform != "linux" or choice == "bundled" or "mlx.core" in sys.modules:
         return loaded
-    path = find_openblas() if choice == "auto" else choice
-    if not path:
-        return loaded
+    if loaded != "bundled":
+        return loaded  # already bound: the shim binds once per process
     try:
-        shim = _shim()
-        if shim is None:
+        for source, path in candidates(choice):
+            blas = probe(path)
+            if blas is None:
+                continue
+            shim = _shim()
+            if shim is not None and _bind(shim, blas):
+                loaded, config = f"openblas ({source}): {path}", blas.config
             return loaded
-        os.environ["DISAGG_OPENBLAS_PATH"] = path  # read by the shim's constructor
-        ctypes.CDLL(str(shim), mode=ctypes.RTLD_GLOBAL)
-        loaded = f"openblas:{path}"
     except (OSError, subprocess.SubprocessError):
         pass  # a broken install only costs speed, never correctness
+    if choice != "auto":  # asked for by name: say why it is not there
+        why = "no loadable CBLAS there, or no C compiler for the shim"
+        print(f"DISAGG_BLAS={choice}: not used ({why}); mlx keeps its own BLAS", file=sys.stderr)
     return loaded
 
 

@@ -141,10 +141,15 @@ def pair_machine_info(prefill: AgentProc, decode: AgentProc) -> dict[str, Any]:
     """`machine_info` with the devices the two agents report (cpu / mlx's default if not)."""
     import mlx.core as mx
 
-    return machine_info(
+    info = machine_info(
         torch_device=agent_device(prefill) or "cpu",
         mlx_device=agent_device(decode) or str(mx.default_device()),
     )
+    try:  # the decode agent's own BLAS (mlx_blas is this process's, for the mlx-lm baselines)
+        info["decode_blas"] = str(decode.status()["blas"])
+    except (OSError, ValueError, KeyError, AuthError):
+        info["decode_blas"] = None
+    return info
 
 
 # ---- a local agent pair and the disaggregated request through it ---------------------------

@@ -284,7 +284,8 @@ def bench_table(report: dict[str, Any]) -> Table:
         caption=(
             f"{report['date']} · {m['platform']} · {m['cpu_count']} CPUs · "
             f"torch {m['torch']} on {m['prefill_device']} · transformers {m['transformers']} · "
-            f"mlx {m['mlx']} / mlx-lm {m['mlx_lm']} on {m['decode_device']} · "
+            f"mlx {m['mlx']} / mlx-lm {m['mlx_lm']} on {m['decode_device']} "
+            f"(BLAS: {m.get('decode_blas') or m.get('mlx_blas')}) · "
             f"{Path(report['model']).name} · {report['elapsed_s']:.0f} s · load avg (1 min) "
             f"{report['load_avg_1m']['start']} at start, {report['load_avg_1m']['end']} at end"
         ),

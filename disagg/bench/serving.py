@@ -573,7 +573,7 @@ def _concurrency_table(report: dict[str, Any]) -> Table:
             "per-request tok/s",
             "TTFT p50/max s",
         ),
-        caption=c["note"],
+        caption=f"{c['note']}; decode agent BLAS: {report['machine'].get('decode_blas')}",
     )
     for r in c["runs"]:
         ct.add_row(

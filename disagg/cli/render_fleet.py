@@ -174,7 +174,14 @@ def _model(st: dict[str, Any]) -> str:
 
 
 def _backend(st: dict[str, Any]) -> str:
-    return printable(f"{st['backend']}/{st.get('device')}", 120) if st.get("backend") else "-"
+    if not st.get("backend"):
+        return "-"
+    text = f"{st['backend']}/{st.get('device')}"
+    # Which BLAS an mlx CPU runs its matmuls on ("openblas (numpy): PATH" -> "openblas (numpy)"):
+    # mlx's bundled one is several times slower (agents/fastblas.py).
+    if isinstance(st.get("blas"), str) and "cpu" in str(st.get("device")):
+        text += f", {st['blas'].split(':')[0]}" + (" BLAS" if st["blas"] == "bundled" else "")
+    return printable(text, 120)
 
 
 def _status_narrow(rows: list[AgentStatus]) -> Group:

@@ -1,0 +1,227 @@
+"""mlx's matmuls run on numpy's OpenBLAS when nothing else is installed (issue 18, item 4).
+
+Each case runs in a fresh Python (the shim binds once per process, before mlx loads):
+it imports agents.fastblas, then mlx, multiplies non-square, transposed and batched
+matrices in float32, float64 and complex64 (the shim's sgemm, dgemm and cgemm) and
+reports which BLAS it bound. Results are checked against numpy in float64 within the
+worst-case rounding bound of a length-k dot product, k * 2^-23 * (|A| @ |B|) for float32:
+different BLAS sum in different orders, so mlx's bundled BLAS and OpenBLAS agree to
+rounding, not to the bit. Where mlx runs on numpy's own OpenBLAS, a 2-D float32 product
+is also bit-identical to numpy's (the same library, kernel and threads): that, and its
+absence with DISAGG_BLAS=bundled, is the evidence that mlx's calls really go through it.
+
+"A machine without the system library" is made real where the test runs as root: the
+child runs in its own mount namespace with /dev/null bound over every system OpenBLAS
+file (the ones fastblas lists and ldconfig knows)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from rich.console import Console
+
+from disagg.cli.render_fleet import status_table
+from disagg.fleet.operations import AgentStatus
+from tests.conftest import PairFactory
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the shim is for Linux")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+PROBE = r"""
+import json, sys
+import numpy as np
+import agents.fastblas as fastblas
+import mlx.core as mx
+
+rng = np.random.default_rng(7)
+MX = {np.float32: mx.float32, np.float64: mx.float64, np.complex64: mx.complex64}
+def mat(*shape, dtype):
+    x = rng.standard_normal(shape)
+    if dtype == np.complex64:
+        x = x + 1j * rng.standard_normal(shape)
+    return x.astype(dtype)
+
+cases = []
+for dtype in (np.float32, np.float64, np.complex64):
+    a, b = mat(37, 300, dtype=dtype), mat(300, 53, dtype=dtype)
+    at, bt = np.ascontiguousarray(a.T), np.ascontiguousarray(b.T)  # stored transposed
+    x3, y3 = mat(4, 19, 96, dtype=dtype), mat(4, 96, 23, dtype=dtype)
+    w = mat(96, 41, dtype=dtype)
+    def m(x):  # mx.array would make float64 float32 unless told
+        return mx.array(x, dtype=MX[dtype])
+    pairs = {
+        "plain": (a, b, m(a) @ m(b)),
+        "a transposed": (a, b, m(at).T @ m(b)),
+        "b transposed": (a, b, m(a) @ m(bt).T),
+        "both transposed": (a, b, m(at).T @ m(bt).T),
+        "batched": (x3, y3, m(x3) @ m(y3)),
+        "batched by shared": (x3, w, m(x3) @ m(w)),
+        "16 rows": (a[:16], b, m(a[:16]) @ m(b)),
+    }
+    for name, (p, q, got) in pairs.items():
+        assert got.dtype == MX[dtype], (name, got.dtype)
+        got = np.array(got, copy=True)
+        cases.append({
+            "case": f"{name} {np.dtype(dtype).name}",
+            "dtype": np.dtype(dtype).name,
+            "k": p.shape[-1],
+            "err": np.abs(got - (p.astype(np.complex128) @ q.astype(np.complex128))).tolist(),
+            "scale": (np.abs(p).astype(np.float64) @ np.abs(q).astype(np.float64)).tolist(),
+            "same_bits_as_numpy": p.ndim == 2 and bool(np.array_equal(got, p @ q)),
+        })
+print(json.dumps({"loaded": fastblas.loaded, "config": fastblas.config, "cases": cases}))
+"""
+
+EPS = {"float32": 2.0**-23, "complex64": 2.0**-23, "float64": 2.0**-52}
+
+
+def _numpy_openblas() -> str:
+    """numpy's bundled OpenBLAS, found as a user would (beside the package)."""
+    libs = sorted((Path(np.__file__).parent.parent / "numpy.libs").glob("libscipy_openblas*"))
+    if not libs:
+        pytest.skip("this numpy bundles no OpenBLAS (not a wheel from PyPI)")
+    return str(libs[0])
+
+
+def _system_openblas_files() -> list[str]:
+    """Every system OpenBLAS file the shim could find, resolved through symlinks."""
+    listed = subprocess.run(
+        [sys.executable, "-c", "from agents import fastblas; print(*fastblas.SYSTEM_PATHS)"],
+        env={**os.environ, "DISAGG_BLAS": "bundled"},
+        capture_output=True, text=True, check=True, cwd=ROOT, timeout=120,
+    ).stdout.split()  # fmt: skip
+    ldconfig = shutil.which("ldconfig") or "/sbin/ldconfig"
+    cache = subprocess.run([ldconfig, "-p"], capture_output=True, text=True, timeout=60).stdout
+    listed += [ln.split("=>")[-1].strip() for ln in cache.splitlines() if "libopenblas" in ln]
+    return sorted({os.path.realpath(p) for p in listed if os.path.exists(p)})
+
+
+def _run(blas: str | None, *, hide_system: bool = False, **env: str) -> dict[str, Any]:
+    """PROBE in a fresh interpreter with DISAGG_BLAS=`blas` (unset if None)."""
+    child = {k: v for k, v in os.environ.items() if k != "DISAGG_BLAS"} | env
+    if blas is not None:
+        child["DISAGG_BLAS"] = blas
+    cmd = [sys.executable, "-c", PROBE]
+    if hide_system:
+        mounts = " && ".join(f"mount --bind /dev/null '{p}'" for p in _system_openblas_files())
+        script = f'{mounts or "true"} && exec "$@"'
+        cmd = ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", *cmd]
+    done = subprocess.run(cmd, env=child, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    out["stderr"] = done.stderr
+    return out
+
+
+def _can_hide() -> bool:
+    try:
+        probe = ["unshare", "-m", "--propagation", "private", "mount", "--bind", "/dev/null",
+                 "/dev/null"]  # fmt: skip
+        return subprocess.run(probe, capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def _assert_correct(run: dict[str, Any]) -> None:
+    """Every product within k * eps * (|A| @ |B|) of numpy's float64 / complex128."""
+    assert len(run["cases"]) == 21
+    for c in run["cases"]:
+        bound = c["k"] * EPS[c["dtype"]] * np.asarray(c["scale"])
+        err = np.asarray(c["err"])
+        assert (err <= bound).all(), (c["case"], float((err / bound).max()))
+
+
+def _float32_2d_same_bits(run: dict[str, Any]) -> list[bool]:
+    two_d = ("plain", "a transposed", "b transposed", "both transposed", "16 rows")
+    return [c["same_bits_as_numpy"] for c in run["cases"] if c["case"] in
+            [f"{n} float32" for n in two_d]]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def bundled() -> dict[str, Any]:
+    return _run("bundled")
+
+
+def test_bundled_is_correct_and_not_numpys(bundled: dict[str, Any]) -> None:
+    assert bundled["loaded"] == "bundled" and bundled["config"] == ""
+    _assert_correct(bundled)
+    # mlx's own BLAS sums in another order: without this the bit-equality below proves nothing.
+    assert not all(_float32_2d_same_bits(bundled))
+
+
+def test_picks_numpys_openblas_on_a_machine_without_the_system_library() -> None:
+    if not _can_hide():
+        pytest.skip("needs a private mount namespace (root) to hide the system library")
+    lib = _numpy_openblas()
+    hidden = _run("system", hide_system=True)
+    assert hidden["loaded"] == "bundled"  # the hiding works: no system OpenBLAS is left
+    assert "DISAGG_BLAS=system: not used" in hidden["stderr"]
+    run = _run(None, hide_system=True)
+    assert run["loaded"] == f"openblas (numpy): {lib}"
+    assert "USE64BITINT" in run["config"].split()  # the 64-bit-integer prototype was bound
+    _assert_correct(run)
+    assert all(_float32_2d_same_bits(run))
+
+
+def test_auto_prefers_numpys_openblas() -> None:
+    lib = _numpy_openblas()
+    run = _run("auto")
+    assert run["loaded"] == f"openblas (numpy): {lib}"
+    _assert_correct(run)
+    assert all(_float32_2d_same_bits(run))
+
+
+def test_disagg_blas_path_still_chooses() -> None:
+    lib = _numpy_openblas()
+    run = _run(lib)
+    assert run["loaded"] == f"openblas (DISAGG_BLAS): {lib}"
+    _assert_correct(run)
+    assert all(_float32_2d_same_bits(run))
+
+
+def test_disagg_blas_system_binds_the_32_bit_library() -> None:
+    if not _system_openblas_files():
+        pytest.skip("no system OpenBLAS here (Debian: libopenblas0-pthread)")
+    run = _run("system")
+    assert run["loaded"].startswith("openblas (system): ")
+    assert "USE64BITINT" not in run["config"].split()
+    _assert_correct(run)
+
+
+def test_a_path_that_is_no_blas_keeps_mlx_bundled_and_says_so(tmp_path: Path) -> None:
+    bogus = tmp_path / "libnot.so"
+    bogus.write_bytes(b"not an ELF file")
+    run = _run(str(bogus))
+    assert run["loaded"] == "bundled"
+    assert f"DISAGG_BLAS={bogus}: not used" in run["stderr"]
+    _assert_correct(run)
+
+
+def test_openblas_num_threads_is_respected() -> None:
+    one = _run("numpy", OPENBLAS_NUM_THREADS="1")
+    assert one["config"].endswith("threads 1"), one["config"]
+    two = _run("numpy", OPENBLAS_NUM_THREADS="2")
+    assert two["config"].endswith("threads 2") or os.cpu_count() == 1, two["config"]
+
+
+@pytest.mark.slow
+def test_status_says_which_blas_the_decode_agent_runs(agent_pair: PairFactory) -> None:
+    if os.environ.get("DISAGG_BLAS", "auto") != "auto":
+        pytest.skip("DISAGG_BLAS is set in this environment: the agent follows it")
+    _, decode = agent_pair("llama")
+    st = decode.status()
+    assert st["blas"] == f"openblas (numpy): {_numpy_openblas()}"
+    row = AgentStatus("localhost", "decode", "healthy", f"127.0.0.1:{decode.port}", st)
+    for width in (80, 240):  # the short table's detail line, and the wide table's column
+        console = Console(width=width, record=True, color_system=None)
+        console.print(status_table([row], width))
+        assert "mlx/Device(cpu, 0), openblas (numpy)" in console.export_text(), width
