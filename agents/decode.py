@@ -224,6 +224,24 @@ def first_token(
     return tid, np.array(logprobs[0]) if want_logprobs else None
 
 
+def greedy_first(logits: np.ndarray, allowed: np.ndarray | None) -> int | None:
+    """The greedy first token read off float32 logits on the request's own thread,
+    with no turn of the decode loop (which may be mid-step or mid-chunk). The same
+    token as first_token's argmax of logprobs unless the top two are so close that
+    subtracting logsumexp could round them equal: None then, use first_token.
+    Request thread; numpy only."""
+    row = np.asarray(logits, np.float32).reshape(-1)
+    if allowed is not None:
+        row = np.where(allowed[: row.shape[0]], row, -np.inf)
+    tid = int(np.argmax(row))
+    top = float(row[tid])
+    if not np.isfinite(top) or np.isnan(row).any():
+        return None
+    rest = np.delete(row, tid)
+    gap = top - float(rest.max()) if rest.size else np.inf
+    return tid if gap > 1e-5 * max(1.0, abs(top)) else None
+
+
 class DecodeAgent:
     def __init__(
         self,
@@ -247,7 +265,9 @@ class DecodeAgent:
         # Per prefill agent: what its KV stream measured, for requests with codec "auto".
         self.codec_tuners: dict[str, CodecTuner] = {}
         # All mlx work runs on the loop's thread; requests decode there together.
-        self.loop = DecodeLoop(engine.model, max_batch=max_batch, grammars=engine.grammars)
+        self.loop = DecodeLoop(
+            engine.model, max_batch=max_batch, grammars=engine.grammars, prefill_step=PREFILL_STEP
+        )
         engine.grammars.warm()  # its tokenizer (~0.5 s) off the first request's path
         mb = default_max_mb() if prefix_cache_mb is None else prefix_cache_mb
         self.prefix = DecodePrefix(int(mb * (1 << 20)), engine.fingerprint["layers"], engine.dtype)
@@ -405,12 +425,13 @@ class DecodeAgent:
         req: GenerateRequest | None = None,
         metrics: dict[str, Any] | None = None,
         hits: list[Hit] | None = None,
-    ) -> mx.array:
-        """The prompt through the model here, chunked exactly as mlx-lm's
-        generate_step does (so the text matches it), one chunk per loop task so
-        the batch keeps decoding in between. Returns the last position's logits.
-        With `req`, a prefix cache hit (mlx's own K/V, namespace "local") seeds
-        the caches and only the rest is computed."""
+    ) -> np.ndarray:
+        """The prompt through the model here. Alone, chunked exactly as mlx-lm's
+        generate_step does (so the text matches it); beside decoding streams, in
+        chunks the loop sizes to about a decode step or two, a step between each
+        (agents/chunks.py), so no stream stalls for the whole prompt. Returns the
+        last position's logits (float32). With `req`, a prefix cache hit (mlx's own
+        K/V, namespace "local") seeds the caches and only the rest is computed."""
         model = self.engine.model
         done = 0
         hit = None
@@ -423,21 +444,24 @@ class DecodeAgent:
             if metrics is not None:
                 metrics["cached_tokens"] = hit.tokens
 
-        def chunk(part: list[int]) -> None:
-            model(mx.array(part)[None], cache=caches)
+        def chunk(a: int, b: int) -> None:
+            model(mx.array(ids[a:b])[None], cache=caches)
             mx.eval([c.state for c in caches])
-            mx.clear_cache()  # as generate_step does: a chunk's activations are large
+            if b - a > 256:
+                mx.clear_cache()  # as generate_step does: a big chunk's activations are large
 
-        def last() -> mx.array:
+        def last() -> np.ndarray:
             logits = model(mx.array(ids[-1:])[None], cache=caches)[:, -1, :]
-            mx.eval(logits)
+            row = logits[0].astype(mx.float32)  # what first_token samples from
+            mx.eval(row)
             if hit is not None and req is not None and req.prefix_cache and not self.prefix.window:
                 self.prefix.keep_caches(hit, caches, len(ids))  # before any decode step
-            return logits[0]
+            return np.array(row)
 
-        for start in range(done, len(ids) - 1, PREFILL_STEP):
-            self.loop.call(chunk, ids[start : min(start + PREFILL_STEP, len(ids) - 1)])
-        return self.loop.call(last)
+        if done < len(ids) - 1:
+            self.loop.prefill(chunk, done, len(ids) - 1).result()
+        logits: np.ndarray = self.loop.call(last)
+        return logits
 
     def _matcher(self, req: GenerateRequest, ids: list[int]) -> Matcher | None:
         """The request's output grammar, compiled (or found in the cache) before
@@ -521,7 +545,12 @@ class DecodeAgent:
         t_prefilled = time.perf_counter()
         sampler = make_sampler(req.temperature, req.top_p, req.seed)
         want_logprobs = req.logprobs
-        first, first_lp = self.loop.call(first_token, logits, sampler, want_logprobs, allowed)
+        greedy = sampler is None and not want_logprobs
+        quick = greedy_first(np.asarray(logits), allowed) if greedy else None
+        if quick is not None:
+            first, first_lp = quick, None
+        else:
+            first, first_lp = self.loop.call(first_token, logits, sampler, want_logprobs, allowed)
         t_first = time.perf_counter()
         if metrics["method"] != "disaggregated":
             metrics["prefill_time"] = t_first - t_local
