@@ -6,10 +6,13 @@ Run: python -m agents.decode --model DIR [--host H --port P]
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import queue
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -202,6 +205,52 @@ def send_events(sock: socket.socket, tid: int | None, events: list[Any]) -> None
         frames.append({"text": ""})
     for n, frame in enumerate(frames):
         P.send_json(sock, P.Frame.TOKEN, {"id": tid if n == 0 else None, **frame})
+
+
+Item = tuple[int, "np.ndarray | None"]
+
+
+def bursts(out: queue.Queue[Item | Exception | None]) -> Iterator[list[Item]]:
+    """A request's tokens as the loop queued them, in bursts: whatever queued up
+    while the last burst was being sent (a lagging client) goes out together."""
+    while True:
+        got = out.get()
+        burst: list[Item] = []
+        while True:
+            if got is None:
+                if burst:
+                    yield burst
+                return
+            if isinstance(got, Exception):
+                if burst:
+                    yield burst
+                raise got
+            burst.append(got)
+            try:
+                got = out.get_nowait()
+            except queue.Empty:
+                break
+        yield burst
+
+
+@contextlib.contextmanager
+def corked(sock: socket.socket, on: bool) -> Iterator[None]:
+    """A burst's frames in as few TCP segments as fit (Linux TCP_CORK): one
+    wake-up for a lagging client instead of one per token."""
+    cork = getattr(socket, "TCP_CORK", None)
+    if not on or cork is None:
+        yield
+        return
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, cork, 1)
+    except OSError:  # not TCP: nothing to coalesce
+        yield
+        return
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, cork, 0)
 
 
 def first_token(
@@ -577,10 +626,10 @@ class DecodeAgent:
             seq = Seq(caches, first, sampler, max_tokens, eos, want_logprobs, matcher=matcher)
             self.loop.join(seq)
             try:
-                while (item := seq.out.get()) is not None:
-                    if isinstance(item, Exception):
-                        raise item
-                    emit(*item)
+                for burst in bursts(seq.out):
+                    with corked(sock, len(burst) > 1):
+                        for tid, lp in burst:
+                            emit(tid, lp)
             finally:
                 seq.done = True  # a no-op when it ended; stops it if we failed
         send_events(sock, None, chat.finish())

@@ -120,3 +120,21 @@ def test_a_seeded_row_samples_the_same_whoever_shares_the_batch() -> None:
     assert [row[2] for row in together] == alone
     greedy = np.array(mx.argmax(lp, axis=-1)).tolist()
     assert all([row[i] for i in (0, 3, 4)] == [greedy[i] for i in (0, 3, 4)] for row in together)
+
+
+def test_tokens_queued_behind_a_lagging_client_go_out_together() -> None:
+    import queue
+
+    from agents.decode import Item, bursts
+
+    q: queue.Queue[Item | Exception | None] = queue.Queue()
+    for t in (1, 2, 3):
+        q.put((t, None))
+    q.put(None)
+    assert list(bursts(q)) == [[(1, None), (2, None), (3, None)]]
+    q.put((4, None))
+    q.put(RuntimeError("the output grammar failed"))
+    got = bursts(q)
+    assert next(got) == [(4, None)]
+    with pytest.raises(RuntimeError, match="grammar"):
+        next(got)
