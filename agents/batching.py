@@ -220,6 +220,7 @@ class DecodeLoop:
                         fut.set_result(fn())
                     except BaseException as e:  # handed back to the caller
                         fut.set_exception(e)
+            self._admit_waiting()
             if self.prefills:
                 self._chunk()
             if self.seqs:
@@ -227,13 +228,16 @@ class DecodeLoop:
                     self._step()
                 except Exception as e:  # fail these requests, keep the agent
                     log.exception("decode step failed")
-                    for seq in self.seqs:
-                        seq.out.put(e)
-                    self.seqs, self.caches, self.batched = [], [], False
-                    self.next_tokens = self.next_logprobs = None
-                    self._last_step_end = None
-                    release_memory()
+                    self._fail(e)
                 self._admit_waiting()
+
+    def _fail(self, e: Exception) -> None:
+        for seq in self.seqs:
+            seq.out.put(e)
+        self.seqs, self.caches, self.batched = [], [], False
+        self.next_tokens = self.next_logprobs = None
+        self._last_step_end = None
+        release_memory()
 
     def _chunk(self) -> None:
         """One chunk of the first local prefill in line (then it goes to the back)."""
@@ -259,35 +263,56 @@ class DecodeLoop:
             self.prefills.append(job)
 
     def _admit(self, seq: Seq) -> None:
-        self.waiting.append(seq)
-        self._admit_waiting()
+        self.waiting.append(seq)  # admitted with every other join of this turn
 
     def _admit_waiting(self) -> None:
-        while self.waiting and len(self.seqs) < self.max_batch:
+        """Waiting requests into free slots, all in one extend of the batch caches:
+        a burst of n joins copies the batch once, not n times."""
+        group: list[Seq] = []
+        while self.waiting and len(self.seqs) + len(group) < self.max_batch:
             seq = self.waiting.pop(0)
             if seq.done:
                 seq.out.put(None)
-                continue
-            first = mx.array([seq.first], dtype=mx.uint32)
-            if not self.seqs:
-                self.caches, self.batched = seq.caches, False
-                self.next_tokens = first
-                self.next_logprobs = None
             else:
-                if not self.batched:
-                    self.caches = [c.merge([c]) for c in self.caches]
-                    self.batched = True
-                for mine, theirs in zip(self.caches, seq.caches, strict=True):
-                    mine.extend(theirs.merge([theirs]))
-                assert self.next_tokens is not None
-                self.next_tokens = mx.concatenate([self.next_tokens, first])
-                if self.next_logprobs is not None:  # the fresh row's are never reported
-                    blank = mx.zeros((1, self.next_logprobs.shape[-1]), self.next_logprobs.dtype)
-                    self.next_logprobs = mx.concatenate([self.next_logprobs, blank])
-            seq.caches = []  # the batch owns them now
-            seq.joined_at = time.perf_counter()
-            self.seqs.append(seq)
-            self.peak_batch = max(self.peak_batch, len(self.seqs))
+                group.append(seq)
+        if group and not self.seqs:  # the first keeps its plain caches (mlx-lm's path)
+            lone = group.pop(0)
+            self.caches, self.batched = lone.caches, False
+            self.next_tokens = mx.array([lone.first], dtype=mx.uint32)
+            self.next_logprobs = None
+            self._joined(lone)
+        if not group:
+            return
+        try:
+            self._extend(group)
+        except Exception as e:  # the batch's caches may be half extended: fail them all
+            log.exception("joining the batch failed")
+            for seq in group:
+                seq.out.put(e)
+            self._fail(e)
+            return
+        for seq in group:
+            self._joined(seq)
+
+    def _extend(self, group: list[Seq]) -> None:
+        if not self.batched:
+            self.caches = [c.merge([c]) for c in self.caches]
+            self.batched = True
+        for i, mine in enumerate(self.caches):
+            theirs = [s.caches[i] for s in group]
+            mine.extend(type(theirs[0]).merge(theirs))
+        assert self.next_tokens is not None
+        firsts = mx.array([s.first for s in group], dtype=mx.uint32)
+        self.next_tokens = mx.concatenate([self.next_tokens, firsts])
+        if self.next_logprobs is not None:  # the fresh rows' are never reported
+            blank = mx.zeros((len(group), self.next_logprobs.shape[-1]), self.next_logprobs.dtype)
+            self.next_logprobs = mx.concatenate([self.next_logprobs, blank])
+
+    def _joined(self, seq: Seq) -> None:
+        seq.caches = []  # the batch owns them now
+        seq.joined_at = time.perf_counter()
+        self.seqs.append(seq)
+        self.peak_batch = max(self.peak_batch, len(self.seqs))
 
     def _step(self) -> None:
         """One forward pass for every active sequence. As in mlx-lm, the next step
