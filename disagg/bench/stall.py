@@ -8,7 +8,8 @@ second request's timeline): about 1.0 when the prompt goes through as one task,
 small when its chunks interleave with decode steps (target <= 0.15).
 
 `python -m disagg.bench.stall MODEL_DIR` starts a local pair and prints that and
-the 16-way aggregate decode rate against one stream, with the load average.
+the 16-way aggregate decode rate against one stream (`batch_gain`, prompts
+prefilled on the decode agent), with the load average.
 """
 
 from __future__ import annotations
@@ -98,10 +99,44 @@ def prefill_stall(
     }
 
 
+def batch_gain(decode: AgentProc, n: int, tokens: int = 64) -> dict[str, Any]:
+    """Aggregate decode tokens/s of `n` streams at once on `decode`, each prefilled
+    there (a short prompt: no prefill agent in the way), as serving.py counts it."""
+    from disagg.bench.serving import _concurrency_row
+
+    results: list[Any] = []
+    lock = threading.Lock()
+    req = {"prompt": DECODE_PROMPT, "max_tokens": tokens, "ignore_eos": True}
+
+    def one() -> None:
+        stamps: list[float] = []
+
+        def on_token(ev: dict[str, Any]) -> None:
+            if ev.get("id") is not None:
+                stamps.append(time.perf_counter())
+
+        try:
+            res: Any = client.generate(
+                decode.host, decode.port, req, token=decode.token, on_token=on_token,
+                timeout_s=1800,
+            )  # fmt: skip
+            out: Any = (res, stamps)
+        except BaseException as e:  # reported, never lost in a thread
+            out = e
+        with lock:
+            results.append(out)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return _concurrency_row(n, results, time.perf_counter() - t0)
+
+
 def run(model_dir: Path, prompt_tokens: int, say: Say) -> dict[str, Any]:
     from transformers import AutoTokenizer
-
-    from disagg.bench.serving import concurrency_part
 
     stamp = Stamp()
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -109,10 +144,15 @@ def run(model_dir: Path, prompt_tokens: int, say: Say) -> dict[str, Any]:
         warm = {"prompt": DECODE_PROMPT, "max_tokens": 4}
         client.generate(pair[1].host, pair[1].port, warm, token=pair[1].token)
         stall = prefill_stall(pair[1], lambda s: len(tok.encode(s)), prompt_tokens, say)
-        conc = concurrency_part(pair, (1, 16), 64, say)
+        rows = []
+        for n in (1, 16):
+            say(f"batch: {n} streams at once on the decode agent")
+            rows.append(batch_gain(pair[1], n))
+    single = rows[0]["aggregate_tok_s"]
     return {
         "stall": stall,
-        "concurrency": conc,
+        "batch": rows,
+        "batch_16_vs_1": rows[-1]["aggregate_tok_s"] / single if single else None,
         "load_avg_1m": stamp.load_avg_1m(),
         "elapsed_s": stamp.elapsed_s(),
     }
