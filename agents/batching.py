@@ -132,7 +132,7 @@ class Seq:
 
 @dataclass
 class PrefillJob:
-    """A local prefill of prompt positions [pos, end), one chunk per loop turn."""
+    """A local prefill of prompt positions [pos, end), computed a chunk at a time."""
 
     run: Callable[[int, int], None]  # computes positions [a, b) into the request's caches
     pos: int
@@ -222,7 +222,7 @@ class DecodeLoop:
                         fut.set_exception(e)
             self._admit_waiting()
             if self.prefills:
-                self._chunk()
+                self._chunks()
             if self.seqs:
                 try:
                     self._step()
@@ -239,28 +239,38 @@ class DecodeLoop:
         self._last_step_end = None
         release_memory()
 
-    def _chunk(self) -> None:
-        """One chunk of the first local prefill in line (then it goes to the back)."""
-        job = self.prefills.popleft()
-        if job.fut.cancelled():
-            return
+    def _chunks(self) -> None:
+        """One turn of local prefill. Nothing decoding: a full chunk of every
+        prompt in line (mlx-lm's chunks). Beside decoding streams: the turn's token
+        budget (about 1.5 steps' worth), prompts first come first served, so a
+        burst of short prompts shares one turn and a long one is spread over many."""
         busy = bool(self.seqs)
         if busy and self.next_tokens is not None:
-            mx.eval(self.next_tokens)  # the queued step first, so the chunk is timed alone
-        n = min(self.chunks.size(busy), job.end - job.pos)
-        t0 = time.perf_counter()
-        try:
-            job.run(job.pos, job.pos + n)
-        except BaseException as e:  # handed back to the request's thread
-            job.fut.set_exception(e)
-            return
-        self.chunks.observe_chunk(n, time.perf_counter() - t0)
+            mx.eval(self.next_tokens)  # the queued step first, so the chunks are timed alone
+        budget = self.chunks.size(busy)
+        for _ in range(len(self.prefills)):
+            if busy and budget <= 0:
+                break
+            job = self.prefills.popleft()
+            if job.fut.cancelled():
+                continue
+            n = min(budget if busy else self.chunks.full, job.end - job.pos)
+            t0 = time.perf_counter()
+            try:
+                job.run(job.pos, job.pos + n)
+            except BaseException as e:  # handed back to the request's thread
+                job.fut.set_exception(e)
+                continue
+            self.chunks.observe_chunk(n, time.perf_counter() - t0)
+            budget -= n
+            job.pos += n
+            if job.pos >= job.end:
+                job.fut.set_result(None)
+            elif busy:
+                self.prefills.appendleft(job)  # the budget is spent: it goes on next turn
+            else:
+                self.prefills.append(job)
         self._last_step_end = None  # the next step's interval is not a step's time
-        job.pos += n
-        if job.pos >= job.end:
-            job.fut.set_result(None)
-        else:
-            self.prefills.append(job)
 
     def _admit(self, seq: Seq) -> None:
         self.waiting.append(seq)  # admitted with every other join of this turn
