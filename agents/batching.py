@@ -20,6 +20,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -28,41 +29,65 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generation_stream
-from mlx_lm.sample_utils import apply_top_p
 
+from .chunks import ChunkSizer
 from .grammar import Grammars, Matcher
 
 log = logging.getLogger("disagg.decode")
 
-Sampler = Callable[[mx.array], mx.array]  # [1, vocab] logprobs -> [1] token
+
+class Sampler:
+    """One request's temperature / top-p sampling. It draws from its own key, so a
+    seed gives the same text whoever shares the batch; the rows of a step are then
+    picked together (sample_rows)."""
+
+    def __init__(self, temperature: float, top_p: float, seed: int | None) -> None:
+        self.temperature = temperature
+        self.top_p = top_p
+        self.key = mx.random.key(seed if seed is not None else int(np.random.randint(1 << 31)))
+
+    def noise(self, vocab: int) -> mx.array:
+        """[1, vocab] Gumbel noise from this request's next key: argmax(logits +
+        noise) is a draw from softmax(logits)."""
+        self.key, sub = mx.random.split(self.key)
+        return mx.random.gumbel(shape=(1, vocab), key=sub)
 
 
 def make_sampler(temperature: float, top_p: float, seed: int | None) -> Sampler | None:
-    """None means greedy (sampled for the whole batch at once). A sampling request
-    draws from its own key, so a seed gives the same text whoever shares the batch."""
-    if temperature == 0:
-        return None
-    key = mx.random.key(seed if seed is not None else int(np.random.randint(1 << 31)))
+    """None means greedy."""
+    return None if temperature == 0 else Sampler(temperature, top_p, seed)
 
-    def sample(logprobs: mx.array) -> mx.array:
-        nonlocal key
-        key, sub = mx.random.split(key)
-        if top_p < 1.0:
-            logprobs = apply_top_p(logprobs, top_p)
-        return mx.random.categorical(logprobs * (1 / temperature), key=sub)
 
-    return sample
+def top_p_rows(logprobs: mx.array, top_p: mx.array) -> mx.array:
+    """mlx-lm's apply_top_p with one threshold per row ([R, 1]); a row at 1.0 keeps
+    every token."""
+    sorted_lp = mx.sort(logprobs, axis=-1)
+    probs = mx.exp(sorted_lp.astype(mx.float32))
+    mass_above = mx.cumsum(probs, axis=-1, reverse=True, inclusive=False)
+    total = mass_above[..., :1] + probs[..., :1]
+    dropped = (mass_above >= top_p * total).sum(axis=-1, keepdims=True)
+    threshold = mx.take_along_axis(sorted_lp, dropped, axis=-1)
+    cut = mx.where(logprobs < threshold, -mx.inf, logprobs)
+    return mx.where(top_p >= 1.0, logprobs, cut)
 
 
 def sample_rows(logprobs: mx.array, samplers: list[Sampler | None]) -> mx.array:
-    if all(s is None for s in samplers):
-        return mx.argmax(logprobs, axis=-1)
-    return mx.concatenate(
-        [
-            mx.argmax(logprobs[i : i + 1], axis=-1) if s is None else s(logprobs[i : i + 1])
-            for i, s in enumerate(samplers)
-        ]
-    )
+    """[B] tokens from [B, vocab] logprobs: one argmax for the greedy rows, and
+    one for the sampled rows together (each with its own noise and settings)."""
+    tokens = mx.argmax(logprobs, axis=-1)
+    rows = [i for i, s in enumerate(samplers) if s is not None]
+    if not rows:
+        return tokens
+    drawn = [s for s in samplers if s is not None]
+    idx = mx.array(rows)
+    picked = logprobs[idx]
+    if any(s.top_p < 1.0 for s in drawn):
+        picked = top_p_rows(picked, mx.array([[s.top_p] for s in drawn]))
+    scale = mx.array([[1 / s.temperature] for s in drawn], dtype=picked.dtype)
+    vocab = logprobs.shape[-1]
+    noise = mx.concatenate([s.noise(vocab) for s in drawn]).astype(picked.dtype)
+    tokens[idx] = mx.argmax(picked * scale + noise, axis=-1)
+    return tokens
 
 
 try:
@@ -105,10 +130,27 @@ class Seq:
     joined_at: float | None = None
 
 
-class DecodeLoop:
-    """Owns the model's mlx work: tasks from other threads, then one decode step."""
+@dataclass
+class PrefillJob:
+    """A local prefill of prompt positions [pos, end), computed a chunk at a time."""
 
-    def __init__(self, model: Any, max_batch: int = 32, grammars: Grammars | None = None) -> None:
+    run: Callable[[int, int], None]  # computes positions [a, b) into the request's caches
+    pos: int
+    end: int
+    fut: Future[None]
+
+
+class DecodeLoop:
+    """Owns the model's mlx work: tasks from other threads, one chunk of a local
+    prefill, then one decode step."""
+
+    def __init__(
+        self,
+        model: Any,
+        max_batch: int = 32,
+        grammars: Grammars | None = None,
+        prefill_step: int = 2048,
+    ) -> None:
         self.model = model
         self.grammars = grammars  # masks rows whose Seq carries a matcher
         self.max_batch = max_batch
@@ -121,6 +163,10 @@ class DecodeLoop:
         self.next_logprobs: mx.array | None = None  # [B, vocab] they were sampled from
         self.steps = 0
         self.peak_batch = 0
+        # Local prefills, served in turn: one chunk per turn, sized to the batch.
+        self.prefills: deque[PrefillJob] = deque()
+        self.chunks = ChunkSizer(prefill_step)
+        self._last_step_end: float | None = None  # None: something ran since
         threading.Thread(target=self._run, daemon=True, name="mlx").start()
 
     # -- other threads ---------------------------------------------------------
@@ -134,6 +180,13 @@ class DecodeLoop:
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run fn(*args) on the mlx thread and return what it returns (or raise)."""
         return self.post(fn, *args).result()
+
+    def prefill(self, run: Callable[[int, int], None], start: int, end: int) -> Future[None]:
+        """Compute prompt positions [start, end) with run(a, b) in chunks, each
+        followed by a decode step while other requests decode."""
+        fut: Future[None] = Future()
+        self.post(self.prefills.append, PrefillJob(run, start, end, fut))
+        return fut
 
     def join(self, seq: Seq) -> None:
         seq.posted_at = time.perf_counter()
@@ -155,7 +208,7 @@ class DecodeLoop:
 
     def _serve(self) -> None:
         while True:
-            block = not self.seqs
+            block = not self.seqs and not self.prefills
             while True:
                 try:
                     fn, fut = self.tasks.get(block=block)
@@ -167,48 +220,109 @@ class DecodeLoop:
                         fut.set_result(fn())
                     except BaseException as e:  # handed back to the caller
                         fut.set_exception(e)
+            self._admit_waiting()
+            if self.prefills:
+                self._chunks()
             if self.seqs:
                 try:
                     self._step()
                 except Exception as e:  # fail these requests, keep the agent
                     log.exception("decode step failed")
-                    for seq in self.seqs:
-                        seq.out.put(e)
-                    self.seqs, self.caches, self.batched = [], [], False
-                    self.next_tokens = self.next_logprobs = None
-                    release_memory()
+                    self._fail(e)
                 self._admit_waiting()
 
+    def _fail(self, e: Exception) -> None:
+        for seq in self.seqs:
+            seq.out.put(e)
+        self.seqs, self.caches, self.batched = [], [], False
+        self.next_tokens = self.next_logprobs = None
+        self._last_step_end = None
+        release_memory()
+
+    def _chunks(self) -> None:
+        """One turn of local prefill. Nothing decoding: a full chunk of every
+        prompt in line (mlx-lm's chunks). Beside decoding streams: the turn's token
+        budget (about 1.5 steps' worth), prompts first come first served, so a
+        burst of short prompts shares one turn and a long one is spread over many."""
+        busy = bool(self.seqs)
+        if busy and self.next_tokens is not None:
+            mx.eval(self.next_tokens)  # the queued step first, so the chunks are timed alone
+        budget = self.chunks.size(busy)
+        for _ in range(len(self.prefills)):
+            if busy and budget <= 0:
+                break
+            job = self.prefills.popleft()
+            if job.fut.cancelled():
+                continue
+            n = min(budget if busy else self.chunks.full, job.end - job.pos)
+            t0 = time.perf_counter()
+            try:
+                job.run(job.pos, job.pos + n)
+            except BaseException as e:  # handed back to the request's thread
+                job.fut.set_exception(e)
+                continue
+            self.chunks.observe_chunk(n, time.perf_counter() - t0)
+            budget -= n
+            job.pos += n
+            if job.pos >= job.end:
+                job.fut.set_result(None)
+            elif busy:
+                self.prefills.appendleft(job)  # the budget is spent: it goes on next turn
+            else:
+                self.prefills.append(job)
+        self._last_step_end = None  # the next step's interval is not a step's time
+
     def _admit(self, seq: Seq) -> None:
-        self.waiting.append(seq)
-        self._admit_waiting()
+        self.waiting.append(seq)  # admitted with every other join of this turn
 
     def _admit_waiting(self) -> None:
-        while self.waiting and len(self.seqs) < self.max_batch:
+        """Waiting requests into free slots, all in one extend of the batch caches:
+        a burst of n joins copies the batch once, not n times."""
+        group: list[Seq] = []
+        while self.waiting and len(self.seqs) + len(group) < self.max_batch:
             seq = self.waiting.pop(0)
             if seq.done:
                 seq.out.put(None)
-                continue
-            first = mx.array([seq.first], dtype=mx.uint32)
-            if not self.seqs:
-                self.caches, self.batched = seq.caches, False
-                self.next_tokens = first
-                self.next_logprobs = None
             else:
-                if not self.batched:
-                    self.caches = [c.merge([c]) for c in self.caches]
-                    self.batched = True
-                for mine, theirs in zip(self.caches, seq.caches, strict=True):
-                    mine.extend(theirs.merge([theirs]))
-                assert self.next_tokens is not None
-                self.next_tokens = mx.concatenate([self.next_tokens, first])
-                if self.next_logprobs is not None:  # the fresh row's are never reported
-                    blank = mx.zeros((1, self.next_logprobs.shape[-1]), self.next_logprobs.dtype)
-                    self.next_logprobs = mx.concatenate([self.next_logprobs, blank])
-            seq.caches = []  # the batch owns them now
-            seq.joined_at = time.perf_counter()
-            self.seqs.append(seq)
-            self.peak_batch = max(self.peak_batch, len(self.seqs))
+                group.append(seq)
+        if group and not self.seqs:  # the first keeps its plain caches (mlx-lm's path)
+            lone = group.pop(0)
+            self.caches, self.batched = lone.caches, False
+            self.next_tokens = mx.array([lone.first], dtype=mx.uint32)
+            self.next_logprobs = None
+            self._joined(lone)
+        if not group:
+            return
+        try:
+            self._extend(group)
+        except Exception as e:  # the batch's caches may be half extended: fail them all
+            log.exception("joining the batch failed")
+            for seq in group:
+                seq.out.put(e)
+            self._fail(e)
+            return
+        for seq in group:
+            self._joined(seq)
+
+    def _extend(self, group: list[Seq]) -> None:
+        if not self.batched:
+            self.caches = [c.merge([c]) for c in self.caches]
+            self.batched = True
+        for i, mine in enumerate(self.caches):
+            theirs = [s.caches[i] for s in group]
+            mine.extend(type(theirs[0]).merge(theirs))
+        assert self.next_tokens is not None
+        firsts = mx.array([s.first for s in group], dtype=mx.uint32)
+        self.next_tokens = mx.concatenate([self.next_tokens, firsts])
+        if self.next_logprobs is not None:  # the fresh rows' are never reported
+            blank = mx.zeros((len(group), self.next_logprobs.shape[-1]), self.next_logprobs.dtype)
+            self.next_logprobs = mx.concatenate([self.next_logprobs, blank])
+
+    def _joined(self, seq: Seq) -> None:
+        seq.caches = []  # the batch owns them now
+        seq.joined_at = time.perf_counter()
+        self.seqs.append(seq)
+        self.peak_batch = max(self.peak_batch, len(self.seqs))
 
     def _step(self) -> None:
         """One forward pass for every active sequence. As in mlx-lm, the next step
@@ -234,6 +348,11 @@ class DecodeLoop:
         if not tokens:
             tokens = current.tolist()  # type: ignore[assignment]  # a [B] array
         self.steps += 1
+        # Steps are pipelined: one's length is the time between two read-backs.
+        now = time.perf_counter()
+        if self._last_step_end is not None:
+            self.chunks.observe_step(now - self._last_step_end)
+        self._last_step_end = now
         keep: list[int] = []
         for i, (seq, tid) in enumerate(zip(self.seqs, tokens, strict=True)):
             if seq.fresh:
@@ -276,6 +395,7 @@ class DecodeLoop:
         if not keep:
             self.caches, self.batched = [], False
             self.next_tokens = self.next_logprobs = None
+            self._last_step_end = None
             release_memory()
             return
         assert self.next_tokens is not None

@@ -6,10 +6,13 @@ Run: python -m agents.decode --model DIR [--host H --port P]
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import queue
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -205,6 +208,52 @@ def send_events(sock: socket.socket, tid: int | None, events: list[Any]) -> None
         P.send_json(sock, P.Frame.TOKEN, {"id": tid if n == 0 else None, **frame})
 
 
+Item = tuple[int, "np.ndarray | None"]
+
+
+def bursts(out: queue.Queue[Item | Exception | None]) -> Iterator[list[Item]]:
+    """A request's tokens as the loop queued them, in bursts: whatever queued up
+    while the last burst was being sent (a lagging client) goes out together."""
+    while True:
+        got = out.get()
+        burst: list[Item] = []
+        while True:
+            if got is None:
+                if burst:
+                    yield burst
+                return
+            if isinstance(got, Exception):
+                if burst:
+                    yield burst
+                raise got
+            burst.append(got)
+            try:
+                got = out.get_nowait()
+            except queue.Empty:
+                break
+        yield burst
+
+
+@contextlib.contextmanager
+def corked(sock: socket.socket, on: bool) -> Iterator[None]:
+    """A burst's frames in as few TCP segments as fit (Linux TCP_CORK): one
+    wake-up for a lagging client instead of one per token."""
+    cork = getattr(socket, "TCP_CORK", None)
+    if not on or cork is None:
+        yield
+        return
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, cork, 1)
+    except OSError:  # not TCP: nothing to coalesce
+        yield
+        return
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, cork, 0)
+
+
 def first_token(
     logits: np.ndarray | mx.array,
     sampler: Sampler | None,
@@ -223,6 +272,24 @@ def first_token(
     mx.eval(token, logprobs)
     tid = int(np.array(token)[0])
     return tid, np.array(logprobs[0]) if want_logprobs else None
+
+
+def greedy_first(logits: np.ndarray, allowed: np.ndarray | None) -> int | None:
+    """The greedy first token read off float32 logits on the request's own thread,
+    with no turn of the decode loop (which may be mid-step or mid-chunk). The same
+    token as first_token's argmax of logprobs unless the top two are so close that
+    subtracting logsumexp could round them equal: None then, use first_token.
+    Request thread; numpy only."""
+    row = np.asarray(logits, np.float32).reshape(-1)
+    if allowed is not None:
+        row = np.where(allowed[: row.shape[0]], row, -np.inf)
+    tid = int(np.argmax(row))
+    top = float(row[tid])
+    if not np.isfinite(top) or np.isnan(row).any():
+        return None
+    rest = np.delete(row, tid)
+    gap = top - float(rest.max()) if rest.size else np.inf
+    return tid if gap > 1e-5 * max(1.0, abs(top)) else None
 
 
 class DecodeAgent:
@@ -248,7 +315,9 @@ class DecodeAgent:
         # Per prefill agent: what its KV stream measured, for requests with codec "auto".
         self.codec_tuners: dict[str, CodecTuner] = {}
         # All mlx work runs on the loop's thread; requests decode there together.
-        self.loop = DecodeLoop(engine.model, max_batch=max_batch, grammars=engine.grammars)
+        self.loop = DecodeLoop(
+            engine.model, max_batch=max_batch, grammars=engine.grammars, prefill_step=PREFILL_STEP
+        )
         engine.grammars.warm()  # its tokenizer (~0.5 s) off the first request's path
         mb = default_max_mb() if prefix_cache_mb is None else prefix_cache_mb
         self.prefix = DecodePrefix(int(mb * (1 << 20)), engine.fingerprint["layers"], engine.dtype)
@@ -410,12 +479,13 @@ class DecodeAgent:
         req: GenerateRequest | None = None,
         metrics: dict[str, Any] | None = None,
         hits: list[Hit] | None = None,
-    ) -> mx.array:
-        """The prompt through the model here, chunked exactly as mlx-lm's
-        generate_step does (so the text matches it), one chunk per loop task so
-        the batch keeps decoding in between. Returns the last position's logits.
-        With `req`, a prefix cache hit (mlx's own K/V, namespace "local") seeds
-        the caches and only the rest is computed."""
+    ) -> np.ndarray:
+        """The prompt through the model here. Alone, chunked exactly as mlx-lm's
+        generate_step does (so the text matches it); beside decoding streams, in
+        chunks the loop sizes to about a decode step or two, a step between each
+        (agents/chunks.py), so no stream stalls for the whole prompt. Returns the
+        last position's logits (float32). With `req`, a prefix cache hit (mlx's own
+        K/V, namespace "local") seeds the caches and only the rest is computed."""
         model = self.engine.model
         done = 0
         if req is not None and hits is not None:
@@ -428,19 +498,22 @@ class DecodeAgent:
             if metrics is not None:
                 metrics["cached_tokens"] = hit.tokens
 
-        def chunk(part: list[int]) -> None:
-            model(mx.array(part)[None], cache=caches)
+        def chunk(a: int, b: int) -> None:
+            model(mx.array(ids[a:b])[None], cache=caches)
             mx.eval([c.state for c in caches])
-            mx.clear_cache()  # as generate_step does: a chunk's activations are large
+            if b - a > 256:
+                mx.clear_cache()  # as generate_step does: a big chunk's activations are large
 
-        def last() -> mx.array:
+        def last() -> np.ndarray:
             logits = model(mx.array(ids[-1:])[None], cache=caches)[:, -1, :]
-            mx.eval(logits)
-            return logits[0]
+            row = logits[0].astype(mx.float32)  # what first_token samples from
+            mx.eval(row)
+            return np.array(row)
 
-        for start in range(done, len(ids) - 1, PREFILL_STEP):
-            self.loop.call(chunk, ids[start : min(start + PREFILL_STEP, len(ids) - 1)])
-        return self.loop.call(last)
+        if done < len(ids) - 1:
+            self.loop.prefill(chunk, done, len(ids) - 1).result()
+        logits: np.ndarray = self.loop.call(last)
+        return logits
 
     def _matcher(self, req: GenerateRequest, ids: list[int]) -> Matcher | None:
         """The request's output grammar, compiled (or found in the cache) before
@@ -526,7 +599,12 @@ class DecodeAgent:
         t_prefilled = time.perf_counter()
         sampler = make_sampler(req.temperature, req.top_p, req.seed)
         want_logprobs = req.logprobs
-        first, first_lp = self.loop.call(first_token, logits, sampler, want_logprobs, allowed)
+        greedy = sampler is None and not want_logprobs
+        quick = greedy_first(np.asarray(logits), allowed) if greedy else None
+        if quick is not None:
+            first, first_lp = quick, None
+        else:
+            first, first_lp = self.loop.call(first_token, logits, sampler, want_logprobs, allowed)
         t_first = time.perf_counter()
         if metrics["method"] != "disaggregated":
             metrics["prefill_time"] = t_first - t_local
@@ -556,10 +634,10 @@ class DecodeAgent:
             if progress is not None:
                 progress.seq = seq  # PROGRESS now says queued (no batch slot yet) or decode
             try:
-                while (item := seq.out.get()) is not None:
-                    if isinstance(item, Exception):
-                        raise item
-                    emit(*item)
+                for burst in bursts(seq.out):
+                    with corked(sock, len(burst) > 1):
+                        for tid, lp in burst:
+                            emit(tid, lp)
             finally:
                 seq.done = True  # a no-op when it ended; stops it if we failed
         send_events(sock, None, chat.finish())
