@@ -341,7 +341,7 @@ def run_load_bench(
             if key == "disagg":
                 raise
             # The peer is optional: its figures are missing, ours still count.
-            say(f"{key}: could not start, no peer figures: {e}")
+            say(f"{key}: could not start, no peer figures (peer=off skips it): {e}")
             servers[key] = {"error": str(e)}
             continue
         try:
@@ -453,30 +453,36 @@ def _cells(row: dict[str, Any]) -> list[str]:
 
 
 def load_table(report: dict[str, Any]) -> Table:
-    s = report["settings"]
+    s, servers = report["settings"], report["servers"]
+    ran = [(k, label) for k, label in SERVERS if k in servers and "error" not in servers[k]]
+    missing = [
+        f"{label}: {servers[k]['error']}" for k, label in SERVERS if "error" in servers.get(k, {})
+    ]
     t = table(
         f"Grader load: {report['rubric_tokens']}-token rubric + ~{s['submission_tokens']}-token "
         f"submissions, up to {s['new_tokens']} new tokens, Poisson arrivals at "
         f"{s['rate']:g}/s per slot",
         COLUMNS,
         left=("run", "server"),
-        caption=(
-            f"{report['date']} · load avg (1 min) {report['load_avg_1m']['start']} -> "
-            f"{report['load_avg_1m']['end']} · {report['method']}"
+        caption=" · ".join(
+            [
+                report["date"],
+                f"load avg (1 min) {report['load_avg_1m']['start']} -> "
+                f"{report['load_avg_1m']['end']}",
+                report["method"],
+                *missing,
+            ]
         ),
     )
-    servers = report["servers"]
-    for key, label in SERVERS:
-        if key in servers:
-            t.add_row("warm-up (cold rubric)", label, *_cells(servers[key]["warmup"]))
-    levels = [lv["concurrency"] for lv in servers["disagg"]["levels"]]
-    for i, c in enumerate(levels):
-        for key, label in SERVERS:
-            if key in servers:
-                t.add_row(f"{c} concurrent", label, *_cells(servers[key]["levels"][i]))
+    for key, label in ran:
+        t.add_row("warm-up (cold rubric)", label, *_cells(servers[key]["warmup"]))
+    for i, level in enumerate(servers["disagg"]["levels"]):
+        for key, label in ran:
+            run = f"{level['concurrency']} concurrent"
+            t.add_row(run, label, *_cells(servers[key]["levels"][i]))
     for part in ("short", "long", "all"):
-        for key, label in SERVERS:
-            mixed = servers.get(key, {}).get("mixed")
+        for key, label in ran:
+            mixed = servers[key].get("mixed")
             if mixed:
                 run = f"mixed, {mixed['concurrency']} conc.: {part}"
                 t.add_row(run, label, *_cells(mixed[part]))
