@@ -72,16 +72,16 @@ class LoadSettings:
 
 # A test's size: seconds of work once the servers are up.
 QUICK = LoadSettings(
-    rubric_tokens=120,
-    submission_tokens=30,
+    rubric_tokens=64,
+    submission_tokens=16,
     concurrency=(1, 2),
     requests=1,
     min_requests=1,
     rate=4.0,
-    new_tokens=8,
+    new_tokens=6,
     mixed_requests=2,
-    short_tokens=12,
-    long_tokens=150,
+    short_tokens=8,
+    long_tokens=80,
 )
 # The CLI's default: the issue's shape at a third of its prompt lengths and half its
 # new tokens, one request per slot (at least 4), so a CPU-only box finishes in minutes.
@@ -452,6 +452,21 @@ def _cells(row: dict[str, Any]) -> list[str]:
     ]
 
 
+def _errors(servers: dict[str, Any], ran: list[tuple[str, str]]) -> list[str]:
+    """One line per run with failed requests: how many, and each distinct error once."""
+    lines = []
+    for key, label in ran:
+        srv = servers[key]
+        named = [("warm-up", srv["warmup"])]
+        named += [(f"{lv['concurrency']} concurrent", lv) for lv in srv["levels"]]
+        named += [("mixed", srv["mixed"]["all"])] if "mixed" in srv else []
+        for run, row in named:
+            if row["errors"]:
+                first = "; ".join(sorted(set(row["errors"])))[:300]
+                lines.append(f"{label} {run}: {len(row['errors'])} failed: {first}")
+    return lines
+
+
 def load_table(report: dict[str, Any]) -> Table:
     s, servers = report["settings"], report["servers"]
     ran = [(k, label) for k, label in SERVERS if k in servers and "error" not in servers[k]]
@@ -471,6 +486,7 @@ def load_table(report: dict[str, Any]) -> Table:
                 f"{report['load_avg_1m']['end']}",
                 report["method"],
                 *missing,
+                *_errors(servers, ran),
             ]
         ),
     )

@@ -154,15 +154,16 @@ def stream_chat(
     try:
         with client.stream("POST", f"{server.url}/v1/chat/completions", json=body) as r:
             if r.status_code != 200:
-                out.error = f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:200]}"
+                out.error = f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:300]}"
                 return out
             for line in r.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 now = time.perf_counter() - t0
                 event = json.loads(line[6:])
-                if "error" in event:
-                    out.error = str(event["error"])[:200]
+                if "error" in event:  # OpenAI's error object, sent mid-stream
+                    err = event["error"]
+                    out.error = str(err.get("message", err) if isinstance(err, dict) else err)
                     break
                 usage = event.get("usage") or usage
                 for choice in event.get("choices") or []:
