@@ -205,7 +205,8 @@ class Workload:
         self.used += 1
         n = self.s.short_tokens if kind == "short" else self.long_tokens
         head = f"Question {self.used}:" if kind == "short" else f"Document {self.used}:"
-        return [{"role": "user", "content": seeded_text(self.count, n, self.used + 104729, head)}]
+        seed = self.s.seed * 7919 + self.used + 104729
+        return [{"role": "user", "content": seeded_text(self.count, n, seed, head)}]
 
     @property
     def long_tokens(self) -> int:
@@ -238,7 +239,10 @@ def run_jobs(server: Server, jobs: list[Job], c: int, s: LoadSettings) -> list[S
         def one(job: Job, rec: Streamed) -> None:
             time.sleep(max(0.0, t0 + job.arrival_s - time.perf_counter()))
             with slots:
-                stream_chat(client, server, job.messages, s.new_tokens, rec, t0)
+                try:
+                    stream_chat(client, server, job.messages, s.new_tokens, rec, t0)
+                except Exception as e:  # counted as failed, never lost in a thread
+                    rec.error = f"{type(e).__name__}: {e}"
 
         threads = [
             threading.Thread(target=one, args=(j, r), daemon=True)

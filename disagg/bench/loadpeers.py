@@ -170,7 +170,7 @@ def stream_chat(
                     if (choice.get("delta") or {}).get("content"):
                         out.stamps.append(now)
                     out.finish_reason = choice.get("finish_reason") or out.finish_reason
-    except httpx.HTTPError as e:
+    except (httpx.HTTPError, ValueError) as e:  # ValueError: a chunk that is not JSON
         out.error = f"{type(e).__name__}: {e}"
     out.end_s = time.perf_counter() - t0
     if usage:
