@@ -82,22 +82,27 @@ def _launch(name: str, cmd: list[str], log_path: Path, model: str | None, wait_s
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    server = Server(name, proc, url, model or "", log_path)
     t0 = time.perf_counter()
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                if model is None:
-                    model = httpx.get(f"{url}/v1/models", timeout=5).json()["data"][0]["id"]
-                return Server(name, proc, url, model, log_path, time.perf_counter() - t0)
-        except (httpx.HTTPError, ValueError, KeyError, IndexError):
-            pass
-        if proc.poll() is not None or time.perf_counter() - t0 > wait_s:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-8:])
-            raise AgentError(f"{name} did not start (log {log_path}):\n{tail}")
-        time.sleep(0.5)
+    try:
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    if not server.model:
+                        models = httpx.get(f"{url}/v1/models", timeout=5).json()
+                        server.model = models["data"][0]["id"]
+                    server.started_s = time.perf_counter() - t0
+                    return server
+            except (httpx.HTTPError, ValueError, KeyError, IndexError):
+                pass
+            if proc.poll() is not None or time.perf_counter() - t0 > wait_s:
+                lines = log_path.read_text(errors="replace").splitlines()
+                tail = "\n".join([x for x in lines if "GET /health" not in x][-8:])
+                raise AgentError(f"{name} did not start (log {log_path}):\n{tail}")
+            time.sleep(0.5)
+    except BaseException:  # Ctrl-C included: never leave the process behind
+        server.stop(grace_s=5.0)
+        raise
 
 
 def start_disagg(model_dir: Path, log_dir: Path, wait_s: float = 600.0) -> Server:
