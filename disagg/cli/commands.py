@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.text import Text
@@ -26,6 +26,9 @@ from disagg.cli.common import (
     say,
 )
 from disagg.errors import UsageError
+
+if TYPE_CHECKING:
+    from disagg.bench.load import LoadSettings
 
 
 def _open_client(
@@ -491,12 +494,31 @@ def bench(
             "and 16, and the grader schema's compile time, cold and cached.",
         ),
     ] = False,
+    load: Annotated[
+        bool,
+        typer.Option(
+            "--load",
+            help="Also: the grader's load (a shared rubric, different submissions, Poisson "
+            "arrivals at 1/4/16 concurrent, a mixed run) against mlx_lm.server: TTFT and "
+            "TPOT p50/p99, the longest inter-token gap, tokens/s.",
+        ),
+    ] = False,
+    load_sizes: Annotated[
+        str,
+        typer.Option(
+            "--load-sizes",
+            help="--load's sizes: a preset (quick, small, issue) and/or key=value, "
+            "comma-separated: rubric, submission, concurrency (1/4/16), requests (per slot), "
+            "min_requests, rate (arrivals/s per slot), tokens, mixed, short, long, seed, "
+            "peer (on/off), timeout.",
+        ),
+    ] = "small",
     everything: Annotated[
         bool,
         typer.Option(
             "--all",
             help="Every section: --wire --serving --hiding --quant --quant-weights --prefix "
-            "--formats.",
+            "--formats --load.",
         ),
     ] = False,
 ) -> None:
@@ -508,6 +530,7 @@ def bench(
     need_local(local)
     if repeats < 1 or decode_tokens < 2 or prompt_tokens < 16:
         raise UsageError("--repeats >= 1, --decode-tokens >= 2, --prompt-tokens >= 16")
+    load_settings = _load_settings(load_sizes) if load or everything else None
     model_dir = resolve_model(model, say)
     report = run_core_bench(
         model_dir,
@@ -564,8 +587,23 @@ def bench(
 
         report["formats"] = run_formats_bench(model_dir, say=say)
         tables.append(formats_table(report["formats"]))
+    if load_settings is not None:
+        from disagg.bench.load import load_table, run_load_bench
+
+        report["load"] = run_load_bench(model_dir, load_settings, say=say)
+        tables.append(load_table(report["load"]))
     if as_json:
         print(json.dumps(report))
     else:
         for table in tables:
             out.print(table)
+
+
+def _load_settings(spec: str) -> LoadSettings:
+    """--load-sizes checked before anything runs: one line naming what is wrong."""
+    from disagg.bench.load import parse_sizes
+
+    try:
+        return parse_sizes(spec)
+    except ValueError as e:
+        raise UsageError(f"--load-sizes: {e}") from None
