@@ -29,6 +29,7 @@ from .codecpick import CodecTuner
 from .grammar import ANALYSIS_MAX_TOKENS, Grammars, Matcher
 from .kvcodec import Codec, LayerKV
 from .kvfetch import PrefillUnavailable, fetch_kv
+from .kvinplace import Slots, allocate
 from .kvplace import MX_DTYPES, cache_kinds, fill_layer
 from .metrics import Stats
 from .models import get_adapter, load_hf_config
@@ -357,8 +358,25 @@ class DecodeAgent:
         }
         fills: list[Future[Any]] = []
         hit = self._lookup(req, f"remote:{key}", ids, local=False)
+        # Full-attention layers are received straight into their caches, which
+        # the mlx thread allocates while we dial (agents.kvinplace).
+        fp = self.engine.fingerprint
+        alloc: Future[Slots] = self.loop.post(
+            allocate, caches, len(ids), self.engine.dtype, fp["num_kv_heads"], fp["head_dim"]
+        )
+
+        def slots() -> Slots:
+            got: Slots = alloc.result()
+            if hit.tokens:
+                got.prefix_start = hit.tokens
+                got.fill_prefix = lambda layer, k, v: self.prefix.fill_prefix(hit, layer, k, v)
+            return got
 
         def place(cache: Any, kv: LayerKV, prompt_len: int) -> None:
+            if kv.layer in alloc.result().placed:  # already in its cache: views of it
+                if req.prefix_cache and not req.kv_quant:
+                    self.prefix.keep(hit, kv, prompt_len)
+                return
             # A copy: the reader reuses its buffer for the next layer at once
             # (a layer extended with a cached prefix is a new array already).
             own = kv
@@ -381,10 +399,19 @@ class DecodeAgent:
                 cache_salt=req.cache_salt,
             )
             fetched, logits = fetch_kv(
-                req.prefill, ask, caches, hello, self.token, self.engine.vocab_size, place, prefix
+                req.prefill,
+                ask,
+                caches,
+                hello,
+                self.token,
+                self.engine.vocab_size,
+                place,
+                prefix,
+                slots,
             )
             for f in fills:
                 f.result()
+            alloc.result().release()  # so decoding updates the caches in place
         except PrefillUnavailable as e:
             log.warning("%s; prefilling locally", e)
             metrics.update(method="local-fallback", fallback_reason=str(e), fallback_kind=e.kind)

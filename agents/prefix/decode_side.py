@@ -88,14 +88,31 @@ class DecodePrefix:
 
         return Prefix(hit.tokens, prefix_digest(ids[: hit.tokens]), extend)
 
+    # -- receive in place (agents.kvinplace) ---------------------------------------
+
+    def fill_prefix(self, hit: Hit, layer: int, keys: np.ndarray, values: np.ndarray) -> None:
+        """Copy the hit's blocks of a full layer into `keys`/`values` ([H, hit.tokens, D]
+        views of its cache), block by block: no concatenated copy."""
+        hit.used = True
+        b = hit.block
+        for i, blk in enumerate(hit.blocks):
+            part = blk.layers[layer]
+            assert part is not None
+            keys[:, i * b : (i + 1) * b] = part[0]
+            values[:, i * b : (i + 1) * b] = part[1]
+
+    # ------------------------------------------------------------------------------
+
     def keep(self, hit: Hit, kv: LayerKV, prompt_len: int) -> None:
-        """Hold a whole full-attention layer (a private copy) to store after the fetch."""
+        """Hold a whole full-attention layer (a private copy, or views of its
+        cache when received in place) to store after the fetch."""
         if self.full[kv.layer] and kv.keys.shape[1] == prompt_len and kv.quant is None:
             hit.kept[kv.layer] = (kv.keys, kv.values)
 
     def store(self, hit: Hit) -> None:
         """Store the request's blocks from the layers it kept (all full layers, or nothing)."""
         if not self.cache.max_bytes or len(hit.kept) != sum(self.full):
+            hit.kept.clear()  # views of a cache must not outlive the fetch (kvinplace)
             return
         b = self.cache.block
 
