@@ -29,7 +29,7 @@ from .codecpick import CodecTuner
 from .grammar import ANALYSIS_MAX_TOKENS, Grammars, Matcher
 from .kvcodec import Codec, LayerKV
 from .kvfetch import PrefillUnavailable, fetch_kv
-from .kvinplace import Slots, allocate
+from .kvinplace import Slots, allocate, inplace_enabled
 from .kvplace import MX_DTYPES, cache_kinds, fill_layer
 from .metrics import Stats
 from .models import get_adapter, load_hf_config
@@ -361,11 +361,14 @@ class DecodeAgent:
         # Full-attention layers are received straight into their caches, which
         # the mlx thread allocates while we dial (agents.kvinplace).
         fp = self.engine.fingerprint
-        alloc: Future[Slots] = self.loop.post(
-            allocate, caches, len(ids), self.engine.dtype, fp["num_kv_heads"], fp["head_dim"]
-        )
+        alloc: Future[Slots] | None = None
+        if inplace_enabled():
+            alloc = self.loop.post(
+                allocate, caches, len(ids), self.engine.dtype, fp["num_kv_heads"], fp["head_dim"]
+            )
 
         def slots() -> Slots:
+            assert alloc is not None
             got: Slots = alloc.result()
             if hit.tokens:
                 got.prefix_start = hit.tokens
@@ -373,7 +376,7 @@ class DecodeAgent:
             return got
 
         def place(cache: Any, kv: LayerKV, prompt_len: int) -> None:
-            if kv.layer in alloc.result().placed:  # already in its cache: views of it
+            if alloc is not None and kv.layer in alloc.result().placed:  # views of its cache
                 if req.prefix_cache and not req.kv_quant:
                     self.prefix.keep(hit, kv, prompt_len)
                 return
@@ -407,11 +410,12 @@ class DecodeAgent:
                 self.engine.vocab_size,
                 place,
                 prefix,
-                slots,
+                slots if alloc is not None else None,
             )
             for f in fills:
                 f.result()
-            alloc.result().release()  # so decoding updates the caches in place
+            if alloc is not None:
+                alloc.result().release()  # so decoding updates the caches in place
         except PrefillUnavailable as e:
             log.warning("%s; prefilling locally", e)
             metrics.update(method="local-fallback", fallback_reason=str(e), fallback_kind=e.kind)

@@ -24,6 +24,7 @@ before decoding starts.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,10 +51,18 @@ from .kvcodec import (
     from_float32,
 )
 
+# "0": every layer takes the copy path (to compare with it, or to step around a
+# platform whose mlx cannot export its buffers writable).
+ENV = "DISAGG_KV_INPLACE"
+
 MX_WIRE = {DType.FLOAT32: mx.float32, DType.FLOAT16: mx.float16, DType.BFLOAT16: mx.bfloat16}
 
 # Copies a hit's cached prefix (layer, keys [H, start, D], values) into those views.
 FillPrefix = Callable[[int, np.ndarray, np.ndarray], None]
+
+
+def inplace_enabled() -> bool:
+    return os.environ.get(ENV, "1") != "0"
 
 
 @dataclass

@@ -7,8 +7,11 @@ copy path (decode_layer + fill_layer) must agree with them too."""
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -20,12 +23,14 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from agents import kvcodec as K
 from agents import protocol as P
 from agents.kvfetch import receive_layers
-from agents.kvinplace import Slots, allocate
+from agents.kvinplace import ENV, Slots, allocate
 from agents.kvplace import fill_layer
 from agents.prefill import to_wire
 from agents.prefix.decode_side import DecodePrefix, Hit
 from agents.request import PrefillRequest
-from tests.conftest import socket_pair
+from disagg.serving import wireclient as client
+from disagg.serving.localagents import AgentProc, make_token_file, spawn_agent, wait_ready
+from tests.conftest import PairFactory, ask, remote_request, socket_pair
 
 HEADS, DIM, LAYERS, PROMPT = 3, 16, 4, 45
 WINDOW = 8  # the sliding layer's window in the mixed-cache test
@@ -316,3 +321,75 @@ def test_bad_frames_are_refused_as_on_the_copy_path() -> None:
     short = [wire_kv(i, k[:, :-1], v[:, :-1]) for i, (k, v) in enumerate(src)]
     with pytest.raises(P.ProtocolError, match="full-attention layer sent 44 of 45"):
         fetch(short, K.Codec.RAW, "float32", inplace=True)
+
+
+# -- real agents: the in-place decode agent against one on the copy path --------
+
+
+@pytest.fixture(scope="module")
+def both(
+    default_model: Path, agent_pair: PairFactory, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[AgentProc, AgentProc, AgentProc]]:
+    """A SmolLM2 prefill agent, a decode agent receiving in place, and a second
+    decode agent on the copy path (DISAGG_KV_INPLACE=0), in one cluster."""
+    logs = tmp_path_factory.mktemp("inplace")
+    token_file, token = make_token_file(logs)
+    prefill, inplace = agent_pair(default_model, token_file=token_file)
+    old = os.environ.get(ENV)
+    os.environ[ENV] = "0"
+    try:
+        proc, log, name = spawn_agent(
+            "decode",
+            default_model,
+            name="decode-copy@127.0.0.1",
+            log_dir=logs / "copy",
+            extra_args=["--token-file", str(token_file)],
+        )
+    finally:
+        if old is None:
+            del os.environ[ENV]
+        else:
+            os.environ[ENV] = old
+    copy = wait_ready("decode", proc, log, name, 300.0)
+    copy.token = token
+    yield prefill, inplace, copy
+    copy.stop()
+
+
+def same_answer(a: client.Result, b: client.Result) -> None:
+    """Same tokens and the same logprobs, bit for bit, at every step."""
+    assert a.token_ids == b.token_ids
+    assert len(a.logprobs) == len(b.logprobs) == len(a.token_ids)
+    for x, y in zip(a.logprobs, b.logprobs, strict=True):
+        assert x.tobytes() == y.tobytes()
+
+
+@pytest.mark.slow
+def test_agents_in_place_answer_as_the_copy_path(
+    both: tuple[AgentProc, AgentProc, AgentProc],
+) -> None:
+    prefill, inplace, copy = both
+    prompt = " ".join(f"Stone {i} weighs {i * 7 % 11} grams." for i in range(12))
+    for fields in (
+        {"codec": 0},
+        {"codec": 1},
+        {"codec": 2},
+        {"codec": 2, "kv_quant": "int8"},
+    ):
+        results = []
+        for agent in (inplace, copy):
+            req = remote_request(prefill, prompt, 6, logprobs=True, prefix_cache=False, **fields)
+            results.append(ask(agent, req))
+        for r in results:
+            assert r.metrics["method"] == "disaggregated", r.metrics
+            assert r.metrics["kv_quant"] == fields.get("kv_quant"), fields
+        same_answer(*results)
+    # A decode-side prefix hit: each agent's second ask reuses its first's blocks
+    # (a salt each, so neither sees the other's entries on either agent).
+    hits = []
+    for agent, salt in ((inplace, "in-place"), (copy, "copy")):
+        req = remote_request(prefill, prompt, 6, logprobs=True, codec=0, cache_salt=salt)
+        first, second = ask(agent, req), ask(agent, req)
+        assert first.metrics["cached_tokens"] == 0 and second.metrics["cached_tokens"] > 0
+        hits.append(second)  # (not bitwise the first: the prefill agent hit its cache too)
+    same_answer(*hits)
