@@ -142,13 +142,14 @@ def receive_layers(
         if header.type == P.Frame.KV_LAYER:
             if slots is not None:
                 into = into or slots()
-                kv, t_payload = receive_layer(reader, header, into, cap)
+                kv, t_payload, raw_bytes = receive_layer(reader, header, into, cap)
             else:
                 payload = reader.buffer(header.length)
                 reader.read_into(payload)
                 reader.finish()
                 t_payload = time.perf_counter()
                 kv = decode_layer(payload, max_bytes=cap)
+                raw_bytes = block_bytes(kv)
             # In place, receiving raw bytes is decoding them: counted as link time.
             m["kv_decode_time"] += time.perf_counter() - t_payload
             if header.length >= MIN_LINK_FRAME:
@@ -159,7 +160,7 @@ def receive_layers(
                 raise P.ProtocolError(f"{kv.quant} K/V for a request that asked for lossless")
             m["kv_quant"] = kv.quant
             # The codec's own bytes, so codecpick's ratio is not the quantizer's.
-            m["kv_raw_bytes"] += block_bytes(kv)
+            m["kv_raw_bytes"] += raw_bytes
             m["kv_payload_bytes"] += header.length - LAYER_HEADER.size
             if not 0 <= kv.layer < len(caches) or kv.layer in got:
                 raise P.ProtocolError(f"unexpected KV for layer {kv.layer}")

@@ -47,6 +47,7 @@ from .kvcodec import (
     LayerKV,
     _expand,
     _plain,
+    block_bytes,
     decode_layer,
     from_float32,
 )
@@ -269,11 +270,13 @@ def _dequant_into(raw: memoryview, codec: Codec, dst: np.ndarray, dtype: DType) 
 
 def receive_layer(
     reader: P.FrameReader, header: P.Header, slots: Slots, max_bytes: int
-) -> tuple[LayerKV, float]:
+) -> tuple[LayerKV, float, int]:
     """Take one KV_LAYER frame whose header `reader` just read: in place when it
     fits `slots` (then the layer is in `slots.placed` and the LayerKV's arrays
-    are views of the whole prompt in the cache), else whole into the reader's
-    buffer and decoded as before. Also returns when its bytes had all arrived."""
+    are views of the whole prompt in the cache, a prefix hit's included), else
+    whole into the reader's buffer and decoded as before. Also returns when its
+    bytes had all arrived, and its K/V bytes as the codec saw them (block_bytes
+    of what crossed, not of the prefix)."""
     n = LAYER_HEADER.size
     buf = reader.buffer(header.length)
     plan = None
@@ -283,7 +286,8 @@ def receive_layer(
     if plan is None:
         reader.read_into(buf[min(n, header.length) :])
         reader.finish()
-        return decode_layer(buf, max_bytes), time.perf_counter()
+        kv = decode_layer(buf, max_bytes)
+        return kv, time.perf_counter(), block_bytes(kv)
     keys = slots.keys[plan.layer][:, : slots.prompt_len]
     values = slots.values[plan.layer][:, : slots.prompt_len]
     dk, dv = keys[:, plan.start :], values[:, plan.start :]
@@ -309,4 +313,10 @@ def receive_layer(
         slots.fill_prefix(plan.layer, keys[:, : plan.start], values[:, : plan.start])
     slots.placed.add(plan.layer)
     quant = "int8" if plan.quant else None
-    return LayerKV(plan.layer, Kind.FULL, slots.dtype, keys, values, quant), arrived
+    kv = LayerKV(plan.layer, Kind.FULL, slots.dtype, keys, values, quant)
+    rows = slots.heads * plan.seq
+    if plan.quant:
+        crossed = 2 * rows * (slots.dim + SCALE_DTYPE.itemsize)
+    else:
+        crossed = 2 * rows * slots.dim * keys.itemsize
+    return kv, arrived, crossed

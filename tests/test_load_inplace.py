@@ -208,6 +208,12 @@ def expect_cache(cache: Any, want_k: torch.Tensor, want_v: torch.Tensor) -> None
 DTYPES = ["float32", "float16", "bfloat16"]
 
 
+def same_counts(m: dict[str, Any], old: dict[str, Any]) -> None:
+    """The byte counts (codecpick and placement learn from them) match the copy path's."""
+    keys = ("kv_bytes", "kv_payload_bytes", "kv_raw_bytes", "kv_quant")
+    assert {k: m[k] for k in keys} == {k: old[k] for k in keys}
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("codec", list(K.Codec))
 def test_lossless_in_place_is_bit_exact(dtype: str, codec: K.Codec) -> None:
@@ -221,7 +227,7 @@ def test_lossless_in_place_is_bit_exact(dtype: str, codec: K.Codec) -> None:
     old, _, m_old = fetch(layers, codec, dtype, inplace=False)
     for a, b in zip(caches, old, strict=True):
         assert np.array_equal(cache_words(a), cache_words(b))
-    assert m["kv_payload_bytes"] == m_old["kv_payload_bytes"] and m["kv_quant"] is None
+    same_counts(m, m_old)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -234,9 +240,10 @@ def test_int8_dequantizes_in_place_bit_exact(dtype: str, codec: K.Codec) -> None
     assert m["kv_quant"] == "int8"
     for cache, (k, v) in zip(caches, src, strict=True):
         expect_cache(cache, int8_reference(k), int8_reference(v))
-    old, _, _ = fetch(layers, codec, dtype, inplace=False, quant=True)
+    old, _, m_old = fetch(layers, codec, dtype, inplace=False, quant=True)
     for a, b in zip(caches, old, strict=True):
         assert np.array_equal(cache_words(a), cache_words(b))
+    same_counts(m, m_old)
 
 
 def stored_prefix(
@@ -263,14 +270,18 @@ def test_prefix_hit_copies_its_blocks_in_place(dtype: str, codec: K.Codec) -> No
     dp, hit = stored_prefix(dtype, src)
     # The prefill agent sends only the positions after the hit.
     suffix = [wire_kv(i, k[:, hit.tokens :], v[:, hit.tokens :]) for i, (k, v) in enumerate(src)]
-    caches, slots, _ = fetch(suffix, codec, dtype, inplace=True, prefix=(dp, hit))
+    caches, slots, m = fetch(suffix, codec, dtype, inplace=True, prefix=(dp, hit))
     assert slots is not None and slots.placed == set(range(LAYERS)) and hit.used
     for cache, (k, v) in zip(caches, src, strict=True):
         expect_cache(cache, k, v)
     _, hit2 = dp, dp.lookup("remote:x", list(range(PROMPT)), local=False)
-    old, _, _ = fetch(suffix, codec, dtype, inplace=False, prefix=(dp, hit2))
+    old, _, m_old = fetch(suffix, codec, dtype, inplace=False, prefix=(dp, hit2))
     for a, b in zip(caches, old, strict=True):
         assert np.array_equal(cache_words(a), cache_words(b))
+    # What crossed is the suffix only, counted as the copy path counts it.
+    same_counts(m, m_old)
+    itemsize = 4 if dtype == "float32" else 2
+    assert m["kv_raw_bytes"] == LAYERS * 2 * HEADS * (PROMPT - hit.tokens) * DIM * itemsize
 
 
 def test_a_prefix_hit_sent_whole_is_taken_as_is() -> None:
@@ -393,3 +404,4 @@ def test_agents_in_place_answer_as_the_copy_path(
         assert first.metrics["cached_tokens"] == 0 and second.metrics["cached_tokens"] > 0
         hits.append(second)  # (not bitwise the first: the prefill agent hit its cache too)
     same_answer(*hits)
+    assert hits[0].metrics["kv_raw_bytes"] == hits[1].metrics["kv_raw_bytes"]
