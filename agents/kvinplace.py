@@ -292,9 +292,8 @@ def receive_layer(
     values = slots.values[plan.layer][:, : slots.prompt_len]
     dk, dv = keys[:, plan.start :], values[:, plan.start :]
     if plan.codec == Codec.RAW and not plan.quant:
-        for dst in (dk, dv):
-            for h in range(dst.shape[0]):  # one head's [S, D] is contiguous
-                reader.read_into(_flat(dst[h]))
+        # One head's [S, D] is contiguous: K's heads, then V's, as one scatter.
+        reader.read_into_many([_flat(dst[h]) for dst in (dk, dv) for h in range(dst.shape[0])])
         reader.finish()  # checks a sealed frame's tag before anyone uses it
         arrived = time.perf_counter()
     else:
