@@ -27,6 +27,7 @@ from .batching import DecodeLoop, Sampler, Seq, make_sampler, sample_rows
 from .chatformat import ChatStream, FormatError, Piece, detect, open_stream, render_chat, render_fim
 from .codecpick import CodecTuner
 from .grammar import ANALYSIS_MAX_TOKENS, Grammars, Matcher
+from .keepalive import Keepalive, progress_interval
 from .kvcodec import Codec, LayerKV
 from .kvfetch import PrefillUnavailable, fetch_kv
 from .kvinplace import Slots, allocate, inplace_enabled
@@ -290,7 +291,9 @@ class DecodeAgent:
             self.stats.begin()
             outcome, metrics = "error", None
             try:
-                metrics = self._generate(GenerateRequest.from_dict(req), sock)
+                # PROGRESS while no token is due, if the client asked (agents/keepalive).
+                with Keepalive(sock, progress_interval(req), self.loop) as progress:
+                    metrics = self._generate(GenerateRequest.from_dict(req), sock, progress)
                 outcome = "ok"
             except (BadRequest, RequestError) as e:
                 outcome = "bad_request"
@@ -342,7 +345,12 @@ class DecodeAgent:
             metrics["codec_reason"] = why
         else:
             codec = Codec(int(req.codec))
-        where, why = self.placement.choose(key, len(ids))
+        # The remote prefix hit first: placement then weighs only what a remote
+        # prefill still computes and sends (most of a chat's next turn hits).
+        hit = Hit(f"remote:{key}", [], [], self.prefix.cache.block)
+        if req.placement != "local":
+            hit = self._lookup(req, f"remote:{key}", ids, local=False)
+        where, why = self.placement.choose(key, len(ids), cached=hit.tokens)
         if req.placement in ("local", "remote"):
             where, why = req.placement, "placement forced by the request"
         metrics.update(placement=where, placement_reason=why)
@@ -357,7 +365,6 @@ class DecodeAgent:
             "allow_mixed": self.allow_mixed,
         }
         fills: list[Future[Any]] = []
-        hit = self._lookup(req, f"remote:{key}", ids, local=False)
         # Full-attention layers are received straight into their caches, which
         # the mlx thread allocates while we dial (agents.kvinplace).
         fp = self.engine.fingerprint
@@ -376,17 +383,13 @@ class DecodeAgent:
             return got
 
         def place(cache: Any, kv: LayerKV, prompt_len: int) -> None:
-            if alloc is not None and kv.layer in alloc.result().placed:  # views of its cache
-                if req.prefix_cache and not req.kv_quant:
-                    self.prefix.keep(hit, kv, prompt_len)
-                return
+            if alloc is not None and kv.layer in alloc.result().placed:
+                return  # received into its cache already
             # A copy: the reader reuses its buffer for the next layer at once
             # (a layer extended with a cached prefix is a new array already).
             own = kv
             if not (kv.keys.flags.owndata and kv.values.flags.owndata):
                 own = LayerKV(kv.layer, kv.kind, kv.dtype, kv.keys.copy(), kv.values.copy())
-            if req.prefix_cache and not req.kv_quant:
-                self.prefix.keep(hit, own, prompt_len)
             fills.append(self.loop.post(fill_layer, cache, own, prompt_len))
 
         try:
@@ -444,10 +447,10 @@ class DecodeAgent:
         the caches and only the rest is computed."""
         model = self.engine.model
         done = 0
-        hit = None
         if req is not None and hits is not None:
             hit = self._lookup(req, "local", ids, local=True)
             hits.append(hit)
+            self.prefix.record(hit, caches)  # a sliding layer's every position, to store
             if hit.tokens:
                 self.loop.call(self.prefix.seed, hit, caches)
                 done = hit.tokens
@@ -462,8 +465,6 @@ class DecodeAgent:
         def last() -> mx.array:
             logits = model(mx.array(ids[-1:])[None], cache=caches)[:, -1, :]
             mx.eval(logits)
-            if hit is not None and req is not None and req.prefix_cache and not self.prefix.window:
-                self.prefix.keep_caches(hit, caches, len(ids))  # before any decode step
             return logits[0]
 
         for start in range(done, len(ids) - 1, PREFILL_STEP):
@@ -520,7 +521,9 @@ class DecodeAgent:
             prefill_speed=(n_prompt / metrics["prefill_time"]) if metrics["prefill_time"] else None,
         )
 
-    def _generate(self, req: GenerateRequest, sock: socket.socket) -> dict[str, Any]:
+    def _generate(
+        self, req: GenerateRequest, sock: socket.socket, progress: Keepalive | None = None
+    ) -> dict[str, Any]:
         eng = self.engine
         t0 = time.perf_counter()
         at = time.time()
@@ -571,13 +574,16 @@ class DecodeAgent:
 
         if first not in eos:
             emit(first, first_lp)
-        for hit in hits:  # after the first token: off the TTFT path, before DONE
-            self.prefix.store(hit)
+        for hit in hits:  # after the first token, before any decode step: from the caches
+            if hit.keys:
+                self.prefix.store(hit, self.loop.call(self.prefix.views, caches, len(ids)))
         ended = matcher is not None and matcher.finished
         seq: Seq | None = None
         if first not in eos and max_tokens > 1 and not ended:
             seq = Seq(caches, first, sampler, max_tokens, eos, want_logprobs, matcher=matcher)
             self.loop.join(seq)
+            if progress is not None:
+                progress.seq = seq  # PROGRESS now says queued (no batch slot yet) or decode
             try:
                 while (item := seq.out.get()) is not None:
                     if isinstance(item, Exception):
@@ -600,6 +606,8 @@ class DecodeAgent:
         done: dict[str, Any] = {**chat.result(), "token_ids": out, "metrics": metrics}
         if req.return_prompt_ids:
             done["prompt_ids"] = ids
+        if progress is not None:
+            progress.stop()  # nothing follows DONE
         P.send_json(sock, P.Frame.DONE, done)
         log.info(
             "%s: %d prompt + %d new tokens, ttft %.3fs, %.1f tok/s, %s",

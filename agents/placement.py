@@ -2,7 +2,9 @@
 
 Judged from rates this agent measured on earlier requests, never from a fixed
 constant: remote = handshake + tokens / remote rate + the last layer's transfer
-(the other layers hide behind compute); local = tokens / local prefill rate, or
+(the other layers hide behind compute), counting only the tokens past a prefix
+this agent holds from that prefill agent (only the suffix is sent, and its own
+cache normally holds the prefix it made); local = tokens / local prefill rate, or
 tokens x one decode step when no local prefill was measured yet (an upper bound:
 a prefill step batches tokens, a decode step does not).
 """
@@ -53,16 +55,18 @@ class Placement:
             if m.get("kv_transfer_time"):
                 r.bytes_per_s = ema(r.bytes_per_s, m["kv_bytes"] / m["kv_transfer_time"])
 
-    def choose(self, key: str, tokens: int) -> tuple[str, str]:
-        """("remote" | "local", why) for a prompt of `tokens` to prefill."""
+    def choose(self, key: str, tokens: int, cached: int = 0) -> tuple[str, str]:
+        """("remote" | "local", why) for a prompt of `tokens` to prefill, of which
+        `cached` (a prefix hit on K/V that prefill agent made) need no remote work."""
         with self.lock:
             r = self.remote.get(key)
             local_rate, step = self.local_tokens_per_s, self.step_s
         if r is None or r.tokens_per_s is None or r.handshake_s is None:
             return "remote", "no measurement of the prefill agent yet"
-        remote = r.handshake_s + tokens / r.tokens_per_s
+        sent = max(1, tokens - cached)  # only the suffix is computed and sent
+        remote = r.handshake_s + sent / r.tokens_per_s
         if r.bytes_per_s and r.layer_bytes_per_token:
-            remote += tokens * r.layer_bytes_per_token / r.bytes_per_s
+            remote += sent * r.layer_bytes_per_token / r.bytes_per_s
         if local_rate is not None:
             local, basis = tokens / local_rate, f"local prefill {local_rate:,.0f} tok/s"
         elif step is not None:
@@ -73,4 +77,6 @@ class Placement:
             f"est. remote {remote * 1e3:.1f} ms (prefill {r.tokens_per_s:,.0f} tok/s + "
             f"{r.handshake_s * 1e3:.1f} ms handshake) vs local {local * 1e3:.1f} ms ({basis})"
         )
+        if cached:
+            why += f"; {cached} of {tokens} tokens cached from that prefill agent"
         return ("local" if local < remote else "remote"), why

@@ -7,6 +7,8 @@ Run: python -m agents.prefill --model DIR [--host H --port P --device cuda]
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import logging
 import queue
 import socket
@@ -32,6 +34,7 @@ from .kvcodec import (
 )
 from .metrics import Stats
 from .models import get_adapter, layer_kinds_from_hf, load_hf_config
+from .prefillqueue import FairQueue
 from .prefix.prefill_side import PrefillPrefix
 from .prefix.store import default_max_mb, prefix_digest
 from .quant import check_supported, weights_identity, weights_mismatch
@@ -58,6 +61,10 @@ def pick_dtype(name: str, cfg: dict[str, Any]) -> str:
         return name
     stored = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
     return stored if stored in TORCH_DTYPES else "float32"
+
+
+def wire_json(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()  # as protocol.send_json
 
 
 def to_wire(t: torch.Tensor) -> np.ndarray:
@@ -113,7 +120,7 @@ class PrefillEngine:
             "layers": self.kinds,
             "weights": weights_identity(model_dir),
         }
-        self.lock = threading.Lock()  # one forward pass at a time per device
+        self.slots = FairQueue()  # one forward pass at a time per device, fairly
         # Fault-injection aid for tests: stretch the KV stream so a fault can land mid-way.
         self.layer_delay_s = layer_delay_s
 
@@ -158,13 +165,14 @@ class PrefillEngine:
 
             return _after_layer
 
-        # Hooks are per module, shared by all requests: add them only under the lock.
-        t_wait = time.perf_counter()
-        with self.lock:
+        # The queue's cost: what is left to compute once a cached prefix is seeded.
+        cost = total - (prefix.expected_hit(token_ids, salt) if prefix else 0)
+        # Hooks are per module, shared by all requests: add them only in the slot.
+        # Nothing here waits on a socket: `on_layer` only queues (LayerSender.put).
+        with self.slots.slot(cost) as queue_s:  # behind other prompts' forward passes
             handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(self.layers)]
             try:
                 t0 = time.perf_counter()
-                queue_s = t0 - t_wait  # behind other prompts' forward passes
                 keys, cached = prefix.seed(cache, token_ids, salt) if prefix else ([], 0)
                 ids = torch.tensor([token_ids[cached:]], device=self.device)
                 out = self.body(input_ids=ids, past_key_values=cache, use_cache=True)
@@ -191,6 +199,14 @@ class PrefillEngine:
         return stats, logits.numpy()
 
 
+class PeerStalled(Exception):
+    """The peer stopped taking its K/V: its connection is cut, nobody else waits."""
+
+
+KV_BUFFER_MB = 4096  # per connection: raw K/V computed and not yet on the wire
+KV_STALL_S = 60.0  # a peer that takes no K/V bytes for this long is cut off
+
+
 class LayerSender:
     """Sends KV_LAYER frames from its own thread so the socket overlaps compute.
 
@@ -200,6 +216,11 @@ class LayerSender:
     that layer is also encoded and decoded once with every other compressing
     codec after it is sent, and the sizes and times are kept in `probe` for the
     decode side's codec choice (agents.codecpick).
+
+    `put` never waits on the socket (it runs inside the forward pass): layers
+    queue here, at most `max_buffer_bytes` of them, and a peer that lets more
+    pile up, or takes no bytes for `stall_s`, is cut off
+    (PeerStalled), which ends that request only.
     """
 
     def __init__(
@@ -208,13 +229,22 @@ class LayerSender:
         codec: Codec,
         probe_layer: int | None = None,
         kv_quant: str | None = None,
+        max_buffer_bytes: int = KV_BUFFER_MB << 20,
+        stall_s: float = KV_STALL_S,
     ) -> None:
         self.sock = sock
         self.codec = codec
         self.kv_quant = kv_quant
         self.probe_layer = probe_layer
         self.probe: dict[str, dict[str, float]] = {}
-        self.q: queue.Queue[LayerKV | None] = queue.Queue()
+        self.max_buffer_bytes = max_buffer_bytes
+        self.stall_s = stall_s
+        self.q: queue.Queue[LayerKV | tuple[P.Frame, bytes] | None] = queue.Queue()
+        self.cond = threading.Condition()  # guards the counts below; never held over I/O
+        self.buffered = 0  # raw K/V bytes put and not yet sent
+        self.queued = 0  # items put and not yet sent (or dropped)
+        # Monotonic time the send under way began or last got bytes out (None: idle).
+        self.sending_since: float | None = None
         self.bytes = 0
         self.raw_bytes = 0
         self.encode_s = 0.0
@@ -225,27 +255,95 @@ class LayerSender:
         self.thread.start()
 
     def put(self, kv: LayerKV) -> None:
-        if self.error is None:
-            self.q.put(kv)
+        """Queue one layer; raises the sender's error (so a failed or stalled
+        peer's forward pass stops at once and frees the device)."""
+        n = kv.keys.nbytes + kv.values.nbytes
+        with self.cond:
+            if self.error is None and self.buffered and self.buffered + n > self.max_buffer_bytes:
+                self._stalled(f"{self.buffered} bytes of K/V waiting for it")
+            elif self.error is None and self.stalled_s() >= self.stall_s:
+                self._stalled(f"it took no K/V for {self.stall_s:.0f}s")
+            if self.error is not None:
+                raise self.error
+            self.buffered += n
+            self.queued += 1
+        self.q.put(kv)
+
+    def put_frame(self, ftype: P.Frame, payload: bytes) -> None:
+        """Queue a frame to follow the layers (LOGITS, PREFILL_DONE)."""
+        with self.cond:
+            if self.error is not None:
+                raise self.error
+            self.queued += 1
+        self.q.put((ftype, payload))
+
+    def stalled_s(self) -> float:
+        """How long the send under way has got no bytes out (0: none under way)."""
+        since = self.sending_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    def _stalled(self, why: str) -> None:
+        """Cut the peer off (called with `cond` held): shutdown wakes the send."""
+        self.error = PeerStalled(f"peer stopped reading: {why}")
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.cond.notify_all()
+
+    def drain(self) -> None:
+        """Wait until all that was put is on the wire; raises the sender's
+        error, cutting the peer off if it takes no bytes for `stall_s`."""
+        with self.cond:
+            while self.queued and self.error is None:
+                left = self.stall_s - self.stalled_s()
+                if left <= 0:
+                    self._stalled(f"it took no K/V for {self.stall_s:.0f}s")
+                    break
+                self.cond.wait(left)
+            if self.error is not None:
+                raise self.error
 
     def _run(self) -> None:
-        while (kv := self.q.get()) is not None:
-            if self.error is not None:
-                continue  # drain: the peer is gone
+        while (item := self.q.get()) is not None:
+            n = item.keys.nbytes + item.values.nbytes if isinstance(item, LayerKV) else 0
             try:
-                t0 = time.perf_counter()
-                wire: LayerKV | QuantKV = quantize_layer(kv) if self.kv_quant else kv
-                t1 = time.perf_counter()
-                parts = encode_layer(wire, self.codec)
-                self.quant_s += t1 - t0
-                self.encode_s += time.perf_counter() - t1
-                self.raw_bytes += kv.keys.nbytes + kv.values.nbytes
-                self.bytes += P.send_frame(self.sock, P.Frame.KV_LAYER, parts)
-            except OSError as e:
-                self.error = e
-                continue
-            if kv.layer == self.probe_layer:
-                self._probe(wire)
+                if self.error is not None:
+                    continue  # drain: the peer is gone
+                if isinstance(item, LayerKV):
+                    self._send_layer(item)
+                else:
+                    self._send(*item)
+            except Exception as e:  # OSError: the peer is gone; else a bug, sent as ERROR
+                with self.cond:
+                    if self.error is None:
+                        self.error = e
+            finally:
+                with self.cond:
+                    self.sending_since = None
+                    self.buffered -= n
+                    self.queued -= 1
+                    self.cond.notify_all()
+
+    def _send(self, ftype: P.Frame, payload: bytes | list[bytes | memoryview]) -> int:
+        self.sending_since = time.monotonic()
+        sent = P.send_frame(self.sock, ftype, payload, progress=self._progress)
+        self.sending_since = None
+        return sent
+
+    def _progress(self) -> None:
+        # A slow link that keeps taking bytes is not stalled, however long a frame.
+        self.sending_since = time.monotonic()
+
+    def _send_layer(self, kv: LayerKV) -> None:
+        t0 = time.perf_counter()
+        wire: LayerKV | QuantKV = quantize_layer(kv) if self.kv_quant else kv
+        t1 = time.perf_counter()
+        parts = encode_layer(wire, self.codec)
+        self.quant_s += t1 - t0
+        self.encode_s += time.perf_counter() - t1
+        self.raw_bytes += kv.keys.nbytes + kv.values.nbytes
+        self.bytes += self._send(P.Frame.KV_LAYER, parts)
+        if kv.layer == self.probe_layer:
+            self._probe(wire)
 
     def _probe(self, kv: LayerKV | QuantKV) -> None:
         raw = block_bytes(kv)  # what the codec compresses: int8 blocks when quantized
@@ -266,8 +364,11 @@ class LayerSender:
             }
 
     def close(self) -> None:
+        """Finish sending (a stalled peer is cut off) and stop the thread."""
         if not self.closed:
             self.closed = True
+            with contextlib.suppress(Exception):
+                self.drain()
             self.q.put(None)
             self.thread.join()
 
@@ -279,10 +380,16 @@ class PrefillAgent:
         name: str,
         max_request_bytes: int = P.CONTROL_MAX_FRAME,
         prefix_cache_mb: float | None = None,
+        kv_buffer_mb: float = KV_BUFFER_MB,
+        kv_stall_s: float = KV_STALL_S,
     ) -> None:
         self.engine = engine
         self.name = name
         self.max_request_bytes = max_request_bytes  # largest HELLO / PREFILL frame taken
+        self.kv_buffer_bytes = int(kv_buffer_mb * (1 << 20))
+        self.kv_stall_s = kv_stall_s
+        self.senders: set[LayerSender] = set()  # requests whose K/V is still going out
+        self.senders_lock = threading.Lock()
         self.stats = Stats("prefill")
         mb = default_max_mb() if prefix_cache_mb is None else prefix_cache_mb
         # K/V computed here, on this device and dtype: its own namespace.
@@ -301,6 +408,19 @@ class PrefillAgent:
             "fingerprint": self.engine.fingerprint,
             **self.stats.snapshot(),
             "prefix_cache": self.prefix.cache.snapshot(),
+            "queue": self.engine.slots.snapshot(),
+            "kv_send": self.send_snapshot(),
+        }
+
+    def send_snapshot(self) -> dict[str, Any]:
+        """Requests still sending K/V, what they hold, and the longest stalled send."""
+        with self.senders_lock:
+            senders = list(self.senders)
+        return {
+            "requests": len(senders),
+            "buffered_bytes": sum(s.buffered for s in senders),
+            "stalled_s": round(max((s.stalled_s() for s in senders), default=0.0), 3),
+            "stall_timeout_s": self.kv_stall_s,
         }
 
     def handle(self, sock: socket.socket, peer: str) -> None:
@@ -367,17 +487,19 @@ class PrefillAgent:
         prefix = self.prefix if req.prefix_cache else None
         self.stats.begin()
         probe = self.engine.fingerprint["num_layers"] // 2 if req.probe_codecs else None
-        sender = LayerSender(sock, codec, probe, kv_quant)
+        sender = LayerSender(sock, codec, probe, kv_quant, self.kv_buffer_bytes, self.kv_stall_s)
+        with self.senders_lock:
+            self.senders.add(sender)
         outcome, result = "error", None
         after: list[Callable[[], None]] = []  # the prefix cache's store, once all is sent
         try:
             result, logits = self.engine.prefill(
                 ids, sender.put, start, prefix, after, req.cache_salt
             )
-            sender.close()
-            if sender.error is not None:
-                raise sender.error
-            P.send_frame(sock, P.Frame.LOGITS, logits.tobytes())
+            # Every send goes through the sender, whose deadline cuts a peer that
+            # stops reading; this thread holds no lock while it waits.
+            sender.put_frame(P.Frame.LOGITS, logits.tobytes())
+            sender.drain()
             result.update(
                 kv_bytes=sender.bytes,
                 kv_raw_bytes=sender.raw_bytes,
@@ -390,7 +512,8 @@ class PrefillAgent:
             )
             if sender.probe:
                 result["codec_probe"] = sender.probe
-            P.send_json(sock, P.Frame.PREFILL_DONE, result)
+            sender.put_frame(P.Frame.PREFILL_DONE, wire_json(result))
+            sender.drain()
             outcome = "ok"
             log.info(
                 "%s: prefilled %d tokens in %.3fs, %d KV bytes",
@@ -400,16 +523,24 @@ class PrefillAgent:
                 sender.bytes,
             )
             return True
+        except PeerStalled as e:
+            outcome = "peer_stalled"
+            log.warning("%s: dropped: %s", peer, e)
+            return False
         except OSError as e:
             outcome = "client_gone"
             log.warning("%s: connection lost during prefill: %s", peer, e)
             return False
         except Exception as e:
             log.exception("%s: prefill failed", peer)
-            P.send_error(sock, "prefill_failed", f"{type(e).__name__}: {e}")
+            err = {"code": "prefill_failed", "message": f"{type(e).__name__}: {e}"}
+            with contextlib.suppress(Exception):  # best effort, after what was queued
+                sender.put_frame(P.Frame.ERROR, wire_json(err))
             return False
         finally:
             sender.close()
+            with self.senders_lock:
+                self.senders.discard(sender)
             for fn in after:
                 fn()
             self.stats.end(outcome, result)
@@ -418,6 +549,19 @@ class PrefillAgent:
 def main() -> None:
     parser = common_args("prefill")
     parser.add_argument("--fault-layer-delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--kv-buffer-mb",
+        type=float,
+        default=KV_BUFFER_MB,
+        help="K/V one connection may have computed and not yet sent; past it, that "
+        f"request is dropped (default {KV_BUFFER_MB})",
+    )
+    parser.add_argument(
+        "--kv-stall-timeout",
+        type=float,
+        default=KV_STALL_S,
+        help=f"cut a peer that takes no K/V bytes for this many seconds (default {KV_STALL_S:.0f})",
+    )
     args, token, engine = start_agent(
         "prefill",
         parser,
@@ -430,6 +574,8 @@ def main() -> None:
         args.name or f"prefill@{socket.gethostname()}",
         args.max_request_bytes,
         args.prefix_cache_mb,
+        args.kv_buffer_mb,
+        args.kv_stall_timeout,
     )
     serve("prefill", args, token, agent)
 

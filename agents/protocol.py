@@ -22,7 +22,7 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +60,14 @@ class Frame(enum.IntEnum):
     AUTH = 12  # client -> server: {"nonce", "mac"}
     AUTH_OK = 13  # server -> client: {"mac"}, the server's proof
     LOGITS = 14  # prefill -> decode: float32 logits of the prompt's last position
+    # decode -> client, only when the GENERATE asked for it (PROGRESS_KEY): "still
+    # working" while no token is due, {"phase": "queued"|"prefill"|"decode", ...}.
+    PROGRESS = 15
+
+
+# The GENERATE frame's key asking for PROGRESS frames at least this often (seconds);
+# a transport matter, not a request field: the decode agent pops it before parsing.
+PROGRESS_KEY = "progress_s"
 
 
 class ProtocolError(Exception):
@@ -149,12 +157,19 @@ def parse_header(raw: bytes | bytearray | memoryview, max_frame: int) -> Header:
     return Header(kind, flags, length)
 
 
-def send_buffers(sock: socket.socket, buffers: Sequence[bytes | bytearray | memoryview]) -> int:
-    """Send buffers back to back with sendmsg, without joining them first."""
+def send_buffers(
+    sock: socket.socket,
+    buffers: Sequence[bytes | bytearray | memoryview],
+    progress: Callable[[], None] | None = None,
+) -> int:
+    """Send buffers back to back with sendmsg, without joining them first;
+    `progress` is called each time the peer took some bytes."""
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
     total = sum(len(v) for v in views)
     while views:
         sent = sock.sendmsg(views[:512])  # IOV_MAX is 1024 on Linux and macOS
+        if progress is not None:
+            progress()
         while sent:
             if sent >= len(views[0]):
                 sent -= len(views[0])
@@ -170,15 +185,32 @@ def send_frame(
     ftype: Frame,
     payload: Sequence[bytes | bytearray | memoryview] | bytes = b"",
     flags: int = 0,
+    progress: Callable[[], None] | None = None,
 ) -> int:
     parts = [payload] if isinstance(payload, bytes | bytearray | memoryview) else list(payload)
     length = sum(memoryview(p).nbytes for p in parts)
     head = pack_header(ftype, length, flags)
     seal = _SEALS.get(sock)
     if seal is None:
-        return send_buffers(sock, [head, *parts])
+        lock = _SEND_LOCKS.get(sock)
+        if lock is None:
+            return send_buffers(sock, [head, *parts], progress)
+        with lock:
+            return send_buffers(sock, [head, *parts], progress)
     with seal.send_lock:  # the tag's sequence number is the frame's place on the wire
-        return send_buffers(sock, [head, *parts, seal.sign(head, parts)])
+        return send_buffers(sock, [head, *parts, seal.sign(head, parts)], progress)
+
+
+# Sockets that several threads send frames on (a decode agent's tokens and its
+# PROGRESS frames): each frame goes out whole. A sealed socket's lock does that already.
+_SEND_LOCKS: weakref.WeakKeyDictionary[socket.socket, threading.Lock] = weakref.WeakKeyDictionary()
+
+
+def serialize_sends(sock: socket.socket) -> None:
+    """From now on, frames sent on `sock` from several threads never interleave.
+    Call it before a second thread starts sending."""
+    if sock not in _SEND_LOCKS:
+        _SEND_LOCKS[sock] = threading.Lock()
 
 
 def send_json(sock: socket.socket, ftype: Frame, obj: dict[str, Any]) -> int:

@@ -8,10 +8,12 @@ with Client.local() as c:
 from __future__ import annotations
 
 import asyncio
+import functools
 import queue
 import tempfile
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -141,6 +143,7 @@ class Client:
         model: str | None = None,
         stream: bool = False,
         cancel: threading.Event | None = None,
+        deadline_s: float | None = None,
         **fields: Any,
     ) -> Completion | Iterator[Chunk]:
         """Text plus the seed's metrics, or with stream=True an iterator of chunks
@@ -149,12 +152,14 @@ class Client:
         `request`: a `GenerateRequest`; or its fields as keywords (prompt= or
         messages=, max_tokens=, temperature=, top_p=, stop=, seed=, ...). Setting
         `cancel` stops decoding at the next token (a gateway's client hung up).
+        `deadline_s` bounds the whole request (RequestTimeout); by default only a
+        decode agent's silence fails it (the pipeline's decode_timeout).
         """
         request = _request_from(request, fields)
         name = self.router.pipeline(model).name
         if stream:
-            return self._stream(name, request, cancel)
-        return self._run(name, request, lambda _chunk: None, cancel)
+            return self._stream(name, request, cancel, deadline_s)
+        return self._run(name, request, lambda _chunk: None, cancel, deadline_s)
 
     def _run(
         self,
@@ -162,6 +167,7 @@ class Client:
         req: GenerateRequest,
         emit: Callable[[Chunk], None],
         cancel: threading.Event | None = None,
+        deadline_s: float | None = None,
     ) -> Completion:
         matcher = StopMatcher(req.stop)  # stop sequences end the answer, not the reasoning
         count = 0
@@ -184,7 +190,7 @@ class Client:
                 raise StopGeneration
 
         try:
-            result = self.router.run(model, req, on_token=on_token)
+            result = self.router.run(model, req, on_token=on_token, deadline_s=deadline_s)
         except StopGeneration:
             m = Metrics(completion_tokens=count)
             return Completion(matcher.text, [], m, "stop", model, "".join(reasoning))
@@ -197,27 +203,38 @@ class Client:
             result.text, result.token_ids, m, reason, model, result.reasoning, result.tool_calls
         )
 
+    def _produce(
+        self,
+        model: str,
+        req: GenerateRequest,
+        cancelled: threading.Event,
+        deadline_s: float | None,
+        put: Callable[[Chunk | BaseException], None],
+    ) -> None:
+        """Run a streamed request on this thread, handing each chunk (then the
+        done one, or the exception) to `put`; `cancelled` stops it at the next token."""
+
+        def emit(chunk: Chunk) -> None:
+            if cancelled.is_set():
+                raise StopGeneration  # the consumer went away: stop decoding
+            put(chunk)
+
+        try:
+            done = self._run(model, req, emit, cancelled, deadline_s)
+            put(Chunk("", done=True, completion=done))
+        except BaseException as e:  # handed to the consumer's thread
+            put(e)
+
     def _stream(
         self,
         model: str,
         req: GenerateRequest,
         cancel: threading.Event | None = None,
+        deadline_s: float | None = None,
     ) -> Iterator[Chunk]:
         q: queue.Queue[Chunk | BaseException] = queue.Queue()
         cancelled = cancel or threading.Event()
-
-        def emit(chunk: Chunk) -> None:
-            if cancelled.is_set():
-                raise StopGeneration  # the consumer went away: stop decoding
-            q.put(chunk)
-
-        def work() -> None:
-            try:
-                done = self._run(model, req, emit, cancelled)
-                q.put(Chunk("", done=True, completion=done))
-            except BaseException as e:  # handed to the consumer's thread
-                q.put(e)
-
+        work = functools.partial(self._produce, model, req, cancelled, deadline_s, q.put)
         threading.Thread(target=work, daemon=True, name="disagg-stream").start()
         try:
             while True:
@@ -237,17 +254,41 @@ class Client:
         model: str | None = None,
         stream: bool = False,
         cancel: threading.Event | None = None,
+        deadline_s: float | None = None,
+        executor: Executor | None = None,
         **fields: Any,
     ) -> Completion | AsyncIterator[Chunk]:
-        """The async twin of generate: awaits a Completion, or gives an async iterator."""
+        """The async twin of generate: awaits a Completion, or gives an async iterator.
+
+        The request runs on a thread of `executor` (default: the event loop's pool for
+        one answer, a thread of its own for a stream); a gateway passes its Workers,
+        whose submit may refuse with Overloaded. A stream's chunks reach the event
+        loop through an asyncio.Queue; leaving the iterator stops the decoding."""
         request = _request_from(request, fields)
+        loop = asyncio.get_running_loop()
         if not stream:
-            result = await asyncio.to_thread(self.generate, request, model=model, cancel=cancel)
+            run = functools.partial(
+                self.generate, request, model=model, cancel=cancel, deadline_s=deadline_s
+            )
+            result = await loop.run_in_executor(executor, run)
             assert isinstance(result, Completion)
             return result
-        chunks = self.generate(request, model=model, stream=True, cancel=cancel)
-        assert not isinstance(chunks, Completion)
-        return _aiter(chunks)
+        name = self.router.pipeline(model).name
+        cancelled = cancel or threading.Event()
+        chunks: asyncio.Queue[Chunk | BaseException] = asyncio.Queue()
+
+        def put(item: Chunk | BaseException) -> None:
+            try:
+                loop.call_soon_threadsafe(chunks.put_nowait, item)
+            except RuntimeError:  # the event loop is closed: nobody will read
+                cancelled.set()
+
+        work = functools.partial(self._produce, name, request, cancelled, deadline_s, put)
+        if executor is None:
+            threading.Thread(target=work, daemon=True, name="disagg-stream").start()
+        else:
+            executor.submit(work)
+        return _drain(chunks, cancelled)
 
 
 def _request_from(request: GenerateRequest | None, fields: dict[str, Any]) -> GenerateRequest:
@@ -261,19 +302,21 @@ def _request_from(request: GenerateRequest | None, fields: dict[str, Any]) -> Ge
     return request
 
 
-async def _aiter(chunks: Iterator[Chunk]) -> AsyncIterator[Chunk]:
-    done = object()
+async def _drain(
+    chunks: asyncio.Queue[Chunk | BaseException], cancelled: threading.Event
+) -> AsyncIterator[Chunk]:
+    """A stream's chunks as the worker thread puts them; leaving early (the
+    client hung up, the task was cancelled) stops the decoding at the next token."""
     try:
         while True:
-            item = await asyncio.to_thread(next, chunks, done)
-            if item is done:
-                return
-            assert isinstance(item, Chunk)
+            item = await chunks.get()
+            if isinstance(item, BaseException):
+                raise item
             yield item
+            if item.done:
+                return
     finally:
-        close = getattr(chunks, "close", None)
-        if close:
-            close()
+        cancelled.set()
 
 
 __all__ = ["Chunk", "Client", "Completion", "DisaggError", "GenerateRequest", "Metrics"]

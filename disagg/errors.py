@@ -21,8 +21,21 @@ class AgentError(DisaggError):
     """An agent failed to start, crashed, or answered with an error."""
 
 
+class RequestTimeout(AgentError):
+    """A request ran past the total deadline its caller set (the agent was still
+    working: it is not marked down)."""
+
+
 class ModelMismatch(AgentError):
     """Prefill and decode agents hold different models."""
+
+
+class Overloaded(DisaggError):
+    """The gateway is at its admission limit: retry after `retry_after_s`."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class ConnectError(DisaggError):

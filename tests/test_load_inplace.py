@@ -26,7 +26,7 @@ from agents.kvfetch import receive_layers
 from agents.kvinplace import ENV, Slots, allocate
 from agents.kvplace import fill_layer
 from agents.prefill import to_wire
-from agents.prefix.decode_side import DecodePrefix, Hit
+from agents.prefix.decode_side import DecodePrefix, Hit, Span
 from agents.request import PrefillRequest
 from disagg.serving import wireclient as client
 from disagg.serving.localagents import AgentProc, make_token_file, spawn_agent, wait_ready
@@ -255,9 +255,11 @@ def stored_prefix(
     ids = list(range(PROMPT))
     first = dp.lookup("remote:x", ids, local=False)
     assert first.tokens == 0
+    spans: list[Span | None] = []
     for i, (k, v) in enumerate(src):
-        dp.keep(first, wire_kv(i, k, v), PROMPT)
-    dp.store(first)
+        kv = wire_kv(i, k, v)
+        spans.append(Span(kv.keys, kv.values))
+    assert dp.store(first, spans) > 0
     hit = dp.lookup("remote:x", ids, local=False)
     assert hit.tokens == (PROMPT - 1) // 16 * 16 == 32
     return dp, hit

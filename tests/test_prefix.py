@@ -79,8 +79,11 @@ def check_hit(
     saved = off.metrics["kv_raw_bytes"] - hit.metrics["kv_raw_bytes"]
     assert saved == full * n * token_bytes(fp)
     assert hit.metrics["kv_bytes"] < off.metrics["kv_bytes"]
-    # The prefill agent computed only the suffix where it can (no sliding layers).
-    assert hit.metrics["prefill_cached_tokens"] == (0 if window else n)
+    # The prefill agent computed only the suffix, sliding layers included (it
+    # keeps their every position): its own hit is not capped by the window.
+    assert hit.metrics["prefill_cached_tokens"] == expected_hit(
+        first.prompt_ids or [], hit.prompt_ids or []
+    )
     return off, hit
 
 

@@ -75,11 +75,15 @@ class Prefix:
 
 
 class PrefixCache:
-    """Blocks by chained key, LRU by bytes; thread-safe."""
+    """Blocks by chained key, LRU by bytes; thread-safe. The budget holds at every
+    moment, concurrent adds included: a block goes in only after older ones made
+    room. One add stores at most 1/`share` of the budget (at least one block), so
+    one long prompt cannot flush what every other request shares."""
 
-    def __init__(self, max_bytes: int, block: int = BLOCK_TOKENS) -> None:
+    def __init__(self, max_bytes: int, block: int = BLOCK_TOKENS, share: int = 4) -> None:
         self.max_bytes = max(0, int(max_bytes))
         self.block = block
+        self.request_cap = self.max_bytes // max(1, share)
         self.lock = threading.Lock()
         self.blocks: OrderedDict[bytes, Block] = OrderedDict()
         self.bytes = 0
@@ -88,6 +92,7 @@ class PrefixCache:
         self.hit_tokens = 0
         self.query_tokens = 0
         self.evictions = 0
+        self.capped = 0  # adds stopped by the per-request cap
 
     def _touch(self, keys: Sequence[bytes]) -> None:
         # Deepest first, the first block last: the least recently used end then
@@ -117,26 +122,50 @@ class PrefixCache:
                 self.hits += 1
                 self.hit_tokens += cached_tokens
 
-    def add(self, keys: Sequence[bytes], make: Callable[[int], Block]) -> None:
-        """Store block i (made by `make(i)`) for each key not cached yet, then
-        evict the least recently used blocks past the budget."""
+    def _make_room(self, nbytes: int, ours: set[bytes]) -> bool:
+        """Evict least recently used blocks until `nbytes` more fit (under the
+        lock). False, evicting nothing more, when the next victim is one of the
+        adding prompt's own blocks: its tail would strand behind the gap."""
+        while self.bytes + nbytes > self.max_bytes and self.blocks:
+            key = next(iter(self.blocks))
+            if key in ours:
+                return False
+            old = self.blocks.pop(key)
+            self.bytes -= old.nbytes
+            self.evictions += 1
+        return self.bytes + nbytes <= self.max_bytes
+
+    def add(self, keys: Sequence[bytes], make: Callable[[int], Block | None]) -> int:
+        """Store block i (made by `make(i)`; None: it cannot be made) for each key
+        not cached yet, in order, until one cannot be stored: a later block could
+        only be found through it. Returns the bytes added."""
+        added = 0
+        ours: set[bytes] = set()
+        with self.lock:
+            self._touch(keys)  # the prompt's cached blocks are not the ones to evict
         for i, k in enumerate(keys):
             with self.lock:
                 if k in self.blocks:
+                    ours.add(k)
                     continue
             b = make(i)  # outside the lock: it copies
-            if b.nbytes > self.max_bytes:
-                break  # a later block could only be found through this one
+            if b is None or b.nbytes > self.max_bytes:
+                break
+            if added and added + b.nbytes > self.request_cap:
+                with self.lock:
+                    self.capped += 1
+                break
             with self.lock:
                 if k not in self.blocks:
+                    if not self._make_room(b.nbytes, ours):
+                        break
                     self.blocks[k] = b
                     self.bytes += b.nbytes
+                    added += b.nbytes
+                ours.add(k)
         with self.lock:
             self._touch(keys)
-            while self.bytes > self.max_bytes and self.blocks:
-                _, old = self.blocks.popitem(last=False)
-                self.bytes -= old.nbytes
-                self.evictions += 1
+        return added
 
     def clear(self) -> None:
         with self.lock:
@@ -159,6 +188,8 @@ class PrefixCache:
                 if self.query_tokens
                 else None,
                 "evictions": self.evictions,
+                "request_cap_bytes": self.request_cap,
+                "capped_adds": self.capped,
             }
 
     def prometheus(self, role: str) -> str:

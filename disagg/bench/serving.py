@@ -24,6 +24,7 @@ process, transformers and mlx-lm on the same weights, then measures:
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -246,7 +247,35 @@ def memory_part(systems: Systems, length: int, say: Say) -> dict[str, Any]:
         # the bar read literally, no runtime allowance:
         ok_literal=after["VmHWM"] <= model_bytes + MEMORY_BAR * kv,
     )
+    memory.update(_cache_on_memory(systems, pid, text, kv))
     return memory
+
+
+def _cache_on_memory(systems: Systems, pid: int, text: str, kv: int) -> dict[str, Any]:
+    """The same handoff with the prefix cache on, a prompt it has not seen (a
+    miss that stores its blocks): growth, and what of it the cache keeps."""
+
+    def cached_bytes() -> int:
+        return int(json.loads(systems.pair[1].control("/status"))["prefix_cache"]["bytes"])
+
+    try:
+        stored0 = cached_bytes()
+        _reset_peak(pid)
+        before = _proc_status(pid)
+        req = {"prompt": "Cache on. " + text, "raw": True, "max_tokens": 2, "ignore_eos": True}
+        disaggregated(*systems.pair, {**req, "prefix_cache": True})
+        after = _proc_status(pid)
+        stored = cached_bytes() - stored0
+    except (OSError, ValueError, KeyError) as e:
+        return {"cache_on_error": f"cannot measure with the prefix cache on: {e}"}
+    growth = after["VmHWM"] - before["VmRSS"]
+    return {
+        "cache_on_growth": growth,
+        "cache_on_growth_over_kv": growth / kv,
+        "cache_on_stored": stored,  # blocks the prefix cache keeps (its budget)
+        # the transient part: growth beyond what the cache keeps
+        "cache_on_transient_over_kv": (growth - stored) / kv,
+    }
 
 
 def latency_part(
@@ -521,6 +550,14 @@ def _memory_table(mem: dict[str, Any]) -> Table:
         "peak <= model + 1.5 x KV, literally (no runtime allowance)",
         verdict(mem["ok_literal"]),
     )
+    if "cache_on_growth" in mem:
+        mt.add_row(
+            "prefix cache on (a miss): growth / KV",
+            f"{mem['cache_on_growth_over_kv']:.2f}, of which the cache keeps "
+            f"{mem['cache_on_stored'] / 1e6:.1f} MB (rest {mem['cache_on_transient_over_kv']:.2f})",
+        )
+    elif "cache_on_error" in mem:
+        mt.add_row("prefix cache on", mem["cache_on_error"])
     return mt
 
 

@@ -301,6 +301,21 @@ def serve(
     max_per_address: Annotated[
         int, typer.Option("--max-per-address", help="Connections at once from one address.")
     ] = 64,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            "--workers",
+            help="Requests run at once (default: the decode agents' max_batch, summed).",
+        ),
+    ] = None,
+    max_requests: Annotated[
+        int | None,
+        typer.Option(
+            "--max-requests",
+            help="Requests admitted at once, running or waiting for a worker (default: "
+            "2 x workers); more get 429 (OpenAI) / 503 (Ollama) with Retry-After.",
+        ),
+    ] = None,
 ) -> None:
     """OpenAI- and Ollama-compatible gateway: /v1/... and /api/... on one port."""
     import signal
@@ -310,11 +325,15 @@ def serve(
     from disagg.frontends.keys import api_keys
     from disagg.frontends.limits import Limits, raise_nofile
     from disagg.frontends.limits import serve as serve_app
+    from disagg.frontends.workers import Workers
 
     raise_nofile()  # before the local agents start: they inherit it
 
     if decode_agents < 1:
         raise UsageError(f"--decode-agents must be at least 1, got {decode_agents}")
+    for flag, value in (("--workers", workers), ("--max-requests", max_requests)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be at least 1, got {value}")
     on_command_line = any(a == "--api-key" or a.startswith("--api-key=") for a in sys.argv)
     if api_key is not None and on_command_line:
         err.print(
@@ -342,7 +361,9 @@ def serve(
         )
         err.print(f"web view: http://{host}:{port}/ui{'?key=KEY' if key else ''}")
         limits = Limits(header_timeout, max_connections, max_per_address)
-        serve_app(create_app(client, api_key=key), host, port, limits)
+        pool = Workers.for_router(client.router, workers, max_requests)
+        err.print(f"{pool.size} workers, at most {pool.limit} requests at once")
+        serve_app(create_app(client, api_key=key, workers=pool), host, port, limits)
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")

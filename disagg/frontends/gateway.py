@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field
 
 from agents.request import GenerateRequest
 from disagg.api import Chunk, Client, Completion
-from disagg.errors import AgentError, DisaggError, ModelMismatch, UsageError
+from disagg.errors import AgentError, DisaggError, ModelMismatch, Overloaded, UsageError
 from disagg.frontends import ollama, webview
 from disagg.frontends.guard import (
     MAX_BODY_BYTES,
@@ -31,6 +31,7 @@ from disagg.frontends.guard import (
     unless_gone,
     wants_internals,
 )
+from disagg.frontends.workers import Workers
 from disagg.serving.metrics import public_metrics
 from disagg.serving.request import build_request
 
@@ -123,6 +124,7 @@ class OpenAIError(Exception):
         type_: str,
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = (
@@ -132,6 +134,7 @@ class OpenAIError(Exception):
             param,
             code,
         )
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {
@@ -145,6 +148,9 @@ class OpenAIError(Exception):
 
 
 def _from_disagg(e: DisaggError) -> OpenAIError:
+    if isinstance(e, Overloaded):  # OpenAI's clients retry a 429 after Retry-After
+        retry = {"Retry-After": str(e.retry_after_s)}
+        return OpenAIError(429, str(e), "requests", code="rate_limit_exceeded", headers=retry)
     if isinstance(e, UsageError):
         return OpenAIError(400, str(e), "invalid_request_error", e.param)
     if isinstance(e, ModelMismatch):
@@ -246,24 +252,27 @@ def create_app(
     *,
     api_key: str | Sequence[str] | None = None,
     max_body: int = MAX_BODY_BYTES,
+    workers: Workers | None = None,
 ) -> FastAPI:
     """The gateway: OpenAI's API under /v1 and Ollama's under /api, one port.
     With `api_key` (one, or several: each a tenant), every route but `/` and
-    `/health` wants one as a bearer token."""
+    `/health` wants one as a bearer token. Generation runs on `workers` (default:
+    sized to the cluster's batch capacity), which refuses requests past its limit."""
     app = FastAPI(title="disagg gateway")
     app.add_middleware(Guard, api_key=api_key, max_body=max_body)
-    app.include_router(ollama.routes(client))
+    pool = workers or Workers.for_router(client.router)
+    app.include_router(ollama.routes(client, pool))
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     # /ui, /ui/api/..., /metrics; the web view's sign-in takes the first key.
     app.include_router(webview.routes(client, keys[0] if keys else None))
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, e: OpenAIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(ollama.OllamaError)
     async def _ollama_error(_: Request, e: ollama.OllamaError) -> JSONResponse:
-        return JSONResponse({"error": e.message}, status_code=e.status)
+        return JSONResponse({"error": e.message}, status_code=e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
@@ -308,11 +317,16 @@ def create_app(
         try:
             if not body.stream:
                 result = await unless_gone(
-                    request, lambda cancel: client.agenerate(req, model=body.model, cancel=cancel)
+                    request,
+                    lambda cancel: client.agenerate(
+                        req, model=body.model, cancel=cancel, executor=pool
+                    ),
                 )
                 return _full(kind, rid, created, result, internals)
             cancel = threading.Event()
-            chunks = await client.agenerate(req, model=body.model, stream=True, cancel=cancel)
+            chunks = await client.agenerate(
+                req, model=body.model, stream=True, cancel=cancel, executor=pool
+            )
         except DisaggError as e:
             raise _from_disagg(e) from None
         assert not isinstance(chunks, Completion)

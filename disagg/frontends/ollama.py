@@ -14,6 +14,7 @@ import json
 import threading
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import Executor
 from datetime import datetime, timezone
 from typing import Any, Literal
 
@@ -24,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from agents.protocol import AuthError
 from agents.request import GenerateRequest
 from disagg.api import Chunk, Client, Completion
-from disagg.errors import DisaggError, UsageError
+from disagg.errors import DisaggError, Overloaded, UsageError
 from disagg.frontends.guard import cache_salt, unless_gone
 from disagg.serving.control import control_status
 from disagg.serving.request import build_request
@@ -41,9 +42,9 @@ NDJSON = "application/x-ndjson"
 class OllamaError(Exception):
     """Answered as `{"error": message}` with this status."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.status, self.message = status, message
+        self.status, self.message, self.headers = status, message, headers
 
 
 class Options(BaseModel):
@@ -310,8 +311,9 @@ def _durations(c: Completion, t0: float) -> dict[str, Any]:
     }
 
 
-def routes(client: Client) -> APIRouter:
-    """Ollama's endpoints, for `gateway.create_app` to mount."""
+def routes(client: Client, workers: Executor | None = None) -> APIRouter:
+    """Ollama's endpoints, for `gateway.create_app` to mount; requests run on
+    `workers` (the gateway's, which may refuse: 503 with Retry-After)."""
     api = APIRouter()
     info = ModelInfo(client)
 
@@ -354,15 +356,22 @@ def routes(client: Client) -> APIRouter:
         try:
             if not body.stream:
                 c = await unless_gone(
-                    request, lambda cancel: client.agenerate(req, model=name, cancel=cancel)
+                    request,
+                    lambda cancel: client.agenerate(
+                        req, model=name, cancel=cancel, executor=workers
+                    ),
                 )
                 if body.think is False:  # as Ollama: no thinking when it was turned off
                     c.reasoning = ""
                 return _final(head, kind, c, t0, whole=True)
             cancel = threading.Event()
-            chunks = await client.agenerate(req, model=name, stream=True, cancel=cancel)
+            chunks = await client.agenerate(
+                req, model=name, stream=True, cancel=cancel, executor=workers
+            )
         except UsageError as e:
             raise OllamaError(400, str(e)) from None
+        except Overloaded as e:  # Ollama answers 503 when its queue is full
+            raise OllamaError(503, str(e), {"Retry-After": str(e.retry_after_s)}) from None
         except DisaggError as e:
             raise OllamaError(500, str(e)) from None
         assert not isinstance(chunks, Completion)

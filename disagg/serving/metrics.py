@@ -37,6 +37,9 @@ class Metrics:
     placement_reason: str | None = None
     fallback_reason: str | None = None  # why a remote prefill fell back to a local one
     rerouted_from: list[str] | None = None  # decode agents that failed this request first
+    # The router's pick of decode agent (disagg.serving.affinity): agent, affine agent,
+    # hit_chars of its remembered prefix, busy (in flight per healthy agent), reason.
+    route: dict[str, Any] | None = None
     cached_tokens: int | None = None  # prompt positions whose K/V came from a prefix cache
     prefill_cached_tokens: int | None = None  # ... of those, served by the prefill agent's cache
     grammar_ms: float | None = None  # compiling the output grammar, or finding it cached

@@ -1,5 +1,7 @@
-"""Routing and failover: pick a healthy, least busy decode agent of a pipeline,
-hand it the pipeline's prefill agent, and reroute when a decode agent dies.
+"""Routing and failover: pick a healthy decode agent of a pipeline (the one
+holding the request's prefix unless it is too busy, disagg.serving.affinity; else
+the least busy), hand it the pipeline's prefill agent, and reroute when a decode
+agent dies.
 
 Prefill failover lives in the decode agent itself (it prefills locally when the
 prefill agent is down, slow, or drops the KV stream); the slower data path is the
@@ -18,7 +20,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agents.request import GenerateRequest, PrefillTarget
-from disagg.errors import AgentError, AuthError, ConnectError, ModelMismatch, UsageError
+from disagg.errors import (
+    AgentError,
+    AuthError,
+    ConnectError,
+    ModelMismatch,
+    RequestTimeout,
+    UsageError,
+)
+from disagg.serving import affinity
 from disagg.serving import wireclient as client
 
 DOWN_FOR_S = 5.0  # a failed agent is skipped this long before it is probed again
@@ -49,6 +59,8 @@ class Route:
     prefill: list[Endpoint]
     decode: list[Endpoint]
     prefill_timeout_s: float = 60.0
+    # An idle deadline: a decode agent that sends no frame (token or PROGRESS) for
+    # this long failed. A stream that keeps producing tokens runs as long as it needs.
     decode_timeout_s: float = 180.0
     integrity: str = "mac"  # frames between its agents: see agents.protocol.INTEGRITY
 
@@ -65,6 +77,7 @@ class Router:
         self.busy: Counter[str] = Counter()
         self.down_until: dict[str, float] = {}
         self.health: dict[str, tuple[float, bool]] = {}
+        self.affinity = affinity.AffinityTable()  # prefix -> the decode agent holding it
 
     def models(self) -> list[str]:
         return list(self.pipelines)
@@ -112,6 +125,21 @@ class Router:
             busy = dict(self.busy)
         return sorted(endpoints, key=lambda ep: (not self._healthy(ep), busy.get(ep.name, 0)))
 
+    def decode_order(
+        self, endpoints: list[Endpoint], keys: list[affinity.PrefixKey]
+    ) -> tuple[list[Endpoint], affinity.Choice]:
+        """As order(), but the agent holding the request's longest remembered
+        prefix goes first unless it is too busy (the rule: disagg.serving.affinity)."""
+        with self.lock:
+            busy = dict(self.busy)
+        healthy = {ep.name: busy.get(ep.name, 0) for ep in endpoints if self._healthy(ep)}
+        choice = affinity.choose(*self.affinity.match(keys), healthy)
+        ordered = sorted(
+            endpoints,
+            key=lambda ep: (ep.name not in healthy, ep.name != choice.agent, busy.get(ep.name, 0)),
+        )
+        return ordered, choice
+
     def prefill_target(self, pipe: Route) -> PrefillTarget | None:
         """The pipeline's healthiest, least busy prefill agent, if it has one."""
         for ep in self.order(pipe.prefill):
@@ -123,8 +151,11 @@ class Router:
         model: str | None,
         request: GenerateRequest,
         on_token: Callable[[dict[str, Any]], None] | None = None,
+        deadline_s: float | None = None,
     ) -> client.Result:
-        """Run one request, rerouting to another decode agent if one fails.
+        """Run one request, rerouting to another decode agent if one fails (sent
+        nothing for the pipeline's decode_timeout_s). `deadline_s` bounds the whole
+        request, reroutes included (RequestTimeout); None: no bound.
 
         A rerouted stream does not repeat text already delivered: the new run's
         tokens are skipped until it is past what `on_token` saw.
@@ -134,13 +165,18 @@ class Router:
         target = self.prefill_target(pipe)
         if target and req.prefill is None:
             req = req.replace(prefill=target)
-        deadline = time.monotonic() + pipe.decode_timeout_s
+        deadline = None if deadline_s is None else time.monotonic() + deadline_s
         delivered: list[dict[str, Any]] = []
         failures: list[str] = []
-        for ep in self.order(pipe.decode):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
+        keys = affinity.prefix_keys(pipe.name, req)
+        endpoints, choice = self.decode_order(pipe.decode, keys)
+        for ep in endpoints:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise RequestTimeout(
+                    f"the request did not finish within its deadline of {deadline_s:g}s"
+                    + (f" ({'; '.join(failures)})" if failures else "")
+                )
             seen = 0
 
             def forward(tok: dict[str, Any]) -> None:
@@ -158,12 +194,24 @@ class Router:
                 self.busy[ep.name] += 1
             try:
                 result = client.generate(
-                    ep.host, ep.port, req, on_token=forward, timeout_s=left, token=self.token
+                    ep.host,
+                    ep.port,
+                    req,
+                    on_token=forward,
+                    timeout_s=pipe.decode_timeout_s,
+                    token=self.token,
+                    deadline_s=left,
                 )
                 result.metrics.decode_server = result.metrics.decode_server or ep.name
+                result.metrics.route = choice.to_dict()
+                self.affinity.remember(keys, ep.name)  # it now holds this prompt's K/V
                 if failures:
                     result.metrics.rerouted_from = failures
                 return result
+            except RequestTimeout as e:  # no fault of the agent: not marked down
+                raise RequestTimeout(
+                    f"the request did not finish within its deadline of {deadline_s:g}s: {e}"
+                ) from None
             except (UsageError, ModelMismatch, AuthError, StopGeneration):
                 raise
             except (ConnectError, AgentError) as e:
@@ -173,7 +221,7 @@ class Router:
                 with self.lock:
                     self.busy[ep.name] -= 1
         if not failures:
-            raise AgentError(f"pipeline {pipe.name} has no decode agent, or its timeout passed")
+            raise AgentError(f"pipeline {pipe.name} has no decode agent")
         raise AgentError(
             f"no decode agent of pipeline {pipe.name} could serve the request: "
             + "; ".join(failures)

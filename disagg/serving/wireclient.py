@@ -19,6 +19,7 @@ from disagg.errors import (
     ConnectError,
     DisaggError,
     ModelMismatch,
+    RequestTimeout,
     UsageError,
 )
 from disagg.serving.metrics import Metrics
@@ -55,9 +56,13 @@ def stream(
     request: Request,
     timeout_s: float = 240.0,
     token: bytes | None = None,
+    deadline_s: float | None = None,
 ) -> Generator[tuple[str, Any], None, None]:
     """Yield ("token", {"id", "text"}), ("logprobs", array) and finally ("done", result).
 
+    `timeout_s` is an idle deadline: the agent failed when it sent no frame for that
+    long (it sends PROGRESS while it queues or prefills, so only a dead or hung one
+    does). `deadline_s`, when given, bounds the whole request: RequestTimeout then.
     A token event may also carry "channel": "reasoning" (its text is reasoning,
     not content) or "tool_call": {"name", "arguments"}; "id" is None on events
     that follow the first one of the same token."""
@@ -65,7 +70,7 @@ def stream(
         sock = socket.create_connection((host, port), timeout=min(timeout_s, 10.0))
     except OSError as e:
         raise ConnectError(f"cannot reach decode agent at {host}:{port}: {e}") from None
-    deadline = time.monotonic() + timeout_s
+    deadline = None if deadline_s is None else time.monotonic() + deadline_s
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(min(timeout_s, 10.0))
@@ -82,15 +87,28 @@ def stream(
                 f"within {min(timeout_s, 10.0):.0f}s (overloaded or hung?)"
             ) from None
         wire = request.to_wire() if isinstance(request, GenerateRequest) else dict(request)
+        # Three PROGRESS frames per idle deadline: one late frame is no failure.
+        wire.setdefault(P.PROGRESS_KEY, max(timeout_s / 3, 0.1))
         P.send_json(sock, P.Frame.GENERATE, wire)
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AgentError(
-                    f"decode agent {host}:{port} did not finish within {timeout_s:.0f}s"
-                )
-            sock.settimeout(left)
-            header, payload = P.recv_frame(sock)
+            wait = timeout_s
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RequestTimeout(
+                        f"decode agent {host}:{port} was still working when the request's "
+                        f"deadline of {deadline_s:.1f}s passed"
+                    )
+                wait = min(wait, left)
+            sock.settimeout(wait)
+            try:
+                header, payload = P.recv_frame(sock)
+            except TimeoutError:
+                if deadline is not None and deadline - time.monotonic() <= 0:
+                    continue  # the request's deadline, not the agent's silence
+                raise
+            if header.type == P.Frame.PROGRESS:
+                continue  # still working (queued, prefilling): only the idle clock hears it
             if header.type == P.Frame.TOKEN:
                 yield "token", P.decode_json(header, payload)
             elif header.type == P.Frame.LOGPROBS:
@@ -105,7 +123,7 @@ def stream(
                 raise AgentError(f"decode agent sent an unexpected {header.type.name} frame")
     except TimeoutError:
         raise AgentError(
-            f"decode agent {host}:{port} did not answer within {timeout_s:.0f}s"
+            f"decode agent {host}:{port} sent nothing for {timeout_s:g}s (hung or unreachable)"
         ) from None
     except P.ProtocolError as e:
         raise AgentError(f"decode agent {host}:{port}: {e}") from None
@@ -125,15 +143,16 @@ def generate(
     timeout_s: float = 240.0,
     on_token: Callable[[dict[str, Any]], None] | None = None,
     token: bytes | None = None,
+    deadline_s: float | None = None,
 ) -> Result:
-    """Run one request to completion.
+    """Run one request to completion (`timeout_s`, `deadline_s`: see `stream`).
 
     `on_text` sees each piece of text as it arrives; `on_token` each token event
     ({"id", "text"}). An exception raised by either ends the request and closes
     the connection, which tells the decode agent to stop.
     """
     t0 = time.perf_counter()
-    with contextlib.closing(stream(host, port, request, timeout_s, token)) as events:
+    with contextlib.closing(stream(host, port, request, timeout_s, token, deadline_s)) as events:
         return _collect(host, port, events, t0, on_text, on_token)
 
 

@@ -1,0 +1,333 @@
+"""Issue 18, items 0 and 7, with real agents as processes: a request fails for a
+decode agent's silence, not for its length (PROGRESS frames while it prefills or
+queues); the gateway runs requests on a pool sized to the cluster, answers 429 /
+503 with Retry-After past its admission limit, and bridges streams so a client
+that hangs up mid-stream leaves no error behind."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from agents import protocol as P
+from agents.httpauth import control_get
+from agents.request import GenerateRequest
+from disagg.errors import RequestTimeout
+from disagg.frontends.workers import QUEUE_FACTOR, Workers, batch_capacity
+from disagg.serving.control import parse_status
+from disagg.serving.localagents import AgentProc, start_local_agents
+from disagg.serving.router import Endpoint, Route, Router
+from tests.conftest import start_serve
+from tests.tinymodels import PROMPT
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT_S = 3.0  # the pipelines' decode (idle) timeout in these tests
+LAYER_DELAY_S = 1.5  # between the prefill agent's 4 layers: >= 4.5 s, longer than TIMEOUT_S
+CONSUMER_DELAY_S = 0.002  # per token: 3000 tokens stream for >= 6 s on any machine
+LONG = GenerateRequest(prompt=PROMPT, raw=True, max_tokens=3000, ignore_eos=True, placement="local")
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    tiny_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[AgentProc, list[AgentProc]]]:
+    """A slow prefill agent and two decode agents of one batch slot each."""
+    prefill, decodes = start_local_agents(
+        tiny_model("gpt_oss", seed=2),
+        n_decode=2,
+        log_dir=tmp_path_factory.mktemp("deadline-logs"),
+        prefill_args=["--fault-layer-delay", str(LAYER_DELAY_S)],
+        decode_args=["--max-batch", "1"],
+    )
+    yield prefill, decodes
+    for agent in [*decodes, prefill]:
+        agent.stop()
+
+
+def endpoint(a: AgentProc) -> Endpoint:
+    return Endpoint(a.name, a.host, a.port, a.control_port)
+
+
+def router(prefill: AgentProc, decodes: list[AgentProc]) -> Router:
+    route = Route(
+        "tiny",
+        [endpoint(prefill)],
+        [endpoint(d) for d in decodes],
+        prefill_timeout_s=60,
+        decode_timeout_s=TIMEOUT_S,
+    )
+    return Router([route], token=prefill.token)
+
+
+def slow_reader(times: list[float]) -> Callable[[dict[str, Any]], None]:
+    """A token callback that notes each token's arrival and reads slowly."""
+
+    def on_token(tok: dict[str, Any]) -> None:
+        if tok.get("id") is not None:
+            times.append(time.monotonic())
+        time.sleep(CONSUMER_DELAY_S)
+
+    return on_token
+
+
+def frames(decode: AgentProc, wire: dict[str, Any]) -> list[tuple[P.Frame, dict[str, Any]]]:
+    """One GENERATE on a raw connection: every frame up to DONE, JSON ones decoded."""
+    with socket.create_connection((decode.host, decode.port), timeout=60) as sock:
+        P.client_auth(sock, decode.token)
+        P.send_json(sock, P.Frame.GENERATE, wire)
+        got: list[tuple[P.Frame, dict[str, Any]]] = []
+        while not got or got[-1][0] != P.Frame.DONE:
+            header, payload = P.recv_frame(sock)
+            assert header.type != P.Frame.ERROR, bytes(payload)
+            got.append((header.type, P.decode_json(header, payload)))
+        return got
+
+
+def test_progress_frames_while_prefilling_only_when_asked(
+    cluster: tuple[AgentProc, list[AgentProc]],
+) -> None:
+    prefill, (decode, _) = cluster
+    target = {"host": prefill.host, "port": prefill.port}
+    wire = {"prompt": PROMPT, "raw": True, "max_tokens": 4, "placement": "remote"}
+    wire["prefill"] = target
+    asked = frames(decode, {**wire, P.PROGRESS_KEY: 0.5})
+    kinds = [k for k, _ in asked]
+    first_token = kinds.index(P.Frame.TOKEN)
+    before = [body for k, body in asked[:first_token] if k == P.Frame.PROGRESS]
+    # >= 4.5 s of prefill at one frame per 0.5 s: several, each saying what it waits for.
+    assert len(before) >= 3 and all(b == {"phase": "prefill"} for b in before)
+    assert kinds[-1] == P.Frame.DONE
+    # A client that did not ask (an older one) never sees the frame type.
+    plain = frames(decode, wire)
+    assert P.Frame.PROGRESS not in [k for k, _ in plain]
+    assert [b["id"] for k, b in plain if k == P.Frame.TOKEN] == [
+        b["id"] for k, b in asked if k == P.Frame.TOKEN
+    ]
+
+
+def test_a_prefill_longer_than_the_timeout_is_no_failure(
+    cluster: tuple[AgentProc, list[AgentProc]],
+) -> None:
+    prefill, decodes = cluster
+    r = router(prefill, decodes[:1])
+    res = r.run("tiny", LONG.replace(max_tokens=8, placement="remote"))
+    assert res.metrics["method"] == "disaggregated"  # waited for the slow prefill agent
+    assert res.metrics.ttft is not None and res.metrics.ttft > TIMEOUT_S
+    assert not res.metrics.rerouted_from and not r.down_until
+
+
+def test_a_stream_longer_than_the_timeout_completes(
+    cluster: tuple[AgentProc, list[AgentProc]],
+) -> None:
+    prefill, decodes = cluster
+    r = router(prefill, decodes[:1])
+    times: list[float] = []
+    res = r.run("tiny", LONG, on_token=slow_reader(times))
+    assert len(res.token_ids) == LONG.max_tokens == len(times)
+    assert times[-1] - times[0] > TIMEOUT_S  # tokens kept coming for longer than the timeout
+    assert not res.metrics.rerouted_from and not r.down_until  # nobody was marked down
+
+
+def test_queued_for_longer_than_the_timeout_is_no_failure(
+    cluster: tuple[AgentProc, list[AgentProc]],
+) -> None:
+    """One batch slot, two long streams: the second waits for the first to end."""
+    prefill, decodes = cluster
+    r = router(prefill, decodes[:1])
+    results: list[Any] = []
+
+    def run() -> None:
+        results.append(r.run("tiny", LONG, on_token=slow_reader([])))
+
+    workers = [threading.Thread(target=run) for _ in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(300)
+    assert len(results) == 2
+    assert all(len(res.token_ids) == LONG.max_tokens for res in results)
+    assert max(res.metrics["queue_time"] for res in results) > TIMEOUT_S
+    assert not r.down_until
+
+
+def in_flight(agent: AgentProc) -> int:
+    return int(agent.status()["in_flight"])
+
+
+def test_a_silent_agent_is_failed_over_within_the_timeout(
+    cluster: tuple[AgentProc, list[AgentProc]],
+) -> None:
+    prefill, decodes = cluster
+    r = router(prefill, decodes)
+    req = LONG.replace(max_tokens=1500)
+    undisturbed = r.run("tiny", req)
+    box: dict[str, Any] = {}
+    worker = threading.Thread(target=lambda: box.update(r=r.run("tiny", req)))
+    worker.start()
+    deadline = time.monotonic() + 60
+    while not any(in_flight(d) for d in decodes):
+        assert time.monotonic() < deadline, "no decode agent took the request"
+        time.sleep(0.02)
+    victim = next(d for d in decodes if in_flight(d))
+    stopped_at = time.monotonic()
+    os.kill(victim.proc.pid, signal.SIGSTOP)  # alive, connected, and silent
+    try:
+        while victim.name not in r.down_until:
+            assert time.monotonic() - stopped_at < TIMEOUT_S + 3, "not failed over in time"
+            time.sleep(0.02)
+        worker.join(120)
+    finally:
+        os.kill(victim.proc.pid, signal.SIGCONT)
+    res = box["r"]
+    assert res.token_ids == undisturbed.token_ids
+    [why] = res.metrics["rerouted_from"]
+    assert why.startswith(victim.name) and f"sent nothing for {TIMEOUT_S:g}s" in why
+
+
+def test_a_total_deadline_only_where_the_caller_sets_one(
+    cluster: tuple[AgentProc, list[AgentProc]],
+) -> None:
+    prefill, decodes = cluster
+    r = router(prefill, decodes)
+    t0 = time.monotonic()
+    with pytest.raises(RequestTimeout, match="deadline of 1.5s"):
+        r.run("tiny", LONG, on_token=slow_reader([]), deadline_s=1.5)
+    assert time.monotonic() - t0 < 1.5 + TIMEOUT_S  # bounded by the caller's deadline
+    assert not r.down_until  # the agent was working: it is not marked down
+
+
+def test_the_worker_pool_is_the_clusters_batch_capacity(
+    cluster: tuple[AgentProc, list[AgentProc]],
+) -> None:
+    prefill, decodes = cluster
+    r = router(prefill, decodes)
+    assert batch_capacity(r) == sum(d.status()["max_batch"] for d in decodes) == 2
+    pool = Workers.for_router(r)
+    assert (pool.size, pool.limit) == (2, QUEUE_FACTOR * 2)
+    configured = Workers.for_router(r, 5, 7)
+    assert (configured.size, configured.limit) == (5, 7)
+    pool.shutdown()
+    configured.shutdown()
+
+
+# -- the gateway ----------------------------------------------------------------
+
+STORY: Any = [{"role": "user", "content": "Write a very long story about the sea."}]
+
+
+@pytest.fixture(scope="module")
+def gateway(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """`disagg serve --local --workers 1 --max-requests 1`; yields its TMPDIR
+    (serve.log, and its agents' logs and token)."""
+    tmp = tmp_path_factory.mktemp("admission")
+    proc, port = start_serve(
+        "--workers",
+        "1",
+        "--max-requests",
+        "1",
+        log_path=tmp / "serve.log",
+        env={"TMPDIR": str(tmp)},
+    )
+    (tmp / "port").write_text(str(port))
+    try:
+        yield tmp
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def base(tmp: Path) -> str:
+    return f"http://127.0.0.1:{(tmp / 'port').read_text()}"
+
+
+def decode_control(tmp: Path, path: str) -> dict[str, Any]:
+    """The serve process's decode agent's /status or /health, over its control port
+    with the cluster token."""
+    [log] = tmp.glob("disagg-logs-*/decode/decode.log")
+    found = re.search(r"serving decode on \S+ port \d+ \(control (\d+)\)", log.read_text())
+    assert found, log.read_text()
+    [token] = tmp.glob("disagg-local-*/token")
+    raw = control_get("127.0.0.1", int(found[1]), path, token.read_bytes().strip(), 5)
+    return parse_status(raw)
+
+
+def decode_status(tmp: Path) -> dict[str, Any]:
+    return decode_control(tmp, "/status")
+
+
+def wait(cond: Callable[[], bool], what: str, limit_s: float = 120) -> None:
+    """Until cond() holds; the limit is a hang guard, not a speed bar."""
+    deadline = time.monotonic() + limit_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_full_gateway_answers_429_and_503_with_retry_after_then_recovers(gateway: Path) -> None:
+    oai = openai.OpenAI(base_url=base(gateway) + "/v1", api_key="unused", max_retries=0)
+    model = oai.models.list().data[0].id
+    stream = oai.chat.completions.create(
+        model=model, messages=STORY, max_tokens=4000, temperature=0, stream=True
+    )
+    body = {"model": model, "prompt": "Hi", "stream": False, "options": {"num_predict": 2}}
+    try:
+        # The first text: the stream holds the one worker while it decodes on.
+        next(c for c in stream if c.choices and c.choices[0].delta.content)
+        with pytest.raises(openai.RateLimitError) as refused:
+            oai.completions.create(model=model, prompt="Hi", max_tokens=2)
+        assert refused.value.status_code == 429
+        assert refused.value.response.headers["retry-after"] == "1"
+        error = refused.value.response.json()["error"]
+        assert error["code"] == "rate_limit_exceeded" and "limit of 1 requests" in error["message"]
+        full = httpx.post(base(gateway) + "/api/generate", json=body, timeout=60)
+        assert full.status_code == 503 and full.headers["retry-after"] == "1"
+        assert "limit of 1 requests" in full.json()["error"]
+    finally:
+        stream.close()  # hang up mid-stream: the worker stops at the next token
+    # The official client retries a 429 after its Retry-After: the slot is free again.
+    again = oai.with_options(max_retries=5).completions.create(
+        model=model, prompt="Hi", max_tokens=2, temperature=0
+    )
+    assert again.usage is not None and again.usage.completion_tokens >= 1
+    answer = httpx.post(base(gateway) + "/api/generate", json=body, timeout=120)
+    assert answer.status_code == 200 and answer.json()["done"] is True
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"messages": STORY, "max_tokens": 4000, "stream": True}),
+        ("/api/chat", {"messages": STORY, "options": {"num_predict": 4000}}),
+    ],
+)
+def test_a_client_leaving_mid_stream_leaves_no_error(
+    gateway: Path, path: str, body: dict[str, Any]
+) -> None:
+    model = httpx.get(base(gateway) + "/v1/models", timeout=30).json()["data"][0]["id"]
+    with (
+        httpx.Client(timeout=120) as http,
+        http.stream("POST", base(gateway) + path, json={"model": model, **body}) as response,
+    ):
+        assert response.status_code == 200
+        pieces = (line for line in response.iter_lines() if line.strip())
+        got = [next(pieces) for _ in range(4)]  # a few pieces of text, then hang up
+        assert all("content" in line for line in got)
+    wait(lambda: decode_status(gateway)["in_flight"] == 0, "the decode agent to stop")
+    log = (gateway / "serve.log").read_text(errors="replace")
+    assert "generator already executing" not in log and "Traceback" not in log
+    assert decode_control(gateway, "/health")["ok"] is True  # the agent stays healthy
+    oai = openai.OpenAI(base_url=base(gateway) + "/v1", api_key="unused", max_retries=5)
+    again = oai.completions.create(model=model, prompt="Hi", max_tokens=2, temperature=0)
+    assert again.choices and again.usage is not None

@@ -1,0 +1,244 @@
+"""The prefill agent under load: its device goes to waiting prompts fairly
+(first come first served, shorter or cached ones ahead, nobody overtaken
+without bound), and a peer that stops reading its K/V holds up nobody else."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from agents import protocol as P
+from agents.kvcodec import DTYPE_NAMES, Codec, Kind, LayerKV
+from agents.prefillqueue import FairQueue, Ticket, pick
+from disagg.serving.localagents import AgentProc
+from tests.conftest import PairFactory, ask, remote_request
+
+STALL_S = 45.0  # the agent's --kv-stall-timeout here
+CEILING_S = 40.0  # hang guard for the short prefill: inside the stuck peer's deadline
+
+
+# --- the queue's order, no timing ---------------------------------------------
+
+
+def order(tickets: list[Ticket], max_bypass: int = 4) -> list[int]:
+    """Serve every waiting ticket with `pick`, as the queue does; their seqs in order."""
+    waiting, served = list(tickets), []
+    while waiting:
+        i = pick(waiting, max_bypass)
+        for older in waiting[:i]:
+            older.bypassed += 1
+        served.append(waiting.pop(i).seq)
+    return served
+
+
+def test_equal_prompts_are_served_first_come_first_served() -> None:
+    # 130..220 tokens are one cost class (128..255): nobody jumps anybody.
+    assert order([Ticket(i, 130 + 10 * i) for i in range(10)]) == list(range(10))
+    assert order([Ticket(i, 220 - 10 * i) for i in range(10)]) == list(range(10))
+
+
+def test_short_prompts_and_prefix_hits_go_first() -> None:
+    # seq 1 is a 40-token prompt, seq 2 a 2000-token prompt whose 1984 cached
+    # tokens leave 16 to compute: both go ahead of the long ones.
+    tickets = [Ticket(0, 2000), Ticket(1, 40), Ticket(2, 16), Ticket(3, 1500)]
+    assert order(tickets) == [2, 1, 0, 3]
+
+
+def test_a_long_prompt_is_overtaken_at_most_max_bypass_times() -> None:
+    tickets = [Ticket(0, 4000)] + [Ticket(i, 20) for i in range(1, 20)]
+    served = order(tickets, max_bypass=3)
+    assert served.index(0) == 3  # three short ones went ahead, then its turn
+    assert served[4:] == list(range(4, 20))
+
+
+def test_the_queue_hands_the_device_on_in_pick_order() -> None:
+    q = FairQueue(max_bypass=2)
+    served: list[str] = []
+    lock = threading.Lock()
+
+    def run(name: str, tokens: int) -> None:
+        with q.slot(tokens), lock:
+            served.append(name)
+
+    held = threading.Event()
+    release = threading.Event()
+
+    def holder() -> None:
+        with q.slot(1):
+            held.set()
+            release.wait()
+
+    threads = [threading.Thread(target=holder)]
+    threads[0].start()
+    held.wait()
+    # Arrive one at a time while the device is held, so the arrival order is known.
+    for i, (name, tokens) in enumerate(
+        [("long-a", 3000), ("long-b", 3000), ("short-1", 30), ("short-2", 30), ("short-3", 30)]
+    ):
+        t = threading.Thread(target=run, args=(name, tokens))
+        t.start()
+        threads.append(t)
+        while q.snapshot()["waiting"] < i + 1:
+            time.sleep(0.001)
+    release.set()
+    for t in threads:
+        t.join()
+    # Two shorts overtake both longs (the bound), then the longs go in their
+    # order, and only then the third short.
+    assert served == ["short-1", "short-2", "long-a", "long-b", "short-3"]
+    snap = q.snapshot()
+    assert snap["busy"] is False and snap["waiting"] == 0 and snap["served"] == 6
+
+
+# --- the K/V sender: bounded, and a stalled peer is cut -------------------------
+
+
+def big_layer(i: int, mb: int = 4) -> LayerKV:
+    n = (mb << 20) // 8  # float32 K and V, mb MiB in all
+    arr = np.zeros((1, n // 64, 64), np.float32)
+    return LayerKV(i, Kind.FULL, DTYPE_NAMES["float32"], arr, arr)
+
+
+def unread_pair() -> tuple[socket.socket, socket.socket]:
+    """A connected pair whose reading end nobody reads."""
+    a, b = socket.socketpair()
+    a.settimeout(600)  # as the agent's sockets: a send returns what fitted, not all
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)
+    b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+    return a, b
+
+
+def test_the_sender_drops_a_peer_that_lets_its_buffer_fill() -> None:
+    from agents.prefill import LayerSender, PeerStalled
+
+    a, b = unread_pair()
+    with a, b:
+        sender = LayerSender(a, Codec.RAW, max_buffer_bytes=6 << 20, stall_s=600)
+        sender.put(big_layer(0))  # 4 MiB: more than the socket takes, so it stays queued
+        with pytest.raises(PeerStalled, match="waiting for it"):
+            sender.put(big_layer(1))  # 8 MiB would wait: over the 6 MiB bound
+        t0 = time.monotonic()
+        sender.close()  # the cut socket frees the sender thread at once
+        assert time.monotonic() - t0 < 30  # hang guard only
+        assert not sender.thread.is_alive() and sender.buffered == 0
+
+
+def test_the_sender_cuts_a_peer_that_takes_nothing_for_the_stall_deadline() -> None:
+    from agents.prefill import LayerSender, PeerStalled
+
+    a, b = unread_pair()
+    with a, b:
+        sender = LayerSender(a, Codec.RAW, stall_s=0.5)
+        sender.put(big_layer(0))
+        with pytest.raises(PeerStalled, match="took no K/V"):
+            sender.drain()
+        sender.close()
+        assert not sender.thread.is_alive()
+
+
+def test_a_slow_reader_that_keeps_reading_is_not_cut() -> None:
+    from agents.prefill import LayerSender
+
+    a, b = unread_pair()
+    got = 0
+
+    def read_slowly() -> None:
+        nonlocal got
+        while chunk := b.recv(32 << 10):  # ~128 kB/s: the 1 MiB frame takes ~8 s
+            got += len(chunk)
+            time.sleep(0.25)
+
+    reader = threading.Thread(target=read_slowly)
+    reader.start()
+    with a, b:
+        sender = LayerSender(a, Codec.RAW, stall_s=3)
+        t0 = time.monotonic()
+        sender.put(big_layer(0, mb=1))
+        sender.drain()  # no PeerStalled: bytes kept going out
+        took = time.monotonic() - t0
+        sender.close()
+        a.shutdown(socket.SHUT_WR)
+        reader.join()
+    assert took > 3  # the frame outlasted the deadline, yet it was not cut
+    assert got >= 1 << 20
+
+
+# --- a real prefill agent with a peer that stops reading ----------------------
+
+
+@pytest.fixture(scope="module")
+def agents(default_model: Any, agent_pair: PairFactory) -> tuple[AgentProc, AgentProc]:
+    return agent_pair(default_model, prefill_args=["--kv-stall-timeout", str(STALL_S)])
+
+
+def stuck_peer(prefill: AgentProc, n_tokens: int) -> socket.socket:
+    """Authenticate, say HELLO, send a PREFILL of `n_tokens`, then never read."""
+    fp = prefill.status()["fingerprint"]
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a small window
+    s.settimeout(30)
+    s.connect((prefill.host, prefill.port))
+    P.client_auth(s, prefill.token)
+    P.send_json(s, P.Frame.HELLO, {"fingerprint": fp, "model": "stuck-peer"})
+    P.recv_json(s, P.Frame.HELLO_OK)
+    ids = [100 + (i * 37) % 40000 for i in range(n_tokens)]
+    P.send_json(s, P.Frame.PREFILL, {"token_ids": ids, "codec": 0})
+    return s
+
+
+def wait_for(what: str, cond: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s:.0f}s: {what}")
+        time.sleep(0.2)
+
+
+def sending(prefill: AgentProc) -> dict[str, Any]:
+    out: dict[str, Any] = prefill.status()["kv_send"]
+    return out
+
+
+def stalled(prefill: AgentProc) -> bool:
+    """One request holds K/V its peer does not read, and none is computing."""
+    s = prefill.status()
+    sends, queue = s["kv_send"], s["queue"]
+    return sends["requests"] == 1 and sends["stalled_s"] > 2 and not queue["busy"]
+
+
+def test_a_peer_that_stops_reading_delays_nobody_elses_prefill(
+    agents: tuple[AgentProc, AgentProc],
+) -> None:
+    prefill, decode = agents
+    short = remote_request(prefill, "The capital of France is", max_tokens=2)
+    reference = ask(decode, short)  # warm, and the tokens to expect
+    stuck = stuck_peer(prefill, 320)  # ~15 MB of K/V, far past the socket buffers
+    try:
+        # Precondition: its forward pass is over (the device is free) and its K/V
+        # send is blocked on the socket.
+        wait_for("the stuck peer's send stalls", lambda: stalled(prefill), 180)
+        t0 = time.monotonic()
+        served = ask(decode, short, timeout_s=CEILING_S + 20)
+        took = time.monotonic() - t0
+        after = sending(prefill)
+        print(f"short prefill beside a stuck peer: {took:.2f}s; stuck: {after}")
+        assert served.metrics["method"] == "disaggregated"
+        assert served.token_ids == reference.token_ids
+        assert took < CEILING_S  # a hang guard; today it is about as fast as alone
+        # ... and the stuck request was still stuck when it finished.
+        assert after["requests"] == 1 and after["stalled_s"] > 2
+        assert after["buffered_bytes"] > 0
+        # The stall deadline then cuts the stuck peer off, and only it.
+        wait_for("the stuck peer is cut", lambda: sending(prefill)["requests"] == 0, STALL_S + 60)
+    finally:
+        stuck.close()
+    metrics = prefill.control("/metrics").decode()
+    assert 'outcome="peer_stalled"} 1' in metrics
+    assert "peer stopped reading: it took no K/V" in prefill.log_path.read_text()
+    assert ask(decode, short).token_ids == reference.token_ids
