@@ -33,6 +33,7 @@ from .grammar import ANALYSIS_MAX_TOKENS, Grammars, Matcher
 from .keepalive import Keepalive, progress_interval
 from .kvcodec import Codec, LayerKV
 from .kvfetch import PrefillUnavailable, fetch_kv
+from .kvinplace import Slots, allocate, inplace_enabled
 from .kvplace import MX_DTYPES, cache_kinds, fill_layer
 from .metrics import Stats
 from .models import get_adapter, load_hf_config
@@ -433,8 +434,26 @@ class DecodeAgent:
             "allow_mixed": self.allow_mixed,
         }
         fills: list[Future[Any]] = []
+        # Full-attention layers are received straight into their caches, which
+        # the mlx thread allocates while we dial (agents.kvinplace).
+        fp = self.engine.fingerprint
+        alloc: Future[Slots] | None = None
+        if inplace_enabled():
+            alloc = self.loop.post(
+                allocate, caches, len(ids), self.engine.dtype, fp["num_kv_heads"], fp["head_dim"]
+            )
+
+        def slots() -> Slots:
+            assert alloc is not None
+            got: Slots = alloc.result()
+            if hit.tokens:
+                got.prefix_start = hit.tokens
+                got.fill_prefix = lambda layer, k, v: self.prefix.fill_prefix(hit, layer, k, v)
+            return got
 
         def place(cache: Any, kv: LayerKV, prompt_len: int) -> None:
+            if alloc is not None and kv.layer in alloc.result().placed:
+                return  # received into its cache already
             # A copy: the reader reuses its buffer for the next layer at once
             # (a layer extended with a cached prefix is a new array already).
             own = kv
@@ -455,10 +474,20 @@ class DecodeAgent:
                 cache_salt=req.cache_salt,
             )
             fetched, logits = fetch_kv(
-                req.prefill, ask, caches, hello, self.token, self.engine.vocab_size, place, prefix
+                req.prefill,
+                ask,
+                caches,
+                hello,
+                self.token,
+                self.engine.vocab_size,
+                place,
+                prefix,
+                slots if alloc is not None else None,
             )
             for f in fills:
                 f.result()
+            if alloc is not None:
+                alloc.result().release()  # so decoding updates the caches in place
         except PrefillUnavailable as e:
             log.warning("%s; prefilling locally", e)
             metrics.update(method="local-fallback", fallback_reason=str(e), fallback_kind=e.kind)

@@ -21,6 +21,7 @@ from .kvcodec import (
     decode_layer,
     layer_cap,
 )
+from .kvinplace import Slots, receive_layer
 from .kvplace import check_layer, fill_layer
 from .prefix.store import Prefix
 from .request import PrefillRequest, PrefillTarget
@@ -28,6 +29,9 @@ from .request import PrefillRequest, PrefillTarget
 # Puts one received layer into its cache: fill_layer itself, or a hand-off of a
 # copy to the thread that owns mlx (the reader's buffer is reused for the next).
 Place = Callable[[Any, LayerKV, int], None]
+# The request's caches allocated for receiving in place (agents.kvinplace),
+# asked for when the first layer arrives (the mlx thread allocates meanwhile).
+SlotsSource = Callable[[], Slots]
 
 
 FALLBACK_KINDS = ("unreachable", "timeout", "stream", "prefill_error")
@@ -102,9 +106,13 @@ def receive_layers(
     vocab_size: int | None,
     place: Place,
     prefix: Prefix | None,
+    slots: SlotsSource | None = None,
 ) -> Received:
     """Send the PREFILL and take its stream: each layer checked and placed as it
-    arrives, then the last position's logits and PREFILL_DONE."""
+    arrives, then the last position's logits and PREFILL_DONE. With `slots`, a
+    layer that fits lands in its cache's memory as it is read (then `place`
+    gets views of it, in slots.placed); otherwise the reader's buffer is
+    decoded and `place` copies out."""
     ids = request.token_ids
     m: dict[str, Any] = {
         "kv_bytes": 0,
@@ -128,22 +136,32 @@ def receive_layers(
     max_frame = max(wire_cap, 4 * (vocab_size or 0), P.CONTROL_MAX_FRAME)
     # One buffer for every layer: fill_layer copies out.
     reader = P.FrameReader(sock, max_frame)
+    into: Slots | None = None
     while True:
-        header, payload = reader.read()
+        header = reader.next()
         if header.type == P.Frame.KV_LAYER:
-            t_payload = time.perf_counter()
+            if slots is not None:
+                into = into or slots()
+                kv, t_payload, raw_bytes = receive_layer(reader, header, into, cap)
+            else:
+                payload = reader.buffer(header.length)
+                reader.read_into(payload)
+                reader.finish()
+                t_payload = time.perf_counter()
+                kv = decode_layer(payload, max_bytes=cap)
+                raw_bytes = block_bytes(kv)
+            # In place, receiving raw bytes is decoding them: counted as link time.
+            m["kv_decode_time"] += time.perf_counter() - t_payload
             if header.length >= MIN_LINK_FRAME:
                 # From the header's arrival: time on the wire, not waiting for compute.
                 m["kv_link_bytes"] += header.length
                 m["kv_link_time"] += t_payload - reader.header_at
-            kv = decode_layer(payload, max_bytes=cap)
-            m["kv_decode_time"] += time.perf_counter() - t_payload
             if kv.quant is not None and kv.quant != request.kv_quant:
                 raise P.ProtocolError(f"{kv.quant} K/V for a request that asked for lossless")
             m["kv_quant"] = kv.quant
             # The codec's own bytes, so codecpick's ratio is not the quantizer's.
-            m["kv_raw_bytes"] += block_bytes(kv)
-            m["kv_payload_bytes"] += len(payload) - LAYER_HEADER.size
+            m["kv_raw_bytes"] += raw_bytes
+            m["kv_payload_bytes"] += header.length - LAYER_HEADER.size
             if not 0 <= kv.layer < len(caches) or kv.layer in got:
                 raise P.ProtocolError(f"unexpected KV for layer {kv.layer}")
             if kv.keys.shape[0] != heads or kv.keys.shape[2] != head_dim:
@@ -160,8 +178,12 @@ def receive_layers(
                 first = last
                 m["kv_first_layer_at"] = time.time()
             got.add(kv.layer)
-            m["kv_bytes"] += P.HEADER.size + len(payload)
-        elif header.type == P.Frame.LOGITS:
+            m["kv_bytes"] += P.HEADER.size + header.length
+            continue
+        payload = reader.buffer(header.length)
+        reader.read_into(payload)
+        reader.finish()
+        if header.type == P.Frame.LOGITS:
             if len(payload) % 4:
                 raise P.ProtocolError(f"LOGITS of {len(payload)} bytes: not float32s")
             logits = np.frombuffer(bytes(payload), np.float32)
@@ -191,6 +213,7 @@ def fetch_kv(
     vocab_size: int | None = None,
     place: Place = fill_layer,
     prefix: Prefix | None = None,
+    slots: SlotsSource | None = None,
 ) -> tuple[dict[str, Any], np.ndarray]:
     """Fill `caches` with the K/V of `request.token_ids` from the prefill agent;
     return metrics and the float32 logits of the prompt's last position.
@@ -200,6 +223,7 @@ def fetch_kv(
     With `prefix`, the decode side holds the first `prefix.start` positions and
     asked only for the rest; a full-attention layer that arrives as just those
     is extended with them (an older prefill agent sends all: taken as is).
+    With `slots`, layers that fit are received in place (agents.kvinplace).
 
     Raises PrefillUnavailable when the agent is down, slow past its timeout, fails,
     or drops the stream (the caller prefills locally); RemoteError only for a
@@ -212,7 +236,14 @@ def fetch_kv(
         addr = session.addr
         try:
             got = receive_layers(
-                session.sock, request, caches, hello["fingerprint"], vocab_size, place, prefix
+                session.sock,
+                request,
+                caches,
+                hello["fingerprint"],
+                vocab_size,
+                place,
+                prefix,
+                slots,
             )
         finally:
             session.sock.close()

@@ -294,7 +294,12 @@ class FrameReader:
     the largest frame, receiving allocates nothing (the KV stream's layers are
     all one size). A payload is a view of that buffer, valid until the next
     `read`; `header_at` is when the last header had arrived (perf_counter).
-    For authenticated peers only: a frame's buffer is sized from its header."""
+    For authenticated peers only: a frame's buffer is sized from its header.
+
+    `read` takes a whole frame; `next`, `read_into` (any views, in order, until
+    the payload is taken) and `finish` take one in pieces, so a payload can land
+    where it is finally kept (agents.kvinplace). A sealed frame's tag is checked
+    in `finish`, before anyone uses what it carried."""
 
     def __init__(self, sock: socket.socket, max_frame: int = DEFAULT_MAX_FRAME) -> None:
         self.sock = sock
@@ -302,19 +307,73 @@ class FrameReader:
         self.header_at = 0.0
         self._head = bytearray(HEADER.size)
         self._buf = bytearray(0)
+        self._header: Header | None = None
+        self._left = 0  # payload bytes of the current frame not yet read
+        self._mac: Any = None  # the current sealed frame's running HMAC
 
     def read(self) -> tuple[Header, memoryview]:
+        header = self.next()
+        view = self.buffer(header.length)
+        self.read_into(view)
+        self.finish()
+        return header, view
+
+    def next(self) -> Header:
+        """The next frame's header; its payload is read with read_into."""
         _recv_header(self.sock, self._head, None)
         self.header_at = time.perf_counter()
         header = parse_header(self._head, self.max_frame)
-        if header.length > len(self._buf):
-            self._buf = bytearray(header.length)  # the old one lives on in old views only
-        view = memoryview(self._buf)[: header.length]
-        _recv_into(self.sock, view, None)
         seal = _SEALS.get(self.sock)
-        if seal is not None:  # checked before anyone decodes, places or caches it
-            seal.verify(header, self._head, view, recv_exact(self.sock, TAG_BYTES, None))
-        return header, view
+        self._mac = seal.start(self._head) if seal is not None else None
+        self._header, self._left = header, header.length
+        return header
+
+    def buffer(self, n: int) -> memoryview:
+        """`n` bytes of the reusable buffer (grown to fit), valid until the next call."""
+        if n > len(self._buf):
+            self._buf = bytearray(n)  # the old one lives on in old views only
+        return memoryview(self._buf)[:n]
+
+    def read_into(self, view: memoryview) -> None:
+        """The current payload's next len(view) bytes, into `view`."""
+        if len(view) > self._left:
+            raise ProtocolError(f"read of {len(view)} bytes past the frame's end")
+        _recv_into(self.sock, view, None)
+        self._left -= len(view)
+        if self._mac is not None:
+            self._mac.update(view)
+
+    def read_into_many(self, views: list[memoryview]) -> None:
+        """read_into for several views in order, each recv filling as many as the
+        socket has bytes for (recvmsg_into: fewer wakeups than one view at a time)."""
+        total = sum(len(v) for v in views)
+        if total > self._left:
+            raise ProtocolError(f"read of {total} bytes past the frame's end")
+        pending = [v for v in views if len(v)]
+        got = 0
+        while pending:
+            n = self.sock.recvmsg_into(pending[:512])[0]  # IOV_MAX is 1024
+            if n == 0:
+                raise ProtocolError(f"connection closed after {got} of {total} bytes")
+            got += n
+            while n:
+                if n >= len(pending[0]):
+                    n -= len(pending.pop(0))
+                else:
+                    pending[0], n = pending[0][n:], 0
+        self._left -= total
+        if self._mac is not None:
+            for v in views:
+                self._mac.update(v)
+
+    def finish(self) -> None:
+        """End the current frame: its payload must be all read; check its tag."""
+        if self._left or self._header is None:
+            raise ProtocolError(f"frame ended with {self._left} payload bytes unread")
+        seal = _SEALS.get(self.sock)
+        if seal is not None and self._mac is not None:
+            seal.check(self._header, self._mac, recv_exact(self.sock, TAG_BYTES, None))
+        self._header, self._mac = None, None
 
 
 def decode_json(header: Header, payload: bytes | bytearray | memoryview) -> dict[str, Any]:
@@ -439,8 +498,19 @@ class Seal:
     def verify(
         self, header: Header, head: bytes | bytearray, payload: Any, tag: bytes | bytearray
     ) -> None:
-        want = self._tag(self.recv_key, self.received, head, [payload])
-        if not hmac.compare_digest(bytes(tag), want):
+        mac = self.start(head)
+        mac.update(payload)
+        self.check(header, mac, tag)
+
+    def start(self, head: bytes | bytearray) -> Any:
+        """The running HMAC of the next received frame, over its header so far
+        (the payload is added as it arrives; `check` ends it)."""
+        h = hmac.new(self.recv_key, self.received.to_bytes(8, "little"), hashlib.sha256)
+        h.update(head)
+        return h
+
+    def check(self, header: Header, mac: Any, tag: bytes | bytearray) -> None:
+        if not hmac.compare_digest(bytes(tag), mac.digest()):
             raise IntegrityError(
                 f"{header.type.name} frame {self.received} failed its integrity check "
                 "(altered on the path?): connection dropped"

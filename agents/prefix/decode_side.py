@@ -133,6 +133,21 @@ class DecodePrefix:
 
         return Prefix(hit.tokens, prefix_digest(ids[: hit.tokens]), extend)
 
+    # -- receive in place (agents.kvinplace) ---------------------------------------
+
+    def fill_prefix(self, hit: Hit, layer: int, keys: np.ndarray, values: np.ndarray) -> None:
+        """Copy the hit's blocks of a full layer into `keys`/`values` ([H, hit.tokens, D]
+        views of its cache), block by block: no concatenated copy."""
+        hit.used = True
+        b = hit.block
+        for i, blk in enumerate(hit.blocks):
+            part = blk.layers[layer]
+            assert part is not None
+            keys[:, i * b : (i + 1) * b] = part[0]
+            values[:, i * b : (i + 1) * b] = part[1]
+
+    # ------------------------------------------------------------------------------
+
     def store(self, hit: Hit, spans: list[Span | None]) -> int:
         """Store the request's new blocks from `spans` (per layer, None: not
         there). Every full layer is needed; sliding ones too for a local hit's
