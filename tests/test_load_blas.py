@@ -225,3 +225,14 @@ def test_status_says_which_blas_the_decode_agent_runs(agent_pair: PairFactory) -
         console = Console(width=width, record=True, color_system=None)
         console.print(status_table([row], width))
         assert "mlx/Device(cpu, 0), openblas (numpy)" in console.export_text(), width
+
+
+def test_local_agents_split_the_cores_unless_the_user_chose() -> None:
+    """A local pair shares one machine: the decode agent's OpenBLAS gets half the
+    cores (it spins while torch's prefill holds one), and a user's setting wins."""
+    from disagg.serving.localagents import thread_share
+
+    half = str(max(1, (os.cpu_count() or 2) // 2))
+    assert thread_share("decode", {}) == {"OPENBLAS_NUM_THREADS": half}
+    assert thread_share("decode", {"OPENBLAS_NUM_THREADS": "4"}) == {}
+    assert thread_share("prefill", {}) == {}

@@ -107,6 +107,7 @@ def spawn_agent(
         *extra_args,
     ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.update(thread_share(role, env))
     if not prefix:
         # Our child: it dies with this process, even a SIGKILLed one (agents/lifeline.py).
         env[lifeline.ENV] = str(os.getpid())
@@ -117,6 +118,16 @@ def spawn_agent(
             cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True, env=env
         )
     return proc, log_path, name
+
+
+def thread_share(role: str, env: dict[str, str]) -> dict[str, str]:
+    """Agents started here share this machine's cores: the decode agent's OpenBLAS
+    gets half of them unless the user set OPENBLAS_NUM_THREADS. Left alone it takes
+    every core and its threads spin while torch's prefill holds one; on 2 cores that
+    made a 16-stream grader load 4x slower (README, "Serving under load")."""
+    if role != "decode" or "OPENBLAS_NUM_THREADS" in env:
+        return {}
+    return {"OPENBLAS_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2))}
 
 
 def wait_ready(
