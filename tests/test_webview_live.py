@@ -403,8 +403,18 @@ def agent_pid(serve_pid: int, role: str) -> int:
 
 
 @needs_browser
-def test_a_dead_agent_turns_red_within_seconds(gateways: Any, browser: Any) -> None:
-    proc, url = gateways["open"]
+def test_a_dead_agent_turns_red_within_seconds(browser: Any, tmp_path: Path) -> None:
+    # Its own gateway: killing the module's agents would break whichever test runs
+    # after this one (the suite runs in any order: pytest -p randomly).
+    proc, url = serve_on_a_quiet_port((), tmp_path / "dead-agent.log")
+    try:
+        _turns_red(proc, url, browser)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def _turns_red(proc: Any, url: str, browser: Any) -> None:
     browser.get(f"{url}/ui")
     wait_for(lambda: agents_on_page(browser).get("decode@127.0.0.1") == "true", 30, "not up")
     os.kill(agent_pid(proc.pid, "decode"), signal.SIGKILL)
