@@ -121,7 +121,12 @@ def browser() -> Iterator[Any]:
 def wait_for(what: Callable[[], Any], seconds: float, message: str) -> Any:
     deadline = time.monotonic() + seconds
     while True:
-        got = what()
+        try:
+            got = what()
+        except Exception as e:  # selenium's, named so the module imports without it
+            if type(e).__name__ != "StaleElementReferenceException":
+                raise
+            got = None  # the page re-rendered a row between finding and reading it
         if got:
             return got
         if time.monotonic() > deadline:
