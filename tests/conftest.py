@@ -4,7 +4,6 @@ agents as processes on 127.0.0.1, shared across a test module."""
 from __future__ import annotations
 
 import os
-import random
 import socket
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import pytest
 
 from disagg.serving import wireclient as client
 from disagg.serving.defaultmodel import ensure_default_model
-from disagg.serving.localagents import AgentProc, start_local_pair
+from disagg.serving.localagents import AgentProc, free_port, start_local_pair
 from tests.tinymodels import PROMPT, make_tiny
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -147,22 +146,6 @@ class LocalServer:
 
     def close(self) -> None:
         self.listener.close()
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 nobody listens on right now, below the range the
-    OS hands out for port 0: agents started meanwhile (port 0) cannot take it
-    before the process it is meant for binds it."""
-    ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")
-    low = int(ranges.read_text().split()[0]) if ranges.exists() else 32768
-    for port in random.sample(range(max(1024, low - 12000), low), 200):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port below the ephemeral range")
 
 
 def start_serve(

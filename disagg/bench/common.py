@@ -63,6 +63,12 @@ def long_text(count_tokens: Callable[[str], int], target: int) -> str:
         for i in range(target)  # every line is several tokens: more than enough
     )
     words = ("Here is an inventory.\n" + "\n".join(lines)).split(" ")
+    return fitting_prefix(words, count_tokens, target)
+
+
+def fitting_prefix(words: list[str], count_tokens: Callable[[str], int], target: int) -> str:
+    """The longest prefix of `words` (joined by spaces) of at most `target` tokens:
+    a binary search, since tokens grow with words."""
     lo, hi = 1, len(words)
     while lo < hi:
         mid = (lo + hi + 1) // 2

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 from rich.table import Table
 
-from disagg.bench.common import Say, Stamp, cell, quiet, table
+from disagg.bench.common import Say, Stamp, cell, fitting_prefix, quiet, table
 from disagg.bench.loadpeers import Server, Streamed, start_disagg, start_mlx_server, stream_chat
 from disagg.errors import AgentError
 
@@ -164,14 +164,7 @@ def seeded_text(count: Callable[[str], int], tokens: int, seed: int, head: str =
         if i % 12 == 11:
             words[-1] += "."
         words.append(rng.choice(WORDS) if i % 12 else rng.choice(WORDS).capitalize())
-    lo, hi = 1, len(words)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if count(" ".join(words[:mid])) <= tokens:
-            lo = mid
-        else:
-            hi = mid - 1
-    return " ".join(words[:lo])
+    return fitting_prefix(words, count, tokens)
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +25,7 @@ from typing import Any
 import httpx
 
 from disagg.errors import AgentError
+from disagg.serving.localagents import free_port
 
 MLX_SERVER = (
     "import sys\n"
@@ -35,21 +34,6 @@ MLX_SERVER = (
     "sys.argv[0] = 'mlx_lm.server'\n"
     "main()\n"
 )
-
-
-def free_port() -> int:
-    """A free port below the OS's ephemeral range: agents a server starts on port 0
-    cannot take it before the server binds it."""
-    ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")
-    low = int(ranges.read_text().split()[0]) if ranges.exists() else 32768
-    for port in random.sample(range(max(1024, low - 12000), low), 200):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise AgentError("no free TCP port on 127.0.0.1 below the ephemeral range")
 
 
 @dataclass

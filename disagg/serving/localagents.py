@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import queue
+import random
 import secrets
+import socket
 import subprocess
 import sys
 import tempfile
@@ -118,6 +120,21 @@ def spawn_agent(
             cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True, env=env
         )
     return proc, log_path, name
+
+
+def free_port() -> int:
+    """A free port below the OS's ephemeral range: agents a server starts on port 0
+    cannot take it before the server binds it."""
+    ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(ranges.read_text().split()[0]) if ranges.exists() else 32768
+    for port in random.sample(range(max(1024, low - 12000), low), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AgentError("no free TCP port on 127.0.0.1 below the ephemeral range")
 
 
 def thread_share(role: str, env: dict[str, str]) -> dict[str, str]:
