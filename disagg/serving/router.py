@@ -33,6 +33,11 @@ from disagg.serving import wireclient as client
 
 DOWN_FOR_S = 5.0  # a failed agent is skipped this long before it is probed again
 HEALTH_TTL_S = 2.0
+# A probe that times out within this long of the agent's last "ok" finds it busy, not
+# dead: on a loaded box /health can take over a second, and a healthy agent marked
+# down loses its chats' prefix affinity. A hung agent is failed over by the decode
+# idle deadline (which marks it down and forgets this grace), or after the grace.
+SLOW_GRACE_S = 30.0
 
 
 @dataclass
@@ -65,6 +70,11 @@ class Route:
     integrity: str = "mac"  # frames between its agents: see agents.protocol.INTEGRITY
 
 
+def _timed_out(e: BaseException) -> bool:
+    """urllib raises a timeout bare while reading, wrapped in URLError while connecting."""
+    return isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError)
+
+
 class StopGeneration(Exception):
     """Raised from a token callback to end a request early (a stop sequence matched)."""
 
@@ -77,6 +87,7 @@ class Router:
         self.busy: Counter[str] = Counter()
         self.down_until: dict[str, float] = {}
         self.health: dict[str, tuple[float, bool]] = {}
+        self.last_ok: dict[str, float] = {}  # when each agent last answered /health ok
         self.affinity = affinity.AffinityTable()  # prefix -> the decode agent holding it
 
     def models(self) -> list[str]:
@@ -109,8 +120,11 @@ class Router:
             with urllib.request.urlopen(url, timeout=1.0) as resp:
                 answer = json.loads(resp.read(1 << 16))
             ok = isinstance(answer, dict) and answer.get("ok") is True
-        except (OSError, ValueError, RecursionError):
-            ok = False
+        except (OSError, ValueError, RecursionError) as e:
+            ok = _timed_out(e) and now - self.last_ok.get(ep.name, -SLOW_GRACE_S) < SLOW_GRACE_S
+        else:
+            if ok:
+                self.last_ok[ep.name] = now
         self.health[ep.name] = (now, ok)
         return ok
 
@@ -118,6 +132,7 @@ class Router:
         with self.lock:
             self.down_until[ep.name] = time.monotonic() + DOWN_FOR_S
             self.health.pop(ep.name, None)
+            self.last_ok.pop(ep.name, None)
 
     def order(self, endpoints: list[Endpoint]) -> list[Endpoint]:
         """Healthy first, least busy first; unhealthy ones last, still worth a try."""
