@@ -91,6 +91,8 @@ def test_concurrent_requests_decode_in_one_batch_and_match_mlx_alone(
     batch caches, sliding windows included) and each still gets what mlx-lm's own
     generation gives that prompt alone; one that ends early leaves the batch."""
     import json
+    import threading
+    import time
     from concurrent.futures import ThreadPoolExecutor
 
     from agents.decode import DecodeEngine
@@ -113,14 +115,40 @@ def test_concurrent_requests_decode_in_one_batch_and_match_mlx_alone(
         }
         return ask(decode, req)
 
-    steps_before = json.loads(decode.control("/status"))["decode_steps"]
-    with ThreadPoolExecutor(6) as pool:
-        results = list(pool.map(run, range(6)))
-    status = json.loads(decode.control("/status"))
-    assert status["batch_peak"] >= 3 and status["batch"] == 0
+    def status() -> dict[str, Any]:
+        return json.loads(decode.control("/status"))
+
+    def one_round() -> tuple[list[Any], int, int]:
+        """The six at once; the largest batch seen meanwhile, and the steps taken."""
+        seen, stop = [0], threading.Event()
+
+        def watch() -> None:
+            while not stop.is_set():
+                seen[0] = max(seen[0], status()["batch"])
+                time.sleep(0.005)
+
+        watcher = threading.Thread(target=watch)
+        steps_before = status()["decode_steps"]
+        watcher.start()
+        try:
+            with ThreadPoolExecutor(6) as pool:
+                results = list(pool.map(run, range(6)))
+        finally:
+            stop.set()
+            watcher.join()
+        return results, seen[0], status()["decode_steps"] - steps_before
+
+    # The precondition, proven for the round whose tokens are checked: on a loaded
+    # machine the prefills can be slow enough that the rows barely overlap.
+    for _ in range(4):
+        results, peak, steps = one_round()
+        if peak >= 3:
+            break
+    assert peak >= 3, "in four rounds, never three of the six in one batch"
+    assert status()["batch"] == 0
     # Shared steps: fewer steps than rows decoded (alone, each token after the first is a step).
     rows = sum(n - 1 for n in lengths)
-    assert status["decode_steps"] - steps_before < rows
+    assert steps < rows
     model = DecodeEngine(str(path)).model
     agree = total = 0
     for res, n in zip(results, lengths, strict=True):

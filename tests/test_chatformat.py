@@ -332,6 +332,21 @@ def test_tags_split_everywhere(output: str, tool_parser: Any, first: bool) -> No
         assert got == {"content": "Paris.", "reasoning": "The user asks.", "calls": []}
 
 
+@pytest.mark.parametrize("first", [False, True])
+def test_a_think_tag_inside_the_answer_is_the_answers_text(first: bool) -> None:
+    """Seen in a structured answer: a random model wrote "<think>" inside a JSON
+    string, and the rest of its JSON went to reasoning. Only a think block before
+    the answer is reasoning."""
+    answer = '{"reason": "a <think> b</think> c"}'
+    head = "Why.</think>" if first else "<think>Why.</think>"
+    for parts in splits(head + answer):
+        p = TagParser(think=True, tool_parser=parse_qwen_json, reasoning_first=first)
+        events: list[Event] = []
+        for part in parts:
+            events += p.text(part)
+        assert collect(events + p.finish()) == {"content": answer, "reasoning": "Why.", "calls": []}
+
+
 def test_tags_stream_before_the_end() -> None:
     """Content streams as it comes; only what could start a tag waits."""
     p = TagParser(think=True, tool_parser=parse_qwen_json)

@@ -207,6 +207,9 @@ class TagParser:
         self.state = "reasoning" if reasoning_first else "content"
         self.buf = ""
         self.lead = True  # drop whitespace at the start of a section
+        # Qwen3 reasons before it answers: once the answer has begun, a "<think>" in it
+        # is its text (say inside a structured answer's JSON string), not reasoning.
+        self.answered = False
 
     @property
     def mode(self) -> str:
@@ -217,7 +220,7 @@ class TagParser:
             return (THINK_CLOSE,)
         if self.state == "tool":
             return (CALL_CLOSE,)
-        tags = (THINK_OPEN,) if self.think else ()
+        tags = (THINK_OPEN,) if self.think and not self.answered else ()
         return (*tags, CALL_OPEN) if self.tool_parser else tags
 
     def _piece(self, text: str, out: list[Event]) -> None:
@@ -226,6 +229,7 @@ class TagParser:
             self.lead = not text
         if text:
             out.append(Piece(self.state, text))
+            self.answered = self.answered or self.state == "content"
 
     def text(self, s: str) -> list[Event]:
         self.buf += s
@@ -236,7 +240,11 @@ class TagParser:
                 self._piece(self.buf, out)
                 self.buf = ""
                 break
-            found = [(i, t) for t in tags if (i := self.buf.find(t)) >= 0]
+            found = [
+                (i, t)
+                for t in tags
+                if (i := self.buf.find(t)) >= 0 and not (t == THINK_OPEN and self.buf[:i].strip())
+            ]
             if not found:
                 if self.state != "tool":
                     # Hold back a possible tag start, and trailing whitespace a tag would drop.
