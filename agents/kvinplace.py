@@ -82,10 +82,14 @@ class Slots:
     # from the stream (an older prefill agent sends all: taken as is).
     prefix_start: int = 0
     fill_prefix: FillPrefix | None = None
+    # Per layer, a whole prompt's raw frame as flat byte views, K's heads then
+    # V's: made with the slots (off the receive path), scattered into by one
+    # recvmsg_into per socket read.
+    scatter: dict[int, list[memoryview]] = field(default_factory=dict)
 
     def release(self) -> None:
         """Drop the views (see the module's note); placed layers stay placed."""
-        self.keys, self.values = {}, {}
+        self.keys, self.values, self.scatter = {}, {}, {}
 
 
 def _wire_view(a: mx.array) -> np.ndarray:
@@ -114,7 +118,14 @@ def allocate(caches: list[Any], prompt_len: int, dtype: str, heads: int, dim: in
         mx.eval(keys, values)
         cache.keys, cache.values, cache.offset = keys, values, prompt_len
         slots.keys[i], slots.values[i] = _wire_view(keys)[0], _wire_view(values)[0]
+        slots.scatter[i] = _head_views(slots.keys[i], slots.values[i], 0, prompt_len)
     return slots
+
+
+def _head_views(keys: np.ndarray, values: np.ndarray, start: int, end: int) -> list[memoryview]:
+    """Positions [start, end) of each head ([H, capacity, D] views), as flat byte
+    views in wire order: one head's [S, D] is contiguous; K's heads, then V's."""
+    return [_flat(dst[h, start:end]) for dst in (keys, values) for h in range(dst.shape[0])]
 
 
 @dataclass(frozen=True)
@@ -278,12 +289,17 @@ def receive_layer(
     bytes had all arrived, and its K/V bytes as the codec saw them (block_bytes
     of what crossed, not of the prefix)."""
     n = LAYER_HEADER.size
-    buf = reader.buffer(header.length)
     plan = None
     if header.length >= n:
-        reader.read_into(buf[:n])
-        plan = _plan(buf[:n], header.length, slots, max_bytes)
+        # Only the header into the reader's buffer: a raw frame in place never
+        # needs the whole frame's worth of it (allocated and zeroed per request).
+        head = reader.buffer(n)
+        reader.read_into(head)
+        plan = _plan(head, header.length, slots, max_bytes)
     if plan is None:
+        buf = reader.buffer(header.length)  # a new buffer when it grew: the header too
+        if header.length >= n:
+            buf[:n] = head
         reader.read_into(buf[min(n, header.length) :])
         reader.finish()
         kv = decode_layer(buf, max_bytes)
@@ -292,12 +308,17 @@ def receive_layer(
     values = slots.values[plan.layer][:, : slots.prompt_len]
     dk, dv = keys[:, plan.start :], values[:, plan.start :]
     if plan.codec == Codec.RAW and not plan.quant:
-        # One head's [S, D] is contiguous: K's heads, then V's, as one scatter.
-        reader.read_into_many([_flat(dst[h]) for dst in (dk, dv) for h in range(dst.shape[0])])
+        if plan.start == 0:
+            views = slots.scatter[plan.layer]
+        else:
+            views = _head_views(
+                slots.keys[plan.layer], slots.values[plan.layer], plan.start, slots.prompt_len
+            )
+        reader.read_into_many(views)
         reader.finish()  # checks a sealed frame's tag before anyone uses it
         arrived = time.perf_counter()
     else:
-        blocks = buf[n:]
+        blocks = reader.buffer(header.length)[n:]
         reader.read_into(blocks)
         reader.finish()
         arrived = time.perf_counter()
