@@ -39,6 +39,9 @@ def test_wire_bench_runs(default_model: Path) -> None:
         assert p["inplace_bit_exact"] and p["mlx_copy_bit_exact"]
         assert positive(p["inplace_vs_bare"]) and positive(p["mlx_copy_vs_bare"])
         assert len(p["inplace_vs_bare_runs"]) == 1 and p["inplace_bar"] == 0.95
+        assert positive(p["inplace_request_s"]) and positive(p["inplace_alloc_s"])
+        assert p["inplace_request_s"] < p["median_s"]["ours_inplace"]
+        assert p["inplace_stream_vs_bare"] > p["inplace_vs_bare"]
         keys = ("ours", "bare", "json", "ours_zstd", "ours_shuffle_zstd")
         for key in (*keys, "ours_inplace", "ours_mlx_copy"):
             assert positive(p["gb_s"][key]), key

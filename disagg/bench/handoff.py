@@ -252,7 +252,8 @@ class Receiver:
     ) -> tuple[float, int, dict[str, Any]]:
         """Into the receiver's mlx caches as the decode agent takes them (in place,
         or the copy path): seconds, bytes on the wire, and the receiver's answer
-        (digest with verify, layers placed in place, its allocation's seconds)."""
+        (digest with verify, layers placed in place, its allocation's seconds),
+        and the seconds until the sender had the PREFILL (`request_s`)."""
         from agents.prefill import LayerSender  # imports torch: only in the sender
 
         self._start("inplace" if inplace else "mlx_copy", 0, verify, asdict(Spec.of(layers)))
@@ -260,6 +261,7 @@ class Receiver:
             t0 = time.perf_counter()
             # As the prefill agent: the decode side asks (PREFILL), then the stream.
             P.recv_json(sock, P.Frame.PREFILL)
+            asked = time.perf_counter() - t0  # the request's round trip, in the time
             sender = LayerSender(sock, codec)
             for kv in layers:
                 sender.put(kv)
@@ -272,7 +274,7 @@ class Receiver:
                 raise RuntimeError("bad ack")
             secs = time.perf_counter() - t0
         got: dict[str, Any] = self._read()
-        return secs, sender.bytes, got
+        return secs, sender.bytes, {**got, "request_s": asked}
 
     def bare(self, layers: list[LayerKV]) -> float:
         self._start("bare", raw_size(layers), False)
