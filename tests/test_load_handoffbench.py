@@ -6,14 +6,21 @@ process and a real socket; the expected bytes are the sender's arrays hashed her
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import torch
+from mlx_lm.models.cache import KVCache
 
-from agents.kvcodec import Codec, DType, Kind, LayerKV
+from agents import protocol as P
+from agents.kvcodec import Codec, DType, Kind, LayerKV, encode_layer
+from agents.kvfetch import receive_layers
+from agents.kvinplace import allocate
+from agents.request import PrefillRequest
 from disagg.bench.handoff import Receiver
+from tests.conftest import socket_pair
 
 LAYERS, HEADS, SEQ, DIM = 5, 3, 37, 16
 
@@ -78,3 +85,30 @@ def test_a_wrong_byte_changes_the_digest(rx: Receiver) -> None:
     layers[2].values[1, 5, 3] ^= 1
     _, _, got = rx.into_mlx(layers, inplace=True, verify=True)
     assert got["digest"] == sha(layers) != want
+
+
+def test_a_whole_layer_header_on_a_longer_frame_is_refused() -> None:
+    """The fast path knows a whole raw layer by its layer header; a frame that
+    carries that header but more bytes goes to the checks and is refused."""
+    layers = layers_of("float32")
+    ours, theirs = socket_pair()
+
+    def prefill() -> None:
+        P.recv_json(theirs, P.Frame.PREFILL)
+        parts = encode_layer(layers[0])
+        P.send_frame(theirs, P.Frame.KV_LAYER, [*parts, bytes(8)])
+
+    t = threading.Thread(target=prefill)
+    t.start()
+    caches = [KVCache() for _ in range(LAYERS)]
+    slots = allocate(caches, SEQ, "float32", HEADS, DIM)
+    fp = {"num_kv_heads": HEADS, "head_dim": DIM}
+    request = PrefillRequest(list(range(SEQ)))
+    try:
+        with pytest.raises(P.ProtocolError):
+            receive_layers(ours, request, caches, fp, None, lambda *a: None, None, lambda: slots)
+    finally:
+        t.join(10)
+        ours.close()
+        theirs.close()
+    assert not slots.placed
