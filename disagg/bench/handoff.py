@@ -139,6 +139,7 @@ def _receiver_main() -> None:
             answer("ready")
             sock, _ = tcp.accept()
             with sock:
+                sock.settimeout(60.0)  # as kvfetch.open_session: the agent's has a timeout
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 got = transfer.receive(sock, verify)
                 sock.sendall(ACK)
