@@ -82,10 +82,17 @@ class Slots:
     # from the stream (an older prefill agent sends all: taken as is).
     prefix_start: int = 0
     fill_prefix: FillPrefix | None = None
+    # Per layer, a whole prompt's raw frame as flat byte views, K's heads then
+    # V's: made with the slots (off the receive path), scattered into by one
+    # recvmsg_into per socket read.
+    scatter: dict[int, list[memoryview]] = field(default_factory=dict)
+    # The layer header such a frame carries -> its layer: the common frame is
+    # recognised by one lookup (anything else is planned by _plan).
+    whole_raw: dict[bytes, int] = field(default_factory=dict)
 
     def release(self) -> None:
         """Drop the views (see the module's note); placed layers stay placed."""
-        self.keys, self.values = {}, {}
+        self.keys, self.values, self.scatter, self.whole_raw = {}, {}, {}, {}
 
 
 def _wire_view(a: mx.array) -> np.ndarray:
@@ -114,7 +121,17 @@ def allocate(caches: list[Any], prompt_len: int, dtype: str, heads: int, dim: in
         mx.eval(keys, values)
         cache.keys, cache.values, cache.offset = keys, values, prompt_len
         slots.keys[i], slots.values[i] = _wire_view(keys)[0], _wire_view(values)[0]
+        slots.scatter[i] = _head_views(slots.keys[i], slots.values[i], 0, prompt_len)
+        block = heads * prompt_len * dim * slots.keys[i].itemsize  # K's, and V's
+        head = (i, Kind.FULL, wire, Codec.RAW, 0, heads, prompt_len, dim, dim, block, block)
+        slots.whole_raw[LAYER_HEADER.pack(*head)] = i
     return slots
+
+
+def _head_views(keys: np.ndarray, values: np.ndarray, start: int, end: int) -> list[memoryview]:
+    """Positions [start, end) of each head ([H, capacity, D] views), as flat byte
+    views in wire order: one head's [S, D] is contiguous; K's heads, then V's."""
+    return [_flat(dst[h, start:end]) for dst in (keys, values) for h in range(dst.shape[0])]
 
 
 @dataclass(frozen=True)
@@ -268,6 +285,28 @@ def _dequant_into(raw: memoryview, codec: Codec, dst: np.ndarray, dtype: DType) 
         np.multiply(q, scale[..., None], out=dst, dtype=np.float32, casting="same_kind")
 
 
+def _whole_raw(
+    reader: P.FrameReader, head: memoryview, length: int, slots: Slots, max_bytes: int
+) -> tuple[LayerKV, float, int] | None:
+    """The common frame, a whole prompt's raw layer, read into its cache (what
+    _plan and the general path below do for it, with the work done in allocate)."""
+    layer = slots.whole_raw.get(bytes(head))
+    payload = length - LAYER_HEADER.size
+    if layer is None or layer in slots.placed or payload > max_bytes:
+        return None
+    keys, values = slots.keys[layer], slots.values[layer]
+    if payload != 2 * keys[:, : slots.prompt_len].nbytes:
+        return None
+    reader.read_into_many(slots.scatter[layer])
+    reader.finish()  # checks a sealed frame's tag before anyone uses it
+    arrived = time.perf_counter()
+    slots.placed.add(layer)
+    kv = LayerKV(
+        layer, Kind.FULL, slots.dtype, keys[:, : slots.prompt_len], values[:, : slots.prompt_len]
+    )
+    return kv, arrived, payload
+
+
 def receive_layer(
     reader: P.FrameReader, header: P.Header, slots: Slots, max_bytes: int
 ) -> tuple[LayerKV, float, int]:
@@ -278,12 +317,20 @@ def receive_layer(
     bytes had all arrived, and its K/V bytes as the codec saw them (block_bytes
     of what crossed, not of the prefix)."""
     n = LAYER_HEADER.size
-    buf = reader.buffer(header.length)
     plan = None
     if header.length >= n:
-        reader.read_into(buf[:n])
-        plan = _plan(buf[:n], header.length, slots, max_bytes)
+        # Only the header into the reader's buffer: a raw frame in place never
+        # needs the whole frame's worth of it (allocated and zeroed per request).
+        head = reader.buffer(n)
+        reader.read_into(head)
+        whole = _whole_raw(reader, head, header.length, slots, max_bytes)
+        if whole is not None:
+            return whole
+        plan = _plan(head, header.length, slots, max_bytes)
     if plan is None:
+        buf = reader.buffer(header.length)  # a new buffer when it grew: the header too
+        if header.length >= n:
+            buf[:n] = head
         reader.read_into(buf[min(n, header.length) :])
         reader.finish()
         kv = decode_layer(buf, max_bytes)
@@ -292,12 +339,17 @@ def receive_layer(
     values = slots.values[plan.layer][:, : slots.prompt_len]
     dk, dv = keys[:, plan.start :], values[:, plan.start :]
     if plan.codec == Codec.RAW and not plan.quant:
-        # One head's [S, D] is contiguous: K's heads, then V's, as one scatter.
-        reader.read_into_many([_flat(dst[h]) for dst in (dk, dv) for h in range(dst.shape[0])])
+        if plan.start == 0:
+            views = slots.scatter[plan.layer]
+        else:
+            views = _head_views(
+                slots.keys[plan.layer], slots.values[plan.layer], plan.start, slots.prompt_len
+            )
+        reader.read_into_many(views)
         reader.finish()  # checks a sealed frame's tag before anyone uses it
         arrived = time.perf_counter()
     else:
-        blocks = buf[n:]
+        blocks = reader.buffer(header.length)[n:]
         reader.read_into(blocks)
         reader.finish()
         arrived = time.perf_counter()

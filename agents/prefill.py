@@ -321,7 +321,10 @@ class LayerSender:
                     self.sending_since = None
                     self.buffered -= n
                     self.queued -= 1
-                    self.cond.notify_all()
+                    # drain() waits for an empty queue (or an error): waking it
+                    # per layer only takes the GIL back and forth with this thread.
+                    if not self.queued or self.error is not None:
+                        self.cond.notify_all()
 
     def _send(self, ftype: P.Frame, payload: bytes | list[bytes | memoryview]) -> int:
         self.sending_since = time.monotonic()

@@ -346,21 +346,23 @@ class FrameReader:
     def read_into_many(self, views: list[memoryview]) -> None:
         """read_into for several views in order, each recv filling as many as the
         socket has bytes for (recvmsg_into: fewer wakeups than one view at a time)."""
-        total = sum(len(v) for v in views)
+        total = sum(v.nbytes for v in views)
         if total > self._left:
             raise ProtocolError(f"read of {total} bytes past the frame's end")
-        pending = [v for v in views if len(v)]
-        got = 0
-        while pending:
-            n = self.sock.recvmsg_into(pending[:512])[0]  # IOV_MAX is 1024
+        pending = [v for v in views if v.nbytes]
+        got = at = 0  # bytes read; pending[at] is the first view not yet full
+        while at < len(pending):
+            n = self.sock.recvmsg_into(pending[at : at + 512])[0]  # IOV_MAX is 1024
             if n == 0:
                 raise ProtocolError(f"connection closed after {got} of {total} bytes")
             got += n
             while n:
-                if n >= len(pending[0]):
-                    n -= len(pending.pop(0))
+                size = pending[at].nbytes
+                if n >= size:
+                    n -= size
+                    at += 1
                 else:
-                    pending[0], n = pending[0][n:], 0
+                    pending[at], n = pending[at][n:], 0
         self._left -= total
         if self._mac is not None:
             for v in views:

@@ -36,11 +36,19 @@ def test_wire_bench_runs(default_model: Path) -> None:
         # SmolLM2-135M: 3 KV heads x 64 dims, K and V, every layer
         assert p["raw_bytes"] == 30 * p["prompt_tokens"] * 3 * 64 * 2 * itemsize
         assert p["bit_exact"] and p["bit_exact_compressed"] and p["json_bit_exact"]
-        for key in ("ours", "bare", "json", "ours_zstd", "ours_shuffle_zstd"):
+        assert p["inplace_bit_exact"] and p["mlx_copy_bit_exact"]
+        assert positive(p["inplace_vs_bare"]) and positive(p["mlx_copy_vs_bare"])
+        assert len(p["inplace_vs_bare_runs"]) == 1 and p["inplace_bar"] == 0.95
+        assert positive(p["inplace_request_s"]) and positive(p["inplace_alloc_s"])
+        assert p["inplace_request_s"] < p["median_s"]["ours_inplace"]
+        assert p["inplace_stream_vs_bare"] > p["inplace_vs_bare"]
+        keys = ("ours", "bare", "json", "ours_zstd", "ours_shuffle_zstd")
+        for key in (*keys, "ours_inplace", "ours_mlx_copy"):
             assert positive(p["gb_s"][key]), key
             assert len(p["seconds"][key]) == 1
         assert p["wire_bytes"]["bare"] == p["raw_bytes"]
         assert p["wire_bytes"]["ours"] > p["raw_bytes"]  # headers
+        assert p["wire_bytes"]["ours_inplace"] == p["wire_bytes"]["ours"]  # the same frames
         assert p["wire_bytes"]["json"] > 4 / 3 * p["raw_bytes"]  # base64
 
         c = p["compression"]

@@ -1,7 +1,9 @@
 """The receiving side of the wire bench, in a process of its own (as the decode
-agent is), and the three ways `Receiver` hands it the same K/V: our KV_LAYER
-frames, a bare socket, and JSON + base64 over HTTP. Each is timed from an open
-connection to the receiver's one-byte ack after its last array exists."""
+agent is), and the ways `Receiver` hands it the same K/V: our KV_LAYER frames
+(into numpy; or into mlx caches as the decode agent takes them, in place or by
+the copy path: handoffmlx), a bare socket, and JSON + base64 over HTTP. Each is
+timed from an open connection to the receiver's one-byte ack after its last
+array exists."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterable
+from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 
@@ -24,7 +27,25 @@ from agents import protocol as P
 from agents.kvcodec import WIRE_NUMPY, Codec, DType, Kind, LayerKV, decode_layer
 
 ACK = b"k"
+# The LOGITS frame receive_layers waits for before PREFILL_DONE (any length).
+LOGITS = np.zeros(64, np.float32).tobytes()
 RECEIVER_CODE = "from disagg.bench.handoff import _receiver_main; _receiver_main()"
+
+
+@dataclass(frozen=True)
+class Spec:
+    """The K/V the sender will send: the receiver's caches are made to fit it."""
+
+    layers: int
+    tokens: int
+    dtype: str  # "float32" | "float16" | "bfloat16"
+    heads: int
+    dim: int
+
+    @classmethod
+    def of(cls, layers: list[LayerKV]) -> Spec:
+        heads, tokens, dim = layers[0].keys.shape
+        return cls(len(layers), int(tokens), layers[0].dtype.name.lower(), heads, dim)
 
 
 def kv_digest(layers: Iterable[LayerKV]) -> str:
@@ -105,9 +126,26 @@ def _receiver_main() -> None:
         sys.stdout.flush()
 
     answer([tcp.getsockname()[1], httpd.server_address[1]])
+    mlx_rx: Any = None
     for line in sys.stdin:
-        mode, total, verify = json.loads(line)
+        job = json.loads(line)
+        mode, total, verify = job[:3]
         digest: str | None = None
+        if mode in ("inplace", "mlx_copy"):  # into mlx caches, as the decode agent
+            from disagg.bench.handoffmlx import MlxReceiver
+
+            mlx_rx = mlx_rx or MlxReceiver()
+            transfer = mlx_rx.prepare(mode, Spec(**job[3]))  # allocates before the clock
+            answer("ready")
+            sock, _ = tcp.accept()
+            with sock:
+                sock.settimeout(60.0)  # as kvfetch.open_session: the agent's has a timeout
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                got = transfer.receive(sock, verify)
+                sock.sendall(ACK)
+            del transfer
+            answer(got)
+            continue
         if mode == "json":
             _JsonHandler.verify = verify
             answer("ready")
@@ -126,6 +164,8 @@ def _receiver_main() -> None:
                 sock.sendall(ACK)
             del buf
         answer(digest)
+    if mlx_rx is not None:
+        mlx_rx.close()
     tcp.close()
     httpd.server_close()
 
@@ -168,9 +208,12 @@ class Receiver:
         if self.proc.stdout:
             self.proc.stdout.close()
 
-    def _start(self, mode: str, total: int, verify: bool) -> None:
+    def _start(
+        self, mode: str, total: int, verify: bool, spec: dict[str, Any] | None = None
+    ) -> None:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps([mode, total, verify]) + "\n")
+        job = [mode, total, verify] if spec is None else [mode, total, verify, spec]
+        self.proc.stdin.write(json.dumps(job) + "\n")
         self.proc.stdin.flush()
         if self._read() != "ready":
             raise RuntimeError("the receiver did not get ready")
@@ -200,6 +243,39 @@ class Receiver:
                 raise RuntimeError("bad ack")
             secs = time.perf_counter() - t0
         return secs, sender.bytes, self._read()
+
+    def into_mlx(
+        self,
+        layers: list[LayerKV],
+        inplace: bool = True,
+        codec: Codec = Codec.RAW,
+        verify: bool = False,
+    ) -> tuple[float, int, dict[str, Any]]:
+        """Into the receiver's mlx caches as the decode agent takes them (in place,
+        or the copy path): seconds, bytes on the wire, and the receiver's answer
+        (digest with verify, layers placed in place, its allocation's seconds),
+        and the seconds until the sender had the PREFILL (`request_s`)."""
+        from agents.prefill import LayerSender  # imports torch: only in the sender
+
+        self._start("inplace" if inplace else "mlx_copy", 0, verify, asdict(Spec.of(layers)))
+        with self._dial() as sock:
+            t0 = time.perf_counter()
+            # As the prefill agent: the decode side asks (PREFILL), then the stream.
+            P.recv_json(sock, P.Frame.PREFILL)
+            asked = time.perf_counter() - t0  # the request's round trip, in the time
+            sender = LayerSender(sock, codec)
+            for kv in layers:
+                sender.put(kv)
+            sender.close()
+            if sender.error is not None:
+                raise sender.error
+            P.send_frame(sock, P.Frame.LOGITS, LOGITS)
+            P.send_json(sock, P.Frame.PREFILL_DONE, {"layers": len(layers)})
+            if P.recv_exact(sock, 1) != ACK:
+                raise RuntimeError("bad ack")
+            secs = time.perf_counter() - t0
+        got: dict[str, Any] = self._read()
+        return secs, sender.bytes, {**got, "request_s": asked}
 
     def bare(self, layers: list[LayerKV]) -> float:
         self._start("bare", raw_size(layers), False)

@@ -4,7 +4,12 @@
   to another over TCP on 127.0.0.1, the same raw bytes three ways:
     - ours: KV_LAYER frames built by `kvcodec.encode_layer`, sent by the prefill
       agent's own `LayerSender` thread, parsed by `FrameReader` + `decode_layer`
-      in the receiving process (numpy arrays out, as the decode agent gets them);
+      in the receiving process (numpy arrays out);
+    - ours into mlx: the same frames taken as the decode agent takes them, by
+      `kvfetch.receive_layers` into mlx caches: in place (`kvinplace` slots the
+      mlx thread allocated before the clock, as the agent does while it dials)
+      and by the copy path (decode_layer -> copy -> fill_layer on the mlx
+      thread); the ack once the last layer is in mlx memory;
     - bare: `socket.sendall` of each K and V buffer, the receiver `recv_into` one
       buffer allocated before the clock starts (the limit of this socket);
     - json: the seeds' design, the whole KV as one JSON document with base64
@@ -43,6 +48,7 @@ from disagg.bench.common import Say, Stamp, long_text, median, quiet, table, ver
 from disagg.bench.handoff import Receiver, kv_digest, raw_size
 
 HANDOFF_BARE_BAR = 0.85  # ours / bare socket, at least
+HANDOFF_INPLACE_BAR = 0.95  # ours into mlx caches in place / bare socket, at least (issue 18)
 HANDOFF_JSON_BAR = 10.0  # ours / JSON+base64 over HTTP, at least
 ADAPTIVE_BAR = 1.15  # adaptive vs off at 1 Gbit/s, at least
 LINK_RATES_GBIT = (1.0, 10.0)
@@ -213,6 +219,9 @@ def handoff_part(
     want = kv_digest(layers)
     got_ours = rx.ours(layers, verify=True)[2]
     got_json = rx.json(layers, verify=True)[2]
+    # In place must take every layer in place, bit for bit, with every codec.
+    got_inplace = [rx.into_mlx(layers, True, c, verify=True)[2] for c in Codec]
+    got_mlx_copy = rx.into_mlx(layers, False, verify=True)[2]
     compressed_ok = all(
         rx.ours(layers, c, verify=True)[2] == want for c in (Codec.ZSTD, Codec.SHUFFLE_ZSTD)
     )
@@ -222,13 +231,27 @@ def handoff_part(
         "json": [],
         "ours_zstd": [],
         "ours_shuffle_zstd": [],
+        "ours_inplace": [],
+        "ours_mlx_copy": [],
     }
+    alloc_s: list[float] = []
+    request_s: list[float] = []
     wire: dict[str, int] = {}
     for i in range(repeats):
-        say(f"handoff {label} {i + 1}/{repeats}: ours, bare socket, JSON+base64/HTTP")
+        say(
+            f"handoff {label} {i + 1}/{repeats}: ours, bare socket, ours into mlx "
+            "(in place, copy path), JSON+base64/HTTP"
+        )
         secs, wire["ours"], _ = rx.ours(layers)
         runs["ours"].append(secs)
         runs["bare"].append(rx.bare(layers))
+        # Right after bare, so each repetition is an A/B pair under the same load.
+        secs, wire["ours_inplace"], got = rx.into_mlx(layers, True)
+        runs["ours_inplace"].append(secs)
+        alloc_s.append(got["alloc_s"])
+        request_s.append(got["request_s"])
+        secs, wire["ours_mlx_copy"], _ = rx.into_mlx(layers, False)
+        runs["ours_mlx_copy"].append(secs)
         secs, wire["json"], _ = rx.json(layers)
         runs["json"].append(secs)
         secs, wire["ours_zstd"], _ = rx.ours(layers, Codec.ZSTD)
@@ -254,6 +277,24 @@ def handoff_part(
         "ok_bare": gbs["ours"] / gbs["bare"] >= HANDOFF_BARE_BAR,
         "ok_json": gbs["ours"] / gbs["json"] >= HANDOFF_JSON_BAR,
         "bit_exact": got_ours == want,
+        # Into mlx caches (the issue 18 bar): per repetition too, bare_i / inplace_i.
+        "inplace_vs_bare": gbs["ours_inplace"] / gbs["bare"],
+        "inplace_vs_bare_runs": [
+            b / a for a, b in zip(runs["ours_inplace"], runs["bare"], strict=True)
+        ],
+        "mlx_copy_vs_bare": gbs["ours_mlx_copy"] / gbs["bare"],
+        "inplace_bar": HANDOFF_INPLACE_BAR,
+        "ok_inplace": gbs["ours_inplace"] / gbs["bare"] >= HANDOFF_INPLACE_BAR,
+        "inplace_alloc_s": median(alloc_s),  # before the clock, as the agent's overlaps
+        # The PREFILL's round trip (no bare counterpart) is in ours_inplace; the
+        # stream alone, from the sender having it to the ack:
+        "inplace_request_s": median(request_s),
+        "inplace_stream_vs_bare": med["bare"]
+        / median([t - r for t, r in zip(runs["ours_inplace"], request_s, strict=True)]),
+        "inplace_bit_exact": all(
+            g["digest"] == want and g["placed"] == len(layers) for g in got_inplace
+        ),
+        "mlx_copy_bit_exact": got_mlx_copy["digest"] == want,
         "bit_exact_compressed": compressed_ok,
         "json_bit_exact": got_json == want,
     }
@@ -287,14 +328,18 @@ def run_wire_bench(
         "model": str(model_dir),
         "settings": {"tokens": tokens, "repeats": repeats, "codec_repeats": codec_repeats},
         "cpu_count": os.cpu_count(),
-        "timing": "handoff: connection open -> receiver's ack after its last numpy array; "
-        "medians. Link rates: arithmetic on measured per-layer codec times, pipelined.",
+        "timing": "handoff: connection open -> receiver's ack after its last numpy array "
+        "(into mlx: after its last layer is in the mlx caches); medians. "
+        "Link rates: arithmetic on measured per-layer codec times, pipelined.",
         "dtypes": parts,
         "load_avg_1m": stamp.load_avg_1m(),
         "ok": all(
             p["ok_bare"]
             and p["ok_json"]
             and p["bit_exact"]
+            and p["ok_inplace"]
+            and p["inplace_bit_exact"]
+            and p["mlx_copy_bit_exact"]
             and p["compression"]["adaptive_never_slower"]
             and p["compression"]["adaptive_ok_1gbit"]
             for p in parts.values()
@@ -319,6 +364,8 @@ def wire_tables(report: dict[str, Any]) -> list[Table]:
 HANDOFF_ROWS = (
     ("ours: KV_LAYER frames, LayerSender -> FrameReader + decode_layer", "ours"),
     ("bare socket.sendall -> recv_into", "bare"),
+    ("ours into mlx caches in place (kvfetch.receive_layers + kvinplace)", "ours_inplace"),
+    ("ours into mlx caches, copy path (decode_layer, copy, fill_layer)", "ours_mlx_copy"),
     ("seeds: JSON + base64 over HTTP (one POST)", "json"),
     ("ours, zstd-1", "ours_zstd"),
     ("ours, shuffle+zstd-1", "ours_shuffle_zstd"),
@@ -352,6 +399,27 @@ def _handoff_table(report: dict[str, Any], dtype: str, p: dict[str, Any]) -> Tab
         "",
         "bit-exact" if p["bit_exact"] else "[red]NOT bit-exact[/]",
         f">= {p['bare_bar']} {verdict(p['ok_bare'])}",
+    )
+    t.add_row(
+        "in place into mlx / bare",
+        f"{p['inplace_vs_bare']:.2f}",
+        "",
+        "bit-exact" if p["inplace_bit_exact"] else "[red]NOT bit-exact[/]",
+        f">= {p['inplace_bar']} {verdict(p['ok_inplace'])}",
+    )
+    t.add_row(
+        "  the stream alone (after the PREFILL's round trip)",
+        f"{p['inplace_stream_vs_bare']:.2f}",
+        "",
+        f"round trip {1000 * p['inplace_request_s']:.2f} ms",
+        "",
+    )
+    t.add_row(
+        "copy path into mlx / bare",
+        f"{p['mlx_copy_vs_bare']:.2f}",
+        "",
+        "bit-exact" if p["mlx_copy_bit_exact"] else "[red]NOT bit-exact[/]",
+        "",
     )
     t.add_row(
         "ours / JSON+base64",
