@@ -129,9 +129,9 @@ class Seq:
     posted_at: float = 0.0
     joined_at: float | None = None
     # -- prefix store hook (agents.prefix.take) --
-    # Its plain caches, once the loop stops writing them (merged into the batch,
-    # or the request ended); never set if it failed.
-    released: Future[list[Any]] = field(default_factory=Future)
+    # Set by a store that waits for them: its plain caches, once the loop stops
+    # writing them (merged into the batch, or the request ended); never if it failed.
+    released: Future[list[Any]] | None = None
 
 
 @dataclass
@@ -330,7 +330,7 @@ class DecodeLoop:
 
     def _release(self, seq: Seq, caches: list[Any]) -> None:
         """Prefix store hook: `seq`'s plain caches are no longer written here."""
-        if not seq.released.done():
+        if seq.released is not None and not seq.released.done():
             seq.released.set_result(caches)
 
     def _joined(self, seq: Seq) -> None:

@@ -38,7 +38,7 @@ from .kvplace import MX_DTYPES, cache_kinds, fill_layer
 from .metrics import Stats
 from .models import get_adapter, load_hf_config
 from .placement import Placement
-from .prefix.decode_side import DecodePrefix, Hit
+from .prefix.decode_side import DecodePrefix, Hit, Recording, Span
 from .prefix.store import default_max_mb
 from .prefix.take import PendingStore
 from .quant import check_supported, weights_identity
@@ -551,7 +551,9 @@ class DecodeAgent:
         hits = [h for h in hits if h.keys and self.prefix.cache.max_bytes]
         if not hits:
             return []
-        sliding = self.loop.call(self.prefix.recorded, caches)
+        sliding: list[Span | None] = [None] * len(caches)
+        if any(isinstance(c, Recording) for c in caches):
+            sliding = self.loop.call(self.prefix.recorded, caches)
         return [PendingStore(self.prefix, self.loop, h, prompt_len, sliding) for h in hits]
 
     def _matcher(self, req: GenerateRequest, ids: list[int]) -> Matcher | None:
@@ -660,10 +662,9 @@ class DecodeAgent:
             if lp is not None:
                 P.send_frame(sock, P.Frame.LOGPROBS, lp.tobytes())
 
-        if first not in eos:
-            emit(first, first_lp)
         # The prompt's blocks are taken from the caches without a copy once
-        # decoding stops writing them (agents.prefix.take).
+        # decoding stops writing them (agents.prefix.take), pending from before
+        # the first token goes out: a request that follows it finds them.
         stores = self._stores(hits, caches, len(ids))
         ended = matcher is not None and matcher.finished
         seq: Seq | None = None
@@ -675,6 +676,7 @@ class DecodeAgent:
             if progress is not None:
                 progress.seq = seq  # PROGRESS now says queued (no batch slot yet) or decode
             try:
+                emit(first, first_lp)
                 for burst in bursts(seq.out):
                     with corked(sock, len(burst) > 1):
                         for tid, lp in burst:
@@ -686,11 +688,12 @@ class DecodeAgent:
             finally:
                 seq.done = True  # a no-op when it ended; stops it if we failed
                 for store in stores:
-                    if not store.done:
-                        store.drop()
+                    store.drop()  # a no-op once stored
         else:
             for store in stores:
                 store.now(caches)  # never decoded: nothing writes them
+            if first not in eos:
+                emit(first, first_lp)
         send_events(sock, None, chat.finish())
         t_end = time.perf_counter()
         called = bool(chat.tool_calls)

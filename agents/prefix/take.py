@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +59,7 @@ class PendingStore:
         self.hit = hit
         self.prompt_len = prompt_len
         self.sliding = sliding  # recorded sliding layers (a local prefill)
+        self.released: Future[list[Any]] = Future()  # the loop sets it (Seq.released)
         self.seq: Seq | None = None
         self.lock = threading.Lock()
         self.done = False
@@ -72,29 +74,29 @@ class PendingStore:
             self._store(caches)
 
     def attach(self, seq: Seq) -> None:
-        """Before `seq` joins the loop: lookups may take the store from now on."""
+        """Before `seq` joins the loop: the loop hands its caches here when it
+        lets them go, and lookups may take the store from now on."""
         self.seq = seq
+        seq.released = self.released
         self.prefix.pending_add(self)
 
     def poll(self) -> None:
         """Between token bursts: store if the caches were released (never waits)."""
-        seq = self.seq
-        if self.done or seq is None or not seq.released.done():
+        if self.done or not self.released.done():
             return
         if self.lock.acquire(blocking=False):
             try:
-                self._store(seq.released.result())
+                self._store(self.released.result())
             finally:
                 self.lock.release()
 
     def finish(self) -> None:
         """At the request's end: the loop releases its caches right after the
         last token; store before DONE."""
-        seq = self.seq
-        if self.done or seq is None:
+        if self.done or self.seq is None:
             return
         try:
-            caches = seq.released.result(RELEASE_WAIT_S)
+            caches = self.released.result(RELEASE_WAIT_S)
         except FutureTimeout:
             log.warning("decode loop never released a finished request's caches: not stored")
             self.drop()
@@ -108,26 +110,30 @@ class PendingStore:
         with self.lock:
             if self.done or seq is None:
                 return
-            if not seq.released.done():
+            if not self.released.done():
                 self.loop.call(release_lone, self.loop, seq)
-            if seq.released.done():  # not when it waits for a batch slot
-                self._store(seq.released.result())
+            if self.released.done():  # not when it waits for a batch slot
+                self._store(self.released.result())
 
     def drop(self) -> None:
-        """The request failed: nothing to store."""
+        """Nothing (more) to store: the request failed, or it is stored."""
         self.done = True
+        self.sliding = []
         self.prefix.pending_remove(self)
+        if self.released.done():
+            self.released.result().clear()  # the loop's list, which only we still hold
 
     def _store(self, caches: list[Any]) -> None:
         if self.done:
             return
-        self.done = True
         try:
             spans = self.loop.call(self.prefix.full_views, caches, self.prompt_len)
             self.prefix.store(self.hit, merged(self.sliding, spans))
+        except Exception:  # a store that fails must not fail the request
+            log.exception("storing a prompt's prefix blocks failed")
         finally:
-            self.sliding = []
-            self.prefix.pending_remove(self)
+            caches.clear()  # what the store keeps it holds itself (views or copies)
+            self.drop()
 
 
 def release_lone(loop: DecodeLoop, seq: Seq) -> None:
@@ -135,7 +141,9 @@ def release_lone(loop: DecodeLoop, seq: Seq) -> None:
     goes on with copies of them and `seq`'s own are released to the store. (A
     request still waiting for a slot in a full batch is left waiting.)"""
     loop._admit_waiting()  # it may be queued behind this call's own turn
-    if seq.released.done() or loop.batched or len(loop.seqs) != 1 or loop.seqs[0] is not seq:
+    if seq.released is None or seq.released.done():
+        return
+    if loop.batched or len(loop.seqs) != 1 or loop.seqs[0] is not seq:
         return
     old = loop.caches
     loop.caches = [fresh(c) for c in old]
