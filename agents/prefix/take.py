@@ -34,7 +34,7 @@ log = logging.getLogger("disagg.prefix")
 
 # How long a finished request waits for the loop to release its caches (it does
 # at once; this only bounds a path that forgot to).
-RELEASE_WAIT_S = 30.0
+RELEASE_WAIT_S = 5.0
 
 
 def merged(a: list[Span | None], b: list[Span | None]) -> list[Span | None]:
