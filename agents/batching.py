@@ -128,6 +128,10 @@ class Seq:
     # perf_counter: handed to the loop, and admitted to the batch (after a wait for a slot)
     posted_at: float = 0.0
     joined_at: float | None = None
+    # -- prefix store hook (agents.prefix.take) --
+    # Set by a store that waits for them: its plain caches, once the loop stops
+    # writing them (merged into the batch, or the request ended); never if it failed.
+    released: Future[list[Any]] | None = None
 
 
 @dataclass
@@ -282,6 +286,7 @@ class DecodeLoop:
         while self.waiting and len(self.seqs) + len(group) < self.max_batch:
             seq = self.waiting.pop(0)
             if seq.done:
+                self._release(seq, seq.caches)
                 seq.out.put(None)
             else:
                 group.append(seq)
@@ -293,6 +298,8 @@ class DecodeLoop:
             self._joined(lone)
         if not group:
             return
+        # A lone request's plain caches, which the batch is about to take over.
+        plain, released = (None if self.batched else self.seqs[0]), self.caches
         try:
             self._extend(group)
         except Exception as e:  # the batch's caches may be half extended: fail them all
@@ -301,7 +308,10 @@ class DecodeLoop:
                 seq.out.put(e)
             self._fail(e)
             return
+        if plain is not None:
+            self._release(plain, released)
         for seq in group:
+            self._release(seq, seq.caches)
             self._joined(seq)
 
     def _extend(self, group: list[Seq]) -> None:
@@ -317,6 +327,11 @@ class DecodeLoop:
         if self.next_logprobs is not None:  # the fresh rows' are never reported
             blank = mx.zeros((len(group), self.next_logprobs.shape[-1]), self.next_logprobs.dtype)
             self.next_logprobs = mx.concatenate([self.next_logprobs, blank])
+
+    def _release(self, seq: Seq, caches: list[Any]) -> None:
+        """Prefix store hook: `seq`'s plain caches are no longer written here."""
+        if seq.released is not None and not seq.released.done():
+            seq.released.set_result(caches)
 
     def _joined(self, seq: Seq) -> None:
         seq.caches = []  # the batch owns them now
@@ -391,6 +406,9 @@ class DecodeLoop:
         return grammars.masks(matchers)
 
     def _keep(self, keep: list[int]) -> None:
+        if not keep and not self.batched:  # prefix store hook: a lone request ended
+            for seq in self.seqs:
+                self._release(seq, self.caches)
         self.seqs = [self.seqs[i] for i in keep]
         if not keep:
             self.caches, self.batched = [], False

@@ -38,8 +38,9 @@ from .kvplace import MX_DTYPES, cache_kinds, fill_layer
 from .metrics import Stats
 from .models import get_adapter, load_hf_config
 from .placement import Placement
-from .prefix.decode_side import DecodePrefix, Hit
+from .prefix.decode_side import DecodePrefix, Hit, Recording, Span
 from .prefix.store import default_max_mb
+from .prefix.take import PendingStore
 from .quant import check_supported, weights_identity
 from .request import GenerateRequest, PrefillRequest, RequestError
 from .server import common_args, fail, serve, start_agent
@@ -544,6 +545,17 @@ class DecodeAgent:
         logits: np.ndarray = self.loop.call(last)
         return logits
 
+    def _stores(self, hits: list[Hit], caches: list[Any], prompt_len: int) -> list[PendingStore]:
+        """The prefix stores this request makes; its recorded sliding layers are
+        taken now, before any decode step (they turn plain)."""
+        hits = [h for h in hits if h.keys and self.prefix.cache.max_bytes]
+        if not hits:
+            return []
+        sliding: list[Span | None] = [None] * len(caches)
+        if any(isinstance(c, Recording) for c in caches):
+            sliding = self.loop.call(self.prefix.recorded, caches)
+        return [PendingStore(self.prefix, self.loop, h, prompt_len, sliding) for h in hits]
+
     def _matcher(self, req: GenerateRequest, ids: list[int]) -> Matcher | None:
         """The request's output grammar, compiled (or found in the cache) before
         any compute: an invalid or unenforceable schema is a bad request."""
@@ -650,25 +662,38 @@ class DecodeAgent:
             if lp is not None:
                 P.send_frame(sock, P.Frame.LOGPROBS, lp.tobytes())
 
-        if first not in eos:
-            emit(first, first_lp)
-        for hit in hits:  # after the first token, before any decode step: from the caches
-            if hit.keys:
-                self.prefix.store(hit, self.loop.call(self.prefix.views, caches, len(ids)))
+        # The prompt's blocks are taken from the caches without a copy once
+        # decoding stops writing them (agents.prefix.take), pending from before
+        # the first token goes out: a request that follows it finds them.
+        stores = self._stores(hits, caches, len(ids))
         ended = matcher is not None and matcher.finished
         seq: Seq | None = None
         if first not in eos and max_tokens > 1 and not ended:
             seq = Seq(caches, first, sampler, max_tokens, eos, want_logprobs, matcher=matcher)
+            for store in stores:
+                store.attach(seq)
             self.loop.join(seq)
             if progress is not None:
                 progress.seq = seq  # PROGRESS now says queued (no batch slot yet) or decode
             try:
+                emit(first, first_lp)
                 for burst in bursts(seq.out):
                     with corked(sock, len(burst) > 1):
                         for tid, lp in burst:
                             emit(tid, lp)
+                    for store in stores:
+                        store.poll()  # joined a batch: its caches are free now
+                for store in stores:
+                    store.finish()
             finally:
                 seq.done = True  # a no-op when it ended; stops it if we failed
+                for store in stores:
+                    store.drop()  # a no-op once stored
+        else:
+            for store in stores:
+                store.now(caches)  # never decoded: nothing writes them
+            if first not in eos:
+                emit(first, first_lp)
         send_events(sock, None, chat.finish())
         t_end = time.perf_counter()
         called = bool(chat.tool_calls)

@@ -6,8 +6,15 @@ producers never mix: each prefill agent (torch) and the local prefill (mlx)
 have their own namespace, so a hit joins K/V that the same producer computed,
 which is what that producer's cache-off run computes (checked by the tests).
 
-Blocks are copied straight out of the request's own caches once its first token
-is out (`views` then `store`): nothing else holds the prompt's K/V meanwhile.
+Blocks are taken from the request's own caches without a copy, once the decode
+loop stops writing them (agents.prefix.take): at the request's end, or when it
+joins a batch (whose merge copies them anyway). They are then numpy views of
+the cache buffers, which the cache holds whole (`Owner`: the budget counts the
+buffers, decoded positions and headroom included); where the new blocks would be
+less than half of those buffers (a hit's short suffix, a long decode), they are
+copied out instead. A view is never taken of a cache that is still written:
+mlx may replace a buffer it cannot update in place, and a view would then
+read freed memory.
 
 Sliding-window layers: a remote prefill sends only a sliding layer's last
 window-1 positions, so remote blocks keep full-attention layers only and a
@@ -19,25 +26,47 @@ layer and a local hit seeds a sliding layer with the window before the hit's end
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import RotatingKVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from ..kvcodec import DTYPE_NAMES, Kind, LayerKV
-from .store import Block, Prefix, PrefixCache, block_keys, prefix_digest
+from .store import Block, Owner, Prefix, PrefixCache, block_keys, prefix_digest
+
+# Blocks are kept as views only where they are at least this share of the
+# memory the views would hold; else they are copied out.
+VIEW_SHARE = 0.5
 
 
 @dataclass
 class Span:
-    """One layer's prompt K/V to store from: [H, S, D] keys and values (views of
-    a cache are fine: `store` copies what it keeps) for positions start..start+S."""
+    """One layer's prompt K/V to store from: [H, S, D] keys and values for
+    positions start..start+S. `store` may keep views of them: they must never be
+    written again (a released cache, or arrays made for the store)."""
 
     keys: np.ndarray
     values: np.ndarray
     start: int = 0
+
+
+def held_bytes(arrays: list[np.ndarray]) -> int:
+    """The memory that views of `arrays` keep alive: each one's whole underlying
+    buffer (a cache's capacity, not just the prompt), counted once."""
+    roots: dict[int, int] = {}
+    for a in arrays:
+        root: Any = a
+        top = a  # the last numpy array on the way: all of a foreign root it exports
+        while isinstance(root, np.ndarray) and root.base is not None:
+            top, root = root, root.base
+        try:
+            roots[id(root)] = memoryview(root).nbytes  # an mlx array, bytes, numpy's own
+        except TypeError:  # no buffer protocol (a torch tensor)
+            roots[id(root)] = top.nbytes
+    return sum(roots.values())
 
 
 @dataclass
@@ -85,6 +114,29 @@ class DecodePrefix:
         self.windows = [0 if k[0] == "full" else int(k[1]) for k in kinds]
         self.window = max(self.windows, default=0)
         self.dtype = DTYPE_NAMES[dtype]
+        # Stores waiting for their request's caches (agents.prefix.take).
+        self.pending: list[Any] = []
+        self.pending_lock = threading.Lock()
+
+    def pending_add(self, store: Any) -> None:
+        with self.pending_lock:
+            self.pending.append(store)
+
+    def pending_remove(self, store: Any) -> None:
+        with self.pending_lock:
+            if store in self.pending:
+                self.pending.remove(store)
+
+    def _take_pending(self, keys: list[bytes], have: int, most: int) -> bool:
+        """Run the pending stores that hold more of `keys` than the cache's
+        `have` blocks (up to `most`). True if any ran."""
+        if have >= most:
+            return False
+        with self.pending_lock:
+            better = [p for p in self.pending if p.keys[: have + 1] == keys[: have + 1]]
+        for p in better:
+            p.take_now()
+        return bool(better)
 
     def lookup(self, namespace: str, ids: list[int], local: bool, salt: str | None = None) -> Hit:
         """The longest usable cached prefix of `ids` (a miss: tokens 0). The last
@@ -95,6 +147,8 @@ class DecodePrefix:
         b = self.cache.block
         keys = block_keys(ids, namespace, b, salt)
         blocks = self.cache.longest(keys, cap // b) if cap > 0 and self.cache.max_bytes else []
+        if cap > 0 and self._take_pending(keys, len(blocks), min(cap // b, len(keys))):
+            blocks = self.cache.longest(keys, cap // b)  # a request still decoding had more
         if blocks and local and any(blocks[0].layers[i] is None for i in range(len(self.full))):
             blocks = []  # not every layer kept: cannot seed a local prefill
         hit = Hit(namespace, keys, blocks, b)
@@ -151,8 +205,9 @@ class DecodePrefix:
     def store(self, hit: Hit, spans: list[Span | None]) -> int:
         """Store the request's new blocks from `spans` (per layer, None: not
         there). Every full layer is needed; sliding ones too for a local hit's
-        namespace, else nothing is stored. Copies block by block, so no second
-        whole copy of the prompt exists at any time. Returns the bytes added."""
+        namespace, else nothing is stored. Blocks are views of the spans' arrays
+        (`VIEW_SHARE`), else copies made block by block, so no second whole copy
+        of the prompt exists at any time. Returns the bytes added."""
         if not self.cache.max_bytes or not hit.keys:
             return 0
         local = hit.namespace == "local"
@@ -160,6 +215,13 @@ class DecodePrefix:
         if any(n and s is None for n, s in zip(need, spans, strict=True)):
             return 0
         b = self.cache.block
+        used = [s for n, s in zip(need, spans, strict=True) if n and s is not None]
+        held = held_bytes([a for s in used for a in (s.keys, s.values)])
+        per_block = sum((s.keys[:, :1].nbytes + s.values[:, :1].nbytes) * b for s in used)
+        new = (len(hit.keys) - len(hit.blocks)) * per_block
+        owner: Owner | None = None
+        if held <= self.cache.request_cap and new >= VIEW_SHARE * held:
+            owner = Owner(held, own_copy)
 
         def make(i: int) -> Block | None:
             layers: list[tuple[Any, Any] | None] = []
@@ -171,11 +233,12 @@ class DecodePrefix:
                 lo = i * b - span.start
                 if lo < 0 or lo + b > span.keys.shape[1]:
                     return None  # not held (its cached block went meanwhile)
-                # Copies: a view would keep the request's whole array alive.
-                pair = (span.keys[:, lo : lo + b].copy(), span.values[:, lo : lo + b].copy())
+                pair = (span.keys[:, lo : lo + b], span.values[:, lo : lo + b])
+                if owner is None:  # copies: a view would keep the whole array alive
+                    pair = (pair[0].copy(), pair[1].copy())
                 size += pair[0].nbytes + pair[1].nbytes
                 layers.append(pair)
-            return Block(tuple(layers), size)
+            return Block(tuple(layers), size, owner)
 
         return self.cache.add(hit.keys, make)
 
@@ -201,31 +264,45 @@ class DecodePrefix:
             kind = Kind.FULL if self.full[layer] else Kind.SLIDING
             fill_layer(cache, LayerKV(layer, kind, self.dtype, keys, values), hit.tokens)
 
-    def views(self, caches: list[Any], prompt_len: int) -> list[Span | None]:
-        """Spans over the prompt's K/V in `caches` right after its prefill, before
-        any decode step (full layers: views of mlx's arrays, no copy; a
-        `Recording` sliding layer: what it recorded, then it turns plain)."""
+    def recorded(self, caches: list[Any]) -> list[Span | None]:
+        """Right after a local prefill, before any decode step: what each
+        `Recording` sliding layer recorded, as a Span over one array made for the
+        store; the layer turns plain. None for every other layer."""
         out: list[Span | None] = []
         for layer, cache in enumerate(caches):
-            if isinstance(cache, Recording):
-                ks, vs = [k for k, _ in cache.recorded], [v for _, v in cache.recorded]
-                caches[layer] = cache.plain()
-                if not ks:
-                    out.append(None)
-                    continue
-                keys, values = mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2)
-                mx.eval(keys, values)
-                out.append(Span(as_numpy(keys)[0], as_numpy(values)[0], cache.start))
-            elif self.full[layer] and cache.keys is not None and cache.offset >= prompt_len:
-                out.append(
-                    Span(
-                        as_numpy(cache.keys)[0, :, :prompt_len],
-                        as_numpy(cache.values)[0, :, :prompt_len],
-                    )
-                )
-            else:
+            if not isinstance(cache, Recording):
                 out.append(None)
+                continue
+            ks, vs = [k for k, _ in cache.recorded], [v for _, v in cache.recorded]
+            caches[layer] = cache.plain()
+            if not ks:
+                out.append(None)
+                continue
+            keys, values = mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2)
+            mx.eval(keys, values)
+            out.append(Span(as_numpy(keys)[0], as_numpy(values)[0], cache.start))
         return out
+
+    def full_views(self, caches: list[Any], prompt_len: int) -> list[Span | None]:
+        """Spans over the prompt's K/V in the full-attention layers of `caches`,
+        views of mlx's arrays (no copy). Only for caches nothing writes any more
+        (released by the decode loop, or never decoded)."""
+        out: list[Span | None] = []
+        for layer, cache in enumerate(caches):
+            full = self.full[layer] and isinstance(cache, KVCache)
+            if not full or cache.keys is None or cache.offset < prompt_len:
+                out.append(None)
+                continue
+            mx.eval(cache.keys, cache.values)
+            keys, values = as_numpy(cache.keys), as_numpy(cache.values)
+            out.append(Span(keys[0, :, :prompt_len], values[0, :, :prompt_len]))
+        return out
+
+
+def own_copy(block: Block) -> Block:
+    """A view block's K/V copied into memory of its own (Owner.copy)."""
+    layers = tuple(None if p is None else (p[0].copy(), p[1].copy()) for p in block.layers)
+    return Block(layers, block.nbytes)
 
 
 def as_numpy(a: mx.array) -> np.ndarray:

@@ -6,6 +6,13 @@ prompt's keys finds the longest cached prefix in O(prompt). Framework-free: the
 decode agent keeps numpy blocks (agents.prefix.decode_side), the prefill agent torch ones
 (agents.prefix.prefill_side). A block is immutable once stored, so a request holding
 one is never hurt when it is evicted.
+
+Blocks may be views of memory they share with other blocks (an `Owner`: the
+decode agent's blocks are views of a finished request's cache buffers, taken
+without a copy). The budget counts the bytes really held: an owner's whole
+memory while any of its blocks is cached. Evicting one such block frees
+nothing, so once an owner's cached blocks are less than half of what it holds,
+they are copied out (`Owner.copy`) and the owner's memory goes.
 """
 
 from __future__ import annotations
@@ -54,13 +61,26 @@ def prefix_digest(ids: Sequence[int]) -> str:
     return hashlib.sha256(np.asarray(ids, dtype="<i8").tobytes()).hexdigest()
 
 
+class Owner:
+    """Memory that blocks are views of, charged once and whole while any of them
+    is cached. `copy` gives a block the same K/V in memory of its own."""
+
+    def __init__(self, nbytes: int, copy: Callable[[Block], Block]) -> None:
+        self.nbytes = nbytes
+        self.copy = copy
+        self.keys: set[bytes] = set()  # its blocks in the cache
+        self.live_bytes = 0  # their own bytes
+
+
 @dataclass(frozen=True)
 class Block:
     """One block's K/V: per layer (keys, values), None for a layer not kept
-    (sliding-window layers)."""
+    (sliding-window layers). `nbytes`: its own K/V; with an `owner`, views of
+    the owner's memory (which the budget counts instead)."""
 
     layers: tuple[tuple[Any, Any] | None, ...]
     nbytes: int
+    owner: Owner | None = None
 
 
 @dataclass(frozen=True)
@@ -75,10 +95,11 @@ class Prefix:
 
 
 class PrefixCache:
-    """Blocks by chained key, LRU by bytes; thread-safe. The budget holds at every
-    moment, concurrent adds included: a block goes in only after older ones made
-    room. One add stores at most 1/`share` of the budget (at least one block), so
-    one long prompt cannot flush what every other request shares."""
+    """Blocks by chained key, LRU by bytes held; thread-safe. The budget holds at
+    every moment, concurrent adds included: a block goes in only after older ones
+    made room. One add stores at most 1/`share` of the budget (at least one plain
+    block; an owner's memory must fit), so one long prompt cannot flush what
+    every other request shares."""
 
     def __init__(self, max_bytes: int, block: int = BLOCK_TOKENS, share: int = 4) -> None:
         self.max_bytes = max(0, int(max_bytes))
@@ -93,6 +114,52 @@ class PrefixCache:
         self.query_tokens = 0
         self.evictions = 0
         self.capped = 0  # adds stopped by the per-request cap
+        self.owned = 0  # of `bytes`: owners' memory (blocks held as views)
+        self.compactions = 0  # owners whose surviving blocks were copied out
+
+    def _charge(self, b: Block) -> int:
+        """What adding `b` adds to `bytes`: an owner's memory with its first block."""
+        if b.owner is None:
+            return b.nbytes
+        return 0 if b.owner.keys else b.owner.nbytes
+
+    def _insert(self, key: bytes, b: Block) -> None:
+        charge = self._charge(b)
+        self.blocks[key] = b
+        self.bytes += charge
+        if b.owner is not None:
+            self.owned += charge
+            b.owner.keys.add(key)
+            b.owner.live_bytes += b.nbytes
+
+    def _evict(self, key: bytes) -> None:
+        old = self.blocks.pop(key)
+        self.evictions += 1
+        owner = old.owner
+        if owner is None:
+            self.bytes -= old.nbytes
+            return
+        owner.keys.discard(key)
+        owner.live_bytes -= old.nbytes
+        if not owner.keys:
+            self.bytes -= owner.nbytes
+            self.owned -= owner.nbytes
+        elif 2 * owner.live_bytes < owner.nbytes:
+            self._compact(owner)
+
+    def _compact(self, owner: Owner) -> None:
+        """An owner's cached blocks become copies (same places in the LRU order),
+        so its memory goes once no request holds it either. Under the lock: a
+        copy of less than half of the owner, and rare."""
+        for key in list(owner.keys):
+            copied = owner.copy(self.blocks[key])
+            self.blocks[key] = copied
+            self.bytes += copied.nbytes
+        self.bytes -= owner.nbytes
+        self.owned -= owner.nbytes
+        owner.keys.clear()
+        owner.live_bytes = 0
+        self.compactions += 1
 
     def _touch(self, keys: Sequence[bytes]) -> None:
         # Deepest first, the first block last: the least recently used end then
@@ -130,9 +197,7 @@ class PrefixCache:
             key = next(iter(self.blocks))
             if key in ours:
                 return False
-            old = self.blocks.pop(key)
-            self.bytes -= old.nbytes
-            self.evictions += 1
+            self._evict(key)
         return self.bytes + nbytes <= self.max_bytes
 
     def add(self, keys: Sequence[bytes], make: Callable[[int], Block | None]) -> int:
@@ -141,6 +206,7 @@ class PrefixCache:
         only be found through it. Returns the bytes added."""
         added = 0
         ours: set[bytes] = set()
+        owners: set[Owner] = set()
         with self.lock:
             self._touch(keys)  # the prompt's cached blocks are not the ones to evict
         for i, k in enumerate(keys):
@@ -148,29 +214,42 @@ class PrefixCache:
                 if k in self.blocks:
                     ours.add(k)
                     continue
-            b = make(i)  # outside the lock: it copies
-            if b is None or b.nbytes > self.max_bytes:
-                break
-            if added and added + b.nbytes > self.request_cap:
-                with self.lock:
-                    self.capped += 1
+            b = make(i)  # outside the lock: it may copy
+            if b is None:
                 break
             with self.lock:
+                charge = self._charge(b)
+                if charge > self.max_bytes:
+                    break
+                if (added or b.owner is not None) and added + charge > self.request_cap:
+                    self.capped += 1
+                    break
                 if k not in self.blocks:
-                    if not self._make_room(b.nbytes, ours):
+                    if not self._make_room(charge, ours):
                         break
-                    self.blocks[k] = b
-                    self.bytes += b.nbytes
-                    added += b.nbytes
+                    charge = self._charge(b)  # making room may have compacted its owner
+                    if self.bytes + charge > self.max_bytes:
+                        break
+                    self._insert(k, b)
+                    added += charge
+                    if b.owner is not None:
+                        owners.add(b.owner)
                 ours.add(k)
         with self.lock:
+            for owner in owners:  # most of its blocks were cached already (another add)
+                if owner.keys and 2 * owner.live_bytes < owner.nbytes:
+                    self._compact(owner)
             self._touch(keys)
         return added
 
     def clear(self) -> None:
         with self.lock:
+            for b in self.blocks.values():
+                if b.owner is not None:
+                    b.owner.keys.clear()
+                    b.owner.live_bytes = 0
             self.blocks.clear()
-            self.bytes = 0
+            self.bytes = self.owned = 0
 
     def snapshot(self) -> dict[str, Any]:
         """For /status."""
@@ -190,6 +269,9 @@ class PrefixCache:
                 "evictions": self.evictions,
                 "request_cap_bytes": self.request_cap,
                 "capped_adds": self.capped,
+                # of `bytes`: memory held whole by blocks that are views of it
+                "owned_bytes": self.owned,
+                "compactions": self.compactions,
             }
 
     def prometheus(self, role: str) -> str:
