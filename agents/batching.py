@@ -429,7 +429,7 @@ class DecodeLoop:
     def _start_batch(self, joining: int) -> None:
         """The lone stream's plain caches become the batch's first row."""
         if self.use_rows and any(type(c) is KVCache for c in self.caches):
-            capacity = min(self.max_batch, max(4, 2 * (1 + joining)))
+            capacity = min(self.max_batch, max(4, 1 << joining.bit_length()))  # pow2 > joining
             self.rows = RowBatch(self.caches, capacity, self.max_batch)
             self.caches = self.rows.caches
         else:

@@ -56,14 +56,14 @@ class Layout:
         key = ("offset", idx)
         if key not in self._memo:  # once per step, not once per layer
             self._memo = {k: v for k, v in self._memo.items() if k[1] == idx}
-            self._memo[key] = mx.array(idx - self.pad[: self.n])
+            self._memo[key] = mx.array((idx - self.pad[: self.n]).astype(np.int32))
         return self._memo[key]
 
     def padding(self, idx: int) -> mx.array:
         """[n] left padding relative to `start` (what the mask reads)."""
         key = ("pad", idx)
         if key not in self._memo:
-            self._memo[key] = mx.array(self.pad[: self.n] - self.start)
+            self._memo[key] = mx.array((self.pad[: self.n] - self.start).astype(np.int32))
         return self._memo[key]
 
 

@@ -153,36 +153,44 @@ def buffer_address(a: Any) -> int:
 
 
 @pytest.mark.parametrize("rows", [True, False], ids=["rows", "mlx-lm batch caches"])
-def test_a_departure_copies_no_other_row(smol: tuple[Any, Any], rows: bool) -> None:
+def test_a_departure_and_a_join_copy_no_other_row(smol: tuple[Any, Any], rows: bool) -> None:
     """The same probe on both paths: with preallocated rows the live rows stay in
-    their buffer when a middle row leaves; mlx-lm's filter gathers them into a new
-    one (which is what this test would catch)."""
+    their buffer when a middle row leaves and when a new one joins; mlx-lm's filter
+    and extend copy them into new buffers (which is what this test would catch)."""
     model, tok = smol
     loop = new_loop(model, rows=rows)
     s = Streams(loop, model)
-    s.start("a", tok.encode("Tell me about rivers."), 30)
+    s.start("a", tok.encode("Tell me about rivers."), 40)
     s.wait("a", 2)
-    s.start("b", tok.encode("Say hi."), 8)  # row 1: leaves first
-    s.start("c", tok.encode("Tell me about mountains."), 30)  # row 2 moves into row 1
-    s.wait("b", 3)
+    s.start("b", tok.encode("Say hi."), 10)  # row 1: leaves first
+    s.start("c", tok.encode("Tell me about mountains."), 40)  # row 2 moves into row 1
+    s.wait("c", 2)  # in the batch
 
     def probe() -> tuple[int, int]:
         return len(loop.seqs), buffer_address(loop.caches[0].keys)
 
-    before: list[int] = []
-    after: list[int] = []
-    deadline = time.monotonic() + 300
-    while not after:
-        assert time.monotonic() < deadline
-        live, address = loop.call(probe)  # between two steps of the loop
-        (before if live == 3 else after).append(address)
+    def addresses(live: int) -> list[int]:
+        """Between steps (loop.call), until the batch has `live` rows."""
+        seen: list[tuple[int, int]] = []
+        deadline = time.monotonic() + 300
+        while not seen or seen[-1][0] != live:
+            assert time.monotonic() < deadline, seen
+            seen.append(loop.call(probe))
+        return [address for _, address in seen]
+
+    three = addresses(2)  # up to the departure
+    two = addresses(2)[-1:] + addresses(2)[-1:]  # two steps later: still in place
+    s.start("d", tok.encode("Name a bird."), 6)  # joins into row 2
+    again = addresses(3)[-1]
     got = s.finish()
-    assert len(before) >= 2 and len(set(before)) == 1  # each step writes in place
+    assert len(three) >= 3 and len(set(three[:-1])) == 1  # each step writes in place
+    assert len(set(two)) == 1
     if rows:
-        assert after[0] == before[0]
+        assert three[-1] == three[0] and again == three[0]
     else:
-        assert after[0] != before[0]
-    assert got["c"] == reference(model, tok.encode("Tell me about mountains."), 30)
+        assert three[-1] != three[0] and again != two[-1]
+    assert got["c"] == reference(model, tok.encode("Tell me about mountains."), 40)
+    assert got["d"] == reference(model, tok.encode("Name a bird."), 6)
 
 
 def test_sliding_layers_keep_mlx_lms_batch_caches_in_the_same_row_order(
