@@ -8,9 +8,10 @@ threads); other threads hand it work with `call` / `post` and read tokens back
 from each request's queue, so a slow client never stalls the batch.
 
 A lone request decodes with its own plain caches, exactly as mlx-lm's
-generate_step would; a second one merges both into mlx-lm's batch caches
-(left-padded, with per-row offsets), and the plain caches come back when the
-batch shrinks to one again.
+generate_step would; a second one starts a batch: preallocated rows for the
+full-attention layers (agents/batchrows.py: a join writes one row, a departure
+moves one) and mlx-lm's batch caches for the others (left-padded, with per-row
+offsets). The plain caches come back when the batch shrinks to one again.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generation_stream
+from mlx_lm.models.cache import KVCache
 
+from .batchrows import RowBatch
 from .chunks import ChunkSizer
 from .grammar import Grammars, Matcher
 
@@ -154,6 +157,7 @@ class DecodeLoop:
         max_batch: int = 32,
         grammars: Grammars | None = None,
         prefill_step: int = 2048,
+        rows: bool = True,
     ) -> None:
         self.model = model
         self.grammars = grammars  # masks rows whose Seq carries a matcher
@@ -163,6 +167,10 @@ class DecodeLoop:
         self.seqs: list[Seq] = []
         self.caches: list[Any] = []  # plain caches for one sequence, batch caches for more
         self.batched = False
+        # Preallocated rows for the full-attention layers (agents/batchrows.py);
+        # False: mlx-lm's batch caches throughout (merge/extend/filter).
+        self.use_rows = rows
+        self.rows: RowBatch | None = None
         self.next_tokens: mx.array | None = None  # [B] inputs of the next step
         self.next_logprobs: mx.array | None = None  # [B, vocab] they were sampled from
         self.steps = 0
@@ -238,7 +246,7 @@ class DecodeLoop:
     def _fail(self, e: Exception) -> None:
         for seq in self.seqs:
             seq.out.put(e)
-        self.seqs, self.caches, self.batched = [], [], False
+        self.seqs, self.caches, self.batched, self.rows = [], [], False, None
         self.next_tokens = self.next_logprobs = None
         self._last_step_end = None
         release_memory()
@@ -316,11 +324,13 @@ class DecodeLoop:
 
     def _extend(self, group: list[Seq]) -> None:
         if not self.batched:
-            self.caches = [c.merge([c]) for c in self.caches]
-            self.batched = True
-        for i, mine in enumerate(self.caches):
-            theirs = [s.caches[i] for s in group]
-            mine.extend(type(theirs[0]).merge(theirs))
+            self._start_batch(len(group))
+        if self.rows is not None:  # a row per sequence, the others untouched
+            self.rows.join([s.caches for s in group])
+        else:
+            for i, mine in enumerate(self.caches):
+                theirs = [s.caches[i] for s in group]
+                mine.extend(type(theirs[0]).merge(theirs))
         assert self.next_tokens is not None
         firsts = mx.array([s.first for s in group], dtype=mx.uint32)
         self.next_tokens = mx.concatenate([self.next_tokens, firsts])
@@ -409,9 +419,12 @@ class DecodeLoop:
         if not keep and not self.batched:  # prefix store hook: a lone request ended
             for seq in self.seqs:
                 self._release(seq, self.caches)
+        if keep and self.rows is not None:
+            self._leave_rows(keep)
+            return
         self.seqs = [self.seqs[i] for i in keep]
         if not keep:
-            self.caches, self.batched = [], False
+            self.caches, self.batched, self.rows = [], False, None
             self.next_tokens = self.next_logprobs = None
             self._last_step_end = None
             release_memory()
@@ -429,3 +442,27 @@ class DecodeLoop:
         else:
             for c in self.caches:
                 c.filter(keep)
+
+    # -- batchrows: preallocated rows (a join writes one, a departure moves one)
+    def _start_batch(self, joining: int) -> None:
+        """The lone stream's plain caches become the batch's first row."""
+        if self.use_rows and any(type(c) is KVCache for c in self.caches):
+            capacity = min(self.max_batch, max(4, 1 << joining.bit_length()))  # pow2 > joining
+            self.rows = RowBatch(self.caches, capacity, self.max_batch)
+            self.caches = self.rows.caches
+        else:
+            self.caches = [c.merge([c]) for c in self.caches]
+        self.batched = True
+
+    def _leave_rows(self, keep: list[int]) -> None:
+        assert self.rows is not None and self.next_tokens is not None
+        kept = set(keep)
+        order = self.rows.leave([i for i in range(len(self.seqs)) if i not in kept])
+        self.seqs = [self.seqs[i] for i in order]
+        idx = mx.array(order)  # [B] and [B, vocab]: small beside the K/V rows
+        self.next_tokens = self.next_tokens[idx]
+        if self.next_logprobs is not None:
+            self.next_logprobs = self.next_logprobs[idx]
+        if len(order) == 1:  # back to plain caches: the single-stream fast path
+            self.caches = self.rows.extract(0)
+            self.rows, self.batched = None, False
