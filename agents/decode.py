@@ -175,7 +175,12 @@ class DecodeEngine:
     def stream(self, req: GenerateRequest, ids: list[int]) -> ChatStream:
         """The answer's parser: reasoning, content and tool calls apart."""
         return open_stream(
-            self.chat, self.tokenizer, ids, chat=self.is_chat(req), tools=_tools(req)
+            self.chat,
+            self.tokenizer,
+            ids,
+            chat=self.is_chat(req),
+            tools=_tools(req),
+            structured=req.response_format is not None,
         )
 
 

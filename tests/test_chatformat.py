@@ -335,16 +335,21 @@ def test_tags_split_everywhere(output: str, tool_parser: Any, first: bool) -> No
 @pytest.mark.parametrize("first", [False, True])
 def test_a_think_tag_inside_the_answer_is_the_answers_text(first: bool) -> None:
     """Seen in a structured answer: a random model wrote "<think>" inside a JSON
-    string, and the rest of its JSON went to reasoning. Only a think block before
-    the answer is reasoning."""
+    string, and the rest of its JSON went to reasoning. Under an output grammar only
+    a think block before the answer is reasoning; free text still hides the tags."""
     answer = '{"reason": "a <think> b</think> c"}'
     head = "Why.</think>" if first else "<think>Why.</think>"
-    for parts in splits(head + answer):
-        p = TagParser(think=True, tool_parser=parse_qwen_json, reasoning_first=first)
-        events: list[Event] = []
-        for part in parts:
-            events += p.text(part)
-        assert collect(events + p.finish()) == {"content": answer, "reasoning": "Why.", "calls": []}
+    for structured in (True, False):
+        for parts in splits(head + answer):
+            p = TagParser(think=True, reasoning_first=first, structured=structured)
+            events: list[Event] = []
+            for part in parts:
+                events += p.text(part)
+            got = collect(events + p.finish())
+            if structured:
+                assert got == {"content": answer, "reasoning": "Why.", "calls": []}
+            else:
+                assert "<think>" not in got["content"] and "</think>" not in got["content"]
 
 
 def test_tags_stream_before_the_end() -> None:

@@ -200,6 +200,7 @@ class TagParser:
         tool_parser: Any = None,  # parse_qwen_json / parse_qwen_xml, None: no tool calls
         tools: list[dict[str, Any]] | None = None,
         reasoning_first: bool = False,  # the prompt ends inside <think>
+        structured: bool = False,  # the answer follows an output grammar (response_format)
     ) -> None:
         self.think = think
         self.tool_parser = tool_parser
@@ -207,8 +208,10 @@ class TagParser:
         self.state = "reasoning" if reasoning_first else "content"
         self.buf = ""
         self.lead = True  # drop whitespace at the start of a section
-        # Qwen3 reasons before it answers: once the answer has begun, a "<think>" in it
-        # is its text (say inside a structured answer's JSON string), not reasoning.
+        # Under an output grammar the answer is the grammar's text: once it has begun, a
+        # "<think>" in it (say inside a JSON string) is its text, not reasoning. Free
+        # text keeps hiding any markup the model writes.
+        self.structured = structured
         self.answered = False
 
     @property
@@ -229,7 +232,7 @@ class TagParser:
             self.lead = not text
         if text:
             out.append(Piece(self.state, text))
-            self.answered = self.answered or self.state == "content"
+            self.answered = self.answered or (self.structured and self.state == "content")
 
     def text(self, s: str) -> list[Event]:
         self.buf += s
@@ -243,7 +246,8 @@ class TagParser:
             found = [
                 (i, t)
                 for t in tags
-                if (i := self.buf.find(t)) >= 0 and not (t == THINK_OPEN and self.buf[:i].strip())
+                if (i := self.buf.find(t)) >= 0
+                and not (self.structured and t == THINK_OPEN and self.buf[:i].strip())
             ]
             if not found:
                 if self.state != "tool":

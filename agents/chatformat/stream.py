@@ -92,12 +92,14 @@ def open_stream(
     chat: bool = True,
     tools: list[dict[str, Any]] | None = None,
     detokenizer: Any = None,
+    structured: bool = False,
 ) -> ChatStream:
     """The stream for one request's answer.
 
     chat: the prompt went through the chat template (False: raw or FIM; Qwen's
     tags are then plain text, harmony's markup tokens still never show).
     tools: the request's tools; Qwen's tool calls are parsed only when given.
+    structured: the answer follows an output grammar (its text is kept whole).
     """
     detok = detokenizer if detokenizer is not None else tokenizer.detokenizer
     # Raw and FIM prompts keep every token's text, as mlx-lm's own generation does.
@@ -114,7 +116,11 @@ def open_stream(
     tail = tokenizer.decode(prompt_ids[-8:]) if prompt_ids else ""
     first = fmt.reasoning and tail.rstrip().endswith("<think>")
     parser = TagParser(
-        think=fmt.reasoning, tool_parser=tool_parser, tools=tools, reasoning_first=first
+        think=fmt.reasoning,
+        tool_parser=tool_parser,
+        tools=tools,
+        reasoning_first=first,
+        structured=structured,
     )
     return ChatStream(detok, parser, {}, hidden)
 
