@@ -227,17 +227,10 @@ class Receiver:
         self, layers: list[LayerKV], codec: Codec = Codec.RAW, verify: bool = False
     ) -> tuple[float, int, str | None]:
         """Seconds, bytes on the wire, and (with verify) the receiver's digest."""
-        from agents.prefill import LayerSender  # imports torch: only in the sender
-
         self._start("ours", 0, verify)
         with self._dial() as sock:
             t0 = time.perf_counter()
-            sender = LayerSender(sock, codec)
-            for kv in layers:
-                sender.put(kv)
-            sender.close()
-            if sender.error is not None:
-                raise sender.error
+            sender = _send_layers(sock, layers, codec)
             P.send_json(sock, P.Frame.PREFILL_DONE, {"layers": len(layers)})
             if P.recv_exact(sock, 1) != ACK:
                 raise RuntimeError("bad ack")
@@ -255,20 +248,13 @@ class Receiver:
         or the copy path): seconds, bytes on the wire, and the receiver's answer
         (digest with verify, layers placed in place, its allocation's seconds),
         and the seconds until the sender had the PREFILL (`request_s`)."""
-        from agents.prefill import LayerSender  # imports torch: only in the sender
-
         self._start("inplace" if inplace else "mlx_copy", 0, verify, asdict(Spec.of(layers)))
         with self._dial() as sock:
             t0 = time.perf_counter()
             # As the prefill agent: the decode side asks (PREFILL), then the stream.
             P.recv_json(sock, P.Frame.PREFILL)
             asked = time.perf_counter() - t0  # the request's round trip, in the time
-            sender = LayerSender(sock, codec)
-            for kv in layers:
-                sender.put(kv)
-            sender.close()
-            if sender.error is not None:
-                raise sender.error
+            sender = _send_layers(sock, layers, codec)
             P.send_frame(sock, P.Frame.LOGITS, LOGITS)
             P.send_json(sock, P.Frame.PREFILL_DONE, {"layers": len(layers)})
             if P.recv_exact(sock, 1) != ACK:
@@ -320,3 +306,16 @@ class Receiver:
         finally:
             conn.close()
         return secs, len(body), self._read()
+
+
+def _send_layers(sock: socket.socket, layers: list[LayerKV], codec: Codec) -> Any:
+    """The layers through the prefill agent's own LayerSender; it, for its byte count."""
+    from agents.prefill import LayerSender  # imports torch: only in the sender
+
+    sender = LayerSender(sock, codec)
+    for kv in layers:
+        sender.put(kv)
+    sender.close()
+    if sender.error is not None:
+        raise sender.error
+    return sender
