@@ -72,6 +72,9 @@ from tests.testbed.rig import (
 pytestmark = pytest.mark.testbed
 
 
+DRAIN_TOKENS = 48  # ~10 s of decode here: still running when restart's SIGTERM lands
+
+
 def remote_req(prompt: str) -> GenerateRequest:
     """The reliability rig's usual request: MAX_TOKENS, prefilled remotely."""
     return build_request(prompt=prompt, max_tokens=MAX_TOKENS, placement="remote")
@@ -539,13 +542,26 @@ def test_no_leaks_over_200_requests(rig: Rig, window: Ledger) -> None:
 
 @pytest.mark.fault
 def test_restart_drains_requests_in_flight(rig: Rig) -> None:
-    """`disagg restart` while each pipeline has four requests (one running, three queued):
+    """`disagg restart` while each pipeline has four requests (one long, all accepted):
     SIGTERM, the agents finish all of them, exit, start again; none is lost, each in the
     reference text; new requests are served after."""
     assert rig.client is not None
+    # The first request of each pipeline runs DRAIN_TOKENS: six-token ones alone could all
+    # finish before `disagg restart` reaches the agent over ssh (seen on a loaded box),
+    # and then the drain would prove nothing. Its reference: the same request, before.
+    long = {"max_tokens": DRAIN_TOKENS, "ignore_eos": True}
+    pending = {m: rig.submit(rig.gen, m, PROMPTS[0], **long) for m in MODELS}
+    refs = {(m, PROMPTS[0], DRAIN_TOKENS): f.result(REQUEST_TIMEOUT_S) for m, f in pending.items()}
     before = {h: agent_pid(h) for h in BY_NAME}
     reqs = [
-        BatchItem(i, MODELS[i % 2], remote_req(PROMPTS[(i // 2) % len(PROMPTS)])) for i in range(8)
+        BatchItem(
+            i,
+            MODELS[i % 2],
+            build_request(prompt=PROMPTS[0], placement="remote", **long)
+            if i < 2
+            else remote_req(PROMPTS[(i // 2) % len(PROMPTS)]),
+        )
+        for i in range(8)
     ]
     finished: Counter[str] = Counter()
     logs = {h: len(agent_log(h)) for h in BY_NAME}
@@ -570,8 +586,10 @@ def test_restart_drains_requests_in_flight(rig: Rig) -> None:
     batch = fut.result(REQUEST_TIMEOUT_S)
     assert batch.failed == 0, [r for r in batch.results if r.get("error")]
     for req, row in zip(reqs, batch.results, strict=True):
-        ref = rig.refs[(str(req.model), str(req.request.prompt))]
+        key = (str(req.model), str(req.request.prompt))
+        ref = refs.get((*key, req.request.max_tokens)) or rig.refs[key]
         assert row["token_ids"] == ref.token_ids and row["text"] == ref.text, (row, ref.text)
+    assert all(len(r["token_ids"]) == DRAIN_TOKENS for r in batch.results[:2]), batch.results[:2]
     done_by = max(r["time"] for r in batch.results) - (t_restart - t0)
     after = {h: agent_pid(h) for h in BY_NAME}
     assert all(after[h] != before[h] for h in BY_NAME), (before, after)
