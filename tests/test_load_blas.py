@@ -229,10 +229,30 @@ def test_status_says_which_blas_the_decode_agent_runs(agent_pair: PairFactory) -
 
 def test_local_agents_split_the_cores_unless_the_user_chose() -> None:
     """A local pair shares one machine: the decode agent's OpenBLAS gets half the
-    cores (it spins while torch's prefill holds one), and a user's setting wins."""
+    cores (it spins while torch's prefill holds one), the prefill agent's OpenMP
+    threads sleep when idle instead of spinning, and a user's setting wins."""
     from disagg.serving.localagents import thread_share
 
     half = str(max(1, (os.cpu_count() or 2) // 2))
     assert thread_share("decode", {}) == {"OPENBLAS_NUM_THREADS": half}
     assert thread_share("decode", {"OPENBLAS_NUM_THREADS": "4"}) == {}
-    assert thread_share("prefill", {}) == {}
+    assert thread_share("prefill", {}) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert thread_share("prefill", {"OMP_WAIT_POLICY": "ACTIVE"}) == {}
+
+
+def test_a_local_pair_runs_with_its_share(agent_pair: Any) -> None:
+    """The agents a local pair starts carry those settings in their environment."""
+    prefill, decode = agent_pair("llama", seed=23)
+
+    def environ(pid: int) -> dict[str, str]:
+        raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+    user_set = {
+        k: os.environ[k] for k in ("OPENBLAS_NUM_THREADS", "OMP_WAIT_POLICY") if k in os.environ
+    }
+    want_decode = user_set.get("OPENBLAS_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // 2)))
+    assert environ(decode.proc.pid)["OPENBLAS_NUM_THREADS"] == want_decode
+    assert environ(prefill.proc.pid)["OMP_WAIT_POLICY"] == user_set.get(
+        "OMP_WAIT_POLICY", "PASSIVE"
+    )
