@@ -27,6 +27,7 @@ from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 
 from . import protocol as P
 from .batching import DecodeLoop, Sampler, Seq, make_sampler, sample_rows
+from .blasshare import BlasShare
 from .chatformat import ChatStream, FormatError, Piece, detect, open_stream, render_chat, render_fim
 from .codecpick import CodecTuner
 from .grammar import ANALYSIS_MAX_TOKENS, Grammars, Matcher
@@ -326,6 +327,7 @@ class DecodeAgent:
             engine.model, max_batch=max_batch, grammars=engine.grammars, prefill_step=PREFILL_STEP
         )
         engine.grammars.warm()  # its tokenizer (~0.5 s) off the first request's path
+        self.blas_share = BlasShare.from_env(self.loop.post)
         mb = default_max_mb() if prefix_cache_mb is None else prefix_cache_mb
         self.prefix = DecodePrefix(int(mb * (1 << 20)), engine.fingerprint["layers"], engine.dtype)
         self.stats.extra.append(lambda: self.prefix.cache.prometheus("decode"))
@@ -340,6 +342,7 @@ class DecodeAgent:
             "backend": "mlx",
             "device": self.engine.device,
             "blas": fastblas.loaded,
+            "blas_threads": fastblas.threads(),
             "fingerprint": self.engine.fingerprint,
             "context": self.engine.context,
             "queued": batch["batch_waiting"],
@@ -479,17 +482,18 @@ class DecodeAgent:
                 probe_codecs=probe,
                 cache_salt=req.cache_salt,
             )
-            fetched, logits = fetch_kv(
-                req.prefill,
-                ask,
-                caches,
-                hello,
-                self.token,
-                self.engine.vocab_size,
-                place,
-                prefix,
-                slots if alloc is not None else None,
-            )
+            with self.blas_share.prefilling():
+                fetched, logits = fetch_kv(
+                    req.prefill,
+                    ask,
+                    caches,
+                    hello,
+                    self.token,
+                    self.engine.vocab_size,
+                    place,
+                    prefix,
+                    slots if alloc is not None else None,
+                )
             for f in fills:
                 f.result()
             if alloc is not None:

@@ -107,6 +107,8 @@ GEMM(cblas_cgemm, c, void, const void *)
 loaded = "bundled"
 # OpenBLAS's own description of itself (version, int width, core, threads), "" if bundled.
 config = ""
+# The bound library, for its thread count (None: mlx's bundled BLAS).
+_bound: Blas | None = None
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,33 @@ def _call(lib: ctypes.CDLL, name: str, restype: type) -> Any:
     return fn()
 
 
+def _threads_fn(name: str) -> Any:
+    """The bound OpenBLAS's `openblas_{name}` (the copy the shim opened), or None."""
+    if _bound is None:
+        return None
+    lib = ctypes.CDLL(_bound.path, mode=os.RTLD_LOCAL)  # the same handle: opened already
+    fn_name = f"{_bound.prefix}openblas_{name}{_bound.suffix}"
+    return getattr(lib, fn_name, None)
+
+
+def threads() -> int | None:
+    """How many threads the bound OpenBLAS uses now; None under mlx's own BLAS."""
+    fn = _threads_fn("get_num_threads")
+    if fn is None:
+        return None
+    fn.restype = ctypes.c_int
+    return int(fn())
+
+
+def set_threads(n: int) -> None:
+    """Use `n` threads from the next call on (at most the pool OpenBLAS started
+    with). Not safe during a BLAS call: call it from the thread that runs mlx."""
+    fn = _threads_fn("set_num_threads")
+    if fn is not None:
+        fn.argtypes = [ctypes.c_int]
+        fn(max(1, n))
+
+
 def candidates(choice: str) -> list[tuple[str, str]]:
     """(source, path) to try in order for a DISAGG_BLAS value."""
     if choice == "auto":
@@ -224,7 +253,7 @@ def _bind(shim: Path, blas: Blas) -> bool:
 def preload() -> str:
     """Route mlx's matmuls to OpenBLAS if this is Linux and it can be done.
     Must run before mlx is imported; afterwards it changes nothing."""
-    global loaded, config
+    global loaded, config, _bound
     choice = os.environ.get("DISAGG_BLAS", "auto") or "auto"
     if sys.platform != "linux" or choice == "bundled" or "mlx.core" in sys.modules:
         return loaded
@@ -237,7 +266,7 @@ def preload() -> str:
                 continue
             shim = _shim()
             if shim is not None and _bind(shim, blas):
-                loaded, config = f"openblas ({source}): {path}", blas.config
+                loaded, config, _bound = f"openblas ({source}): {path}", blas.config, blas
             return loaded
     except (OSError, subprocess.SubprocessError):
         pass  # a broken install only costs speed, never correctness

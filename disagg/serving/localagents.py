@@ -137,22 +137,20 @@ def free_port() -> int:
     raise AgentError("no free TCP port on 127.0.0.1 below the ephemeral range")
 
 
-def thread_share(role: str, env: dict[str, str]) -> dict[str, str]:
-    """Agents started here share this machine's cores, so neither may spin on a core
-    the other needs (each setting only where the user has not set it):
+# agents.blasshare.ENV (not imported: agents.fastblas binds a BLAS on import).
+BLAS_SHARED_ENV = "DISAGG_BLAS_SHARED"
 
-    - the decode agent's OpenBLAS gets half the cores: left alone it takes every core
-      and its threads spin while torch's prefill holds one (a 16-stream grader load
-      ran 4x slower on 2 cores);
-    - the prefill agent's OpenMP threads sleep between parallel regions
-      (OMP_WAIT_POLICY=PASSIVE): by default they busy-wait after every op, taking
-      the decode agent's core while torch does serial work. Under the grader load it
-      cut TPOT by ~4 % and TTFT by ~40 % (README, "Serving under load")."""
-    if role == "decode" and "OPENBLAS_NUM_THREADS" not in env:
-        return {"OPENBLAS_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2))}
-    if role == "prefill" and "OMP_WAIT_POLICY" not in env:
-        return {"OMP_WAIT_POLICY": "PASSIVE"}
-    return {}
+
+def thread_share(role: str, env: dict[str, str]) -> dict[str, str]:
+    """Agents started here share this machine's cores: while a prefill for it runs,
+    the decode agent's OpenBLAS gets half of them (agents/blasshare.py), all of them
+    otherwise; a user's OPENBLAS_NUM_THREADS fixes the count instead. With every core
+    always, its gemms stalled behind torch's prefill (a 16-stream grader load ran 4x
+    slower on 2 cores); with half always, one stream decoded 1.3x slower than
+    mlx-lm (README, "Serving under load")."""
+    if role != "decode" or "OPENBLAS_NUM_THREADS" in env:
+        return {}
+    return {BLAS_SHARED_ENV: str(max(1, (os.cpu_count() or 2) // 2))}
 
 
 def wait_ready(
