@@ -107,8 +107,9 @@ GEMM(cblas_cgemm, c, void, const void *)
 loaded = "bundled"
 # OpenBLAS's own description of itself (version, int width, core, threads), "" if bundled.
 config = ""
-# The bound library, for its thread count (None: mlx's bundled BLAS).
-_bound: Blas | None = None
+# The bound OpenBLAS's thread-count calls, resolved once (None: mlx's bundled BLAS).
+_get_threads: Any = None
+_set_threads: Any = None
 
 
 @dataclass(frozen=True)
@@ -177,31 +178,29 @@ def _call(lib: ctypes.CDLL, name: str, restype: type) -> Any:
     return fn()
 
 
-def _threads_fn(name: str) -> Any:
-    """The bound OpenBLAS's `openblas_{name}` (the copy the shim opened), or None."""
-    if _bound is None:
-        return None
-    lib = ctypes.CDLL(_bound.path, mode=os.RTLD_LOCAL)  # the same handle: opened already
-    fn_name = f"{_bound.prefix}openblas_{name}{_bound.suffix}"
-    return getattr(lib, fn_name, None)
+def _thread_calls(blas: Blas) -> tuple[Any, Any]:
+    """`blas`'s openblas_get_num_threads and openblas_set_num_threads (None where
+    it has none), from the handle the shim opened."""
+    lib = ctypes.CDLL(blas.path, mode=os.RTLD_LOCAL)  # opened already: the same handle
+    get = getattr(lib, f"{blas.prefix}openblas_get_num_threads{blas.suffix}", None)
+    put = getattr(lib, f"{blas.prefix}openblas_set_num_threads{blas.suffix}", None)
+    if get is not None:
+        get.restype = ctypes.c_int
+    if put is not None:
+        put.argtypes = [ctypes.c_int]
+    return get, put
 
 
 def threads() -> int | None:
     """How many threads the bound OpenBLAS uses now; None under mlx's own BLAS."""
-    fn = _threads_fn("get_num_threads")
-    if fn is None:
-        return None
-    fn.restype = ctypes.c_int
-    return int(fn())
+    return None if _get_threads is None else int(_get_threads())
 
 
 def set_threads(n: int) -> None:
     """Use `n` threads from the next call on (at most the pool OpenBLAS started
     with). Not safe during a BLAS call: call it from the thread that runs mlx."""
-    fn = _threads_fn("set_num_threads")
-    if fn is not None:
-        fn.argtypes = [ctypes.c_int]
-        fn(max(1, n))
+    if _set_threads is not None:
+        _set_threads(max(1, n))
 
 
 def candidates(choice: str) -> list[tuple[str, str]]:
@@ -253,7 +252,7 @@ def _bind(shim: Path, blas: Blas) -> bool:
 def preload() -> str:
     """Route mlx's matmuls to OpenBLAS if this is Linux and it can be done.
     Must run before mlx is imported; afterwards it changes nothing."""
-    global loaded, config, _bound
+    global loaded, config, _get_threads, _set_threads
     choice = os.environ.get("DISAGG_BLAS", "auto") or "auto"
     if sys.platform != "linux" or choice == "bundled" or "mlx.core" in sys.modules:
         return loaded
@@ -266,7 +265,8 @@ def preload() -> str:
                 continue
             shim = _shim()
             if shim is not None and _bind(shim, blas):
-                loaded, config, _bound = f"openblas ({source}): {path}", blas.config, blas
+                loaded, config = f"openblas ({source}): {path}", blas.config
+                _get_threads, _set_threads = _thread_calls(blas)
             return loaded
     except (OSError, subprocess.SubprocessError):
         pass  # a broken install only costs speed, never correctness
