@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import enum
 import struct
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import zstandard
@@ -62,6 +63,14 @@ class LayerKV:
     keys: np.ndarray  # [heads, seq, k_dim] in the wire dtype
     values: np.ndarray  # [heads, seq, v_dim]
     quant: str | None = None  # how it travelled: None lossless, "int8" dequantized
+    # Set while a device-to-host copy into keys/values may still be running.
+    ready: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+
+    def wait(self) -> None:
+        """Block until keys and values hold their bytes (see `ready`)."""
+        if self.ready is not None:
+            self.ready()
+            self.ready = None
 
 
 @dataclass

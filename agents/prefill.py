@@ -77,6 +77,22 @@ def to_wire(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
+def to_wire_async(tensors: tuple[torch.Tensor, ...]) -> tuple[list[np.ndarray], Callable[[], None]]:
+    """[1, H, S, D] CUDA cache tensors -> [H, S, D] host arrays in pinned memory,
+    copied without stopping the device's queue: the next layer computes while this
+    one comes across. Read the arrays only after calling the returned function."""
+    out = []
+    for t in tensors:
+        src = t[0].view(torch.int16) if t.dtype == torch.bfloat16 else t[0]
+        host = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+        host.copy_(src, non_blocking=True)
+        arr = host.numpy()  # shares the pinned buffer and keeps it alive
+        out.append(arr.view(np.uint16) if t.dtype == torch.bfloat16 else arr)
+    done = torch.cuda.Event()
+    done.record()
+    return out, done.synchronize
+
+
 class PrefillEngine:
     """One loaded model; `prefill` streams K/V layer by layer through a callback."""
 
@@ -133,13 +149,17 @@ class PrefillEngine:
         prefix: PrefillPrefix | None = None,
         after: list[Callable[[], None]] | None = None,
         salt: str | None = None,
+        *,
+        host_async: bool = False,
     ) -> tuple[dict[str, Any], np.ndarray]:
         """Run the prompt; call `on_layer` with each layer's K/V the moment it exists.
 
         Only positions from `start` on are sent (the decode side holds the rest).
         With `prefix`, a cached prefix of the prompt is not computed again, and
         the prompt's blocks are kept: at once, or by a call appended to `after`
-        for the caller to make once the K/V and logits are out.
+        for the caller to make once the K/V and logits are out. With `host_async`
+        on a CUDA device, the layers handed over may still be in flight: their
+        reader calls `LayerKV.wait` first (LayerSender does).
         Returns timings and the float32 logits of the last position, from which
         the decode side samples the first token without running a step itself.
         """
@@ -149,6 +169,7 @@ class PrefillEngine:
         total = len(token_ids)
         marks: dict[str, float] = {}
         wire = DTYPE_NAMES[self.dtype]
+        overlap = host_async and self.device.startswith("cuda")
 
         def hook(idx: int) -> Callable[..., None]:
             def _after_layer(module: Any, args: Any, output: Any) -> None:
@@ -157,7 +178,11 @@ class PrefillEngine:
                 # [1, H, S, D]: a sliding layer holds only the prompt's last S positions.
                 keep = min(layer.keys.shape[2], total - start)
                 keys, values = layer.keys[:, :, -keep:], layer.values[:, :, -keep:]
-                on_layer(LayerKV(idx, kind, wire, to_wire(keys), to_wire(values)))
+                if overlap:
+                    (k, v), ready = to_wire_async((keys, values))
+                    on_layer(LayerKV(idx, kind, wire, k, v, ready=ready))
+                else:
+                    on_layer(LayerKV(idx, kind, wire, to_wire(keys), to_wire(values)))
                 if idx == len(self.layers) - 1:
                     marks["last_layer_at"] = time.time()
                 elif self.layer_delay_s:
@@ -337,6 +362,7 @@ class LayerSender:
         self.sending_since = time.monotonic()
 
     def _send_layer(self, kv: LayerKV) -> None:
+        kv.wait()  # a device-to-host copy may still be under way
         t0 = time.perf_counter()
         wire: LayerKV | QuantKV = quantize_layer(kv) if self.kv_quant else kv
         t1 = time.perf_counter()
@@ -497,7 +523,7 @@ class PrefillAgent:
         after: list[Callable[[], None]] = []  # the prefix cache's store, once all is sent
         try:
             result, logits = self.engine.prefill(
-                ids, sender.put, start, prefix, after, req.cache_salt
+                ids, sender.put, start, prefix, after, req.cache_salt, host_async=True
             )
             # Every send goes through the sender, whose deadline cuts a peer that
             # stops reading; this thread holds no lock while it waits.

@@ -26,6 +26,7 @@ from disagg.bench.common import (
     Pair,
     Say,
     Stamp,
+    agent_device,
     disaggregated,
     local_pair,
     long_text,
@@ -61,14 +62,17 @@ def _decode_speed(n: int, t_first: float | None, t_last: float | None) -> float:
 class References:
     """mlx-lm and transformers on the same weights, in this process."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, device: str = "cpu") -> None:
         import torch
         from mlx_lm import load as mlx_load
         from transformers import AutoModelForCausalLM
 
         self.mlx_model, self.tokenizer = mlx_load(str(model_dir))[:2]
-        self.hf: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        self.hf.eval()
+        # transformers runs where the prefill agent runs (a GPU's TTFT against a CPU's
+        # would say nothing about the handoff).
+        self.device = device
+        hf: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.hf: Any = hf.to(device).eval()
 
     def mlx_decode(self, ids: list[int], n: int) -> tuple[float, list[int]]:
         """mlx-lm's generate_step: decode tokens/s (between the first and last token)
@@ -91,8 +95,9 @@ class References:
 
         with torch.inference_mode():
             t0 = time.perf_counter()
-            out = self.hf(input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=1)
-            first = int(out.logits[0, -1].argmax())
+            ids_t = torch.tensor([ids], device=self.device)
+            out = self.hf(input_ids=ids_t, use_cache=True, logits_to_keep=1)
+            first = int(out.logits[0, -1].argmax())  # int() waits for the device
             return time.perf_counter() - t0, first
 
 
@@ -122,7 +127,7 @@ def run_core_bench(
     stamp = Stamp()
     with local_pair(model_dir, say) as pair:
         say("loading mlx-lm and transformers references in this process")
-        refs = References(model_dir)
+        refs = References(model_dir, device=agent_device(pair[0]) or "cpu")
         decode_part = decode_compare(pair, refs, repeats, decode_tokens, say)
         ttft_part = ttft_compare(pair, refs, repeats, long_prompt_tokens, say)
         machine = pair_machine_info(*pair)
