@@ -204,6 +204,10 @@ class DecodeLoop:
         seq.posted_at = time.perf_counter()
         self.post(self._admit, seq)
 
+    def busy(self) -> bool:
+        """Rows decoding or prompts prefilling here now (read from any thread)."""
+        return bool(self.seqs or self.prefills)
+
     def snapshot(self) -> dict[str, int]:
         return {
             "batch": len(self.seqs),

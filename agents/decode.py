@@ -481,6 +481,8 @@ class DecodeAgent:
                 prefix_cache=req.prefix_cache,
                 probe_codecs=probe,
                 cache_salt=req.cache_salt,
+                # Only where the agents share cores (blas_share set up by localagents).
+                cores_busy=self.blas_share.shared is not None and self.loop.busy(),
             )
             with self.blas_share.prefilling():
                 fetched, logits = fetch_kv(

@@ -262,6 +262,11 @@ def fetch_kv(
     return fetch_metrics(request, session, got, t0), got.logits
 
 
+def _small_int(v: Any) -> int | None:
+    """A count from the peer's PREFILL_DONE, passed on to clients only if sane."""
+    return v if isinstance(v, int) and not isinstance(v, bool) and 0 < v < 65536 else None
+
+
 def fetch_metrics(
     request: PrefillRequest, session: Session, got: Received, t0: float
 ) -> dict[str, Any]:
@@ -282,6 +287,7 @@ def fetch_metrics(
         "kv_quant_time": done.get("kv_quant_time"),
         "prefill_cached_tokens": int(done.get("cached_tokens") or 0),
         "prefill_queue_time": done.get("queue_time"),
+        "prefill_threads": _small_int(done.get("threads")),
         # perf_counter times on this host for the caller's timeline (agents.decode
         # turns them into offsets); never sent on.
         "marks": {"sent": got.t_sent, "kv_first": got.first, "kv_last": got.last},

@@ -40,6 +40,7 @@ from .prefix.store import default_max_mb, prefix_digest
 from .quant import check_supported, weights_identity, weights_mismatch
 from .request import PrefillRequest, RequestError
 from .server import common_args, serve, start_agent
+from .torchshare import TorchShare
 
 log = logging.getLogger("disagg.prefill")
 
@@ -137,6 +138,7 @@ class PrefillEngine:
             "weights": weights_identity(model_dir),
         }
         self.slots = FairQueue()  # one forward pass at a time per device, fairly
+        self.share = TorchShare.from_env()
         # Fault-injection aid for tests: stretch the KV stream so a fault can land mid-way.
         self.layer_delay_s = layer_delay_s
 
@@ -151,6 +153,7 @@ class PrefillEngine:
         salt: str | None = None,
         *,
         host_async: bool = False,
+        cores_busy: bool = False,
     ) -> tuple[dict[str, Any], np.ndarray]:
         """Run the prompt; call `on_layer` with each layer's K/V the moment it exists.
 
@@ -159,7 +162,8 @@ class PrefillEngine:
         the prompt's blocks are kept: at once, or by a call appended to `after`
         for the caller to make once the K/V and logits are out. With `host_async`
         on a CUDA device, the layers handed over may still be in flight: their
-        reader calls `LayerKV.wait` first (LayerSender does).
+        reader calls `LayerKV.wait` first (LayerSender does). `cores_busy`: the
+        requester decodes on this machine's cores (agents.torchshare).
         Returns timings and the float32 logits of the last position, from which
         the decode side samples the first token without running a step itself.
         """
@@ -194,7 +198,10 @@ class PrefillEngine:
         cost = total - (prefix.expected_hit(token_ids, salt) if prefix else 0)
         # Hooks are per module, shared by all requests: add them only in the slot.
         # Nothing here waits on a socket: `on_layer` only queues (LayerSender.put).
-        with self.slots.slot(cost) as queue_s:  # behind other prompts' forward passes
+        with (
+            self.slots.slot(cost) as queue_s,  # behind other prompts' forward passes
+            self.share.threads(cores_busy) as threads,
+        ):
             handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(self.layers)]
             try:
                 t0 = time.perf_counter()
@@ -219,6 +226,7 @@ class PrefillEngine:
             "tokens": len(token_ids),
             "start": start,
             "cached_tokens": cached,
+            "threads": threads,
             **marks,
         }
         return stats, logits.numpy()
@@ -523,7 +531,14 @@ class PrefillAgent:
         after: list[Callable[[], None]] = []  # the prefix cache's store, once all is sent
         try:
             result, logits = self.engine.prefill(
-                ids, sender.put, start, prefix, after, req.cache_salt, host_async=True
+                ids,
+                sender.put,
+                start,
+                prefix,
+                after,
+                req.cache_salt,
+                host_async=True,
+                cores_busy=req.cores_busy,
             )
             # Every send goes through the sender, whose deadline cuts a peer that
             # stops reading; this thread holds no lock while it waits.

@@ -301,6 +301,9 @@ class PrefillRequest:
     prefix_cache: bool = True  # False: the prefill agent neither uses nor fills its cache
     probe_codecs: bool = False  # also time the other codecs on one layer
     cache_salt: str | None = None  # the GENERATE's, for the prefill agent's cache keys
+    # The requester is decoding on the same machine right now (a local pair): the
+    # prefill agent runs on its shared thread count (agents.torchshare).
+    cores_busy: bool = False
 
     @classmethod
     def from_dict(cls, d: Any, vocab_size: int | None = None) -> PrefillRequest:
@@ -330,6 +333,7 @@ class PrefillRequest:
             prefix_cache=d.get("prefix_cache", True) is not False,
             probe_codecs=d.get("probe_codecs") is True,
             cache_salt=check_cache_salt(d.get("cache_salt")),
+            cores_busy=d.get("cores_busy") is True,
         )
 
     def to_wire(self) -> dict[str, Any]:
@@ -344,6 +348,8 @@ class PrefillRequest:
             out["probe_codecs"] = True
         if self.cache_salt is not None:
             out["cache_salt"] = self.cache_salt
+        if self.cores_busy:
+            out["cores_busy"] = True
         return out
 
 

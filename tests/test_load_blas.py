@@ -235,13 +235,15 @@ def test_local_agents_split_the_cores_unless_the_user_chose() -> None:
     """A local pair shares one machine: the decode agent's OpenBLAS gives up half
     the cores while a prefill runs beside it, and a user's setting wins."""
     from agents.blasshare import ENV
-    from disagg.serving.localagents import BLAS_SHARED_ENV, thread_share
+    from agents.torchshare import ENV as TORCH_ENV
+    from disagg.serving.localagents import BLAS_SHARED_ENV, TORCH_SHARED_ENV, thread_share
 
     half = str(max(1, (os.cpu_count() or 2) // 2))
-    assert BLAS_SHARED_ENV == ENV
+    assert (BLAS_SHARED_ENV, TORCH_SHARED_ENV) == (ENV, TORCH_ENV)
     assert thread_share("decode", {}) == {ENV: half}
     assert thread_share("decode", {"OPENBLAS_NUM_THREADS": "4"}) == {}
-    assert thread_share("prefill", {}) == {}
+    assert thread_share("prefill", {}) == {TORCH_ENV: half}
+    assert thread_share("prefill", {"OMP_NUM_THREADS": "4"}) == {}
 
 
 def test_blas_threads_follow_the_prefills() -> None:
@@ -293,3 +295,57 @@ def test_a_local_pair_gives_up_blas_threads_while_it_prefills(agent_pair: Any) -
     while decode.status()["blas_threads"] != full and time.monotonic() < deadline:
         time.sleep(0.05)
     assert decode.status()["blas_threads"] == full
+
+
+def test_torch_threads_follow_the_requester() -> None:
+    """A prefill whose requester decodes beside it runs on the shared count, then
+    torch gets every thread back; with nothing to share, nothing changes."""
+    import torch
+
+    from agents.torchshare import TorchShare
+
+    full = torch.get_num_threads()
+    if full < 2:
+        pytest.skip("one torch thread: nothing to share")
+    share = TorchShare(shared=1, full=full)
+    with share.threads(busy=True) as n:
+        assert n == 1 and torch.get_num_threads() == 1
+    assert torch.get_num_threads() == full
+    with share.threads(busy=False) as n:
+        assert n == full == torch.get_num_threads()
+    with TorchShare(shared=full, full=full).threads(busy=True) as n:
+        assert n == full == torch.get_num_threads()
+
+
+def test_a_local_prefill_gives_up_torch_threads_while_its_requester_decodes(
+    agent_pair: Any,
+) -> None:
+    """Real agents: a prefill asked while another stream decodes on the same machine
+    runs on half the cores (its PREFILL says cores_busy); one asked with nothing
+    decoding runs on all of them. Both answer the same tokens."""
+    import threading
+    import time
+
+    from tests.conftest import ask, remote_request
+
+    full, half = os.cpu_count() or 2, max(1, (os.cpu_count() or 2) // 2)
+    if "OMP_NUM_THREADS" in os.environ or half == full:
+        pytest.skip("the user fixed torch's threads, or one core: nothing to share")
+    prefill, decode = agent_pair("qwen3", seed=9)
+    alone = ask(decode, remote_request(prefill))
+    assert alone.metrics["prefill_threads"] == full, alone.metrics
+    box: dict[str, Any] = {}
+    long_stream = remote_request(prefill, max_tokens=3000)
+    worker = threading.Thread(target=lambda: box.update(r=ask(decode, long_stream)))
+    worker.start()
+    deadline = time.monotonic() + 60
+    while decode.status()["batch"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert decode.status()["batch"] >= 1, "the long stream never started decoding"
+    beside = ask(decode, remote_request(prefill))
+    still_decoding = worker.is_alive()
+    worker.join()
+    assert still_decoding, "the long stream ended before the second prefill: no overlap shown"
+    assert beside.metrics["prefill_threads"] == half, beside.metrics
+    assert beside.token_ids == alone.token_ids
+    assert box["r"].metrics["method"] == "disaggregated"

@@ -137,20 +137,28 @@ def free_port() -> int:
     raise AgentError("no free TCP port on 127.0.0.1 below the ephemeral range")
 
 
-# agents.blasshare.ENV (not imported: agents.fastblas binds a BLAS on import).
+# agents.blasshare.ENV and agents.torchshare.ENV (not imported: agents.fastblas binds a
+# BLAS on import, agents.torchshare imports torch).
 BLAS_SHARED_ENV = "DISAGG_BLAS_SHARED"
+TORCH_SHARED_ENV = "DISAGG_TORCH_SHARED"
 
 
 def thread_share(role: str, env: dict[str, str]) -> dict[str, str]:
-    """Agents started here share this machine's cores: while a prefill for it runs,
-    the decode agent's OpenBLAS gets half of them (agents/blasshare.py), all of them
-    otherwise; a user's OPENBLAS_NUM_THREADS fixes the count instead. With every core
-    always, its gemms stalled behind torch's prefill (a 16-stream grader load ran 4x
-    slower on 2 cores); with half always, one stream decoded 1.3x slower than
-    mlx-lm (README, "Serving under load")."""
-    if role != "decode" or "OPENBLAS_NUM_THREADS" in env:
-        return {}
-    return {BLAS_SHARED_ENV: str(max(1, (os.cpu_count() or 2) // 2))}
+    """Agents started here share this machine's cores, each giving up half of them
+    while the other works: the decode agent's OpenBLAS while a prefill for it runs
+    (agents/blasshare.py), the prefill agent's torch while its requester decodes
+    (agents/torchshare.py); all of them otherwise. A user's OPENBLAS_NUM_THREADS or
+    OMP_NUM_THREADS fixes that agent's count instead. With every core always, each
+    stalled the other (16 grader streams on 2 cores: 4x slower decode beside a
+    two-thread gemm, TTFT p50 6.6 s and TPOT 0.48 s beside a two-thread prefill
+    against 4.0 s and 0.40 s); with half always, one stream alone decoded 1.3x
+    slower than mlx-lm (README, "Serving under load")."""
+    half = str(max(1, (os.cpu_count() or 2) // 2))
+    if role == "decode" and "OPENBLAS_NUM_THREADS" not in env:
+        return {BLAS_SHARED_ENV: half}
+    if role == "prefill" and "OMP_NUM_THREADS" not in env:
+        return {TORCH_SHARED_ENV: half}
+    return {}
 
 
 def wait_ready(
