@@ -481,8 +481,11 @@ class DecodeAgent:
                 prefix_cache=req.prefix_cache,
                 probe_codecs=probe,
                 cache_salt=req.cache_salt,
-                # Only where the agents share cores (blas_share set up by localagents).
-                cores_busy=self.blas_share.shared is not None and self.loop.busy(),
+                # Only where the agents share cores (blas_share set up by localagents):
+                # rows decoding now, or prefills of ours ahead of this one, whose
+                # streams will be decoding by the time this one runs.
+                cores_busy=self.blas_share.shared is not None
+                and (self.loop.busy() or self.blas_share.prefills > 0),
             )
             with self.blas_share.prefilling():
                 fetched, logits = fetch_kv(
