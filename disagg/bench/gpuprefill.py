@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from disagg.bench.quant_weights import checkpoint_bytes
+
 
 def probe(model_dir: Path, device: str, dtype: str, tokens: int, repeats: int) -> dict[str, Any]:
     import torch
@@ -60,7 +62,7 @@ def probe(model_dir: Path, device: str, dtype: str, tokens: int, repeats: int) -
         "kv_bytes": kv_bytes,
         "device_weights_bytes": weights,
         "device_peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
-        "checkpoint_bytes": sum(f.stat().st_size for f in model_dir.glob("*.safetensors")),
+        "checkpoint_bytes": checkpoint_bytes(model_dir),
     }
 
 

@@ -10,10 +10,11 @@ Run: python -m disagg.bench.randommodel OUT --tokenizer DIR [--shape smollm2-360
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 from pathlib import Path
 from typing import Any
+
+from disagg.serving.defaultmodel import rope_theta_for_mlx
 
 # Published llama-family shapes sharing SmolLM2's 49,152-token vocabulary.
 SHAPES: dict[str, dict[str, Any]] = {
@@ -58,11 +59,7 @@ def make(out_dir: Path, tokenizer_dir: Path, shape: str, seed: int = 0) -> Path:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
-    # mlx-lm reads rope_theta at the top level; transformers 5 nests it.
-    cfg_path = out_dir / "config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["rope_theta"] = cfg["rope_parameters"]["rope_theta"]
-    cfg_path.write_text(json.dumps(cfg, indent=2))
+    rope_theta_for_mlx(out_dir)  # or mlx-lm's reference computes another model
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).is_file():
             shutil.copy(tokenizer_dir / name, out_dir / name)

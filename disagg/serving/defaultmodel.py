@@ -95,9 +95,14 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
         del model.config.quantization_config
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
-    cfg_path = out_dir / "config.json"
+    rope_theta_for_mlx(out_dir)
+
+
+def rope_theta_for_mlx(model_dir: Path) -> None:
+    """mlx-lm reads rope_theta at the top level of config.json; transformers 5
+    nests it in rope_parameters. Copy it up (a saved dir's config, in place)."""
+    cfg_path = model_dir / "config.json"
     cfg = json.loads(cfg_path.read_text())
-    # mlx-lm reads rope_theta at the top level; transformers 5 nests it.
     cfg.setdefault("rope_theta", cfg.get("rope_parameters", {}).get("rope_theta", 10000.0))
     cfg_path.write_text(json.dumps(cfg, indent=2))
 
