@@ -24,7 +24,7 @@ from .kvcodec import (
 from .kvinplace import Slots, receive_layer
 from .kvplace import check_layer, fill_layer
 from .prefix.store import Prefix
-from .request import PrefillRequest, PrefillTarget
+from .request import PrefillRequest, PrefillTarget, pack_ids
 
 # Puts one received layer into its cache: fill_layer itself, or a hand-off of a
 # copy to the thread that owns mlx (the reader's buffer is reused for the next).
@@ -107,12 +107,14 @@ def receive_layers(
     place: Place,
     prefix: Prefix | None,
     slots: SlotsSource | None = None,
+    packed_ids: bool = False,
 ) -> Received:
     """Send the PREFILL and take its stream: each layer checked and placed as it
     arrives, then the last position's logits and PREFILL_DONE. With `slots`, a
     layer that fits lands in its cache's memory as it is read (then `place`
     gets views of it, in slots.placed); otherwise the reader's buffer is
-    decoded and `place` copies out."""
+    decoded and `place` copies out. `packed_ids`: the prefill agent's HELLO_OK
+    offered protocol.IDS_U32."""
     ids = request.token_ids
     m: dict[str, Any] = {
         "kv_bytes": 0,
@@ -123,7 +125,10 @@ def receive_layers(
         "kv_link_bytes": 0,  # large frames only: see agents.codecpick
         "kv_link_time": 0.0,
     }
-    P.send_json(sock, P.Frame.PREFILL, request.to_wire())
+    if packed_ids:
+        P.send_json_ids(sock, P.Frame.PREFILL, request.to_wire(True), pack_ids(ids))
+    else:
+        P.send_json(sock, P.Frame.PREFILL, request.to_wire())
     t_sent = time.perf_counter()
     first = last = None
     logits: np.ndarray | None = None
@@ -244,6 +249,7 @@ def fetch_kv(
                 place,
                 prefix,
                 slots,
+                P.packed_ids_offered(session.hello_ok),
             )
         finally:
             session.sock.close()

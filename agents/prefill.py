@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from . import protocol as P
+from .daemonpool import DaemonPool
 from .kvcodec import (
     DTYPE_NAMES,
     Codec,
@@ -238,6 +239,10 @@ class PeerStalled(Exception):
 
 KV_BUFFER_MB = 4096  # per connection: raw K/V computed and not yet on the wire
 KV_STALL_S = 60.0  # a peer that takes no K/V bytes for this long is cut off
+# A frame's bytes, or what makes them when the frames before it are sent.
+FramePayload = bytes | Callable[[], bytes]
+# The threads LayerSenders send from (agents.daemonpool: reused, never queued).
+SENDERS = DaemonPool("kv-sender")
 
 
 class LayerSender:
@@ -272,7 +277,9 @@ class LayerSender:
         self.probe: dict[str, dict[str, float]] = {}
         self.max_buffer_bytes = max_buffer_bytes
         self.stall_s = stall_s
-        self.q: queue.Queue[LayerKV | tuple[P.Frame, bytes] | None] = queue.Queue()
+        self.q: queue.SimpleQueue[LayerKV | tuple[P.Frame, FramePayload] | None] = (
+            queue.SimpleQueue()
+        )
         self.cond = threading.Condition()  # guards the counts below; never held over I/O
         self.buffered = 0  # raw K/V bytes put and not yet sent
         self.queued = 0  # items put and not yet sent (or dropped)
@@ -284,8 +291,7 @@ class LayerSender:
         self.quant_s = 0.0
         self.closed = False
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True, name="kv-sender")
-        self.thread.start()
+        self.done = SENDERS.run(self._run)  # set once the sending thread is through
 
     def put(self, kv: LayerKV) -> None:
         """Queue one layer; raises the sender's error (so a failed or stalled
@@ -302,8 +308,10 @@ class LayerSender:
             self.queued += 1
         self.q.put(kv)
 
-    def put_frame(self, ftype: P.Frame, payload: bytes) -> None:
-        """Queue a frame to follow the layers (LOGITS, PREFILL_DONE)."""
+    def put_frame(self, ftype: P.Frame, payload: FramePayload) -> None:
+        """Queue a frame to follow the layers (LOGITS, PREFILL_DONE). A callable
+        payload is made by the sending thread when the frames before it are sent
+        (PREFILL_DONE's counts), sparing a round trip between the two threads."""
         with self.cond:
             if self.error is not None:
                 raise self.error
@@ -359,7 +367,9 @@ class LayerSender:
                     if not self.queued or self.error is not None:
                         self.cond.notify_all()
 
-    def _send(self, ftype: P.Frame, payload: bytes | list[bytes | memoryview]) -> int:
+    def _send(self, ftype: P.Frame, payload: FramePayload | list[bytes | memoryview]) -> int:
+        if callable(payload):
+            payload = payload()
         self.sending_since = time.monotonic()
         sent = P.send_frame(self.sock, ftype, payload, progress=self._progress)
         self.sending_since = None
@@ -407,7 +417,7 @@ class LayerSender:
             with contextlib.suppress(Exception):
                 self.drain()
             self.q.put(None)
-            self.thread.join()
+            self.done.wait()
 
 
 class PrefillAgent:
@@ -495,11 +505,13 @@ class PrefillAgent:
                 "model": self.engine.model_dir,
                 "server": self.name,
                 "weights": "mixed" if mixed else "same",
+                **P.IDS_U32_CAP,
             },
         )
         while True:
             try:
-                _, req = P.recv_json(sock, P.Frame.PREFILL, self.max_request_bytes)
+                header, payload = P.recv_control(sock, P.Frame.PREFILL, self.max_request_bytes)
+                req, packed = P.split_json_ids(header, payload)
             except P.PeerClosed:
                 return  # the decode agent is done with this connection
             except P.ProtocolError as e:
@@ -508,12 +520,15 @@ class PrefillAgent:
                 return
             except OSError:
                 return
-            if not self._prefill_one(sock, peer, req):
+            if not self._prefill_one(sock, peer, req, packed):
                 return
 
-    def _prefill_one(self, sock: socket.socket, peer: str, frame: dict[str, Any]) -> bool:
+    def _prefill_one(
+        self, sock: socket.socket, peer: str, frame: dict[str, Any], packed: memoryview | None
+    ) -> bool:
         try:
-            req = PrefillRequest.from_dict(frame, int(self.engine.cfg.get("vocab_size") or 0))
+            vocab = int(self.engine.cfg.get("vocab_size") or 0)
+            req = PrefillRequest.from_dict(frame, vocab, packed)
             digest = req.prefix_digest
             if digest is not None and digest != prefix_digest(req.token_ids[: req.start]):
                 raise RequestError("prefix_digest", "prefix_digest does not match the start tokens")
@@ -543,20 +558,24 @@ class PrefillAgent:
             # Every send goes through the sender, whose deadline cuts a peer that
             # stops reading; this thread holds no lock while it waits.
             sender.put_frame(P.Frame.LOGITS, logits.tobytes())
-            sender.drain()
-            result.update(
-                kv_bytes=sender.bytes,
-                kv_raw_bytes=sender.raw_bytes,
-                kv_encode_time=sender.encode_s,
-                kv_quant=kv_quant,
-                kv_quant_time=sender.quant_s,
-                codec=int(codec),
-                server=self.name,
-                device=self.engine.device,
-            )
-            if sender.probe:
-                result["codec_probe"] = sender.probe
-            sender.put_frame(P.Frame.PREFILL_DONE, wire_json(result))
+            done = result
+
+            def done_frame() -> bytes:  # on the sending thread, once LOGITS is out
+                done.update(
+                    kv_bytes=sender.bytes,
+                    kv_raw_bytes=sender.raw_bytes,
+                    kv_encode_time=sender.encode_s,
+                    kv_quant=kv_quant,
+                    kv_quant_time=sender.quant_s,
+                    codec=int(codec),
+                    server=self.name,
+                    device=self.engine.device,
+                )
+                if sender.probe:
+                    done["codec_probe"] = sender.probe
+                return wire_json(done)
+
+            sender.put_frame(P.Frame.PREFILL_DONE, done_frame)
             sender.drain()
             outcome = "ok"
             log.info(

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
+from array import array
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from dataclasses import replace as _replace
@@ -306,11 +308,19 @@ class PrefillRequest:
     cores_busy: bool = False
 
     @classmethod
-    def from_dict(cls, d: Any, vocab_size: int | None = None) -> PrefillRequest:
-        """Check a received PREFILL; `vocab_size` bounds the token ids."""
+    def from_dict(
+        cls, d: Any, vocab_size: int | None = None, packed_ids: Any = None
+    ) -> PrefillRequest:
+        """Check a received PREFILL; `vocab_size` bounds the token ids. With
+        `packed_ids` (a buffer of little-endian uint32s) the ids come from it,
+        not from the JSON."""
         if not isinstance(d, Mapping):
             raise RequestError("request", "PREFILL must be a JSON object")
         ids = d.get("token_ids")
+        if packed_ids is not None:
+            if ids is not None:
+                raise RequestError("token_ids", "PREFILL has token ids both as JSON and packed")
+            ids = unpack_ids(packed_ids)
         # type() is: JSON gives exact ints, and bools are ints to isinstance. One
         # pass each, in C (min/max): a long prompt's checks were most of a PREFILL's.
         if not isinstance(ids, list) or not ids or not all(type(i) is int for i in ids):
@@ -338,8 +348,11 @@ class PrefillRequest:
             cores_busy=d.get("cores_busy") is True,
         )
 
-    def to_wire(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"token_ids": self.token_ids, "codec": self.codec}
+    def to_wire(self, packed_ids: bool = False) -> dict[str, Any]:
+        """The PREFILL's JSON; with `packed_ids` without the ids (see pack_ids)."""
+        out: dict[str, Any] = {"codec": self.codec}
+        if not packed_ids:
+            out["token_ids"] = self.token_ids
         if self.kv_quant:
             out["kv_quant"] = self.kv_quant
         if self.start:
@@ -353,6 +366,27 @@ class PrefillRequest:
         if self.cores_busy:
             out["cores_busy"] = True
         return out
+
+
+# array's 4-byte unsigned code (C unsigned int: 4 bytes on every LP64 platform).
+_U32 = next(code for code in "IL" if array(code).itemsize == 4)
+
+
+def pack_ids(ids: list[int]) -> bytes:
+    """Token ids as little-endian uint32s (protocol.IDS_U32)."""
+    packed = array(_U32, ids)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_ids(raw: Any) -> list[int]:
+    """pack_ids' inverse; the caller has checked the length is whole uint32s."""
+    packed = array(_U32)
+    packed.frombytes(raw)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tolist()
 
 
 def _check_message(i: int, m: Mapping[str, Any]) -> None:

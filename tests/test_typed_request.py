@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from agents import protocol as P
-from agents.request import GenerateRequest, PrefillRequest, PrefillTarget, RequestError
+from agents.request import GenerateRequest, PrefillRequest, PrefillTarget, RequestError, pack_ids
 from disagg.serving import wireclient
 from disagg.serving.localagents import AgentProc
 from disagg.serving.metrics import SEED_NAMES, Metrics
@@ -168,4 +168,44 @@ def test_todays_prefill_json_gets_layers_logits_and_done(
         assert header.type == P.Frame.ERROR
         error = P.error_from(header, payload)
     assert error.code == "bad_request" and "start" in error.message
+    assert prefill.alive() and prefill.status()["loaded"] is True
+
+
+def _stream(sock: socket.socket) -> list[tuple[P.Frame, bytes]]:
+    """One PREFILL's answer: every frame up to PREFILL_DONE (payloads as bytes)."""
+    frames: list[tuple[P.Frame, bytes]] = []
+    while not frames or frames[-1][0] != P.Frame.PREFILL_DONE:
+        header, payload = P.recv_frame(sock)
+        if header.type == P.Frame.ERROR:
+            raise P.error_from(header, payload)
+        frames.append((header.type, bytes(payload)))
+    return frames
+
+
+def test_packed_ids_get_the_same_layers_and_logits_as_json_ids(
+    pair: tuple[AgentProc, AgentProc],
+) -> None:
+    """Packed ids (protocol.IDS_U32), which the agent offers in HELLO_OK, are the
+    same request as JSON ids: the same K/V and logits, byte for byte. A PREFILL
+    with a flag the agent does not know is refused; the agent stays healthy."""
+    prefill, decode = pair
+    fingerprint = decode.status()["fingerprint"]
+    hello = {"role": "decode", "fingerprint": fingerprint, "model": "test"}
+    req = PrefillRequest([5, 17, 2, 99, 4, 8], prefix_cache=False)
+    with socket.create_connection((prefill.host, prefill.port), timeout=30) as sock:
+        P.client_auth(sock, prefill.token)
+        P.send_json(sock, P.Frame.HELLO, hello)
+        _, ok = P.recv_json(sock, P.Frame.HELLO_OK)
+        assert P.packed_ids_offered(ok)
+        P.send_json(sock, P.Frame.PREFILL, req.to_wire())
+        as_json = _stream(sock)
+        P.send_json_ids(sock, P.Frame.PREFILL, req.to_wire(True), pack_ids(req.token_ids))
+        packed = _stream(sock)
+        kv = [(t, p) for t, p in as_json if t in (P.Frame.KV_LAYER, P.Frame.LOGITS)]
+        assert len(kv) == fingerprint["num_layers"] + 1
+        assert kv == [(t, p) for t, p in packed if t in (P.Frame.KV_LAYER, P.Frame.LOGITS)]
+        P.send_frame(sock, P.Frame.PREFILL, b'{"token_ids":[1]}', flags=2)
+        header, payload = P.recv_frame(sock)
+        error = P.error_from(header, payload)
+    assert error.code == "protocol" and "unknown flags" in error.message
     assert prefill.alive() and prefill.status()["loaded"] is True

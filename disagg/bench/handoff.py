@@ -25,10 +25,12 @@ import numpy as np
 
 from agents import protocol as P
 from agents.kvcodec import WIRE_NUMPY, Codec, DType, Kind, LayerKV, decode_layer
+from agents.request import PrefillRequest
 
 ACK = b"k"
 # The LOGITS frame receive_layers waits for before PREFILL_DONE (any length).
 LOGITS = np.zeros(64, np.float32).tobytes()
+DONE = b'{"layers":0}'  # a PREFILL_DONE: JSON
 RECEIVER_CODE = "from disagg.bench.handoff import _receiver_main; _receiver_main()"
 
 
@@ -230,8 +232,7 @@ class Receiver:
         self._start("ours", 0, verify)
         with self._dial() as sock:
             t0 = time.perf_counter()
-            sender = _send_layers(sock, layers, codec)
-            P.send_json(sock, P.Frame.PREFILL_DONE, {"layers": len(layers)})
+            sender = _send_layers(sock, layers, codec, ((P.Frame.PREFILL_DONE, DONE),))
             if P.recv_exact(sock, 1) != ACK:
                 raise RuntimeError("bad ack")
             secs = time.perf_counter() - t0
@@ -251,12 +252,15 @@ class Receiver:
         self._start("inplace" if inplace else "mlx_copy", 0, verify, asdict(Spec.of(layers)))
         with self._dial() as sock:
             t0 = time.perf_counter()
-            # As the prefill agent: the decode side asks (PREFILL), then the stream.
-            P.recv_json(sock, P.Frame.PREFILL)
+            # As the prefill agent: the decode side asks (PREFILL, its ids packed
+            # as HELLO_OK offers), read and checked as the agent does; then the
+            # stream, LOGITS and PREFILL_DONE through the agent's sender.
+            header, payload = P.recv_control(sock, P.Frame.PREFILL)
+            frame, packed = P.split_json_ids(header, payload)
+            PrefillRequest.from_dict(frame, None, packed)
             asked = time.perf_counter() - t0  # the request's round trip, in the time
-            sender = _send_layers(sock, layers, codec)
-            P.send_frame(sock, P.Frame.LOGITS, LOGITS)
-            P.send_json(sock, P.Frame.PREFILL_DONE, {"layers": len(layers)})
+            frames = ((P.Frame.LOGITS, LOGITS), (P.Frame.PREFILL_DONE, DONE))
+            sender = _send_layers(sock, layers, codec, frames)
             if P.recv_exact(sock, 1) != ACK:
                 raise RuntimeError("bad ack")
             secs = time.perf_counter() - t0
@@ -308,13 +312,21 @@ class Receiver:
         return secs, len(body), self._read()
 
 
-def _send_layers(sock: socket.socket, layers: list[LayerKV], codec: Codec) -> Any:
-    """The layers through the prefill agent's own LayerSender; it, for its byte count."""
+def _send_layers(
+    sock: socket.socket,
+    layers: list[LayerKV],
+    codec: Codec,
+    frames: tuple[tuple[P.Frame, bytes], ...] = (),
+) -> Any:
+    """The layers, then `frames`, through the prefill agent's own LayerSender;
+    it, for its byte count."""
     from agents.prefill import LayerSender  # imports torch: only in the sender
 
     sender = LayerSender(sock, codec)
     for kv in layers:
         sender.put(kv)
+    for ftype, payload in frames:
+        sender.put_frame(ftype, payload)
     sender.close()
     if sender.error is not None:
         raise sender.error

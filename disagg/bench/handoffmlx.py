@@ -68,7 +68,9 @@ class MlxReceiver:
             alloc = self.mlx.submit(allocate, caches, spec.tokens, spec.dtype, spec.heads, spec.dim)
             alloc.result()
             alloc_s = time.perf_counter() - t0
-        return Transfer(self.mlx, spec, caches, alloc, alloc_s)
+        # Made before the clock, as the decode agent makes it before it dials.
+        request = PrefillRequest(list(range(spec.tokens)))
+        return Transfer(self.mlx, spec, caches, alloc, alloc_s, request)
 
 
 @dataclass
@@ -78,6 +80,7 @@ class Transfer:
     caches: list[Any]
     alloc: Future[Slots] | None
     alloc_s: float
+    request: PrefillRequest
 
     def receive(self, sock: socket.socket, verify: bool) -> dict[str, Any]:
         """Take one PREFILL stream into the caches; what the sender's answer carries."""
@@ -91,10 +94,10 @@ class Transfer:
             fills.append(self.mlx.submit(fill_layer, cache, own, prompt_len))
 
         spec = self.spec
-        request = PrefillRequest(list(range(spec.tokens)))
         fp = {"num_kv_heads": spec.heads, "head_dim": spec.dim}
         slots = alloc.result if alloc is not None else None
-        receive_layers(sock, request, self.caches, fp, None, place, None, slots)
+        # Packed ids, as to a prefill agent whose HELLO_OK offers them.
+        receive_layers(sock, self.request, self.caches, fp, None, place, None, slots, True)
         for f in fills:
             f.result()
         placed = 0
