@@ -153,16 +153,19 @@ def _unshuffle(raw: bytes | memoryview, itemsize: int) -> bytes:
 def _compress(block: list[np.ndarray], codec: Codec, level: int) -> list[bytes | memoryview]:
     """One K or V block (its arrays back to back) as buffers to send."""
     if codec == Codec.RAW:
-        # Flat uint8 views, not copies (memoryview.cast would refuse an empty array).
-        flat = [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in block]
-        return [memoryview(f) for f in flat]  # type: ignore[arg-type]
+        # Flat byte views, not copies; cast is a third of reshape + view's time
+        # per layer, but refuses an empty array (which has no bytes to send).
+        return [
+            memoryview(np.ascontiguousarray(a)).cast("B") if a.size else memoryview(b"")
+            for a in block
+        ]
     shuffle = codec == Codec.SHUFFLE_ZSTD
     raw = b"".join(_shuffle(a) if shuffle else np.ascontiguousarray(a).tobytes() for a in block)
     return [zstandard.ZstdCompressor(level=level).compress(raw)]
 
 
 def _nbytes(bufs: list[bytes | memoryview]) -> int:
-    return sum(memoryview(b).nbytes for b in bufs)
+    return sum(b.nbytes if isinstance(b, memoryview) else len(b) for b in bufs)
 
 
 def encode_layer(

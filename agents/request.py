@@ -321,12 +321,18 @@ class PrefillRequest:
             if ids is not None:
                 raise RequestError("token_ids", "PREFILL has token ids both as JSON and packed")
             ids = unpack_ids(packed_ids)
-        # type() is: JSON gives exact ints, and bools are ints to isinstance. One
-        # pass each, in C (min/max): a long prompt's checks were most of a PREFILL's.
-        if not isinstance(ids, list) or not ids or not all(type(i) is int for i in ids):
-            raise RequestError("token_ids", "PREFILL needs a non-empty list of token ids")
-        if vocab_size and (min(ids) < 0 or max(ids) >= vocab_size):
-            raise RequestError("token_ids", f"token id out of range 0..{vocab_size - 1}")
+            if not ids:
+                raise RequestError("token_ids", "PREFILL needs a non-empty list of token ids")
+            # ints >= 0 by construction: max is the only check left.
+            out = bool(vocab_size) and max(ids) >= (vocab_size or 0)
+        else:
+            # type() is: JSON gives exact ints, and bools are ints to isinstance. One
+            # pass each, in C (min/max): a long prompt's checks were most of a PREFILL's.
+            if not isinstance(ids, list) or not ids or not all(type(i) is int for i in ids):
+                raise RequestError("token_ids", "PREFILL needs a non-empty list of token ids")
+            out = bool(vocab_size) and (min(ids) < 0 or max(ids) >= (vocab_size or 0))
+        if out:
+            raise RequestError("token_ids", f"token id out of range 0..{(vocab_size or 0) - 1}")
         codec = d.get("codec", 0)
         if not _is_int(codec) or codec not in WIRE_CODECS:
             raise RequestError("codec", f"unknown codec {codec!r}")
