@@ -156,7 +156,9 @@ def _compress(block: list[np.ndarray], codec: Codec, level: int) -> list[bytes |
         # Flat byte views, not copies; cast is a third of reshape + view's time
         # per layer, but refuses an empty array (which has no bytes to send).
         return [
-            memoryview(np.ascontiguousarray(a)).cast("B") if a.size else memoryview(b"")
+            memoryview(np.ascontiguousarray(a)).cast("B")  # type: ignore[arg-type]
+            if a.size
+            else memoryview(b"")
             for a in block
         ]
     shuffle = codec == Codec.SHUFFLE_ZSTD
