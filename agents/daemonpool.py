@@ -7,7 +7,9 @@ than a thread that had sent before (the new one's first run lands on whichever
 core, often the receiver's). Idle threads here wait for the next job; the pool
 never queues a job behind another (each gets an idle thread or a new one), so
 a sender that waits on a slow peer never delays anyone else's. Daemon, as the
-threads they replace: a send stuck on a dead peer must not hold up exit.
+threads they replace: a send stuck on a dead peer must not hold up exit. An
+idle thread leaves after `idle_s` with no job, so an agent at rest holds no
+more threads than before its last burst of requests.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from collections.abc import Callable
 
 
 class DaemonPool:
-    def __init__(self, name: str, max_idle: int = 8) -> None:
+    def __init__(self, name: str, max_idle: int = 8, idle_s: float = 10.0) -> None:
         self.name = name
         self.max_idle = max_idle
+        self.idle_s = idle_s
         self._jobs: queue.SimpleQueue[tuple[Callable[[], None], threading.Event]] = (
             queue.SimpleQueue()
         )
@@ -46,7 +49,14 @@ class DaemonPool:
 
     def _worker(self) -> None:
         while True:
-            job, done = self._jobs.get()
+            try:
+                job, done = self._jobs.get(timeout=self.idle_s)
+            except queue.Empty:
+                with self._lock:
+                    if self._idle == 0:
+                        continue  # every idle thread is promised a job: this one too
+                    self._idle -= 1  # one unpromised idle thread fewer: this one
+                return
             try:
                 job()  # one that raises ends its thread, as a plain thread's would
             finally:

@@ -558,7 +558,7 @@ class PrefillAgent:
             # Every send goes through the sender, whose deadline cuts a peer that
             # stops reading; this thread holds no lock while it waits.
             sender.put_frame(P.Frame.LOGITS, logits.tobytes())
-            done = result
+            done = result  # the closure's own name: a dict here, not Optional
 
             def done_frame() -> bytes:  # on the sending thread, once LOGITS is out
                 done.update(

@@ -51,3 +51,14 @@ def test_a_job_that_raises_still_sets_its_event(monkeypatch: pytest.MonkeyPatch)
 
     assert pool.run(boom).wait(10)
     assert pool.run(lambda: None).wait(10)  # the pool goes on (on a new thread)
+
+
+def test_idle_threads_leave_after_idle_s() -> None:
+    pool = DaemonPool("t-idle", idle_s=0.2)
+    assert all(pool.run(lambda: None).wait(10) for _ in range(3))
+    named = [t for t in threading.enumerate() if t.name == "t-idle"]
+    assert named  # a thread waits for the next job
+    for t in named:
+        t.join(10)
+    assert not any(t.is_alive() for t in named) and pool.idle() == 0
+    assert pool.run(lambda: None).wait(10)  # and a new one serves the next
