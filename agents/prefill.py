@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import queue
 import socket
@@ -63,10 +62,6 @@ def pick_dtype(name: str, cfg: dict[str, Any]) -> str:
         return name
     stored = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
     return stored if stored in TORCH_DTYPES else "float32"
-
-
-def wire_json(obj: dict[str, Any]) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode()  # as protocol.send_json
 
 
 def to_wire(t: torch.Tensor) -> np.ndarray:
@@ -573,7 +568,7 @@ class PrefillAgent:
                 )
                 if sender.probe:
                     done["codec_probe"] = sender.probe
-                return wire_json(done)
+                return P.json_bytes(done)
 
             sender.put_frame(P.Frame.PREFILL_DONE, done_frame)
             sender.drain()
@@ -598,7 +593,7 @@ class PrefillAgent:
             log.exception("%s: prefill failed", peer)
             err = {"code": "prefill_failed", "message": f"{type(e).__name__}: {e}"}
             with contextlib.suppress(Exception):  # best effort, after what was queued
-                sender.put_frame(P.Frame.ERROR, wire_json(err))
+                sender.put_frame(P.Frame.ERROR, P.json_bytes(err))
             return False
         finally:
             sender.close()

@@ -224,8 +224,13 @@ def serialize_sends(sock: socket.socket) -> None:
         _SEND_LOCKS[sock] = threading.Lock()
 
 
+def json_bytes(obj: dict[str, Any]) -> bytes:
+    """A control frame's JSON, compact."""
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
 def send_json(sock: socket.socket, ftype: Frame, obj: dict[str, Any]) -> int:
-    return send_frame(sock, ftype, json.dumps(obj, separators=(",", ":")).encode())
+    return send_frame(sock, ftype, json_bytes(obj))
 
 
 def send_error(sock: socket.socket, code: str, message: str) -> None:
@@ -438,7 +443,7 @@ def recv_json(
 
 def send_json_ids(sock: socket.socket, ftype: Frame, obj: dict[str, Any], ids: bytes) -> int:
     """A JSON object and packed token ids in one frame (IDS_U32)."""
-    text = json.dumps(obj, separators=(",", ":")).encode()
+    text = json_bytes(obj)
     return send_frame(sock, ftype, [_JSON_LEN.pack(len(text)), text, ids], IDS_U32)
 
 
