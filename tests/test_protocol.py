@@ -29,6 +29,43 @@ def test_multi_buffer_frame_arrives_whole() -> None:
     assert bytes(payload) == b"x" * 70_000 + b"y" * 100_000 + b"z" * 5
 
 
+class _ShortSends:
+    """A socket whose sendmsg takes at most `cap` bytes a call, recording each
+    call's buffers (their lengths) and keeping the bytes in order."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.calls: list[list[int]] = []
+        self.data = bytearray()
+
+    def sendmsg(self, buffers: list[memoryview]) -> int:
+        self.calls.append([len(b) for b in buffers])
+        room = self.cap
+        for b in buffers:
+            took = bytes(b[:room])
+            self.data += took
+            room -= len(took)
+            if not room:
+                break
+        return self.cap - room
+
+
+@pytest.mark.parametrize("cap", [1 << 30, 50_000])
+def test_send_buffers_gives_each_large_buffer_its_own_call(cap: int) -> None:
+    # A KV_LAYER's header and K in one sendmsg, V in the next (P.SPLIT_BYTES);
+    # small buffers still go together, and short sends resume where they stopped.
+    big = P.SPLIT_BYTES
+    parts = [b"h" * 16, b"l" * 40, b"k" * big * 2, b"v" * big * 2, b"t" * 32, b"u" * 8]
+    sock = _ShortSends(cap)
+    sent = P.send_buffers(sock, parts, None)  # type: ignore[arg-type]
+    assert sent == sum(map(len, parts)) and bytes(sock.data) == b"".join(parts)
+    for call in sock.calls:
+        large = [n for n in call if n >= big]
+        assert len(large) <= 1 and (not large or call[-1] == large[0]), sock.calls
+    if cap > sent:  # whole sends: exactly these three calls
+        assert sock.calls == [[16, 40, 2 * big], [2 * big], [32, 8]]
+
+
 def test_error_frame_becomes_remote_error() -> None:
     a, b = socket_pair()
     P.send_error(a, "model_mismatch", "prefill has A, decode has B")
