@@ -98,6 +98,14 @@ def open_session(target: PrefillTarget, hello: dict[str, Any], token: bytes | No
     return Session(sock, f"{host}:{target.port}", ok, failures)
 
 
+def send_prefill(sock: socket.socket, request: PrefillRequest, packed_ids: bool) -> None:
+    """The PREFILL frame; `packed_ids`: its ids as uint32s (protocol.IDS_U32)."""
+    if packed_ids:
+        P.send_json_ids(sock, P.Frame.PREFILL, request.to_wire(True), pack_ids(request.token_ids))
+    else:
+        P.send_json(sock, P.Frame.PREFILL, request.to_wire())
+
+
 def receive_layers(
     sock: socket.socket,
     request: PrefillRequest,
@@ -125,10 +133,7 @@ def receive_layers(
         "kv_link_bytes": 0,  # large frames only: see agents.codecpick
         "kv_link_time": 0.0,
     }
-    if packed_ids:
-        P.send_json_ids(sock, P.Frame.PREFILL, request.to_wire(True), pack_ids(ids))
-    else:
-        P.send_json(sock, P.Frame.PREFILL, request.to_wire())
+    send_prefill(sock, request, packed_ids)
     t_sent = time.perf_counter()
     first = last = None
     logits: np.ndarray | None = None

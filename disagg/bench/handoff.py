@@ -33,7 +33,7 @@ import numpy as np
 
 from agents import protocol as P
 from agents.kvcodec import WIRE_NUMPY, Codec, DType, Kind, LayerKV, decode_layer
-from agents.request import PrefillRequest, pack_ids
+from agents.request import PrefillRequest
 
 ACK = b"k"
 # The LOGITS frame receive_layers waits for before PREFILL_DONE (any length).
@@ -161,31 +161,23 @@ def _receiver_main() -> None:
             answer("ready")
             httpd.handle_request()
             digest = _JsonHandler.result[0]
-        elif mode == "bare_asked":
-            buf = bytearray(total)
-            request = PrefillRequest(list(range(Spec(**job[3]).tokens)))  # as handoffmlx's
-            answer("ready")
-            sock, _ = tcp.accept()
-            with sock:
-                sock.settimeout(60.0)  # as the in-place receiver, up to its PREFILL
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                # The PREFILL as kvfetch.receive_layers sends it (ids packed).
-                P.send_json_ids(
-                    sock, P.Frame.PREFILL, request.to_wire(True), pack_ids(request.token_ids)
-                )
-                _recv_bare(sock, buf)
-                sock.sendall(ACK)
-            del buf
         else:
-            buf = bytearray(total) if mode == "bare" else bytearray()
+            buf = bytearray(total) if mode in ("bare", "bare_asked") else bytearray()
+            if mode == "bare_asked":  # as handoffmlx's, made before the clock
+                from agents.kvfetch import send_prefill  # mlx: only in the receiver
+
+                request = PrefillRequest(list(range(Spec(**job[3]).tokens)))
             answer("ready")
             sock, _ = tcp.accept()
             with sock:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                if mode == "bare":
-                    _recv_bare(sock, buf)
-                else:
+                if mode == "bare_asked":
+                    sock.settimeout(60.0)  # as the in-place receiver, up to its PREFILL
+                    send_prefill(sock, request, True)  # as kvfetch.receive_layers
+                if mode == "ours":
                     digest = _recv_ours(sock, verify)
+                else:
+                    _recv_bare(sock, buf)
                 sock.sendall(ACK)
             del buf
         answer(digest)

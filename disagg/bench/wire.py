@@ -387,7 +387,7 @@ def wire_tables(report: dict[str, Any]) -> list[Table]:
 HANDOFF_ROWS = (
     ("ours: KV_LAYER frames, LayerSender -> FrameReader + decode_layer", "ours"),
     ("bare socket.sendall -> recv_into", "bare"),
-    ("bare socket, asked: the PREFILL frame read, then sendall -> recv_into", "bare_asked"),
+    ("bare socket, asked first (its PREFILL read, then sendall)", "bare_asked"),
     ("ours into mlx caches in place (kvfetch.receive_layers + kvinplace)", "ours_inplace"),
     ("ours into mlx caches, copy path (decode_layer, copy, fill_layer)", "ours_mlx_copy"),
     ("seeds: JSON + base64 over HTTP (one POST)", "json"),
