@@ -352,6 +352,44 @@ def test_a_think_tag_inside_the_answer_is_the_answers_text(first: bool) -> None:
                 assert "<think>" not in got["content"] and "</think>" not in got["content"]
 
 
+def test_a_close_tag_inside_a_json_argument_is_the_arguments_text(toks: dict[str, Any]) -> None:
+    """Seen under tool_choice "required" (~1 request in 40 of a random Qwen3): the
+    grammar let the token "</tool_call>" into the city string, the call was cut
+    there, and its JSON came back as content. A close tag inside a JSON string is
+    the string's text; one in a string that never closes was a close after all."""
+    city = 'a "</tool_call>" \\"</tool_call>x'
+    call = json.dumps({"name": "get_weather", "arguments": {"city": city}})
+    output = f"<think>Hm.</think><tool_call>\n{call}\n</tool_call>"
+    want = {"content": "", "reasoning": "Hm.", "calls": [json.loads(call)]}
+    broken = '<tool_call>{"name": "x</tool_call>After.'
+    for text, expected in ((output, want), (broken, None)):
+        for parts in splits(text):
+            p = TagParser(think=True, tool_parser=parse_qwen_json, tools=[WEATHER])
+            events: list[Event] = []
+            for part in parts:
+                events += p.text(part)
+            got = collect(events + p.finish())
+            if expected is not None:
+                assert got == expected
+            else:
+                assert got == {"content": '{"name": "x' + "After.", "reasoning": "", "calls": []}
+    xml = "<tool_call>\n<function=get_weather>\n<parameter=city>\nA</tool_call>B\n</parameter>\n"
+    for parts in splits(xml + "</function>\n</tool_call>"):
+        p = TagParser(think=True, tool_parser=parse_qwen_xml, tools=[WEATHER])
+        got = collect([e for part in parts for e in p.text(part)] + p.finish())
+        assert got["calls"] == [{"name": "get_weather", "arguments": {"city": "A</tool_call>B"}}]
+    # Token by token through the real tokenizer, where "</tool_call>" is one token.
+    tok = toks["qwen3"]
+    fmt = detect(tok)
+    prompt = render_chat(tok, fmt, [{"role": "user", "content": "Weather?"}], tools=[WEATHER])
+    assert tok.convert_tokens_to_ids("</tool_call>") in tok.encode(call, add_special_tokens=False)
+    assert run_stream(tok, fmt, prompt, output, tools=[WEATHER]) == {
+        "text": "",
+        "reasoning": "Hm.",
+        "tool_calls": [json.loads(call)],
+    }
+
+
 def test_tags_stream_before_the_end() -> None:
     """Content streams as it comes; only what could start a tag waits."""
     p = TagParser(think=True, tool_parser=parse_qwen_json)

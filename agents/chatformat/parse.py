@@ -181,6 +181,19 @@ def parse_qwen_xml(body: str, tools: list[dict[str, Any]] | None) -> ToolCall | 
     return _tool_call(call.get("name"), call.get("arguments", {}))
 
 
+def _in_json_string(text: str) -> bool:
+    """Whether `text`, read as the start of a JSON value, ends inside a string."""
+    inside = escaped = False
+    for ch in text:
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = inside
+        elif ch == '"':
+            inside = not inside
+    return inside
+
+
 def _held(buf: str, tags: tuple[str, ...]) -> int:
     """Where the part of `buf` that could still become one of `tags` starts."""
     for k in range(min(len(buf), max(map(len, tags)) - 1), 0, -1):
@@ -246,7 +259,7 @@ class TagParser:
             found = [
                 (i, t)
                 for t in tags
-                if (i := self.buf.find(t)) >= 0
+                if (i := self._find(t)) >= 0
                 and not (self.structured and t == THINK_OPEN and self.buf[:i].strip())
             ]
             if not found:
@@ -267,6 +280,21 @@ class TagParser:
             self.lead = True
         return out
 
+    def _find(self, tag: str) -> int:
+        """Where `tag` stands in the buffer, -1 if nowhere. Seen under a forced call:
+        a random model put the token "</tool_call>" inside a JSON argument, which the
+        grammar allows, and the call was cut there. A close tag inside a JSON
+        call's string, or before an XML call's </function>, is the call's text."""
+        i = self.buf.find(tag)
+        while self.state == "tool" and i >= 0 and self._inside_call(self.buf[:i]):
+            i = self.buf.find(tag, i + 1)
+        return i
+
+    def _inside_call(self, head: str) -> bool:
+        if self.tool_parser is parse_qwen_json:
+            return _in_json_string(head)
+        return self.tool_parser is parse_qwen_xml and "</function>" not in head
+
     def _end_call(self, body: str, out: list[Event]) -> None:
         call = self.tool_parser(body, self.tools)
         if call is not None:
@@ -279,6 +307,12 @@ class TagParser:
         out: list[Event] = []
         buf, self.buf = self.buf, ""
         if self.state == "tool":  # cut short: keep the call if it is whole
+            body, tag, rest = buf.partition(CALL_CLOSE)
+            if tag and self.tool_parser(buf, self.tools) is None:
+                # A string that never closed held the close tag: it was one after all.
+                self._end_call(body, out)
+                self.state, self.lead, self.buf = "content", True, ""
+                return out + self.text(rest) + self.finish()
             self._end_call(buf, out)
         else:
             self._piece(buf.rstrip() if self.state == "reasoning" else buf, out)
