@@ -14,6 +14,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -236,6 +237,18 @@ KV_BUFFER_MB = 4096  # per connection: raw K/V computed and not yet on the wire
 KV_STALL_S = 60.0  # a peer that takes no K/V bytes for this long is cut off
 # A frame's bytes, or what makes them when the frames before it are sent.
 FramePayload = bytes | Callable[[], bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class _Layer:
+    """A layer queued to send: its frame made already when that reads no bytes
+    (raw, lossless, contiguous: only views), else made by the sending thread."""
+
+    kv: LayerKV
+    frame: P.OutFrame | None
+    nbytes: int  # raw K/V bytes
+
+
 # The threads LayerSenders send from (agents.daemonpool: reused, never queued).
 SENDERS = DaemonPool("kv-sender")
 
@@ -272,7 +285,7 @@ class LayerSender:
         self.probe: dict[str, dict[str, float]] = {}
         self.max_buffer_bytes = max_buffer_bytes
         self.stall_s = stall_s
-        self.q: queue.SimpleQueue[LayerKV | tuple[P.Frame, FramePayload] | None] = (
+        self.q: queue.SimpleQueue[_Layer | tuple[P.Frame, FramePayload] | None] = (
             queue.SimpleQueue()
         )
         self.cond = threading.Condition()  # guards the counts below; never held over I/O
@@ -292,6 +305,7 @@ class LayerSender:
         """Queue one layer; raises the sender's error (so a failed or stalled
         peer's forward pass stops at once and frees the device)."""
         n = kv.keys.nbytes + kv.values.nbytes
+        frame = self._early_frame(kv)  # raises before anything is counted
         with self.cond:
             if self.error is None and self.buffered and self.buffered + n > self.max_buffer_bytes:
                 self._stalled(f"{self.buffered} bytes of K/V waiting for it")
@@ -301,7 +315,21 @@ class LayerSender:
                 raise self.error
             self.buffered += n
             self.queued += 1
-        self.q.put(kv)
+        self.q.put(_Layer(kv, frame, n))
+
+    def _early_frame(self, kv: LayerKV) -> P.OutFrame | None:
+        """The layer's frame made here, on the producer's thread, where it costs
+        the wire nothing (see protocol.OutFrame); None: the sending thread makes
+        it (compressing or quantizing reads the bytes, which a device-to-host
+        copy may still be writing)."""
+        if self.codec != Codec.RAW or self.kv_quant:
+            return None
+        if not (kv.keys.flags.c_contiguous and kv.values.flags.c_contiguous):
+            return None  # made contiguous by a copy, which reads them
+        t0 = time.perf_counter()
+        frame = P.out_frame(P.Frame.KV_LAYER, encode_layer(kv, Codec.RAW))
+        self.encode_s += time.perf_counter() - t0
+        return frame
 
     def put_frame(self, ftype: P.Frame, payload: FramePayload) -> None:
         """Queue a frame to follow the layers (LOGITS, PREFILL_DONE). A callable
@@ -340,14 +368,15 @@ class LayerSender:
 
     def _run(self) -> None:
         while (item := self.q.get()) is not None:
-            n = item.keys.nbytes + item.values.nbytes if isinstance(item, LayerKV) else 0
+            n = item.nbytes if isinstance(item, _Layer) else 0
             try:
                 if self.error is not None:
                     continue  # drain: the peer is gone
-                if isinstance(item, LayerKV):
+                if isinstance(item, _Layer):
                     self._send_layer(item)
                 else:
-                    self._send(*item)
+                    ftype, payload = item
+                    self._send(P.out_frame(ftype, payload() if callable(payload) else payload))
             except Exception as e:  # OSError: the peer is gone; else a bug, sent as ERROR
                 with self.cond:
                     if self.error is None:
@@ -362,11 +391,9 @@ class LayerSender:
                     if not self.queued or self.error is not None:
                         self.cond.notify_all()
 
-    def _send(self, ftype: P.Frame, payload: FramePayload | list[bytes | memoryview]) -> int:
-        if callable(payload):
-            payload = payload()
+    def _send(self, frame: P.OutFrame) -> int:
         self.sending_since = time.monotonic()
-        sent = P.send_frame(self.sock, ftype, payload, progress=self._progress)
+        sent = P.send_out(self.sock, frame, progress=self._progress)
         self.sending_since = None
         return sent
 
@@ -374,16 +401,19 @@ class LayerSender:
         # A slow link that keeps taking bytes is not stalled, however long a frame.
         self.sending_since = time.monotonic()
 
-    def _send_layer(self, kv: LayerKV) -> None:
+    def _send_layer(self, layer: _Layer) -> None:
+        kv, frame = layer.kv, layer.frame
         kv.wait()  # a device-to-host copy may still be under way
-        t0 = time.perf_counter()
-        wire: LayerKV | QuantKV = quantize_layer(kv) if self.kv_quant else kv
-        t1 = time.perf_counter()
-        parts = encode_layer(wire, self.codec)
-        self.quant_s += t1 - t0
-        self.encode_s += time.perf_counter() - t1
-        self.raw_bytes += kv.keys.nbytes + kv.values.nbytes
-        self.bytes += self._send(P.Frame.KV_LAYER, parts)
+        wire: LayerKV | QuantKV = kv
+        if frame is None:
+            t0 = time.perf_counter()
+            wire = quantize_layer(kv) if self.kv_quant else kv
+            t1 = time.perf_counter()
+            frame = P.out_frame(P.Frame.KV_LAYER, encode_layer(wire, self.codec))
+            self.quant_s += t1 - t0
+            self.encode_s += time.perf_counter() - t1
+        self.raw_bytes += layer.nbytes
+        self.bytes += self._send(frame)
         if kv.layer == self.probe_layer:
             self._probe(wire)
 

@@ -169,6 +169,49 @@ def test_a_slow_reader_that_keeps_reading_is_not_cut() -> None:
     assert got >= 1 << 20
 
 
+@pytest.mark.parametrize("codec", [Codec.RAW, Codec.ZSTD])
+def test_the_sender_frames_a_layer_early_without_reading_its_bytes(codec: Codec) -> None:
+    """A raw contiguous layer's frame is made in put() (protocol.OutFrame), before
+    a device-to-host copy may have written its bytes: what goes out must be what
+    the arrays hold once `wait` returned, for early frames, strided arrays and
+    compressing codecs alike."""
+    from agents.kvcodec import decode_layer
+    from agents.prefill import LayerSender
+
+    a, b = socket.socketpair()
+    rng = np.random.default_rng(5)
+    want = [rng.standard_normal((2, 33, 8)).astype(np.float32) for _ in range(6)]
+    layers = []
+    for i in range(3):
+        keys, values = np.zeros((2, 33, 8), np.float32), np.zeros((2, 33, 8), np.float32)
+        if i == 2:  # strided: framed by the sending thread, after the copy
+            keys = np.zeros((2, 33, 16), np.float32)[:, :, ::2]
+
+        def copied(k: np.ndarray = keys, v: np.ndarray = values, j: int = i) -> None:
+            k[...], v[...] = want[2 * j], want[2 * j + 1]  # the "copy" lands now
+
+        layers.append(LayerKV(i, Kind.FULL, DTYPE_NAMES["float32"], keys, values, ready=copied))
+    got: list[Any] = []
+
+    def read() -> None:
+        for _ in layers:
+            got.append(decode_layer(P.recv_frame(b)[1]))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    with a, b:
+        sender = LayerSender(a, codec)
+        for kv in layers:
+            sender.put(kv)
+        sender.close()
+        reader.join(60)
+    assert sender.error is None and len(got) == 3
+    for i, kv in enumerate(got):
+        assert kv.layer == i
+        np.testing.assert_array_equal(kv.keys, want[2 * i])
+        np.testing.assert_array_equal(kv.values, want[2 * i + 1])
+
+
 # --- a real prefill agent with a peer that stops reading ----------------------
 
 
