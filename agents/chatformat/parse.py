@@ -181,17 +181,25 @@ def parse_qwen_xml(body: str, tools: list[dict[str, Any]] | None) -> ToolCall | 
     return _tool_call(call.get("name"), call.get("arguments", {}))
 
 
-def _in_json_string(text: str) -> bool:
-    """Whether `text`, read as the start of a JSON value, ends inside a string."""
-    inside = escaped = False
-    for ch in text:
-        if escaped:
-            escaped = False
-        elif ch == "\\":
-            escaped = inside
-        elif ch == '"':
-            inside = not inside
-    return inside
+class _JsonQuotes:
+    """Whether a position of a growing JSON text is inside a string, read once
+    from the start however often it is asked (a call's body grows by a token)."""
+
+    def __init__(self) -> None:
+        self.pos = 0
+        self.inside = self.escaped = False
+
+    def inside_at(self, text: str, end: int) -> bool:
+        """Whether text[end] is inside a string; `end` never goes back."""
+        for ch in text[self.pos : end]:
+            if self.escaped:
+                self.escaped = False
+            elif ch == "\\":
+                self.escaped = self.inside
+            elif ch == '"':
+                self.inside = not self.inside
+        self.pos = end
+        return self.inside
 
 
 def _held(buf: str, tags: tuple[str, ...]) -> int:
@@ -226,6 +234,8 @@ class TagParser:
         # text keeps hiding any markup the model writes.
         self.structured = structured
         self.answered = False
+        self.quotes = _JsonQuotes()  # a JSON call's strings, read as its body grows
+        self.skip = 0  # close tags before this in a call's body are its text
 
     @property
     def mode(self) -> str:
@@ -277,7 +287,7 @@ class TagParser:
             else:
                 self._piece(before.rstrip(), out)
             self.state = {THINK_OPEN: "reasoning", CALL_OPEN: "tool"}.get(tag, "content")
-            self.lead = True
+            self.lead, self.quotes, self.skip = True, _JsonQuotes(), 0
         return out
 
     def _find(self, tag: str) -> int:
@@ -285,15 +295,18 @@ class TagParser:
         a random model put the token "</tool_call>" inside a JSON argument, which the
         grammar allows, and the call was cut there. A close tag inside a JSON
         call's string, or before an XML call's </function>, is the call's text."""
-        i = self.buf.find(tag)
-        while self.state == "tool" and i >= 0 and self._inside_call(self.buf[:i]):
-            i = self.buf.find(tag, i + 1)
+        if self.state != "tool":
+            return self.buf.find(tag)
+        i = self.buf.find(tag, self.skip)
+        while i >= 0 and self._inside_call(i):
+            self.skip = i + 1  # each tag is judged once, however the body grows
+            i = self.buf.find(tag, self.skip)
         return i
 
-    def _inside_call(self, head: str) -> bool:
+    def _inside_call(self, i: int) -> bool:
         if self.tool_parser is parse_qwen_json:
-            return _in_json_string(head)
-        return self.tool_parser is parse_qwen_xml and "</function>" not in head
+            return self.quotes.inside_at(self.buf, i)
+        return self.tool_parser is parse_qwen_xml and self.buf.find("</function>", 0, i) < 0
 
     def _end_call(self, body: str, out: list[Event]) -> None:
         call = self.tool_parser(body, self.tools)
