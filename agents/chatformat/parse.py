@@ -324,7 +324,7 @@ class TagParser:
             if tag and self.tool_parser(buf, self.tools) is None:
                 # A string that never closed held the close tag: it was one after all.
                 self._end_call(body, out)
-                self.state, self.lead, self.buf = "content", True, ""
+                self.state, self.lead = "content", True
                 return out + self.text(rest) + self.finish()
             self._end_call(buf, out)
         else:
