@@ -77,7 +77,7 @@ def test_fim_prompt_from_the_tokenizer(
 
 
 def test_refusals_name_the_field_and_the_agent_stays_healthy(agent_pair: PairFactory) -> None:
-    _, decode = agent_pair("llama")  # its tokenizer has no FIM tokens and no chat template
+    _, decode = agent_pair("llama", seed=3)  # its tokenizer: no FIM tokens, no chat template
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
     with pytest.raises(UsageError, match="suffix: .*no fill-in-the-middle tokens"):
         ask(decode, {"prompt": "def f():", "suffix": "\n", "max_tokens": 2})

@@ -8,7 +8,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,7 @@ import pytest
 
 from agents.request import GenerateRequest
 from disagg.errors import AgentError
-from disagg.serving.localagents import AgentProc, start_local_agents
+from disagg.serving.localagents import AgentProc
 from disagg.serving.router import Endpoint, Route, Router
 from tests.conftest import PairFactory, ask, remote_request
 from tests.tinymodels import PROMPT
@@ -50,8 +50,8 @@ def endpoint(a: AgentProc) -> Endpoint:
 
 
 @pytest.fixture
-def slow_prefill_pair(tiny_dir: Path, agent_pair: PairFactory) -> tuple[AgentProc, AgentProc]:
-    return agent_pair(tiny_dir, prefill_args=["--fault-layer-delay", str(LAYER_DELAY_S)])
+def slow_prefill_pair(tiny_dir: Path, fresh_agents: PairFactory) -> tuple[AgentProc, AgentProc]:
+    return fresh_agents(tiny_dir, prefill_args=["--fault-layer-delay", str(LAYER_DELAY_S)])
 
 
 def test_prefill_killed_mid_kv_stream_falls_back_with_the_same_text(
@@ -79,11 +79,9 @@ def test_prefill_killed_mid_kv_stream_falls_back_with_the_same_text(
 
 
 @pytest.fixture
-def decoders(tiny_dir: Path, tmp_path: Path) -> Iterator[tuple[AgentProc, list[AgentProc]]]:
-    prefill, decodes = start_local_agents(tiny_dir, n_decode=2, log_dir=tmp_path)
-    yield prefill, decodes
-    for agent in [*decodes, prefill]:
-        agent.stop()
+def decoders(tiny_dir: Path, fresh_agents: PairFactory) -> tuple[AgentProc, list[AgentProc]]:
+    agents = fresh_agents.set(tiny_dir, n_decode=2)
+    return agents.prefill, agents.decodes
 
 
 LONG_DECODE = GenerateRequest(

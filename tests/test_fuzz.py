@@ -146,7 +146,7 @@ def test_any_bytes_parse_or_are_refused(data: bytes) -> None:
 
 @pytest.fixture(scope="module")
 def agents(agent_pair: PairFactory) -> tuple[AgentProc, AgentProc]:
-    return agent_pair("qwen3", seed=7)
+    return agent_pair("qwen3", seed=9)
 
 
 def rss_kb(agent: AgentProc) -> int:

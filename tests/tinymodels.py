@@ -10,6 +10,8 @@ difference: each framework must compute the same function from these files.
 
 from __future__ import annotations
 
+import hashlib
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -160,3 +162,30 @@ def make_tiny(
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
     return out_dir
+
+
+@cache
+def _tiny_cache() -> Path:
+    """$DISAGG_CACHE/test-checkpoints/tiny-<digest>: the digest covers the code that
+    writes the checkpoints and the versions of the libraries that save them."""
+    import tokenizers
+    import torch
+    import transformers
+
+    from disagg.serving.defaultmodel import cache_root
+
+    here = Path(__file__).parent
+    h = hashlib.sha256(f"{transformers.__version__} {tokenizers.__version__}".encode())
+    h.update(torch.__version__.encode())
+    for f in (here / "tinymodels.py", here / "chattokenizers.py"):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return cache_root() / "test-checkpoints" / f"tiny-{h.hexdigest()[:16]}"
+
+
+def tiny_checkpoint(arch: str, seed: int = 0, **config: Any) -> Path:
+    """make_tiny(arch, seed=seed, **config), written once per machine and shared by
+    every session (an agent set is keyed by this path)."""
+    from disagg.bench.quantize import publish
+
+    name = f"{arch}-{seed}" + "".join(f"-{k}={config[k]}" for k in sorted(config))
+    return publish(lambda d: make_tiny(arch, d, seed=seed, **config), _tiny_cache() / name)
