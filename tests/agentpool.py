@@ -23,7 +23,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +90,7 @@ class AgentSet:
     decodes: list[AgentProc]
     leases: int = 0
     used_at: float = field(default_factory=time.monotonic)
+    base: AgentSet | None = None  # the pooled set this one shows fewer decode agents of
 
     @property
     def pair(self) -> tuple[AgentProc, AgentProc]:
@@ -137,9 +138,19 @@ class PoolError(RuntimeError):
 
 
 class AgentPool:
-    def __init__(self, root: Path, budget_bytes: int = IDLE_BUDGET_BYTES) -> None:
+    """`widths`: model dir -> decode agents its plain pooled set (no flags, dtype
+    auto) always has; asking for fewer gets the first ones (one set of the default
+    model for one-agent tests and two-agent routers alike)."""
+
+    def __init__(
+        self,
+        root: Path,
+        budget_bytes: int = IDLE_BUDGET_BYTES,
+        widths: dict[Path, int] | None = None,
+    ) -> None:
         self.root = root
         self.budget_bytes = budget_bytes
+        self.widths = {m.resolve(): n for m, n in (widths or {}).items()}
         self.token_file, self.token = make_token_file(root / "cluster")
         self.sets: dict[SetKey, AgentSet] = {}
         self.started = 0
@@ -159,6 +170,12 @@ class AgentPool:
 
     def lease(self, key: SetKey) -> AgentSet:
         """The pooled set for `key`, started if it is not up; held until release()."""
+        plain = key.dtype == "auto" and not (key.prefill_args or key.decode_args)
+        width = self.widths.get(key.model, 0) if plain and key.prefill_model is None else 0
+        wide = replace(key, n_decode=max(key.n_decode, width))
+        if wide != key:
+            base = self.lease(wide)
+            return AgentSet(key, base.prefill, base.decodes[: key.n_decode], base=base)
         found = self.sets.get(key)
         if found is not None:
             dead = [a for a in found.agents if not a.alive()]
@@ -180,7 +197,18 @@ class AgentPool:
         found.used_at = time.monotonic()
         return found
 
+    def lease_prefill(self, model: Path, dtype: str = "auto") -> AgentSet:
+        """A pooled set whose prefill agent serves `model` as a plain one does (any
+        set of it with no prefill flags), else the plain set, started."""
+        model = model.resolve()
+        for key in self.sets:
+            plain = (key.model, key.dtype, key.prefill_args, key.prefill_model)
+            if plain == (model, dtype, (), None):
+                return self.lease(key)
+        return self.lease(key_for(model, dtype=dtype))
+
     def release(self, agent_set: AgentSet) -> None:
+        agent_set = agent_set.base or agent_set
         agent_set.leases -= 1
         agent_set.used_at = time.monotonic()
 

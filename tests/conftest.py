@@ -31,7 +31,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # Fixtures that start processes (agents, `disagg serve`, a Python): a test using
 # any of them, directly or through another fixture, is marked `slow`.
-PROCESS_FIXTURES = {"agent_pool", "spawn", "serve_process", "python_process"}
+PROCESS_FIXTURES = {"agent_pool", "spawn", "spawn_module", "serve_process", "python_process"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -94,8 +94,12 @@ def tiny_model() -> TinyModel:
 
 
 @pytest.fixture(scope="session")
-def agent_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentPool]:
-    pool = AgentPool(tmp_path_factory.mktemp("pool"))
+def agent_pool(
+    tmp_path_factory: pytest.TempPathFactory, default_model: Path
+) -> Iterator[AgentPool]:
+    # The default model's sets have two decode agents: one set serves one-agent
+    # tests and two-agent routers and gateways alike.
+    pool = AgentPool(tmp_path_factory.mktemp("pool"), widths={default_model: 2})
     try:
         yield pool
     finally:
@@ -205,22 +209,17 @@ def smol_agents(smol_set: AgentSet) -> tuple[AgentProc, AgentProc]:
 Spawn = Callable[..., tuple["subprocess.Popen[str]", Path, str]]
 
 
-@pytest.fixture
-def spawn(tmp_path: Path) -> Iterator[Spawn]:
-    """spawn_agent(role, model, ...) for one agent on its own (killed when the test
-    ends); wait_ready() makes it an AgentProc."""
+def _spawner(root: Path) -> tuple[Spawn, Callable[[], None]]:
     procs: list[subprocess.Popen[str]] = []
 
     def start(role: str, model: Path, **kw: Any) -> tuple[subprocess.Popen[str], Path, str]:
-        kw.setdefault("log_dir", tmp_path / f"{role}-{len(procs)}")
+        kw.setdefault("log_dir", root / f"{role}-{len(procs)}")
         proc, log, name = spawn_agent(role, model, **kw)
         count_start("single")
         procs.append(proc)
         return proc, log, name
 
-    try:
-        yield start
-    finally:
+    def stop() -> None:
         for proc in procs:
             if proc.poll() is None:
                 proc.terminate()
@@ -232,6 +231,29 @@ def spawn(tmp_path: Path) -> Iterator[Spawn]:
                 proc.wait()
             if proc.stdout:
                 proc.stdout.close()
+
+    return start, stop
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator[Spawn]:
+    """spawn_agent(role, model, ...) for one agent on its own (stopped when the test
+    ends); wait_ready() makes it an AgentProc."""
+    start, stop = _spawner(tmp_path)
+    try:
+        yield start
+    finally:
+        stop()
+
+
+@pytest.fixture(scope="module")
+def spawn_module(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Spawn]:
+    """spawn, for a module's fixtures: its agents stop when the module ends."""
+    start, stop = _spawner(tmp_path_factory.mktemp("spawned"))
+    try:
+        yield start
+    finally:
+        stop()
 
 
 def ask(
@@ -340,8 +362,11 @@ def start_serve(
             time.sleep(0.3)
 
 
-@pytest.fixture
-def serve_process() -> Callable[..., tuple[subprocess.Popen[bytes], int]]:
+ServeProcess = Callable[..., tuple["subprocess.Popen[bytes]", int]]
+
+
+@pytest.fixture(scope="session")
+def serve_process() -> ServeProcess:
     """start_serve: `disagg serve --local` as a process (the caller stops it)."""
     return start_serve
 
@@ -349,16 +374,19 @@ def serve_process() -> Callable[..., tuple[subprocess.Popen[bytes], int]]:
 PythonProcess = Callable[..., "subprocess.CompletedProcess[str]"]
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def python_process() -> PythonProcess:
     """`python ARGS` run to its end (capture_output, text): for tests of what a fresh
-    interpreter does. `agents=N` counts the agent sets it starts (a `--local` run)."""
+    interpreter does; `prefix` wraps the command (`unshare ...`). `agents=N` counts
+    the agent sets it starts (a `--local` run)."""
 
-    def run(*args: str, agents: int = 0, **kw: Any) -> subprocess.CompletedProcess[str]:
+    def run(
+        *args: str, agents: int = 0, prefix: Sequence[str] = (), **kw: Any
+    ) -> subprocess.CompletedProcess[str]:
         count_start("cli", agents)
         kw.setdefault("capture_output", True)
         kw.setdefault("text", True)
-        return subprocess.run([sys.executable, *args], **kw)
+        return subprocess.run([*prefix, sys.executable, *args], **kw)
 
     return run
 
@@ -384,7 +412,7 @@ def refs() -> Any:
 DisaggProcess = Callable[..., "subprocess.CompletedProcess[str]"]
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def disagg_process(python_process: PythonProcess) -> DisaggProcess:
     """`disagg ARGS` as a user runs it: a process, where no inventory.toml lies (a
     test must never dial the real cluster), 200 columns wide. `agents=N` counts
@@ -468,16 +496,17 @@ def cli_local(
         decode_args: Sequence[str] = (),
         **_: Any,
     ) -> tuple[AgentProc, list[AgentProc]]:
-        key = key_for(
-            model_dir,
-            dtype=dtype,
-            n_decode=n_decode,
-            decode_args=decode_args,
-            prefill_model=prefill_model_dir,
+        got = agent_pool.lease(
+            key_for(model_dir, dtype=dtype, n_decode=n_decode, decode_args=decode_args)
         )
-        got = agent_pool.lease(key)
         agents.leased.append(got)
-        return got.prefill, got.decodes
+        if prefill_model_dir is None:
+            return got.prefill, got.decodes
+        # Mixed weights: the decode agents of model_dir's set, the prefill agent of
+        # prefill_model_dir's (what Client.local starts, from agents already up).
+        other = agent_pool.lease_prefill(prefill_model_dir, dtype)
+        agents.leased.append(other)
+        return other.prefill, got.decodes
 
     def close(self: Any) -> None:
         self.agents = []

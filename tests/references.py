@@ -70,11 +70,15 @@ class References:
             lambda: AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval(),
         )
 
-    def mlx(self, path: str | Path) -> Any:
-        """mlx-lm's own `load` (no adapter of ours): the model."""
+    def mlx_load(self, path: str | Path) -> tuple[Any, Any]:
+        """mlx-lm's own `load` (no adapter of ours): the model and its tokenizer."""
         from mlx_lm import load
 
-        return self._get(("mlx", str(path)), lambda: load(str(path))[0])
+        return self._get(("mlx", str(path)), lambda: tuple(load(str(path))[:2]))  # type: ignore[no-any-return]
+
+    def mlx(self, path: str | Path) -> Any:
+        """mlx-lm's own `load`: the model."""
+        return self.mlx_load(path)[0]
 
     def decode_engine(self, path: str | Path, dtype: str = "auto") -> Any:
         """Our DecodeEngine (mlx-lm with our adapter's config)."""

@@ -25,7 +25,7 @@ class Stop(Exception):
 
 @pytest.fixture(scope="module")
 def decode(tiny_model: Callable[..., Path], agent_pair: PairFactory) -> AgentProc:
-    return agent_pair(tiny_model("llama", seed=2))[1]
+    return agent_pair(tiny_model("llama", seed=3))[1]
 
 
 def long_prompt(words: int) -> str:
