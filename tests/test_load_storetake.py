@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from agents.batching import DecodeLoop, Seq
-from agents.decode import DecodeEngine
+from agents.decode.agent import DecodeEngine
+from agents.decode.loop import DecodeLoop, Seq
 from agents.prefix.decode_side import DecodePrefix, as_numpy
 from agents.prefix.store import Block, Owner, PrefixCache, block_keys
 from agents.prefix.take import PendingStore

@@ -34,7 +34,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from ..kvcodec import DTYPE_NAMES, Kind, LayerKV
+from agents.wire.kvcodec import DTYPE_NAMES, Kind, LayerKV
+
 from .store import Block, Owner, Prefix, PrefixCache, block_keys, prefix_digest
 
 # Blocks are kept as views only where they are at least this share of the
@@ -187,7 +188,7 @@ class DecodePrefix:
 
         return Prefix(hit.tokens, prefix_digest(ids[: hit.tokens]), extend)
 
-    # -- receive in place (agents.kvinplace) ---------------------------------------
+    # -- receive in place (agents.decode.kvslots) ---------------------------------------
 
     def fill_prefix(self, hit: Hit, layer: int, keys: np.ndarray, values: np.ndarray) -> None:
         """Copy the hit's blocks of a full layer into `keys`/`values` ([H, hit.tokens, D]
@@ -257,7 +258,7 @@ class DecodePrefix:
     def seed(self, hit: Hit, caches: list[Any]) -> None:
         """Fill every cache with the hit's prefix, as if mlx had prefilled it
         in one chunk: a sliding layer with the window before its end."""
-        from ..kvplace import fill_layer
+        from agents.decode.kvcaches import fill_layer
 
         for layer, cache in enumerate(caches):
             keys, values = self.prefix_layer(hit, layer)

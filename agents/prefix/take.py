@@ -28,7 +28,7 @@ import mlx.core as mx
 from .decode_side import DecodePrefix, Hit, Span
 
 if TYPE_CHECKING:
-    from ..batching import DecodeLoop, Seq
+    from agents.decode.loop import DecodeLoop, Seq
 
 log = logging.getLogger("disagg.prefix")
 

@@ -24,7 +24,7 @@
   Gbit/s, by arithmetic on those measured times (no `tc` here): per layer,
   compress -> wire -> decompress run as a 3-stage pipeline (the sender thread,
   the link, the receiver), completion time by the flow-shop recurrence; the
-  serial sum is shown beside it. `agents.codecpick.pick_codec` then picks a
+  serial sum is shown beside it. `agents.decode.codectuner.pick_codec` then picks a
   codec per rate from the measured speeds: that is the "adaptive" row.
 
 The real KV comes from `agents.prefill.PrefillEngine` run in this process on a
@@ -44,9 +44,9 @@ from typing import Any
 import numpy as np
 from rich.table import Table
 
-from agents import protocol as P
-from agents.codecpick import CodecSpeed, pick_codec, stream_rate
-from agents.kvcodec import Codec, LayerKV, decode_layer, encode_layer
+from agents.decode.codectuner import CodecSpeed, pick_codec, stream_rate
+from agents.wire.frames import HEADER
+from agents.wire.kvcodec import Codec, LayerKV, decode_layer, encode_layer
 from disagg.bench.common import Say, Stamp, long_text, median, quiet, table, verdict
 from disagg.bench.handoff import Receiver, kv_digest, raw_size
 
@@ -82,7 +82,7 @@ def real_kv(model_dir: Path, tokens: int, dtype: str) -> list[LayerKV]:
     agent computes and sends it (wire dtype: float32, or bf16 as uint16 words)."""
     from transformers import AutoTokenizer
 
-    from agents.prefill import PrefillEngine
+    from agents.prefill.agent import PrefillEngine
 
     tok: Any = AutoTokenizer.from_pretrained(str(model_dir))
     text = long_text(lambda s: len(tok.encode(s)), tokens)
@@ -138,7 +138,7 @@ def measure_codec(layers: list[LayerKV], codec: Codec, level: int, repeats: int)
             raise AssertionError(f"{codec.name}: layer {kv.layer} did not round-trip")
         enc.append(median(e))
         dec.append(median(d))
-        frame.append(P.HEADER.size + len(payload))
+        frame.append(HEADER.size + len(payload))
     raw = raw_size(layers)
     wire = sum(frame)
     return {

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from agents.protocol import printable
+from agents.wire.text import printable
 from disagg.safetext import strip_escapes
 
 LIMIT = 300  # characters of one remote value in a table cell

@@ -21,7 +21,7 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from agents.server import peer_key
+from agents.runtime.server import peer_key
 
 HEADER_TIMEOUT_S = 10.0  # from connect (or the last response) to a request's full headers
 MAX_CONNECTIONS = 1024

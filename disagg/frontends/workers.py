@@ -17,7 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any, ParamSpec, TypeVar
 
-from agents.protocol import AuthError
+from agents.wire.frames import AuthError
 from disagg.errors import Overloaded
 from disagg.serving.control import control_status
 from disagg.serving.router import Router

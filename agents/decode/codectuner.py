@@ -27,8 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .kvcodec import Codec
-from .metrics import ema
+from agents.runtime.metrics import ema
+from agents.wire.kvcodec import Codec
 
 MARGIN = 1.10  # a compressing codec must be at least this much faster than raw
 # A KV frame smaller than this may sit whole in the socket buffer before we
@@ -156,7 +156,7 @@ class CodecTuner:
                 a.decode_bps = ema(a.decode_bps, raw_bytes / decode_s)
 
     def observe_fetch(self, m: Mapping[str, Any]) -> None:
-        """Learn from one fetch's metrics (`agents.kvfetch.fetch_kv`).
+        """Learn from one fetch's metrics (`agents.decode.kvfetch.fetch_kv`).
 
         The link: wire bytes over the time spent reading the payloads of large
         KV frames, each timed from its header's arrival. That excludes the gaps

@@ -15,8 +15,9 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Protocol
 
-from . import protocol as P
-from .request import RequestError, _is_num
+from agents.wire.channel import send_json, serialize_sends
+from agents.wire.frames import PROGRESS_KEY, Frame
+from agents.wire.request import RequestError, _is_num
 
 MIN_EVERY_S = 0.1  # a client cannot make us spin
 
@@ -28,11 +29,11 @@ class Loop(Protocol):
 def progress_interval(wire: dict[str, Any]) -> float | None:
     """Pop the GENERATE frame's PROGRESS_KEY: seconds between PROGRESS frames, or
     None (the client did not ask: an older client knows no such frame)."""
-    every = wire.pop(P.PROGRESS_KEY, None)
+    every = wire.pop(PROGRESS_KEY, None)
     if every is None:
         return None
     if not _is_num(every) or every <= 0:
-        raise RequestError(P.PROGRESS_KEY, f"{P.PROGRESS_KEY} must be > 0 seconds, got {every!r}")
+        raise RequestError(PROGRESS_KEY, f"{PROGRESS_KEY} must be > 0 seconds, got {every!r}")
     return max(float(every), MIN_EVERY_S)
 
 
@@ -55,7 +56,7 @@ class Keepalive:
 
     def __enter__(self) -> Keepalive:
         if self.every is not None:
-            P.serialize_sends(self.sock)
+            serialize_sends(self.sock)
             self._thread = threading.Thread(target=self._run, daemon=True, name="keepalive")
             self._thread.start()
         return self
@@ -83,7 +84,7 @@ class Keepalive:
             if not probe.done():
                 continue  # the loop has not come round since the last frame: say nothing
             try:
-                P.send_json(self.sock, P.Frame.PROGRESS, self.phase())
+                send_json(self.sock, Frame.PROGRESS, self.phase())
             except OSError:
                 return  # the client is gone; the request's own thread finds out
             self.sent += 1

@@ -13,7 +13,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .request import RequestError
+from agents.wire.request import RequestError
 
 # As in grammar.JSON_OPTIONS, carried inside each inline %json schema.
 X_GUIDANCE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -53,7 +53,7 @@ def function_of(tool: Any) -> tuple[str, dict[str, Any]]:
     params = fn.get("parameters") or {"type": "object"}  # type: ignore[union-attr]
     if not isinstance(params, Mapping):
         raise RequestError("tools", f"tool {name}: parameters must be a JSON Schema object")
-    from .grammar import closed
+    from agents.decode.grammar import closed
 
     return name, dict(closed(params))
 

@@ -35,8 +35,9 @@ import numpy as np
 import zstandard
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from . import protocol as P
-from .kvcodec import (
+from agents.wire.channel import FrameReader
+from agents.wire.frames import Header, ProtocolError
+from agents.wire.kvcodec import (
     DTYPE_NAMES,
     LAYER_HEADER,
     SCALE_DTYPE,
@@ -201,7 +202,7 @@ def _unzstd_into(raw: memoryview, nbytes: int, sink: Callable[[Any], None], part
     try:
         declared = zstandard.frame_content_size(raw)
         if declared not in (-1, nbytes):
-            raise P.ProtocolError(f"zstd block declares {declared} bytes, shape says {nbytes}")
+            raise ProtocolError(f"zstd block declares {declared} bytes, shape says {nbytes}")
         reader = zstandard.ZstdDecompressor().stream_reader(raw)
         got = 0
         piece = nbytes // parts
@@ -212,16 +213,16 @@ def _unzstd_into(raw: memoryview, nbytes: int, sink: Callable[[Any], None], part
             while at < piece:
                 n = reader.readinto(view[at:])
                 if n == 0:
-                    raise P.ProtocolError(
+                    raise ProtocolError(
                         f"zstd block expands to {got + at} bytes, shape says {nbytes}"
                     )
                 at += n
             got += at
             sink(scratch)
         if reader.read(1):
-            raise P.ProtocolError(f"zstd block expands past the {nbytes} bytes its shape says")
+            raise ProtocolError(f"zstd block expands past the {nbytes} bytes its shape says")
     except zstandard.ZstdError as e:
-        raise P.ProtocolError(f"bad zstd block: {e}") from None
+        raise ProtocolError(f"bad zstd block: {e}") from None
 
 
 def _unzstd_direct(raw: memoryview, nbytes: int, dst: np.ndarray) -> None:
@@ -229,7 +230,7 @@ def _unzstd_direct(raw: memoryview, nbytes: int, dst: np.ndarray) -> None:
     try:
         declared = zstandard.frame_content_size(raw)
         if declared not in (-1, nbytes):
-            raise P.ProtocolError(f"zstd block declares {declared} bytes, shape says {nbytes}")
+            raise ProtocolError(f"zstd block declares {declared} bytes, shape says {nbytes}")
         reader = zstandard.ZstdDecompressor().stream_reader(raw)
         got = 0
         for h in range(dst.shape[0]):  # one head's [S, D] is contiguous
@@ -237,15 +238,15 @@ def _unzstd_direct(raw: memoryview, nbytes: int, dst: np.ndarray) -> None:
             while at < len(view):
                 n = reader.readinto(view[at:])
                 if n == 0:
-                    raise P.ProtocolError(
+                    raise ProtocolError(
                         f"zstd block expands to {got + at} bytes, shape says {nbytes}"
                     )
                 at += n
             got += at
         if reader.read(1):
-            raise P.ProtocolError(f"zstd block expands past the {nbytes} bytes its shape says")
+            raise ProtocolError(f"zstd block expands past the {nbytes} bytes its shape says")
     except zstandard.ZstdError as e:
-        raise P.ProtocolError(f"bad zstd block: {e}") from None
+        raise ProtocolError(f"bad zstd block: {e}") from None
 
 
 def _lossless_into(raw: memoryview, codec: Codec, dst: np.ndarray) -> None:
@@ -276,7 +277,7 @@ def _dequant_into(raw: memoryview, codec: Codec, dst: np.ndarray, dtype: DType) 
     split = rows * SCALE_DTYPE.itemsize
     scale = _plain(memoryview(block)[:split], codec, SCALE_DTYPE, (heads, seq))
     if not (np.isfinite(scale).all() and (scale >= 0).all()):
-        raise P.ProtocolError("KV_LAYER int8 block has a negative or non-finite row scale")
+        raise ProtocolError("KV_LAYER int8 block has a negative or non-finite row scale")
     q = np.frombuffer(memoryview(block)[split:], np.int8).reshape(heads, seq, dim)
     if dtype == DType.BFLOAT16:
         for h in range(heads):  # rounded by hand, a head at a time
@@ -286,7 +287,7 @@ def _dequant_into(raw: memoryview, codec: Codec, dst: np.ndarray, dtype: DType) 
 
 
 def _whole_raw(
-    reader: P.FrameReader, head: memoryview, length: int, slots: Slots, max_bytes: int
+    reader: FrameReader, head: memoryview, length: int, slots: Slots, max_bytes: int
 ) -> tuple[LayerKV, float, int] | None:
     """The common frame, a whole prompt's raw layer, read into its cache (what
     _plan and the general path below do for it, with the work done in allocate)."""
@@ -308,7 +309,7 @@ def _whole_raw(
 
 
 def receive_layer(
-    reader: P.FrameReader, header: P.Header, slots: Slots, max_bytes: int
+    reader: FrameReader, header: Header, slots: Slots, max_bytes: int
 ) -> tuple[LayerKV, float, int]:
     """Take one KV_LAYER frame whose header `reader` just read: in place when it
     fits `slots` (then the layer is in `slots.placed` and the LayerKV's arrays

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import zstandard
 
-from .protocol import DEFAULT_MAX_FRAME, ProtocolError
-from .request import check_kv_quant as check_quant  # noqa: F401  (one check, re-exported)
+from agents.wire.frames import DEFAULT_MAX_FRAME, ProtocolError
+from agents.wire.request import check_kv_quant as check_quant  # noqa: F401  (one check, re-exported)
 
 # layer, kind, dtype, codec, base, heads, seq, k_dim, v_dim, k_len, v_len
 # (base was a pad byte, always 0: old lossless frames parse unchanged)

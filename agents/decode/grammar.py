@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .request import RequestError
+from agents.wire.request import RequestError
 
 try:
     import llguidance as llg
@@ -178,7 +178,7 @@ class Grammars:
             the tokens before the trigger); then the answer is forced to begin.
         opener: with a trigger, the token that opens the reasoning, forced first.
         """
-        from . import grammarfmt  # lark builders; only needed here
+        from agents.decode import grammarformats as grammarfmt  # lark builders; only needed here
 
         if kind not in KINDS:
             raise ValueError(f"unknown format kind {kind!r}")

@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from . import fastblas  # first: it gives mlx an optimized BLAS before mlx loads
+from agents.runtime import fastblas  # first: it gives mlx an optimized BLAS before mlx loads
 
 # isort: split
 import mlx.core as mx
@@ -25,26 +25,36 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 
-from . import protocol as P
-from .batching import DecodeLoop, Sampler, Seq, make_sampler, sample_rows
-from .blasshare import BlasShare
-from .chatformat import ChatStream, FormatError, Piece, detect, open_stream, render_chat, render_fim
-from .codecpick import CodecTuner
-from .grammar import ANALYSIS_MAX_TOKENS, Grammars, Matcher
-from .keepalive import Keepalive, progress_interval
-from .kvcodec import Codec, LayerKV
-from .kvfetch import PrefillUnavailable, fetch_kv
-from .kvinplace import Slots, allocate, inplace_enabled
-from .kvplace import MX_DTYPES, cache_kinds, fill_layer
-from .metrics import Stats
-from .models import get_adapter, load_hf_config
-from .placement import Placement
-from .prefix.decode_side import DecodePrefix, Hit, Recording, Span
-from .prefix.store import default_max_mb
-from .prefix.take import PendingStore
-from .quant import check_supported, weights_identity
-from .request import GenerateRequest, PrefillRequest, RequestError
-from .server import common_args, fail, serve, start_agent
+from agents.chatformat import (
+    ChatStream,
+    FormatError,
+    Piece,
+    detect,
+    open_stream,
+    render_chat,
+    render_fim,
+)
+from agents.decode.codectuner import CodecTuner
+from agents.decode.grammar import ANALYSIS_MAX_TOKENS, Grammars, Matcher
+from agents.decode.keepalive import Keepalive, progress_interval
+from agents.decode.kvcaches import MX_DTYPES, cache_kinds, fill_layer
+from agents.decode.kvfetch import PrefillUnavailable, fetch_kv
+from agents.decode.kvslots import Slots, allocate, inplace_enabled
+from agents.decode.loop import DecodeLoop, Sampler, Seq, make_sampler, sample_rows
+from agents.decode.placement import Placement
+from agents.models import get_adapter, load_hf_config
+from agents.prefix.decode_side import DecodePrefix, Hit, Recording, Span
+from agents.prefix.store import default_max_mb
+from agents.prefix.take import PendingStore
+from agents.quant import check_supported, weights_identity
+from agents.runtime.blasshare import BlasShare
+from agents.runtime.metrics import Stats
+from agents.runtime.server import common_args, fail, serve, start_agent
+from agents.wire.channel import recv_json, send_error, send_frame, send_json
+from agents.wire.frames import CONTROL_MAX_FRAME, Frame, PeerClosed, ProtocolError, RemoteError
+from agents.wire.kvcodec import Codec, LayerKV
+from agents.wire.request import GenerateRequest, PrefillRequest, RequestError
+from agents.wire.text import printable
 
 log = logging.getLogger("disagg.decode")
 
@@ -213,7 +223,7 @@ def send_events(sock: socket.socket, tid: int | None, events: list[Any]) -> None
     if tid is not None and not frames:
         frames.append({"text": ""})
     for n, frame in enumerate(frames):
-        P.send_json(sock, P.Frame.TOKEN, {"id": tid if n == 0 else None, **frame})
+        send_json(sock, Frame.TOKEN, {"id": tid if n == 0 else None, **frame})
 
 
 Item = tuple[int, "np.ndarray | None"]
@@ -307,7 +317,7 @@ class DecodeAgent:
         name: str,
         token: bytes | None = None,
         max_batch: int = 32,
-        max_request_bytes: int = P.CONTROL_MAX_FRAME,
+        max_request_bytes: int = CONTROL_MAX_FRAME,
         allow_mixed: bool = False,
         prefix_cache_mb: float | None = None,
     ) -> None:
@@ -358,13 +368,13 @@ class DecodeAgent:
         (other connections' requests decode alongside in the same batch)."""
         while True:
             try:
-                _, req = P.recv_json(sock, P.Frame.GENERATE, self.max_request_bytes)
-            except P.PeerClosed:
+                _, req = recv_json(sock, Frame.GENERATE, self.max_request_bytes)
+            except PeerClosed:
                 return  # the client is done
-            except P.ProtocolError as e:
-                P.send_error(sock, "protocol", str(e))
+            except ProtocolError as e:
+                send_error(sock, "protocol", str(e))
                 return
-            except (P.RemoteError, OSError):
+            except (RemoteError, OSError):
                 return
             self.stats.begin()
             outcome, metrics = "error", None
@@ -375,16 +385,16 @@ class DecodeAgent:
                 outcome = "ok"
             except (BadRequest, RequestError) as e:
                 outcome = "bad_request"
-                P.send_error(sock, "bad_request", str(e))
-            except P.RemoteError as e:
-                P.send_error(sock, e.code, e.message)
+                send_error(sock, "bad_request", str(e))
+            except RemoteError as e:
+                send_error(sock, e.code, e.message)
             except OSError as e:
                 outcome = "client_gone"
-                log.warning("client went away: %s", P.printable(e))
+                log.warning("client went away: %s", printable(e))
                 return
             except Exception as e:
                 log.exception("generate failed")
-                P.send_error(sock, "decode_failed", f"{type(e).__name__}: {e}")
+                send_error(sock, "decode_failed", f"{type(e).__name__}: {e}")
             finally:
                 self.stats.end(outcome, metrics)
 
@@ -444,7 +454,7 @@ class DecodeAgent:
         }
         fills: list[Future[Any]] = []
         # Full-attention layers are received straight into their caches, which
-        # the mlx thread allocates while we dial (agents.kvinplace).
+        # the mlx thread allocates while we dial (agents.decode.kvslots).
         fp = self.engine.fingerprint
         alloc: Future[Slots] | None = None
         if inplace_enabled():
@@ -527,7 +537,7 @@ class DecodeAgent:
         """The prompt through the model here. Alone, chunked exactly as mlx-lm's
         generate_step does (so the text matches it); beside decoding streams, in
         chunks the loop sizes to about a decode step or two, a step between each
-        (agents/chunks.py), so no stream stalls for the whole prompt. Returns the
+        (agents/decode/chunksizer.py), so no stream stalls for the whole prompt. Returns the
         last position's logits (float32). With `req`, a prefix cache hit (mlx's own
         K/V, namespace "local") seeds the caches and only the rest is computed."""
         model = self.engine.model
@@ -674,7 +684,7 @@ class DecodeAgent:
             out.append(tid)
             send_events(sock, tid, chat.add(tid))
             if lp is not None:
-                P.send_frame(sock, P.Frame.LOGPROBS, lp.tobytes())
+                send_frame(sock, Frame.LOGPROBS, lp.tobytes())
 
         # The prompt's blocks are taken from the caches without a copy once
         # decoding stops writing them (agents.prefix.take), pending from before
@@ -712,7 +722,7 @@ class DecodeAgent:
         t_end = time.perf_counter()
         called = bool(chat.tool_calls)
         self._decoded(metrics, len(ids), len(out), max_tokens, called, t0, t_first, t_end)
-        marks = metrics.pop("marks", None)  # agents.kvfetch's, on this host's clock
+        marks = metrics.pop("marks", None)  # agents.decode.kvfetch's, on this host's clock
         local_span = None if marks else (t_local, t_prefilled)
         metrics["timeline"] = timeline(
             at, t0, marks, metrics, local_span, t_first, seq.joined_at if seq else None, t_end
@@ -725,7 +735,7 @@ class DecodeAgent:
             done["prompt_ids"] = ids
         if progress is not None:
             progress.stop()  # nothing follows DONE
-        P.send_json(sock, P.Frame.DONE, done)
+        send_json(sock, Frame.DONE, done)
         log.info(
             "%s: %d prompt + %d new tokens, ttft %.3fs, %.1f tok/s, %s",
             metrics["method"],
@@ -801,7 +811,3 @@ def main() -> None:
         prefix_cache_mb=args.prefix_cache_mb,
     )
     serve("decode", args, token, agent)
-
-
-if __name__ == "__main__":
-    main()

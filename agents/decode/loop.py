@@ -9,7 +9,7 @@ from each request's queue, so a slow client never stalls the batch.
 
 A lone request decodes with its own plain caches, exactly as mlx-lm's
 generate_step would; a second one starts a batch: preallocated rows for the
-full-attention layers (agents/batchrows.py: a join writes one row, a departure
+full-attention layers (agents/decode/rows.py: a join writes one row, a departure
 moves one) and mlx-lm's batch caches for the others (left-padded, with per-row
 offsets). The plain caches come back when the batch shrinks to one again.
 """
@@ -32,9 +32,9 @@ import numpy as np
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache
 
-from .batchrows import RowBatch
-from .chunks import ChunkSizer
-from .grammar import Grammars, Matcher
+from agents.decode.chunksizer import ChunkSizer
+from agents.decode.grammar import Grammars, Matcher
+from agents.decode.rows import RowBatch
 
 log = logging.getLogger("disagg.decode")
 
@@ -167,7 +167,7 @@ class DecodeLoop:
         self.seqs: list[Seq] = []
         self.caches: list[Any] = []  # plain caches for one sequence, batch caches for more
         self.batched = False
-        # Preallocated rows for the full-attention layers (agents/batchrows.py);
+        # Preallocated rows for the full-attention layers (agents/decode/rows.py);
         # False: mlx-lm's batch caches throughout (merge/extend/filter).
         self.use_rows = rows
         self.rows: RowBatch | None = None

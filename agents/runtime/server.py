@@ -27,10 +27,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, NoReturn, Protocol, TypeVar
 
-from . import protocol as P
-from .httpauth import PROOF_HEADER, ServerAuth
-from .metrics import LAST_ERROR, Stats
-from .prefix.store import default_max_mb
+from agents.prefix.store import default_max_mb
+from agents.runtime.metrics import LAST_ERROR, Stats
+from agents.wire.auth import TOKEN_MIN_CHARS, server_auth
+from agents.wire.frames import CONTROL_MAX_FRAME, AuthError, Deadline, ProtocolError
+from agents.wire.httpauth import PROOF_HEADER, ServerAuth
+from agents.wire.text import printable
 
 log = logging.getLogger("disagg.agent")
 
@@ -45,7 +47,7 @@ class OneLineFormatter(logging.Formatter):
     Tracebacks keep their own lines."""
 
     def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
-        record.message = P.printable(record.message, LOG_LINE_MAX)
+        record.message = printable(record.message, LOG_LINE_MAX)
         return super().formatMessage(record)
 
 
@@ -72,7 +74,6 @@ MAX_CONNECTIONS = 512  # per agent, authenticated or not; half at most unauthent
 MAX_PREAUTH_PER_PEER = 64  # unauthenticated connections from one address at once
 CONTROL_MAX_CONNECTIONS = 64  # HTTP control port, at once
 CONTROL_MAX_PER_PEER = 16
-TOKEN_MIN_CHARS = P.TOKEN_MIN_CHARS
 
 
 def fail(message: str) -> NoReturn:
@@ -103,7 +104,7 @@ def common_args(role: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--max-request-bytes",
         type=int,
-        default=P.CONTROL_MAX_FRAME,
+        default=CONTROL_MAX_FRAME,
         help="largest control frame (request, hello) accepted from a peer",
     )
     p.add_argument(
@@ -158,7 +159,7 @@ def start_agent(
 ) -> tuple[argparse.Namespace, bytes | None, E]:
     """An agent's start, whatever its role: options, logging, the cluster token, and
     the engine `load` builds (an unsupported model ends here with one FAILED line)."""
-    from .models import UnsupportedModel
+    from agents.models import UnsupportedModel
 
     args = parser.parse_args()
     setup_logging(role, args.log_file, args.log_max_bytes)
@@ -320,17 +321,17 @@ class FrameServer(socketserver.ThreadingTCPServer):
                 authed = False
                 try:
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    deadline = P.Deadline(handshake_timeout_s)
+                    deadline = Deadline(handshake_timeout_s)
                     sock.settimeout(handshake_timeout_s)
-                    P.server_auth(sock, token, deadline)
+                    server_auth(sock, token, deadline)
                     sock.settimeout(IDLE_TIMEOUT_S)
                     gate.authenticated(addr)
                     authed = True
-                except P.AuthError as e:
-                    log.warning("refused %s: %s", peer, P.printable(e))
+                except AuthError as e:
+                    log.warning("refused %s: %s", peer, printable(e))
                     return
-                except (OSError, P.ProtocolError) as e:
-                    log.info("dropped %s before it authenticated: %s", peer, P.printable(e))
+                except (OSError, ProtocolError) as e:
+                    log.info("dropped %s before it authenticated: %s", peer, printable(e))
                     return
                 finally:
                     if not authed:
@@ -429,7 +430,7 @@ def start_control(
     trusted: frozenset[str] = frozenset(),
 ) -> ThreadingHTTPServer:
     """GET /health for anyone; /status and /metrics for token holders, proven by
-    challenge-response (agents.httpauth) so the token never crosses the wire."""
+    challenge-response (agents.wire.httpauth) so the token never crosses the wire."""
     auth = ServerAuth(token) if token is not None else None
 
     class _Handler(BaseHTTPRequestHandler):
@@ -466,11 +467,14 @@ def start_control(
             if why != "no credentials":  # a bare request is the protocol's first step
                 log.warning(
                     "refused HTTP GET %s from %s: %s",
-                    P.printable(self.path, 100),
+                    printable(self.path, 100),
                     self.client_address[0],
                     why,
                 )
-            raw = b'{"error": "unauthorized: answer the Disagg-HMAC challenge (agents.httpauth)"}'
+            raw = (
+                b'{"error": "unauthorized: answer the Disagg-HMAC challenge'
+                b' (agents.wire.httpauth)"}'
+            )
             self._answer(401, "application/json", raw, {"WWW-Authenticate": auth.challenge()})
 
         def _answer(self, code: int, kind: str, raw: bytes, extra: dict[str, str]) -> None:

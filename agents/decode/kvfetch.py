@@ -11,25 +11,31 @@ from typing import Any
 
 import numpy as np
 
-from . import protocol as P
-from .codecpick import MIN_LINK_FRAME
-from .kvcodec import (
-    LAYER_HEADER,
-    Kind,
-    LayerKV,
-    block_bytes,
-    decode_layer,
-    layer_cap,
+from agents.decode.codectuner import MIN_LINK_FRAME
+from agents.decode.kvcaches import check_layer, fill_layer
+from agents.decode.kvslots import Slots, receive_layer
+from agents.prefix.store import Prefix
+from agents.wire.auth import client_auth
+from agents.wire.channel import FrameReader, recv_json, send_json, send_json_ids
+from agents.wire.frames import (
+    CONTROL_MAX_FRAME,
+    HEADER,
+    AuthError,
+    Frame,
+    ProtocolError,
+    RemoteError,
+    decode_json,
+    error_from,
+    packed_ids_offered,
 )
-from .kvinplace import Slots, receive_layer
-from .kvplace import check_layer, fill_layer
-from .prefix.store import Prefix
-from .request import PrefillRequest, PrefillTarget, pack_ids
+from agents.wire.kvcodec import LAYER_HEADER, Kind, LayerKV, block_bytes, decode_layer, layer_cap
+from agents.wire.request import PrefillRequest, PrefillTarget, pack_ids
+from agents.wire.text import printable
 
 # Puts one received layer into its cache: fill_layer itself, or a hand-off of a
 # copy to the thread that owns mlx (the reader's buffer is reused for the next).
 Place = Callable[[Any, LayerKV, int], None]
-# The request's caches allocated for receiving in place (agents.kvinplace),
+# The request's caches allocated for receiving in place (agents.decode.kvslots),
 # asked for when the first layer arrives (the mlx thread allocates meanwhile).
 SlotsSource = Callable[[], Slots]
 
@@ -89,9 +95,9 @@ def open_session(target: PrefillTarget, hello: dict[str, Any], token: bytes | No
     try:
         sock.settimeout(timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        P.client_auth(sock, token, target.integrity)
-        P.send_json(sock, P.Frame.HELLO, hello)
-        _, ok = P.recv_json(sock, P.Frame.HELLO_OK)
+        client_auth(sock, token, target.integrity)
+        send_json(sock, Frame.HELLO, hello)
+        _, ok = recv_json(sock, Frame.HELLO_OK)
     except BaseException:
         sock.close()
         raise
@@ -101,9 +107,9 @@ def open_session(target: PrefillTarget, hello: dict[str, Any], token: bytes | No
 def send_prefill(sock: socket.socket, request: PrefillRequest, packed_ids: bool) -> None:
     """The PREFILL frame; `packed_ids`: its ids as uint32s (protocol.IDS_U32)."""
     if packed_ids:
-        P.send_json_ids(sock, P.Frame.PREFILL, request.to_wire(True), pack_ids(request.token_ids))
+        send_json_ids(sock, Frame.PREFILL, request.to_wire(True), pack_ids(request.token_ids))
     else:
-        P.send_json(sock, P.Frame.PREFILL, request.to_wire())
+        send_json(sock, Frame.PREFILL, request.to_wire())
 
 
 def receive_layers(
@@ -130,7 +136,7 @@ def receive_layers(
         "kv_raw_bytes": 0,  # K/V blocks expanded (int8 rows + scales when quantized)
         "kv_quant": None,  # how the layers arrived: None lossless, "int8"
         "kv_decode_time": 0.0,  # decode_layer: decompress + unshuffle (+ dequantize)
-        "kv_link_bytes": 0,  # large frames only: see agents.codecpick
+        "kv_link_bytes": 0,  # large frames only: see agents.decode.codectuner
         "kv_link_time": 0.0,
     }
     send_prefill(sock, request, packed_ids)
@@ -143,13 +149,13 @@ def receive_layers(
     # (zstd's worst case is a little over raw): more is a lie, refused unread.
     cap = layer_cap(heads, len(ids), head_dim)
     wire_cap = cap + cap // 128 + (64 << 10)
-    max_frame = max(wire_cap, 4 * (vocab_size or 0), P.CONTROL_MAX_FRAME)
+    max_frame = max(wire_cap, 4 * (vocab_size or 0), CONTROL_MAX_FRAME)
     # One buffer for every layer: fill_layer copies out.
-    reader = P.FrameReader(sock, max_frame)
+    reader = FrameReader(sock, max_frame)
     into: Slots | None = None
     while True:
         header = reader.next()
-        if header.type == P.Frame.KV_LAYER:
+        if header.type == Frame.KV_LAYER:
             if slots is not None:
                 into = into or slots()
                 kv, t_payload, raw_bytes = receive_layer(reader, header, into, cap)
@@ -167,47 +173,47 @@ def receive_layers(
                 m["kv_link_bytes"] += header.length
                 m["kv_link_time"] += t_payload - reader.header_at
             if kv.quant is not None and kv.quant != request.kv_quant:
-                raise P.ProtocolError(f"{kv.quant} K/V for a request that asked for lossless")
+                raise ProtocolError(f"{kv.quant} K/V for a request that asked for lossless")
             m["kv_quant"] = kv.quant
             # The codec's own bytes, so codecpick's ratio is not the quantizer's.
             m["kv_raw_bytes"] += raw_bytes
             m["kv_payload_bytes"] += header.length - LAYER_HEADER.size
             if not 0 <= kv.layer < len(caches) or kv.layer in got:
-                raise P.ProtocolError(f"unexpected KV for layer {kv.layer}")
+                raise ProtocolError(f"unexpected KV for layer {kv.layer}")
             if kv.keys.shape[0] != heads or kv.keys.shape[2] != head_dim:
-                raise P.ProtocolError(f"layer {kv.layer} K/V has shape {kv.keys.shape}")
+                raise ProtocolError(f"layer {kv.layer} K/V has shape {kv.keys.shape}")
             if prefix and kv.kind == Kind.FULL and kv.keys.shape[1] == len(ids) - prefix.start:
                 kv = prefix.extend(kv)
             try:
                 check_layer(caches[kv.layer], kv, len(ids))
                 place(caches[kv.layer], kv, len(ids))
             except ValueError as e:  # token count or cache kind does not fit
-                raise P.ProtocolError(str(e)) from None
+                raise ProtocolError(str(e)) from None
             last = time.perf_counter()
             if first is None:
                 first = last
                 m["kv_first_layer_at"] = time.time()
             got.add(kv.layer)
-            m["kv_bytes"] += P.HEADER.size + header.length
+            m["kv_bytes"] += HEADER.size + header.length
             continue
         payload = reader.buffer(header.length)
         reader.read_into(payload)
         reader.finish()
-        if header.type == P.Frame.LOGITS:
+        if header.type == Frame.LOGITS:
             if len(payload) % 4:
-                raise P.ProtocolError(f"LOGITS of {len(payload)} bytes: not float32s")
+                raise ProtocolError(f"LOGITS of {len(payload)} bytes: not float32s")
             logits = np.frombuffer(bytes(payload), np.float32)
             if vocab_size and logits.shape[0] != vocab_size:
-                raise P.ProtocolError(f"{logits.shape[0]} logits for a vocab of {vocab_size}")
-        elif header.type == P.Frame.PREFILL_DONE:
-            done = P.decode_json(header, bytes(payload))
+                raise ProtocolError(f"{logits.shape[0]} logits for a vocab of {vocab_size}")
+        elif header.type == Frame.PREFILL_DONE:
+            done = decode_json(header, bytes(payload))
             break
-        elif header.type == P.Frame.ERROR:
-            raise P.error_from(header, payload)
+        elif header.type == Frame.ERROR:
+            raise error_from(header, payload)
         else:
-            raise P.ProtocolError(f"unexpected {header.type.name} during KV stream")
+            raise ProtocolError(f"unexpected {header.type.name} during KV stream")
     if len(got) != len(caches) or logits is None:
-        raise P.ProtocolError(
+        raise ProtocolError(
             f"prefill sent {len(got)} of {len(caches)} layers, "
             f"{'no' if logits is None else ''} logits"
         )
@@ -233,7 +239,7 @@ def fetch_kv(
     With `prefix`, the decode side holds the first `prefix.start` positions and
     asked only for the rest; a full-attention layer that arrives as just those
     is extended with them (an older prefill agent sends all: taken as is).
-    With `slots`, layers that fit are received in place (agents.kvinplace).
+    With `slots`, layers that fit are received in place (agents.decode.kvslots).
 
     Raises PrefillUnavailable when the agent is down, slow past its timeout, fails,
     or drops the stream (the caller prefills locally); RemoteError only for a
@@ -254,21 +260,21 @@ def fetch_kv(
                 place,
                 prefix,
                 slots,
-                P.packed_ids_offered(session.hello_ok),
+                packed_ids_offered(session.hello_ok),
             )
         finally:
             session.sock.close()
-    except (OSError, P.ProtocolError, MemoryError) as e:
-        why = P.printable(e)
+    except (OSError, ProtocolError, MemoryError) as e:
+        why = printable(e)
         kind = "timeout" if isinstance(e, TimeoutError) else "stream"
         raise PrefillUnavailable(f"prefill stream from {addr} failed: {why}", kind) from e
-    except P.AuthError as e:
+    except AuthError as e:
         # Not a fault to paper over with a local prefill: the cluster is misconfigured.
-        raise P.RemoteError("unauthorized", f"cannot use prefill agent {addr}: {e}") from e
-    except P.RemoteError as e:
+        raise RemoteError("unauthorized", f"cannot use prefill agent {addr}: {e}") from e
+    except RemoteError as e:
         if e.code == "model_mismatch":
             raise  # the user must see this; prefilling locally would hide it
-        why = f"{P.printable(e.code, 40)}: {P.printable(e.message)}"
+        why = f"{printable(e.code, 40)}: {printable(e.message)}"
         raise PrefillUnavailable(f"prefill agent {addr} failed: {why}", "prefill_error") from e
     return fetch_metrics(request, session, got, t0), got.logits
 

@@ -26,7 +26,8 @@ import struct
 import threading
 import time
 
-from .protocol import AuthError, printable
+from agents.wire.frames import AuthError
+from agents.wire.text import printable
 
 SCHEME = "Disagg-HMAC"
 PROOF_HEADER = "X-Disagg-Proof"

@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from .kvcodec import DType, LayerKV
+from agents.wire.kvcodec import DType, LayerKV
 
 MX_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 

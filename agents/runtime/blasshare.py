@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from . import fastblas
+from agents.runtime import fastblas
 
 ENV = "DISAGG_BLAS_SHARED"  # threads while a prefill for this agent runs beside it
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from .metrics import ema
+from agents.runtime.metrics import ema
 
 
 @dataclass

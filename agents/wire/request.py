@@ -304,7 +304,7 @@ class PrefillRequest:
     probe_codecs: bool = False  # also time the other codecs on one layer
     cache_salt: str | None = None  # the GENERATE's, for the prefill agent's cache keys
     # The requester is decoding on the same machine right now (a local pair): the
-    # prefill agent runs on its shared thread count (agents.torchshare).
+    # prefill agent runs on its shared thread count (agents.runtime.torchshare).
     cores_busy: bool = False
 
     @classmethod

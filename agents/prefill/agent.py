@@ -20,9 +20,36 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import protocol as P
-from .daemonpool import DaemonPool
-from .kvcodec import (
+from agents.models import get_adapter, layer_kinds_from_hf, load_hf_config
+from agents.prefill.queue import FairQueue
+from agents.prefix.prefill_side import PrefillPrefix
+from agents.prefix.store import default_max_mb, prefix_digest
+from agents.quant import check_supported, weights_identity, weights_mismatch
+from agents.runtime.daemonpool import DaemonPool
+from agents.runtime.metrics import Stats
+from agents.runtime.server import common_args, serve, start_agent
+from agents.runtime.torchshare import TorchShare
+from agents.wire.channel import (
+    OutFrame,
+    out_frame,
+    recv_control,
+    recv_json,
+    send_error,
+    send_json,
+    send_out,
+)
+from agents.wire.fingerprint import fingerprint_mismatch
+from agents.wire.frames import (
+    CONTROL_MAX_FRAME,
+    IDS_U32_CAP,
+    Frame,
+    PeerClosed,
+    ProtocolError,
+    RemoteError,
+    json_bytes,
+    split_json_ids,
+)
+from agents.wire.kvcodec import (
     DTYPE_NAMES,
     Codec,
     Kind,
@@ -33,15 +60,8 @@ from .kvcodec import (
     encode_layer,
     quantize_layer,
 )
-from .metrics import Stats
-from .models import get_adapter, layer_kinds_from_hf, load_hf_config
-from .prefillqueue import FairQueue
-from .prefix.prefill_side import PrefillPrefix
-from .prefix.store import default_max_mb, prefix_digest
-from .quant import check_supported, weights_identity, weights_mismatch
-from .request import PrefillRequest, RequestError
-from .server import common_args, serve, start_agent
-from .torchshare import TorchShare
+from agents.wire.request import PrefillRequest, RequestError
+from agents.wire.text import printable
 
 log = logging.getLogger("disagg.prefill")
 
@@ -99,7 +119,7 @@ class PrefillEngine:
     ) -> None:
         from transformers import AutoModelForCausalLM  # heavy: import once the args parsed
 
-        from .quant.loader import load_packed_model, needs_packed_loader
+        from agents.quant.loader import load_packed_model, needs_packed_loader
 
         self.model_dir = model_dir
         check_supported(model_dir)
@@ -160,7 +180,7 @@ class PrefillEngine:
         for the caller to make once the K/V and logits are out. With `host_async`
         on a CUDA device, the layers handed over may still be in flight: their
         reader calls `LayerKV.wait` first (LayerSender does). `cores_busy`: the
-        requester decodes on this machine's cores (agents.torchshare).
+        requester decodes on this machine's cores (agents.runtime.torchshare).
         Returns timings and the float32 logits of the last position, from which
         the decode side samples the first token without running a step itself.
         """
@@ -245,11 +265,11 @@ class _Layer:
     (raw, lossless, contiguous: only views), else made by the sending thread."""
 
     kv: LayerKV
-    frame: P.OutFrame | None
+    frame: OutFrame | None
     nbytes: int  # raw K/V bytes
 
 
-# The threads LayerSenders send from (agents.daemonpool: reused, never queued).
+# The threads LayerSenders send from (agents.runtime.daemonpool: reused, never queued).
 SENDERS = DaemonPool("kv-sender")
 
 
@@ -261,7 +281,7 @@ class LayerSender:
     `quant_s`, so `encode_s` stays the codec's own time). With `probe_layer`,
     that layer is also encoded and decoded once with every other compressing
     codec after it is sent, and the sizes and times are kept in `probe` for the
-    decode side's codec choice (agents.codecpick).
+    decode side's codec choice (agents.decode.codectuner).
 
     `put` never waits on the socket (it runs inside the forward pass): layers
     queue here, at most `max_buffer_bytes` of them, and a peer that lets more
@@ -285,9 +305,7 @@ class LayerSender:
         self.probe: dict[str, dict[str, float]] = {}
         self.max_buffer_bytes = max_buffer_bytes
         self.stall_s = stall_s
-        self.q: queue.SimpleQueue[_Layer | tuple[P.Frame, FramePayload] | None] = (
-            queue.SimpleQueue()
-        )
+        self.q: queue.SimpleQueue[_Layer | tuple[Frame, FramePayload] | None] = queue.SimpleQueue()
         self.cond = threading.Condition()  # guards the counts below; never held over I/O
         self.buffered = 0  # raw K/V bytes put and not yet sent
         self.queued = 0  # items put and not yet sent (or dropped)
@@ -317,7 +335,7 @@ class LayerSender:
             self.queued += 1
         self.q.put(_Layer(kv, frame, n))
 
-    def _early_frame(self, kv: LayerKV) -> P.OutFrame | None:
+    def _early_frame(self, kv: LayerKV) -> OutFrame | None:
         """The layer's frame made here, on the producer's thread, where it costs
         the wire nothing (see protocol.OutFrame); None: the sending thread makes
         it (compressing or quantizing reads the bytes, which a device-to-host
@@ -327,11 +345,11 @@ class LayerSender:
         if not (kv.keys.flags.c_contiguous and kv.values.flags.c_contiguous):
             return None  # made contiguous by a copy, which reads them
         t0 = time.perf_counter()
-        frame = P.out_frame(P.Frame.KV_LAYER, encode_layer(kv, Codec.RAW))
+        frame = out_frame(Frame.KV_LAYER, encode_layer(kv, Codec.RAW))
         self.encode_s += time.perf_counter() - t0
         return frame
 
-    def put_frame(self, ftype: P.Frame, payload: FramePayload) -> None:
+    def put_frame(self, ftype: Frame, payload: FramePayload) -> None:
         """Queue a frame to follow the layers (LOGITS, PREFILL_DONE). A callable
         payload is made by the sending thread when the frames before it are sent
         (PREFILL_DONE's counts), sparing a round trip between the two threads."""
@@ -376,7 +394,7 @@ class LayerSender:
                     self._send_layer(item)
                 else:
                     ftype, payload = item
-                    self._send(P.out_frame(ftype, payload() if callable(payload) else payload))
+                    self._send(out_frame(ftype, payload() if callable(payload) else payload))
             except Exception as e:  # OSError: the peer is gone; else a bug, sent as ERROR
                 with self.cond:
                     if self.error is None:
@@ -391,9 +409,9 @@ class LayerSender:
                     if not self.queued or self.error is not None:
                         self.cond.notify_all()
 
-    def _send(self, frame: P.OutFrame) -> int:
+    def _send(self, frame: OutFrame) -> int:
         self.sending_since = time.monotonic()
-        sent = P.send_out(self.sock, frame, progress=self._progress)
+        sent = send_out(self.sock, frame, progress=self._progress)
         self.sending_since = None
         return sent
 
@@ -409,7 +427,7 @@ class LayerSender:
             t0 = time.perf_counter()
             wire = quantize_layer(kv) if self.kv_quant else kv
             t1 = time.perf_counter()
-            frame = P.out_frame(P.Frame.KV_LAYER, encode_layer(wire, self.codec))
+            frame = out_frame(Frame.KV_LAYER, encode_layer(wire, self.codec))
             self.quant_s += t1 - t0
             self.encode_s += time.perf_counter() - t1
         self.raw_bytes += layer.nbytes
@@ -450,7 +468,7 @@ class PrefillAgent:
         self,
         engine: PrefillEngine,
         name: str,
-        max_request_bytes: int = P.CONTROL_MAX_FRAME,
+        max_request_bytes: int = CONTROL_MAX_FRAME,
         prefix_cache_mb: float | None = None,
         kv_buffer_mb: float = KV_BUFFER_MB,
         kv_stall_s: float = KV_STALL_S,
@@ -498,20 +516,20 @@ class PrefillAgent:
     def handle(self, sock: socket.socket, peer: str) -> None:
         """One decode agent connection: HELLO, then any number of PREFILLs."""
         try:
-            _, hello = P.recv_json(sock, P.Frame.HELLO, self.max_request_bytes)
-        except (P.ProtocolError, P.RemoteError, OSError) as e:
-            log.warning("%s: bad hello: %s", peer, P.printable(e))
-            P.send_error(sock, "protocol", str(e))
+            _, hello = recv_json(sock, Frame.HELLO, self.max_request_bytes)
+        except (ProtocolError, RemoteError, OSError) as e:
+            log.warning("%s: bad hello: %s", peer, printable(e))
+            send_error(sock, "protocol", str(e))
             return
         ours = self.engine.fingerprint
-        diffs = P.fingerprint_mismatch(ours, hello.get("fingerprint") or {})
+        diffs = fingerprint_mismatch(ours, hello.get("fingerprint") or {})
         if diffs:
             msg = (
                 f"model mismatch: prefill {self.name} has {self.engine.model_dir}, "
-                f"decode has {P.printable(hello.get('model'))}: {'; '.join(diffs)}"
+                f"decode has {printable(hello.get('model'))}: {'; '.join(diffs)}"
             )
-            log.warning("%s: %s", peer, P.printable(msg, 1000))
-            P.send_error(sock, "model_mismatch", msg)
+            log.warning("%s: %s", peer, printable(msg, 1000))
+            send_error(sock, "model_mismatch", msg)
             return
         # Different weights (bf16 here, 4-bit there) decode other text than either
         # side alone would: refused unless the decode agent was told to allow it.
@@ -520,28 +538,28 @@ class PrefillAgent:
         )
         if mixed and hello.get("allow_mixed") is not True:
             log.warning("%s: %s", peer, mixed)
-            P.send_error(sock, "model_mismatch", mixed)
+            send_error(sock, "model_mismatch", mixed)
             return
-        P.send_json(
+        send_json(
             sock,
-            P.Frame.HELLO_OK,
+            Frame.HELLO_OK,
             {
                 "fingerprint": ours,
                 "model": self.engine.model_dir,
                 "server": self.name,
                 "weights": "mixed" if mixed else "same",
-                **P.IDS_U32_CAP,
+                **IDS_U32_CAP,
             },
         )
         while True:
             try:
-                header, payload = P.recv_control(sock, P.Frame.PREFILL, self.max_request_bytes)
-                req, packed = P.split_json_ids(header, payload)
-            except P.PeerClosed:
+                header, payload = recv_control(sock, Frame.PREFILL, self.max_request_bytes)
+                req, packed = split_json_ids(header, payload)
+            except PeerClosed:
                 return  # the decode agent is done with this connection
-            except P.ProtocolError as e:
-                log.warning("%s: %s", peer, P.printable(e))
-                P.send_error(sock, "protocol", str(e))
+            except ProtocolError as e:
+                log.warning("%s: %s", peer, printable(e))
+                send_error(sock, "protocol", str(e))
                 return
             except OSError:
                 return
@@ -558,7 +576,7 @@ class PrefillAgent:
             if digest is not None and digest != prefix_digest(req.token_ids[: req.start]):
                 raise RequestError("prefix_digest", "prefix_digest does not match the start tokens")
         except RequestError as e:
-            P.send_error(sock, "bad_request", str(e))
+            send_error(sock, "bad_request", str(e))
             return False
         ids, start, kv_quant, codec = req.token_ids, req.start, req.kv_quant, Codec(req.codec)
         prefix = self.prefix if req.prefix_cache else None
@@ -582,7 +600,7 @@ class PrefillAgent:
             )
             # Every send goes through the sender, whose deadline cuts a peer that
             # stops reading; this thread holds no lock while it waits.
-            sender.put_frame(P.Frame.LOGITS, logits.tobytes())
+            sender.put_frame(Frame.LOGITS, logits.tobytes())
             done = result  # the closure's own name: a dict here, not Optional
 
             def done_frame() -> bytes:  # on the sending thread, once LOGITS is out
@@ -598,9 +616,9 @@ class PrefillAgent:
                 )
                 if sender.probe:
                     done["codec_probe"] = sender.probe
-                return P.json_bytes(done)
+                return json_bytes(done)
 
-            sender.put_frame(P.Frame.PREFILL_DONE, done_frame)
+            sender.put_frame(Frame.PREFILL_DONE, done_frame)
             sender.drain()
             outcome = "ok"
             log.info(
@@ -623,7 +641,7 @@ class PrefillAgent:
             log.exception("%s: prefill failed", peer)
             err = {"code": "prefill_failed", "message": f"{type(e).__name__}: {e}"}
             with contextlib.suppress(Exception):  # best effort, after what was queued
-                sender.put_frame(P.Frame.ERROR, P.json_bytes(err))
+                sender.put_frame(Frame.ERROR, json_bytes(err))
             return False
         finally:
             sender.close()
@@ -666,7 +684,3 @@ def main() -> None:
         args.kv_stall_timeout,
     )
     serve("prefill", args, token, agent)
-
-
-if __name__ == "__main__":
-    main()

@@ -66,7 +66,7 @@ class LastError(logging.Handler):
         self.last = {"at": record.created, "message": text[:500]}
 
 
-LAST_ERROR = LastError()  # installed on the root logger by agents.server.setup_logging
+LAST_ERROR = LastError()  # installed on the root logger by agents.runtime.server.setup_logging
 
 
 def rss_bytes() -> int | None:
@@ -105,7 +105,7 @@ class Stats:
         self.prefill = Histogram()
         self.queue = Histogram()  # waiting: for the prefill device, for a batch slot
         self.kv_request = Histogram(BUCKETS_BYTES)  # K/V bytes per request that moved any
-        self.fallbacks: Counter[str] = Counter()  # by agents.kvfetch.FALLBACK_KINDS
+        self.fallbacks: Counter[str] = Counter()  # by agents.decode.kvfetch.FALLBACK_KINDS
         self.kv_bytes = 0
         self.recent_ttft: list[float] = []
         # More Prometheus text from the agent's other parts (e.g. its prefix cache).
