@@ -18,10 +18,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agents.request import GenerateRequest
+from agents.wire.request import GenerateRequest
 from disagg.errors import DisaggError, UsageError
 from disagg.serving.defaultmodel import Say, resolve_model
-from disagg.serving.localagents import AgentProc, make_token_file, start_local_agents
+from disagg.serving.localagents import (
+    AgentProc,
+    make_token_file,
+    start_local_agents,
+    stop_agents,
+)
 from disagg.serving.metrics import Metrics
 from disagg.serving.request import build_request
 from disagg.serving.router import Endpoint, Route, Router, StopGeneration
@@ -114,8 +119,7 @@ class Client:
                     )
                 )
         except BaseException:
-            for agent in agents:
-                agent.stop()
+            stop_agents(agents)
             raise
         client = cls(router=Router(pipelines, token=token))
         client.agents = agents
@@ -123,8 +127,7 @@ class Client:
         return client
 
     def close(self) -> None:
-        for agent in reversed(self.agents):
-            agent.stop()
+        stop_agents(self.agents)  # all at once: each drains, then exits
         self.agents = []
 
     def __enter__(self) -> Client:

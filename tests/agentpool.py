@@ -17,18 +17,16 @@ from __future__ import annotations
 
 import contextvars
 import os
-import signal
-import subprocess
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager, suppress
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from disagg.serving import localagents
-from disagg.serving.localagents import AgentProc, make_token_file
+from disagg.serving.localagents import AgentProc, make_token_file, stop_agents
 
 # Idle pooled sets may hold this much resident memory (the box has 24 GiB, shared).
 IDLE_BUDGET_BYTES = int(float(os.environ.get("DISAGG_TEST_POOL_GB", "6")) * (1 << 30))
@@ -113,26 +111,6 @@ class AgentSet:
         return total
 
 
-def stop_all(agents: Iterable[AgentProc], grace_s: float = 10.0) -> None:
-    """SIGTERM every agent, then wait for all of them together (a straggler is
-    killed at the shared deadline): n agents stop in the time of the slowest."""
-    todo = [a for a in agents if not a._stopped]
-    for agent in todo:
-        agent._stopped = True
-        if agent.proc.poll() is None:
-            with suppress(ProcessLookupError):
-                agent.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for agent in todo:
-        try:
-            agent.proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            agent.proc.kill()
-            agent.proc.wait()
-        if agent.proc.stdout:
-            agent.proc.stdout.close()
-
-
 class PoolError(RuntimeError):
     """A pooled agent died: some test stopped or killed a shared agent."""
 
@@ -181,7 +159,7 @@ class AgentPool:
             dead = [a for a in found.agents if not a.alive()]
             if dead:
                 del self.sets[key]
-                stop_all(found.agents)
+                stop_agents(found.agents)
                 raise PoolError(
                     f"pooled agent {dead[0].name} ({key.describe()}) exited with "
                     f"{dead[0].proc.returncode}; log {dead[0].log_path}. A test that "
@@ -224,11 +202,11 @@ class AgentPool:
             oldest = idle.pop(0)
             held -= oldest.rss_bytes()
             del self.sets[oldest.key]
-            stop_all(oldest.agents)
+            stop_agents(oldest.agents)
             count_start("evicted")
 
     def close(self) -> None:
-        stop_all([a for s in self.sets.values() for a in s.agents])
+        stop_agents([a for s in self.sets.values() for a in s.agents])
         self.sets.clear()
 
 

@@ -22,8 +22,8 @@ import pytest
 
 from disagg.serving import wireclient as client
 from disagg.serving.defaultmodel import ensure_default_model
-from disagg.serving.localagents import AgentProc, free_port, spawn_agent
-from tests.agentpool import STARTS, AgentPool, AgentSet, count_start, key_for, stop_all
+from disagg.serving.localagents import AgentProc, free_port, spawn_agent, stop_agents
+from tests.agentpool import STARTS, AgentPool, AgentSet, count_start, key_for
 from tests.gateways import Gateways
 from tests.tinymodels import PROMPT, tiny_checkpoint
 
@@ -161,7 +161,7 @@ class Agents:
         return self.set(model, **kw).pair
 
     def close(self) -> None:
-        stop_all([a for s in self.own for a in s.agents])
+        stop_agents([a for s in self.own for a in s.agents])
         for leased in self.leased:
             self.pool.release(leased)
         self.own, self.leased = [], []

@@ -21,7 +21,7 @@ from pathlib import Path
 import uvicorn
 
 from disagg.api import Client
-from disagg.frontends.gateway import create_app
+from disagg.frontends.app import create_app
 from disagg.frontends.limits import (
     Admission,
     Limits,

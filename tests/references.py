@@ -74,7 +74,7 @@ class References:
         """mlx-lm's own `load` (no adapter of ours): the model and its tokenizer."""
         from mlx_lm import load
 
-        return self._get(("mlx", str(path)), lambda: tuple(load(str(path))[:2]))  # type: ignore[no-any-return]
+        return self._get(("mlx", str(path)), lambda: tuple(load(str(path))[:2]))
 
     def mlx(self, path: str | Path) -> Any:
         """mlx-lm's own `load`: the model."""
@@ -82,13 +82,13 @@ class References:
 
     def decode_engine(self, path: str | Path, dtype: str = "auto") -> Any:
         """Our DecodeEngine (mlx-lm with our adapter's config)."""
-        from agents.decode import DecodeEngine
+        from agents.decode.agent import DecodeEngine
 
         return self._get(("decode", str(path), dtype), lambda: DecodeEngine(str(path), dtype=dtype))
 
     def prefill_engine(self, path: str | Path, dtype: str = "auto") -> Any:
         """Our PrefillEngine on the CPU."""
-        from agents.prefill import PrefillEngine
+        from agents.prefill.agent import PrefillEngine
 
         return self._get(
             ("prefill", str(path), dtype),

@@ -20,8 +20,8 @@ import jsonschema
 import numpy as np
 import pytest
 
-from agents.grammar import Grammars, Matcher
-from agents.request import GenerateRequest, RequestError
+from agents.decode.grammar import Grammars, Matcher
+from agents.wire.request import GenerateRequest, RequestError
 
 GRADER = {
     "type": "object",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from agents.placement import Placement
+from agents.decode.placement import Placement
 from tests.conftest import PairFactory, ask
 from tests.test_auth import Recorder
 
