@@ -31,7 +31,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # Fixtures that start processes (agents, `disagg serve`, a Python): a test using
 # any of them, directly or through another fixture, is marked `slow`.
-PROCESS_FIXTURES = {"agent_pool", "spawn", "spawn_module", "serve_process", "python_process"}
+PROCESS_FIXTURES = {
+    "agent_pool",
+    "spawn",
+    "spawn_module",
+    "serve_process",
+    "python_process",
+    "testbed",
+}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

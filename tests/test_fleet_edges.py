@@ -340,6 +340,7 @@ def test_reused_pid_is_never_signalled(tmp_path: Path, kind: str) -> None:
         assert not Path(paths.pid).exists()
 
 
+@pytest.mark.slow  # starts a Python (one that sleeps, as an agent's stand-in)
 def test_pid_of_the_agent_is_stopped(tmp_path: Path) -> None:
     paths = service.AgentPaths(str(agent_root(tmp_path)), "decode")
     code = "import time; time.sleep(60)"
