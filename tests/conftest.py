@@ -527,3 +527,31 @@ def cli_local(
         yield _runner(monkeypatch, tmp_path)
     finally:
         agents.close()
+
+
+@pytest.fixture
+def pooled_bench_pairs(
+    monkeypatch: pytest.MonkeyPatch, agent_pair: Agents
+) -> Iterator[None]:
+    """The benches' local agent pairs from the pool (they measure agents, not their
+    start): `local_pair` and `start_local_pair` hand out a pooled pair of the model,
+    and stopping it leaves it running."""
+    from contextlib import contextmanager
+
+    import disagg.bench.common
+    import disagg.bench.core
+    from disagg.serving import localagents
+
+    def pair(model_dir: Path, **_: Any) -> tuple[AgentProc, AgentProc]:
+        return agent_pair(Path(model_dir))
+
+    @contextmanager
+    def local_pair(model_dir: Path, say: Any) -> Iterator[tuple[AgentProc, AgentProc]]:
+        say("starting prefill and decode agents (pooled)")
+        yield pair(model_dir)
+
+    for module in (disagg.bench.common, disagg.bench.core):
+        monkeypatch.setattr(module, "local_pair", local_pair)
+    monkeypatch.setattr(localagents, "start_local_pair", pair)
+    monkeypatch.setattr(localagents, "stop_agents", lambda *_a, **_k: None)
+    yield

@@ -1,4 +1,4 @@
-"""Fleet edges (issue 13): known_hosts as OpenSSH reads and writes it, checked against a
+"""Fleet edges: known_hosts as OpenSSH reads and writes it, checked against a
 real paramiko sshd on port 0; unit and plist text for any path; the run script's
 arguments as the agent receives them; pidfiles whose pid was reused never signalled,
 run through the same shell text the fleet sends to a host."""

@@ -1,8 +1,8 @@
-"""Issue 20 at a real gateway: `disagg serve --local` as a process, started under
-a 64-file soft limit as the review's was, with two API keys (two tenants).
-Cross-tenant prefix-cache probes, metrics internals, 200 silent sockets and a
-header trickler, a body in 1-byte pieces, and the key checks. Figures are
-printed for docs/reliability.md."""
+"""A security review's findings at a real gateway: `disagg serve --local` as a process
+(the process itself is under test), started under a 64-file soft limit as the review's
+was, with two API keys (two tenants). Cross-tenant prefix-cache probes, metrics
+internals, 200 silent sockets and a header trickler, a body in 1-byte pieces, and the
+key checks. Figures are printed for docs/reliability.md."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""Issue 20 at live agents (tiny model, token, 127.0.0.0/8): prefix-cache tenants
-kept apart by the salt on both agents; a bit flipped on the path in a K/V frame
-(a relay between the agents) refused before anything is placed or cached;
-strangers filling the unauthenticated pool while the cluster's own connections
-still get in; hostile safetensors headers answered with one line; an agent's
-ERROR text with escapes and markup shown as plain text by the CLI. Figures
-are printed for docs/reliability.md."""
+"""A security review's findings at live agents (tiny model, token, 127.0.0.0/8):
+prefix-cache tenants kept apart by the salt on both agents; a bit flipped on the path
+in a K/V frame (a relay between the agents) refused before anything is placed or
+cached; strangers filling the unauthenticated pool while the cluster's own connections
+still get in; hostile safetensors headers answered with one line; an agent's ERROR
+text with escapes and markup shown as plain text by the CLI. Figures are printed for
+docs/reliability.md."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The prefix cache under load (issue 18, items 8 and 9), with real agents:
+"""The prefix cache under load, with real agents:
 
 - its memory stays within `--prefix-cache-mb` at every moment, concurrent
   stores included, and one request adds at most a quarter of it;

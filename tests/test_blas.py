@@ -1,4 +1,6 @@
-"""mlx's matmuls run on numpy's OpenBLAS when nothing else is installed (issue 18, item 4).
+"""mlx's matmuls run on numpy's OpenBLAS when nothing else is installed: the Linux
+mlx wheel's own reference BLAS makes a batched decode step cost as much as each
+request alone (agents/runtime/fastblas.py).
 
 Each case runs in a fresh Python (the shim binds once per process, before mlx loads):
 it imports agents.runtime.fastblas, then mlx, multiplies non-square, transposed and batched
