@@ -11,6 +11,7 @@ difference: each framework must compute the same function from these files.
 from __future__ import annotations
 
 import hashlib
+import json
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -187,5 +188,10 @@ def tiny_checkpoint(arch: str, seed: int = 0, **config: Any) -> Path:
     every session (an agent set is keyed by this path)."""
     from disagg.bench.quantize import publish
 
-    name = f"{arch}-{seed}" + "".join(f"-{k}={config[k]}" for k in sorted(config))
+    def part(value: Any) -> str:
+        if isinstance(value, str | int | float | bool):
+            return str(value)
+        return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:12]
+
+    name = f"{arch}-{seed}" + "".join(f"-{k}={part(config[k])}" for k in sorted(config))
     return publish(lambda d: make_tiny(arch, d, seed=seed, **config), _tiny_cache() / name)
