@@ -191,7 +191,17 @@ class AgentPool:
         agent_set.used_at = time.monotonic()
 
     def fresh(self, key: SetKey, log_dir: Path, token_file: Path | None = None) -> AgentSet:
-        """A set of the caller's own (its own token unless given): the caller stops it."""
+        """A set of the caller's own (its own token unless given): the caller stops it.
+        An idle pooled set of the same configuration is handed over instead of starting
+        one (its token is the pool's): a start now, or maybe one later if it is asked for
+        again, never worse."""
+        idle = self.sets.get(key)
+        if token_file is None and idle is not None and idle.leases <= 0 and all(
+            a.alive() for a in idle.agents
+        ):
+            del self.sets[key]
+            count_start("taken over")
+            return idle
         with starting("fresh"):
             return self._start(key, log_dir, token_file)
 

@@ -48,12 +48,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    started = {k: v for k, v in STARTS.items() if k != "evicted"}
+    started = {k: v for k, v in STARTS.items() if k not in ("evicted", "taken over")}
     if not started:
         return
     parts = ", ".join(f"{k} {v}" for k, v in sorted(started.items()))
-    evicted = f"; {STARTS['evicted']} idle pooled sets stopped early" if STARTS["evicted"] else ""
-    terminalreporter.write_line(f"agent-set starts: {sum(started.values())} ({parts}){evicted}")
+    notes = [f"{STARTS[k]} {k}" for k in ("evicted", "taken over") if STARTS[k]]
+    more = f"; pooled sets {', '.join(notes)}" if notes else ""
+    terminalreporter.write_line(f"agent-set starts: {sum(started.values())} ({parts}){more}")
 
 
 @pytest.fixture(autouse=True)
@@ -530,9 +531,7 @@ def cli_local(
 
 
 @pytest.fixture
-def pooled_bench_pairs(
-    monkeypatch: pytest.MonkeyPatch, agent_pair: Agents
-) -> Iterator[None]:
+def pooled_bench_pairs(monkeypatch: pytest.MonkeyPatch, agent_pair: Agents) -> Iterator[None]:
     """The benches' local agent pairs from the pool (they measure agents, not their
     start): `local_pair` and `start_local_pair` hand out a pooled pair of the model,
     and stopping it leaves it running."""

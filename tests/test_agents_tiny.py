@@ -3,7 +3,6 @@ sliding-window architectures, and what happens when two agents disagree."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +11,7 @@ import pytest
 from disagg.errors import ModelMismatch
 from disagg.serving.localagents import AgentProc
 from tests.conftest import PairFactory, ask, remote_request
-from tests.tinymodels import PROMPT
+from tests.tinymodels import PROMPT, shared_tiny
 
 from .references import hf_greedy, mlx_greedy
 
@@ -23,13 +22,11 @@ WINDOW = 8
 
 
 @pytest.fixture(scope="module")
-def tiny(
-    tiny_model: Callable[..., Path], agent_pair: PairFactory
-) -> dict[str, tuple[Path, AgentProc, AgentProc]]:
+def tiny(agent_pair: PairFactory) -> dict[str, tuple[Path, AgentProc, AgentProc]]:
     # Pooled sets are one cluster (one token): the mismatch test crosses pairs.
     out: dict[str, tuple[Path, AgentProc, AgentProc]] = {}
     for arch in ("gpt_oss", "qwen3_moe"):
-        path = tiny_model(arch, seed=1)  # gpt_oss: sliding window WINDOW
+        path = shared_tiny(arch)  # gpt_oss: sliding window WINDOW
         out[arch] = (path, *agent_pair(path))
     return out
 

@@ -24,14 +24,14 @@ from disagg.errors import AuthError
 from disagg.serving import wireclient as client
 from disagg.serving.localagents import AgentProc, wait_ready
 from tests.conftest import LocalServer, PairFactory, Spawn, ask, log_since, log_size
-from tests.tinymodels import PROMPT
+from tests.tinymodels import PROMPT, shared_tiny
 
 pytestmark = [pytest.mark.auth, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tiny_model: Callable[..., Path]) -> Path:
-    return tiny_model("llama", seed=3)
+    return shared_tiny("llama")
 
 
 @pytest.fixture(scope="module")

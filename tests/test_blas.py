@@ -33,6 +33,7 @@ from rich.console import Console
 from disagg.cli.render_fleet import status_table
 from disagg.fleet.operations import AgentStatus
 from tests.conftest import PairFactory, PythonProcess
+from tests.tinymodels import shared_tiny
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the shim is for Linux")
 
@@ -43,6 +44,7 @@ import json, sys
 import numpy as np
 import agents.runtime.fastblas as fastblas
 import mlx.core as mx
+from tests.tinymodels import shared_tiny
 
 rng = np.random.default_rng(7)
 MX = {np.float32: mx.float32, np.float64: mx.float64, np.complex64: mx.complex64}
@@ -229,7 +231,7 @@ def test_openblas_num_threads_is_respected(python_process: PythonProcess) -> Non
 def test_status_says_which_blas_the_decode_agent_runs(agent_pair: PairFactory) -> None:
     if os.environ.get("DISAGG_BLAS", "auto") != "auto":
         pytest.skip("DISAGG_BLAS is set in this environment: the agent follows it")
-    _, decode = agent_pair("llama", seed=3)
+    _, decode = agent_pair(shared_tiny("llama"))
     st = decode.status()
     assert st["blas"] == f"openblas (numpy): {_numpy_openblas()}"
     row = AgentStatus("localhost", "decode", "healthy", f"127.0.0.1:{decode.port}", st)
@@ -285,7 +287,7 @@ def test_a_local_pair_gives_up_blas_threads_while_it_prefills(agent_pair: Any) -
     full, half = os.cpu_count() or 2, max(1, (os.cpu_count() or 2) // 2)
     if "OPENBLAS_NUM_THREADS" in os.environ or half == full:
         pytest.skip("the user fixed OpenBLAS's threads, or one core: nothing to share")
-    prefill, decode = agent_pair("qwen3", seed=9, prefill_args=["--fault-layer-delay", "0.4"])
+    prefill, decode = agent_pair(shared_tiny("qwen3"), prefill_args=["--fault-layer-delay", "0.4"])
     if not decode.status()["blas"].startswith("openblas"):
         pytest.skip("no OpenBLAS bound here: mlx's own BLAS has no thread count")
     assert decode.status()["blas_threads"] == full
@@ -344,7 +346,7 @@ def test_a_local_prefill_gives_up_torch_threads_while_its_requester_decodes(
     full = torch.get_num_threads()  # torch's default here is the agent's too
     if full <= half:
         pytest.skip(f"torch runs on {full} threads already: nothing to give up")
-    prefill, decode = agent_pair("qwen3", seed=9)
+    prefill, decode = agent_pair(shared_tiny("qwen3"))
     alone = ask(decode, remote_request(prefill))
     assert alone.metrics["prefill_threads"] == full, alone.metrics
     box: dict[str, Any] = {}

@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 from disagg.errors import UsageError
 from tests.chattokenizers import HARMONY_SPECIALS
 from tests.conftest import PairFactory, ask
+from tests.tinymodels import shared_tiny
 
 pytestmark = pytest.mark.slow
 
@@ -77,7 +78,7 @@ def test_fim_prompt_from_the_tokenizer(
 
 
 def test_refusals_name_the_field_and_the_agent_stays_healthy(agent_pair: PairFactory) -> None:
-    _, decode = agent_pair("llama", seed=3)  # its tokenizer: no FIM tokens, no chat template
+    _, decode = agent_pair(shared_tiny("llama"))  # no FIM tokens, no chat template
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
     with pytest.raises(UsageError, match="suffix: .*no fill-in-the-middle tokens"):
         ask(decode, {"prompt": "def f():", "suffix": "\n", "max_tokens": 2})

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import Cli, DisaggProcess
+from tests.tinymodels import shared_tiny
 
 
 def one_error_line(proc: Any, *needles: str) -> None:
@@ -117,7 +118,7 @@ def test_unsupported_architecture_is_one_clear_line(cli: Cli, tmp_path: Path) ->
 
 @pytest.fixture(scope="module")
 def two_tiny(tiny_model: Any) -> tuple[Path, Path]:
-    return tiny_model("qwen3_moe", seed=1), tiny_model("gpt_oss", seed=1)
+    return shared_tiny("qwen3_moe"), shared_tiny("gpt_oss")
 
 
 def test_two_models_at_once(two_tiny: tuple[Path, Path], cli_local: Cli) -> None:

@@ -30,7 +30,7 @@ from disagg.serving.router import Endpoint, Route, Router
 from tests.agentpool import AgentSet
 from tests.conftest import PairFactory
 from tests.gateways import Gateway, Gateways
-from tests.tinymodels import PROMPT
+from tests.tinymodels import PROMPT, shared_tiny
 
 pytestmark = pytest.mark.slow
 
@@ -44,8 +44,7 @@ LONG = GenerateRequest(prompt=PROMPT, raw=True, max_tokens=3000, ignore_eos=True
 def cluster(agent_pair: PairFactory) -> tuple[AgentProc, list[AgentProc]]:
     """A slow prefill agent and two decode agents of one batch slot each."""
     agents = agent_pair.set(
-        "gpt_oss",
-        seed=1,
+        shared_tiny("gpt_oss"),
         n_decode=2,
         prefill_args=["--fault-layer-delay", str(LAYER_DELAY_S)],
         decode_args=["--max-batch", "1"],

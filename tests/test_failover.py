@@ -8,7 +8,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ from disagg.errors import AgentError
 from disagg.serving.localagents import AgentProc
 from disagg.serving.router import Endpoint, Route, Router
 from tests.conftest import PairFactory, ask, remote_request
-from tests.tinymodels import PROMPT
+from tests.tinymodels import PROMPT, shared_tiny
 
 pytestmark = pytest.mark.slow
 
@@ -27,8 +26,8 @@ LAYER_DELAY_S = 0.5  # stretches the tiny model's 4-layer KV stream to ~1.5 s
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tiny_model: Callable[..., Path]) -> Path:
-    return tiny_model("gpt_oss", seed=2)
+def tiny_dir() -> Path:
+    return shared_tiny("gpt_oss")
 
 
 def in_flight(agent: AgentProc) -> int:
@@ -78,10 +77,24 @@ def test_prefill_killed_mid_kv_stream_falls_back_with_the_same_text(
     assert time.monotonic() - t0 < 60
 
 
-@pytest.fixture
-def decoders(tiny_dir: Path, fresh_agents: PairFactory) -> tuple[AgentProc, list[AgentProc]]:
-    agents = fresh_agents.set(tiny_dir, n_decode=2)
+@pytest.fixture(scope="module")
+def killable(tiny_dir: Path, agent_pair: PairFactory) -> tuple[AgentProc, list[AgentProc]]:
+    """A prefill agent and three decode agents of this module's own: each test below
+    kills decode agents of its own share (the first; the other two), in any order."""
+    agents = agent_pair.set(tiny_dir, n_decode=3, fresh=True)
     return agents.prefill, agents.decodes
+
+
+@pytest.fixture
+def lone_decode(killable: tuple[AgentProc, list[AgentProc]]) -> tuple[AgentProc, AgentProc]:
+    prefill, decodes = killable
+    return prefill, decodes[0]
+
+
+@pytest.fixture
+def decoders(killable: tuple[AgentProc, list[AgentProc]]) -> tuple[AgentProc, list[AgentProc]]:
+    prefill, decodes = killable
+    return prefill, decodes[1:]
 
 
 LONG_DECODE = GenerateRequest(
@@ -90,9 +103,9 @@ LONG_DECODE = GenerateRequest(
 
 
 def test_decode_killed_alone_is_a_clear_error_within_the_timeout(
-    decoders: tuple[AgentProc, list[AgentProc]],
+    lone_decode: tuple[AgentProc, AgentProc],
 ) -> None:
-    prefill, (decode, _) = decoders
+    prefill, decode = lone_decode
     router = Router(
         [Route("tiny", [endpoint(prefill)], [endpoint(decode)], decode_timeout_s=30)],
         token=prefill.token,

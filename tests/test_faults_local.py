@@ -20,13 +20,14 @@ from disagg.errors import UsageError
 from disagg.serving import wireclient as client
 from disagg.serving.localagents import AgentProc
 from tests.conftest import PairFactory, ask, log_since, log_size, remote_request
+from tests.tinymodels import shared_tiny
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def agents(agent_pair: PairFactory) -> tuple[AgentProc, AgentProc]:
-    return agent_pair("gpt_oss", seed=1)
+    return agent_pair(shared_tiny("gpt_oss"))
 
 
 def usage(agent: AgentProc) -> dict[str, int]:

@@ -22,6 +22,7 @@ import pytest
 
 from agents.decode.grammar import Grammars, Matcher
 from agents.wire.request import GenerateRequest, RequestError
+from tests.tinymodels import shared_tiny
 
 GRADER = {
     "type": "object",
@@ -339,7 +340,7 @@ def test_a_schema_compiles_once(grammars: Grammars) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_pair(agent_pair: Any) -> Any:
-    return agent_pair("llama", seed=3)
+    return agent_pair(shared_tiny("llama"))
 
 
 def _ask(pair: Any, schema: Any, placement: str, i: int = 0, **kw: Any) -> Any:

@@ -37,6 +37,7 @@ from disagg.fleet.operations import _http_status
 from disagg.serving.localagents import AgentProc, make_token_file, wait_ready
 from tests.conftest import LocalServer, PairFactory, Spawn, ask, log_since, log_size, remote_request
 from tests.test_auth import Recorder
+from tests.tinymodels import shared_tiny
 
 pytestmark = [pytest.mark.fault, pytest.mark.auth, pytest.mark.slow]
 
@@ -46,7 +47,7 @@ PER_PEER = 8  # their --max-preauth-per-peer
 
 @pytest.fixture(scope="module")
 def model(tiny_model: Callable[..., Path]) -> Path:
-    return tiny_model("llama", seed=3)
+    return shared_tiny("llama")
 
 
 @pytest.fixture(scope="module")

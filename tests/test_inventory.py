@@ -157,9 +157,7 @@ def test_unreadable_inventory(tmp_path: Path, cli: Cli, kind: str) -> None:
     assert str(path) in lines[0] and "fix:" in lines[0]
 
 
-def test_env_var_names_the_file(
-    tmp_path: Path, cli: Cli, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_env_var_names_the_file(tmp_path: Path, cli: Cli, monkeypatch: pytest.MonkeyPatch) -> None:
     env_path = tmp_path / "from-env.toml"
     monkeypatch.chdir(REPO)  # where an inventory.toml lies: the variable wins over it
     proc = cli("status", env={"DISAGG_INVENTORY": str(env_path)})

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ServeProcess
+from tests.tinymodels import shared_tiny
 
 pytestmark = [pytest.mark.slow, pytest.mark.fault]
 
@@ -57,7 +58,7 @@ def test_agents_die_with_serve(
     serve_process: ServeProcess,
     sig: signal.Signals,
 ) -> None:
-    model = tiny_model("qwen3", seed=9)
+    model = shared_tiny("qwen3")
     proc, agents = start_with_agents(serve_process, model, tmp_path / "serve.log")
     try:
         proc.send_signal(sig)

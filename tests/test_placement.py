@@ -7,6 +7,7 @@ import re
 from agents.decode.placement import Placement
 from tests.conftest import PairFactory, ask
 from tests.test_auth import Recorder
+from tests.tinymodels import shared_tiny
 
 FETCH = {
     "prefill_time": 0.5,
@@ -41,7 +42,7 @@ def test_tiny_prompts_stay_local_when_local_is_measured_faster() -> None:
 
 
 def test_agents_choose_from_their_own_measurements(agent_pair: PairFactory) -> None:
-    prefill, decode = agent_pair("qwen3_moe", seed=1)
+    prefill, decode = agent_pair(shared_tiny("qwen3_moe"))
     # The shared decode agent has measured this prefill agent before: a relay in front
     # of it is a prefill address it has never seen (its estimates are per address).
     relay = Recorder((prefill.host, prefill.port))

@@ -17,7 +17,7 @@ from disagg.serving.wireclient import Result
 from tests.agentpool import AgentSet
 from tests.conftest import PairFactory, Spawn, ask
 from tests.gateways import Gateway, Gateways
-from tests.tinymodels import PROMPT
+from tests.tinymodels import PROMPT, shared_tiny
 
 pytestmark = pytest.mark.slow
 
@@ -106,13 +106,9 @@ def test_smollm2_second_request_hits_and_matches(
     assert status(prefill)["prefix_cache"]["hits"] >= 1
 
 
-# The session's tiny checkpoint of each architecture (gpt_oss: sliding window WINDOW).
-SEEDS = {"llama": 3, "qwen3": 9, "qwen3_moe": 1, "gpt_oss": 1}
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "gpt_oss"])
 def test_tiny_archs_hit_and_match(agent_pair: PairFactory, arch: str) -> None:
-    prefill, decode = agent_pair(arch, seed=SEEDS[arch])
+    prefill, decode = agent_pair(shared_tiny(arch))  # gpt_oss: sliding window WINDOW
     shared = long_text(arch)
     window = WINDOW if arch == "gpt_oss" else 0
     off, _ = check_hit(
@@ -165,7 +161,7 @@ def test_restarted_prefill_agent_answers_identically(
     fresh_agents: PairFactory, spawn: Spawn, tmp_path: Path
 ) -> None:
     token_file, _ = make_token_file(tmp_path / "cluster")
-    prefill, decode = fresh_agents("qwen3", seed=9, token_file=token_file)
+    prefill, decode = fresh_agents(shared_tiny("qwen3"), token_file=token_file)
     shared = long_text("Restart")
     off = ask(decode, base(prompt=shared + " two", prefix_cache=False), prefill=prefill)
     ask(decode, base(prompt=shared + " one"), prefill=prefill)

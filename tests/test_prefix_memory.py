@@ -25,7 +25,7 @@ from agents.prefix.store import Block, PrefixCache, block_keys
 from disagg.serving.localagents import AgentProc
 from tests.conftest import PairFactory, ask
 from tests.references import hf_greedy, mlx_greedy
-from tests.tinymodels import PROMPT
+from tests.tinymodels import PROMPT, shared_tiny
 
 N_NEW = 16
 WINDOW = 8
@@ -118,7 +118,9 @@ def test_decode_store_stays_in_budget_under_concurrent_requests(
 def slow_pair(fresh_agents: PairFactory) -> tuple[AgentProc, AgentProc, Path]:
     """A llama pair whose prefill agent takes 1.5 s per layer (4 layers): the test
     kills it."""
-    prefill, decode = fresh_agents("llama", seed=3, prefill_args=["--fault-layer-delay", "1.5"])
+    prefill, decode = fresh_agents(
+        shared_tiny("llama"), prefill_args=["--fault-layer-delay", "1.5"]
+    )
     return prefill, decode, Path(json.loads(decode.control("/status"))["model"])
 
 
@@ -157,7 +159,7 @@ def test_prefill_dying_mid_stream_after_a_prefix_hit_falls_back_to_mlx_tokens(
 
 @pytest.fixture(scope="module")
 def gpt_oss(agent_pair: PairFactory) -> tuple[AgentProc, AgentProc, Path]:
-    prefill, decode = agent_pair("gpt_oss", seed=1)  # sliding window WINDOW
+    prefill, decode = agent_pair(shared_tiny("gpt_oss"))  # sliding window WINDOW
     return prefill, decode, Path(json.loads(decode.control("/status"))["model"])
 
 

@@ -33,7 +33,7 @@ from agents.prefix.store import Block, Owner, PrefixCache, block_keys
 from disagg.serving.localagents import AgentProc
 from tests.conftest import PairFactory, ask
 from tests.references import mlx_greedy
-from tests.tinymodels import PROMPT
+from tests.tinymodels import PROMPT, shared_tiny
 
 N_NEW = 16
 NS = "local"
@@ -49,7 +49,7 @@ def words(n: int, tag: str = "") -> str:
 
 @pytest.fixture(scope="module")
 def engine(tiny_model: Callable[..., Path], refs: Any) -> DecodeEngine:
-    engine: DecodeEngine = refs.decode_engine(tiny_model("llama", seed=3))
+    engine: DecodeEngine = refs.decode_engine(shared_tiny("llama"))
     return engine
 
 
@@ -294,7 +294,7 @@ def cache_status(agent: AgentProc) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def pair(agent_pair: PairFactory) -> tuple[AgentProc, AgentProc, Path]:
-    prefill, decode = agent_pair("llama", seed=3)
+    prefill, decode = agent_pair(shared_tiny("llama"))
     return prefill, decode, Path(json.loads(decode.control("/status"))["model"])
 
 

@@ -37,6 +37,7 @@ from tests.conftest import (
     log_size,
     remote_request,
 )
+from tests.tinymodels import shared_tiny
 
 pytestmark = [pytest.mark.fault, pytest.mark.auth, pytest.mark.slow]
 
@@ -47,7 +48,7 @@ LONG = " ".join(["The vault code of the north tower is 4711 and nobody else may 
 
 @pytest.fixture(scope="module")
 def model(tiny_model: Callable[..., Path]) -> Path:
-    return tiny_model("llama", seed=3)
+    return shared_tiny("llama")
 
 
 @pytest.fixture(scope="module")

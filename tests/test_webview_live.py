@@ -29,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.agentpool import AgentSet
 from tests.conftest import PairFactory, free_port
 from tests.gateways import Gateways, client_over, start_gateway
+from tests.tinymodels import shared_tiny
 
 pytestmark = pytest.mark.slow
 
@@ -359,7 +360,7 @@ def test_screenshots_for_the_docs(served: Any, browser: Any) -> None:
 @needs_browser
 def test_a_dead_agent_turns_red_within_seconds(browser: Any, fresh_agents: PairFactory) -> None:
     # Agents and a gateway of its own: it kills the decode agent.
-    agents = fresh_agents.set("llama", seed=3)
+    agents = fresh_agents.set(shared_tiny("llama"))
     gw = start_gateway(client_over({"tiny": agents}, agents.prefill.token or b""))
     try:
         _turns_red(agents.decodes[0].proc.pid, gw.url, browser)

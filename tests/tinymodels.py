@@ -195,3 +195,21 @@ def tiny_checkpoint(arch: str, seed: int = 0, **config: Any) -> Path:
 
     name = f"{arch}-{seed}" + "".join(f"-{k}={part(config[k])}" for k in sorted(config))
     return publish(lambda d: make_tiny(arch, d, seed=seed, **config), _tiny_cache() / name)
+
+
+# The tiny checkpoint of each architecture that tests share, and with it their
+# pooled agent set: (seed, config). llama keeps a plain tokenizer (no chat template,
+# no FIM tokens: the refusal tests want that); qwen3 and gpt_oss speak their real
+# chat formats, so the format tests and the rest share one set each.
+SHARED: dict[str, tuple[int, dict[str, Any]]] = {
+    "llama": (3, {}),
+    "qwen3": (0, {"chat": "qwen3"}),
+    "qwen3_moe": (1, {}),
+    "gpt_oss": (0, {"chat": "harmony"}),  # sliding window 8
+}
+
+
+def shared_tiny(arch: str) -> Path:
+    """The architecture's shared tiny checkpoint (SHARED)."""
+    seed, config = SHARED[arch]
+    return tiny_checkpoint(arch, seed, **config)
