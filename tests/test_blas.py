@@ -99,7 +99,7 @@ def _numpy_openblas() -> str:
 def _system_openblas_files(python: PythonProcess) -> list[str]:
     """Every system OpenBLAS file the shim could find, resolved through symlinks."""
     listed = python(
-        "-c", "from agents import fastblas; print(*fastblas.SYSTEM_PATHS)",
+        "-c", "from agents.runtime import fastblas; print(*fastblas.SYSTEM_PATHS)",
         env={**os.environ, "DISAGG_BLAS": "bundled"}, check=True, cwd=ROOT, timeout=120,
     ).stdout.split()  # fmt: skip
     ldconfig = shutil.which("ldconfig") or "/sbin/ldconfig"
