@@ -125,10 +125,12 @@ class AgentPool:
         root: Path,
         budget_bytes: int = IDLE_BUDGET_BYTES,
         widths: dict[Path, int] | None = None,
+        pinned: set[SetKey] | None = None,
     ) -> None:
         self.root = root
         self.budget_bytes = budget_bytes
         self.widths = {m.resolve(): n for m, n in (widths or {}).items()}
+        self.pinned = pinned or set()  # never stopped to make room
         self.token_file, self.token = make_token_file(root / "cluster")
         self.sets: dict[SetKey, AgentSet] = {}
         self.started = 0
@@ -163,7 +165,8 @@ class AgentPool:
                 raise PoolError(
                     f"pooled agent {dead[0].name} ({key.describe()}) exited with "
                     f"{dead[0].proc.returncode}; log {dead[0].log_path}. A test that "
-                    "stops, kills or drains an agent must ask for a fresh set (fresh=True)."
+                    "stops, kills or drains an agent must ask for a fresh set (fresh=True); "
+                    "the next test that asks for this set gets a new one."
                 )
         else:
             self._make_room()
@@ -196,8 +199,11 @@ class AgentPool:
         one (its token is the pool's): a start now, or maybe one later if it is asked for
         again, never worse."""
         idle = self.sets.get(key)
-        if token_file is None and idle is not None and idle.leases <= 0 and all(
-            a.alive() for a in idle.agents
+        if (
+            token_file is None
+            and idle is not None
+            and idle.leases <= 0
+            and all(a.alive() for a in idle.agents)
         ):
             del self.sets[key]
             count_start("taken over")
@@ -206,7 +212,10 @@ class AgentPool:
             return self._start(key, log_dir, token_file)
 
     def _make_room(self) -> None:
-        idle = sorted((s for s in self.sets.values() if s.leases <= 0), key=lambda s: s.used_at)
+        idle = sorted(
+            (s for s in self.sets.values() if s.leases <= 0 and s.key not in self.pinned),
+            key=lambda s: s.used_at,
+        )
         held = sum(s.rss_bytes() for s in idle)
         while idle and held > self.budget_bytes:
             oldest = idle.pop(0)

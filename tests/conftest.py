@@ -107,7 +107,11 @@ def agent_pool(
 ) -> Iterator[AgentPool]:
     # The default model's sets have two decode agents: one set serves one-agent
     # tests and two-agent routers and gateways alike.
-    pool = AgentPool(tmp_path_factory.mktemp("pool"), widths={default_model: 2})
+    pool = AgentPool(
+        tmp_path_factory.mktemp("pool"),
+        widths={default_model: 2},
+        pinned={key_for(default_model, n_decode=2)},
+    )
     try:
         yield pool
     finally:
@@ -198,10 +202,12 @@ def fresh_agents(agent_pool: AgentPool, tmp_path: Path) -> Iterator[Agents]:
         agents.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def smol_set(agent_pool: AgentPool, default_model: Path) -> Iterator[AgentSet]:
     """The default model's pooled set: a prefill and two decode agents (most tests
-    use the first decode agent; a two-agent router or gateway uses both)."""
+    use the first decode agent; a two-agent router or gateway uses both). Never
+    stopped for memory (the pool pins it); leased per module, so a module finds
+    out at its start if an agent of it died."""
     leased = agent_pool.lease(key_for(default_model, n_decode=2))
     try:
         yield leased
@@ -209,7 +215,7 @@ def smol_set(agent_pool: AgentPool, default_model: Path) -> Iterator[AgentSet]:
         agent_pool.release(leased)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def smol_agents(smol_set: AgentSet) -> tuple[AgentProc, AgentProc]:
     return smol_set.pair
 
