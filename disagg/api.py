@@ -3,6 +3,9 @@
 from disagg import Client
 with Client.local() as c:
     print(c.generate(prompt="What is the capital of France?").text)
+
+`generate` returns a `Completion`; with stream=True it yields `Chunk`s, its pieces,
+the last one done and holding the whole Completion (disagg.serving.completion).
 """
 
 from __future__ import annotations
@@ -14,37 +17,19 @@ import tempfile
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agents.wire.answer import TokenEvent
 from agents.wire.request import GenerateRequest
 from disagg.errors import DisaggError, UsageError
+from disagg.serving.completion import Chunk, Completion
 from disagg.serving.defaultmodel import Say, resolve_model
 from disagg.serving.localagents import AgentProc, make_token_file, start_local_agents
 from disagg.serving.metrics import Metrics
 from disagg.serving.request import build_request
 from disagg.serving.router import Endpoint, Route, Router, StopGeneration
 from disagg.serving.stops import StopMatcher
-
-
-@dataclass
-class Completion:
-    text: str  # the answer: never the model's reasoning nor its tool-call markup
-    token_ids: list[int]
-    metrics: Metrics
-    finish_reason: str  # "stop" (EOS or a stop sequence), "length", or "tool_calls"
-    model: str
-    reasoning: str = ""  # the model's private reasoning (harmony analysis, <think>)
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # {"name", "arguments": {}}
-
-
-@dataclass
-class Chunk:
-    text: str  # answer text
-    done: bool = False
-    completion: Completion | None = None
-    reasoning: str = ""  # reasoning text, streamed apart from the answer
 
 
 class Client:
@@ -173,17 +158,17 @@ class Client:
         count = 0
         reasoning: list[str] = []
 
-        def on_token(tok: dict[str, Any]) -> None:
+        def on_token(tok: TokenEvent) -> None:
             nonlocal count
             if cancel is not None and cancel.is_set():
                 raise StopGeneration
-            count += tok.get("id") is not None
-            if tok.get("channel") == "reasoning":
-                if tok.get("text"):
-                    reasoning.append(tok["text"])
-                    emit(Chunk("", reasoning=tok["text"]))
+            count += tok.id is not None
+            if tok.is_reasoning:
+                if tok.text:
+                    reasoning.append(tok.text)
+                    emit(Chunk("", reasoning=tok.text))
                 return
-            text = matcher.feed(tok.get("text") or "")
+            text = matcher.feed(tok.text)
             if text:
                 emit(Chunk(text))
             if matcher.hit:
@@ -198,10 +183,12 @@ class Client:
         if tail:
             emit(Chunk(tail))
         m = result.metrics
-        reason = m.finish_reason or ("length" if m.completion_tokens == req.max_tokens else "stop")
-        return Completion(
-            result.text, result.token_ids, m, reason, model, result.reasoning, result.tool_calls
+        # An agent of an older release may leave finish_reason out.
+        result.finish_reason = m.finish_reason or (
+            "length" if m.completion_tokens == req.max_tokens else "stop"
         )
+        result.model = model
+        return result
 
     def _produce(
         self,

@@ -136,7 +136,7 @@ def test_decode_killed_with_a_sibling_is_rerouted_and_completes(
             r=router.run(
                 "tiny",
                 req,
-                on_token=lambda t: seen.append(t["id"]) if t.get("id") is not None else None,
+                on_token=lambda t: seen.append(t.id) if t.id is not None else None,
             )
         )
     )

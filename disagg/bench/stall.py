@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from agents.wire.answer import TokenEvent
 from disagg.bench.common import DECODE_PROMPT, Say, Stamp, local_pair, long_text, quiet
 from disagg.serving import wireclient as client
 from disagg.serving.localagents import AgentProc
@@ -46,8 +47,8 @@ def prefill_stall(
     going, stop = threading.Event(), threading.Event()
     failed: list[BaseException] = []
 
-    def on_token(ev: dict[str, Any]) -> None:
-        if ev.get("id") is not None:
+    def on_token(ev: TokenEvent) -> None:
+        if ev.id is not None:
             arrivals.append(time.time())
         if len(arrivals) >= 4:
             going.set()
@@ -111,8 +112,8 @@ def batch_gain(decode: AgentProc, n: int, tokens: int = 64) -> dict[str, Any]:
     def one() -> None:
         stamps: list[float] = []
 
-        def on_token(ev: dict[str, Any]) -> None:
-            if ev.get("id") is not None:
+        def on_token(ev: TokenEvent) -> None:
+            if ev.id is not None:
                 stamps.append(time.perf_counter())
 
         try:

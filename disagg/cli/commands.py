@@ -172,18 +172,24 @@ def _think(value: str) -> bool | str:
     raise UsageError(f"--think {value!r}: use on, off, low, medium or high")
 
 
-def _response_format(value: str) -> dict[str, Any]:
-    if value == "json":
-        return {"type": "json_object"}
-    path = Path(value)
+def _response_format(value: str) -> dict[str, Any] | None:
+    """--format: "json", or a JSON Schema file, through the request's one normalizer."""
+    from agents.wire.request import GenerateRequest, RequestError
+
+    raw: Any = value
+    if value != "json":
+        try:
+            raw = json.loads(Path(value).read_text())
+        except OSError as e:
+            why = f"use json, or a JSON Schema file ({e.strerror})"
+            raise UsageError(f"--format {value}: {why}") from None
+        except json.JSONDecodeError as e:
+            why = f"not valid JSON ({e.msg} at line {e.lineno})"
+            raise UsageError(f"--format {value}: {why}") from None
     try:
-        schema = json.loads(path.read_text())
-    except OSError as e:
-        why = f"use json, or a JSON Schema file ({e.strerror})"
-        raise UsageError(f"--format {value}: {why}") from None
-    except json.JSONDecodeError as e:
-        raise UsageError(f"--format {value}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    return {"type": "json_schema", "schema": schema, "strict": True}
+        return GenerateRequest.normalize_format(raw)
+    except RequestError as e:
+        raise UsageError(f"--format {value}: {e}", param=e.field) from None
 
 
 def _run_one(client: Any, name: str, request: Any, as_json: bool, hide_reasoning: bool) -> None:

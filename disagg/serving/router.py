@@ -17,8 +17,8 @@ import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
+from agents.wire.answer import TokenEvent
 from agents.wire.request import GenerateRequest, PrefillTarget
 from disagg.errors import (
     AgentError,
@@ -30,6 +30,7 @@ from disagg.errors import (
 )
 from disagg.serving import affinity
 from disagg.serving import wireclient as client
+from disagg.serving.completion import Completion
 
 DOWN_FOR_S = 5.0  # a failed agent is skipped this long before it is probed again
 HEALTH_TTL_S = 2.0
@@ -165,9 +166,9 @@ class Router:
         self,
         model: str | None,
         request: GenerateRequest,
-        on_token: Callable[[dict[str, Any]], None] | None = None,
+        on_token: Callable[[TokenEvent], None] | None = None,
         deadline_s: float | None = None,
-    ) -> client.Result:
+    ) -> Completion:
         """Run one request, rerouting to another decode agent if one fails (sent
         nothing for the pipeline's decode_timeout_s). `deadline_s` bounds the whole
         request, reroutes included (RequestTimeout); None: no bound.
@@ -181,7 +182,7 @@ class Router:
         if target and req.prefill is None:
             req = req.replace(prefill=target)
         deadline = None if deadline_s is None else time.monotonic() + deadline_s
-        delivered: list[dict[str, Any]] = []
+        delivered: list[TokenEvent] = []
         failures: list[str] = []
         keys = affinity.prefix_keys(pipe.name, req)
         endpoints, choice = self.decode_order(pipe.decode, keys)
@@ -194,11 +195,11 @@ class Router:
                 )
             seen = 0
 
-            def forward(tok: dict[str, Any]) -> None:
+            def forward(tok: TokenEvent) -> None:
                 nonlocal seen
                 seen += 1
                 if seen <= len(delivered):
-                    if delivered[seen - 1].get("id") != tok.get("id"):
+                    if delivered[seen - 1].id != tok.id:
                         raise AgentError("the rerouted run diverged from the text already sent")
                     return
                 delivered.append(tok)
@@ -217,6 +218,7 @@ class Router:
                     token=self.token,
                     deadline_s=left,
                 )
+                result.model = pipe.name
                 result.metrics.decode_server = result.metrics.decode_server or ep.name
                 result.metrics.route = choice.to_dict()
                 self.affinity.remember(keys, ep.name)  # it now holds this prompt's K/V

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from agents.wire.answer import TokenEvent
 from disagg.frontends.webview.prom import GatewayMetrics
 
 KEEP = 300  # finished requests kept for the view's list and charts
@@ -99,13 +100,13 @@ class RequestLog:
         def tracked(
             model: str | None,
             request: Any,
-            on_token: Callable[[dict[str, Any]], None] | None = None,
+            on_token: Callable[[TokenEvent], None] | None = None,
             **kw: Any,
         ) -> Any:
             t = self.begin(str(model or "?"), request)
 
-            def seen(tok: dict[str, Any]) -> None:
-                if tok.get("id") is not None:
+            def seen(tok: TokenEvent) -> None:
+                if tok.id is not None:
                     t.tokens += 1
                     if t.first_token_s is None:
                         t.first_token_s = round(time.monotonic() - t.t0, 4)
