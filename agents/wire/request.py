@@ -189,7 +189,8 @@ class GenerateRequest:
             if not isinstance(inner, Mapping) or not isinstance(inner.get("schema"), Mapping):
                 raise RequestError(
                     "response_format",
-                    "response_format.json_schema.schema must be a JSON Schema object",
+                    "a json_schema response_format needs a schema: "
+                    "response_format.json_schema.schema, a JSON Schema object",
                 )
             strict = inner.get("strict", raw.get("strict", False)) is True
             return {"type": "json_schema", "schema": dict(inner["schema"]), "strict": strict}
