@@ -222,8 +222,7 @@ class Router:
                 result.metrics.decode_server = result.metrics.decode_server or ep.name
                 result.metrics.route = choice.to_dict()
                 self.affinity.remember(keys, ep.name)  # it now holds this prompt's K/V
-                if failures:
-                    result.metrics.rerouted_from = failures
+                result.metrics.rerouted_from = failures or None
                 return result
             except RequestTimeout as e:  # no fault of the agent: not marked down
                 raise RequestTimeout(
