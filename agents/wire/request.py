@@ -182,7 +182,11 @@ class GenerateRequest:
         if raw == "json" or (isinstance(raw, Mapping) and raw.get("type") == "json_object"):
             return {"type": "json_object"}
         if not isinstance(raw, Mapping):
-            raise RequestError("response_format", 'response_format must be "json" or a JSON object')
+            raise RequestError(
+                "response_format",
+                'the output format (response_format; Ollama\'s format) must be "json" or '
+                'a JSON object: a JSON Schema, or {"type": "json_object" | "json_schema"}',
+            )
         kind = raw.get("type")
         if kind == "json_schema":
             inner = raw.get("json_schema", raw)  # OpenAI's wrapper, or the wire's flat form

@@ -53,17 +53,6 @@ def _ns(seconds: Any) -> int:
     return int(float(seconds) * 1e9) if isinstance(seconds, int | float) else 0
 
 
-def response_format(fmt: str | dict[str, Any] | None) -> dict[str, Any] | None:
-    """Ollama's `format` as the request's response_format."""
-    if fmt is None or fmt == "":
-        return None
-    if fmt == "json":
-        return {"type": "json_object"}
-    if isinstance(fmt, dict):
-        return {"type": "json_schema", "schema": fmt, "strict": True}
-    raise OllamaError(400, f'format {fmt!r}: use "json" or a JSON Schema object')
-
-
 def _sampling(body: CommonFields) -> dict[str, Any]:
     o = body.options or Options()
     num_predict = o.num_predict
@@ -73,7 +62,9 @@ def _sampling(body: CommonFields) -> dict[str, Any]:
         "seed": o.seed,
         "stop": o.stop,
         "max_tokens": UNLIMITED if num_predict is None or num_predict < 0 else num_predict,
-        "response_format": response_format(body.format),
+        # As sent: the request's one normalizer (GenerateRequest.normalize_format)
+        # reads Ollama's "", "json" or schema; a schema is strict, as Ollama's grammar.
+        "response_format": body.format,
         "think": body.think,
     }
 

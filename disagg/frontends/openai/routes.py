@@ -71,31 +71,6 @@ def _request(body: CommonFields, inputs: dict[str, Any]) -> GenerateRequest:
         raise from_disagg(e) from None
 
 
-def response_format(rf: dict[str, Any] | None) -> dict[str, Any] | None:
-    """OpenAI's response_format as the request's: json_object, or json_schema with
-    the schema itself (OpenAI nests it under json_schema.schema)."""
-    if rf is None or rf.get("type") == "text":
-        return None
-    if rf.get("type") == "json_object":
-        return {"type": "json_object"}
-    if rf.get("type") == "json_schema":
-        spec = rf.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-            raise OpenAIError(
-                400,
-                "response_format.json_schema.schema must be a JSON Schema object",
-                "invalid_request_error",
-                "response_format",
-            )
-        return {"type": "json_schema", "schema": spec["schema"], "strict": bool(spec.get("strict"))}
-    raise OpenAIError(
-        400,
-        f"response_format type {rf.get('type')!r}: use text, json_object or json_schema",
-        "invalid_request_error",
-        "response_format",
-    )
-
-
 def chat_request(body: ChatRequest) -> GenerateRequest:
     """/v1/chat/completions' body as the one request."""
     inputs: dict[str, Any] = {"messages": [m.as_request() for m in body.messages]}
@@ -108,7 +83,9 @@ def chat_request(body: ChatRequest) -> GenerateRequest:
             "invalid_request_error",
             "tool_choice",
         )
-    inputs["response_format"] = response_format(body.response_format)
+    # As sent: the request's one normalizer (GenerateRequest.normalize_format) reads
+    # OpenAI's shape; a bad one is a 400 naming response_format.
+    inputs["response_format"] = body.response_format
     inputs["think"] = body.reasoning_effort
     return _request(body, inputs)
 
