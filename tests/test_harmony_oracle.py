@@ -436,8 +436,10 @@ def oracle_reading(enc: Any, ids: list[int]) -> dict[str, Any]:
     for m in enc.parse_messages_from_completion_tokens(ids, oh.Role.ASSISTANT):
         text = "".join(c.text for c in m.content)
         if m.recipient and m.recipient.startswith("functions."):
+            name = m.recipient.removeprefix("functions.")
+            # the arguments byte-exact as written, beside their value
             out["calls"].append(
-                {"name": m.recipient.removeprefix("functions."), "arguments": json.loads(text)}
+                {"name": name, "arguments": json.loads(text), "arguments_text": text}
             )
         elif m.channel == "analysis":
             out["reasoning"] += text

@@ -192,6 +192,7 @@ class DecodeEngine:
             chat=self.is_chat(req),
             tools=_tools(req),
             structured=req.response_format is not None,
+            forced=req.tool_choice not in (None, "auto", "none"),
         )
 
 
@@ -718,7 +719,8 @@ class DecodeAgent:
                 store.now(caches)  # never decoded: nothing writes them
             if first not in eos:
                 emit(first, first_lp)
-        send_events(sock, None, chat.finish())
+        # Cut by max_tokens, a call the model had not finished is no call.
+        send_events(sock, None, chat.finish(cut=len(out) >= max_tokens))
         t_end = time.perf_counter()
         called = bool(chat.tool_calls)
         self._decoded(metrics, len(ids), len(out), max_tokens, called, t0, t_first, t_end)
