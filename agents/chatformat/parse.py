@@ -381,15 +381,18 @@ class TagParser:
         Otherwise (the model stopped) a call is recovered as far as it goes."""
         out: list[Event] = []
         buf, self.buf = self.buf, ""
-        if self.state == "tool":
+        if self.state == "tool" and (not cut or self._whole(buf)):
             body, tag, rest = buf.partition(CALL_CLOSE)
             if tag and not self._whole(buf):
                 # A value that never closed held the close tag: it was one after all.
                 self._end_call(body, out)
                 self.state, self.lead = "content", True
-                return out + self.text(rest) + self.finish(cut)
-            if not cut or self._whole(buf):
-                self._end_call(buf, out)
+                return out + self.text(rest) + self.finish()
+            self._end_call(buf, out)
+        elif self.state == "tool":
+            pass  # cut inside a call: neither a call nor an answer
+        elif cut and buf.strip() and any(t.startswith(buf.strip()) for t in self._tags()):
+            pass  # a tag the cut left half-written is markup, not text
         else:
             self._piece(buf.rstrip() if self.state == "reasoning" else buf, out)
         self.state = "content"
