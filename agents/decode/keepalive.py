@@ -1,4 +1,4 @@
-"""PROGRESS frames while a request has no token to send (issue 18).
+"""PROGRESS frames while a request has no token to send.
 
 A client's decode timeout is an idle deadline: no frame for that long means the
 agent is gone. A request that waits (for a batch slot, for a prefill agent's K/V,

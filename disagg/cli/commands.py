@@ -324,7 +324,7 @@ def serve(
     import signal
     import sys
 
-    from disagg.frontends.gateway import create_app
+    from disagg.frontends.app import create_app
     from disagg.frontends.keys import api_keys
     from disagg.frontends.limits import Limits, raise_nofile
     from disagg.frontends.limits import serve as serve_app
