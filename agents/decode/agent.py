@@ -719,8 +719,7 @@ class DecodeAgent:
                 store.now(caches)  # never decoded: nothing writes them
             if first not in eos:
                 emit(first, first_lp)
-        # Cut by max_tokens, a call the model had not finished is no call.
-        send_events(sock, None, chat.finish(cut=len(out) >= max_tokens))
+        send_events(sock, None, chat.finish(cut=len(out) >= max_tokens))  # cut: no open call
         t_end = time.perf_counter()
         called = bool(chat.tool_calls)
         self._decoded(metrics, len(ids), len(out), max_tokens, called, t0, t_first, t_end)
