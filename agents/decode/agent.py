@@ -127,7 +127,9 @@ class DecodeEngine:
 
     def encode(self, req: GenerateRequest) -> list[int]:
         """The request's prompt as token ids: chat template unless raw, or the
-        fill-in-the-middle prompt when it has a suffix."""
+        fill-in-the-middle prompt when it has a suffix. Chat messages and FIM code
+        are text (special tokens' names in them stay characters); a raw prompt is
+        the caller's own markup, encoded as the tokenizer encodes it, specials and all."""
         tok = self.tokenizer
         try:
             if req.suffix is not None:
