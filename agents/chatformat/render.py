@@ -129,7 +129,8 @@ def render_chat(
     elif tools and not forced:
         raise FormatError(
             "tools: this model's chat template does not take tools, so it cannot call "
-            "them; send the request without tools (or force a call with tool_choice)"
+            "them; send the request without tools, or force a call (OpenAI's API: "
+            'tool_choice) or ask for the arguments as JSON (Ollama\'s API: "format")'
         )
     msgs = chat_messages(messages, system, fmt)
     enc = text_encoder(tokenizer)
