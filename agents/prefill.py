@@ -95,10 +95,17 @@ class PrefillEngine:
     """One loaded model; `prefill` streams K/V layer by layer through a callback."""
 
     def __init__(
-        self, model_dir: str, device: str = "auto", dtype: str = "auto", layer_delay_s: float = 0.0
+        self,
+        model_dir: str,
+        device: str = "auto",
+        dtype: str = "auto",
+        layer_delay_s: float = 0.0,
+        dequant_budget_gb: float | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM  # heavy: import once the args parsed
 
+        from .quant.budget import dequant_budget
+        from .quant.formats import weight_files
         from .quant.loader import load_packed_model, needs_packed_loader
 
         self.model_dir = model_dir
@@ -107,16 +114,23 @@ class PrefillEngine:
         self.adapter = get_adapter(self.cfg["model_type"])
         self.device = pick_device(device)
         self.dtype = pick_dtype(dtype, self.cfg)
-        self.packed_bytes = 0  # quantized weights held packed (0: full precision)
+        self.packed_bytes = 0  # quantized weights read, as packed (0: full precision)
+        self.kept_bytes = 0  # of them, dequantized once at load and kept
         model: Any
         if needs_packed_loader(model_dir, self.cfg):
-            # transformers cannot read these; keep the weights packed (agents.quant).
-            model, self.packed_bytes = load_packed_model(
-                model_dir, self.cfg, TORCH_DTYPES[self.dtype], self.device
+            # transformers cannot read these; weights packed, or dequantized at load
+            # where the device's memory allows (agents.quant.budget).
+            size = sum(f.stat().st_size for f in weight_files(model_dir))
+            budget = dequant_budget(self.device, size, dequant_budget_gb)
+            model, self.packed_bytes, self.kept_bytes = load_packed_model(
+                model_dir, self.cfg, TORCH_DTYPES[self.dtype], self.device, budget
             )
         else:
+            # MoE experts as grouped GEMMs (transformers' "grouped_mm"): no host syncs.
+            moe = "num_experts" in self.cfg or "num_local_experts" in self.cfg
+            extra = {"experts_implementation": "grouped_mm"} if moe else {}
             loaded: Any = AutoModelForCausalLM.from_pretrained(
-                model_dir, dtype=TORCH_DTYPES[self.dtype]
+                model_dir, dtype=TORCH_DTYPES[self.dtype], **extra
             )
             model = loaded.to(self.device)
         self.model = model.eval()
@@ -650,11 +664,22 @@ def main() -> None:
         default=KV_STALL_S,
         help=f"cut a peer that takes no K/V bytes for this many seconds (default {KV_STALL_S:.0f})",
     )
+    parser.add_argument(
+        "--dequant-budget-gb",
+        type=float,
+        default=None,
+        help="quantized weights dequantized once at load, up to this many GB of growth "
+        "(0: all kept packed; default: what the device's memory allows)",
+    )
     args, token, engine = start_agent(
         "prefill",
         parser,
         lambda a: PrefillEngine(
-            a.model, device=a.device, dtype=a.dtype, layer_delay_s=a.fault_layer_delay
+            a.model,
+            device=a.device,
+            dtype=a.dtype,
+            layer_delay_s=a.fault_layer_delay,
+            dequant_budget_gb=a.dequant_budget_gb,
         ),
     )
     agent = PrefillAgent(
