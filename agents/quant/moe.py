@@ -69,7 +69,10 @@ def grouped_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
         return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
     if x.device.type == "cuda":
         # The fast (CUTLASS) kernel; elsewhere torch loops over offsets copied to the host.
-        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] in (9, 10)
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] in (
+            9,
+            10,
+        )
     return False
 
 
@@ -123,7 +126,9 @@ def blocked_linear(
     return y.reshape(nb * block, -1).index_select(0, dest)
 
 
-def combine(y: torch.Tensor, r: Routing, weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def combine(
+    y: torch.Tensor, r: Routing, weights: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
     """y [S, hidden] in sorted order, weights [T, k] -> [T, hidden]: each pair scaled
     by its routing weight, back in (token, slot) order, summed over the slots."""
     t, k = weights.shape

@@ -66,8 +66,9 @@ def is_sync(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     if name in SYNC_ALWAYS_IF:
         key = SYNC_ALWAYS_IF[name]
         if name == "histc":
-            lo, hi = kwargs.get("min", args[2] if len(args) > 2 else 0), kwargs.get(
-                "max", args[3] if len(args) > 3 else 0
+            lo, hi = (
+                kwargs.get("min", args[2] if len(args) > 2 else 0),
+                kwargs.get("max", args[3] if len(args) > 3 else 0),
             )
             return bool(lo == hi)
         return kwargs.get(key) is None
