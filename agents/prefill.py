@@ -22,6 +22,7 @@ import torch
 
 from . import protocol as P
 from .daemonpool import DaemonPool
+from .hostcopy import HostCopies
 from .kvcodec import (
     DTYPE_NAMES,
     Codec,
@@ -73,22 +74,6 @@ def to_wire(t: torch.Tensor) -> np.ndarray:
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(np.uint16)  # raw bf16 words
     return t.numpy()
-
-
-def to_wire_async(tensors: tuple[torch.Tensor, ...]) -> tuple[list[np.ndarray], Callable[[], None]]:
-    """[1, H, S, D] CUDA cache tensors -> [H, S, D] host arrays in pinned memory,
-    copied without stopping the device's queue: the next layer computes while this
-    one comes across. Read the arrays only after calling the returned function."""
-    out = []
-    for t in tensors:
-        src = t[0].view(torch.int16) if t.dtype == torch.bfloat16 else t[0]
-        host = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
-        host.copy_(src, non_blocking=True)
-        arr = host.numpy()  # shares the pinned buffer and keeps it alive
-        out.append(arr.view(np.uint16) if t.dtype == torch.bfloat16 else arr)
-    done = torch.cuda.Event()
-    done.record()
-    return out, done.synchronize
 
 
 class PrefillEngine:
@@ -148,6 +133,8 @@ class PrefillEngine:
             "layers": self.kinds,
             "weights": weights_identity(model_dir),
         }
+        # K/V copied off a CUDA device on a side stream while the next layer computes.
+        self.copies = HostCopies.for_device(self.device)
         self.slots = FairQueue()  # one forward pass at a time per device, fairly
         self.share = TorchShare.from_env()
         # Fault-injection aid for tests: stretch the KV stream so a fault can land mid-way.
@@ -184,7 +171,7 @@ class PrefillEngine:
         total = len(token_ids)
         marks: dict[str, float] = {}
         wire = DTYPE_NAMES[self.dtype]
-        overlap = host_async and self.device.startswith("cuda")
+        copies = self.copies if host_async else None
 
         def hook(idx: int) -> Callable[..., None]:
             def _after_layer(module: Any, args: Any, output: Any) -> None:
@@ -193,8 +180,8 @@ class PrefillEngine:
                 # [1, H, S, D]: a sliding layer holds only the prompt's last S positions.
                 keep = min(layer.keys.shape[2], total - start)
                 keys, values = layer.keys[:, :, -keep:], layer.values[:, :, -keep:]
-                if overlap:
-                    (k, v), ready = to_wire_async((keys, values))
+                if copies is not None:
+                    (k, v), ready = copies.copy((keys, values))
                     on_layer(LayerKV(idx, kind, wire, k, v, ready=ready))
                 else:
                     on_layer(LayerKV(idx, kind, wire, to_wire(keys), to_wire(values)))
