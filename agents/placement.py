@@ -15,6 +15,7 @@ import threading
 from dataclasses import dataclass
 
 from .metrics import ema
+from .models.cost import Prior
 
 
 @dataclass
@@ -26,7 +27,11 @@ class RemoteRates:
 
 
 class Placement:
-    def __init__(self) -> None:
+    """`prior` (agents.models.cost): rates guessed from published device figures,
+    used for what has not been measured yet; without it, remote until measured."""
+
+    def __init__(self, prior: Prior | None = None) -> None:
+        self.prior = prior
         self.lock = threading.Lock()
         self.local_tokens_per_s: float | None = None
         self.step_s: float | None = None
@@ -61,8 +66,16 @@ class Placement:
         with self.lock:
             r = self.remote.get(key)
             local_rate, step = self.local_tokens_per_s, self.step_s
+        p, guessed = self.prior, []
         if r is None or r.tokens_per_s is None or r.handshake_s is None:
-            return "remote", "no measurement of the prefill agent yet"
+            if p is None:
+                return "remote", "no measurement of the prefill agent yet"
+            r = RemoteRates(p.handshake_s, p.remote_tokens_per_s, p.link_bytes_per_s)
+            r.layer_bytes_per_token = p.layer_bytes_per_token
+            guessed.append("remote")
+        if local_rate is None and step is None and p is not None:
+            local_rate = p.local_tokens_per_s
+            guessed.append("local")
         sent = max(1, tokens - cached)  # only the suffix is computed and sent
         remote = r.handshake_s + sent / r.tokens_per_s
         if r.bytes_per_s and r.layer_bytes_per_token:
@@ -79,4 +92,6 @@ class Placement:
         )
         if cached:
             why += f"; {cached} of {tokens} tokens cached from that prefill agent"
+        if guessed:
+            why += f"; {' and '.join(guessed)} rate from the prior, not measured"
         return ("local" if local < remote else "remote"), why
