@@ -76,13 +76,15 @@ class Counts:
         return layers * ops + self.other_ops, layers * self.per_layer_syncs + self.other_syncs
 
 
-def count(model: str, layers: int = 2, mode: str = "kept") -> Counts:
+def count(model: str, layers: int = 2, mode: str | None = None) -> Counts:
     """Count a prefill of COUNT_TOKENS tokens on `model` at its real layer shapes,
-    `layers` layers (disagg.bench.synthmodels), weights kept or packed."""
+    `layers` layers (disagg.bench.synthmodels), weights kept or packed (default: as
+    the Spark would hold them)."""
     from agents.prefill import PrefillEngine
     from disagg.bench.opcount import count_prefill, per_call
     from disagg.bench.synthmodels import VOCAB, synthetic_dir
 
+    mode = mode or spark_mode(MODELS[model], DEVICES["gb10"])
     d = synthetic_dir(model, layers)
     budget = None if mode == "kept" else 0.0
     eng = PrefillEngine(str(d), device="cpu", dtype="bfloat16", dequant_budget_gb=budget)
