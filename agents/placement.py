@@ -70,9 +70,11 @@ class Placement:
         if r is None or r.tokens_per_s is None or r.handshake_s is None:
             if p is None:
                 return "remote", "no measurement of the prefill agent yet"
-            r = RemoteRates(p.handshake_s, p.remote_tokens_per_s, p.link_bytes_per_s)
-            r.layer_bytes_per_token = p.layer_bytes_per_token
+            r = RemoteRates(
+                p.handshake_s, p.remote_tokens_per_s, p.link_bytes_per_s, p.layer_bytes_per_token
+            )
             guessed.append("remote")
+        assert r.tokens_per_s is not None and r.handshake_s is not None
         if local_rate is None and step is None and p is not None:
             local_rate = p.local_tokens_per_s
             guessed.append("local")

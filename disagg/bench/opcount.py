@@ -155,7 +155,9 @@ class OpCounter(TorchDispatchMode):
 def layer_scopes(layers: list[nn.Module]) -> dict[str, list[nn.Module]]:
     """A decoder stack's scopes: "moe" (each layer's MLP that has experts), "mlp"
     (the dense MLPs), "attention" and "layer" (the rest of a layer)."""
-    moe, mlp, attn = [], [], []
+    moe: list[nn.Module] = []
+    mlp: list[nn.Module] = []
+    attn: list[nn.Module] = []
     for layer in layers:
         block = getattr(layer, "mlp", None)
         if block is not None:

@@ -18,9 +18,9 @@ GROUP = 64  # mlx_lm.convert's default group size
 
 def qwen3_coder_config(layers: int, vocab: int = VOCAB) -> dict[str, Any]:
     """Qwen3-Coder-30B-A3B-Instruct's config.json, `layers` and `vocab` cut."""
-    q = {"group_size": GROUP, "bits": 4, "mode": "affine"}
+    q: dict[str, Any] = {"group_size": GROUP, "bits": 4, "mode": "affine"}
     for i in range(layers):
-        q[f"model.layers.{i}.mlp.gate"] = {"group_size": GROUP, "bits": 8}  # type: ignore[assignment]
+        q[f"model.layers.{i}.mlp.gate"] = {"group_size": GROUP, "bits": 8}
     return {
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
