@@ -2,9 +2,9 @@
 
 Importing the package does one thing: a local agent started by disagg (the
 launcher set DISAGG_LIFELINE) arms its lifeline, so it dies with its parent.
-mlx's BLAS is set up by `agents.fastblas`, imported only where mlx runs.
+mlx's BLAS is set up by `agents.runtime.fastblas`, imported only where mlx runs.
 """
 
-from .lifeline import arm
+from agents.runtime.lifeline import arm
 
 arm()

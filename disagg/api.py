@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agents.request import GenerateRequest
+from agents.wire.request import GenerateRequest
 from disagg.errors import DisaggError, UsageError
 from disagg.serving.defaultmodel import Say, resolve_model
 from disagg.serving.localagents import AgentProc, make_token_file, start_local_agents

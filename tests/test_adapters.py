@@ -60,8 +60,8 @@ def engines(
 ) -> tuple[Any, Any]:
     """(PrefillEngine, DecodeEngine) on the tiny checkpoint of the test's `arch`,
     each loaded once per session."""
-    from agents.decode import DecodeEngine
-    from agents.prefill import PrefillEngine
+    from agents.decode.agent import DecodeEngine
+    from agents.prefill.agent import PrefillEngine
 
     arch = request.node.callspec.params["arch"]
     if arch not in loaded:
@@ -124,10 +124,10 @@ def disaggregated(pre: Any, dec: Any, ids: list[int], n: int) -> tuple[list[int]
     the decode agent's own batching loop."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from agents.batching import DecodeLoop, Seq
-    from agents.decode import first_token
-    from agents.kvcodec import Codec, LayerKV, decode_layer, encode_layer
-    from agents.kvplace import fill_layer
+    from agents.decode.agent import first_token
+    from agents.decode.kvcaches import fill_layer
+    from agents.decode.loop import DecodeLoop, Seq
+    from agents.wire.kvcodec import Codec, LayerKV, decode_layer, encode_layer
 
     layers: list[LayerKV] = []
     _, logits = pre.prefill(ids, layers.append)
@@ -163,7 +163,7 @@ def assert_same(
 
 @pytest.mark.parametrize("arch", list(VARIANTS))
 def test_fingerprints_match(arch: str, engines: tuple[Any, Any]) -> None:
-    from agents.protocol import fingerprint_mismatch
+    from agents.wire.fingerprint import fingerprint_mismatch
 
     pre, dec = engines
     assert fingerprint_mismatch(pre.fingerprint, dec.fingerprint) == []

@@ -49,7 +49,7 @@ def test_tiny_agents_match_both_monolithic_references(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from agents.decode import DecodeEngine
+    from agents.decode.agent import DecodeEngine
 
     path, prefill, decode = tiny[arch]
     req = remote_request(prefill, long_prompt(), N_NEW, return_prompt_ids=True)
@@ -95,7 +95,7 @@ def test_concurrent_requests_decode_in_one_batch_and_match_mlx_alone(
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    from agents.decode import DecodeEngine
+    from agents.decode.agent import DecodeEngine
 
     path, prefill, decode = tiny[arch]
     words = PROMPT.split()

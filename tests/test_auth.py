@@ -15,8 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from agents import protocol as P
-from agents.httpauth import control_get
+from agents.wire.auth import client_auth
+from agents.wire.channel import recv_json, send_json
+from agents.wire.frames import AuthError as WireAuthError
+from agents.wire.frames import Frame, RemoteError
+from agents.wire.httpauth import control_get
 from disagg.errors import AuthError
 from disagg.serving import wireclient as client
 from disagg.serving.localagents import AgentProc, spawn_agent, wait_ready
@@ -82,14 +85,14 @@ def test_prefill_agent_refuses_a_decode_side_without_the_token(
     before = prefill_requests(prefill)
     with (
         socket.create_connection((prefill.host, prefill.port), timeout=5) as s,
-        pytest.raises(P.AuthError),
+        pytest.raises(WireAuthError),
     ):
-        P.client_auth(s, b"not-the-cluster-token")
+        client_auth(s, b"not-the-cluster-token")
     with socket.create_connection((prefill.host, prefill.port), timeout=5) as s:
-        P.recv_json(s, P.Frame.CHALLENGE)
-        P.send_json(s, P.Frame.HELLO, {"fingerprint": {}})  # skips AUTH entirely
-        with pytest.raises(P.RemoteError, match="authentication required"):
-            P.recv_json(s, P.Frame.HELLO_OK)
+        recv_json(s, Frame.CHALLENGE)
+        send_json(s, Frame.HELLO, {"fingerprint": {}})  # skips AUTH entirely
+        with pytest.raises(RemoteError, match="authentication required"):
+            recv_json(s, Frame.HELLO_OK)
     assert prefill_requests(prefill) == before
     assert "refused 127.0.0.1" in prefill.log_path.read_text()
 
@@ -116,7 +119,7 @@ def test_http_wants_proof_of_the_token_except_health(pair: tuple[AgentProc, Agen
             assert http_status(agent, path, "wrong") == 401
             assert http_status(agent, path, right) == 401  # the token itself is no longer taken
             assert control_get(agent.host, agent.control_port, path, agent.token)
-            with pytest.raises(P.AuthError, match="refused our proof"):
+            with pytest.raises(WireAuthError, match="refused our proof"):
                 control_get(agent.host, agent.control_port, path, b"0" * 64)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agents.kvcodec import DType, LayerKV, decode_layer, encode_layer
+from agents.wire.kvcodec import DType, LayerKV, decode_layer, encode_layer
 from disagg.serving.localagents import AgentProc
 from tests.conftest import PairFactory, ask, remote_request
 
@@ -29,9 +29,9 @@ def test_bf16_run_equals_mlx_continued_from_the_same_kv(
 ) -> None:
     from mlx_lm.models.cache import make_prompt_cache
 
-    from agents.decode import DecodeEngine
-    from agents.kvplace import fill_layer
-    from agents.prefill import PrefillEngine
+    from agents.decode.agent import DecodeEngine
+    from agents.decode.kvcaches import fill_layer
+    from agents.prefill.agent import PrefillEngine
 
     prefill, decode = bf16_agents
     req = remote_request(

@@ -23,7 +23,7 @@ from agents.chatformat.parse import (
     parse_qwen_json,
     parse_qwen_xml,
 )
-from agents.request import GenerateRequest, RequestError
+from agents.wire.request import GenerateRequest, RequestError
 from tests.chattokenizers import build
 from tests.tinymodels import _tokenizer
 

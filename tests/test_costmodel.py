@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from agents.decode.placement import Placement
 from agents.models.cost import (
     DEVICES,
     Prior,
@@ -21,7 +22,6 @@ from agents.models.cost import (
     roofline_s,
     weight_bytes,
 )
-from agents.placement import Placement
 from disagg.bench.costmodel import Counts, scenario
 
 # One MoE layer: hidden 4, 2 query heads and 1 K/V head of 2, 4 experts of width 3,

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from agents.request import GenerateRequest
+from agents.wire.request import GenerateRequest
 from disagg.errors import AgentError
 from disagg.serving.localagents import AgentProc, start_local_agents
 from disagg.serving.router import Endpoint, Route, Router

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from agents import protocol as P
-from agents.server import HANDSHAKE_TIMEOUT_S
+from agents.runtime.server import HANDSHAKE_TIMEOUT_S
+from agents.wire.channel import recv_json
+from agents.wire.frames import Frame
 from disagg.errors import UsageError
 from disagg.serving import wireclient as client
 from disagg.serving.localagents import AgentProc
@@ -76,7 +77,7 @@ def test_silent_clients_are_dropped_and_do_not_block(agents: tuple[AgentProc, Ag
     t0 = time.monotonic()
     for s in silent:
         s.settimeout(HANDSHAKE_TIMEOUT_S + 10)
-        P.recv_json(s, P.Frame.CHALLENGE)  # the agent spoke first, then waited...
+        recv_json(s, Frame.CHALLENGE)  # the agent spoke first, then waited...
         assert s.recv(1) == b""  # ...and hung up on a client that never answered
         s.close()
     assert time.monotonic() - t0 < HANDSHAKE_TIMEOUT_S + 10

@@ -19,8 +19,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agents import kvcodec as K
-from agents import protocol as P
+from agents.wire import kvcodec as K
+from agents.wire.auth import client_auth
+from agents.wire.channel import recv_frame, recv_json
+from agents.wire.frames import Frame, ProtocolError, decode_json, pack_header
 from disagg.serving.localagents import AgentProc
 from tests.conftest import PairFactory, ask
 from tests.tinymodels import PROMPT
@@ -49,25 +51,25 @@ def parse_all(data: bytes) -> int:
     sock = ByteSock(data)
     frames = 0
     while True:
-        header, payload = P.recv_frame(sock, CAP)  # type: ignore[arg-type]
-        if header.type == P.Frame.KV_LAYER:
+        header, payload = recv_frame(sock, CAP)  # type: ignore[arg-type]
+        if header.type == Frame.KV_LAYER:
             K.decode_layer(payload, max_bytes=CAP)
-        elif header.type not in (P.Frame.LOGPROBS,):
-            P.decode_json(header, payload)
+        elif header.type not in (Frame.LOGPROBS,):
+            decode_json(header, payload)
         frames += 1
 
 
 def valid_frames() -> list[bytes]:
     a = np.arange(2 * 5 * 4, dtype=np.float32).reshape(2, 5, 4)
     out = [
-        P.pack_header(P.Frame.HELLO, 27) + b'{"role":"decode","model":1}',
-        P.pack_header(P.Frame.PREFILL, 28) + b'{"token_ids":[1,2,3],"codec"}',
-        P.pack_header(P.Frame.TOKEN, 22) + b'{"id": 5, "text": "x"}',
+        pack_header(Frame.HELLO, 27) + b'{"role":"decode","model":1}',
+        pack_header(Frame.PREFILL, 28) + b'{"token_ids":[1,2,3],"codec"}',
+        pack_header(Frame.TOKEN, 22) + b'{"id": 5, "text": "x"}',
     ]
     for codec in K.Codec:
         layer = K.encode_layer(K.LayerKV(3, K.Kind.FULL, K.DType.FLOAT32, a, a), codec)
         body = b"".join(bytes(b) for b in layer)
-        out.append(P.pack_header(P.Frame.KV_LAYER, len(body)) + body)
+        out.append(pack_header(Frame.KV_LAYER, len(body)) + body)
     return out
 
 
@@ -107,10 +109,10 @@ def test_hundred_thousand_hostile_frames_at_the_parser() -> None:
         else:
             data = rng.randbytes(rng.randint(0, 96))
             if rng.random() < 0.5:  # random bytes behind a plausible header
-                data = P.pack_header(P.Frame(rng.randint(1, 13)), rng.randint(0, 80)) + data
+                data = pack_header(Frame(rng.randint(1, 13)), rng.randint(0, 80)) + data
         try:
             outcomes["parsed"] += parse_all(data)
-        except P.ProtocolError:
+        except ProtocolError:
             outcomes["refused"] += 1
     assert outcomes["refused"] > 90_000  # nearly every input is refused, none crashes
 
@@ -119,14 +121,14 @@ def test_a_huge_claimed_length_allocates_nothing() -> None:
     tracemalloc.start()
     try:
         for claim in (CAP + 1, 1 << 33, 2**64 - 1):
-            with pytest.raises(P.ProtocolError, match="exceeds the cap"):
-                parse_all(P.pack_header(P.Frame.KV_LAYER, claim) + b"\0" * 64)
+            with pytest.raises(ProtocolError, match="exceeds the cap"):
+                parse_all(pack_header(Frame.KV_LAYER, claim) + b"\0" * 64)
         a = np.zeros((1, 1, 4), np.float32)
         bomb = K.encode_layer(K.LayerKV(0, K.Kind.FULL, K.DType.FLOAT32, a, a), K.Codec.ZSTD)
         head = list(K.LAYER_HEADER.unpack(bytes(bomb[0])))
         head[5] = 1 << 28  # claims a quarter-billion tokens behind a few compressed bytes
         body = K.LAYER_HEADER.pack(*head) + bytes(bomb[1]) + bytes(bomb[2])
-        with pytest.raises(P.ProtocolError, match="over the cap"):
+        with pytest.raises(ProtocolError, match="over the cap"):
             K.decode_layer(body, max_bytes=CAP)
         _, peak = tracemalloc.get_traced_memory()
     finally:
@@ -137,7 +139,7 @@ def test_a_huge_claimed_length_allocates_nothing() -> None:
 @settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.binary(max_size=512))
 def test_any_bytes_parse_or_are_refused(data: bytes) -> None:
-    with contextlib.suppress(P.ProtocolError):
+    with contextlib.suppress(ProtocolError):
         parse_all(data)
 
 
@@ -160,12 +162,12 @@ def answer(s: socket.socket) -> str:
     """Read until the agent answers ERROR, ends the request, or closes."""
     while True:
         try:
-            header, payload = P.recv_frame(s, 64 << 20)
-        except (P.ProtocolError, OSError):
+            header, payload = recv_frame(s, 64 << 20)
+        except (ProtocolError, OSError):
             return "closed"
-        if header.type == P.Frame.ERROR:
+        if header.type == Frame.ERROR:
             return "error"
-        if header.type in (P.Frame.DONE, P.Frame.PREFILL_DONE, P.Frame.HELLO_OK):
+        if header.type in (Frame.DONE, Frame.PREFILL_DONE, Frame.HELLO_OK):
             return "served"
 
 
@@ -175,9 +177,9 @@ def hostile_session(agent: AgentProc, rng: random.Random, base: list[bytes]) -> 
         if authed:
             # Untagged frames, so mutated bytes reach the request parser (a sealed
             # connection would refuse them all at the tag, before parsing).
-            P.client_auth(s, agent.token, "none")
+            client_auth(s, agent.token, "none")
         else:
-            P.recv_json(s, P.Frame.CHALLENGE)
+            recv_json(s, Frame.CHALLENGE)
         data = mutate(rng, rng.choice(base)) if rng.random() < 0.7 else rng.randbytes(40)
         try:
             s.sendall(data)
@@ -188,17 +190,17 @@ def hostile_session(agent: AgentProc, rng: random.Random, base: list[bytes]) -> 
 
 
 def requests_for(role: str) -> list[bytes]:
-    def frame(kind: P.Frame, obj: object) -> bytes:
+    def frame(kind: Frame, obj: object) -> bytes:
         raw = json.dumps(obj).encode()
-        return P.pack_header(kind, len(raw)) + raw
+        return pack_header(kind, len(raw)) + raw
 
     if role == "decode":
         return [
-            frame(P.Frame.GENERATE, {"prompt": "hi", "raw": True, "max_tokens": 2}),
-            frame(P.Frame.GENERATE, {"messages": [{"role": "user", "content": "x"}]}),
+            frame(Frame.GENERATE, {"prompt": "hi", "raw": True, "max_tokens": 2}),
+            frame(Frame.GENERATE, {"messages": [{"role": "user", "content": "x"}]}),
         ]
     return [
-        frame(P.Frame.HELLO, {"role": "decode", "fingerprint": {"num_layers": 1}}),
+        frame(Frame.HELLO, {"role": "decode", "fingerprint": {"num_layers": 1}}),
         *valid_frames()[3:],
     ]
 

@@ -20,8 +20,8 @@ import jsonschema
 import numpy as np
 import pytest
 
-from agents.grammar import Grammars, Matcher
-from agents.request import GenerateRequest, RequestError
+from agents.decode.grammar import Grammars, Matcher
+from agents.wire.request import GenerateRequest, RequestError
 
 GRADER = {
     "type": "object",
@@ -394,7 +394,7 @@ def test_sixteen_schemas_in_one_batch(tiny_pair: Any) -> None:
     for i, res in enumerate(results[:16]):
         jsonschema.validate(json.loads(res.text), variant(i))
     free = results[16]
-    from agents.decode import DecodeEngine
+    from agents.decode.agent import DecodeEngine
 
     from .references import mlx_greedy
 

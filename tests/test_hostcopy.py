@@ -9,8 +9,8 @@ import gc
 import numpy as np
 import torch
 
-from agents.hostcopy import HostCopies, PinnedPool
-from agents.prefill import to_wire
+from agents.prefill.agent import to_wire
+from agents.prefill.hostcopy import HostCopies, PinnedPool
 
 
 def test_pool_reuses_a_buffer_only_once_every_view_is_gone() -> None:

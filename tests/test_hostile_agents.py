@@ -19,9 +19,19 @@ from typing import Any
 import pytest
 import zstandard
 
-from agents import httpauth
-from agents import kvcodec as K
-from agents import protocol as P
+from agents.wire import httpauth
+from agents.wire import kvcodec as K
+from agents.wire.auth import client_auth, server_auth
+from agents.wire.channel import recv_json, send_error, send_frame, send_json
+from agents.wire.frames import (
+    HEADER,
+    PREAUTH_MAX_FRAME,
+    AuthError,
+    Frame,
+    ProtocolError,
+    RemoteError,
+    pack_header,
+)
 from disagg.errors import ModelError
 from disagg.fleet.operations import _http_status
 from disagg.serving.localagents import AgentProc, make_token_file, spawn_agent, wait_ready
@@ -63,14 +73,14 @@ def hostile_peer(agent: AgentProc, source: str, trickle: bool) -> float:
     with socket.create_connection(
         (agent.host, agent.port), timeout=30, source_address=(source, 0)
     ) as s:
-        P.recv_json(s, P.Frame.CHALLENGE)
+        recv_json(s, Frame.CHALLENGE)
         s.settimeout(None)  # else Python waits for data before a MSG_DONTWAIT recv
-        claim = P.PREAUTH_MAX_FRAME if trickle else (1 << 64) - 1
-        raw = P.pack_header(P.Frame.AUTH, claim) + b"{" * P.PREAUTH_MAX_FRAME
+        claim = PREAUTH_MAX_FRAME if trickle else (1 << 64) - 1
+        raw = pack_header(Frame.AUTH, claim) + b"{" * PREAUTH_MAX_FRAME
         try:
             for i in range(len(raw)):
                 s.send(raw[i : i + 1])
-                if i >= P.HEADER.size:
+                if i >= HEADER.size:
                     time.sleep(0.25)  # a byte every 0.25 s: no single recv ever times out
                 with contextlib.suppress(BlockingIOError):
                     if s.recv(65536, socket.MSG_DONTWAIT) == b"":
@@ -133,11 +143,11 @@ def test_unauthenticated_connections_per_address_are_capped(agents: list[AgentPr
         for _ in range(PER_PEER)
     ]
     for s in held:
-        P.recv_json(s, P.Frame.CHALLENGE)
+        recv_json(s, Frame.CHALLENGE)
     with socket.create_connection((decode.host, decode.port), 5, source_address=(src, 0)) as s:
         assert s.recv(1) == b""  # over the cap: closed with no CHALLENGE (which comes first)
     with socket.create_connection((decode.host, decode.port), 5) as s:
-        P.client_auth(s, decode.token)  # another address gets in meanwhile
+        client_auth(s, decode.token)  # another address gets in meanwhile
     for s in held:
         s.close()
 
@@ -152,12 +162,12 @@ class FakePrefill(LocalServer):
         super().__init__()
 
     def on_connection(self, conn: socket.socket) -> None:
-        with conn, contextlib.suppress(OSError, P.ProtocolError, P.AuthError):
+        with conn, contextlib.suppress(OSError, ProtocolError, AuthError):
             conn.settimeout(10)
-            P.server_auth(conn, self.token)
-            _, hello = P.recv_json(conn, P.Frame.HELLO)
-            P.send_json(conn, P.Frame.HELLO_OK, {"fingerprint": hello["fingerprint"]})
-            P.recv_json(conn, P.Frame.PREFILL)
+            server_auth(conn, self.token)
+            _, hello = recv_json(conn, Frame.HELLO)
+            send_json(conn, Frame.HELLO_OK, {"fingerprint": hello["fingerprint"]})
+            recv_json(conn, Frame.PREFILL)
             self.reply(conn)
             conn.recv(1)
 
@@ -176,7 +186,7 @@ def zstd_bomb(declared: int) -> Callable[[socket.socket], None]:
         head = K.LAYER_HEADER.pack(
             0, K.Kind.FULL, K.DType.FLOAT32, K.Codec.ZSTD, 0, 4, 16, 16, 16, len(block), len(block)
         )
-        P.send_frame(conn, P.Frame.KV_LAYER, [head, block, block])
+        send_frame(conn, Frame.KV_LAYER, [head, block, block])
 
     return reply
 
@@ -187,17 +197,15 @@ def huge_shape(conn: socket.socket) -> None:
     head = K.LAYER_HEADER.pack(
         0, K.Kind.FULL, K.DType.FLOAT32, K.Codec.ZSTD, 0, 4, 1 << 24, 16, 16, len(block), len(block)
     )
-    P.send_frame(conn, P.Frame.KV_LAYER, [head, block, block])
+    send_frame(conn, Frame.KV_LAYER, [head, block, block])
 
 
 def odd_logits(conn: socket.socket) -> None:
-    P.send_frame(conn, P.Frame.LOGITS, b"\0" * 4099)
+    send_frame(conn, Frame.LOGITS, b"\0" * 4099)
 
 
 def evil_error(conn: socket.socket) -> None:
-    P.send_error(
-        conn, "oops\x1b[2J", "evil\n2026-01-01 decode INFO forged line\x1b]0;pwned\x07" * 50
-    )
+    send_error(conn, "oops\x1b[2J", "evil\n2026-01-01 decode INFO forged line\x1b]0;pwned\x07" * 50)
 
 
 @pytest.mark.parametrize(
@@ -248,10 +256,10 @@ def test_a_prefill_agent_without_a_token_is_refused(agents: list[AgentProc]) -> 
 def test_an_unauthenticated_peers_error_is_one_escaped_log_line(agents: list[AgentProc]) -> None:
     prefill, _ = agents
     with socket.create_connection((prefill.host, prefill.port), timeout=5) as s:
-        P.recv_json(s, P.Frame.CHALLENGE)
-        P.send_error(s, "x\x1b[31m", "evil\nFAKE refused line\x1b[2J" * 3)
-        with contextlib.suppress(P.ProtocolError, P.RemoteError, OSError):
-            P.recv_json(s, P.Frame.AUTH_OK)
+        recv_json(s, Frame.CHALLENGE)
+        send_error(s, "x\x1b[31m", "evil\nFAKE refused line\x1b[2J" * 3)
+        with contextlib.suppress(ProtocolError, RemoteError, OSError):
+            recv_json(s, Frame.AUTH_OK)
     time.sleep(0.2)
     lines = [ln for ln in prefill.log_path.read_text().splitlines() if "FAKE refused" in ln]
     assert len(lines) == 1, lines
@@ -311,10 +319,10 @@ def test_agent_logs_rotate_by_size(model: Path, tmp_path: Path) -> None:
     try:
         for _ in range(40):  # each refused peer writes a line
             with socket.create_connection((agent.host, agent.port), timeout=5) as s:
-                P.recv_json(s, P.Frame.CHALLENGE)
-                P.send_frame(s, P.Frame.HELLO, b"{}")
-                with contextlib.suppress(P.ProtocolError, P.RemoteError, OSError):
-                    P.recv_json(s, P.Frame.AUTH_OK)
+                recv_json(s, Frame.CHALLENGE)
+                send_frame(s, Frame.HELLO, b"{}")
+                with contextlib.suppress(ProtocolError, RemoteError, OSError):
+                    recv_json(s, Frame.AUTH_OK)
         time.sleep(0.2)
     finally:
         agent.stop()

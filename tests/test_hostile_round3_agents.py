@@ -21,8 +21,10 @@ from typing import Any
 
 import pytest
 
-from agents import protocol as P
 from agents.prefix.store import block_keys
+from agents.wire.auth import _mac, client_auth, server_auth
+from agents.wire.channel import recv_json, send_json
+from agents.wire.frames import AuthError, Frame, ProtocolError, RemoteError
 from disagg.errors import ModelError
 from disagg.serving.localagents import AgentProc, spawn_agent, wait_ready
 from tests.conftest import LocalServer, PairFactory, ask, remote_request
@@ -169,9 +171,9 @@ def test_a_client_that_asks_for_tags_refuses_an_agent_without_them() -> None:
     with a, b:
         # An older agent: its challenge offers no integrity.
         nonce = os.urandom(32).hex()
-        P.send_json(b, P.Frame.CHALLENGE, {"nonce": nonce, "auth": True})
-        with pytest.raises(P.AuthError, match='integrity = "none"'):
-            P.client_auth(a, b"t" * 64, "mac")
+        send_json(b, Frame.CHALLENGE, {"nonce": nonce, "auth": True})
+        with pytest.raises(AuthError, match='integrity = "none"'):
+            client_auth(a, b"t" * 64, "mac")
 
 
 def test_stripping_the_mode_on_the_path_fails_the_proof(agents: list[AgentProc]) -> None:
@@ -179,13 +181,13 @@ def test_stripping_the_mode_on_the_path_fails_the_proof(agents: list[AgentProc])
     token = decode.token
     assert token is not None
     with socket.create_connection((decode.host, decode.port), timeout=10) as s:
-        _, ch = P.recv_json(s, P.Frame.CHALLENGE)
+        _, ch = recv_json(s, Frame.CHALLENGE)
         cn = os.urandom(32)
-        mac = P._mac(token, b"client", bytes.fromhex(ch["nonce"]), cn, "mac")
+        mac = _mac(token, b"client", bytes.fromhex(ch["nonce"]), cn, "mac")
         # What a client asking for "mac" proves, with "integrity" removed on the path.
-        P.send_json(s, P.Frame.AUTH, {"nonce": cn.hex(), "mac": mac.hex()})
-        with pytest.raises(P.RemoteError, match="wrong token"):
-            P.recv_json(s, P.Frame.AUTH_OK)
+        send_json(s, Frame.AUTH, {"nonce": cn.hex(), "mac": mac.hex()})
+        with pytest.raises(RemoteError, match="wrong token"):
+            recv_json(s, Frame.AUTH_OK)
 
 
 # -- 4. strangers cannot lock the cluster out --------------------------------------
@@ -329,11 +331,11 @@ class EvilDecode(LocalServer):
         super().__init__()
 
     def on_connection(self, conn: socket.socket) -> None:
-        with conn, contextlib.suppress(OSError, P.ProtocolError, P.AuthError):
+        with conn, contextlib.suppress(OSError, ProtocolError, AuthError):
             conn.settimeout(10)
-            P.server_auth(conn, self.token)
-            P.recv_json(conn, P.Frame.GENERATE)
-            P.send_json(conn, P.Frame.ERROR, {"code": "decode_failed", "message": self.MESSAGE})
+            server_auth(conn, self.token)
+            recv_json(conn, Frame.GENERATE)
+            send_json(conn, Frame.ERROR, {"code": "decode_failed", "message": self.MESSAGE})
 
 
 def test_an_agents_error_text_reaches_the_terminal_as_plain_text(tmp_path: Path) -> None:
@@ -378,7 +380,7 @@ decode_model = "/m"
 
 
 def test_ipv6_counts_per_64_and_trusted_peers_have_their_own_slots() -> None:
-    from agents.server import Gate, peer_key, trusted_set
+    from agents.runtime.server import Gate, peer_key, trusted_set
 
     assert peer_key("2001:db8::1") == peer_key("2001:db8::ffff:1") == "2001:db8::/64"
     assert peer_key("2001:db8:0:1::1") != peer_key("2001:db8::1")

@@ -17,10 +17,24 @@ import numpy as np
 import pytest
 import zstandard
 
-from agents import httpauth
-from agents import kvcodec as K
-from agents import protocol as P
-from agents.server import OneLineFormatter, load_token, start_control
+from agents.runtime.server import OneLineFormatter, load_token, start_control
+from agents.wire import httpauth
+from agents.wire import kvcodec as K
+from agents.wire.auth import client_auth, server_auth
+from agents.wire.channel import recv_frame, recv_json, send_frame
+from agents.wire.frames import (
+    RECV_STEP,
+    AuthError,
+    Deadline,
+    DeadlineExceeded,
+    Frame,
+    Header,
+    PeerClosed,
+    ProtocolError,
+    decode_json,
+    pack_header,
+)
+from agents.wire.text import printable
 from tests.conftest import socket_pair
 
 pytestmark = pytest.mark.fuzz
@@ -31,14 +45,14 @@ TOKEN = b"t" * 64
 def test_peer_closed_between_frames_but_not_mid_frame() -> None:
     a, b = socket_pair()
     a.close()
-    with pytest.raises(P.PeerClosed):
-        P.recv_json(b, P.Frame.GENERATE)
+    with pytest.raises(PeerClosed):
+        recv_json(b, Frame.GENERATE)
     a, b = socket_pair()
-    a.sendall(P.pack_header(P.Frame.GENERATE, 10)[:5])
+    a.sendall(pack_header(Frame.GENERATE, 10)[:5])
     a.close()
-    with pytest.raises(P.ProtocolError, match="closed after 5 of 16") as info:
-        P.recv_json(b, P.Frame.GENERATE)
-    assert not isinstance(info.value, P.PeerClosed)
+    with pytest.raises(ProtocolError, match="closed after 5 of 16") as info:
+        recv_json(b, Frame.GENERATE)
+    assert not isinstance(info.value, PeerClosed)
 
 
 def test_a_trickling_peer_is_cut_at_the_handshake_deadline() -> None:
@@ -46,8 +60,8 @@ def test_a_trickling_peer_is_cut_at_the_handshake_deadline() -> None:
     stop = threading.Event()
 
     def trickle() -> None:
-        P.recv_json(a, P.Frame.CHALLENGE)
-        raw = P.pack_header(P.Frame.AUTH, 200) + b"x" * 200
+        recv_json(a, Frame.CHALLENGE)
+        raw = pack_header(Frame.AUTH, 200) + b"x" * 200
         for byte in raw:  # one byte every 0.2 s: each recv would be happy
             if stop.wait(0.2):
                 return
@@ -59,8 +73,8 @@ def test_a_trickling_peer_is_cut_at_the_handshake_deadline() -> None:
     t = threading.Thread(target=trickle, daemon=True)
     t.start()
     t0 = time.monotonic()
-    with pytest.raises(P.DeadlineExceeded):
-        P.server_auth(b, TOKEN, P.Deadline(1.0))
+    with pytest.raises(DeadlineExceeded):
+        server_auth(b, TOKEN, Deadline(1.0))
     took = time.monotonic() - t0
     # Cut by the deadline: not before it, and long before the ~41 s trickle would end
     # (the ceiling only guards against a hang; a busy box may add seconds).
@@ -70,28 +84,28 @@ def test_a_trickling_peer_is_cut_at_the_handshake_deadline() -> None:
 
 def test_pre_auth_frames_are_small_and_cost_only_what_arrived() -> None:
     a, b = socket_pair()
-    a.sendall(P.pack_header(P.Frame.AUTH, 16 << 20))
-    with pytest.raises(P.AuthError, match="exceeds the cap of 4096"):
-        P.server_auth(b, TOKEN, P.Deadline(2.0))
+    a.sendall(pack_header(Frame.AUTH, 16 << 20))
+    with pytest.raises(AuthError, match="exceeds the cap of 4096"):
+        server_auth(b, TOKEN, Deadline(2.0))
     # After auth a frame may be large, but its memory grows with its bytes.
     a, b = socket_pair()
     tracemalloc.start()
     try:
-        a.sendall(P.pack_header(P.Frame.GENERATE, 1 << 30) + b"x" * 1000)
+        a.sendall(pack_header(Frame.GENERATE, 1 << 30) + b"x" * 1000)
         a.close()
-        with pytest.raises(P.ProtocolError, match="closed after 1000 of 1073741824"):
-            P.recv_frame(b, 2 << 30)
+        with pytest.raises(ProtocolError, match="closed after 1000 of 1073741824"):
+            recv_frame(b, 2 << 30)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert peak < 2 * P.RECV_STEP
+    assert peak < 2 * RECV_STEP
 
 
 def test_large_frames_still_arrive_whole() -> None:
     a, b = socket_pair()
     body = bytes(range(256)) * 5000  # several RECV_STEPs
-    threading.Thread(target=P.send_frame, args=(a, P.Frame.KV_LAYER, body), daemon=True).start()
-    header, payload = P.recv_frame(b)
+    threading.Thread(target=send_frame, args=(a, Frame.KV_LAYER, body), daemon=True).start()
+    header, payload = recv_frame(b)
     assert header.length == len(body) and bytes(payload) == body
 
 
@@ -99,26 +113,26 @@ def test_large_frames_still_arrive_whole() -> None:
     "payload", [b"[" * 100_000, b'{"a":' * 100_000, b'{"n": ' + b"9" * 5000 + b"}"]
 )
 def test_deep_or_odd_json_is_a_protocol_error(payload: bytes) -> None:
-    header = P.Header(P.Frame.AUTH, 0, len(payload))
-    with pytest.raises(P.ProtocolError):
-        P.decode_json(header, payload)
+    header = Header(Frame.AUTH, 0, len(payload))
+    with pytest.raises(ProtocolError):
+        decode_json(header, payload)
     a, b = socket_pair()
-    P.send_frame(a, P.Frame.AUTH, payload[:4000])
-    with pytest.raises(P.AuthError):  # refused, no RecursionError
-        P.server_auth(b, TOKEN, P.Deadline(2.0))
+    send_frame(a, Frame.AUTH, payload[:4000])
+    with pytest.raises(AuthError):  # refused, no RecursionError
+        server_auth(b, TOKEN, Deadline(2.0))
 
 
 def test_a_client_with_a_token_refuses_a_server_that_wants_none() -> None:
     a, b = socket_pair()
-    threading.Thread(target=P.server_auth, args=(a, None), daemon=True).start()
-    with pytest.raises(P.AuthError, match="runs without a cluster token.*refusing"):
-        P.client_auth(b, TOKEN)
+    threading.Thread(target=server_auth, args=(a, None), daemon=True).start()
+    with pytest.raises(AuthError, match="runs without a cluster token.*refusing"):
+        client_auth(b, TOKEN)
 
 
 def test_printable_escapes_and_cuts() -> None:
-    assert P.printable("a\x1b[31mb\nc\rd\x00\u2028") == "a\\x1b[31mb\\nc\\rd\\x00\\u2028"
-    assert P.printable("é ü ok") == "é ü ok"
-    assert P.printable("x" * 500) == "x" * 200 + "..."
+    assert printable("a\x1b[31mb\nc\rd\x00\u2028") == "a\\x1b[31mb\\nc\\rd\\x00\\u2028"
+    assert printable("é ü ok") == "é ü ok"
+    assert printable("x" * 500) == "x" * 200 + "..."
 
 
 def test_log_records_are_one_escaped_line() -> None:
@@ -181,7 +195,7 @@ def test_zstd_blocks_are_capped_by_the_shape_whatever_they_declare(
 ) -> None:
     tracemalloc.start()
     try:
-        with pytest.raises(P.ProtocolError, match=why):
+        with pytest.raises(ProtocolError, match=why):
             K.decode_layer(payload, max_bytes=K.layer_cap(1, 4, 4))
         _, peak = tracemalloc.get_traced_memory()
     finally:
@@ -195,7 +209,7 @@ def test_odd_shapes_are_protocol_errors_not_value_errors() -> None:
     body = b"".join(bytes(p) for p in parts)
     fields = list(K.LAYER_HEADER.unpack_from(body))
     fields[2] = int(K.DType.FLOAT32)  # itemsize 4 over a 24-byte block: reshape would fail
-    with pytest.raises(P.ProtocolError):
+    with pytest.raises(ProtocolError):
         K.decode_layer(K.LAYER_HEADER.pack(*fields) + body[K.LAYER_HEADER.size :])
 
 
@@ -242,9 +256,9 @@ def test_http_status_with_challenge_response(control: tuple[str, int]) -> None:
     assert b'"in_flight"' in httpauth.control_get(host, port, "/status", TOKEN)
     assert b"disagg_up" in httpauth.control_get(host, port, "/metrics", TOKEN)
     assert b'"ok"' in httpauth.control_get(host, port, "/health", None)
-    with pytest.raises(P.AuthError, match="requires the cluster token"):
+    with pytest.raises(AuthError, match="requires the cluster token"):
         httpauth.control_get(host, port, "/status", None)
-    with pytest.raises(P.AuthError, match="refused our proof"):
+    with pytest.raises(AuthError, match="refused our proof"):
         httpauth.control_get(host, port, "/status", b"w" * 64)
     with pytest.raises(httpauth.ControlError, match="404"):
         httpauth.control_get(host, port, "/nope", TOKEN)
@@ -282,7 +296,7 @@ def test_a_client_with_a_token_refuses_an_http_server_without_one() -> None:
         "127.0.0.1", 0, lambda: {"x": 1}, lambda: "", None, threading.Event(), deadline_s=1.0
     )
     try:
-        with pytest.raises(P.AuthError, match="asks for no cluster token"):
+        with pytest.raises(AuthError, match="asks for no cluster token"):
             httpauth.control_get("127.0.0.1", server.server_address[1], "/status", TOKEN)
     finally:
         server.shutdown()
@@ -316,7 +330,7 @@ def test_http_tricklers_are_cut_and_connections_capped(control: tuple[str, int])
     assert was_cut and cut < 15, cut
     # More than CONTROL_MAX_PER_PEER at once from one address: the rest are closed at once.
     # (A stranger's address: loopback is the local pair's, with slots of its own.)
-    from agents.server import CONTROL_MAX_PER_PEER
+    from agents.runtime.server import CONTROL_MAX_PER_PEER
 
     src = ("127.0.0.3", 0)
     held = [

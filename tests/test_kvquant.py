@@ -14,7 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from agents import protocol as P
+from agents.wire.auth import client_auth, server_auth
+from agents.wire.channel import recv_json, send_json
+from agents.wire.frames import Frame, ProtocolError, RemoteError
 
 pytestmark = pytest.mark.slow
 
@@ -25,8 +27,8 @@ AGREEMENT_BAR = 0.9
 @pytest.fixture(scope="module")
 def engines(default_model: Path) -> tuple[Any, Any]:
     """(PrefillEngine, DecodeEngine) of the default model, as the agents load it."""
-    from agents.decode import DecodeEngine
-    from agents.prefill import PrefillEngine
+    from agents.decode.agent import DecodeEngine
+    from agents.prefill.agent import PrefillEngine
 
     return PrefillEngine(str(default_model), device="cpu"), DecodeEngine(str(default_model))
 
@@ -34,14 +36,14 @@ def engines(default_model: Path) -> tuple[Any, Any]:
 @pytest.fixture(scope="module")
 def prefill_target(engines: tuple[Any, Any]) -> Iterator[dict[str, Any]]:
     """A PrefillAgent in this process, behind a real socket on 127.0.0.1 port 0."""
-    from agents.prefill import PrefillAgent
+    from agents.prefill.agent import PrefillAgent
 
     agent = PrefillAgent(engines[0], "prefill-kvquant")
     srv = socket.create_server(("127.0.0.1", 0))
 
     def one(conn: socket.socket) -> None:
-        with conn, contextlib.suppress(OSError, P.ProtocolError):
-            P.server_auth(conn, None)
+        with conn, contextlib.suppress(OSError, ProtocolError):
+            server_auth(conn, None)
             agent.handle(conn, "test")
 
     def accept() -> None:
@@ -74,9 +76,9 @@ def test_fetch_kv_int8_over_a_socket(
 ) -> None:
     from mlx_lm.models.cache import make_prompt_cache
 
-    from agents.kvcodec import Codec
-    from agents.kvfetch import fetch_kv
-    from agents.request import PrefillRequest, PrefillTarget
+    from agents.decode.kvfetch import fetch_kv
+    from agents.wire.kvcodec import Codec
+    from agents.wire.request import PrefillRequest, PrefillTarget
 
     _, dec = engines
     ids = chat_ids(dec)
@@ -108,19 +110,19 @@ def test_prefill_agent_refuses_an_unknown_kv_quant(
     _, dec = engines
     with socket.create_connection((prefill_target["host"], prefill_target["port"])) as sock:
         sock.settimeout(30)
-        P.client_auth(sock, None)
-        P.send_json(sock, P.Frame.HELLO, hello(dec))
-        P.recv_json(sock, P.Frame.HELLO_OK)
-        P.send_json(sock, P.Frame.PREFILL, {"token_ids": [1, 2, 3], "kv_quant": "int4"})
-        with pytest.raises(P.RemoteError) as err:
-            P.recv_json(sock, P.Frame.PREFILL_DONE)
+        client_auth(sock, None)
+        send_json(sock, Frame.HELLO, hello(dec))
+        recv_json(sock, Frame.HELLO_OK)
+        send_json(sock, Frame.PREFILL, {"token_ids": [1, 2, 3], "kv_quant": "int4"})
+        with pytest.raises(RemoteError) as err:
+            recv_json(sock, Frame.PREFILL_DONE)
     assert err.value.code == "bad_request"
     assert "'int4'" in err.value.message and "'int8'" in err.value.message
 
 
 @pytest.fixture(scope="module")
 def decode_agent(engines: tuple[Any, Any]) -> Any:
-    from agents.decode import DecodeAgent
+    from agents.decode.agent import DecodeAgent
 
     return DecodeAgent(engines[1], "decode-kvquant")
 
@@ -134,10 +136,10 @@ def generate(agent: Any, req: dict[str, Any]) -> dict[str, Any]:
     try:
         with ours:
             ours.settimeout(60)
-            P.send_json(ours, P.Frame.GENERATE, req)
+            send_json(ours, Frame.GENERATE, req)
             while True:
-                kind, done = P.recv_json(ours, (P.Frame.TOKEN, P.Frame.DONE))
-                if kind == P.Frame.DONE:
+                kind, done = recv_json(ours, (Frame.TOKEN, Frame.DONE))
+                if kind == Frame.DONE:
                     return done
     finally:
         worker.join(10)  # our close ends its loop
@@ -161,7 +163,7 @@ def test_decode_agent_refuses_an_unknown_kv_quant(
 ) -> None:
     """Refused before any prefill: a typo must not quietly decode lossless or locally."""
     req = {"prompt": "Hi", "max_tokens": 2, "prefill": prefill_target, "kv_quant": "fp8"}
-    with pytest.raises(P.RemoteError) as err:
+    with pytest.raises(RemoteError) as err:
         generate(decode_agent, req)
     assert err.value.code == "bad_request" and "'int8'" in err.value.message
 

@@ -1,5 +1,5 @@
 """Local agents never outlive `disagg serve --local`: SIGTERM stops them as Ctrl-C
-does, and a SIGKILLed gateway's agents notice and exit (agents/lifeline.py)."""
+does, and a SIGKILLed gateway's agents notice and exit (agents/runtime/lifeline.py)."""
 
 from __future__ import annotations
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from agents.placement import Placement
+from agents.decode.placement import Placement
 from agents.prefix.store import BLOCK_TOKENS as BLOCK
-from agents.request import GenerateRequest
+from agents.wire.request import GenerateRequest
 from disagg.serving import affinity
 from disagg.serving.affinity import AffinityTable, choose, prefix_keys, slack
 from disagg.serving.localagents import AgentProc, start_local_agents

@@ -1,4 +1,4 @@
-"""Preallocated batch rows (agents/batchrows.py) on the real default model: requests
+"""Preallocated batch rows (agents/decode/rows.py) on the real default model: requests
 that join and leave a decode batch at staggered times get exactly the greedy tokens
 mlx-lm's own generate_step gives each alone; a departure copies no other row (the
 buffer's address stays); a prompt longer than the batch's window still joins right."""
@@ -32,7 +32,7 @@ def smol(default_model: Path) -> tuple[Any, Any]:
 
 
 def new_loop(model: Any, rows: bool = True) -> Any:
-    from agents.batching import DecodeLoop
+    from agents.decode.loop import DecodeLoop
 
     return DecodeLoop(model, max_batch=8, rows=rows)
 
@@ -58,7 +58,7 @@ class Streams:
         import numpy as np
         from mlx_lm.models.cache import make_prompt_cache
 
-        from agents.batching import Seq
+        from agents.decode.loop import Seq
 
         def prefill() -> Seq:
             caches = make_prompt_cache(self.model)
@@ -200,8 +200,8 @@ def test_sliding_layers_keep_mlx_lms_batch_caches_in_the_same_row_order(
     caches; after departures move rows, both kinds still hold each row's own K/V."""
     from mlx_lm.models.cache import BatchRotatingKVCache
 
-    from agents.batchrows import RowsKVCache
-    from agents.decode import DecodeEngine
+    from agents.decode.agent import DecodeEngine
+    from agents.decode.rows import RowsKVCache
 
     model = DecodeEngine(str(tiny_model("gpt_oss", seed=1, sliding_window=8))).model
     words = [7 + (i * 37) % 400 for i in range(200)]

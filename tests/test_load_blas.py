@@ -1,7 +1,7 @@
 """mlx's matmuls run on numpy's OpenBLAS when nothing else is installed (issue 18, item 4).
 
 Each case runs in a fresh Python (the shim binds once per process, before mlx loads):
-it imports agents.fastblas, then mlx, multiplies non-square, transposed and batched
+it imports agents.runtime.fastblas, then mlx, multiplies non-square, transposed and batched
 matrices in float32, float64 and complex64 (the shim's sgemm, dgemm and cgemm) and
 reports which BLAS it bound. Results are checked against numpy in float64 within the
 worst-case rounding bound of a length-k dot product, k * 2^-23 * (|A| @ |B|) for float32:
@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PROBE = r"""
 import json, sys
 import numpy as np
-import agents.fastblas as fastblas
+import agents.runtime.fastblas as fastblas
 import mlx.core as mx
 
 rng = np.random.default_rng(7)
@@ -234,8 +234,8 @@ def test_status_says_which_blas_the_decode_agent_runs(agent_pair: PairFactory) -
 def test_local_agents_split_the_cores_unless_the_user_chose() -> None:
     """A local pair shares one machine: the decode agent's OpenBLAS gives up half
     the cores while a prefill runs beside it, and a user's setting wins."""
-    from agents.blasshare import ENV
-    from agents.torchshare import ENV as TORCH_ENV
+    from agents.runtime.blasshare import ENV
+    from agents.runtime.torchshare import ENV as TORCH_ENV
     from disagg.serving.localagents import BLAS_SHARED_ENV, TORCH_SHARED_ENV, thread_share
 
     half = str(max(1, (os.cpu_count() or 2) // 2))
@@ -249,7 +249,7 @@ def test_local_agents_split_the_cores_unless_the_user_chose() -> None:
 def test_blas_threads_follow_the_prefills() -> None:
     """Threads drop to `shared` when the first prefill starts and come back when
     the last ends, set in order through the mlx thread's queue."""
-    from agents.blasshare import BlasShare
+    from agents.runtime.blasshare import BlasShare
 
     posted: list[int] = []
     share = BlasShare(lambda fn, n: posted.append(n), shared=1, full=4)
@@ -302,7 +302,7 @@ def test_torch_threads_follow_the_requester() -> None:
     torch gets every thread back; with nothing to share, nothing changes."""
     import torch
 
-    from agents.torchshare import TorchShare
+    from agents.runtime.torchshare import TorchShare
 
     full = torch.get_num_threads()
     if full < 2:

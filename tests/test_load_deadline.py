@@ -20,9 +20,11 @@ import httpx
 import openai
 import pytest
 
-from agents import protocol as P
-from agents.httpauth import control_get
-from agents.request import GenerateRequest
+from agents.wire.auth import client_auth
+from agents.wire.channel import recv_frame, send_json
+from agents.wire.frames import PROGRESS_KEY, Frame, decode_json
+from agents.wire.httpauth import control_get
+from agents.wire.request import GenerateRequest
 from disagg.errors import RequestTimeout
 from disagg.frontends.workers import QUEUE_FACTOR, Workers, batch_capacity
 from disagg.serving.control import parse_status
@@ -82,16 +84,16 @@ def slow_reader(times: list[float]) -> Callable[[dict[str, Any]], None]:
     return on_token
 
 
-def frames(decode: AgentProc, wire: dict[str, Any]) -> list[tuple[P.Frame, dict[str, Any]]]:
+def frames(decode: AgentProc, wire: dict[str, Any]) -> list[tuple[Frame, dict[str, Any]]]:
     """One GENERATE on a raw connection: every frame up to DONE, JSON ones decoded."""
     with socket.create_connection((decode.host, decode.port), timeout=60) as sock:
-        P.client_auth(sock, decode.token)
-        P.send_json(sock, P.Frame.GENERATE, wire)
-        got: list[tuple[P.Frame, dict[str, Any]]] = []
-        while not got or got[-1][0] != P.Frame.DONE:
-            header, payload = P.recv_frame(sock)
-            assert header.type != P.Frame.ERROR, bytes(payload)
-            got.append((header.type, P.decode_json(header, payload)))
+        client_auth(sock, decode.token)
+        send_json(sock, Frame.GENERATE, wire)
+        got: list[tuple[Frame, dict[str, Any]]] = []
+        while not got or got[-1][0] != Frame.DONE:
+            header, payload = recv_frame(sock)
+            assert header.type != Frame.ERROR, bytes(payload)
+            got.append((header.type, decode_json(header, payload)))
         return got
 
 
@@ -102,18 +104,18 @@ def test_progress_frames_while_prefilling_only_when_asked(
     target = {"host": prefill.host, "port": prefill.port}
     wire = {"prompt": PROMPT, "raw": True, "max_tokens": 4, "placement": "remote"}
     wire["prefill"] = target
-    asked = frames(decode, {**wire, P.PROGRESS_KEY: 0.5})
+    asked = frames(decode, {**wire, PROGRESS_KEY: 0.5})
     kinds = [k for k, _ in asked]
-    first_token = kinds.index(P.Frame.TOKEN)
-    before = [body for k, body in asked[:first_token] if k == P.Frame.PROGRESS]
+    first_token = kinds.index(Frame.TOKEN)
+    before = [body for k, body in asked[:first_token] if k == Frame.PROGRESS]
     # >= 4.5 s of prefill at one frame per 0.5 s: several, each saying what it waits for.
     assert len(before) >= 3 and all(b == {"phase": "prefill"} for b in before)
-    assert kinds[-1] == P.Frame.DONE
+    assert kinds[-1] == Frame.DONE
     # A client that did not ask (an older one) never sees the frame type.
     plain = frames(decode, wire)
-    assert P.Frame.PROGRESS not in [k for k, _ in plain]
-    assert [b["id"] for k, b in plain if k == P.Frame.TOKEN] == [
-        b["id"] for k, b in asked if k == P.Frame.TOKEN
+    assert Frame.PROGRESS not in [k for k, _ in plain]
+    assert [b["id"] for k, b in plain if k == Frame.TOKEN] == [
+        b["id"] for k, b in asked if k == Frame.TOKEN
     ]
 
 

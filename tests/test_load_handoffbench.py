@@ -14,11 +14,12 @@ import pytest
 import torch
 from mlx_lm.models.cache import KVCache
 
-from agents import protocol as P
-from agents.kvcodec import Codec, DType, Kind, LayerKV, encode_layer
-from agents.kvfetch import receive_layers
-from agents.kvinplace import allocate
-from agents.request import PrefillRequest
+from agents.decode.kvfetch import receive_layers
+from agents.decode.kvslots import allocate
+from agents.wire.channel import recv_json, send_frame
+from agents.wire.frames import Frame, ProtocolError
+from agents.wire.kvcodec import Codec, DType, Kind, LayerKV, encode_layer
+from agents.wire.request import PrefillRequest
 from disagg.bench.handoff import Receiver
 from tests.conftest import socket_pair
 
@@ -94,9 +95,9 @@ def test_a_whole_layer_header_on_a_longer_frame_is_refused() -> None:
     ours, theirs = socket_pair()
 
     def prefill() -> None:
-        P.recv_json(theirs, P.Frame.PREFILL)
+        recv_json(theirs, Frame.PREFILL)
         parts = encode_layer(layers[0])
-        P.send_frame(theirs, P.Frame.KV_LAYER, [*parts, bytes(8)])
+        send_frame(theirs, Frame.KV_LAYER, [*parts, bytes(8)])
 
     t = threading.Thread(target=prefill)
     t.start()
@@ -105,7 +106,7 @@ def test_a_whole_layer_header_on_a_longer_frame_is_refused() -> None:
     fp = {"num_kv_heads": HEADS, "head_dim": DIM}
     request = PrefillRequest(list(range(SEQ)))
     try:
-        with pytest.raises(P.ProtocolError):
+        with pytest.raises(ProtocolError):
             receive_layers(ours, request, caches, fp, None, lambda *a: None, None, lambda: slots)
     finally:
         t.join(10)

@@ -1,4 +1,4 @@
-"""K/V received straight into its mlx caches (agents.kvinplace) is bit for bit what
+"""K/V received straight into its mlx caches (agents.decode.kvslots) is bit for bit what
 the prefill side sent: every dtype, every codec, int8 rows, a prefix hit, a
 sliding layer (left to the copy path), sealed frames. Frames cross a real socket
 from a fake prefill agent that encodes with the real codec; the expected caches
@@ -20,14 +20,17 @@ import pytest
 import torch
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from agents import kvcodec as K
-from agents import protocol as P
-from agents.kvfetch import receive_layers
-from agents.kvinplace import ENV, Slots, allocate
-from agents.kvplace import fill_layer
-from agents.prefill import to_wire
-from agents.prefix.decode_side import DecodePrefix, Hit, Span
-from agents.request import PrefillRequest
+from agents.decode.kvcaches import fill_layer
+from agents.decode.kvfetch import receive_layers
+from agents.decode.kvslots import ENV, Slots, allocate
+from agents.decode.prefixcache import DecodePrefix, Hit, Span
+from agents.prefill.agent import to_wire
+from agents.wire import kvcodec as K
+from agents.wire.auth import client_auth, server_auth
+from agents.wire.channel import recv_json, send_buffers, send_frame, send_json
+from agents.wire.frames import Frame, ProtocolError, pack_header
+from agents.wire.request import PrefillRequest
+from agents.wire.seal import _SEALS, IntegrityError, sealed
 from disagg.serving import wireclient as client
 from disagg.serving.localagents import AgentProc, make_token_file, spawn_agent, wait_ready
 from tests.conftest import PairFactory, ask, remote_request, socket_pair
@@ -97,24 +100,24 @@ class FakePrefill:
 
     def run(self) -> None:
         try:
-            P.recv_json(self.sock, P.Frame.PREFILL)
+            recv_json(self.sock, Frame.PREFILL)
             for n, kv in enumerate(self.layers):
                 parts = K.encode_layer(K.quantize_layer(kv) if self.quant else kv, self.codec)
                 if self.tamper and n == 0:
                     self.send_tampered(parts)
                     return
-                P.send_frame(self.sock, P.Frame.KV_LAYER, parts)
-            P.send_frame(self.sock, P.Frame.LOGITS, np.zeros(VOCAB, np.float32).tobytes())
-            P.send_json(self.sock, P.Frame.PREFILL_DONE, {"prefill_time": 0.0})
+                send_frame(self.sock, Frame.KV_LAYER, parts)
+            send_frame(self.sock, Frame.LOGITS, np.zeros(VOCAB, np.float32).tobytes())
+            send_json(self.sock, Frame.PREFILL_DONE, {"prefill_time": 0.0})
         except BaseException as e:  # the test reads it
             self.error = e
 
     def send_tampered(self, parts: list[bytes | memoryview]) -> None:
         payload = bytearray(b"".join(bytes(p) for p in parts))
-        head = P.pack_header(P.Frame.KV_LAYER, len(payload))
-        tag = P._SEALS[self.sock].sign(head, [payload])
+        head = pack_header(Frame.KV_LAYER, len(payload))
+        tag = _SEALS[self.sock].sign(head, [payload])
         payload[len(payload) // 2] ^= 1
-        P.send_buffers(self.sock, [head, payload, tag])
+        send_buffers(self.sock, [head, payload, tag])
 
     def join(self) -> None:
         self.thread.join(10)
@@ -125,14 +128,14 @@ def make_caches(sliding: int | None = None) -> list[Any]:
     return [RotatingKVCache(max_size=WINDOW) if i == sliding else KVCache() for i in range(LAYERS)]
 
 
-def connected(sealed: bool) -> tuple[socket.socket, socket.socket]:
+def connected(seal: bool) -> tuple[socket.socket, socket.socket]:
     ours, theirs = socket_pair()
-    if sealed:
-        t = threading.Thread(target=P.server_auth, args=(theirs, TOKEN))
+    if seal:
+        t = threading.Thread(target=server_auth, args=(theirs, TOKEN))
         t.start()
-        P.client_auth(ours, TOKEN, "mac")
+        client_auth(ours, TOKEN, "mac")
         t.join()
-        assert P.sealed(ours) and P.sealed(theirs)
+        assert sealed(ours) and sealed(theirs)
     return ours, theirs
 
 
@@ -320,7 +323,7 @@ def test_sealed_frames_land_in_place_and_a_tampered_one_is_refused() -> None:
     assert slots is not None and slots.placed == set(range(LAYERS))
     for cache, (k, v) in zip(caches, src, strict=True):
         expect_cache(cache, k, v)
-    with pytest.raises(P.IntegrityError):
+    with pytest.raises(IntegrityError):
         fetch(layers, K.Codec.RAW, "float16", inplace=True, sealed=True, tamper=True)
 
 
@@ -329,10 +332,10 @@ def test_bad_frames_are_refused_as_on_the_copy_path() -> None:
     checks refuse it: a layer twice, a short layer."""
     src = source("float32", seed=6)
     twice = [wire_kv(i, k, v) for i, (k, v) in enumerate(src)] + [wire_kv(0, src[0][0], src[0][1])]
-    with pytest.raises(P.ProtocolError, match="unexpected KV for layer 0"):
+    with pytest.raises(ProtocolError, match="unexpected KV for layer 0"):
         fetch(twice, K.Codec.RAW, "float32", inplace=True)
     short = [wire_kv(i, k[:, :-1], v[:, :-1]) for i, (k, v) in enumerate(src)]
-    with pytest.raises(P.ProtocolError, match="full-attention layer sent 44 of 45"):
+    with pytest.raises(ProtocolError, match="full-attention layer sent 44 of 45"):
         fetch(short, K.Codec.RAW, "float32", inplace=True)
 
 

@@ -13,9 +13,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from agents import protocol as P
-from agents.kvcodec import DTYPE_NAMES, Codec, Kind, LayerKV
-from agents.prefillqueue import FairQueue, Ticket, pick
+from agents.prefill.queue import FairQueue, Ticket, pick
+from agents.wire.auth import client_auth
+from agents.wire.channel import recv_frame, recv_json, send_json
+from agents.wire.frames import Frame
+from agents.wire.kvcodec import DTYPE_NAMES, Codec, Kind, LayerKV
 from disagg.serving.localagents import AgentProc
 from tests.conftest import PairFactory, ask, remote_request
 
@@ -115,7 +117,7 @@ def unread_pair() -> tuple[socket.socket, socket.socket]:
 
 
 def test_the_sender_drops_a_peer_that_lets_its_buffer_fill() -> None:
-    from agents.prefill import LayerSender, PeerStalled
+    from agents.prefill.agent import LayerSender, PeerStalled
 
     a, b = unread_pair()
     with a, b:
@@ -130,7 +132,7 @@ def test_the_sender_drops_a_peer_that_lets_its_buffer_fill() -> None:
 
 
 def test_the_sender_cuts_a_peer_that_takes_nothing_for_the_stall_deadline() -> None:
-    from agents.prefill import LayerSender, PeerStalled
+    from agents.prefill.agent import LayerSender, PeerStalled
 
     a, b = unread_pair()
     with a, b:
@@ -143,7 +145,7 @@ def test_the_sender_cuts_a_peer_that_takes_nothing_for_the_stall_deadline() -> N
 
 
 def test_a_slow_reader_that_keeps_reading_is_not_cut() -> None:
-    from agents.prefill import LayerSender
+    from agents.prefill.agent import LayerSender
 
     a, b = unread_pair()
     got = 0
@@ -175,8 +177,8 @@ def test_the_sender_frames_a_layer_early_without_reading_its_bytes(codec: Codec)
     a device-to-host copy may have written its bytes: what goes out must be what
     the arrays hold once `wait` returned, for early frames, strided arrays and
     compressing codecs alike."""
-    from agents.kvcodec import decode_layer
-    from agents.prefill import LayerSender
+    from agents.prefill.agent import LayerSender
+    from agents.wire.kvcodec import decode_layer
 
     a, b = socket.socketpair()
     rng = np.random.default_rng(5)
@@ -195,7 +197,7 @@ def test_the_sender_frames_a_layer_early_without_reading_its_bytes(codec: Codec)
 
     def read() -> None:
         for _ in layers:
-            got.append(decode_layer(P.recv_frame(b)[1]))
+            got.append(decode_layer(recv_frame(b)[1]))
 
     reader = threading.Thread(target=read)
     reader.start()
@@ -227,11 +229,11 @@ def stuck_peer(prefill: AgentProc, n_tokens: int) -> socket.socket:
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a small window
     s.settimeout(30)
     s.connect((prefill.host, prefill.port))
-    P.client_auth(s, prefill.token)
-    P.send_json(s, P.Frame.HELLO, {"fingerprint": fp, "model": "stuck-peer"})
-    P.recv_json(s, P.Frame.HELLO_OK)
+    client_auth(s, prefill.token)
+    send_json(s, Frame.HELLO, {"fingerprint": fp, "model": "stuck-peer"})
+    recv_json(s, Frame.HELLO_OK)
     ids = [100 + (i * 37) % 40000 for i in range(n_tokens)]
-    P.send_json(s, P.Frame.PREFILL, {"token_ids": ids, "codec": 0})
+    send_json(s, Frame.PREFILL, {"token_ids": ids, "codec": 0})
     return s
 
 

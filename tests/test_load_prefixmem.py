@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from transformers import AutoModelForCausalLM
 
-from agents.decode import DecodeEngine
+from agents.decode.agent import DecodeEngine
 from agents.prefix.store import Block, PrefixCache, block_keys
 from disagg.serving.localagents import AgentProc
 from tests.conftest import PairFactory, ask

@@ -12,16 +12,18 @@ from typing import Any
 
 import pytest
 
-from agents import protocol as P
-from agents.kvfetch import PrefillUnavailable, fetch_kv
-from agents.request import PrefillRequest, PrefillTarget, RequestError, pack_ids, unpack_ids
+from agents.decode.kvfetch import PrefillUnavailable, fetch_kv
+from agents.wire.auth import server_auth
+from agents.wire.channel import recv_control, recv_json, send_error, send_json, send_json_ids
+from agents.wire.frames import IDS_U32, IDS_U32_CAP, Frame, Header, ProtocolError, split_json_ids
+from agents.wire.request import PrefillRequest, PrefillTarget, RequestError, pack_ids, unpack_ids
 
 
-def _roundtrip(obj: dict[str, Any], ids: bytes) -> tuple[P.Header, bytearray]:
+def _roundtrip(obj: dict[str, Any], ids: bytes) -> tuple[Header, bytearray]:
     a, b = socket.socketpair()
     with a, b:
-        P.send_json_ids(a, P.Frame.PREFILL, obj, ids)
-        return P.recv_control(b, P.Frame.PREFILL)
+        send_json_ids(a, Frame.PREFILL, obj, ids)
+        return recv_control(b, Frame.PREFILL)
 
 
 def test_packed_ids_read_as_the_same_request_as_json_ids() -> None:
@@ -35,8 +37,8 @@ def test_packed_ids_read_as_the_same_request_as_json_ids() -> None:
         cores_busy=True,
     )
     header, payload = _roundtrip(req.to_wire(packed_ids=True), pack_ids(req.token_ids))
-    assert header.flags == P.IDS_U32
-    frame, packed = P.split_json_ids(header, payload)
+    assert header.flags == IDS_U32
+    frame, packed = split_json_ids(header, payload)
     assert "token_ids" not in frame and packed is not None and len(packed) == 4 * 5
     assert PrefillRequest.from_dict(frame, None, packed) == req
     assert PrefillRequest.from_dict(req.to_wire()) == req  # the JSON form, unchanged
@@ -46,30 +48,30 @@ def test_packed_ids_read_as_the_same_request_as_json_ids() -> None:
 def test_a_frame_without_the_flag_is_plain_json() -> None:
     a, b = socket.socketpair()
     with a, b:
-        P.send_json(a, P.Frame.PREFILL, {"token_ids": [1, 2], "codec": 0})
-        frame, packed = P.split_json_ids(*P.recv_control(b, P.Frame.PREFILL))
+        send_json(a, Frame.PREFILL, {"token_ids": [1, 2], "codec": 0})
+        frame, packed = split_json_ids(*recv_control(b, Frame.PREFILL))
     assert frame == {"token_ids": [1, 2], "codec": 0} and packed is None
 
 
-def _header(flags: int, length: int) -> P.Header:
-    return P.Header(P.Frame.PREFILL, flags, length)
+def _header(flags: int, length: int) -> Header:
+    return Header(Frame.PREFILL, flags, length)
 
 
 @pytest.mark.parametrize(
     "flags, payload, why",
     [
         (2, b"{}", "unknown flags"),
-        (P.IDS_U32 | 4, b"{}", "unknown flags"),
-        (P.IDS_U32, b"\x02\x00", "too short"),
-        (P.IDS_U32, b"\x09\x00\x00\x00{}", "not whole uint32s"),  # JSON claims 9 bytes
-        (P.IDS_U32, b"\x02\x00\x00\x00{}\x01\x00\x00", "not whole uint32s"),
-        (P.IDS_U32, b"\x02\x00\x00\x00[]\x01\x00\x00\x00", "JSON object"),
-        (P.IDS_U32, b"\x02\x00\x00\x00{]\x01\x00\x00\x00", "not valid JSON"),
+        (IDS_U32 | 4, b"{}", "unknown flags"),
+        (IDS_U32, b"\x02\x00", "too short"),
+        (IDS_U32, b"\x09\x00\x00\x00{}", "not whole uint32s"),  # JSON claims 9 bytes
+        (IDS_U32, b"\x02\x00\x00\x00{}\x01\x00\x00", "not whole uint32s"),
+        (IDS_U32, b"\x02\x00\x00\x00[]\x01\x00\x00\x00", "JSON object"),
+        (IDS_U32, b"\x02\x00\x00\x00{]\x01\x00\x00\x00", "not valid JSON"),
     ],
 )
 def test_malformed_packed_frames_are_protocol_errors(flags: int, payload: bytes, why: str) -> None:
-    with pytest.raises(P.ProtocolError, match=why):
-        P.split_json_ids(_header(flags, len(payload)), bytearray(payload))
+    with pytest.raises(ProtocolError, match=why):
+        split_json_ids(_header(flags, len(payload)), bytearray(payload))
 
 
 @pytest.mark.parametrize(
@@ -95,20 +97,20 @@ class _Prefill:
 
     def __init__(self, offer: bool) -> None:
         self.offer = offer
-        self.got: tuple[P.Header, bytearray] | None = None
+        self.got: tuple[Header, bytearray] | None = None
         self.srv = socket.create_server(("127.0.0.1", 0))
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
     def _serve(self) -> None:
         conn, _ = self.srv.accept()
-        with conn, contextlib.suppress(OSError, P.ProtocolError):
+        with conn, contextlib.suppress(OSError, ProtocolError):
             conn.settimeout(10)
-            P.server_auth(conn, None)
-            P.recv_json(conn, P.Frame.HELLO)
-            P.send_json(conn, P.Frame.HELLO_OK, P.IDS_U32_CAP if self.offer else {})
-            self.got = P.recv_control(conn, P.Frame.PREFILL)
-            P.send_error(conn, "busy", "test")
+            server_auth(conn, None)
+            recv_json(conn, Frame.HELLO)
+            send_json(conn, Frame.HELLO_OK, IDS_U32_CAP if self.offer else {})
+            self.got = recv_control(conn, Frame.PREFILL)
+            send_error(conn, "busy", "test")
 
     def ask(self, ids: list[int]) -> tuple[dict[str, Any], memoryview | None]:
         target = PrefillTarget(["127.0.0.1"], self.srv.getsockname()[1], timeout=10)
@@ -118,7 +120,7 @@ class _Prefill:
         self.thread.join(10)
         self.srv.close()
         assert self.got is not None
-        return P.split_json_ids(*self.got)
+        return split_json_ids(*self.got)
 
 
 @pytest.mark.parametrize("offer", [True, False])

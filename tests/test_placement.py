@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from agents.placement import Placement
+from agents.decode.placement import Placement
 from disagg.serving.localagents import start_local_pair
 from tests.conftest import ask
 from tests.tinymodels import make_tiny

@@ -7,25 +7,45 @@ import threading
 
 import pytest
 
-from agents import protocol as P
+from agents.wire.channel import (
+    SPLIT_BYTES,
+    recv_frame,
+    recv_json,
+    send_buffers,
+    send_error,
+    send_frame,
+    send_json,
+)
+from agents.wire.fingerprint import fingerprint_mismatch
+from agents.wire.frames import (
+    DEFAULT_MAX_FRAME,
+    HEADER,
+    MAGIC,
+    VERSION,
+    Frame,
+    ProtocolError,
+    RemoteError,
+    pack_header,
+    parse_header,
+)
 from tests.conftest import socket_pair
 
 
 def test_json_frame_round_trip() -> None:
     a, b = socket_pair()
-    P.send_json(a, P.Frame.GENERATE, {"prompt": "hi", "max_tokens": 3})
-    kind, obj = P.recv_json(b, P.Frame.GENERATE)
-    assert kind == P.Frame.GENERATE and obj == {"prompt": "hi", "max_tokens": 3}
+    send_json(a, Frame.GENERATE, {"prompt": "hi", "max_tokens": 3})
+    kind, obj = recv_json(b, Frame.GENERATE)
+    assert kind == Frame.GENERATE and obj == {"prompt": "hi", "max_tokens": 3}
 
 
 def test_multi_buffer_frame_arrives_whole() -> None:
     a, b = socket_pair()
     parts = [b"x" * 70_000, memoryview(b"y" * 100_000), bytearray(b"z" * 5)]
-    sender = threading.Thread(target=P.send_frame, args=(a, P.Frame.KV_LAYER, parts))
+    sender = threading.Thread(target=send_frame, args=(a, Frame.KV_LAYER, parts))
     sender.start()
-    header, payload = P.recv_frame(b)
+    header, payload = recv_frame(b)
     sender.join()
-    assert header.type == P.Frame.KV_LAYER
+    assert header.type == Frame.KV_LAYER
     assert bytes(payload) == b"x" * 70_000 + b"y" * 100_000 + b"z" * 5
 
 
@@ -52,12 +72,12 @@ class _ShortSends:
 
 @pytest.mark.parametrize("cap", [1 << 30, 50_000])
 def test_send_buffers_gives_each_large_buffer_its_own_call(cap: int) -> None:
-    # A KV_LAYER's header and K in one sendmsg, V in the next (P.SPLIT_BYTES);
+    # A KV_LAYER's header and K in one sendmsg, V in the next (SPLIT_BYTES);
     # small buffers still go together, and short sends resume where they stopped.
-    big = P.SPLIT_BYTES
+    big = SPLIT_BYTES
     parts = [b"h" * 16, b"l" * 40, b"k" * big * 2, b"v" * big * 2, b"t" * 32, b"u" * 8]
     sock = _ShortSends(cap)
-    sent = P.send_buffers(sock, parts, None)  # type: ignore[arg-type]
+    sent = send_buffers(sock, parts, None)  # type: ignore[arg-type]
     assert sent == sum(map(len, parts)) and bytes(sock.data) == b"".join(parts)
     for call in sock.calls:
         large = [n for n in call if n >= big]
@@ -68,51 +88,51 @@ def test_send_buffers_gives_each_large_buffer_its_own_call(cap: int) -> None:
 
 def test_error_frame_becomes_remote_error() -> None:
     a, b = socket_pair()
-    P.send_error(a, "model_mismatch", "prefill has A, decode has B")
-    with pytest.raises(P.RemoteError) as info:
-        P.recv_json(b, P.Frame.HELLO_OK)
+    send_error(a, "model_mismatch", "prefill has A, decode has B")
+    with pytest.raises(RemoteError) as info:
+        recv_json(b, Frame.HELLO_OK)
     assert info.value.code == "model_mismatch" and "A" in info.value.message
 
 
 @pytest.mark.parametrize(
     "raw, message",
     [
-        (P.HEADER.pack(b"XX", P.VERSION, 1, 0, 0), "bad magic"),
-        (P.HEADER.pack(P.MAGIC, 99, 1, 0, 0), "protocol version 99"),
-        (P.HEADER.pack(P.MAGIC, P.VERSION, 200, 0, 0), "unknown frame type"),
-        (P.HEADER.pack(P.MAGIC, P.VERSION, 1, 0, 1 << 40), "exceeds the cap"),
+        (HEADER.pack(b"XX", VERSION, 1, 0, 0), "bad magic"),
+        (HEADER.pack(MAGIC, 99, 1, 0, 0), "protocol version 99"),
+        (HEADER.pack(MAGIC, VERSION, 200, 0, 0), "unknown frame type"),
+        (HEADER.pack(MAGIC, VERSION, 1, 0, 1 << 40), "exceeds the cap"),
     ],
 )
 def test_bad_headers_are_refused(raw: bytes, message: str) -> None:
-    with pytest.raises(P.ProtocolError, match=message):
-        P.parse_header(raw, P.DEFAULT_MAX_FRAME)
+    with pytest.raises(ProtocolError, match=message):
+        parse_header(raw, DEFAULT_MAX_FRAME)
 
 
 def test_unexpected_frame_type_and_bad_json() -> None:
     a, b = socket_pair()
-    P.send_json(a, P.Frame.TOKEN, {"id": 1})
-    with pytest.raises(P.ProtocolError, match="expected HELLO, got TOKEN"):
-        P.recv_json(b, P.Frame.HELLO)
-    P.send_frame(a, P.Frame.HELLO, b"{not json")
-    with pytest.raises(P.ProtocolError, match="not valid JSON"):
-        P.recv_json(b, P.Frame.HELLO)
-    P.send_frame(a, P.Frame.HELLO, b"[1, 2]")
-    with pytest.raises(P.ProtocolError, match="JSON object"):
-        P.recv_json(b, P.Frame.HELLO)
+    send_json(a, Frame.TOKEN, {"id": 1})
+    with pytest.raises(ProtocolError, match="expected HELLO, got TOKEN"):
+        recv_json(b, Frame.HELLO)
+    send_frame(a, Frame.HELLO, b"{not json")
+    with pytest.raises(ProtocolError, match="not valid JSON"):
+        recv_json(b, Frame.HELLO)
+    send_frame(a, Frame.HELLO, b"[1, 2]")
+    with pytest.raises(ProtocolError, match="JSON object"):
+        recv_json(b, Frame.HELLO)
 
 
 def test_peer_hangup_mid_frame() -> None:
     a, b = socket_pair()
-    a.sendall(P.pack_header(P.Frame.KV_LAYER, 1000) + b"only a little")
+    a.sendall(pack_header(Frame.KV_LAYER, 1000) + b"only a little")
     a.close()
-    with pytest.raises(P.ProtocolError, match="closed after 13 of 1000"):
-        P.recv_frame(b)
+    with pytest.raises(ProtocolError, match="closed after 13 of 1000"):
+        recv_frame(b)
 
 
 def test_header_layout_is_fixed() -> None:
-    raw = P.pack_header(P.Frame.DONE, 258)
+    raw = pack_header(Frame.DONE, 258)
     assert len(raw) == 16
-    assert raw[:2] == b"DG" and raw[2] == P.VERSION and raw[3] == P.Frame.DONE
+    assert raw[:2] == b"DG" and raw[2] == VERSION and raw[3] == Frame.DONE
     assert struct.unpack("<Q", raw[8:]) == (258,)
 
 
@@ -125,12 +145,12 @@ def test_fingerprint_mismatch_names_fields() -> None:
         "dtype": "float32",
         "layers": [["full", 0]] * 30,
     }
-    assert P.fingerprint_mismatch(fp, dict(fp)) == []
+    assert fingerprint_mismatch(fp, dict(fp)) == []
     other = {**fp, "num_layers": 2, "layers": [["full", 0]] * 2, "dtype": "bfloat16"}
-    diffs = P.fingerprint_mismatch(fp, other)
+    diffs = fingerprint_mismatch(fp, other)
     assert any("num_layers 30 vs 2" in d for d in diffs)
     assert any("dtype float32 vs bfloat16" in d for d in diffs)
     sliding = {**fp, "layers": [["sliding", 8]] + [["full", 0]] * 29}
-    assert P.fingerprint_mismatch(fp, sliding) == [
+    assert fingerprint_mismatch(fp, sliding) == [
         "layers [0] cache kind/window ['full', 0] vs ['sliding', 8]"
     ]

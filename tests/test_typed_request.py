@@ -11,8 +11,16 @@ from typing import Any
 
 import pytest
 
-from agents import protocol as P
-from agents.request import GenerateRequest, PrefillRequest, PrefillTarget, RequestError, pack_ids
+from agents.wire.auth import client_auth
+from agents.wire.channel import recv_frame, recv_json, send_frame, send_json, send_json_ids
+from agents.wire.frames import Frame, decode_json, error_from, packed_ids_offered
+from agents.wire.request import (
+    GenerateRequest,
+    PrefillRequest,
+    PrefillTarget,
+    RequestError,
+    pack_ids,
+)
 from disagg.serving import wireclient
 from disagg.serving.localagents import AgentProc
 from disagg.serving.metrics import SEED_NAMES, Metrics
@@ -148,36 +156,36 @@ def test_todays_prefill_json_gets_layers_logits_and_done(
     fingerprint = decode.status()["fingerprint"]
     hello = {"role": "decode", "fingerprint": fingerprint, "model": "test"}
     with socket.create_connection((prefill.host, prefill.port), timeout=30) as sock:
-        P.client_auth(sock, prefill.token)
-        P.send_json(sock, P.Frame.HELLO, hello)
-        P.recv_json(sock, P.Frame.HELLO_OK)
-        P.send_json(sock, P.Frame.PREFILL, {"token_ids": [1, 2, 3, 4, 5], "codec": 0})
-        kinds: list[P.Frame] = []
+        client_auth(sock, prefill.token)
+        send_json(sock, Frame.HELLO, hello)
+        recv_json(sock, Frame.HELLO_OK)
+        send_json(sock, Frame.PREFILL, {"token_ids": [1, 2, 3, 4, 5], "codec": 0})
+        kinds: list[Frame] = []
         while True:
-            header, payload = P.recv_frame(sock)
+            header, payload = recv_frame(sock)
             kinds.append(header.type)
-            if header.type == P.Frame.PREFILL_DONE:
-                done = P.decode_json(header, payload)
+            if header.type == Frame.PREFILL_DONE:
+                done = decode_json(header, payload)
                 break
         layers = fingerprint["num_layers"]
-        assert kinds == [P.Frame.KV_LAYER] * layers + [P.Frame.LOGITS, P.Frame.PREFILL_DONE]
+        assert kinds == [Frame.KV_LAYER] * layers + [Frame.LOGITS, Frame.PREFILL_DONE]
         assert done["codec"] == 0 and done["kv_quant"] is None and done["prefill_time"] > 0
         # A bad PREFILL on the same kind of connection: one bad_request, agent healthy.
-        P.send_json(sock, P.Frame.PREFILL, {"token_ids": [1, 2], "start": 5})
-        header, payload = P.recv_frame(sock)
-        assert header.type == P.Frame.ERROR
-        error = P.error_from(header, payload)
+        send_json(sock, Frame.PREFILL, {"token_ids": [1, 2], "start": 5})
+        header, payload = recv_frame(sock)
+        assert header.type == Frame.ERROR
+        error = error_from(header, payload)
     assert error.code == "bad_request" and "start" in error.message
     assert prefill.alive() and prefill.status()["loaded"] is True
 
 
-def _stream(sock: socket.socket) -> list[tuple[P.Frame, bytes]]:
+def _stream(sock: socket.socket) -> list[tuple[Frame, bytes]]:
     """One PREFILL's answer: every frame up to PREFILL_DONE (payloads as bytes)."""
-    frames: list[tuple[P.Frame, bytes]] = []
-    while not frames or frames[-1][0] != P.Frame.PREFILL_DONE:
-        header, payload = P.recv_frame(sock)
-        if header.type == P.Frame.ERROR:
-            raise P.error_from(header, payload)
+    frames: list[tuple[Frame, bytes]] = []
+    while not frames or frames[-1][0] != Frame.PREFILL_DONE:
+        header, payload = recv_frame(sock)
+        if header.type == Frame.ERROR:
+            raise error_from(header, payload)
         frames.append((header.type, bytes(payload)))
     return frames
 
@@ -193,19 +201,19 @@ def test_packed_ids_get_the_same_layers_and_logits_as_json_ids(
     hello = {"role": "decode", "fingerprint": fingerprint, "model": "test"}
     req = PrefillRequest([5, 17, 2, 99, 4, 8], prefix_cache=False)
     with socket.create_connection((prefill.host, prefill.port), timeout=30) as sock:
-        P.client_auth(sock, prefill.token)
-        P.send_json(sock, P.Frame.HELLO, hello)
-        _, ok = P.recv_json(sock, P.Frame.HELLO_OK)
-        assert P.packed_ids_offered(ok)
-        P.send_json(sock, P.Frame.PREFILL, req.to_wire())
+        client_auth(sock, prefill.token)
+        send_json(sock, Frame.HELLO, hello)
+        _, ok = recv_json(sock, Frame.HELLO_OK)
+        assert packed_ids_offered(ok)
+        send_json(sock, Frame.PREFILL, req.to_wire())
         as_json = _stream(sock)
-        P.send_json_ids(sock, P.Frame.PREFILL, req.to_wire(True), pack_ids(req.token_ids))
+        send_json_ids(sock, Frame.PREFILL, req.to_wire(True), pack_ids(req.token_ids))
         packed = _stream(sock)
-        kv = [(t, p) for t, p in as_json if t in (P.Frame.KV_LAYER, P.Frame.LOGITS)]
+        kv = [(t, p) for t, p in as_json if t in (Frame.KV_LAYER, Frame.LOGITS)]
         assert len(kv) == fingerprint["num_layers"] + 1
-        assert kv == [(t, p) for t, p in packed if t in (P.Frame.KV_LAYER, P.Frame.LOGITS)]
-        P.send_frame(sock, P.Frame.PREFILL, b'{"token_ids":[1]}', flags=2)
-        header, payload = P.recv_frame(sock)
-        error = P.error_from(header, payload)
+        assert kv == [(t, p) for t, p in packed if t in (Frame.KV_LAYER, Frame.LOGITS)]
+        send_frame(sock, Frame.PREFILL, b'{"token_ids":[1]}', flags=2)
+        header, payload = recv_frame(sock)
+        error = error_from(header, payload)
     assert error.code == "protocol" and "unknown flags" in error.message
     assert prefill.alive() and prefill.status()["loaded"] is True

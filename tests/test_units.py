@@ -11,7 +11,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from agents.metrics import Stats
+from agents.runtime.metrics import Stats
 from disagg.fleet.inventory import SshSettings
 from disagg.fleet.service import AgentPaths, launchd_plist, systemd_unit
 from disagg.fleet.ssh import _parse_jump, resolve

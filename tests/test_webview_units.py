@@ -118,7 +118,7 @@ def test_prometheus_text_parses_and_counts_what_happened() -> None:
 
 
 def test_fallback_kinds_are_the_agents() -> None:
-    from agents.kvfetch import FALLBACK_KINDS
+    from agents.decode.kvfetch import FALLBACK_KINDS
 
     assert prom.FALLBACK_KINDS == FALLBACK_KINDS
 

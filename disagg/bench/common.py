@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
-from agents import fastblas
-from agents.protocol import AuthError
+from agents.runtime import fastblas
+from agents.wire.frames import AuthError
 from disagg.serving.defaultmodel import Say
 from disagg.units import fmt
 

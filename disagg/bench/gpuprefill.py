@@ -3,7 +3,7 @@ dir, with the weights in full precision or kept packed (agents.quant).
 
 The agents' own engine (PrefillEngine), timed the way the prefill agent runs it:
 each layer's K/V is handed to a callback as it is computed (here copied to host
-memory, as the agent does before sending). Used on lent GPU machines (README).
+memory, as the agent does before sending). Used on lent GPU machines (docs/performance.md).
 
 Run: python -m disagg.bench.gpuprefill DIR [DIR ...] [--device cuda] [--dtype auto]
 """
@@ -23,7 +23,7 @@ from disagg.bench.quant_weights import checkpoint_bytes
 def probe(model_dir: Path, device: str, dtype: str, tokens: int, repeats: int) -> dict[str, Any]:
     import torch
 
-    from agents.prefill import PrefillEngine
+    from agents.prefill.agent import PrefillEngine
 
     cuda = device.startswith("cuda")
     t0 = time.perf_counter()

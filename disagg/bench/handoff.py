@@ -31,9 +31,10 @@ from typing import Any
 
 import numpy as np
 
-from agents import protocol as P
-from agents.kvcodec import WIRE_NUMPY, Codec, DType, Kind, LayerKV, decode_layer
-from agents.request import PrefillRequest
+from agents.wire.channel import FrameReader, recv_control, recv_exact
+from agents.wire.frames import Frame, split_json_ids
+from agents.wire.kvcodec import WIRE_NUMPY, Codec, DType, Kind, LayerKV, decode_layer
+from agents.wire.request import PrefillRequest
 
 ACK = b"k"
 # The LOGITS frame receive_layers waits for before PREFILL_DONE (any length).
@@ -76,10 +77,10 @@ def raw_size(layers: list[LayerKV]) -> int:
 
 def _recv_ours(sock: socket.socket, verify: bool) -> str | None:
     h = hashlib.sha256() if verify else None
-    reader = P.FrameReader(sock)  # as agents.kvfetch receives
+    reader = FrameReader(sock)  # as agents.decode.kvfetch receives
     while True:
         header, payload = reader.read()
-        if header.type == P.Frame.PREFILL_DONE:
+        if header.type == Frame.PREFILL_DONE:
             break
         kv = decode_layer(payload)
         if h is not None:
@@ -164,7 +165,7 @@ def _receiver_main() -> None:
         else:
             buf = bytearray(total) if mode in ("bare", "bare_asked") else bytearray()
             if mode == "bare_asked":  # as handoffmlx's, made before the clock
-                from agents.kvfetch import send_prefill  # mlx: only in the receiver
+                from agents.decode.kvfetch import send_prefill  # mlx: only in the receiver
 
                 request = PrefillRequest(list(range(Spec(**job[3]).tokens)))
             answer("ready")
@@ -247,8 +248,8 @@ class Receiver:
         self._start("ours", 0, verify)
         with self._dial() as sock:
             t0 = time.perf_counter()
-            sender = _send_layers(sock, layers, codec, ((P.Frame.PREFILL_DONE, DONE),))
-            if P.recv_exact(sock, 1) != ACK:
+            sender = _send_layers(sock, layers, codec, ((Frame.PREFILL_DONE, DONE),))
+            if recv_exact(sock, 1) != ACK:
                 raise RuntimeError("bad ack")
             secs = time.perf_counter() - t0
         return secs, sender.bytes, self._read()
@@ -270,13 +271,13 @@ class Receiver:
             # As the prefill agent: the decode side asks (PREFILL, its ids packed
             # as HELLO_OK offers), read and checked as the agent does; then the
             # stream, LOGITS and PREFILL_DONE through the agent's sender.
-            header, payload = P.recv_control(sock, P.Frame.PREFILL)
-            frame, packed = P.split_json_ids(header, payload)
+            header, payload = recv_control(sock, Frame.PREFILL)
+            frame, packed = split_json_ids(header, payload)
             PrefillRequest.from_dict(frame, None, packed)
             asked = time.perf_counter() - t0  # the request's round trip, in the time
-            frames = ((P.Frame.LOGITS, LOGITS), (P.Frame.PREFILL_DONE, DONE))
+            frames = ((Frame.LOGITS, LOGITS), (Frame.PREFILL_DONE, DONE))
             sender = _send_layers(sock, layers, codec, frames)
-            if P.recv_exact(sock, 1) != ACK:
+            if recv_exact(sock, 1) != ACK:
                 raise RuntimeError("bad ack")
             secs = time.perf_counter() - t0
         got: dict[str, Any] = self._read()
@@ -292,11 +293,11 @@ class Receiver:
         with self._dial() as sock:
             t0 = time.perf_counter()
             if asked:
-                P.recv_control(sock, P.Frame.PREFILL)
+                recv_control(sock, Frame.PREFILL)
             for kv in layers:
                 sock.sendall(memoryview(kv.keys).cast("B"))  # type: ignore[arg-type]
                 sock.sendall(memoryview(kv.values).cast("B"))  # type: ignore[arg-type]
-            if P.recv_exact(sock, 1) != ACK:
+            if recv_exact(sock, 1) != ACK:
                 raise RuntimeError("bad ack")
             secs = time.perf_counter() - t0
         self._read()
@@ -338,11 +339,11 @@ def _send_layers(
     sock: socket.socket,
     layers: list[LayerKV],
     codec: Codec,
-    frames: tuple[tuple[P.Frame, bytes], ...] = (),
+    frames: tuple[tuple[Frame, bytes], ...] = (),
 ) -> Any:
     """The layers, then `frames`, through the prefill agent's own LayerSender;
     it, for its byte count."""
-    from agents.prefill import LayerSender  # imports torch: only in the sender
+    from agents.prefill.agent import LayerSender  # imports torch: only in the sender
 
     sender = LayerSender(sock, codec)
     for kv in layers:

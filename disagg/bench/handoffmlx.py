@@ -25,11 +25,11 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from agents.kvcodec import LayerKV
-from agents.kvfetch import receive_layers
-from agents.kvinplace import Slots, allocate
-from agents.kvplace import fill_layer
-from agents.request import PrefillRequest
+from agents.decode.kvcaches import fill_layer
+from agents.decode.kvfetch import receive_layers
+from agents.decode.kvslots import Slots, allocate
+from agents.wire.kvcodec import LayerKV
+from agents.wire.request import PrefillRequest
 from disagg.bench.handoff import Spec
 
 MODES = ("inplace", "mlx_copy")

@@ -1,9 +1,9 @@
-"""What sealing the frames (agents.protocol INTEGRITY "mac") costs a K/V handoff.
+"""What sealing the frames (agents.wire INTEGRITY "mac") costs a K/V handoff.
 
 The same KV_LAYER frames through a real loopback TCP connection, authenticated
 both ways, once bare ("none") and once sealed ("mac"): the receiver reads each
-frame as agents.kvfetch does (FrameReader; sealed, the tag is checked before the
-payload is handed on). The figure that decides (issue 20's rule, 5 % at
+frame as agents.decode.kvfetch does (FrameReader; sealed, the tag is checked before the
+payload is handed on). The figure that decides (sealing may add at most 5 % at
 10 Gbit/s) is the receiver's check on the critical path: the tag rate measured
 here against the time the same bytes take on a 10 Gbit/s wire.
 
@@ -23,7 +23,9 @@ import threading
 import time
 from typing import Any
 
-from agents import protocol as P
+from agents.wire.auth import client_auth, server_auth
+from agents.wire.channel import FrameReader, send_frame
+from agents.wire.frames import Frame
 
 LINK_BYTES_PER_S = 10e9 / 8  # 10 Gbit/s
 
@@ -38,8 +40,8 @@ def _transfer(integrity: str, layer: bytes, layers: int) -> float:
     def receive() -> None:
         conn, _ = listener.accept()
         with conn:
-            P.server_auth(conn, token)
-            reader = P.FrameReader(conn)
+            server_auth(conn, token)
+            reader = FrameReader(conn)
             reader.read()  # the start mark
             t0 = time.perf_counter()
             for _ in range(layers):
@@ -50,10 +52,10 @@ def _transfer(integrity: str, layer: bytes, layers: int) -> float:
     t = threading.Thread(target=receive)
     t.start()
     with socket.create_connection(("127.0.0.1", port)) as s:
-        P.client_auth(s, token, integrity)
-        P.send_frame(s, P.Frame.KV_LAYER, b"start")
+        client_auth(s, token, integrity)
+        send_frame(s, Frame.KV_LAYER, b"start")
         for _ in range(layers):
-            P.send_frame(s, P.Frame.KV_LAYER, layer)
+            send_frame(s, Frame.KV_LAYER, layer)
         s.recv(1)
     t.join()
     listener.close()

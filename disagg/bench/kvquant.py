@@ -3,7 +3,7 @@
 Per prompt, on a real model, in this process: `agents.prefill.PrefillEngine`
 computes the prompt's K/V and last-position logits; every layer goes through
 `kvcodec` twice, lossless and int8, into two sets of mlx caches of
-`agents.decode.DecodeEngine`'s model (`agents.kvplace.fill_layer`), and mlx-lm's
+`agents.decode.DecodeEngine`'s model (`agents.decode.kvcaches.fill_layer`), and mlx-lm's
 `generate_step` decodes greedily on from each. Measured:
 
 * bytes: the KV_LAYER frames of each, raw and with shuffle+zstd, and the ratio;
@@ -35,8 +35,8 @@ from typing import Any
 import numpy as np
 from rich.table import Table
 
-from agents import protocol as P
-from agents.kvcodec import Codec, LayerKV, QuantKV, decode_layer, encode_layer, quantize_layer
+from agents.wire.frames import HEADER
+from agents.wire.kvcodec import Codec, LayerKV, QuantKV, decode_layer, encode_layer, quantize_layer
 from disagg.bench.common import Say, long_text, quiet, table
 
 # ints: a deterministic inventory of about that many tokens (chat template on);
@@ -90,7 +90,7 @@ def through_wire(
         wire: LayerKV | QuantKV = quantize_layer(kv) if kv_quant else kv
         quant_s += time.perf_counter() - t0
         payload = b"".join(bytes(b) for b in encode_layer(wire, codec))
-        nbytes += P.HEADER.size + len(payload)
+        nbytes += HEADER.size + len(payload)
         t0 = time.perf_counter()
         out.append(decode_layer(payload))
         decode_s += time.perf_counter() - t0
@@ -100,7 +100,7 @@ def through_wire(
 def fill_caches(model: Any, layers: list[LayerKV], prompt_len: int) -> list[Any]:
     from mlx_lm.models.cache import make_prompt_cache
 
-    from agents.kvplace import fill_layer
+    from agents.decode.kvcaches import fill_layer
 
     caches = make_prompt_cache(model)
     for kv in layers:
@@ -216,8 +216,8 @@ def run_kvquant_bench(
     say: Say = quiet,
 ) -> dict[str, Any]:
     """int8 vs lossless KV on `model_dir` for each prompt; plain data."""
-    from agents.decode import DecodeEngine
-    from agents.prefill import PrefillEngine
+    from agents.decode.agent import DecodeEngine
+    from agents.prefill.agent import PrefillEngine
 
     if tokens < 2 or not prompts:
         raise ValueError("tokens >= 2 and at least one prompt")

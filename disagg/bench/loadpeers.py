@@ -3,7 +3,7 @@
 Both are real processes on 127.0.0.1 that speak OpenAI's streaming chat API:
 `disagg serve --local` (its gateway over a local prefill + decode agent pair) and
 `mlx_lm.server` (continuous batching and a prompt cache, the peer a Mac user would
-pick). mlx_lm.server runs with the same BLAS as the decode agent (`agents.fastblas`):
+pick). mlx_lm.server runs with the same BLAS as the decode agent (`agents.runtime.fastblas`):
 mlx's Linux wheel bundles a reference BLAS that a Mac never uses.
 
 `stream_chat` sends one streamed request with httpx and stamps each SSE chunk that
@@ -29,7 +29,7 @@ from disagg.serving.localagents import free_port
 
 MLX_SERVER = (
     "import sys\n"
-    "import agents.fastblas  # the decode agent's BLAS, before mlx loads\n"
+    "import agents.runtime.fastblas  # the decode agent's BLAS, before mlx loads\n"
     "from mlx_lm.server import main\n"
     "sys.argv[0] = 'mlx_lm.server'\n"
     "main()\n"

@@ -24,8 +24,10 @@ from typing import Any
 
 PROBE = """
 import json, statistics, sys, time
-import torch
-from agents.prefill import PrefillEngine
+try:
+    from agents.prefill.agent import PrefillEngine
+except ImportError:  # a tree from before agents/ was grouped by process
+    from agents.prefill import PrefillEngine
 model, lengths, repeats = sys.argv[1], [int(n) for n in sys.argv[2].split(",")], int(sys.argv[3])
 eng = PrefillEngine(model, device="cpu")
 vocab = int(eng.cfg["vocab_size"])

@@ -70,7 +70,7 @@ def run_prefix_bench(
 ) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from agents.request import GenerateRequest
+    from agents.wire.request import GenerateRequest
     from disagg.serving import wireclient as client
     from disagg.serving.localagents import start_local_pair
     from disagg.serving.pair import run_remote

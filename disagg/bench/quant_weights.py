@@ -54,7 +54,7 @@ def _idle_engine_rss(model_dir: str) -> tuple[int, int]:
     from transformers.initialization import no_init_weights
 
     from agents.models import load_hf_config
-    from agents.prefill import TORCH_DTYPES, pick_dtype
+    from agents.prefill.agent import TORCH_DTYPES, pick_dtype
     from agents.quant.loader import hf_config
 
     start = _rss()
@@ -73,7 +73,7 @@ def _probe(model_dir: str, mode: str, tokens: int, repeats: int) -> dict[str, An
 
     import torch
 
-    from agents.prefill import PrefillEngine
+    from agents.prefill.agent import PrefillEngine
     from agents.quant.dequant import Packed
     from agents.quant.modules import materialize
 
@@ -143,7 +143,7 @@ def agents_part(
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    from agents.decode import DecodeEngine
+    from agents.decode.agent import DecodeEngine
     from disagg.serving import wireclient
 
     eng = DecodeEngine(str(model_dir))

@@ -24,7 +24,7 @@
   Gbit/s, by arithmetic on those measured times (no `tc` here): per layer,
   compress -> wire -> decompress run as a 3-stage pipeline (the sender thread,
   the link, the receiver), completion time by the flow-shop recurrence; the
-  serial sum is shown beside it. `agents.codecpick.pick_codec` then picks a
+  serial sum is shown beside it. `agents.decode.codectuner.pick_codec` then picks a
   codec per rate from the measured speeds: that is the "adaptive" row.
 
 The real KV comes from `agents.prefill.PrefillEngine` run in this process on a
@@ -44,14 +44,14 @@ from typing import Any
 import numpy as np
 from rich.table import Table
 
-from agents import protocol as P
-from agents.codecpick import CodecSpeed, pick_codec, stream_rate
-from agents.kvcodec import Codec, LayerKV, decode_layer, encode_layer
+from agents.decode.codectuner import CodecSpeed, pick_codec, stream_rate
+from agents.wire.frames import HEADER
+from agents.wire.kvcodec import Codec, LayerKV, decode_layer, encode_layer
 from disagg.bench.common import Say, Stamp, long_text, median, quiet, table, verdict
 from disagg.bench.handoff import Receiver, kv_digest, raw_size
 
 HANDOFF_BARE_BAR = 0.85  # ours / bare socket, at least
-HANDOFF_INPLACE_BAR = 0.95  # ours into mlx caches in place / bare socket, at least (issue 18)
+HANDOFF_INPLACE_BAR = 0.95  # ours into mlx caches in place / bare socket, at least
 # bare / in-place pairs per repetition: the bar's two sides are short transfers
 # whose times swing ±30 % on a shared box (a run's ratio of medians moved ±4 %
 # by sampling alone at 33 pairs), and cheap next to JSON and zstd.
@@ -82,7 +82,7 @@ def real_kv(model_dir: Path, tokens: int, dtype: str) -> list[LayerKV]:
     agent computes and sends it (wire dtype: float32, or bf16 as uint16 words)."""
     from transformers import AutoTokenizer
 
-    from agents.prefill import PrefillEngine
+    from agents.prefill.agent import PrefillEngine
 
     tok: Any = AutoTokenizer.from_pretrained(str(model_dir))
     text = long_text(lambda s: len(tok.encode(s)), tokens)
@@ -138,7 +138,7 @@ def measure_codec(layers: list[LayerKV], codec: Codec, level: int, repeats: int)
             raise AssertionError(f"{codec.name}: layer {kv.layer} did not round-trip")
         enc.append(median(e))
         dec.append(median(d))
-        frame.append(P.HEADER.size + len(payload))
+        frame.append(HEADER.size + len(payload))
     raw = raw_size(layers)
     wire = sum(frame)
     return {
@@ -294,7 +294,7 @@ def handoff_part(
         "ok_bare": gbs["ours"] / gbs["bare"] >= HANDOFF_BARE_BAR,
         "ok_json": gbs["ours"] / gbs["json"] >= HANDOFF_JSON_BAR,
         "bit_exact": got_ours == want,
-        # Into mlx caches (the issue 18 bar): per triple too, bare_i / inplace_i.
+        # Into mlx caches (HANDOFF_INPLACE_BAR): per triple too, bare_i / inplace_i.
         "inplace_vs_bare": gbs["ours_inplace"] / gbs["bare"],
         "inplace_vs_bare_runs": [
             b / a for a, b in zip(runs["ours_inplace"], runs["bare"], strict=True)

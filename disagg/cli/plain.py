@@ -1,4 +1,4 @@
-"""The one path from a remote string to the terminal (issue 20).
+"""The one path from a remote string to the terminal.
 
 What agents, hosts and their logs say (status fields, stderr tails, ERROR
 messages) becomes a rich `Text`: never parsed as markup (a `[link=...]` stays
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from agents.protocol import printable
+from agents.wire.text import printable
 from disagg.safetext import strip_escapes
 
 LIMIT = 300  # characters of one remote value in a table cell

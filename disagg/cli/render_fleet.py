@@ -12,7 +12,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from agents.protocol import printable
+from agents.wire.text import printable
 from disagg.cli.plain import plain, plain_lines
 from disagg.fleet.deploy import HostDeploy
 from disagg.fleet.operations import AgentAction, AgentStatus, LogLine
@@ -178,7 +178,7 @@ def _backend(st: dict[str, Any]) -> str:
         return "-"
     text = f"{st['backend']}/{st.get('device')}"
     # Which BLAS an mlx CPU runs its matmuls on ("openblas (numpy): PATH" -> "openblas (numpy)"):
-    # mlx's bundled one is several times slower (agents/fastblas.py).
+    # mlx's bundled one is several times slower (agents/runtime/fastblas.py).
     if isinstance(st.get("blas"), str) and "cpu" in str(st.get("device")):
         text += f", {st['blas'].split(':')[0]}" + (" BLAS" if st["blas"] == "bundled" else "")
     return printable(text, 120)

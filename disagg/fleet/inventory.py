@@ -24,7 +24,7 @@ else:  # pragma: no cover
 ROLES = ("prefill", "decode")
 SERVICES = ("auto", "systemd", "launchd", "nohup")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-INTEGRITY = ("mac", "none")  # agents.protocol.INTEGRITY, default first
+INTEGRITY = ("mac", "none")  # agents.wire.INTEGRITY, default first
 # The seeds' ports: prefill 8000, decode 8001; control endpoints beside them.
 DEFAULT_PORTS = {"prefill": (8000, 8010), "decode": (8001, 8011)}
 DEFAULT_TIMEOUTS_S = {"prefill": 60.0, "decode": 180.0}
@@ -110,7 +110,7 @@ class Pipeline:
     # agents refuse that unless told; results then say weights: "mixed".
     mixed_weights: bool = False
     # Frames between agents after the handshake: "mac" tags each one (altered K/V
-    # is refused before it is placed or cached), "none" trusts the link (README).
+    # is refused before it is placed or cached), "none" trusts the link (docs/threat-model.md).
     integrity: str = "mac"
 
 

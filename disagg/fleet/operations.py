@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents.protocol import AuthError as ProtocolAuthError
-from agents.protocol import printable
+from agents.wire.frames import AuthError as ProtocolAuthError
+from agents.wire.text import printable
 from disagg.errors import AgentError, DisaggError, ModelError
 from disagg.fleet import service
 from disagg.fleet.crashes import crash_tail_command, last_error_from_tails
@@ -176,7 +176,7 @@ def _http_status(
 # Run on the host itself with the agents' code there: it proves the token it reads
 # there by challenge-response, so the token never travels, not even over loopback.
 FETCH_SCRIPT = (
-    "import sys; sys.path.insert(0, sys.argv[3]); from agents.httpauth import control_get; "
+    "import sys; sys.path.insert(0, sys.argv[3]); from agents.wire.httpauth import control_get; "
     "t = open(sys.argv[2], 'rb').read().strip(); "
     "sys.stdout.write(control_get('127.0.0.1', int(sys.argv[1]), '/status', t, 3).decode())"
 )

@@ -13,7 +13,7 @@ import os
 import secrets
 from pathlib import Path
 
-from agents.protocol import TOKEN_MIN_CHARS
+from agents.wire.auth import TOKEN_MIN_CHARS
 from disagg.errors import AuthError
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from agents.request import GenerateRequest
+from agents.wire.request import GenerateRequest
 from disagg.api import Client, Completion
 from disagg.errors import DisaggError, UsageError
 from disagg.serving.request import build_request

@@ -20,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
-from agents.request import GenerateRequest
+from agents.wire.request import GenerateRequest
 from disagg.api import Chunk, Client, Completion
 from disagg.errors import AgentError, DisaggError, ModelMismatch, Overloaded, UsageError
 from disagg.frontends import ollama, webview
@@ -88,7 +88,7 @@ class StreamOptions(BaseModel):
 
 class _Common(BaseModel):
     model: str
-    # Limits are checked once, by agents.request (a 400 naming the field).
+    # Limits are checked once, by agents.wire.request (a 400 naming the field).
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0

@@ -1,4 +1,4 @@
-"""What a connection may cost the gateway before it is a request (issue 20).
+"""What a connection may cost the gateway before it is a request.
 
 uvicorn alone takes any number of connections and waits forever for a request's
 first byte: a few dozen silent sockets under a low open-files limit held the
@@ -21,7 +21,7 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from agents.server import peer_key
+from agents.runtime.server import peer_key
 
 HEADER_TIMEOUT_S = 10.0  # from connect (or the last response) to a request's full headers
 MAX_CONNECTIONS = 1024

@@ -3,7 +3,7 @@ libraries, Open WebUI, editor plugins) use the cluster unchanged.
 
 GET /api/tags, /api/ps, /api/version; POST /api/show, /api/generate, /api/chat
 (NDJSON streaming by default, one object with `"stream": false`). Requests map
-into the one request type (`agents.request`) through `Client.generate`; the
+into the one request type (`agents.wire.request`) through `Client.generate`; the
 response's durations (ns) and counts come from the agents' metrics.
 """
 
@@ -22,8 +22,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from agents.protocol import AuthError
-from agents.request import GenerateRequest
+from agents.wire.frames import AuthError
+from agents.wire.request import GenerateRequest
 from disagg.api import Chunk, Client, Completion
 from disagg.errors import DisaggError, Overloaded, UsageError
 from disagg.frontends.guard import cache_salt, unless_gone

@@ -1,4 +1,4 @@
-"""The gateway's request threads and its admission limit (issue 18).
+"""The gateway's request threads and its admission limit.
 
 A request holds a thread while it runs (the router is blocking code). Python's
 default pool has min(32, cores + 4) threads: a fast request waited behind a few
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any, ParamSpec, TypeVar
 
-from agents.protocol import AuthError
+from agents.wire.frames import AuthError
 from disagg.errors import Overloaded
 from disagg.serving.control import control_status
 from disagg.serving.router import Router

@@ -32,12 +32,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from agents.request import GenerateRequest
+from agents.wire.request import GenerateRequest
 
 CHUNK_CHARS = 256  # a raw prompt's prefixes: whole chunks of this many characters
 CHARS_PER_TOKEN = 4  # a rough guess of English text; only used to weigh a hit
 TOKENS_PER_SLOT = 512  # expected hit tokens that buy one more stream of imbalance
-MAX_SLACK = 8  # a quarter of the decode agent's default max_batch (agents.batching)
+MAX_SLACK = 8  # a quarter of the decode agent's default max_batch (agents.decode.loop)
 MAX_KEYS = 1 << 16  # remembered prefixes (~100 bytes each): the LRU's bound
 
 

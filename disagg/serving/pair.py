@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from agents.request import GenerateRequest
+from agents.wire.request import GenerateRequest
 from disagg.errors import AgentError
 from disagg.serving import wireclient
 from disagg.serving.localagents import AgentProc

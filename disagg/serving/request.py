@@ -1,4 +1,4 @@
-"""The one request type (`agents.request.GenerateRequest`) as the control plane
+"""The one request type (`agents.wire.request.GenerateRequest`) as the control plane
 builds it: input errors become `UsageError`s naming the field, so bad input never
 costs an agent start."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from agents.request import GenerateRequest, RequestError
+from agents.wire.request import GenerateRequest, RequestError
 from disagg.errors import UsageError
 
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents.request import GenerateRequest, PrefillTarget
+from agents.wire.request import GenerateRequest, PrefillTarget
 from disagg.errors import (
     AgentError,
     AuthError,
@@ -67,7 +67,7 @@ class Route:
     # An idle deadline: a decode agent that sends no frame (token or PROGRESS) for
     # this long failed. A stream that keeps producing tokens runs as long as it needs.
     decode_timeout_s: float = 180.0
-    integrity: str = "mac"  # frames between its agents: see agents.protocol.INTEGRITY
+    integrity: str = "mac"  # frames between its agents: see agents.wire.INTEGRITY
 
 
 def _timed_out(e: BaseException) -> bool:

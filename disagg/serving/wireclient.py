@@ -11,8 +11,19 @@ from typing import Any
 
 import numpy as np
 
-from agents import protocol as P
-from agents.request import GenerateRequest
+from agents.wire.auth import client_auth
+from agents.wire.channel import recv_frame, send_json
+from agents.wire.frames import (
+    PROGRESS_KEY,
+    Frame,
+    ProtocolError,
+    RemoteError,
+    decode_json,
+)
+from agents.wire.frames import (
+    AuthError as WireAuthError,
+)
+from agents.wire.request import GenerateRequest
 from disagg.errors import (
     AgentError,
     AuthError,
@@ -36,7 +47,7 @@ class Result:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # {"name", "arguments"}
 
 
-def _raise_remote(e: P.RemoteError) -> None:
+def _raise_remote(e: RemoteError) -> None:
     if e.code == "model_mismatch":
         raise ModelMismatch(e.message) from None
     if e.code == "bad_request":
@@ -75,8 +86,8 @@ def stream(
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(min(timeout_s, 10.0))
         try:
-            P.client_auth(sock, token)
-        except P.AuthError as e:
+            client_auth(sock, token)
+        except WireAuthError as e:
             raise AuthError(
                 f"decode agent {host}:{port}: {e}; fix: use the cluster's token "
                 "(disagg deploy writes it; --local makes its own)"
@@ -88,8 +99,8 @@ def stream(
             ) from None
         wire = request.to_wire() if isinstance(request, GenerateRequest) else dict(request)
         # Three PROGRESS frames per idle deadline: one late frame is no failure.
-        wire.setdefault(P.PROGRESS_KEY, max(timeout_s / 3, 0.1))
-        P.send_json(sock, P.Frame.GENERATE, wire)
+        wire.setdefault(PROGRESS_KEY, max(timeout_s / 3, 0.1))
+        send_json(sock, Frame.GENERATE, wire)
         while True:
             wait = timeout_s
             if deadline is not None:
@@ -102,30 +113,30 @@ def stream(
                 wait = min(wait, left)
             sock.settimeout(wait)
             try:
-                header, payload = P.recv_frame(sock)
+                header, payload = recv_frame(sock)
             except TimeoutError:
                 if deadline is not None and deadline - time.monotonic() <= 0:
                     continue  # the request's deadline, not the agent's silence
                 raise
-            if header.type == P.Frame.PROGRESS:
+            if header.type == Frame.PROGRESS:
                 continue  # still working (queued, prefilling): only the idle clock hears it
-            if header.type == P.Frame.TOKEN:
-                yield "token", P.decode_json(header, payload)
-            elif header.type == P.Frame.LOGPROBS:
+            if header.type == Frame.TOKEN:
+                yield "token", decode_json(header, payload)
+            elif header.type == Frame.LOGPROBS:
                 yield "logprobs", np.frombuffer(bytes(payload), np.float32)
-            elif header.type == P.Frame.DONE:
-                yield "done", P.decode_json(header, payload)
+            elif header.type == Frame.DONE:
+                yield "done", decode_json(header, payload)
                 return
-            elif header.type == P.Frame.ERROR:
-                err = P.decode_json(header, payload)
-                _raise_remote(P.RemoteError(str(err.get("code")), str(err.get("message"))))
+            elif header.type == Frame.ERROR:
+                err = decode_json(header, payload)
+                _raise_remote(RemoteError(str(err.get("code")), str(err.get("message"))))
             else:
                 raise AgentError(f"decode agent sent an unexpected {header.type.name} frame")
     except TimeoutError:
         raise AgentError(
             f"decode agent {host}:{port} sent nothing for {timeout_s:g}s (hung or unreachable)"
         ) from None
-    except P.ProtocolError as e:
+    except ProtocolError as e:
         raise AgentError(f"decode agent {host}:{port}: {e}") from None
     except OSError as e:
         if isinstance(e, DisaggError):

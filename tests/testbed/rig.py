@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from agents import protocol as P
-from agents.httpauth import control_get
-from agents.server import HANDSHAKE_TIMEOUT_S
+from agents.runtime.server import HANDSHAKE_TIMEOUT_S
+from agents.wire.channel import recv_json
+from agents.wire.frames import Frame
+from agents.wire.httpauth import control_get
 from disagg.api import Client, Completion
 from disagg.errors import DisaggError
 from disagg.fleet.routing import router_from_inventory
@@ -384,7 +385,7 @@ def dropped_after(sock: socket.socket) -> float:
     """Seconds until the agent hangs up on a silent client (it sends its challenge first)."""
     t0 = time.monotonic()
     sock.settimeout(HANDSHAKE_TIMEOUT_S + 15)
-    P.recv_json(sock, P.Frame.CHALLENGE)
+    recv_json(sock, Frame.CHALLENGE)
     assert sock.recv(1) == b""
     sock.close()
     return time.monotonic() - t0

@@ -33,8 +33,8 @@ from typing import Any
 
 import pytest
 
-from agents.request import GenerateRequest
-from agents.server import HANDSHAKE_TIMEOUT_S
+from agents.runtime.server import HANDSHAKE_TIMEOUT_S
+from agents.wire.request import GenerateRequest
 from disagg.api import Completion
 from disagg.errors import DisaggError, UsageError
 from disagg.frontends.batch import BatchItem, run_batch

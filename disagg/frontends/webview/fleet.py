@@ -13,7 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from agents.protocol import AuthError, printable
+from agents.wire.frames import AuthError
+from agents.wire.text import printable
 from disagg.fleet.crashes import last_error_in
 from disagg.frontends.webview.tracker import RequestLog
 from disagg.serving.control import control_status
@@ -203,7 +204,7 @@ class FleetWatch:
                             "decode": dec.name,
                             "requests": len(ms),
                             "bytes_per_s": rate,
-                            # "link": timed on the wire (large frames, agents.codecpick);
+                            # "link": timed on the wire (large frames, agents.decode.codectuner);
                             # "stream": K/V bytes over first-to-last layer, paced by compute
                             "rate_kind": "link" if link_s > 0 else "stream",
                             "kv_bytes_last": ms[-1].get("kv_bytes") if ms else None,

@@ -1,0 +1,608 @@
+"""What both agents share: a threaded TCP listener for frames, a small HTTP
+control endpoint (GET /health, GET /status), and the READY line that tells
+whoever started the agent which ports it got.
+
+Nobody without the token costs an agent much: a connection must finish the
+handshake within one deadline, in frames of a few kB; unauthenticated
+connections are capped per peer address and all connections per agent; the
+control port caps its connections and bounds each request's whole life."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ipaddress
+import json
+import logging
+import logging.handlers
+import os
+import signal
+import socket
+import socketserver
+import sys
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, NoReturn, Protocol, TypeVar
+
+from agents.prefix.store import default_max_mb
+from agents.runtime.metrics import LAST_ERROR, Stats
+from agents.wire.auth import TOKEN_MIN_CHARS, server_auth
+from agents.wire.frames import CONTROL_MAX_FRAME, AuthError, Deadline, ProtocolError
+from agents.wire.httpauth import PROOF_HEADER, ServerAuth
+from agents.wire.text import printable
+
+log = logging.getLogger("disagg.agent")
+
+LOG_LINE_MAX = 4000  # characters of one log message; peer text is cut far shorter
+LOG_MAX_BYTES = 16 << 20  # --log-file rotates at this size, keeping LOG_BACKUPS old files
+LOG_BACKUPS = 3
+
+
+class OneLineFormatter(logging.Formatter):
+    """Every record's message on one line, control characters shown escaped
+    (`\\x1b`, `\\n`): nothing a peer says can forge a line or drive a terminal.
+    Tracebacks keep their own lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
+        record.message = printable(record.message, LOG_LINE_MAX)
+        return super().formatMessage(record)
+
+
+def setup_logging(role: str, log_file: str | None = None, max_bytes: int = LOG_MAX_BYTES) -> None:
+    """Log to stderr, or to `log_file` rotated at `max_bytes` (LOG_BACKUPS kept)."""
+    handler: logging.Handler
+    if log_file:
+        handler = logging.handlers.RotatingFileHandler(
+            log_file, maxBytes=max_bytes, backupCount=LOG_BACKUPS
+        )
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(OneLineFormatter(f"%(asctime)s {role} %(levelname)s %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler, LAST_ERROR]
+    root.setLevel(logging.INFO)
+
+
+# A peer must finish the handshake within this, however it trickles: two tiny
+# frames, milliseconds on a LAN; short, so a flood must renew its sockets often.
+HANDSHAKE_TIMEOUT_S = 5.0
+IDLE_TIMEOUT_S = 600.0  # an open connection with no request for this long is closed
+MAX_CONNECTIONS = 512  # per agent, authenticated or not; half at most unauthenticated
+MAX_PREAUTH_PER_PEER = 64  # unauthenticated connections from one address at once
+CONTROL_MAX_CONNECTIONS = 64  # HTTP control port, at once
+CONTROL_MAX_PER_PEER = 16
+
+
+def fail(message: str) -> NoReturn:
+    """Exit with one line the launcher can show to the user as is."""
+    print(f"FAILED {message}", flush=True)
+    log.error("%s", message)
+    raise SystemExit(1)
+
+
+def common_args(role: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"python -m agents.{role}")
+    p.add_argument("--model", required=True, help="local Hugging Face model dir")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address(es) to bind, comma-separated (both ports); 0.0.0.0 only if told",
+    )
+    p.add_argument("--port", type=int, default=0, help="KV/data TCP port (0: any free)")
+    p.add_argument("--control-port", type=int, default=0, help="HTTP control port (0: any free)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--device", default="auto", help="auto, or a framework device name")
+    p.add_argument("--name", default=None, help="how this agent names itself in metrics")
+    p.add_argument(
+        "--token-file",
+        default=None,
+        help="cluster token (0600); without it the agent accepts anyone",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=CONTROL_MAX_FRAME,
+        help="largest control frame (request, hello) accepted from a peer",
+    )
+    p.add_argument(
+        "--handshake-timeout",
+        type=float,
+        default=HANDSHAKE_TIMEOUT_S,
+        help="seconds a new connection has to authenticate (an HTTP call: to be answered)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=MAX_CONNECTIONS,
+        help="connections at once on the data port (half at most unauthenticated)",
+    )
+    p.add_argument(
+        "--max-preauth-per-peer",
+        type=int,
+        default=MAX_PREAUTH_PER_PEER,
+        help="unauthenticated connections at once from one address",
+    )
+    p.add_argument(
+        "--trusted-peers",
+        default="",
+        help="the cluster's own addresses, comma-separated (disagg deploy passes the "
+        "inventory's): their connections have slots strangers cannot fill (loopback always)",
+    )
+    p.add_argument("--log-file", default=None, help="log here, rotated by size (else stderr)")
+    p.add_argument(
+        "--log-max-bytes", type=int, default=LOG_MAX_BYTES, help="rotate --log-file at this size"
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds to let in-flight requests finish",
+    )
+    p.add_argument(
+        "--prefix-cache-mb",
+        type=float,
+        default=None,
+        help="memory for prompt K/V reused across requests sharing a prefix "
+        f"(default min(2 GiB, 10%% of RAM): {default_max_mb()} MB here; 0: off)",
+    )
+    return p
+
+
+E = TypeVar("E")
+
+
+def start_agent(
+    role: str, parser: argparse.ArgumentParser, load: Callable[[argparse.Namespace], E]
+) -> tuple[argparse.Namespace, bytes | None, E]:
+    """An agent's start, whatever its role: options, logging, the cluster token, and
+    the engine `load` builds (an unsupported model ends here with one FAILED line)."""
+    from agents.models import UnsupportedModel
+
+    args = parser.parse_args()
+    setup_logging(role, args.log_file, args.log_max_bytes)
+    token = load_token(args.token_file)
+    try:
+        engine = load(args)
+    except UnsupportedModel as e:
+        fail(str(e))
+    log.info("loaded %s on %s as %s", args.model, engine.device, engine.dtype)  # type: ignore[attr-defined]
+    return args, token, engine
+
+
+def load_token(path: str | None) -> bytes | None:
+    """The cluster token, refusing a file that others may read."""
+    if path is None:
+        return None
+    try:
+        st = os.stat(path)
+        token = Path(path).read_bytes().strip()
+    except OSError as e:
+        fail(f"cannot read token file {path}: {e.strerror}")
+    if st.st_mode & 0o077:
+        fail(f"token file {path} is readable by others; fix: chmod 600 {path}")
+    if len(token) < TOKEN_MIN_CHARS:
+        what = "is empty" if not token else f"holds only {len(token)} characters"
+        fail(
+            f"token file {path} {what}, a cluster token has at least {TOKEN_MIN_CHARS}; "
+            "fix: copy the operator's token there again (disagg deploy does), chmod 600"
+        )
+    return token
+
+
+LOOPBACK = frozenset({"127.0.0.1", "::1"})  # the local pair and its client
+
+
+def peer_key(addr: str) -> str:
+    """What one peer is, for the per-peer cap: an IPv4 address, an IPv6 /64
+    (one host may own a whole /64, so its addresses count as one)."""
+    try:
+        ip = ipaddress.ip_address(addr.split("%")[0])
+    except ValueError:
+        return addr
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
+
+
+def trusted_set(peers: str | list[str] | tuple[str, ...] = ()) -> frozenset[str]:
+    """`--trusted-peers` (comma-separated addresses) plus loopback, as peer keys."""
+    items = peers.split(",") if isinstance(peers, str) else list(peers)
+    return frozenset(peer_key(p.strip()) for p in [*items, *LOOPBACK] if p.strip())
+
+
+class Gate:
+    """Caps connections: `total` at once, of which at most half unauthenticated,
+    and at most `preauth_per_peer` unauthenticated ones from one peer (an IPv6
+    /64 is one). `trusted` peers (the inventory's addresses, loopback) have
+    their own unauthenticated slots, so strangers filling theirs cannot lock
+    the cluster out. A refused connection is closed before it costs a thread."""
+
+    def __init__(
+        self,
+        total: int,
+        preauth_per_peer: int,
+        preauth_total: int | None = None,
+        trusted: frozenset[str] = frozenset(),
+    ) -> None:
+        self.total = total
+        self.preauth_total = max(1, total // 2) if preauth_total is None else preauth_total
+        self.preauth_per_peer = preauth_per_peer
+        self.trusted = trusted or trusted_set()
+        self.open = 0
+        self.preauth: dict[str, int] = {}
+        self.trusted_preauth = 0
+        self.lock = threading.Lock()
+        self.refused = 0
+        self._told_at = 0.0
+
+    def admit(self, peer: str) -> str | None:
+        """Take a slot for a new, unauthenticated connection; else why not."""
+        key = peer_key(peer)
+        with self.lock:
+            strangers = sum(self.preauth.values())
+            if key in self.trusted:  # the reserve: never counted with strangers
+                if self.trusted_preauth >= self.preauth_total:
+                    why = f"{self.preauth_total} unauthenticated connections from the cluster"
+                elif self.open >= self.total + self.preauth_total:
+                    why = f"{self.open} connections open"
+                else:
+                    self.open += 1
+                    self.trusted_preauth += 1
+                    return None
+            elif self.open >= self.total:
+                why = f"{self.open} connections open"
+            elif strangers >= self.preauth_total:
+                why = f"{self.preauth_total} unauthenticated connections open"
+            elif self.preauth.get(key, 0) >= self.preauth_per_peer:
+                why = f"{self.preauth_per_peer} unauthenticated connections from {key} open"
+            else:
+                self.open += 1
+                self.preauth[key] = self.preauth.get(key, 0) + 1
+                return None
+            self.refused += 1
+            # One line per 10 s at most: a flood must not flood the log too.
+            now = time.monotonic()
+            if now - self._told_at < 10:
+                return why
+            self._told_at, count = now, self.refused
+        log.warning("refused connections (%d so far): %s", count, why)
+        return why
+
+    def authenticated(self, peer: str) -> None:
+        with self.lock:
+            self._leave_preauth(peer)
+
+    def _leave_preauth(self, peer: str) -> None:
+        key = peer_key(peer)
+        if key in self.trusted:
+            self.trusted_preauth -= 1
+            return
+        left = self.preauth.get(key, 0) - 1
+        if left > 0:
+            self.preauth[key] = left
+        else:
+            self.preauth.pop(key, None)
+
+    def release(self, peer: str, authenticated: bool) -> None:
+        with self.lock:
+            self.open -= 1
+            if not authenticated:
+                self._leave_preauth(peer)
+
+
+class FrameServer(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 128  # socketserver's 5 overflows when dozens of clients connect at once
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        handle: Callable[[socket.socket, str], None],
+        token: bytes | None,
+        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+        max_connections: int = MAX_CONNECTIONS,
+        max_preauth_per_peer: int = MAX_PREAUTH_PER_PEER,
+        trusted: frozenset[str] = frozenset(),
+    ) -> None:
+        self.gate = gate = Gate(max_connections, max_preauth_per_peer, trusted=trusted)
+
+        class _Handler(socketserver.BaseRequestHandler):
+            def handle(inner) -> None:
+                sock: socket.socket = inner.request
+                addr = inner.client_address[0]
+                peer = f"{addr}:{inner.client_address[1]}"
+                authed = False
+                try:
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    deadline = Deadline(handshake_timeout_s)
+                    sock.settimeout(handshake_timeout_s)
+                    server_auth(sock, token, deadline)
+                    sock.settimeout(IDLE_TIMEOUT_S)
+                    gate.authenticated(addr)
+                    authed = True
+                except AuthError as e:
+                    log.warning("refused %s: %s", peer, printable(e))
+                    return
+                except (OSError, ProtocolError) as e:
+                    log.info("dropped %s before it authenticated: %s", peer, printable(e))
+                    return
+                finally:
+                    if not authed:
+                        gate.release(addr, authenticated=False)
+                try:
+                    handle(sock, peer)
+                except Exception:  # a bad connection must never take the agent down
+                    log.exception("connection from %s failed", peer)
+                finally:
+                    gate.release(addr, authenticated=True)
+
+        super().__init__((host, port), _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if self.gate.admit(client_address[0]) is not None:
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+
+class Reaper:
+    """Closes sockets that outlive their deadline, from one thread for all: an
+    HTTP client trickling its request a byte at a time is cut off at the end."""
+
+    def __init__(self) -> None:
+        self.due: dict[socket.socket, float] = {}
+        self.lock = threading.Lock()
+        threading.Thread(target=self._run, daemon=True, name="reaper").start()
+
+    def watch(self, sock: socket.socket, seconds: float) -> None:
+        with self.lock:
+            self.due[sock] = time.monotonic() + seconds
+
+    def forget(self, sock: socket.socket) -> None:
+        with self.lock:
+            self.due.pop(sock, None)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(0.1)
+            now = time.monotonic()
+            with self.lock:
+                late = [s for s, at in self.due.items() if at <= now]
+                for s in late:
+                    del self.due[s]
+            for s in late:
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)  # wakes the handler's blocked read
+
+
+class ControlServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 128  # as FrameServer: a burst must not wait on SYN retries
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        handler: Any,
+        deadline_s: float,
+        trusted: frozenset[str] = frozenset(),
+    ) -> None:
+        super().__init__(address, handler)
+        # Every HTTP connection stays "unauthenticated" in the gate's terms.
+        self.gate = Gate(
+            CONTROL_MAX_CONNECTIONS, CONTROL_MAX_PER_PEER, CONTROL_MAX_CONNECTIONS, trusted
+        )
+        self.reaper = Reaper()
+        self.deadline_s = deadline_s
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if self.gate.admit(client_address[0]) is not None:
+            self.shutdown_request(request)
+            return
+        self.reaper.watch(request, self.deadline_s)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        self.reaper.forget(request)
+        super().shutdown_request(request)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.gate.release(client_address[0], authenticated=False)
+
+
+def start_control(
+    host: str,
+    port: int,
+    status: Callable[[], dict[str, Any]],
+    metrics: Callable[[], str],
+    token: bytes | None,
+    draining: threading.Event,
+    deadline_s: float = HANDSHAKE_TIMEOUT_S,
+    trusted: frozenset[str] = frozenset(),
+) -> ThreadingHTTPServer:
+    """GET /health for anyone; /status and /metrics for token holders, proven by
+    challenge-response (agents.wire.httpauth) so the token never crosses the wire."""
+    auth = ServerAuth(token) if token is not None else None
+
+    class _Handler(BaseHTTPRequestHandler):
+        timeout = deadline_s  # per read; the server's Reaper bounds the whole request
+
+        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            kind = "application/json"
+            extra: dict[str, str] = {}
+            proven: tuple[str, str] | None = None
+            if self.path == "/health":
+                # A draining agent says so, so routers send new work elsewhere.
+                ok = not draining.is_set()
+                raw, code = json.dumps({"ok": ok, "draining": not ok}).encode(), 200 if ok else 503
+                self._answer(code, kind, raw, extra)
+                return
+            if auth is not None:
+                checked = auth.check("GET", self.path, self.headers.get("Authorization"))
+                if isinstance(checked, str):
+                    self._refuse(auth, checked)
+                    return
+                proven = checked
+            if self.path == "/status":
+                raw, code = json.dumps(status()).encode(), 200
+            elif self.path == "/metrics":
+                raw, code = metrics().encode(), 200
+                kind = "text/plain; version=0.0.4"
+            else:
+                raw, code = b'{"error": "no such endpoint"}', 404
+            if auth is not None and proven is not None:
+                extra[PROOF_HEADER] = auth.proof("GET", self.path, *proven, code, raw)
+            self._answer(code, kind, raw, extra)
+
+        def _refuse(self, auth: ServerAuth, why: str) -> None:
+            if why != "no credentials":  # a bare request is the protocol's first step
+                log.warning(
+                    "refused HTTP GET %s from %s: %s",
+                    printable(self.path, 100),
+                    self.client_address[0],
+                    why,
+                )
+            raw = (
+                b'{"error": "unauthorized: answer the Disagg-HMAC challenge'
+                b' (agents.wire.httpauth)"}'
+            )
+            self._answer(401, "application/json", raw, {"WWW-Authenticate": auth.challenge()})
+
+        def _answer(self, code: int, kind: str, raw: bytes, extra: dict[str, str]) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(raw)))
+            for k, v in extra.items():
+                self.send_header(k, v)
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # health polls would drown the agent's log
+
+    server = ControlServer((host, port), _Handler, deadline_s, trusted)
+    threading.Thread(target=server.serve_forever, daemon=True, name="control").start()
+    return server
+
+
+class Agent(Protocol):
+    """What serve() needs of a prefill or decode agent."""
+
+    stats: Stats
+
+    def handle(self, sock: socket.socket, peer: str) -> None: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+
+def serve(role: str, args: argparse.Namespace, token: bytes | None, agent: Agent) -> None:
+    """Bind both ports on every address, print READY, serve until SIGTERM/SIGINT,
+    then stop accepting and let in-flight requests finish (up to --drain-timeout)."""
+    handle, status, metrics = agent.handle, agent.status, agent.stats.prometheus
+    hosts = [h.strip() for h in str(args.host).split(",") if h.strip()]
+    trusted = trusted_set(args.trusted_peers)
+    draining = threading.Event()
+    frames: list[FrameServer] = []
+    controls: list[ThreadingHTTPServer] = []
+    port, control_port = args.port, args.control_port
+    try:
+        for host in hosts:  # port 0: the first bind picks it, the others reuse it
+            frames.append(
+                FrameServer(
+                    host,
+                    port,
+                    handle,
+                    token,
+                    args.handshake_timeout,
+                    args.max_connections,
+                    args.max_preauth_per_peer,
+                    trusted,
+                )
+            )
+            port = frames[-1].server_address[1]
+            controls.append(
+                start_control(
+                    host,
+                    control_port,
+                    status,
+                    metrics,
+                    token,
+                    draining,
+                    args.handshake_timeout,
+                    trusted,
+                )
+            )
+            control_port = controls[-1].server_address[1]
+    except OSError as e:
+        fail(f"cannot listen on {host}: {e.strerror}")
+    for server in frames:
+        # A short poll so a SIGTERM closes the listener within a tenth of a second.
+        threading.Thread(
+            target=server.serve_forever, args=(0.1,), daemon=True, name="frames"
+        ).start()
+    ready = {
+        "role": role,
+        "host": hosts[0],
+        "hosts": hosts,
+        "port": port,
+        "control_port": control_port,
+        "auth": token is not None,
+    }
+    print("READY " + json.dumps(ready), flush=True)
+    log.info(
+        "serving %s on %s port %d (control %d), auth %s",
+        role,
+        ",".join(hosts),
+        port,
+        control_port,
+        "on" if token else "OFF",
+    )
+
+    wait_for_signal()
+    drain(role, agent, frames, controls, draining, args.drain_timeout)
+
+
+def wait_for_signal() -> None:
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop.wait()  # the handlers run on this thread, so the wait wakes as soon as one fires
+
+
+def drain(
+    role: str,
+    agent: Agent,
+    frames: list[FrameServer],
+    controls: list[ThreadingHTTPServer],
+    draining: threading.Event,
+    timeout_s: float,
+) -> None:
+    """Stop accepting, then let in-flight requests finish for up to `timeout_s`."""
+
+    def busy() -> int:
+        return agent.stats.in_flight
+
+    log.info("%s draining: no new connections, waiting for %d requests", role, busy())
+    draining.set()
+    for server in frames:
+        server.shutdown()
+        server.server_close()  # new connections are refused from here on
+    deadline = time.monotonic() + timeout_s
+    while busy() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = busy()
+    for c in controls:
+        c.shutdown()
+    if left:
+        log.warning("%s stopped with %d requests still running after %.0fs", role, left, timeout_s)
+    else:
+        log.info("%s drained and stopped", role)
