@@ -146,6 +146,8 @@ def scenario(
         "decode_s_per_token": step,
         "speedup_ttft": mac / ttft,
     }
+    # What-if: a fused packed-weight MoE kernel (none runs here yet) reads packed bytes only.
+    out["spark_prefill_fused_s"] = prefill_s(s, tokens, context, "gb10", "fused", ops, syncs)
     if counts:
         loop_ops, loop_syncs = counts.forward(s.layers, LOOP_MOE_OPS)
         loop_syncs += s.layers * LOOP_MOE_SYNCS

@@ -91,6 +91,7 @@ def plan_tables(data: dict[str, Any]) -> list[Table]:
         "split speedup",
         "decode/token",
         "loop prefill",
+        "fused-kernel prefill",
     )
     for col in cols:
         times.add_column(col, justify="left" if col in ("model", "load") else "right")
@@ -117,6 +118,7 @@ def plan_tables(data: dict[str, Any]) -> list[Table]:
                 f"{sc['speedup_ttft']:.2f}x",
                 _s(sc["decode_s_per_token"]),
                 _s(loop) if loop is not None else "-",
+                _s(sc["spark_prefill_fused_s"]),
             )
         cross, cached = m["crossover_tokens"], m["crossover_tokens_after_3000_cached"]
         times.add_row(
