@@ -61,18 +61,16 @@ def route(top_k_index: torch.Tensor, num_experts: int) -> Routing:
     return Routing(order, order // k, experts, ends, num_experts)
 
 
-def grouped_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether `grouped_mm` runs these operands without a host sync."""
-    if not hasattr(F, "grouped_mm") or x.dtype != w.dtype:
+def grouped_mm_fits(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `grouped_mm` runs on `device` in `dtype` without a host sync."""
+    if not hasattr(F, "grouped_mm"):
         return False
-    if x.device.type == "cpu":
-        return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-    if x.device.type == "cuda":
+    if device.type == "cpu":
+        return dtype in (torch.float32, torch.bfloat16, torch.float16)
+    if device.type == "cuda":
         # The fast (CUTLASS) kernel; elsewhere torch loops over offsets copied to the host.
-        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] in (
-            9,
-            10,
-        )
+        major = torch.cuda.get_device_capability(device)[0]
+        return dtype == torch.bfloat16 and major in (9, 10)
     return False
 
 
@@ -85,8 +83,8 @@ def pick_gemm(x: torch.Tensor, w_dtype: torch.dtype, kept: bool, r: Routing) -> 
     want = os.environ.get(GEMM_ENV, "auto")
     if not kept and r.pairs < r.num_experts and want == "auto":
         return "blocked", 1
-    probe = torch.empty(0, dtype=w_dtype, device=x.device)
-    if want == "grouped" or (want == "auto" and grouped_mm_fits(x, probe)):
+    fits = x.dtype == w_dtype and grouped_mm_fits(x.device, w_dtype)
+    if want == "grouped" or (want == "auto" and fits):
         return "grouped", 0
     return "blocked", BLOCK
 
