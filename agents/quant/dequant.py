@@ -8,8 +8,8 @@ Packed layouts (as mlx stores them; bytes are little-endian on every host we run
 - mxfp4 / nvfp4: E2M1 nibbles, low nibble first; scale per group is E8M0
   (2^(e-127), group 32) or E4M3 (group 16).
 - mxfp8: E4M3 bytes, E8M0 scale per group of 32.
-The fp products are exact in float32 (few mantissa bits), so they are computed
-there and rounded once into the target dtype.
+The fp modes multiply value and scale in the target dtype, as mlx does (one
+rounding of an exact product in fp32 and bf16).
 """
 
 from __future__ import annotations
@@ -105,25 +105,24 @@ def dequant_fp(
 ) -> torch.Tensor:
     """mxfp4 / mxfp8 / nvfp4 bytes [..., out, in*bits/8] -> [..., out, in] in `dtype`.
 
-    A value times its scale has at most 8 significant bits and fits fp32's range, so
-    one rounding of the exact product: computed in bf16 or fp32 directly (a single
-    multiply rounds once), in fp32 for fp16 (whose range misses most E8M0 scales).
+    Value and scale are converted to `dtype` and multiplied there, as mlx does: a
+    value times a power of two rounds once, so fp32 and bf16 get the exact product
+    rounded; in fp16 a scale outside its range is 0 or inf, in mlx too.
     """
     bits, group = FP_MODES[mode]
     lead = packed.shape[:-1]
-    calc = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
     if bits == 4:
         # One table row per byte: an int32 index per byte, not an int64 per value.
-        pairs = F.embedding(packed.to(torch.int32), e2m1_pairs(packed.device, calc))
+        pairs = F.embedding(packed.to(torch.int32), e2m1_pairs(packed.device, dtype))
         vals = pairs.reshape(*lead, -1)[..., :n_in]
     else:
-        vals = packed[..., :n_in].view(torch.float8_e4m3fn).to(calc)
+        vals = packed[..., :n_in].view(torch.float8_e4m3fn).to(dtype)
     if mode == "nvfp4":
-        scale = scales.view(torch.float8_e4m3fn).to(calc)
+        scale = scales.view(torch.float8_e4m3fn).to(dtype)
     else:
-        scale = e8m0_to_float(scales).to(calc)
+        scale = e8m0_to_float(scales).to(dtype)
     w = vals.reshape(*lead, n_in // group, group) * scale.unsqueeze(-1)
-    return w.reshape(*lead, n_in).to(dtype)
+    return w.reshape(*lead, n_in)
 
 
 @contextmanager
