@@ -6,11 +6,16 @@
 - Arrows run one way, up: `disagg.serving` (what the API is built on) never imports
   the API or the front doors; the API never imports the front doors
   (`disagg.frontends`: gateways, guard, batch runner).
+- The benchmarks (`disagg.bench`) sit beside the serving path, never on it: no
+  module under `disagg.bench` is reachable from the front doors, serving, the
+  API, the fleet, the agents or `disagg serve`'s own module, walking every
+  import (those inside functions too, and the packages each one runs).
 """
 
 from __future__ import annotations
 
 import ast
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -74,6 +79,90 @@ def test_serving_never_imports_the_api_or_front_doors() -> None:
 def test_the_api_never_imports_the_front_doors() -> None:
     api = REPO / "disagg" / "api.py"
     assert not [n for n in imports(api) if n.startswith("disagg.frontends")]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def our_modules() -> dict[str, Path]:
+    return {module_name(p): p for pkg in ("disagg", "agents") for p in modules(pkg)}
+
+
+def imported_modules(path: Path, known: dict[str, Path]) -> set[str]:
+    """Our modules a file imports, at any depth in the file, with the packages
+    above each (their `__init__` runs too); `from a import b` counts `a.b` when it
+    is a module; relative imports resolved."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    targets: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            targets += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([node.module] if node.module else []))
+            targets += [base] + [f"{base}.{a.name}" for a in node.names]
+    found: set[str] = set()
+    for target in targets:
+        parts = target.split(".")
+        found.update(
+            m for m in (".".join(parts[:i]) for i in range(1, len(parts) + 1)) if m in known
+        )
+    return found
+
+
+def reachable(
+    roots: list[str], known: dict[str, Path], opaque: tuple[str, ...] = ()
+) -> dict[str, str]:
+    """Every module reachable from `roots`, each with the chain that reaches it.
+    `opaque` modules are reached but not walked into."""
+    chain = {r: r for r in roots}
+    todo = deque(roots)
+    while todo:
+        mod = todo.popleft()
+        if mod in opaque:
+            continue
+        for nxt in sorted(imported_modules(known[mod], known)):
+            if nxt not in chain:
+                chain[nxt] = f"{chain[mod]} -> {nxt}"
+                todo.append(nxt)
+    return chain
+
+
+def test_no_bench_module_is_reachable_from_the_serving_path() -> None:
+    known = our_modules()
+    starts = ("disagg.frontends", "disagg.serving", "disagg.api", "disagg.fleet", "agents")
+    roots = [m for m in known if any(m == s or m.startswith(s + ".") for s in starts)]
+    # `disagg serve`'s module. The CLI package's __init__ registers every command,
+    # the bench sub-app too, whose commands import the benches only when they run
+    # (tests/test_bench_cli.py checks what a real process loads): not walked into.
+    roots.append("disagg.cli.commands")
+    chain = reachable(roots, known, opaque=("disagg.cli",))
+    assert [c for m, c in chain.items() if m.startswith("disagg.bench")] == []
+
+
+def test_the_graph_walker_sees_lazy_relative_and_package_imports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pkg = tmp_path / "disagg"
+    (pkg / "bench").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "bench" / "__init__.py").write_text("")
+    (pkg / "bench" / "x.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from .b import g\n")
+    (pkg / "b.py").write_text("def g():\n    from disagg import bench\n")
+    (pkg / "c.py").write_text("import disagg.bench.x\n")
+    monkeypatch.setitem(globals(), "REPO", tmp_path)
+    known = our_modules()
+    assert reachable(["disagg.a"], known)["disagg.bench"] == (
+        "disagg.a -> disagg.b -> disagg.bench"
+    )
+    assert {"disagg", "disagg.bench", "disagg.bench.x"} <= set(reachable(["disagg.c"], known))
+    assert "disagg.bench" not in reachable(["disagg.a"], known, opaque=("disagg.b",))
 
 
 @pytest.mark.parametrize(
