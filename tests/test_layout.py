@@ -186,3 +186,13 @@ def test_the_rule_reader_sees_imports(
     monkeypatch.setitem(globals(), "REPO", tmp_path)
     found = violations("pkg", forbidden)
     assert [f.replace("pkg/", "") for f in found] == expected
+
+
+def test_the_agents_ship_no_fault_injection() -> None:
+    # Tests stretch the K/V stream with their own wrapper (tests/slowprefill.py).
+    found = [
+        p.relative_to(REPO).as_posix()
+        for p in modules("agents")
+        if "--fault" in p.read_text() or "layer_delay" in p.read_text()
+    ]
+    assert found == []
