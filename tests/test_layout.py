@@ -10,6 +10,9 @@
   module under `disagg.bench` is reachable from the front doors, serving, the
   API, the fleet, the agents or `disagg serve`'s own module, walking every
   import (those inside functions too, and the packages each one runs).
+- Each front door's request and answer types (`disagg.frontends.<api>.types`)
+  stand apart from its routes: they reach no routes module and no fastapi; the
+  OpenAI and Ollama front doors never import each other (`app` mounts both).
 """
 
 from __future__ import annotations
@@ -145,6 +148,26 @@ def test_no_bench_module_is_reachable_from_the_serving_path() -> None:
     assert [c for m, c in chain.items() if m.startswith("disagg.bench")] == []
 
 
+FRONT_DOORS = ("openai", "ollama")
+
+
+@pytest.mark.parametrize("api", FRONT_DOORS)
+def test_front_door_types_stand_apart_from_their_routes(api: str) -> None:
+    known = our_modules()
+    types = f"disagg.frontends.{api}.types"
+    chain = reachable([types], known)
+    assert [c for m, c in chain.items() if m.rpartition(".")[2] == "routes"] == []
+    assert not [n for n in imports(known[types]) if n == "fastapi" or n.startswith("fastapi.")]
+
+
+@pytest.mark.parametrize("api, other", [FRONT_DOORS, FRONT_DOORS[::-1]])
+def test_front_doors_never_import_each_other(api: str, other: str) -> None:
+    known = our_modules()
+    roots = [m for m in known if m.startswith(f"disagg.frontends.{api}.")]
+    chain = reachable(roots, known)
+    assert [c for m, c in chain.items() if m.startswith(f"disagg.frontends.{other}")] == []
+
+
 def test_the_graph_walker_sees_lazy_relative_and_package_imports(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -196,3 +219,20 @@ def test_the_agents_ship_no_fault_injection() -> None:
         if "--fault" in p.read_text() or "layer_delay" in p.read_text()
     ]
     assert found == []
+
+
+def long_functions(package: str, limit: int = 80) -> list[str]:
+    """Functions (nested ones too) over `limit` lines, decorators not counted."""
+    out = []
+    for path in modules(package):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > limit:
+                    out.append(f"{path.relative_to(REPO).as_posix()}:{node.name} {lines}")
+    return out
+
+
+@pytest.mark.parametrize("package", ["disagg/frontends", "disagg/bench"])
+def test_no_function_over_80_lines(package: str) -> None:
+    assert long_functions(package) == []
