@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The checks a lent NVIDIA machine runs (README, "On an NVIDIA GPU"): the prefill
+# The checks a lent NVIDIA machine runs (docs/performance.md, "On an NVIDIA GPU"): the prefill
 # agent on CUDA, the decode agent on mlx (CPU there), parity against monolithic
 # references and the speed figures. Nothing there reaches a package index or a hub,
 # so the caller carries:

@@ -22,7 +22,8 @@ def _refused_within(host: str, port: int, limit_s: float) -> bool:
     while time.monotonic() < deadline:
         try:
             socket.create_connection((host, port), timeout=2).close()
-        except ConnectionRefusedError:
+        except (ConnectionRefusedError, ConnectionResetError):
+            # Reset: the connect landed in the backlog as the listener closed.
             return True
         time.sleep(0.05)
     return False

@@ -84,33 +84,15 @@ def test_the_api_never_imports_the_front_doors() -> None:
     assert not [n for n in imports(api) if n.startswith("disagg.frontends")]
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(REPO).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
 def our_modules() -> dict[str, Path]:
     return {module_name(p): p for pkg in ("disagg", "agents") for p in modules(pkg)}
 
 
 def imported_modules(path: Path, known: dict[str, Path]) -> set[str]:
-    """Our modules a file imports, at any depth in the file, with the packages
-    above each (their `__init__` runs too); `from a import b` counts `a.b` when it
-    is a module; relative imports resolved."""
-    name = module_name(path)
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    targets: list[str] = []
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.Import):
-            targets += [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                up = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(up + ([node.module] if node.module else []))
-            targets += [base] + [f"{base}.{a.name}" for a in node.names]
+    """Our modules a file imports (`resolved_imports`: at any depth in the file,
+    under TYPE_CHECKING too), with the packages above each: their `__init__` runs."""
     found: set[str] = set()
-    for target in targets:
+    for target in resolved_imports(path, typing_too=True):
         parts = target.split(".")
         found.update(
             m for m in (".".join(parts[:i]) for i in range(1, len(parts) + 1)) if m in known
@@ -221,18 +203,218 @@ def test_the_agents_ship_no_fault_injection() -> None:
     assert found == []
 
 
-def long_functions(package: str, limit: int = 80) -> list[str]:
-    """Functions (nested ones too) over `limit` lines, decorators not counted."""
-    out = []
-    for path in modules(package):
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                lines = (node.end_lineno or node.lineno) - node.lineno + 1
-                if lines > limit:
-                    out.append(f"{path.relative_to(REPO).as_posix()}:{node.name} {lines}")
+# -- the groups' arrows, circles and private names --------------------------------
+
+# Which groups of `agents` each group may import. wire/ is bytes only (the one
+# seam both processes and the control plane share); decode and prefill are two
+# processes and never import each other.
+AGENT_ARROWS: dict[str, set[str]] = {
+    "wire": set(),
+    "prefix": set(),
+    "chatformat": set(),
+    "models": set(),
+    "quant": {"models"},
+    "runtime": {"wire", "models", "prefix"},
+    "decode": {"wire", "runtime", "models", "quant", "prefix", "chatformat"},
+    "prefill": {"wire", "runtime", "models", "quant", "prefix"},
+}
+# What the control plane may use of the agents (outside the benchmarks, which
+# run engines in-process): the wire and what reads a model directory.
+CONTROL_PLANE_AGENTS = {"wire", "runtime", "models", "quant"}
+# Third-party frameworks a wire module must never load: it ships to both roles.
+HEAVY = ("torch", "mlx", "mlx_lm", "transformers", "llguidance")
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(REPO).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def resolved_imports(path: Path, *, typing_too: bool = False) -> set[str]:
+    """Every module a file imports, relative ones made absolute; names imported
+    from a package count as its submodules where such a file exists. Imports
+    under `if TYPE_CHECKING:` only with `typing_too`."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    here = module_name(path)
+    package = here if path.name == "__init__.py" else here.rpartition(".")[0]
+    skip: set[int] = set()
+    if not typing_too:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                skip.update(id(n) for n in ast.walk(node))
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            out.add(mod)
+            for a in node.names:
+                sub = REPO.joinpath(*f"{mod}.{a.name}".split("."))
+                if sub.with_suffix(".py").exists() or (sub / "__init__.py").exists():
+                    out.add(f"{mod}.{a.name}")
     return out
 
 
-@pytest.mark.parametrize("package", ["disagg/frontends", "disagg/bench"])
-def test_no_function_over_80_lines(package: str) -> None:
-    assert long_functions(package) == []
+def group_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[0] == "agents") else None
+
+
+def test_agent_groups_import_only_their_allowed_groups() -> None:
+    bad = []
+    for path in modules("agents"):
+        mine = group_of(module_name(path))
+        if mine is None:
+            continue
+        for name in resolved_imports(path, typing_too=True):
+            theirs = group_of(name) if name.startswith("agents.") else None
+            if theirs and theirs != mine and theirs not in AGENT_ARROWS[mine]:
+                bad.append(f"{module_name(path)} imports {name}")
+    assert bad == []
+    assert set(AGENT_ARROWS) == {
+        p.name for p in (REPO / "agents").iterdir() if (p / "__init__.py").exists()
+    }, "a new group of agents/ needs its arrows here"
+
+
+def test_the_wire_loads_no_framework() -> None:
+    bad = [
+        f"{module_name(p)} imports {n}"
+        for p in modules("agents/wire")
+        for n in resolved_imports(p, typing_too=True)
+        if n.split(".")[0] in HEAVY
+    ]
+    assert bad == []
+
+
+def test_the_control_plane_uses_only_the_wire_and_model_readers() -> None:
+    bad = []
+    for path in modules("disagg"):
+        if path.relative_to(REPO).as_posix().startswith("disagg/bench/"):
+            continue
+        for name in resolved_imports(path):
+            group = group_of(name) if name.startswith("agents.") else None
+            if group and group not in CONTROL_PLANE_AGENTS:
+                bad.append(f"{module_name(path)} imports {name}")
+    assert bad == []
+
+
+def import_graph(*packages: str) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for package in packages:
+        for path in modules(package):
+            graph[module_name(path)] = set()
+    for package in packages:
+        for path in modules(package):
+            me = module_name(path)
+            graph[me] = {n for n in resolved_imports(path) if n in graph and n != me}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan). A
+    package's `__init__` importing its own submodules is not a circle of two
+    jobs: those edges are left out."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def edges(v: str) -> set[str]:
+        return {w for w in graph[v] if not w.startswith(v + ".")}
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges(v):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circles() -> None:
+    assert cycles(import_graph("agents", "disagg")) == []
+
+
+def test_the_circle_finder_finds_a_circle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "p": {"p.x"}, "p.x": {"p"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+
+
+def private_imports(path: Path) -> list[str]:
+    """`from x import _name` of our own modules, and `module._name` on a module
+    this file imported by name."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    out = []
+    aliases: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            ours = node.level > 0 or (node.module or "").split(".")[0] in ("agents", "disagg")
+            for a in node.names:
+                if ours and a.name.startswith("_") and not a.name.startswith("__"):
+                    out.append(f"{node.module}.{a.name}")
+                sub = f"{node.module}.{a.name}"
+                if ours and (REPO.joinpath(*sub.split(".")).with_suffix(".py")).exists():
+                    aliases.add(a.asname or a.name)
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] in ("agents", "disagg"):
+                    aliases.add(a.asname or a.name.split(".")[0])
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in aliases
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
+            out.append(f"{node.value.id}.{node.attr}")
+    return out
+
+
+def test_no_private_names_cross_modules() -> None:
+    bad = {
+        module_name(p): found
+        for package in ("agents", "disagg")
+        for p in modules(package)
+        if (found := private_imports(p))
+    }
+    assert bad == {}
+
+
+def test_the_private_name_reader_sees_both_forms(tmp_path: Path) -> None:
+    path = REPO / "tests" / "_layout_probe.py"
+    path.write_text(
+        "from agents.wire.frames import _X, Y\nfrom agents.wire import kvcodec\nkvcodec._z\n"
+    )
+    try:
+        assert private_imports(path) == ["agents.wire.frames._X", "kvcodec._z"]
+    finally:
+        path.unlink()

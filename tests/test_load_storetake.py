@@ -1,5 +1,5 @@
 """The decode agent's prefix store takes a prompt's K/V from the request's own
-caches without a copy (issue 18, items 2 and 8; agents/prefix/take.py):
+caches without a copy (issue 18, items 2 and 8; agents/decode/prefixstore.py):
 
 - in process, on the real decode loop and a tiny model: the stored blocks are
   views inside the cache buffers the loop released (a lone request at its end,
@@ -27,9 +27,9 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from agents.decode.agent import DecodeEngine
 from agents.decode.loop import DecodeLoop, Seq
-from agents.prefix.decode_side import DecodePrefix, as_numpy
+from agents.decode.prefixcache import DecodePrefix, as_numpy
+from agents.decode.prefixstore import PendingStore
 from agents.prefix.store import Block, Owner, PrefixCache, block_keys
-from agents.prefix.take import PendingStore
 from disagg.serving.localagents import AgentProc
 from tests.conftest import PairFactory, ask
 from tests.references import mlx_greedy

@@ -9,8 +9,6 @@ from typing import Any
 
 from .detect import ChatFormat
 
-EFFORTS = ("low", "medium", "high")
-
 
 class FormatError(ValueError):
     """The request asks for something this model's format cannot do."""

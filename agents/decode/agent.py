@@ -42,10 +42,10 @@ from agents.decode.kvfetch import PrefillUnavailable, fetch_kv
 from agents.decode.kvslots import Slots, allocate, inplace_enabled
 from agents.decode.loop import DecodeLoop, Sampler, Seq, make_sampler, sample_rows
 from agents.decode.placement import Placement
+from agents.decode.prefixcache import DecodePrefix, Hit, Recording, Span
+from agents.decode.prefixstore import PendingStore
 from agents.models import get_adapter, load_hf_config
-from agents.prefix.decode_side import DecodePrefix, Hit, Recording, Span
 from agents.prefix.store import default_max_mb
-from agents.prefix.take import PendingStore
 from agents.quant import check_supported, weights_identity
 from agents.runtime.blasshare import BlasShare
 from agents.runtime.metrics import Stats
@@ -687,7 +687,7 @@ class DecodeAgent:
                 send_frame(sock, Frame.LOGPROBS, lp.tobytes())
 
         # The prompt's blocks are taken from the caches without a copy once
-        # decoding stops writing them (agents.prefix.take), pending from before
+        # decoding stops writing them (agents.decode.prefixstore), pending from before
         # the first token goes out: a request that follows it finds them.
         stores = self._stores(hits, caches, len(ids))
         ended = matcher is not None and matcher.finished

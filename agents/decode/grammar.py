@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from agents.decode.schemas import closed
 from agents.wire.request import RequestError
 
 try:
@@ -304,27 +305,6 @@ def json_schema_of(response_format: Mapping[str, Any]) -> dict[str, Any]:
         return {"type": "object"}
     schema = response_format.get("schema")
     return closed(schema) if isinstance(schema, Mapping) else {}
-
-
-def closed(schema: Any) -> Any:
-    """`schema` with objects that list properties closed to others unless they say
-    so (`additionalProperties` left out means false), as Ollama's grammars and
-    OpenAI's strict mode have it: otherwise a model may add keys without end."""
-    if isinstance(schema, list):
-        return [closed(s) for s in schema]
-    if not isinstance(schema, Mapping):
-        return schema
-    out: dict[str, Any] = {}
-    for key, value in schema.items():
-        if key in ("properties", "$defs", "definitions") and isinstance(value, Mapping):
-            out[key] = {name: closed(sub) for name, sub in value.items()}  # names, not a schema
-        elif key in ("const", "enum", "default", "examples"):
-            out[key] = value  # values, not schemas
-        else:
-            out[key] = closed(value)
-    if "properties" in out and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    return out
 
 
 def canonical(schema: Any) -> str:

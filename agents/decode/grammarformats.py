@@ -13,6 +13,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from agents.decode.schemas import closed
 from agents.wire.request import RequestError
 
 # As in grammar.JSON_OPTIONS, carried inside each inline %json schema.
@@ -53,8 +54,6 @@ def function_of(tool: Any) -> tuple[str, dict[str, Any]]:
     params = fn.get("parameters") or {"type": "object"}  # type: ignore[union-attr]
     if not isinstance(params, Mapping):
         raise RequestError("tools", f"tool {name}: parameters must be a JSON Schema object")
-    from agents.decode.grammar import closed
-
     return name, dict(closed(params))
 
 

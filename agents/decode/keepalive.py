@@ -1,4 +1,4 @@
-"""PROGRESS frames while a request has no token to send (issue 18).
+"""PROGRESS frames while a request has no token to send.
 
 A client's decode timeout is an idle deadline: no frame for that long means the
 agent is gone. A request that waits (for a batch slot, for a prefill agent's K/V,
@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from agents.wire.channel import send_json, serialize_sends
 from agents.wire.frames import PROGRESS_KEY, Frame
-from agents.wire.request import RequestError, _is_num
+from agents.wire.request import RequestError, is_num
 
 MIN_EVERY_S = 0.1  # a client cannot make us spin
 
@@ -32,7 +32,7 @@ def progress_interval(wire: dict[str, Any]) -> float | None:
     every = wire.pop(PROGRESS_KEY, None)
     if every is None:
         return None
-    if not _is_num(every) or every <= 0:
+    if not is_num(every) or every <= 0:
         raise RequestError(PROGRESS_KEY, f"{PROGRESS_KEY} must be > 0 seconds, got {every!r}")
     return max(float(every), MIN_EVERY_S)
 

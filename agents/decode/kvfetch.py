@@ -22,6 +22,7 @@ from agents.wire.frames import (
     HEADER,
     AuthError,
     Frame,
+    Header,
     ProtocolError,
     RemoteError,
     decode_json,
@@ -128,83 +129,23 @@ def receive_layers(
     layer that fits lands in its cache's memory as it is read (then `place`
     gets views of it, in slots.placed); otherwise the reader's buffer is
     decoded and `place` copies out. `packed_ids`: the prefill agent's HELLO_OK
-    offered protocol.IDS_U32."""
-    ids = request.token_ids
-    m: dict[str, Any] = {
-        "kv_bytes": 0,
-        "kv_payload_bytes": 0,  # K/V blocks as sent (compressed or not)
-        "kv_raw_bytes": 0,  # K/V blocks expanded (int8 rows + scales when quantized)
-        "kv_quant": None,  # how the layers arrived: None lossless, "int8"
-        "kv_decode_time": 0.0,  # decode_layer: decompress + unshuffle (+ dequantize)
-        "kv_link_bytes": 0,  # large frames only: see agents.decode.codectuner
-        "kv_link_time": 0.0,
-    }
+    offered frames.IDS_U32."""
+    stream = LayerStream(request, caches, fingerprint, vocab_size, place, prefix, slots)
     send_prefill(sock, request, packed_ids)
     t_sent = time.perf_counter()
-    first = last = None
-    logits: np.ndarray | None = None
-    got: set[int] = set()
-    heads, head_dim = int(fingerprint["num_kv_heads"]), int(fingerprint["head_dim"])
-    # What one layer of this prompt may expand to, and may take on the wire
-    # (zstd's worst case is a little over raw): more is a lie, refused unread.
-    cap = layer_cap(heads, len(ids), head_dim)
-    wire_cap = cap + cap // 128 + (64 << 10)
-    max_frame = max(wire_cap, 4 * (vocab_size or 0), CONTROL_MAX_FRAME)
     # One buffer for every layer: fill_layer copies out.
-    reader = FrameReader(sock, max_frame)
-    into: Slots | None = None
+    reader = FrameReader(sock, stream.max_frame)
+    logits: np.ndarray | None = None
     while True:
         header = reader.next()
         if header.type == Frame.KV_LAYER:
-            if slots is not None:
-                into = into or slots()
-                kv, t_payload, raw_bytes = receive_layer(reader, header, into, cap)
-            else:
-                payload = reader.buffer(header.length)
-                reader.read_into(payload)
-                reader.finish()
-                t_payload = time.perf_counter()
-                kv = decode_layer(payload, max_bytes=cap)
-                raw_bytes = block_bytes(kv)
-            # In place, receiving raw bytes is decoding them: counted as link time.
-            m["kv_decode_time"] += time.perf_counter() - t_payload
-            if header.length >= MIN_LINK_FRAME:
-                # From the header's arrival: time on the wire, not waiting for compute.
-                m["kv_link_bytes"] += header.length
-                m["kv_link_time"] += t_payload - reader.header_at
-            if kv.quant is not None and kv.quant != request.kv_quant:
-                raise ProtocolError(f"{kv.quant} K/V for a request that asked for lossless")
-            m["kv_quant"] = kv.quant
-            # The codec's own bytes, so codecpick's ratio is not the quantizer's.
-            m["kv_raw_bytes"] += raw_bytes
-            m["kv_payload_bytes"] += header.length - LAYER_HEADER.size
-            if not 0 <= kv.layer < len(caches) or kv.layer in got:
-                raise ProtocolError(f"unexpected KV for layer {kv.layer}")
-            if kv.keys.shape[0] != heads or kv.keys.shape[2] != head_dim:
-                raise ProtocolError(f"layer {kv.layer} K/V has shape {kv.keys.shape}")
-            if prefix and kv.kind == Kind.FULL and kv.keys.shape[1] == len(ids) - prefix.start:
-                kv = prefix.extend(kv)
-            try:
-                check_layer(caches[kv.layer], kv, len(ids))
-                place(caches[kv.layer], kv, len(ids))
-            except ValueError as e:  # token count or cache kind does not fit
-                raise ProtocolError(str(e)) from None
-            last = time.perf_counter()
-            if first is None:
-                first = last
-                m["kv_first_layer_at"] = time.time()
-            got.add(kv.layer)
-            m["kv_bytes"] += HEADER.size + header.length
+            stream.take(reader, header)
             continue
         payload = reader.buffer(header.length)
         reader.read_into(payload)
         reader.finish()
         if header.type == Frame.LOGITS:
-            if len(payload) % 4:
-                raise ProtocolError(f"LOGITS of {len(payload)} bytes: not float32s")
-            logits = np.frombuffer(bytes(payload), np.float32)
-            if vocab_size and logits.shape[0] != vocab_size:
-                raise ProtocolError(f"{logits.shape[0]} logits for a vocab of {vocab_size}")
+            logits = stream.logits(payload)
         elif header.type == Frame.PREFILL_DONE:
             done = decode_json(header, bytes(payload))
             break
@@ -212,12 +153,107 @@ def receive_layers(
             raise error_from(header, payload)
         else:
             raise ProtocolError(f"unexpected {header.type.name} during KV stream")
-    if len(got) != len(caches) or logits is None:
+    if len(stream.got) != len(caches) or logits is None:
         raise ProtocolError(
-            f"prefill sent {len(got)} of {len(caches)} layers, "
+            f"prefill sent {len(stream.got)} of {len(caches)} layers, "
             f"{'no' if logits is None else ''} logits"
         )
-    return Received(logits, done, t_sent, first, last, m)
+    return Received(logits, done, t_sent, stream.first, stream.last, stream.m)
+
+
+class LayerStream:
+    """One PREFILL's K/V layers as they arrive: each checked against the prompt
+    and the fingerprint, placed in its cache, and counted."""
+
+    def __init__(
+        self,
+        request: PrefillRequest,
+        caches: list[Any],
+        fingerprint: dict[str, Any],
+        vocab_size: int | None,
+        place: Place,
+        prefix: Prefix | None,
+        slots: SlotsSource | None,
+    ) -> None:
+        self.request, self.caches, self.place, self.prefix = request, caches, place, prefix
+        self.slots = slots
+        self.into: Slots | None = None
+        self.vocab_size = vocab_size
+        self.n = len(request.token_ids)
+        self.m: dict[str, Any] = {
+            "kv_bytes": 0,
+            "kv_payload_bytes": 0,  # K/V blocks as sent (compressed or not)
+            "kv_raw_bytes": 0,  # K/V blocks expanded (int8 rows + scales when quantized)
+            "kv_quant": None,  # how the layers arrived: None lossless, "int8"
+            "kv_decode_time": 0.0,  # decode_layer: decompress + unshuffle (+ dequantize)
+            "kv_link_bytes": 0,  # large frames only: see agents.decode.codectuner
+            "kv_link_time": 0.0,
+        }
+        self.first: float | None = None
+        self.last: float | None = None
+        self.got: set[int] = set()
+        self.heads, self.head_dim = int(fingerprint["num_kv_heads"]), int(fingerprint["head_dim"])
+        # What one layer of this prompt may expand to, and may take on the wire
+        # (zstd's worst case is a little over raw): more is a lie, refused unread.
+        self.cap = layer_cap(self.heads, self.n, self.head_dim)
+        wire_cap = self.cap + self.cap // 128 + (64 << 10)
+        self.max_frame = max(wire_cap, 4 * (vocab_size or 0), CONTROL_MAX_FRAME)
+
+    def take(self, reader: FrameReader, header: Header) -> None:
+        """One KV_LAYER frame: read (in place where it fits), checked, placed."""
+        m = self.m
+        if self.slots is not None:
+            self.into = self.into or self.slots()
+            kv, t_payload, raw_bytes = receive_layer(reader, header, self.into, self.cap)
+        else:
+            payload = reader.buffer(header.length)
+            reader.read_into(payload)
+            reader.finish()
+            t_payload = time.perf_counter()
+            kv = decode_layer(payload, max_bytes=self.cap)
+            raw_bytes = block_bytes(kv)
+        # In place, receiving raw bytes is decoding them: counted as link time.
+        m["kv_decode_time"] += time.perf_counter() - t_payload
+        if header.length >= MIN_LINK_FRAME:
+            # From the header's arrival: time on the wire, not waiting for compute.
+            m["kv_link_bytes"] += header.length
+            m["kv_link_time"] += t_payload - reader.header_at
+        if kv.quant is not None and kv.quant != self.request.kv_quant:
+            raise ProtocolError(f"{kv.quant} K/V for a request that asked for lossless")
+        m["kv_quant"] = kv.quant
+        # The codec's own bytes, so the codec tuner's ratio is not the quantizer's.
+        m["kv_raw_bytes"] += raw_bytes
+        m["kv_payload_bytes"] += header.length - LAYER_HEADER.size
+        self.put(kv)
+        self.last = time.perf_counter()
+        if self.first is None:
+            self.first = self.last
+            m["kv_first_layer_at"] = time.time()
+        self.got.add(kv.layer)
+        m["kv_bytes"] += HEADER.size + header.length
+
+    def put(self, kv: LayerKV) -> None:
+        """A decoded layer into its cache, once, if its shape fits this prompt."""
+        if not 0 <= kv.layer < len(self.caches) or kv.layer in self.got:
+            raise ProtocolError(f"unexpected KV for layer {kv.layer}")
+        if kv.keys.shape[0] != self.heads or kv.keys.shape[2] != self.head_dim:
+            raise ProtocolError(f"layer {kv.layer} K/V has shape {kv.keys.shape}")
+        prefix = self.prefix
+        if prefix and kv.kind == Kind.FULL and kv.keys.shape[1] == self.n - prefix.start:
+            kv = prefix.extend(kv)
+        try:
+            check_layer(self.caches[kv.layer], kv, self.n)
+            self.place(self.caches[kv.layer], kv, self.n)
+        except ValueError as e:  # token count or cache kind does not fit
+            raise ProtocolError(str(e)) from None
+
+    def logits(self, payload: memoryview) -> np.ndarray:
+        if len(payload) % 4:
+            raise ProtocolError(f"LOGITS of {len(payload)} bytes: not float32s")
+        logits = np.frombuffer(bytes(payload), np.float32)
+        if self.vocab_size and logits.shape[0] != self.vocab_size:
+            raise ProtocolError(f"{logits.shape[0]} logits for a vocab of {self.vocab_size}")
+        return logits
 
 
 def fetch_kv(

@@ -46,10 +46,10 @@ from agents.wire.kvcodec import (
     DType,
     Kind,
     LayerKV,
-    _expand,
-    _plain,
+    as_array,
     block_bytes,
     decode_layer,
+    expand_block,
     from_float32,
 )
 
@@ -273,9 +273,9 @@ def _dequant_into(raw: memoryview, codec: Codec, dst: np.ndarray, dtype: DType) 
     for bit as kvcodec.dequantize_rows."""
     heads, seq, dim = dst.shape
     rows = heads * seq
-    block = _expand(raw, codec, rows * (SCALE_DTYPE.itemsize + dim))
+    block = expand_block(raw, codec, rows * (SCALE_DTYPE.itemsize + dim))
     split = rows * SCALE_DTYPE.itemsize
-    scale = _plain(memoryview(block)[:split], codec, SCALE_DTYPE, (heads, seq))
+    scale = as_array(memoryview(block)[:split], codec, SCALE_DTYPE, (heads, seq))
     if not (np.isfinite(scale).all() and (scale >= 0).all()):
         raise ProtocolError("KV_LAYER int8 block has a negative or non-finite row scale")
     q = np.frombuffer(memoryview(block)[split:], np.int8).reshape(heads, seq, dim)

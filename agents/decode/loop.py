@@ -16,6 +16,7 @@ offsets). The plain caches come back when the batch shrinks to one again.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import logging
 import queue
@@ -131,7 +132,7 @@ class Seq:
     # perf_counter: handed to the loop, and admitted to the batch (after a wait for a slot)
     posted_at: float = 0.0
     joined_at: float | None = None
-    # -- prefix store hook (agents.prefix.take) --
+    # -- prefix store hook (agents.decode.prefixstore) --
     # Set by a store that waits for them: its plain caches, once the loop stops
     # writing them (merged into the batch, or the request ended); never if it failed.
     released: Future[list[Any]] | None = None
@@ -342,6 +343,19 @@ class DecodeLoop:
             blank = mx.zeros((len(group), self.next_logprobs.shape[-1]), self.next_logprobs.dtype)
             self.next_logprobs = mx.concatenate([self.next_logprobs, blank])
 
+    def hand_over_caches(self, seq: Seq) -> None:
+        """On the mlx thread: if `seq` decodes alone on its plain caches, the loop
+        goes on with copies of them and `seq`'s own are released to the prefix
+        store. (A request still waiting for a slot in a full batch is left waiting.)"""
+        self._admit_waiting()  # it may be queued behind this call's own turn
+        if seq.released is None or seq.released.done():
+            return
+        if self.batched or len(self.seqs) != 1 or self.seqs[0] is not seq:
+            return
+        old = self.caches
+        self.caches = [own_copy(c) for c in old]
+        self._release(seq, old)
+
     def _release(self, seq: Seq, caches: list[Any]) -> None:
         """Prefix store hook: `seq`'s plain caches are no longer written here."""
         if seq.released is not None and not seq.released.done():
@@ -470,3 +484,12 @@ class DecodeLoop:
         if len(order) == 1:  # back to plain caches: the single-stream fast path
             self.caches = self.rows.extract(0)
             self.rows, self.batched = None, False
+
+
+def own_copy(cache: Any) -> Any:
+    """The same cache state in arrays of its own (capacity kept, so decoding
+    still writes in place)."""
+    new = copy.copy(cache)
+    if getattr(cache, "keys", None) is not None:
+        new.keys, new.values = mx.array(cache.keys), mx.array(cache.values)
+    return new

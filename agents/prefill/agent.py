@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from agents.models import get_adapter, layer_kinds_from_hf, load_hf_config
+from agents.prefill.prefixcache import PrefillPrefix
 from agents.prefill.queue import FairQueue
-from agents.prefix.prefill_side import PrefillPrefix
 from agents.prefix.store import default_max_mb, prefix_digest
 from agents.quant import check_supported, weights_identity, weights_mismatch
 from agents.runtime.daemonpool import DaemonPool

@@ -3,8 +3,8 @@ hashes and evicted least recently used by bytes.
 
 Block i's key hashes block i-1's key with its own tokens, so one walk over a
 prompt's keys finds the longest cached prefix in O(prompt). Framework-free: the
-decode agent keeps numpy blocks (agents.prefix.decode_side), the prefill agent torch ones
-(agents.prefix.prefill_side). A block is immutable once stored, so a request holding
+decode agent keeps numpy blocks (agents.decode.prefixcache), the prefill agent torch ones
+(agents.prefill.prefixcache). A block is immutable once stored, so a request holding
 one is never hurt when it is evicted.
 
 Blocks may be views of memory they share with other blocks (an `Owner`: the

@@ -22,7 +22,7 @@ Which OpenBLAS (DISAGG_BLAS; default `auto`):
 numpy comes first because every decode host has it (the agents need numpy), so
 `pip install` alone gives the fast path, and it measured as fast as Debian's
 0.3.21 here (7.2 vs 7.3 ms for a SmolLM2 step's matmuls at one row, 8.4 vs 8.7
-at 16: README, "BLAS on a Linux CPU"); the system library is the fallback for a
+at 16: docs/performance.md); the system library is the fallback for a
 numpy built against something else.
 
 numpy's and the wheels' OpenBLAS are built with 64-bit integers and prefixed

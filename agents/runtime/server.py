@@ -508,10 +508,6 @@ def serve(role: str, args: argparse.Namespace, token: bytes | None, agent: Agent
     """Bind both ports on every address, print READY, serve until SIGTERM/SIGINT,
     then stop accepting and let in-flight requests finish (up to --drain-timeout)."""
     handle, status, metrics = agent.handle, agent.status, agent.stats.prometheus
-
-    def busy() -> int:
-        return agent.stats.in_flight
-
     hosts = [h.strip() for h in str(args.host).split(",") if h.strip()]
     trusted = trusted_set(args.trusted_peers)
     draining = threading.Event()
@@ -571,24 +567,42 @@ def serve(role: str, args: argparse.Namespace, token: bytes | None, agent: Agent
         "on" if token else "OFF",
     )
 
+    wait_for_signal()
+    drain(role, agent, frames, controls, draining, args.drain_timeout)
+
+
+def wait_for_signal() -> None:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     stop.wait()  # the handlers run on this thread, so the wait wakes as soon as one fires
+
+
+def drain(
+    role: str,
+    agent: Agent,
+    frames: list[FrameServer],
+    controls: list[ThreadingHTTPServer],
+    draining: threading.Event,
+    timeout_s: float,
+) -> None:
+    """Stop accepting, then let in-flight requests finish for up to `timeout_s`."""
+
+    def busy() -> int:
+        return agent.stats.in_flight
+
     log.info("%s draining: no new connections, waiting for %d requests", role, busy())
     draining.set()
     for server in frames:
         server.shutdown()
         server.server_close()  # new connections are refused from here on
-    deadline = time.monotonic() + args.drain_timeout
+    deadline = time.monotonic() + timeout_s
     while busy() and time.monotonic() < deadline:
         time.sleep(0.05)
     left = busy()
     for c in controls:
         c.shutdown()
     if left:
-        log.warning(
-            "%s stopped with %d requests still running after %.0fs", role, left, args.drain_timeout
-        )
+        log.warning("%s stopped with %d requests still running after %.0fs", role, left, timeout_s)
     else:
         log.info("%s drained and stopped", role)

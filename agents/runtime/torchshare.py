@@ -5,7 +5,7 @@ the same cores. torch's OpenMP threads wait for each other at the end of every o
 so one pushed off its core by a decode step stalls the whole forward pass, and the
 decode step waits for its core in turn: 16 grader streams on 2 cores decoded at
 0.45 s per token beside a two-thread prefill and 0.40 s beside a one-thread one,
-and their prefills finished sooner (README, "Serving under load"). So a prefill
+and their prefills finished sooner (docs/bench-history/2026-11-26-pm-torch-share.md). So a prefill
 whose requester says it is decoding (PrefillRequest.cores_busy) runs on `shared`
 threads; a prefill with nothing beside it gets every core. Whoever starts both
 agents on one machine says so with ENV (disagg.serving.localagents); a prefill

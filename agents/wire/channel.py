@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from agents.wire.frames import (
-    _JSON_LEN,
     CONTROL_MAX_FRAME,
     DEFAULT_MAX_FRAME,
     HEADER,
     IDS_U32,
+    JSON_LEN,
     RECV_STEP,
     Deadline,
     Frame,
@@ -363,4 +363,4 @@ def recv_json(
 def send_json_ids(sock: socket.socket, ftype: Frame, obj: dict[str, Any], ids: bytes) -> int:
     """A JSON object and packed token ids in one frame (IDS_U32)."""
     text = json_bytes(obj)
-    return send_frame(sock, ftype, [_JSON_LEN.pack(len(text)), text, ids], IDS_U32)
+    return send_frame(sock, ftype, [JSON_LEN.pack(len(text)), text, ids], IDS_U32)

@@ -42,7 +42,7 @@ RECV_STEP = 256 << 10
 # whose HELLO_OK says IDS_U32_CAP.
 IDS_U32 = 1
 IDS_U32_CAP = {"ids": "u32"}
-_JSON_LEN = struct.Struct("<I")
+JSON_LEN = struct.Struct("<I")
 
 
 def packed_ids_offered(hello_ok: dict[str, Any]) -> bool:
@@ -174,9 +174,9 @@ def split_json_ids(header: Header, payload: bytearray) -> tuple[dict[str, Any], 
     if not header.flags & IDS_U32:
         return decode_json(header, payload), None
     view = memoryview(payload)
-    if len(view) < _JSON_LEN.size:
+    if len(view) < JSON_LEN.size:
         raise ProtocolError(f"{header.type.name} frame too short for its JSON's length")
-    end = _JSON_LEN.size + _JSON_LEN.unpack_from(view)[0]
+    end = JSON_LEN.size + JSON_LEN.unpack_from(view)[0]
     if end > len(view) or (len(view) - end) % 4:
         raise ProtocolError(f"{header.type.name} frame's ids are not whole uint32s")
-    return decode_json(header, view[_JSON_LEN.size : end]), view[end:]
+    return decode_json(header, view[JSON_LEN.size : end]), view[end:]

@@ -198,7 +198,7 @@ def encode_layer(
     return [head, *kb, *vb]
 
 
-def _expand(raw: memoryview, codec: Codec, nbytes: int) -> bytes | memoryview:
+def expand_block(raw: memoryview, codec: Codec, nbytes: int) -> bytes | memoryview:
     """A block as sent -> its `nbytes` bytes (still shuffled, for SHUFFLE_ZSTD)."""
     if codec == Codec.RAW:
         if len(raw) != nbytes:
@@ -218,9 +218,10 @@ def _expand(raw: memoryview, codec: Codec, nbytes: int) -> bytes | memoryview:
     return out
 
 
-def _plain(
+def as_array(
     raw: bytes | memoryview, codec: Codec, dtype: np.dtype, shape: tuple[int, ...]
 ) -> np.ndarray:
+    """An expanded block as a numpy array of `shape` (unshuffled first where it was)."""
     if codec == Codec.SHUFFLE_ZSTD:
         raw = _unshuffle(raw, dtype.itemsize)
     return np.frombuffer(raw, dtype).reshape(shape)
@@ -230,7 +231,7 @@ def _dequant_block(
     raw: bytes | memoryview, codec: Codec, heads: int, seq: int, dim: int, base: DType
 ) -> np.ndarray:
     split = heads * seq * SCALE_DTYPE.itemsize
-    scale = _plain(memoryview(raw)[:split], codec, SCALE_DTYPE, (heads, seq))
+    scale = as_array(memoryview(raw)[:split], codec, SCALE_DTYPE, (heads, seq))
     if not (np.isfinite(scale).all() and (scale >= 0).all()):
         raise ProtocolError("KV_LAYER int8 block has a negative or non-finite row scale")
     q = np.frombuffer(memoryview(raw)[split:], np.int8).reshape(heads, seq, dim)
@@ -290,13 +291,13 @@ def _decode_layer(payload: bytearray | bytes | memoryview, max_bytes: int) -> La
     if expanded > max_bytes:
         raise ProtocolError(f"KV_LAYER claims {expanded} bytes, over the cap of {max_bytes}")
     view = memoryview(payload)[LAYER_HEADER.size :]
-    k_raw = _expand(view[:k_len], codec_e, k_bytes)
-    v_raw = _expand(view[k_len:], codec_e, v_bytes)
+    k_raw = expand_block(view[:k_len], codec_e, k_bytes)
+    v_raw = expand_block(view[k_len:], codec_e, v_bytes)
     if quant:
         keys = _dequant_block(k_raw, codec_e, heads, seq, k_dim, out_dtype)
         values = _dequant_block(v_raw, codec_e, heads, seq, v_dim, out_dtype)
         return LayerKV(layer, kind_e, out_dtype, keys, values, "int8")
     np_dtype = np.dtype(WIRE_NUMPY[out_dtype])
-    keys = _plain(k_raw, codec_e, np_dtype, (heads, seq, k_dim))
-    values = _plain(v_raw, codec_e, np_dtype, (heads, seq, v_dim))
+    keys = as_array(k_raw, codec_e, np_dtype, (heads, seq, k_dim))
+    values = as_array(v_raw, codec_e, np_dtype, (heads, seq, v_dim))
     return LayerKV(layer, kind_e, out_dtype, keys, values)

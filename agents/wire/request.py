@@ -70,7 +70,7 @@ class PrefillTarget:
         if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
             raise RequestError("prefill", f"prefill.port must be a TCP port, got {port!r}")
         timeout = d.get("timeout")
-        if timeout is not None and (not _is_num(timeout) or timeout <= 0):
+        if timeout is not None and (not is_num(timeout) or timeout <= 0):
             raise RequestError("prefill", f"prefill.timeout must be > 0 seconds, got {timeout!r}")
         name = d.get("name")
         integrity = d.get("integrity", "mac")
@@ -195,7 +195,7 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_num(v: Any) -> bool:
+def is_num(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
@@ -226,12 +226,12 @@ def check(r: GenerateRequest) -> None:
             raise RequestError(name, f"{name} must be true or false")
     if not _is_int(r.max_tokens) or r.max_tokens < 1:
         raise RequestError("max_tokens", f"max_tokens must be at least 1, got {r.max_tokens!r}")
-    if not _is_num(r.temperature) or not 0 <= r.temperature <= TEMPERATURE_MAX:
+    if not is_num(r.temperature) or not 0 <= r.temperature <= TEMPERATURE_MAX:
         raise RequestError(
             "temperature",
             f"temperature must be in [0, {TEMPERATURE_MAX:g}] (0 is greedy), got {r.temperature!r}",
         )
-    if not _is_num(r.top_p) or not 0 < r.top_p <= 1:
+    if not is_num(r.top_p) or not 0 < r.top_p <= 1:
         raise RequestError("top_p", f"top_p must be in (0, 1], got {r.top_p!r}")
     if r.seed is not None and (not _is_int(r.seed) or not 0 <= r.seed <= SEED_MAX):
         raise RequestError("seed", f"seed must be a non-negative integer, got {r.seed!r}")

@@ -3,7 +3,7 @@ dir, with the weights in full precision or kept packed (agents.quant).
 
 The agents' own engine (PrefillEngine), timed the way the prefill agent runs it:
 each layer's K/V is handed to a callback as it is computed (here copied to host
-memory, as the agent does before sending). Used on lent GPU machines (README).
+memory, as the agent does before sending). Used on lent GPU machines (docs/performance.md).
 
 Run: python -m disagg.bench.gpuprefill DIR [DIR ...] [--device cuda] [--dtype auto]
 """

@@ -3,7 +3,7 @@
 The same KV_LAYER frames through a real loopback TCP connection, authenticated
 both ways, once bare ("none") and once sealed ("mac"): the receiver reads each
 frame as agents.decode.kvfetch does (FrameReader; sealed, the tag is checked before the
-payload is handed on). The figure that decides (issue 20's rule, 5 % at
+payload is handed on). The figure that decides (sealing may add at most 5 % at
 10 Gbit/s) is the receiver's check on the critical path: the tag rate measured
 here against the time the same bytes take on a 10 Gbit/s wire.
 

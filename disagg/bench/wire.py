@@ -52,7 +52,7 @@ from disagg.bench.common import Say, Stamp, long_text, median, quiet, table, ver
 from disagg.bench.handoff import Receiver, kv_digest, raw_size
 
 HANDOFF_BARE_BAR = 0.85  # ours / bare socket, at least
-HANDOFF_INPLACE_BAR = 0.95  # ours into mlx caches in place / bare socket, at least (issue 18)
+HANDOFF_INPLACE_BAR = 0.95  # ours into mlx caches in place / bare socket, at least
 # bare / in-place pairs per repetition: the bar's two sides are short transfers
 # whose times swing ±30 % on a shared box (a run's ratio of medians moved ±4 %
 # by sampling alone at 33 pairs), and cheap next to JSON and zstd.
@@ -249,7 +249,7 @@ def handoff_part(
         "ok_bare": gbs["ours"] / gbs["bare"] >= HANDOFF_BARE_BAR,
         "ok_json": gbs["ours"] / gbs["json"] >= HANDOFF_JSON_BAR,
         "bit_exact": exact["bit_exact"],
-        # Into mlx caches (the issue 18 bar): per triple too, bare_i / inplace_i.
+        # Into mlx caches (HANDOFF_INPLACE_BAR): per triple too, bare_i / inplace_i.
         "inplace_vs_bare": gbs["ours_inplace"] / gbs["bare"],
         "inplace_vs_bare_runs": [
             b / a for a, b in zip(runs["ours_inplace"], runs["bare"], strict=True)

@@ -1,4 +1,4 @@
-"""The one path from a remote string to the terminal (issue 20).
+"""The one path from a remote string to the terminal.
 
 What agents, hosts and their logs say (status fields, stderr tails, ERROR
 messages) becomes a rich `Text`: never parsed as markup (a `[link=...]` stays

@@ -110,7 +110,7 @@ class Pipeline:
     # agents refuse that unless told; results then say weights: "mixed".
     mixed_weights: bool = False
     # Frames between agents after the handshake: "mac" tags each one (altered K/V
-    # is refused before it is placed or cached), "none" trusts the link (README).
+    # is refused before it is placed or cached), "none" trusts the link (docs/threat-model.md).
     integrity: str = "mac"
 
 

@@ -38,7 +38,7 @@ def error_body(path: str, status: int, message: str, code: str) -> dict[str, Any
     return {"error": message}
 
 
-# -- tenants (issue 20) --------------------------------------------------------
+# -- tenants -------------------------------------------------------------------
 # Each API key is a tenant. Routes read what the guard found in the request's
 # scope["state"]: the tenant's prefix-cache salt and whether it holds a key.
 TENANT = "disagg_tenant"  # the matching key's digest (None: the gateway wants no key)

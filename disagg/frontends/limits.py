@@ -1,4 +1,4 @@
-"""What a connection may cost the gateway before it is a request (issue 20).
+"""What a connection may cost the gateway before it is a request.
 
 uvicorn alone takes any number of connections and waits forever for a request's
 first byte: a few dozen silent sockets under a low open-files limit held the

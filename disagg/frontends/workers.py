@@ -1,4 +1,4 @@
-"""The gateway's request threads and its admission limit (issue 18).
+"""The gateway's request threads and its admission limit.
 
 A request holds a thread while it runs (the router is blocking code). Python's
 default pool has min(32, cores + 4) threads: a fast request waited behind a few

@@ -154,7 +154,7 @@ def thread_share(role: str, env: dict[str, str]) -> dict[str, str]:
     stalled the other (16 grader streams on 2 cores: 4x slower decode beside a
     two-thread gemm, TTFT p50 6.6 s and TPOT 0.48 s beside a two-thread prefill
     against 4.0 s and 0.40 s); with half always, one stream alone decoded 1.3x
-    slower than mlx-lm (README, "Serving under load")."""
+    slower than mlx-lm (docs/bench-history/2026-11-23-load.md)."""
     half = str(max(1, (os.cpu_count() or 2) // 2))
     if role == "decode" and "OPENBLAS_NUM_THREADS" not in env:
         return {BLAS_SHARED_ENV: half}

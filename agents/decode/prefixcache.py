@@ -7,7 +7,7 @@ have their own namespace, so a hit joins K/V that the same producer computed,
 which is what that producer's cache-off run computes (checked by the tests).
 
 Blocks are taken from the request's own caches without a copy, once the decode
-loop stops writing them (agents.prefix.take): at the request's end, or when it
+loop stops writing them (agents.decode.prefixstore): at the request's end, or when it
 joins a batch (whose merge copies them anyway). They are then numpy views of
 the cache buffers, which the cache holds whole (`Owner`: the budget counts the
 buffers, decoded positions and headroom included); where the new blocks would be
@@ -34,9 +34,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+from agents.prefix.store import Block, Owner, Prefix, PrefixCache, block_keys, prefix_digest
 from agents.wire.kvcodec import DTYPE_NAMES, Kind, LayerKV
-
-from .store import Block, Owner, Prefix, PrefixCache, block_keys, prefix_digest
 
 # Blocks are kept as views only where they are at least this share of the
 # memory the views would hold; else they are copied out.
@@ -115,7 +114,7 @@ class DecodePrefix:
         self.windows = [0 if k[0] == "full" else int(k[1]) for k in kinds]
         self.window = max(self.windows, default=0)
         self.dtype = DTYPE_NAMES[dtype]
-        # Stores waiting for their request's caches (agents.prefix.take).
+        # Stores waiting for their request's caches (agents.decode.prefixstore).
         self.pending: list[Any] = []
         self.pending_lock = threading.Lock()
 

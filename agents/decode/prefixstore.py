@@ -16,16 +16,13 @@ A request that fails stores nothing.
 
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
-import mlx.core as mx
-
-from .decode_side import DecodePrefix, Hit, Span
+from agents.decode.prefixcache import DecodePrefix, Hit, Span
 
 if TYPE_CHECKING:
     from agents.decode.loop import DecodeLoop, Seq
@@ -111,7 +108,7 @@ class PendingStore:
             if self.done or seq is None:
                 return
             if not self.released.done():
-                self.loop.call(release_lone, self.loop, seq)
+                self.loop.call(self.loop.hand_over_caches, seq)
             if self.released.done():  # not when it waits for a batch slot
                 self._store(self.released.result())
 
@@ -134,26 +131,3 @@ class PendingStore:
         finally:
             caches.clear()  # what the store keeps it holds itself (views or copies)
             self.drop()
-
-
-def release_lone(loop: DecodeLoop, seq: Seq) -> None:
-    """On the mlx thread: if `seq` decodes alone on its plain caches, the loop
-    goes on with copies of them and `seq`'s own are released to the store. (A
-    request still waiting for a slot in a full batch is left waiting.)"""
-    loop._admit_waiting()  # it may be queued behind this call's own turn
-    if seq.released is None or seq.released.done():
-        return
-    if loop.batched or len(loop.seqs) != 1 or loop.seqs[0] is not seq:
-        return
-    old = loop.caches
-    loop.caches = [fresh(c) for c in old]
-    loop._release(seq, old)
-
-
-def fresh(cache: Any) -> Any:
-    """The same cache state in arrays of its own (capacity kept, so decoding
-    still writes in place)."""
-    new = copy.copy(cache)
-    if getattr(cache, "keys", None) is not None:
-        new.keys, new.values = mx.array(cache.keys), mx.array(cache.values)
-    return new

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from .pending import PendingStores
-from .store import Block, PrefixCache, block_keys
+from agents.prefill.pendingstores import PendingStores
+from agents.prefix.store import Block, PrefixCache, block_keys
 
 
 class PrefillPrefix:
