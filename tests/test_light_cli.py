@@ -14,7 +14,7 @@ for argv in (["--help"], ["status", "--help"], ["deploy", "--help"], ["serve", "
     sys.argv = ["disagg", *argv]
     with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
         main()
-import disagg.api, disagg.fleet.deploy, disagg.fleet.operations, disagg.frontends.gateway
+import disagg.api, disagg.fleet.deploy, disagg.fleet.operations, disagg.frontends.app
 print(json.dumps({m: m in sys.modules for m in ("agents.runtime.fastblas", "mlx.core", "torch")}))
 """
 

@@ -26,7 +26,7 @@ from disagg.api import Client
 from disagg.fleet.crashes import crash_tail_command, last_error_from_tails
 from disagg.fleet.operations import LogLine, log_commands, merge_by_time, pump_lines
 from disagg.fleet.service import AgentPaths
-from disagg.frontends.gateway import create_app
+from disagg.frontends.app import create_app
 from disagg.frontends.webview import auth, prom
 from disagg.frontends.webview.fleet import last_error_line
 from disagg.frontends.webview.tracker import RequestLog, prompt_of

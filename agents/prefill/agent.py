@@ -6,7 +6,6 @@ Run: python -m agents.prefill --model DIR [--host H --port P --device cuda]
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import queue
@@ -104,7 +103,6 @@ class PrefillEngine:
         model_dir: str,
         device: str = "auto",
         dtype: str = "auto",
-        layer_delay_s: float = 0.0,
         dequant_budget_gb: float | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM  # heavy: import once the args parsed
@@ -157,8 +155,6 @@ class PrefillEngine:
         self.copies = HostCopies.for_device(self.device)
         self.slots = FairQueue()  # one forward pass at a time per device, fairly
         self.share = TorchShare.from_env()
-        # Fault-injection aid for tests: stretch the KV stream so a fault can land mid-way.
-        self.layer_delay_s = layer_delay_s
 
     @torch.inference_mode()
     def prefill(
@@ -207,8 +203,6 @@ class PrefillEngine:
                     on_layer(LayerKV(idx, kind, wire, to_wire(keys), to_wire(values)))
                 if idx == len(self.layers) - 1:
                     marks["last_layer_at"] = time.time()
-                elif self.layer_delay_s:
-                    time.sleep(self.layer_delay_s)
 
             return _after_layer
 
@@ -655,7 +649,6 @@ class PrefillAgent:
 
 def main() -> None:
     parser = common_args("prefill")
-    parser.add_argument("--fault-layer-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument(
         "--kv-buffer-mb",
         type=float,
@@ -680,11 +673,7 @@ def main() -> None:
         "prefill",
         parser,
         lambda a: PrefillEngine(
-            a.model,
-            device=a.device,
-            dtype=a.dtype,
-            layer_delay_s=a.fault_layer_delay,
-            dequant_budget_gb=a.dequant_budget_gb,
+            a.model, device=a.device, dtype=a.dtype, dequant_budget_gb=a.dequant_budget_gb
         ),
     )
     agent = PrefillAgent(

@@ -1,0 +1,72 @@
+"""The gateway app (FastAPI): OpenAI's API under /v1 and Ollama's under /api on one
+port, behind one guard (`disagg.frontends.guard`: API keys, body caps), with the
+web view at /ui and generation on a bounded pool (`disagg.frontends.workers`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from disagg.api import Client
+from disagg.frontends import webview
+from disagg.frontends.guard import MAX_BODY_BYTES, Guard
+from disagg.frontends.ollama import routes as ollama_routes
+from disagg.frontends.ollama.types import OllamaError
+from disagg.frontends.openai import routes as openai_routes
+from disagg.frontends.openai.types import OpenAIError
+from disagg.frontends.workers import Workers
+
+
+def create_app(
+    client: Client,
+    *,
+    api_key: str | Sequence[str] | None = None,
+    max_body: int = MAX_BODY_BYTES,
+    workers: Workers | None = None,
+) -> FastAPI:
+    """The gateway: OpenAI's API under /v1 and Ollama's under /api, one port.
+    With `api_key` (one, or several: each a tenant), every route but `/` and
+    `/health` wants one as a bearer token. Generation runs on `workers` (default:
+    sized to the cluster's batch capacity), which refuses requests past its limit."""
+    app = FastAPI(title="disagg gateway")
+    app.add_middleware(Guard, api_key=api_key, max_body=max_body)
+    pool = workers or Workers.for_router(client.router)
+    app.include_router(ollama_routes.routes(client, pool))
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    # /ui, /ui/api/..., /metrics; the web view's sign-in takes the first key.
+    app.include_router(webview.routes(client, keys[0] if keys else None))
+    app.include_router(openai_routes.routes(client, pool))
+    add_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"ok": True}
+
+    return app
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Each API's errors in its own shape; a body that fails validation too."""
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, e: OpenAIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(OllamaError)
+    async def _ollama_error(_: Request, e: OllamaError) -> JSONResponse:
+        return JSONResponse({"error": e.message}, status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0] if e.errors() else {}
+        loc = [str(p) for p in first.get("loc", []) if p != "body"]
+        msg = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
+        if not request.url.path.startswith("/v1"):
+            return JSONResponse({"error": msg}, status_code=400)
+        err = OpenAIError(400, msg, "invalid_request_error", ".".join(loc) or None)
+        return JSONResponse(err.body(), status_code=400)

@@ -1,0 +1,147 @@
+"""What Ollama's /api/tags, /api/ps and /api/show say about a served model, from
+its decode agents' /status (architecture, context, dtype, chat template)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+from agents.wire.frames import AuthError
+from disagg.api import Client
+from disagg.frontends.ollama.types import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, OllamaError
+from disagg.serving.control import control_status
+
+INFO_TTL_S = 30.0
+
+
+def timestamp() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def resolve(client: Client, name: str) -> str:
+    """The pipeline a name means, as `-m` resolves it (names and aliases); Ollama's
+    implicit `:latest` tag is dropped when the bare name is served."""
+    served = client.models()
+    if name in served:
+        return name
+    if name.endswith(":latest") and name[: -len(":latest")] in served:
+        return name[: -len(":latest")]
+    raise OllamaError(404, f'model "{name}" not found; served: {", ".join(served) or "none"}')
+
+
+class ModelInfo:
+    """What the decode agents say about each model (architecture, context,
+    dtype), fetched from their /status and kept for a short while."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self.cache: dict[str, tuple[float, dict[str, Any]]] = {}
+        self.lock = threading.Lock()
+
+    def get(self, name: str) -> dict[str, Any]:
+        now = time.monotonic()
+        with self.lock:
+            hit = self.cache.get(name)
+        if hit and now - hit[0] < INFO_TTL_S:
+            return hit[1]
+        info: dict[str, Any] = {}
+        router = self.client.router
+        for ep in router.pipeline(name).decode:
+            if ep.control_port is None:
+                continue
+            try:
+                info = control_status(ep.host, ep.control_port, router.token, timeout_s=2.0)
+                break
+            except (OSError, ValueError, AuthError):
+                continue
+        if info:  # a failed fetch is never kept: the next request asks again
+            with self.lock:
+                self.cache[name] = (now, info)
+        return info
+
+
+def _details(info: dict[str, Any]) -> dict[str, Any]:
+    fp = info.get("fingerprint") or {}
+    arch = str(fp.get("architecture") or "")
+    return {
+        "parent_model": "",
+        "format": "safetensors",
+        "family": arch,
+        "families": [arch] if arch else None,
+        "parameter_size": "",
+        "quantization_level": str(fp.get("dtype") or "").upper(),
+    }
+
+
+def _context(info: dict[str, Any]) -> int | None:
+    ctx = info.get("context")
+    return int(ctx) if isinstance(ctx, int) else None
+
+
+def listed(name: str, about: dict[str, Any]) -> dict[str, Any]:
+    """A model as /api/tags lists it."""
+    entry = {"name": name, "model": name, "modified_at": timestamp(), "size": 0, "digest": ""}
+    return {**entry, "details": _details(about)}
+
+
+def running(name: str, about: dict[str, Any]) -> dict[str, Any]:
+    """A model as /api/ps lists it: loaded until its agents stop."""
+    return {
+        "name": name,
+        "model": name,
+        "size": 0,
+        "digest": "",
+        "details": _details(about),
+        "expires_at": "9999-12-31T23:59:59Z",
+        "size_vram": 0,
+        "context_length": _context(about),
+    }
+
+
+def show_model(name: str, about: dict[str, Any]) -> dict[str, Any]:
+    """/api/show's answer for a served model, from its decode agent's /status."""
+    fp = about.get("fingerprint") or {}
+    arch = str(fp.get("architecture") or "unknown")
+    model_info: dict[str, Any] = {"general.architecture": arch}
+    for key, value in (
+        ("context_length", _context(about)),
+        ("block_count", fp.get("num_layers")),
+        ("attention.head_count_kv", fp.get("num_kv_heads")),
+        ("attention.key_length", fp.get("head_dim")),
+    ):
+        if value is not None:
+            model_info[f"{arch}.{key}"] = value
+    chat = about.get("chat")
+    chat = chat if isinstance(chat, dict) else {}
+    params = [f"temperature {DEFAULT_TEMPERATURE}", f"top_p {DEFAULT_TOP_P}"]
+    if _context(about):
+        params.insert(0, f"num_ctx {_context(about)}")
+    params += [f"stop {json.dumps(s)}" for s in chat.get("stop") or [] if isinstance(s, str)]
+    caps = chat.get("capabilities")
+    return {
+        "modelfile": f"# served by disagg: pipeline {name}\n",
+        "parameters": "\n".join(params),
+        "template": _template(chat),
+        "details": _details(about),
+        "model_info": model_info,
+        "capabilities": caps if isinstance(caps, list) else ["completion"],
+        "modified_at": timestamp(),
+    }
+
+
+def _template(chat: dict[str, Any]) -> str:
+    """The model's chat template (Jinja, as its tokenizer has it). With FIM tokens
+    it is wrapped in the fill-in-the-middle rule as Ollama writes it, so editors
+    that look for `.Suffix` (continue.dev) know they may send one."""
+    text = str(chat.get("template") or "")
+    fim = chat.get("fim_tokens")
+    if not (isinstance(fim, list) and len(fim) == 3 and all(isinstance(t, str) for t in fim)):
+        return text
+    pre, suf, mid = fim
+    return (
+        f"{{{{- if .Suffix }}}}{pre}{{{{ .Prompt }}}}{suf}{{{{ .Suffix }}}}{mid}"
+        f"{{{{- else }}}}{text}{{{{- end }}}}"
+    )
