@@ -27,7 +27,7 @@ Weight = Packed | torch.Tensor  # an expert projection may be left unquantized
 
 
 class QuantLinear(nn.Module):
-    """nn.Linear whose weight [out, in] stays packed."""
+    """nn.Linear whose weight [out, in] stays packed (or was kept dequantized)."""
 
     def __init__(self, packed: Packed, bias: torch.Tensor | None = None) -> None:
         super().__init__()

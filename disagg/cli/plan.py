@@ -21,7 +21,9 @@ def plan(
         typer.Option(
             "--count-layers",
             help="Layers of each model built at its real shapes to count aten ops and host "
-            "syncs on this machine (0: no counting pass; launch costs are then left out).",
+            "syncs on this machine (written once into the cache: ~1 and ~3.4 GB at 2 layers; "
+            "~8 GB of memory while counting GPT-OSS). 0: no counting pass, launch costs "
+            "left out.",
         ),
     ] = 2,
     link: Annotated[
