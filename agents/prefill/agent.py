@@ -6,7 +6,6 @@ Run: python -m agents.prefill --model DIR [--host H --port P --device cuda]
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import queue
@@ -21,6 +20,7 @@ import numpy as np
 import torch
 
 from agents.models import get_adapter, layer_kinds_from_hf, load_hf_config
+from agents.prefill.hostcopy import HostCopies
 from agents.prefill.prefixcache import PrefillPrefix
 from agents.prefill.queue import FairQueue
 from agents.prefix.store import default_max_mb, prefix_digest
@@ -95,30 +95,20 @@ def to_wire(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
-def to_wire_async(tensors: tuple[torch.Tensor, ...]) -> tuple[list[np.ndarray], Callable[[], None]]:
-    """[1, H, S, D] CUDA cache tensors -> [H, S, D] host arrays in pinned memory,
-    copied without stopping the device's queue: the next layer computes while this
-    one comes across. Read the arrays only after calling the returned function."""
-    out = []
-    for t in tensors:
-        src = t[0].view(torch.int16) if t.dtype == torch.bfloat16 else t[0]
-        host = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
-        host.copy_(src, non_blocking=True)
-        arr = host.numpy()  # shares the pinned buffer and keeps it alive
-        out.append(arr.view(np.uint16) if t.dtype == torch.bfloat16 else arr)
-    done = torch.cuda.Event()
-    done.record()
-    return out, done.synchronize
-
-
 class PrefillEngine:
     """One loaded model; `prefill` streams K/V layer by layer through a callback."""
 
     def __init__(
-        self, model_dir: str, device: str = "auto", dtype: str = "auto", layer_delay_s: float = 0.0
+        self,
+        model_dir: str,
+        device: str = "auto",
+        dtype: str = "auto",
+        dequant_budget_gb: float | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM  # heavy: import once the args parsed
 
+        from agents.quant.budget import dequant_budget
+        from agents.quant.formats import weight_files
         from agents.quant.loader import load_packed_model, needs_packed_loader
 
         self.model_dir = model_dir
@@ -127,16 +117,23 @@ class PrefillEngine:
         self.adapter = get_adapter(self.cfg["model_type"])
         self.device = pick_device(device)
         self.dtype = pick_dtype(dtype, self.cfg)
-        self.packed_bytes = 0  # quantized weights held packed (0: full precision)
+        self.packed_bytes = 0  # quantized weights read, as packed (0: full precision)
+        self.kept_bytes = 0  # of them, dequantized once at load and kept
         model: Any
         if needs_packed_loader(model_dir, self.cfg):
-            # transformers cannot read these; keep the weights packed (agents.quant).
-            model, self.packed_bytes = load_packed_model(
-                model_dir, self.cfg, TORCH_DTYPES[self.dtype], self.device
+            # transformers cannot read these; weights packed, or dequantized at load
+            # where the device's memory allows (agents.quant.budget).
+            size = sum(f.stat().st_size for f in weight_files(model_dir))
+            budget = dequant_budget(self.device, size, dequant_budget_gb)
+            model, self.packed_bytes, self.kept_bytes = load_packed_model(
+                model_dir, self.cfg, TORCH_DTYPES[self.dtype], self.device, budget
             )
         else:
+            # MoE experts as grouped GEMMs (transformers' "grouped_mm"): no host syncs.
+            moe = "num_experts" in self.cfg or "num_local_experts" in self.cfg
+            extra = {"experts_implementation": "grouped_mm"} if moe else {}
             loaded: Any = AutoModelForCausalLM.from_pretrained(
-                model_dir, dtype=TORCH_DTYPES[self.dtype]
+                model_dir, dtype=TORCH_DTYPES[self.dtype], **extra
             )
             model = loaded.to(self.device)
         self.model = model.eval()
@@ -154,10 +151,10 @@ class PrefillEngine:
             "layers": self.kinds,
             "weights": weights_identity(model_dir),
         }
+        # K/V copied off a CUDA device on a side stream while the next layer computes.
+        self.copies = HostCopies.for_device(self.device)
         self.slots = FairQueue()  # one forward pass at a time per device, fairly
         self.share = TorchShare.from_env()
-        # Fault-injection aid for tests: stretch the KV stream so a fault can land mid-way.
-        self.layer_delay_s = layer_delay_s
 
     @torch.inference_mode()
     def prefill(
@@ -190,7 +187,7 @@ class PrefillEngine:
         total = len(token_ids)
         marks: dict[str, float] = {}
         wire = DTYPE_NAMES[self.dtype]
-        overlap = host_async and self.device.startswith("cuda")
+        copies = self.copies if host_async else None
 
         def hook(idx: int) -> Callable[..., None]:
             def _after_layer(module: Any, args: Any, output: Any) -> None:
@@ -199,15 +196,13 @@ class PrefillEngine:
                 # [1, H, S, D]: a sliding layer holds only the prompt's last S positions.
                 keep = min(layer.keys.shape[2], total - start)
                 keys, values = layer.keys[:, :, -keep:], layer.values[:, :, -keep:]
-                if overlap:
-                    (k, v), ready = to_wire_async((keys, values))
+                if copies is not None:
+                    (k, v), ready = copies.copy((keys, values))
                     on_layer(LayerKV(idx, kind, wire, k, v, ready=ready))
                 else:
                     on_layer(LayerKV(idx, kind, wire, to_wire(keys), to_wire(values)))
                 if idx == len(self.layers) - 1:
                     marks["last_layer_at"] = time.time()
-                elif self.layer_delay_s:
-                    time.sleep(self.layer_delay_s)
 
             return _after_layer
 
@@ -654,7 +649,6 @@ class PrefillAgent:
 
 def main() -> None:
     parser = common_args("prefill")
-    parser.add_argument("--fault-layer-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument(
         "--kv-buffer-mb",
         type=float,
@@ -668,11 +662,18 @@ def main() -> None:
         default=KV_STALL_S,
         help=f"cut a peer that takes no K/V bytes for this many seconds (default {KV_STALL_S:.0f})",
     )
+    parser.add_argument(
+        "--dequant-budget-gb",
+        type=float,
+        default=None,
+        help="quantized weights dequantized once at load, up to this many GB of growth "
+        "(0: all kept packed; default: what the device's memory allows)",
+    )
     args, token, engine = start_agent(
         "prefill",
         parser,
         lambda a: PrefillEngine(
-            a.model, device=a.device, dtype=a.dtype, layer_delay_s=a.fault_layer_delay
+            a.model, device=a.device, dtype=a.dtype, dequant_budget_gb=a.dequant_budget_gb
         ),
     )
     agent = PrefillAgent(

@@ -1,4 +1,4 @@
-"""`disagg bench --quant-weights`: a quantized checkpoint prefilled on packed weights.
+"""`disagg bench quant-weights`: a quantized checkpoint prefilled on packed weights.
 
 On one quantized dir (default: SmolLM2 at MLX affine 4-bit, made by mlx_lm.convert),
 in one run:
@@ -79,7 +79,7 @@ def _probe(model_dir: str, mode: str, tokens: int, repeats: int) -> dict[str, An
 
     start, idle = _idle_engine_rss(model_dir)
     t0 = time.perf_counter()
-    eng = PrefillEngine(model_dir, device="cpu")
+    eng = PrefillEngine(model_dir, device="cpu", dequant_budget_gb=0)  # held packed
     elem = torch.tensor([], dtype=getattr(torch, eng.dtype)).element_size()
     layer0 = [p for m in eng.layers[0].modules() for p in vars(m).values() if isinstance(p, Packed)]
     one_layer = sum(elem * int(torch.Size(p.shape).numel()) for p in layer0)
