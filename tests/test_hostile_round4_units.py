@@ -90,7 +90,8 @@ def grammars() -> Grammars:
     )
     tok.train_from_iterator(['{"a": 1, "name": "x"}'], trainer=trainer)
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|return|>")
-    return Grammars(hf, 300, [int(hf.convert_tokens_to_ids("<|return|>"))])
+    eos: Any = hf.convert_tokens_to_ids("<|return|>")
+    return Grammars(hf, 300, [eos])
 
 
 def test_the_compilers_own_failure_is_a_request_error(grammars: Grammars) -> None:
