@@ -200,3 +200,48 @@ def test_a_client_that_hung_up_is_seen_without_blocking() -> None:
         assert time.perf_counter() - t0 < 0.5
     finally:
         a.close()
+
+
+# -- tenants: admission shares and what each sees ------------------------------------
+
+
+def test_a_tenant_holds_its_share_and_another_is_served() -> None:
+    from disagg.errors import Overloaded
+    from disagg.frontends import tenancy
+    from disagg.frontends.workers import Workers
+
+    pool = Workers(2, limit=2, per_key=1)
+    gate = threading.Event()
+    a, b = b"a" * 32, b"b" * 32
+    try:
+        mark = tenancy.enter(a)
+        held = pool.submit(lambda: (gate.wait(30), tenancy.current())[1])
+        with pytest.raises(Overloaded, match="share of 1"):
+            pool.submit(lambda: None)
+        tenancy.leave(mark)
+        mark = tenancy.enter(b)
+        assert pool.submit(tenancy.current).result(10) == b  # the tenant rode along
+        tenancy.leave(mark)
+        gate.set()
+        assert held.result(10) == a
+    finally:
+        gate.set()
+        pool.shutdown()
+
+
+def test_a_tenant_sees_its_own_requests_only() -> None:
+    from disagg.frontends import tenancy
+    from disagg.frontends.webview.tracker import RequestLog
+
+    log = RequestLog(["m"])
+    for who, prompt in ((b"a" * 32, "A's secret"), (b"b" * 32, "B's secret")):
+        mark = tenancy.enter(who)
+        t = log.begin("m", {"prompt": prompt})
+        tenancy.leave(mark)
+        log.end(t, {"decode_server": "127.0.0.1:9999", "method": "local"}, None)
+    mine = log.snapshot(b"a" * 32, everyone=False)
+    assert [r["prompt"] for r in mine] == ["A's secret"]
+    assert mine[0]["decode_server"] is None and "tenant" not in mine[0]
+    assert {r["prompt"] for r in log.snapshot()} == {"A's secret", "B's secret"}
+    assert log.snapshot(None, everyone=False) == []
+    assert "agent_up" not in log.metrics.text(fleet=False)

@@ -319,6 +319,13 @@ def serve(
             "2 x workers); more get 429 (OpenAI) / 503 (Ollama) with Retry-After.",
         ),
     ] = None,
+    max_requests_per_key: Annotated[
+        int | None,
+        typer.Option(
+            "--max-requests-per-key",
+            help="Of those, what one API key may hold (default: half, with two keys or more).",
+        ),
+    ] = None,
 ) -> None:
     """OpenAI- and Ollama-compatible gateway: /v1/... and /api/... on one port."""
     import signal
@@ -334,7 +341,11 @@ def serve(
 
     if decode_agents < 1:
         raise UsageError(f"--decode-agents must be at least 1, got {decode_agents}")
-    for flag, value in (("--workers", workers), ("--max-requests", max_requests)):
+    for flag, value in (
+        ("--workers", workers),
+        ("--max-requests", max_requests),
+        ("--max-requests-per-key", max_requests_per_key),
+    ):
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be at least 1, got {value}")
     on_command_line = any(a == "--api-key" or a.startswith("--api-key=") for a in sys.argv)
@@ -364,8 +375,11 @@ def serve(
         )
         err.print(f"web view: http://{host}:{port}/ui{'?key=KEY' if key else ''}")
         limits = Limits(header_timeout, max_connections, max_per_address)
-        pool = Workers.for_router(client.router, workers, max_requests)
-        err.print(f"{pool.size} workers, at most {pool.limit} requests at once")
+        pool = Workers.for_router(
+            client.router, workers, max_requests, max_requests_per_key, keys=len(keys)
+        )
+        share = f", {pool.per_key} per key" if pool.per_key < pool.limit else ""
+        err.print(f"{pool.size} workers, at most {pool.limit} requests at once{share}")
         serve_app(create_app(client, api_key=key, workers=pool), host, port, limits)
 
 
