@@ -245,3 +245,57 @@ def test_a_tenant_sees_its_own_requests_only() -> None:
     assert {r["prompt"] for r in log.snapshot()} == {"A's secret", "B's secret"}
     assert log.snapshot(None, everyone=False) == []
     assert "agent_up" not in log.metrics.text(fleet=False)
+
+
+# -- connections: the oldest silent one makes room ---------------------------------------
+
+
+def test_a_full_reserve_evicts_its_oldest_unauthenticated_connection() -> None:
+    from agents.runtime.server import Gate
+
+    gate = Gate(8, 2)  # 4 unauthenticated slots for strangers, 4 in loopback's reserve
+    pairs = [socket.socketpair() for _ in range(6)]
+    try:
+        for a, _ in pairs[:4]:
+            assert gate.admit("127.0.0.1", a) is None
+        assert gate.admit("127.0.0.1", pairs[4][0]) is None  # full: the oldest goes
+        assert pairs[0][1].recv(1) == b""  # shut down
+        gate.release("127.0.0.1", authenticated=False, conn=pairs[0][0])  # its own: no-op
+        assert gate.authenticated("127.0.0.1", pairs[1][0])
+        assert gate.admit("127.0.0.1", pairs[5][0]) is None  # room, none evicted
+        assert gate.open == 5 and gate.trusted_preauth == 4 and gate.evicted == 1
+        assert gate.admit("127.0.0.1") is not None  # untracked: refused, as before
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()
+
+
+def test_gateway_admission_evicts_the_oldest_silent_connection() -> None:
+    from disagg.frontends.limits import Admission, network_key
+
+    class Conn:
+        def __init__(self, addr: str) -> None:
+            self.addr, self.gone = addr, False
+
+        def evict(self) -> None:
+            self.gone = True
+            adm.release(self, self.addr)
+
+    assert network_key("10.1.2.3") == network_key("10.1.2.200") == "10.1.2.0/24"
+    assert network_key("2001:db8::1") == "2001:db8::/64"
+    adm = Admission(total=4, per_address=3)
+    silent = [Conn(f"127.1.0.{i}") for i in range(3)]
+    for c in silent:
+        assert adm.admit(c, c.addr)
+        adm.waiting(c, c.addr)
+    talker = Conn("127.1.0.9")  # the same /24, at its cap of 3: the oldest silent goes
+    assert adm.admit(talker, talker.addr) and silent[0].gone
+    adm.waiting(talker, talker.addr)
+    adm.heard(talker)  # it sent its headers: never evicted
+    others = [Conn(f"127.2.0.{i}") for i in range(3)]
+    for c in others:  # the total of 4: each evicts the oldest silent anywhere
+        assert adm.admit(c, c.addr)
+        adm.waiting(c, c.addr)
+    assert silent[1].gone and silent[2].gone and not talker.gone
+    assert adm.count == 4

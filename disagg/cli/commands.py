@@ -298,11 +298,24 @@ def serve(
         float,
         typer.Option("--header-timeout", help="Seconds a connection has to send its headers."),
     ] = 10.0,
+    first_byte_timeout: Annotated[
+        float,
+        typer.Option(
+            "--first-byte-timeout", help="Seconds a new connection has to send its first byte."
+        ),
+    ] = 5.0,
     max_connections: Annotated[
-        int, typer.Option("--max-connections", help="Connections at once, in total.")
-    ] = 1024,
+        int | None,
+        typer.Option(
+            "--max-connections",
+            help="Connections at once, in total (default: the open-files limit less 64).",
+        ),
+    ] = None,
     max_per_address: Annotated[
-        int, typer.Option("--max-per-address", help="Connections at once from one address.")
+        int,
+        typer.Option(
+            "--max-per-address", help="Connections at once from one IPv4 /24 or IPv6 /64."
+        ),
     ] = 64,
     workers: Annotated[
         int | None,
@@ -374,7 +387,7 @@ def serve(
             f"(OpenAI: /v1, Ollama: /api){', API key required' if key else ''}"
         )
         err.print(f"web view: http://{host}:{port}/ui{'?key=KEY' if key else ''}")
-        limits = Limits(header_timeout, max_connections, max_per_address)
+        limits = Limits(header_timeout, max_connections, max_per_address, first_byte_timeout)
         pool = Workers.for_router(
             client.router, workers, max_requests, max_requests_per_key, keys=len(keys)
         )
