@@ -181,12 +181,22 @@ def test_a_prompt_that_cannot_fit_is_refused_at_once(gateway: str) -> None:
     base = gateway
     prompt = "lorem ipsum " * 325_000  # 3.9 MB, under the 4 MiB body cap
     body = {"model": model(base), "prompt": prompt, "max_tokens": 1}
-    r, took = timed(
-        httpx.post, f"{base}/v1/completions", json=body, headers=auth(KEY_A), timeout=60
+    url = f"{base}/v1/completions"
+    # The same body refused by the gateway itself (max_tokens 0): sending and parsing it.
+    bare = min(
+        timed(httpx.post, url, json={**body, "max_tokens": 0}, headers=auth(KEY_A), timeout=60)[1]
+        for _ in range(2)
     )
-    print(f"3.9 MB prompt: {r.status_code} in {took:.2f} s: {r.json()['error']['message']}")
+    r, took = min(
+        (timed(httpx.post, url, json=body, headers=auth(KEY_A), timeout=60) for _ in range(2)),
+        key=lambda x: x[1],
+    )
+    print(
+        f"3.9 MB prompt: {r.status_code} in {took:.2f} s (the gateway's own 400 for the same "
+        f"body: {bare:.2f} s): {r.json()['error']['message']}"
+    )
     assert r.status_code == 400 and "context" in r.json()["error"]["message"]
-    assert took < 0.5
+    assert took < max(0.5, 2 * bare + 0.2)  # tokenizing it took 5.8 CPU-s
     assert chat(base, KEY_A, "Still there?").status_code == 200
 
 
@@ -241,6 +251,12 @@ def test_tenant_b_is_served_while_a_holds_its_share(gateway: str) -> None:
         )
         assert second.status_code == 429 and "share" in second.text
         assert [r.status_code for r in served] == [200, 200, 200]
+    # A hung up: its slot comes back once its decoding stops (at its next token).
+    deadline = time.monotonic() + 60
+    while (again := chat(base, KEY_A, "Me again")).status_code == 429:
+        assert time.monotonic() < deadline, "A's slot never came back"
+        time.sleep(0.5)
+    assert again.status_code == 200
 
 
 # -- 3. silent connections at the gateway, from many networks ------------------------
