@@ -224,10 +224,11 @@ class Gate:
     the cluster out. A refused connection is closed before it costs a thread.
 
     Connections admitted with their socket (`conn`) can be evicted: when a pool
-    of unauthenticated slots is full, its oldest connection (the same peer's
-    first) is shut down to make room. Any local user reaches loopback's reserve:
-    300 silent sockets there once turned every gateway request into a 503; now
-    they only push each other out, and a peer that authenticates at once gets in."""
+    of unauthenticated slots is full, its oldest connection is shut down to make
+    room (a stranger over its own per-peer cap is still refused). Any local user
+    reaches loopback's reserve: 300 silent sockets there once turned every gateway
+    request into a 503; now they only push each other out, and a peer that
+    authenticates at once gets in."""
 
     def __init__(
         self,
@@ -257,13 +258,13 @@ class Gate:
         key = peer_key(peer)
         victim = None
         with self.lock:
-            why = self._full(key)
-            if why is not None and conn is not None:
-                victim = self._victim(key, why)
+            full = self._full(key)
+            if full is not None and conn is not None and full[1] != "peer":
+                victim = self._oldest(key in self.trusted)
                 if victim is not None:
                     self._drop(victim)
-                    why = self._full(key)
-            if why is None:
+                    full = self._full(key)
+            if full is None:
                 self.open += 1
                 if key in self.trusted:
                     self.trusted_preauth += 1
@@ -274,35 +275,28 @@ class Gate:
         if victim is not None:
             with contextlib.suppress(OSError):
                 victim.shutdown(socket.SHUT_RDWR)  # wakes its handler's read: it ends
-        if why is None:
-            return None
-        return self._refuse(why)
+        return None if full is None else self._refuse(full[0])
 
-    def _full(self, key: str) -> str | None:
-        """Why a new unauthenticated connection from `key` has no slot (None: it has)."""
+    def _full(self, key: str) -> tuple[str, str] | None:
+        """Why a new unauthenticated connection from `key` has no slot, and which cap
+        ("pool": a shared one; "peer": its own); None: it has one."""
         if key in self.trusted:  # the reserve: never counted with strangers
             if self.trusted_preauth >= self.preauth_total:
-                return f"{self.preauth_total} unauthenticated connections from the cluster"
+                return f"{self.preauth_total} unauthenticated connections from the cluster", "pool"
             if self.open >= self.total + self.preauth_total:
-                return f"{self.open} connections open"
+                return f"{self.open} connections open", "pool"
             return None
         if self.open >= self.total:
-            return f"{self.open} connections open"
+            return f"{self.open} connections open", "pool"
         if sum(self.preauth.values()) >= self.preauth_total:
-            return f"{self.preauth_total} unauthenticated connections open"
+            return f"{self.preauth_total} unauthenticated connections open", "pool"
         if self.preauth.get(key, 0) >= self.preauth_per_peer:
-            return f"{self.preauth_per_peer} unauthenticated connections from {key} open"
+            why = f"{self.preauth_per_peer} unauthenticated connections from {key} open"
+            return why, "peer"  # a peer over its own cap only costs itself: refused
         return None
 
-    def _victim(self, key: str, why: str) -> Any:
-        """The oldest unauthenticated connection whose leaving makes room: the same
-        peer's, else the same pool's (the reserve's, or the strangers')."""
-        trusted = key in self.trusted
-        same_peer = next((c for c, (k, _) in self.pending.items() if k == key), None)
-        if same_peer is not None:
-            return same_peer
-        if "from " in why and not trusted:
-            return None  # this peer's own cap, and it has nothing pending
+    def _oldest(self, trusted: bool) -> Any:
+        """The oldest unauthenticated connection of a pool (the reserve's, or strangers')."""
         return next((c for c, (_, t) in self.pending.items() if t == trusted), None)
 
     def _drop(self, conn: Any) -> None:
