@@ -137,7 +137,9 @@ class DecodeEngine:
         """The request's prompt as token ids: chat template unless raw, or the
         fill-in-the-middle prompt when it has a suffix. Chat messages and FIM code
         are text (special tokens' names in them stay characters); a raw prompt is
-        the caller's own markup, encoded as the tokenizer encodes it, specials and all."""
+        the caller's own markup, encoded as the tokenizer encodes it, specials and all.
+        A prompt that surely cannot fit the context is refused before any of that."""
+        self.check_fits(req)
         tok = self.tokenizer
         try:
             if req.suffix is not None:
@@ -650,7 +652,6 @@ class DecodeAgent:
         eng = self.engine
         t0 = time.perf_counter()
         at = time.time()
-        eng.check_fits(req)  # before tokenizing: a prompt that cannot fit costs nothing
         ids = eng.encode(req)
         max_tokens = self._max_tokens(req, ids)
         t_grammar = time.perf_counter()
