@@ -9,7 +9,7 @@ import gc
 import numpy as np
 import torch
 
-from agents.prefill.agent import to_wire
+from agents.prefill.engine import to_wire
 from agents.prefill.hostcopy import HostCopies, PinnedPool
 
 

@@ -184,7 +184,7 @@ ENGINES: dict[tuple[str, float | None], Any] = {}
 def engine(name: str, budget: float | None) -> Any:
     """A prefill engine on tests/quantmodels' `name`: weights kept dequantized (budget
     None: as memory allows) or all packed (budget 0)."""
-    from agents.prefill.agent import PrefillEngine
+    from agents.prefill.engine import PrefillEngine
     from tests.quantmodels import quant_dir
 
     key = (name, budget)

@@ -80,7 +80,7 @@ def count(model: str, layers: int = 2, mode: str | None = None) -> Counts:
     """Count a prefill of COUNT_TOKENS tokens on `model` at its real layer shapes,
     `layers` layers (disagg.bench.synthmodels), weights kept or packed (default: as
     the Spark would hold them)."""
-    from agents.prefill.agent import PrefillEngine
+    from agents.prefill.engine import PrefillEngine
     from disagg.bench.opcount import count_prefill, per_call
     from disagg.bench.synthmodels import VOCAB, synthetic_dir
 

@@ -25,7 +25,7 @@ from typing import Any
 PROBE = """
 import json, statistics, sys, time
 try:
-    from agents.prefill.agent import PrefillEngine
+    from agents.prefill.engine import PrefillEngine
 except ImportError:  # a tree from before agents/ was grouped by process
     from agents.prefill import PrefillEngine
 model, lengths, repeats = sys.argv[1], [int(n) for n in sys.argv[2].split(",")], int(sys.argv[3])
