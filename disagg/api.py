@@ -37,6 +37,7 @@ class Completion:
     model: str
     reasoning: str = ""  # the model's private reasoning (harmony analysis, <think>)
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # {"name", "arguments": {}}
+    stop_sequence: str | None = None  # the stop sequence that ended the answer, if one did
 
 
 @dataclass
@@ -193,7 +194,9 @@ class Client:
             result = self.router.run(model, req, on_token=on_token, deadline_s=deadline_s)
         except StopGeneration:
             m = Metrics(completion_tokens=count)
-            return Completion(matcher.text, [], m, "stop", model, "".join(reasoning))
+            done = Completion(matcher.text, [], m, "stop", model, "".join(reasoning))
+            done.stop_sequence = matcher.matched
+            return done
         tail = matcher.flush()
         if tail:
             emit(Chunk(tail))

@@ -187,6 +187,10 @@ class Grammars:
         if forced:
             lark = grammarfmt.tool_call_lark(forced, kind, analysis_max_tokens)
             field = "tool_choice"
+        elif response_format is not None and response_format.get("type") == "lark":
+            return self._lark(
+                str(response_format["grammar"]), kind, trigger, analysis_max_tokens, opener
+            )
         elif response_format is not None and response_format.get("type") != "text":
             schema = json_schema_of(response_format)
             if kind == "harmony":
@@ -210,6 +214,17 @@ class Grammars:
         # harmony's grammar covers the reasoning itself; others start at the trigger
         trigger = trigger if kind != "harmony" else None
         return Matcher(m.deep_copy(), self.eos, trigger, analysis_max_tokens, opener)
+
+    def _lark(
+        self, lark: str, kind: str, trigger: list[int] | None, budget: int, opener: int | None
+    ) -> Matcher:
+        """A caller's Lark grammar for the answer (harmony: its final message)."""
+        from agents.decode import grammarformats as grammarfmt
+
+        grammar = grammarfmt.lark_answer(lark, kind, budget)
+        m = self.compile("grammar:" + kind + ":" + grammar, grammar, "response_format")
+        trigger = trigger if kind != "harmony" else None
+        return Matcher(m.deep_copy(), self.eos, trigger, budget, opener)
 
     # -- masks for a batch -------------------------------------------------------
 

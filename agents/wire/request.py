@@ -119,7 +119,8 @@ class GenerateRequest:
     think: bool | str | None = None  # None: the template's default; or low, medium, high
     suffix: str | None = None  # the text after the middle the model writes (FIM)
     # Constrained output: None (text), {"type": "json_object"} or
-    # {"type": "json_schema", "schema": {...}, "strict": bool}; see response_format().
+    # {"type": "json_schema", "schema": {...}, "strict": bool} or {"type": "lark",
+    # "grammar": "..."}; see response_format().
     response_format: dict[str, Any] | None = None
     # Mixed into the prefix cache's first block key on both agents: only requests
     # with the same salt share cached K/V (the gateway sets one per API key).
@@ -182,6 +183,13 @@ def response_format(v: Any) -> dict[str, Any] | None:
         return {"type": "json_object"}
     if not isinstance(v, Mapping):
         raise RequestError("response_format", 'response_format must be "json" or a JSON object')
+    if v.get("type") in ("lark", "grammar"):
+        # A Lark grammar the whole answer must follow ({"type": "grammar", "syntax":
+        # "lark", "definition": ...} as OpenAI's custom tools give it).
+        text = v.get("grammar", v.get("definition"))
+        if v.get("syntax", "lark") != "lark" or not isinstance(text, str) or not text.strip():
+            raise RequestError("response_format", "a grammar response_format needs Lark text")
+        return {"type": "lark", "grammar": text}
     if v.get("type") == "json_schema":
         inner = v.get("json_schema", v)  # OpenAI's wrapper, or already flat
         if not isinstance(inner, Mapping) or not isinstance(inner.get("schema"), Mapping):
@@ -256,11 +264,11 @@ def check(r: GenerateRequest) -> None:
     if r.response_format is not None:
         if response_format(r.response_format) != r.response_format:
             raise RequestError("response_format", "response_format must be normalized")
-        chars = len(json.dumps(r.response_format.get("schema", {})))
+        chars = len(json.dumps(r.response_format.get("schema", r.response_format.get("grammar"))))
         if chars > SCHEMA_MAX_CHARS:
             raise RequestError(
                 "response_format",
-                f"the JSON Schema is {chars} characters; at most {SCHEMA_MAX_CHARS} are taken",
+                f"the schema or grammar is {chars} characters; at most {SCHEMA_MAX_CHARS}",
             )
     _check_chat_fields(r)
     check_cache_salt(r.cache_salt)

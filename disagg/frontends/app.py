@@ -14,11 +14,14 @@ from fastapi.responses import JSONResponse
 
 from disagg.api import Client
 from disagg.frontends import webview
-from disagg.frontends.guard import MAX_BODY_BYTES, Guard
+from disagg.frontends.anthropic import routes as anthropic_routes
+from disagg.frontends.anthropic.types import AnthropicError
+from disagg.frontends.guard import MAX_BODY_BYTES, Guard, anthropic_error_body
 from disagg.frontends.ollama import routes as ollama_routes
 from disagg.frontends.ollama.types import OllamaError
 from disagg.frontends.openai import routes as openai_routes
 from disagg.frontends.openai.types import OpenAIError
+from disagg.frontends.responses import routes as responses_routes
 from disagg.frontends.workers import Workers
 
 
@@ -41,6 +44,8 @@ def create_app(
     # /ui, /ui/api/..., /metrics; the web view's sign-in takes the first key.
     app.include_router(webview.routes(client, keys[0] if keys else None))
     app.include_router(openai_routes.routes(client, pool))
+    app.include_router(anthropic_routes.routes(client, pool))
+    app.include_router(responses_routes.routes(client, pool))
     add_error_handlers(app)
 
     @app.get("/health")
@@ -57,6 +62,10 @@ def add_error_handlers(app: FastAPI) -> None:
     async def _openai_error(_: Request, e: OpenAIError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
+    @app.exception_handler(AnthropicError)
+    async def _anthropic_error(_: Request, e: AnthropicError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
     @app.exception_handler(OllamaError)
     async def _ollama_error(_: Request, e: OllamaError) -> JSONResponse:
         return JSONResponse({"error": e.message}, status_code=e.status, headers=e.headers)
@@ -66,6 +75,8 @@ def add_error_handlers(app: FastAPI) -> None:
         first = e.errors()[0] if e.errors() else {}
         loc = [str(p) for p in first.get("loc", []) if p != "body"]
         msg = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
+        if request.url.path.startswith("/v1/messages"):
+            return JSONResponse(anthropic_error_body(400, msg), status_code=400)
         if not request.url.path.startswith("/v1"):
             return JSONResponse({"error": msg}, status_code=400)
         err = OpenAIError(400, msg, "invalid_request_error", ".".join(loc) or None)

@@ -30,12 +30,32 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 def error_body(path: str, status: int, message: str, code: str) -> dict[str, Any]:
-    """The error in the shape of the API the path belongs to: OpenAI under /v1,
-    Ollama's `{"error": "..."}` elsewhere."""
+    """The error in the shape of the API the path belongs to: Anthropic's under
+    /v1/messages, OpenAI's elsewhere under /v1, Ollama's `{"error": "..."}` elsewhere."""
+    if path.startswith("/v1/messages"):
+        return anthropic_error_body(status, message)
     if path.startswith("/v1"):
         kind = "invalid_request_error" if status < 500 else "server_error"
         return {"error": {"message": message, "type": kind, "param": None, "code": code}}
     return {"error": message}
+
+
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error shape: `{"type": "error", "error": {"type", "message"}}`."""
+    fallback = "invalid_request_error" if status < 500 else "api_error"
+    kind = ANTHROPIC_ERROR_TYPES.get(status, fallback)
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 # -- tenants -------------------------------------------------------------------
@@ -73,7 +93,7 @@ def wants_internals(request: Request) -> bool:
 
 
 class Guard:
-    """ASGI middleware: the API keys (`Authorization: Bearer KEY`, compared in
+    """ASGI middleware: the API keys (`Authorization: Bearer KEY` or `x-api-key: KEY`, compared in
     constant time; each key a tenant) and the body cap, before any route sees
     the request."""
 
@@ -100,7 +120,10 @@ class Guard:
         auth = headers.get(b"authorization", b"").decode("latin-1").strip()
         scheme, _, given = auth.partition(" ")
         if scheme.lower() != "bearer":
-            return None
+            # Anthropic's clients send the key as x-api-key.
+            given = headers.get(b"x-api-key", b"").decode("latin-1")
+            if not given.strip():
+                return None
         # Digests: equal lengths, so the compare leaks nothing about the key.
         digest = hashlib.sha256(given.strip().encode()).digest()
         found = None
