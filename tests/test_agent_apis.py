@@ -6,6 +6,7 @@ what a constraint makes valid by construction."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from collections.abc import Callable, Iterator
@@ -16,6 +17,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+from openai.types.responses import ResponseTextDeltaEvent
 
 from tests.conftest import start_serve
 
@@ -142,14 +144,24 @@ def test_messages_forced_tool_use_and_its_result(claude: anthropic.Anthropic) ->
 
 
 def test_messages_thinking_blocks_from_harmony(claude: anthropic.Anthropic) -> None:
-    ask: Any = [{"role": "user", "content": "Why is the sky blue?"}]
-    thinking: Any = {"type": "enabled", "budget_tokens": 2048}
-    r = claude.messages.create(model=HARMONY, max_tokens=64, messages=ask, thinking=thinking)
-    assert r.content[0].type == "thinking" and r.content[0].thinking
-    assert "<|" not in r.content[0].thinking
-    with claude.messages.stream(model=HARMONY, max_tokens=64, messages=ask, thinking=thinking) as s:
+    # Random weights choose whether to reason; greedy, this prompt under a JSON format does.
+    ask: Any = [{"role": "user", "content": "Plan a trip."}]
+    fmt: Any = {"format": {"type": "json_schema", "schema": {"type": "object"}}}
+    kw: Any = {
+        "thinking": {"type": "enabled", "budget_tokens": 2048},
+        "output_config": fmt,
+        "extra_body": {"temperature": 0},
+    }
+    r = claude.messages.create(model=HARMONY, max_tokens=100, messages=ask, **kw)
+    assert [b.type for b in r.content] == ["thinking", "text"], r.content
+    assert r.content[0].thinking and "<|" not in r.content[0].thinking
+    json.loads(r.content[1].text)
+    with claude.messages.stream(model=HARMONY, max_tokens=100, messages=ask, **kw) as s:
+        kinds = [e.type for e in s]
         final = s.get_final_message()
-    assert final.content[0].type == "thinking" and final.content[0].thinking
+    assert "thinking" in kinds  # the SDK's thinking delta event
+    assert [b.type for b in final.content] == ["thinking", "text"]
+    assert final.content[0].thinking == r.content[0].thinking  # type: ignore[union-attr]
     # The thinking goes back in the history as Claude Code sends it.
     turn: Any = [
         *ask,
@@ -214,3 +226,218 @@ def test_messages_errors_in_anthropic_shape(
         model=serve[1], max_tokens=2, messages=[{"role": "user", "content": "x"}]
     )
     assert ok.usage.output_tokens > 0
+
+
+# ---- OpenAI's Responses API ---------------------------------------------------------------
+
+WEATHER_FN: Any = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "parameters": WEATHER_IN,
+    "strict": True,
+}
+# A small patch language, as Codex's apply_patch tool gives its grammar.
+PATCH_LARK = r"""
+start: begin_patch hunk end_patch
+begin_patch: "*** Begin Patch" LF
+end_patch: "*** End Patch" LF?
+hunk: "*** Add File: " filename LF add_line+
+filename: /[a-z]{1,8}\.py/
+add_line: "+" /[a-z =()0-9]{0,20}/ LF
+%import common.LF
+"""
+PATCH_TOOL: Any = {
+    "type": "custom",
+    "name": "apply_patch",
+    "description": "Apply a patch.",
+    "format": {"type": "grammar", "syntax": "lark", "definition": PATCH_LARK},
+}
+RESPONSE_MODELS = (HARMONY, CODER, "smol")
+
+
+def _model(serve: tuple[str, str], name: str) -> str:
+    return serve[1] if name == "smol" else name
+
+
+@pytest.mark.parametrize("name", RESPONSE_MODELS)
+def test_responses_plain_and_streamed(
+    oai: openai.OpenAI, serve: tuple[str, str], name: str
+) -> None:
+    model = _model(serve, name)
+    r = oai.responses.create(
+        model=model,
+        input="What is the capital of France?",
+        max_output_tokens=24,
+        instructions="Answer briefly.",
+        temperature=0,
+        include=["reasoning.encrypted_content"],
+    )
+    assert r.status in ("completed", "incomplete") and r.output
+    assert r.usage is not None and r.usage.input_tokens > 0 and r.usage.output_tokens > 0
+    assert "<|" not in r.output_text
+    if name == "smol":
+        assert "Paris" in r.output_text
+    if name == HARMONY:  # reasoning comes back as an item, its text in encrypted_content
+        rs = next(i for i in r.output if i.type == "reasoning")
+        assert rs.encrypted_content and rs.content and rs.content[0].text == rs.encrypted_content
+    stream = oai.responses.create(
+        model=model,
+        input="What is the capital of France?",
+        max_output_tokens=24,
+        instructions="Answer briefly.",
+        temperature=0,
+        stream=True,
+    )
+    events = list(stream)
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if isinstance(e, ResponseTextDeltaEvent))
+    final = events[-1].response  # type: ignore[union-attr]
+    assert text == final.output_text
+    if name != HARMONY:  # greedy: the same text streamed or not
+        assert text == r.output_text
+    # Same prompt again: its prefix comes from the cache.
+    again = oai.responses.create(
+        model=model,
+        input="What is the capital of France?",
+        max_output_tokens=2,
+        instructions="Answer briefly.",
+    )
+    assert again.usage is not None and again.usage.input_tokens_details.cached_tokens > 0
+
+
+@pytest.mark.parametrize("name", RESPONSE_MODELS)
+def test_responses_forced_function_call_and_its_output(
+    oai: openai.OpenAI, serve: tuple[str, str], name: str
+) -> None:
+    model = _model(serve, name)
+    ask: Any = [{"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]}]
+    r = oai.responses.create(
+        model=model,
+        input=ask,
+        tools=[WEATHER_FN, {"type": "web_search"}],
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=200,
+        include=["reasoning.encrypted_content"],
+    )
+    call = next(i for i in r.output if i.type == "function_call")
+    assert call.name == "get_weather" and isinstance(json.loads(call.arguments)["city"], str)
+    history: Any = [
+        *ask,
+        *[i.model_dump(exclude_none=True) for i in r.output],
+        {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"},
+    ]
+    again = oai.responses.create(
+        model=model, input=history, tools=[WEATHER_FN], max_output_tokens=16
+    )
+    assert again.status in ("completed", "incomplete") and again.output
+
+
+@pytest.mark.parametrize("name", RESPONSE_MODELS)
+def test_responses_custom_tool_with_a_lark_grammar(
+    oai: openai.OpenAI, serve: tuple[str, str], name: str
+) -> None:
+    model = _model(serve, name)
+    ask = "Add a file hello.py that prints hi."
+    stream = oai.responses.create(
+        model=model,
+        input=ask,
+        tools=[PATCH_TOOL, WEATHER_FN],
+        tool_choice={"type": "custom", "name": "apply_patch"},
+        max_output_tokens=600,
+        stream=True,
+    )
+    events = list(stream)
+    assert events[-1].type == "response.completed", events[-1]
+    output = events[-1].response.output
+    call = next(i for i in output if i.type == "custom_tool_call")
+    assert call.name == "apply_patch" and call.input.startswith("*** Begin Patch\n")
+    # The input parses under the tool's grammar.
+    assert _lark_accepts(PATCH_LARK, call.input), call.input
+    # ... and goes back as a custom_tool_call with its output.
+    history: Any = [
+        {"role": "user", "content": ask},
+        call.model_dump(exclude_none=True),
+        {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "Done"},
+    ]
+    again = oai.responses.create(
+        model=model, input=history, tools=[PATCH_TOOL], max_output_tokens=8
+    )
+    assert again.output
+
+
+def _lark_accepts(lark: str, text: str) -> bool:
+    """Whether `text` is a sentence of `lark`, checked byte by byte by llguidance."""
+    import llguidance as llg
+
+    tok = llg.LLTokenizer(llg.TokenizerWrapper(_Bytes()))
+    m = llg.LLMatcher(tok, llg.LLMatcher.grammar_from_lark(lark), log_level=0)
+    return m.consume_tokens(list(text.encode())) and m.is_accepting()
+
+
+class _Bytes:
+    """256 one-byte tokens and an end token: every text has one spelling."""
+
+    eos_token_id = 256
+    bos_token_id = None
+    tokens = [bytes([b]) for b in range(256)] + [b"<eos>"]
+    special_token_ids = [256]
+
+    def __call__(self, s: str | bytes) -> list[int]:
+        return list(s.encode() if isinstance(s, str) else s)
+
+
+@pytest.mark.parametrize("name", RESPONSE_MODELS)
+def test_responses_strict_text_format(
+    oai: openai.OpenAI, serve: tuple[str, str], name: str
+) -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "grade": {"type": "string", "enum": ["pass", "fail"]},
+            "score": {"type": "integer"},
+        },
+        "required": ["grade", "score"],
+        "additionalProperties": False,
+    }
+    r = oai.responses.create(
+        model=_model(serve, name),
+        input="Grade: 2+2=5",
+        max_output_tokens=300,
+        text={
+            "format": {"type": "json_schema", "name": "verdict", "schema": schema, "strict": True}
+        },
+    )
+    got = json.loads(r.output_text)
+    assert got["grade"] in ("pass", "fail") and isinstance(got["score"], int)
+
+
+def test_responses_bad_input_is_one_clear_400(oai: openai.OpenAI, serve: tuple[str, str]) -> None:
+    smol = serve[1]
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"input": [{"type": "teleport", "to": "mars"}]}, "teleport"),
+        ({"input": "hi", "previous_response_id": "resp_1"}, "stateless"),
+        (
+            {
+                "input": "hi",
+                "tools": [
+                    {**PATCH_TOOL, "format": {**PATCH_TOOL["format"], "definition": "start: ("}}
+                ],
+            },
+            "does not compile",
+        ),
+        ({"input": "hi", "tools": [{"type": "computer_use_preview"}]}, "computer_use_preview"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input_image",
+        ),
+    ]
+    for extra, words in cases:
+        with pytest.raises(openai.BadRequestError) as bad:
+            oai.responses.create(model=smol, max_output_tokens=4, **extra)
+        assert words in bad.value.message, bad.value.message
+    ok = oai.responses.create(model=smol, input="hi", max_output_tokens=2)
+    assert ok.status in ("completed", "incomplete")

@@ -283,9 +283,13 @@ async def events(
                     yield e
             if chunk.done and chunk.completion is not None:
                 c = chunk.completion
+                calls = a.calls(c)
+                if s.open is None and not s.output and not calls:  # as full(): a message
+                    for e in s.piece("message", ""):
+                        yield e
                 for e in s.close():
                     yield e
-                for item in a.calls(c):
+                for item in calls:
                     for e in s.call(item):
                         yield e
                 final = a.done(c, s.output)

@@ -98,7 +98,7 @@ def grammar_of(tool: dict[str, Any]) -> dict[str, Any] | None:
     if not isinstance(definition, str) or not definition.strip():
         raise bad(f"tool {tool.get('name')}: a grammar format needs its definition", "tools")
     _check_lark(definition, str(tool.get("name")))
-    return {"type": "grammar", "syntax": "lark", "definition": definition}
+    return {"type": "lark", "grammar": definition}  # the request's response_format
 
 
 def _check_lark(definition: str, name: str) -> None:
