@@ -1,10 +1,10 @@
-"""The commands that run models: generate, serve, verify, bench."""
+"""The commands that run models: generate, serve, verify (the benches: `disagg.cli.bench`)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
 from rich.text import Text
@@ -26,9 +26,6 @@ from disagg.cli.common import (
     say,
 )
 from disagg.errors import UsageError
-
-if TYPE_CHECKING:
-    from disagg.bench.load import LoadSettings
 
 
 def _open_client(
@@ -424,186 +421,3 @@ def verify(
             err.print(Text.assemble(("error: ", "red"), report["error"]), highlight=False)
     if not report["ok"]:
         raise typer.Exit(1)
-
-
-@app.command()
-@friendly
-def bench(
-    local: Local = False,
-    model: Model = None,
-    repeats: Annotated[int, typer.Option("--repeats", help="Runs per comparison.")] = 3,
-    decode_tokens: Annotated[int, typer.Option("--decode-tokens")] = 64,
-    prompt_tokens: Annotated[int, typer.Option("--prompt-tokens")] = 2000,
-    as_json: Json = False,
-    wire: Annotated[
-        bool,
-        typer.Option(
-            "--wire",
-            help="Also: KV handoff GB/s vs a bare socket and JSON/base64 "
-            "over HTTP, and compression at 1 and 10 Gbit/s.",
-        ),
-    ] = False,
-    serving: Annotated[
-        bool,
-        typer.Option(
-            "--serving",
-            help="Also: TTFT/TPOT at 128/1k/4k tokens vs transformers "
-            "and mlx-lm, decode memory, concurrency (slow).",
-        ),
-    ] = False,
-    png: Annotated[
-        Path | None,
-        typer.Option("--png", help="Draw TTFT against prompt length (implies --serving)."),
-    ] = None,
-    hiding: Annotated[
-        bool,
-        typer.Option(
-            "--hiding",
-            help="Also: TTFT minus prefill compute with the prefill agent behind a link "
-            "shaped to 1 and 10 Gbit/s (needs root: a network namespace and tc).",
-        ),
-    ] = False,
-    quant: Annotated[
-        bool,
-        typer.Option(
-            "--quant",
-            help="Also: lossy int8 KV vs lossless: bytes, logit error, token agreement.",
-        ),
-    ] = False,
-    prefix: Annotated[
-        bool,
-        typer.Option(
-            "--prefix",
-            help="Also: a ~3k-token shared prefix + 16 ~300-token suffixes, "
-            "prefix cache off vs on: TTFT, K/V bytes, same tokens.",
-        ),
-    ] = False,
-    quant_weights: Annotated[
-        bool,
-        typer.Option(
-            "--quant-weights",
-            help="Also: a 4-bit checkpoint prefilled on packed weights: memory, prefill "
-            "tok/s and TTFT against the model dequantized at load, agreement with mlx-lm.",
-        ),
-    ] = False,
-    formats: Annotated[
-        bool,
-        typer.Option(
-            "--formats",
-            help="Also: decode tok/s with a JSON Schema constraint vs without at batch 1 "
-            "and 16, and the grader schema's compile time, cold and cached.",
-        ),
-    ] = False,
-    load: Annotated[
-        bool,
-        typer.Option(
-            "--load",
-            help="Also: the grader's load (a shared rubric, different submissions, Poisson "
-            "arrivals at 1/4/16 concurrent, a mixed run) against mlx_lm.server: TTFT and "
-            "TPOT p50/p99, the longest inter-token gap, tokens/s.",
-        ),
-    ] = False,
-    load_sizes: Annotated[
-        str,
-        typer.Option(
-            "--load-sizes",
-            help="--load's sizes: a preset (quick, small, issue) and/or key=value, "
-            "comma-separated: rubric, submission, concurrency (1/4/16), requests (per slot), "
-            "min_requests, rate (arrivals/s per slot), tokens, mixed, short, long, seed, "
-            "peer (on/off), timeout.",
-        ),
-    ] = "small",
-    everything: Annotated[
-        bool,
-        typer.Option(
-            "--all",
-            help="Every section: --wire --serving --hiding --quant --quant-weights --prefix "
-            "--formats --load.",
-        ),
-    ] = False,
-) -> None:
-    """Measure the handoff against its peers in one run: decode tokens/s against
-    mlx-lm's own generation, TTFT against transformers' own prefill."""
-    from disagg.bench.core import bench_table, run_core_bench
-    from disagg.serving.defaultmodel import resolve_model
-
-    need_local(local)
-    if repeats < 1 or decode_tokens < 2 or prompt_tokens < 16:
-        raise UsageError("--repeats >= 1, --decode-tokens >= 2, --prompt-tokens >= 16")
-    load_settings = _load_settings(load_sizes) if load or everything else None
-    model_dir = resolve_model(model, say)
-    report = run_core_bench(
-        model_dir,
-        repeats=repeats,
-        decode_tokens=decode_tokens,
-        long_prompt_tokens=prompt_tokens,
-        say=say,
-    )
-    tables = [bench_table(report)]
-    wire, serving, hiding = wire or everything, serving or everything, hiding or everything
-    quant = quant or everything
-    quant_weights = quant_weights or everything
-    prefix = prefix or everything
-    if wire:
-        from disagg.bench.wire import run_wire_bench, wire_tables
-
-        report["wire"] = run_wire_bench(model_dir, say=say)
-        tables += wire_tables(report["wire"])
-    if serving or png:
-        from disagg.bench.serving import run_serving_bench, serving_tables, ttft_chart
-
-        report["serving"] = run_serving_bench(model_dir, say=say)
-        tables += serving_tables(report["serving"])
-        if png:
-            report["serving"]["png"] = str(ttft_chart(report["serving"], png))
-            say(f"wrote {png}")
-    if hiding:
-        from disagg.bench.hiding import hiding_table, run_hiding_bench
-
-        report["hiding"] = run_hiding_bench(model_dir, say=say)
-        tables.append(hiding_table(report["hiding"]))
-    if quant:
-        from disagg.bench.kvquant import kvquant_table, run_kvquant_bench
-
-        report["kv_quant"] = run_kvquant_bench(model_dir, say=say)
-        tables.append(kvquant_table(report["kv_quant"]))
-    if quant_weights:
-        from agents.models import load_hf_config
-
-        # On the model quantized to 4 bits (by mlx_lm.convert, once), or -m if it is one.
-        from agents.quant import is_quantized
-        from disagg.bench.quant_weights import quant_weights_table, run_quant_weights_bench
-
-        qdir = model_dir if is_quantized(load_hf_config(model_dir)) else None
-        report["quant_weights"] = run_quant_weights_bench(qdir, say=say)
-        tables.append(quant_weights_table(report["quant_weights"]))
-    if prefix:
-        from disagg.bench.prefix import prefix_table, run_prefix_bench
-
-        report["prefix"] = run_prefix_bench(model_dir, say=say)
-        tables.append(prefix_table(report["prefix"]))
-    if formats or everything:
-        from disagg.bench.formats import formats_table, run_formats_bench
-
-        report["formats"] = run_formats_bench(model_dir, say=say)
-        tables.append(formats_table(report["formats"]))
-    if load_settings is not None:
-        from disagg.bench.load import load_table, run_load_bench
-
-        report["load"] = run_load_bench(model_dir, load_settings, say=say)
-        tables.append(load_table(report["load"]))
-    if as_json:
-        print(json.dumps(report))
-    else:
-        for table in tables:
-            out.print(table)
-
-
-def _load_settings(spec: str) -> LoadSettings:
-    """--load-sizes checked before anything runs: one line naming what is wrong."""
-    from disagg.bench.load import parse_sizes
-
-    try:
-        return parse_sizes(spec)
-    except ValueError as e:
-        raise UsageError(f"--load-sizes: {e}") from None
