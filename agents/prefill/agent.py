@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from agents.models import get_adapter, layer_kinds_from_hf, load_hf_config
+from agents.prefill.embed import Embedder
 from agents.prefill.prefixcache import PrefillPrefix
 from agents.prefill.queue import FairQueue
 from agents.prefix.store import default_max_mb, prefix_digest
@@ -479,6 +480,7 @@ class PrefillAgent:
         namespace = f"torch:{engine.device}:{engine.dtype}"
         self.prefix = PrefillPrefix(int(mb * (1 << 20)), engine.kinds, namespace)
         self.stats.extra.append(lambda: self.prefix.cache.prometheus("prefill"))
+        self.embedder = Embedder(engine)  # EMBED frames (agents.prefill.embed)
 
     def status(self) -> dict[str, Any]:
         return {
@@ -513,6 +515,11 @@ class PrefillAgent:
         except (ProtocolError, RemoteError, OSError) as e:
             log.warning("%s: bad hello: %s", peer, printable(e))
             send_error(sock, "protocol", str(e))
+            return
+        if hello.get("role") == "embed":  # embeddings: no K/V leaves, no fingerprint
+            info = {"server": self.name, "model": self.engine.model_dir}
+            send_json(sock, Frame.HELLO_OK, {**info, "pooling": self.embedder.pooling})
+            self.embedder.serve(sock, self.max_request_bytes)
             return
         ours = self.engine.fingerprint
         diffs = fingerprint_mismatch(ours, hello.get("fingerprint") or {})

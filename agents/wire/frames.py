@@ -67,6 +67,10 @@ class Frame(enum.IntEnum):
     # decode -> client, only when the GENERATE asked for it (PROGRESS_KEY): "still
     # working" while no token is due, {"phase": "queued"|"prefill"|"decode", ...}.
     PROGRESS = 15
+    # client -> prefill agent, after a HELLO with role "embed": {"input": [text],
+    # "truncate": bool, "max_tokens": int | None}; one forward, no K/V sent.
+    EMBED = 16
+    EMBEDDING = 17  # prefill -> client: {"embeddings": [[float]], "prompt_tokens", "pooling"}
 
 
 # The GENERATE frame's key asking for PROGRESS frames at least this often (seconds);

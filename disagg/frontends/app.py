@@ -16,6 +16,7 @@ from disagg.api import Client
 from disagg.frontends import webview
 from disagg.frontends.anthropic import routes as anthropic_routes
 from disagg.frontends.anthropic.types import AnthropicError
+from disagg.frontends.embeddings import routes as embedding_routes
 from disagg.frontends.guard import MAX_BODY_BYTES, Guard, anthropic_error_body
 from disagg.frontends.ollama import routes as ollama_routes
 from disagg.frontends.ollama.types import OllamaError
@@ -39,6 +40,8 @@ def create_app(
     app = FastAPI(title="disagg gateway")
     app.add_middleware(Guard, api_key=api_key, max_body=max_body)
     pool = workers or Workers.for_router(client.router)
+    # Before Ollama's: its catch-all /api/{what} answers what it does not serve.
+    app.include_router(embedding_routes.routes(client, pool))
     app.include_router(ollama_routes.routes(client, pool))
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     # /ui, /ui/api/..., /metrics; the web view's sign-in takes the first key.

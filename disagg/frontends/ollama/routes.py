@@ -180,7 +180,7 @@ def routes(client: Client, workers: Executor | None = None) -> APIRouter:
     @api.api_route("/api/{what}", methods=["POST", "DELETE", "PUT"], include_in_schema=False)
     async def unsupported(what: str) -> Response:
         raise OllamaError(
-            501 if what in ("pull", "push", "create", "copy", "delete", "embed") else 404,
+            501 if what in ("pull", "push", "create", "copy", "delete") else 404,
             f"/api/{what} is not served by disagg: models are the inventory's pipelines",
         )
 
