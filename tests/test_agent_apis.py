@@ -269,23 +269,17 @@ def test_responses_plain_and_streamed(
         model=model,
         input="What is the capital of France?",
         max_output_tokens=24,
-        instructions="Answer briefly.",
         temperature=0,
-        include=["reasoning.encrypted_content"],
     )
     assert r.status in ("completed", "incomplete") and r.output
     assert r.usage is not None and r.usage.input_tokens > 0 and r.usage.output_tokens > 0
     assert "<|" not in r.output_text
     if name == "smol":
         assert "Paris" in r.output_text
-    if name == HARMONY:  # reasoning comes back as an item, its text in encrypted_content
-        rs = next(i for i in r.output if i.type == "reasoning")
-        assert rs.encrypted_content and rs.content and rs.content[0].text == rs.encrypted_content
     stream = oai.responses.create(
         model=model,
         input="What is the capital of France?",
         max_output_tokens=24,
-        instructions="Answer briefly.",
         temperature=0,
         stream=True,
     )
@@ -304,7 +298,6 @@ def test_responses_plain_and_streamed(
         model=model,
         input="What is the capital of France?",
         max_output_tokens=2,
-        instructions="Answer briefly.",
     )
     assert again.usage is not None and again.usage.input_tokens_details.cached_tokens > 0
 
@@ -320,19 +313,22 @@ def test_responses_forced_function_call_and_its_output(
         input=ask,
         tools=[WEATHER_FN, {"type": "web_search"}],
         tool_choice={"type": "function", "name": "get_weather"},
+        instructions="Use the tools.",
         max_output_tokens=200,
         include=["reasoning.encrypted_content"],
     )
     call = next(i for i in r.output if i.type == "function_call")
     assert call.name == "get_weather" and isinstance(json.loads(call.arguments)["city"], str)
+    for rs in (i for i in r.output if i.type == "reasoning"):  # plain text, sent back as is
+        assert rs.content and rs.encrypted_content == rs.content[0].text
     history: Any = [
         *ask,
         *[i.model_dump(exclude_none=True) for i in r.output],
         {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"},
     ]
-    again = oai.responses.create(
-        model=model, input=history, tools=[WEATHER_FN], max_output_tokens=16
-    )
+    # SmolLM2's template takes no tools: only a forced call may name them.
+    tools: Any = [WEATHER_FN] if name != "smol" else openai.NOT_GIVEN
+    again = oai.responses.create(model=model, input=history, tools=tools, max_output_tokens=16)
     assert again.status in ("completed", "incomplete") and again.output
 
 
@@ -363,9 +359,8 @@ def test_responses_custom_tool_with_a_lark_grammar(
         call.model_dump(exclude_none=True),
         {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "Done"},
     ]
-    again = oai.responses.create(
-        model=model, input=history, tools=[PATCH_TOOL], max_output_tokens=8
-    )
+    tools: Any = [PATCH_TOOL] if name != "smol" else openai.NOT_GIVEN  # as above
+    again = oai.responses.create(model=model, input=history, tools=tools, max_output_tokens=8)
     assert again.output
 
 

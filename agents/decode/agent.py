@@ -143,7 +143,9 @@ class DecodeEngine:
                 assert req.prompt is not None  # GenerateRequest checked it
                 return list(tok.encode(req.prompt))
             messages = req.messages or [{"role": "user", "content": req.prompt}]
-            forced = req.tool_choice not in (None, "auto", "none")
+            # A Lark-grammar answer is a forced custom tool's input: its tools are context.
+            lark = (req.response_format or {}).get("type") == "lark"
+            forced = req.tool_choice not in (None, "auto", "none") or lark
             return render_chat(
                 tok,
                 self.chat,
