@@ -193,7 +193,9 @@ async def events(
     try:
         async for chunk in chunks:
             if chunk.reasoning:
-                for e in blocks.to("thinking", {"type": "thinking", "thinking": ""}):
+                for e in blocks.to(
+                    "thinking", {"type": "thinking", "thinking": "", "signature": ""}
+                ):
                     yield e
                 yield blocks.delta({"type": "thinking_delta", "thinking": chunk.reasoning})
             if chunk.text:
