@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass, field, fields
 from dataclasses import replace as _replace
 from typing import Any
 
+from agents.wire.schemasize import SchemaTooBig, check_schemas
+
 # Limits, in one place. OpenAI and Ollama both take temperature up to 2.
 TEMPERATURE_MAX = 2.0
 SEED_MAX = (1 << 63) - 1
@@ -31,11 +33,11 @@ KV_QUANTS = (None, "int8")
 CODECS = (0, 1, 2, "auto")  # raw, zstd, shuffle+zstd, or chosen per link
 WIRE_CODECS = (0, 1, 2)  # what a PREFILL may ask for: "auto" is resolved before
 TOOLS_MAX = 128  # function definitions per request
+GRAMMAR_MAX_CHARS = 65536  # a Lark response_format (a custom tool's grammar), as text
 TOOL_CHOICES = ("auto", "none", "required")
 THINK_LEVELS = ("low", "medium", "high")
 # OpenAI's rule for function names, plus dots (MCP servers name tools a.b).
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-SCHEMA_MAX_CHARS = 65536  # a response_format's JSON Schema, as JSON text
 
 
 class RequestError(ValueError):
@@ -261,16 +263,16 @@ def check(r: GenerateRequest) -> None:
         )
     if r.prefill is not None and not isinstance(r.prefill, PrefillTarget):
         raise RequestError("prefill", "prefill must be a PrefillTarget")
-    if r.response_format is not None:
-        if response_format(r.response_format) != r.response_format:
-            raise RequestError("response_format", "response_format must be normalized")
-        chars = len(json.dumps(r.response_format.get("schema", r.response_format.get("grammar"))))
-        if chars > SCHEMA_MAX_CHARS:
-            raise RequestError(
-                "response_format",
-                f"the schema or grammar is {chars} characters; at most {SCHEMA_MAX_CHARS}",
-            )
+    if r.response_format is not None and response_format(r.response_format) != r.response_format:
+        raise RequestError("response_format", "response_format must be normalized")
+    grammar = (r.response_format or {}).get("grammar")
+    if isinstance(grammar, str) and len(grammar) > GRAMMAR_MAX_CHARS:
+        raise RequestError(
+            "response_format",
+            f"the grammar is {len(grammar)} characters; at most {GRAMMAR_MAX_CHARS}",
+        )
     _check_chat_fields(r)
+    _check_schema_sizes(r)
     check_cache_salt(r.cache_salt)
 
 
@@ -461,6 +463,19 @@ def _tool_names(tools: Any) -> list[str]:
             )
         names.append(name)
     return names
+
+
+def _check_schema_sizes(r: GenerateRequest) -> None:
+    """Schemas within what a grammar may cost to compile (agents.wire.schemasize)."""
+    schema = (r.response_format or {}).get("schema")
+    tools = []
+    for tool in r.tools or []:
+        fn = tool["function"]
+        tools.append((fn["name"], fn.get("parameters") or {}))
+    try:
+        check_schemas(schema, tools)
+    except SchemaTooBig as e:
+        raise RequestError(e.field, str(e)) from None
 
 
 def _check_chat_fields(r: GenerateRequest) -> None:

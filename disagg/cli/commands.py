@@ -264,6 +264,66 @@ def _run_many(
         raise typer.Exit(1)
 
 
+# serve's options about callers and limits (docs/threat-model.md lists them).
+ApiKey = Annotated[
+    str | None,
+    typer.Option(
+        "--api-key",
+        envvar="DISAGG_API_KEY",
+        help="Require this key (Authorization: Bearer KEY); shows in ps: prefer the env var.",
+    ),
+]
+ApiKeyFile = Annotated[
+    Path | None,
+    typer.Option(
+        "--api-key-file",
+        help="Read the API keys from this file (0600; one per line, each a tenant; the first "
+        "is the operator's: it sees the whole fleet in /ui).",
+    ),
+]
+HeaderTimeout = Annotated[
+    float, typer.Option("--header-timeout", help="Seconds a connection has to send its headers.")
+]
+FirstByteTimeout = Annotated[
+    float,
+    typer.Option(
+        "--first-byte-timeout", help="Seconds a new connection has to send its first byte."
+    ),
+]
+MaxConnections = Annotated[
+    int | None,
+    typer.Option(
+        "--max-connections",
+        help="Connections at once, in total (default: the open-files limit less 64).",
+    ),
+]
+MaxPerAddress = Annotated[
+    int,
+    typer.Option("--max-per-address", help="Connections at once from one IPv4 /24 or IPv6 /64."),
+]
+WorkersOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--workers", help="Requests run at once (default: the decode agents' max_batch, summed)."
+    ),
+]
+MaxRequests = Annotated[
+    int | None,
+    typer.Option(
+        "--max-requests",
+        help="Requests admitted at once, running or waiting for a worker (default: "
+        "2 x workers); more get 429 (OpenAI) / 503 (Ollama) with Retry-After.",
+    ),
+]
+MaxRequestsPerKey = Annotated[
+    int | None,
+    typer.Option(
+        "--max-requests-per-key",
+        help="Of those, what one API key may hold (default: half, with two keys or more).",
+    ),
+]
+
+
 @app.command()
 @friendly
 def serve(
@@ -276,46 +336,15 @@ def serve(
         int, typer.Option("--decode-agents", help="Decode agents per model with --local.")
     ] = 1,
     dtype: Dtype = "auto",
-    api_key: Annotated[
-        str | None,
-        typer.Option(
-            "--api-key",
-            envvar="DISAGG_API_KEY",
-            help="Require this key (Authorization: Bearer KEY); shows in ps: prefer the env var.",
-        ),
-    ] = None,
-    api_key_file: Annotated[
-        Path | None,
-        typer.Option(
-            "--api-key-file",
-            help="Read the API keys from this file (0600; one per line, each a tenant).",
-        ),
-    ] = None,
-    header_timeout: Annotated[
-        float,
-        typer.Option("--header-timeout", help="Seconds a connection has to send its headers."),
-    ] = 10.0,
-    max_connections: Annotated[
-        int, typer.Option("--max-connections", help="Connections at once, in total.")
-    ] = 1024,
-    max_per_address: Annotated[
-        int, typer.Option("--max-per-address", help="Connections at once from one address.")
-    ] = 64,
-    workers: Annotated[
-        int | None,
-        typer.Option(
-            "--workers",
-            help="Requests run at once (default: the decode agents' max_batch, summed).",
-        ),
-    ] = None,
-    max_requests: Annotated[
-        int | None,
-        typer.Option(
-            "--max-requests",
-            help="Requests admitted at once, running or waiting for a worker (default: "
-            "2 x workers); more get 429 (OpenAI) / 503 (Ollama) with Retry-After.",
-        ),
-    ] = None,
+    api_key: ApiKey = None,
+    api_key_file: ApiKeyFile = None,
+    header_timeout: HeaderTimeout = 10.0,
+    first_byte_timeout: FirstByteTimeout = 5.0,
+    max_connections: MaxConnections = None,
+    max_per_address: MaxPerAddress = 64,
+    workers: WorkersOpt = None,
+    max_requests: MaxRequests = None,
+    max_requests_per_key: MaxRequestsPerKey = None,
 ) -> None:
     """OpenAI- and Ollama-compatible gateway: /v1/... and /api/... on one port."""
     import signal
@@ -329,11 +358,12 @@ def serve(
 
     raise_nofile()  # before the local agents start: they inherit it
 
-    if decode_agents < 1:
-        raise UsageError(f"--decode-agents must be at least 1, got {decode_agents}")
-    for flag, value in (("--workers", workers), ("--max-requests", max_requests)):
-        if value is not None and value < 1:
-            raise UsageError(f"{flag} must be at least 1, got {value}")
+    _at_least_one(
+        ("--decode-agents", decode_agents),
+        ("--workers", workers),
+        ("--max-requests", max_requests),
+        ("--max-requests-per-key", max_requests_per_key),
+    )
     on_command_line = any(a == "--api-key" or a.startswith("--api-key=") for a in sys.argv)
     if api_key is not None and on_command_line:
         err.print(
@@ -360,13 +390,22 @@ def serve(
             f"(OpenAI: /v1, Ollama: /api){', API key required' if key else ''}"
         )
         err.print(f"web view: http://{host}:{port}/ui{'?key=KEY' if key else ''}")
-        limits = Limits(header_timeout, max_connections, max_per_address)
-        pool = Workers.for_router(client.router, workers, max_requests)
-        err.print(f"{pool.size} workers, at most {pool.limit} requests at once")
+        limits = Limits(header_timeout, max_connections, max_per_address, first_byte_timeout)
+        pool = Workers.for_router(
+            client.router, workers, max_requests, max_requests_per_key, keys=len(keys)
+        )
+        share = f", {pool.per_key} per key" if pool.per_key < pool.limit else ""
+        err.print(f"{pool.size} workers, at most {pool.limit} requests at once{share}")
         serve_app(create_app(client, api_key=key, workers=pool), host, port, limits)
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _at_least_one(*flags: tuple[str, int | None]) -> None:
+    for flag, value in flags:
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be at least 1, got {value}")
 
 
 @app.command()

@@ -39,11 +39,11 @@ def create_app(
     sized to the cluster's batch capacity), which refuses requests past its limit."""
     app = FastAPI(title="disagg gateway")
     app.add_middleware(Guard, api_key=api_key, max_body=max_body)
-    pool = workers or Workers.for_router(client.router)
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    pool = workers or Workers.for_router(client.router, keys=len(keys))
     # Before Ollama's: its catch-all /api/{what} answers what it does not serve.
     app.include_router(embedding_routes.routes(client, pool))
     app.include_router(ollama_routes.routes(client, pool))
-    keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     # /ui, /ui/api/..., /metrics; the web view's sign-in takes the first key.
     app.include_router(webview.routes(client, keys[0] if keys else None))
     app.include_router(openai_routes.routes(client, pool))

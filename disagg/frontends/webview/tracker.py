@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from disagg.frontends import tenancy
 from disagg.frontends.webview.prom import GatewayMetrics
 
 KEEP = 300  # finished requests kept for the view's list and charts
@@ -55,11 +56,14 @@ class Tracked:
     ended_s: float | None = None
     error: str | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
+    tenant: bytes | None = None  # whose request: its key's digest (tenancy)
 
-    def view(self, now: float) -> dict[str, Any]:
+    def view(self, now: float, fleet: bool = True) -> dict[str, Any]:
+        """The list's row; without `fleet` (a tenant's own view) no agent names
+        and no reasons (which may name agents or addresses)."""
         m = self.metrics
         state = "running" if self.ended_s is None else ("failed" if self.error else "done")
-        return {
+        row = {
             "id": self.id,
             "model": self.model,
             "prompt": self.prompt,
@@ -80,6 +84,11 @@ class Tracked:
             "cached_tokens": m.get("cached_tokens"),
             "timeline": m.get("timeline"),
         }
+        if fleet:
+            row["tenant"] = tenancy.label(self.tenant)
+        else:
+            row.update(why=None, prefill_server=None, decode_server=None)
+        return row
 
 
 class RequestLog:
@@ -127,6 +136,7 @@ class RequestLog:
 
     def begin(self, model: str, request: Any) -> Tracked:
         t = Tracked(next(self.ids), model, prompt_of(request), time.time())
+        t.tenant = tenancy.current()
         with self.lock:
             self.running[t.id] = t
         self.metrics.begin(model)
@@ -141,12 +151,15 @@ class RequestLog:
             self.done.append(t)
         self.metrics.end(t.model, metrics, error is None and metrics is not None)
 
-    def snapshot(self) -> list[dict[str, Any]]:
-        """Newest first: running ones, then finished ones."""
+    def snapshot(self, tenant: bytes | None = None, everyone: bool = True) -> list[dict[str, Any]]:
+        """Newest first: running ones, then finished ones; every tenant's for the
+        operator (`everyone`), else `tenant`'s own only, without the fleet's names."""
         now = time.monotonic()
         with self.lock:
             items = list(self.running.values())[::-1] + list(self.done)[::-1]
-        return [t.view(now) for t in items]
+        if not everyone:
+            items = [t for t in items if t.tenant is not None and t.tenant == tenant]
+        return [t.view(now, fleet=everyone) for t in items]
 
     def finished_since(self, seconds: float) -> list[dict[str, Any]]:
         """Metrics of requests that ended in the last `seconds`."""
