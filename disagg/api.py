@@ -33,7 +33,9 @@ class Completion:
     text: str  # the answer: never the model's reasoning nor its tool-call markup
     token_ids: list[int]
     metrics: Metrics
-    finish_reason: str  # "stop" (EOS or a stop sequence), "length", or "tool_calls"
+    # "stop" (EOS or a stop sequence), "length", "tool_calls", or "cancelled" (the
+    # caller left: `cancel` was set)
+    finish_reason: str
     model: str
     reasoning: str = ""  # the model's private reasoning (harmony analysis, <think>)
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # {"name", "arguments": {}}
@@ -176,7 +178,7 @@ class Client:
         def on_token(tok: dict[str, Any]) -> None:
             nonlocal count
             if cancel is not None and cancel.is_set():
-                raise StopGeneration
+                raise StopGeneration("cancelled")
             count += tok.get("id") is not None
             if tok.get("channel") == "reasoning":
                 if tok.get("text"):
@@ -191,9 +193,9 @@ class Client:
 
         try:
             result = self.router.run(model, req, on_token=on_token, deadline_s=deadline_s)
-        except StopGeneration:
-            m = Metrics(completion_tokens=count)
-            return Completion(matcher.text, [], m, "stop", model, "".join(reasoning))
+        except StopGeneration as e:  # a stop string matched, or the caller left
+            m = e.metrics or Metrics(completion_tokens=count, finish_reason=e.reason)
+            return Completion(matcher.text, [], m, e.reason, model, "".join(reasoning))
         tail = matcher.flush()
         if tail:
             emit(Chunk(tail))
@@ -216,7 +218,7 @@ class Client:
 
         def emit(chunk: Chunk) -> None:
             if cancelled.is_set():
-                raise StopGeneration  # the consumer went away: stop decoding
+                raise StopGeneration("cancelled")  # the consumer went away: stop decoding
             put(chunk)
 
         try:

@@ -34,6 +34,10 @@ def prompt_of(request: Any) -> str:
     return text if len(text) <= PROMPT_CHARS else text[: PROMPT_CHARS - 1] + "…"
 
 
+def _as_dict(m: Any) -> dict[str, Any]:
+    return m.to_dict() if hasattr(m, "to_dict") else dict(m)
+
+
 def why(m: dict[str, Any]) -> str | None:
     """Why the request was served the way it was, in one line."""
     if m.get("method") == "local-fallback":
@@ -54,6 +58,7 @@ class Tracked:
     first_token_s: float | None = None
     ended_s: float | None = None
     error: str | None = None
+    outcome: str | None = None  # once ended: one of prom.OUTCOMES
     metrics: dict[str, Any] = field(default_factory=dict)
 
     def view(self, now: float) -> dict[str, Any]:
@@ -65,6 +70,7 @@ class Tracked:
             "prompt": self.prompt,
             "started": self.started,
             "state": state,
+            "outcome": self.outcome,
             "elapsed": round((self.ended_s if self.ended_s is not None else now - self.t0), 4),
             "tokens": int(m.get("completion_tokens") or self.tokens),
             "first_token": self.first_token_s,
@@ -115,12 +121,18 @@ class RequestLog:
             try:
                 result = run(model, request, on_token=seen, **kw)
             except BaseException as e:
-                # A stop sequence ends a request early on purpose (StopGeneration).
-                stopped = type(e).__name__ == "StopGeneration"
-                self.end(t, None, None if stopped else (str(e) or type(e).__name__))
+                # A stop sequence or a caller that left ends a request early on
+                # purpose (StopGeneration): no failure, and it measured what it did.
+                if type(e).__name__ == "StopGeneration":
+                    m = getattr(e, "metrics", None)
+                    self.end(
+                        t, _as_dict(m) if m is not None else {}, None, getattr(e, "reason", "stop")
+                    )
+                else:
+                    self.end(t, None, str(e) or type(e).__name__, "error")
                 raise
-            m = result.metrics
-            self.end(t, m.to_dict() if hasattr(m, "to_dict") else dict(m), None)
+            m = _as_dict(result.metrics)
+            self.end(t, m, None, str(m.get("finish_reason") or "stop"))
             return result
 
         return tracked
@@ -132,14 +144,16 @@ class RequestLog:
         self.metrics.begin(model)
         return t
 
-    def end(self, t: Tracked, metrics: dict[str, Any] | None, error: str | None) -> None:
+    def end(
+        self, t: Tracked, metrics: dict[str, Any] | None, error: str | None, outcome: str
+    ) -> None:
         t.metrics = dict(metrics or {})
-        t.error = error
+        t.error, t.outcome = error, outcome
         t.ended_s = round(time.monotonic() - t.t0, 4)
         with self.lock:
             self.running.pop(t.id, None)
             self.done.append(t)
-        self.metrics.end(t.model, metrics, error is None and metrics is not None)
+        self.metrics.end(t.model, metrics, outcome)
 
     def snapshot(self) -> list[dict[str, Any]]:
         """Newest first: running ones, then finished ones."""

@@ -1,0 +1,128 @@
+"""What a new user meets first on `disagg serve --local`: `curl -d` without a content
+type, stop-ended and cancelled requests that keep their metrics, one outcome
+vocabulary in the APIs, Prometheus and the web view's data."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import start_serve
+
+pytestmark = pytest.mark.slow
+
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def base(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    tmp = tmp_path_factory.mktemp("newuser")
+    proc, port = start_serve(log_path=tmp / "serve.log", env={"TMPDIR": str(tmp)})
+    yield f"http://127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(30)
+
+
+def curl(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """POST with `curl -d` as the README does: no content-type header of our own."""
+    out = subprocess.run(
+        ["curl", "-s", "-w", "\n%{http_code}", url, "-d", json.dumps(body)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
+    text, _, code = out.rpartition("\n")
+    return int(code), json.loads(text)
+
+
+def test_curl_d_without_a_content_type_is_read_as_json(base: str) -> None:
+    model = "SmolLM2-135M-Instruct"
+    short = {"model": model, "stream": False, "options": {"num_predict": 2}}
+    for path, body in (
+        ("/api/generate", {**short, "prompt": QUESTION}),
+        ("/api/chat", {**short, "messages": [{"role": "user", "content": QUESTION}]}),
+        ("/api/show", {"model": model}),
+        (
+            "/v1/chat/completions",
+            {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]},
+        ),
+    ):
+        code, answer = curl(base + path, body)
+        assert code == 200, (path, answer)
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=60) as r:
+        return str(r.read().decode())
+
+
+def _outcomes(base: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in _get(base + "/metrics").splitlines():
+        if line.startswith("disagg_gateway_requests_total{"):
+            key, value = line.rsplit(" ", 1)
+            outcome = key.split('outcome="')[1].split('"')[0]
+            out[outcome] = out.get(outcome, 0.0) + float(value)
+    return out
+
+
+def test_a_stop_ended_request_keeps_its_metrics_in_both_apis(base: str) -> None:
+    before = _outcomes(base)
+    body = {
+        "model": "SmolLM2-135M-Instruct",
+        "prompt": QUESTION,
+        "stream": False,
+        "options": {"temperature": 0, "stop": ["France"], "num_predict": 40},
+    }
+    r = httpx.post(base + "/api/generate", json=body, timeout=300).json()
+    assert r["done_reason"] == "stop" and "France" not in r["response"], r
+    assert r["prompt_eval_count"] > 0 and r["eval_count"] > 0, r
+    assert r["eval_duration"] > 0 and r["prompt_eval_duration"] > 0, r
+    chat = {
+        "model": "SmolLM2-135M-Instruct",
+        "messages": [{"role": "user", "content": QUESTION}],
+        "temperature": 0,
+        "stop": ["France"],
+        "max_tokens": 40,
+    }
+    o = httpx.post(base + "/v1/chat/completions", json=chat, timeout=300).json()
+    assert o["choices"][0]["finish_reason"] == "stop", o
+    assert o["usage"]["prompt_tokens"] > 0 and o["usage"]["completion_tokens"] > 0, o
+    m = o["disagg_metrics"]
+    assert m["ttft"] is not None and m["method"] == "disaggregated", m
+    after = _outcomes(base)
+    assert after.get("stop", 0) - before.get("stop", 0) == 2, (before, after)
+    assert after.get("error", 0) == before.get("error", 0)
+
+
+def test_a_cancelled_stream_is_cancelled_everywhere(base: str) -> None:
+    before = _outcomes(base)
+    body = {
+        "model": "SmolLM2-135M-Instruct",
+        "prompt": "Tell me a long story about a lighthouse keeper.",
+        "options": {"num_predict": 2000, "temperature": 0.8, "seed": 1},
+    }
+    with httpx.stream("POST", base + "/api/generate", json=body, timeout=300) as r:
+        lines = r.iter_lines()
+        for _ in range(4):  # a few tokens, then hang up
+            assert json.loads(next(lines))["done"] is False
+    deadline = time.monotonic() + 120
+    while _outcomes(base).get("cancelled", 0) <= before.get("cancelled", 0):
+        assert time.monotonic() < deadline, "the cancelled stream was never counted"
+        time.sleep(0.5)
+    assert _outcomes(base).get("error", 0) == before.get("error", 0)
+    rows = json.loads(_get(base + "/ui/api/state"))["requests"]
+    cancelled = [r for r in rows if r["outcome"] == "cancelled"]
+    assert cancelled, rows
+    row = cancelled[0]
+    assert row["tokens"] >= 4 and row["ttft"] is not None and row["prompt_tokens"], row
+    assert row["timeline"] and row["timeline"]["done"] > row["timeline"]["first_token"], row
