@@ -31,6 +31,27 @@ if TYPE_CHECKING:
     from disagg.bench.load import LoadSettings
 
 
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def _check_think(local: bool, models: list[str | None], think: bool | str | None) -> None:
+    """--think on a local model that does not reason apart: refused before any agent
+    starts (a fleet's agents refuse it themselves, at once)."""
+    if not local or think in (None, False):
+        return
+    from agents.chatformat.detect import reasons_apart
+    from disagg.serving.defaultmodel import resolve_model
+
+    for m in models:
+        path = resolve_model(m, say)
+        if reasons_apart(path) is False:
+            raise UsageError(
+                f"--think {think if isinstance(think, str) else 'on'}: {path.name} does not "
+                "reason apart (its chat template has no <think> or harmony channels); "
+                "leave --think out or set it to off"
+            )
+
+
 def _open_client(
     local: bool,
     models: list[str | None],
@@ -42,6 +63,8 @@ def _open_client(
 ) -> Any:
     from disagg.api import Client
 
+    if dtype not in DTYPES:  # the agents' own argparse would say it after they start
+        raise UsageError(f"--dtype {dtype}: use {', '.join(DTYPES)}")
     if (prefill_model or allow_mixed) and not local:
         raise UsageError(
             "--prefill-model and --allow-mixed go with --local; "
@@ -148,6 +171,7 @@ def generate(
         raise UsageError('give a prompt, e.g. disagg generate --local "Hi", or --batch FILE')
     request = build_request(prompt=prompt, **opts) if prompt is not None else None
     models: list[str | None] = list(model) if model else [None]
+    _check_think(local, models, opts.get("think"))
     with _open_client(
         local, models, inventory, dtype, prefill_model=prefill_model, allow_mixed=allow_mixed
     ) as client:
@@ -183,7 +207,13 @@ def _response_format(value: str) -> dict[str, Any]:
         raise UsageError(f"--format {value}: {why}") from None
     except json.JSONDecodeError as e:
         raise UsageError(f"--format {value}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    return {"type": "json_schema", "schema": schema, "strict": True}
+    rf = {"type": "json_schema", "schema": schema, "strict": True}
+    from agents.decode.grammar import schema_error
+
+    problem = schema_error(rf)
+    if problem:
+        raise UsageError(f"--format {value}: {problem}")
+    return rf
 
 
 def _run_one(client: Any, name: str, request: Any, as_json: bool, hide_reasoning: bool) -> None:
