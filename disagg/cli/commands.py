@@ -349,6 +349,14 @@ def serve(
             "2 x workers); more get 429 (OpenAI) / 503 (Ollama) with Retry-After.",
         ),
     ] = None,
+    drain_timeout: Annotated[
+        float,
+        typer.Option(
+            "--drain-timeout",
+            help="Seconds a first Ctrl-C (or SIGTERM) lets running requests finish; "
+            "a second Ctrl-C stops at once.",
+        ),
+    ] = 30.0,
 ) -> None:
     """OpenAI- and Ollama-compatible gateway: /v1/... and /api/... on one port."""
     import signal
@@ -358,6 +366,7 @@ def serve(
     from disagg.frontends.keys import api_keys
     from disagg.frontends.limits import Limits, raise_nofile
     from disagg.frontends.limits import serve as serve_app
+    from disagg.frontends.shutdown import Drain
     from disagg.frontends.workers import Workers
 
     raise_nofile()  # before the local agents start: they inherit it
@@ -396,7 +405,8 @@ def serve(
         limits = Limits(header_timeout, max_connections, max_per_address)
         pool = Workers.for_router(client.router, workers, max_requests)
         err.print(f"{pool.size} workers, at most {pool.limit} requests at once")
-        serve_app(create_app(client, api_key=key, workers=pool), host, port, limits)
+        drain = Drain(lambda: pool.admitted, client.stop_now, client.router.cut_all, drain_timeout)
+        serve_app(create_app(client, api_key=key, workers=pool), host, port, limits, drain)
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")

@@ -120,6 +120,12 @@ class Router:
         self.health: dict[str, tuple[float, bool]] = {}
         self.last_ok: dict[str, float] = {}  # when each agent last answered /health ok
         self.affinity = affinity.AffinityTable()  # prefix -> the decode agent holding it
+        self.cutting = threading.Event()  # set: every request stops at its next token
+
+    def cut_all(self) -> None:
+        """End every running request at its next token, as if its caller left (a
+        gateway whose drain deadline passed); requests after this are cut too."""
+        self.cutting.set()
 
     def models(self) -> list[str]:
         return list(self.pipelines)
@@ -229,6 +235,8 @@ class Router:
 
             def forward(tok: dict[str, Any]) -> None:
                 nonlocal seen, t_first, early
+                if self.cutting.is_set():
+                    raise StopGeneration("cancelled")
                 seen += 1
                 if t_first is None and tok.get("id") is not None:
                     t_first = time.perf_counter()
