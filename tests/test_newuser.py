@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 
 from tests.conftest import start_serve
@@ -23,12 +24,20 @@ QUESTION = "What is the capital of France?"
 
 
 @pytest.fixture(scope="module")
-def base(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def served(
+    default_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, Path, subprocess.Popen[bytes]]]:
+    """The gateway's address, its log (stdout and stderr) and its process."""
     tmp = tmp_path_factory.mktemp("newuser")
     proc, port = start_serve(log_path=tmp / "serve.log", env={"TMPDIR": str(tmp)})
-    yield f"http://127.0.0.1:{port}"
+    yield f"http://127.0.0.1:{port}", tmp / "serve.log", proc
     proc.terminate()
     proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def base(served: tuple[str, Path, subprocess.Popen[bytes]]) -> str:
+    return served[0]
 
 
 def curl(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -126,3 +135,52 @@ def test_a_cancelled_stream_is_cancelled_everywhere(base: str) -> None:
     row = cancelled[0]
     assert row["tokens"] >= 4 and row["ttft"] is not None and row["prompt_tokens"], row
     assert row["timeline"] and row["timeline"]["done"] > row["timeline"]["first_token"], row
+
+
+def _ask(base: str) -> dict[str, Any]:
+    chat = {
+        "model": "SmolLM2-135M-Instruct",
+        "messages": [{"role": "user", "content": QUESTION}],
+        "max_tokens": 4,
+    }
+    r = httpx.post(base + "/v1/chat/completions", json=chat, timeout=300)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def test_requests_are_logged_without_their_prompt(
+    served: tuple[str, Path, subprocess.Popen[bytes]],
+) -> None:
+    base, log, _ = served
+    _ask(base)
+    deadline = time.monotonic() + 30
+    while "request " not in log.read_text():
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.2)
+    lines = [ln for ln in log.read_text().splitlines() if " request " in ln]
+    assert lines and "capital" not in log.read_text(), lines
+    assert "SmolLM2-135M-Instruct length disaggregated" in lines[-1], lines
+
+
+def test_a_killed_prefill_agent_is_logged_and_restarted(
+    served: tuple[str, Path, subprocess.Popen[bytes]],
+) -> None:
+    base, log, proc = served
+    [prefill] = [
+        p
+        for p in psutil.Process(proc.pid).children(recursive=True)
+        if "agents.prefill" in " ".join(p.cmdline())
+    ]
+    prefill.kill()
+    deadline = time.monotonic() + 240
+    while "is back on" not in log.read_text():
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.5)
+    said = log.read_text()
+    assert "prefill agent prefill@127.0.0.1 exited (killed by SIGKILL)" in said, said
+    while True:  # the next request is disaggregated again (the router re-probes it)
+        method = _ask(base)["disagg_metrics"]["method"]
+        if method == "disaggregated" or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert method == "disaggregated", log.read_text()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -29,6 +30,20 @@ from disagg.errors import UsageError
 
 if TYPE_CHECKING:
     from disagg.bench.load import LoadSettings
+
+
+def _log_to_stderr(*names: str) -> None:
+    """These loggers' lines on stderr, timestamped (serve's request and agent lines)."""
+    import logging
+    import sys
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+    for name in names:
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
 
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -368,6 +383,7 @@ def serve(
     from disagg.frontends.limits import serve as serve_app
     from disagg.frontends.shutdown import Drain
     from disagg.frontends.workers import Workers
+    from disagg.serving.supervise import Supervisor
 
     raise_nofile()  # before the local agents start: they inherit it
 
@@ -405,8 +421,10 @@ def serve(
         limits = Limits(header_timeout, max_connections, max_per_address)
         pool = Workers.for_router(client.router, workers, max_requests)
         err.print(f"{pool.size} workers, at most {pool.limit} requests at once")
+        _log_to_stderr("disagg.requests", "disagg.agents")
         drain = Drain(lambda: pool.admitted, client.stop_now, client.router.cut_all, drain_timeout)
-        serve_app(create_app(client, api_key=key, workers=pool), host, port, limits, drain)
+        with Supervisor(client) if local else contextlib.nullcontext():
+            serve_app(create_app(client, api_key=key, workers=pool), host, port, limits, drain)
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")

@@ -35,6 +35,9 @@ class AgentProc:
     log_path: Path
     token: bytes | None = None
     _stopped: bool = field(default=False, repr=False)
+    # spawn_agent's keywords, to start it again (disagg.serving.supervise)
+    spawn: dict[str, Any] = field(default_factory=dict, repr=False)
+    started: float = field(default_factory=time.monotonic, repr=False)
 
     @property
     def address(self) -> str:
@@ -236,10 +239,10 @@ def start_local_agents(
     names = ["prefill@127.0.0.1"] + [
         "decode@127.0.0.1" if i == 0 else f"decode-{i + 1}@127.0.0.1" for i in range(n_decode)
     ]
-    spawned = [
-        spawn_agent(
-            "prefill" if i == 0 else "decode",
-            (prefill_model_dir or model_dir) if i == 0 else model_dir,
+    how = [
+        dict(
+            role="prefill" if i == 0 else "decode",
+            model_dir=(prefill_model_dir or model_dir) if i == 0 else model_dir,
             dtype=dtype,
             name=name,
             log_dir=log_dir / name.split("@")[0],
@@ -247,13 +250,14 @@ def start_local_agents(
         )
         for i, name in enumerate(names)
     ]
+    spawned = [spawn_agent(**kw) for kw in how]
     ready: list[AgentProc] = []
     try:
         for i, (proc, log_path, name) in enumerate(spawned):
             ready.append(
                 wait_ready("prefill" if i == 0 else "decode", proc, log_path, name, timeout_s)
             )
-            ready[-1].token = token
+            ready[-1].token, ready[-1].spawn = token, how[i]
     except Exception:
         for agent in ready:
             agent.stop()
@@ -261,6 +265,20 @@ def start_local_agents(
             proc.kill()
         raise
     return ready[0], ready[1:]
+
+
+def restart_agent(agent: AgentProc, timeout_s: float = 300.0) -> AgentProc:
+    """Start a local agent again as it was started (new ports: the caller updates
+    whatever routes to it)."""
+    proc, log_path, name = spawn_agent(**agent.spawn)
+    try:
+        new = wait_ready(agent.role, proc, log_path, name, timeout_s)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    new.token, new.spawn = agent.token, agent.spawn
+    return new
 
 
 def start_local_pair(model_dir: Path, **kw: Any) -> tuple[AgentProc, AgentProc]:

@@ -122,6 +122,19 @@ class Router:
         self.affinity = affinity.AffinityTable()  # prefix -> the decode agent holding it
         self.cutting = threading.Event()  # set: every request stops at its next token
 
+    def moved(self, name: str, host: str, port: int, control_port: int | None) -> None:
+        """Agent `name` runs again at a new address (a restarted local agent): route
+        to it there, and forget that it was down."""
+        for pipe in self.pipelines.values():
+            for ep in (*pipe.prefill, *pipe.decode):
+                if ep.name == name:
+                    ep.host, ep.port, ep.control_port = host, port, control_port
+                    ep.hosts = [host] if ep.hosts else []
+        with self.lock:
+            self.down_until.pop(name, None)
+            self.health.pop(name, None)
+            self.last_ok.pop(name, None)
+
     def cut_all(self) -> None:
         """End every running request at its next token, as if its caller left (a
         gateway whose drain deadline passed); requests after this are cut too."""

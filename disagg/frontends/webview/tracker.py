@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import threading
 import time
 from collections import deque
@@ -18,6 +19,7 @@ from typing import Any
 
 from disagg.frontends.webview.prom import GatewayMetrics
 
+access = logging.getLogger("disagg.requests")  # `disagg serve` shows it on stderr
 KEEP = 300  # finished requests kept for the view's list and charts
 PROMPT_CHARS = 120  # of a prompt shown in the list
 
@@ -32,6 +34,22 @@ def prompt_of(request: Any) -> str:
         text = users[-1].get("content") if users else ""
     text = " ".join(str(text or "").split())
     return text if len(text) <= PROMPT_CHARS else text[: PROMPT_CHARS - 1] + "…"
+
+
+def access_line(t: Tracked) -> str:
+    """One line per request, no prompt text: `disagg serve` logs it."""
+    m = t.metrics
+
+    def secs(v: Any) -> str:
+        return f"{v:.3f}s" if isinstance(v, int | float) else "-"
+
+    line = (
+        f"request {t.id} {t.model} {t.outcome} {m.get('method') or '-'}: "
+        f"{m.get('prompt_tokens') or 0} prompt ({m.get('cached_tokens') or 0} cached) + "
+        f"{int(m.get('completion_tokens') or t.tokens)} tokens, ttft {secs(m.get('ttft'))}, "
+        f"{secs(t.ended_s)} in all"
+    )
+    return line + (f"; {t.error[:200]}" if t.error else "")
 
 
 def _as_dict(m: Any) -> dict[str, Any]:
@@ -154,6 +172,7 @@ class RequestLog:
             self.running.pop(t.id, None)
             self.done.append(t)
         self.metrics.end(t.model, metrics, outcome)
+        access.info("%s", access_line(t))
 
     def snapshot(self) -> list[dict[str, Any]]:
         """Newest first: running ones, then finished ones."""
