@@ -239,7 +239,7 @@ def start_local_agents(
     names = ["prefill@127.0.0.1"] + [
         "decode@127.0.0.1" if i == 0 else f"decode-{i + 1}@127.0.0.1" for i in range(n_decode)
     ]
-    how = [
+    how: list[dict[str, Any]] = [
         dict(
             role="prefill" if i == 0 else "decode",
             model_dir=(prefill_model_dir or model_dir) if i == 0 else model_dir,
