@@ -67,6 +67,8 @@ def test_curl_d_without_a_content_type_is_read_as_json(base: str) -> None:
     ):
         code, answer = curl(base + path, body)
         assert code == 200, (path, answer)
+    code, answer = curl(base + "/api/generate", {"model": model, "keep_alive": 0})
+    assert code == 200 and answer["done_reason"] == "unload", answer  # as Ollama
 
 
 def _get(url: str) -> str:
@@ -108,6 +110,7 @@ def test_a_stop_ended_request_keeps_its_metrics_in_both_apis(base: str) -> None:
     assert o["usage"]["prompt_tokens"] > 0 and o["usage"]["completion_tokens"] > 0, o
     m = o["disagg_metrics"]
     assert m["ttft"] is not None and m["method"] == "disaggregated", m
+    assert "route" not in m and m.get("decode_server") is None, m  # no internals asked
     after = _outcomes(base)
     assert after.get("stop", 0) - before.get("stop", 0) == 2, (before, after)
     assert after.get("error", 0) == before.get("error", 0)

@@ -57,12 +57,14 @@ class ChatStream:
         return self._keep(self.parser.text(self.detok.last_segment))
 
     def finish(self) -> list[Event]:
-        return self._keep(self._flush() + self.parser.finish())
+        return self._keep(self._flush(last=True) + self.parser.finish())
 
-    def _flush(self) -> list[Event]:
+    def _flush(self, last: bool = False) -> list[Event]:
         self.detok.finalize()
         tail = self.detok.last_segment
         self.detok.reset()
+        if last:  # max_tokens cut a character's bytes short (an emoji): drop them, not "\ufffd"
+            tail = tail.rstrip("\ufffd")
         return self.parser.text(tail) if tail else []
 
     def _keep(self, events: list[Event]) -> list[Event]:

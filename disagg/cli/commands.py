@@ -268,7 +268,8 @@ def _run_one(client: Any, name: str, request: Any, as_json: bool, hide_reasoning
     out.print()
     if c.tool_calls:
         out.print(tool_calls_table(c.tool_calls))
-    out.print(metrics_table(c.metrics, title=f"metrics: {name}"))
+    # stderr: `> answer.txt` keeps the answer alone
+    err.print(metrics_table(c.metrics, title=f"metrics: {name}"))
 
 
 def _run_many(
