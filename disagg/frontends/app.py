@@ -19,6 +19,7 @@ from disagg.frontends.ollama import routes as ollama_routes
 from disagg.frontends.ollama.types import OllamaError
 from disagg.frontends.openai import routes as openai_routes
 from disagg.frontends.openai.types import OpenAIError
+from disagg.frontends.webview.tracker import RequestLog
 from disagg.frontends.workers import Workers
 
 
@@ -34,12 +35,14 @@ def create_app(
     `/health` wants one as a bearer token. Generation runs on `workers` (default:
     sized to the cluster's batch capacity), which refuses requests past its limit."""
     app = FastAPI(title="disagg gateway")
+    log = RequestLog(client.models())
     app.add_middleware(Guard, api_key=api_key, max_body=max_body)
+    app.add_middleware(ListRefusals, log=log)  # outermost: sees the guard's 401s and 413s
     pool = workers or Workers.for_router(client.router)
     app.include_router(ollama_routes.routes(client, pool))
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     # /ui, /ui/api/..., /metrics; the web view's sign-in takes the first key.
-    app.include_router(webview.routes(client, keys[0] if keys else None))
+    app.include_router(webview.routes(client, keys[0] if keys else None, log))
     app.include_router(openai_routes.routes(client, pool))
     add_error_handlers(app)
 
@@ -48,6 +51,28 @@ def create_app(
         return {"ok": True}
 
     return app
+
+
+class ListRefusals:
+    """ASGI middleware: requests answered 4xx (an unknown path or model, a bad body, no
+    key) are listed in the web view beside the ones that ran."""
+
+    def __init__(self, app: Any, log: RequestLog) -> None:
+        self.app = app
+        self.log = log
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or path.startswith("/ui") or path == "/metrics":
+            await self.app(scope, receive, send)
+            return
+
+        async def watch(message: Any) -> None:
+            if message["type"] == "http.response.start" and 400 <= message["status"] < 500:
+                self.log.refused(scope.get("method", "?"), path, message["status"])
+            await send(message)
+
+        await self.app(scope, receive, watch)
 
 
 def add_error_handlers(app: FastAPI) -> None:

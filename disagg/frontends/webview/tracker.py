@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from agents.wire.text import printable
 from disagg.frontends.webview.prom import GatewayMetrics
 
 access = logging.getLogger("disagg.requests")  # `disagg serve` shows it on stderr
@@ -82,6 +83,8 @@ class Tracked:
     def view(self, now: float) -> dict[str, Any]:
         m = self.metrics
         state = "running" if self.ended_s is None else ("failed" if self.error else "done")
+        if self.outcome == "refused":
+            state = "refused"
         return {
             "id": self.id,
             "model": self.model,
@@ -103,6 +106,7 @@ class Tracked:
             "prompt_tokens": m.get("prompt_tokens"),
             "cached_tokens": m.get("cached_tokens"),
             "timeline": m.get("timeline"),
+            "queue_time": m.get("queue_time"),
         }
 
 
@@ -133,6 +137,8 @@ class RequestLog:
                     t.tokens += 1
                     if t.first_token_s is None:
                         t.first_token_s = round(time.monotonic() - t.t0, 4)
+                        early = tok.get("metrics")  # the prompt's side, while it decodes
+                        t.metrics = dict(early) if isinstance(early, dict) else {}
                 if on_token is not None:
                     on_token(tok)
 
@@ -154,6 +160,15 @@ class RequestLog:
             return result
 
         return tracked
+
+    def refused(self, method: str, path: str, status: int) -> None:
+        """A request answered with an error before it ran (a 404, a 401, a bad body):
+        listed in the view, not counted as a request."""
+        what = printable(f"{method} {path}", PROMPT_CHARS)
+        t = Tracked(next(self.ids), "", what, time.time(), error=f"HTTP {status}")
+        t.ended_s, t.outcome = 0.0, "refused"
+        with self.lock:
+            self.done.append(t)
 
     def begin(self, model: str, request: Any) -> Tracked:
         t = Tracked(next(self.ids), model, prompt_of(request), time.time())
