@@ -25,8 +25,8 @@ from typing import Any
 SETTINGS: dict[str, dict[str, str]] = {
     "default": {},
     "OMP=1 OPENBLAS=1": {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"},
-    "OMP_WAIT_POLICY=ACTIVE": {"OMP_WAIT_POLICY": "ACTIVE"},  # torch's OpenMP threads spin
-    "OMP_WAIT_POLICY=PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"},  # ... or sleep
+    # the default before 2026-11-27: torch's OpenMP threads spin at barriers
+    "OMP_WAIT_POLICY=ACTIVE": {"OMP_WAIT_POLICY": "ACTIVE"},
 }
 CLEARED = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OMP_WAIT_POLICY")
 PROMPT = "Write a short paragraph about lighthouses."

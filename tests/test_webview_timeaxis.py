@@ -36,12 +36,17 @@ def url(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     proc.wait(120)
 
 
-def _row(driver: Any, text: str, outcome: str | None = None) -> Any:
-    sel = ".req[data-req]" + (f"[data-outcome={outcome}]" if outcome else "")
-    for r in driver.find_elements("css selector", sel):
-        if text in r.text:
-            return r
-    return None
+ROWS_JS = """
+return [...document.querySelectorAll('.req[data-req]')].map((r) => {
+  const span = r.querySelector('.bar i.span');
+  return {
+    text: r.innerText, outcome: r.dataset.outcome,
+    width: span ? span.getBoundingClientRect().width : null,
+    seconds: span ? parseFloat(span.dataset.width) : null,
+    cancelled_mark: !!r.querySelector('.bar i.end.cancelled'),
+  };
+});
+"""
 
 
 def test_bars_share_a_time_axis_and_ends_are_marked(url: str, browser: Any) -> None:  # noqa: F811
@@ -64,26 +69,35 @@ def test_bars_share_a_time_axis_and_ends_are_marked(url: str, browser: Any) -> N
             assert json.loads(next(lines))["done"] is False
     assert httpx.get(f"{url}/v1/no-such-route-{tag}", timeout=30).status_code == 404
 
-    short = wait_for(lambda: _row(browser, f"({tag}/2)", "length"), 30, "short request missing")
-    long = wait_for(lambda: _row(browser, f"({tag}/24)", "length"), 30, "long request missing")
-    cut = wait_for(lambda: _row(browser, f"sea. ({tag})", "cancelled"), 60, "no cancelled row")
-    gone = wait_for(lambda: _row(browser, f"no-such-route-{tag}", "refused"), 30, "no 404 row")
-    assert "cancelled" in cut.text and cut.find_elements("css selector", ".bar i.end.cancelled")
-    assert "404" in gone.text
-    span = browser.find_element("css selector", ".timeaxis").get_attribute("data-span")
-    widths = {
-        name: row.find_element("css selector", ".bar i.span").rect["width"]
-        for name, row in (("short", short), ("long", long))
-    }
-    seconds = {
-        name: float(row.find_element("css selector", ".bar i.span").get_attribute("data-width"))
-        for name, row in (("short", short), ("long", long))
-    }
+    def rows() -> list[dict[str, Any]]:
+        # one read of the page: it redraws every second, so elements go stale
+        return list(browser.execute_script(ROWS_JS))
+
+    def found() -> dict[str, dict[str, Any]] | None:
+        got = {}
+        for name, text, outcome in (
+            ("short", f"({tag}/2)", None),
+            ("long", f"({tag}/24)", None),
+            ("cut", f"sea. ({tag})", "cancelled"),
+            ("gone", f"no-such-route-{tag}", "refused"),
+        ):
+            row = next(
+                (r for r in rows() if text in r["text"] and outcome in (None, r["outcome"])), None
+            )
+            if row is None:
+                return None
+            got[name] = row
+        return got
+
+    got = wait_for(found, 60, "a request is missing from the page")
+    assert "cancelled" in got["cut"]["text"] and got["cut"]["cancelled_mark"], got["cut"]
+    assert "404" in got["gone"]["text"], got["gone"]
+    short, long = got["short"], got["long"]
     # One axis: widths in proportion to durations (within rounding and a minimum width);
     # which one took longer is this loaded box's business.
-    assert seconds["long"] != seconds["short"] and widths["long"] != widths["short"], widths
-    ratio = (widths["long"] / widths["short"]) / (seconds["long"] / seconds["short"])
-    assert 0.5 < ratio < 2.0, (widths, seconds, span)
+    assert short["seconds"] != long["seconds"] and short["width"] != long["width"], got
+    ratio = (long["width"] / short["width"]) / (long["seconds"] / short["seconds"])
+    assert 0.5 < ratio < 2.0, got
     out = os.environ.get("DISAGG_UI_SHOTS")
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)

@@ -157,11 +157,15 @@ def thread_share(role: str, env: dict[str, str]) -> dict[str, str]:
     against 4.0 s and 0.40 s); with half always, one stream alone decoded 1.3x
     slower than mlx-lm (docs/bench-history/2026-11-23-load.md)."""
     half = str(max(1, (os.cpu_count() or 2) // 2))
+    # torch's OpenMP threads sleep at a barrier instead of spinning: beside two busy
+    # processes on 2 cores a SmolLM2 prefill took 38 s spinning (the default), 1.1 s
+    # passive, 2.9 s on one thread (docs/performance.md, 2026-11-27).
+    out = {} if "OMP_WAIT_POLICY" in env else {"OMP_WAIT_POLICY": "PASSIVE"}
     if role == "decode" and "OPENBLAS_NUM_THREADS" not in env:
-        return {BLAS_SHARED_ENV: half}
+        out[BLAS_SHARED_ENV] = half
     if role == "prefill" and "OMP_NUM_THREADS" not in env:
-        return {TORCH_SHARED_ENV: half}
-    return {}
+        out[TORCH_SHARED_ENV] = half
+    return out
 
 
 def wait_ready(
