@@ -12,6 +12,7 @@ import pytest
 
 from disagg.serving.localagents import AgentProc
 from tests.conftest import PairFactory, ask, remote_request
+from tests.slowprefill import slow_prefill
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
 
@@ -67,7 +68,7 @@ def test_sigterm_drains_a_decode_in_flight(agent_pair: PairFactory) -> None:
 
 def test_sigterm_drains_a_prefill_in_flight(agent_pair: PairFactory) -> None:
     # The KV stream of the 4-layer model is stretched to ~1.6 s so SIGTERM lands inside it.
-    prefill, decode = agent_pair("qwen3", seed=9, prefill_args=["--fault-layer-delay", "0.4"])
+    prefill, decode = agent_pair("qwen3", seed=9, **slow_prefill(0.4))
     req = remote_request(prefill, ignore_eos=False)
     box: dict[str, Any] = {}
     worker = threading.Thread(target=lambda: box.update(r=ask(decode, req)))

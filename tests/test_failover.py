@@ -19,6 +19,7 @@ from disagg.errors import AgentError
 from disagg.serving.localagents import AgentProc, start_local_agents
 from disagg.serving.router import Endpoint, Route, Router
 from tests.conftest import PairFactory, ask, remote_request
+from tests.slowprefill import slow_prefill
 from tests.tinymodels import PROMPT
 
 pytestmark = pytest.mark.slow
@@ -51,7 +52,7 @@ def endpoint(a: AgentProc) -> Endpoint:
 
 @pytest.fixture
 def slow_prefill_pair(tiny_dir: Path, agent_pair: PairFactory) -> tuple[AgentProc, AgentProc]:
-    return agent_pair(tiny_dir, prefill_args=["--fault-layer-delay", str(LAYER_DELAY_S)])
+    return agent_pair(tiny_dir, **slow_prefill(LAYER_DELAY_S))
 
 
 def test_prefill_killed_mid_kv_stream_falls_back_with_the_same_text(

@@ -31,6 +31,7 @@ from rich.console import Console
 from disagg.cli.render_fleet import status_table
 from disagg.fleet.operations import AgentStatus
 from tests.conftest import PairFactory
+from tests.slowprefill import slow_prefill
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the shim is for Linux")
 
@@ -279,7 +280,7 @@ def test_a_local_pair_gives_up_blas_threads_while_it_prefills(agent_pair: Any) -
     full, half = os.cpu_count() or 2, max(1, (os.cpu_count() or 2) // 2)
     if "OPENBLAS_NUM_THREADS" in os.environ or half == full:
         pytest.skip("the user fixed OpenBLAS's threads, or one core: nothing to share")
-    prefill, decode = agent_pair("qwen3", seed=9, prefill_args=["--fault-layer-delay", "0.4"])
+    prefill, decode = agent_pair("qwen3", seed=9, **slow_prefill(0.4))
     if not decode.status()["blas"].startswith("openblas"):
         pytest.skip("no OpenBLAS bound here: mlx's own BLAS has no thread count")
     assert decode.status()["blas_threads"] == full

@@ -31,6 +31,7 @@ from disagg.serving.control import parse_status
 from disagg.serving.localagents import AgentProc, start_local_agents
 from disagg.serving.router import Endpoint, Route, Router
 from tests.conftest import start_serve
+from tests.slowprefill import slow_prefill
 from tests.tinymodels import PROMPT
 
 pytestmark = pytest.mark.slow
@@ -50,7 +51,7 @@ def cluster(
         tiny_model("gpt_oss", seed=2),
         n_decode=2,
         log_dir=tmp_path_factory.mktemp("deadline-logs"),
-        prefill_args=["--fault-layer-delay", str(LAYER_DELAY_S)],
+        **slow_prefill(LAYER_DELAY_S),
         decode_args=["--max-batch", "1"],
     )
     yield prefill, decodes

@@ -27,6 +27,7 @@ from agents.prefix.store import Block, PrefixCache, block_keys
 from disagg.serving.localagents import AgentProc
 from tests.conftest import PairFactory, ask
 from tests.references import hf_greedy, mlx_greedy
+from tests.slowprefill import slow_prefill
 from tests.tinymodels import PROMPT
 
 N_NEW = 16
@@ -119,7 +120,7 @@ def test_decode_store_stays_in_budget_under_concurrent_requests(
 @pytest.fixture(scope="module")
 def slow_pair(agent_pair: PairFactory) -> tuple[AgentProc, AgentProc, Path]:
     """A llama pair whose prefill agent takes 1.5 s per layer (4 layers)."""
-    prefill, decode = agent_pair("llama", seed=12, prefill_args=["--fault-layer-delay", "1.5"])
+    prefill, decode = agent_pair("llama", seed=12, **slow_prefill(1.5))
     return prefill, decode, Path(json.loads(decode.control("/status"))["model"])
 
 

@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>")
@@ -96,27 +94,3 @@ def _fim(vocab: dict[str, int]) -> tuple[int, int, int] | None:
         if all(n in vocab for n in names):
             return vocab[names[0]], vocab[names[1]], vocab[names[2]]
     return None
-
-
-def reasons_apart(model_dir: Path) -> bool | None:
-    """Whether the model in `model_dir` writes its reasoning apart (harmony, or a chat
-    template with <think>), read from its tokenizer files without loading anything,
-    so a CLI can refuse `--think` before any agent starts. None: cannot tell."""
-    try:
-        config = json.loads((model_dir / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    template = config.get("chat_template") if isinstance(config, dict) else None
-    jinja = model_dir / "chat_template.jinja"
-    if not isinstance(template, str) and jinja.is_file():
-        template = jinja.read_text(errors="replace")
-    if isinstance(template, list):  # named templates: any of them
-        template = " ".join(str(t.get("template", "")) for t in template if isinstance(t, dict))
-    added = config.get("added_tokens_decoder") or {}
-    names = {str(t.get("content")) for t in added.values() if isinstance(t, dict)}
-    if all(t in names for t in HARMONY_TOKENS):
-        return True
-    if not isinstance(template, str):
-        return None
-    harmony = "<|channel|>" in template and "<|start|>" in template
-    return harmony or ("<think>" in template and "</think>" in template)

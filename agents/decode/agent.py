@@ -127,7 +127,9 @@ class DecodeEngine:
 
     def encode(self, req: GenerateRequest) -> list[int]:
         """The request's prompt as token ids: chat template unless raw, or the
-        fill-in-the-middle prompt when it has a suffix."""
+        fill-in-the-middle prompt when it has a suffix. Chat messages and FIM code
+        are text (special tokens' names in them stay characters); a raw prompt is
+        the caller's own markup, encoded as the tokenizer encodes it, specials and all."""
         tok = self.tokenizer
         try:
             if req.suffix is not None:
@@ -192,6 +194,7 @@ class DecodeEngine:
             chat=self.is_chat(req),
             tools=_tools(req),
             structured=req.response_format is not None,
+            forced=req.tool_choice not in (None, "auto", "none"),
         )
 
 
@@ -756,7 +759,7 @@ class DecodeAgent:
                 store.now(caches)  # never decoded: nothing writes them
             if first not in eos:
                 emit(first, first_lp)
-        send_events(sock, None, chat.finish())
+        send_events(sock, None, chat.finish(cut=len(out) >= max_tokens))  # cut: no open call
         t_end = time.perf_counter()
         called = bool(chat.tool_calls)
         self._decoded(metrics, len(ids), len(out), max_tokens, called, t0, t_first, t_end)

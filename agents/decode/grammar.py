@@ -307,23 +307,6 @@ def json_schema_of(response_format: Mapping[str, Any]) -> dict[str, Any]:
     return closed(schema) if isinstance(schema, Mapping) else {}
 
 
-def schema_error(response_format: Mapping[str, Any]) -> str | None:
-    """What keeps a normalized response_format's schema from compiling, without a
-    tokenizer (a CLI checks its --format before any agent starts); None: it compiles,
-    or no grammar engine is here to tell."""
-    if llg is None:
-        return None
-    try:
-        grammar = llg.LLMatcher.grammar_from_json_schema(
-            canonical(json_schema_of(response_format)),
-            overrides=JSON_OPTIONS,  # type: ignore[arg-type]
-        )
-        problem = llg.LLMatcher.validate_grammar(grammar)
-    except (ValueError, TypeError, RuntimeError) as e:
-        problem = str(e)
-    return _short(problem) if problem else None
-
-
 def canonical(schema: Any) -> str:
     """The cache key and the text compiled. Key order is kept: it is the order
     the properties are written in."""

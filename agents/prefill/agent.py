@@ -6,7 +6,6 @@ Run: python -m agents.prefill --model DIR [--host H --port P --device cuda]
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import queue
@@ -114,9 +113,7 @@ def to_wire_async(tensors: tuple[torch.Tensor, ...]) -> tuple[list[np.ndarray], 
 class PrefillEngine:
     """One loaded model; `prefill` streams K/V layer by layer through a callback."""
 
-    def __init__(
-        self, model_dir: str, device: str = "auto", dtype: str = "auto", layer_delay_s: float = 0.0
-    ) -> None:
+    def __init__(self, model_dir: str, device: str = "auto", dtype: str = "auto") -> None:
         from transformers import AutoModelForCausalLM  # heavy: import once the args parsed
 
         from agents.quant.loader import load_packed_model, needs_packed_loader
@@ -156,8 +153,6 @@ class PrefillEngine:
         }
         self.slots = FairQueue()  # one forward pass at a time per device, fairly
         self.share = TorchShare.from_env()
-        # Fault-injection aid for tests: stretch the KV stream so a fault can land mid-way.
-        self.layer_delay_s = layer_delay_s
 
     @torch.inference_mode()
     def prefill(
@@ -206,8 +201,6 @@ class PrefillEngine:
                     on_layer(LayerKV(idx, kind, wire, to_wire(keys), to_wire(values)))
                 if idx == len(self.layers) - 1:
                     marks["last_layer_at"] = time.time()
-                elif self.layer_delay_s:
-                    time.sleep(self.layer_delay_s)
 
             return _after_layer
 
@@ -654,7 +647,6 @@ class PrefillAgent:
 
 def main() -> None:
     parser = common_args("prefill")
-    parser.add_argument("--fault-layer-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument(
         "--kv-buffer-mb",
         type=float,
@@ -671,9 +663,7 @@ def main() -> None:
     args, token, engine = start_agent(
         "prefill",
         parser,
-        lambda a: PrefillEngine(
-            a.model, device=a.device, dtype=a.dtype, layer_delay_s=a.fault_layer_delay
-        ),
+        lambda a: PrefillEngine(a.model, device=a.device, dtype=a.dtype),
     )
     agent = PrefillAgent(
         engine,

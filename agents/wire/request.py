@@ -403,7 +403,7 @@ def _check_message(i: int, m: Mapping[str, Any]) -> None:
     content = m.get("content")
     if not isinstance(content, str) and not (content is None and calls):
         raise RequestError("messages", f"{where}.content must be text")
-    for key in ("thinking", "reasoning_content", "tool_call_id", "name"):
+    for key in ("thinking", "reasoning_content", "reasoning", "tool_call_id", "name"):
         if m.get(key) is not None and not isinstance(m[key], str):
             raise RequestError("messages", f"{where}.{key} must be text")
     if calls is None:

@@ -192,7 +192,7 @@ def disaggregated(
         if ev.get("id") is not None:
             stamps.append(time.perf_counter())
 
-    # The whole prompt every time (benches repeat prompts; --prefix measures the cache).
+    # The whole prompt every time (benches repeat prompts; `bench prefix` measures the cache).
     req = build_request(**{"prefix_cache": False, **request})
     return run_remote(prefill, decode, req, on_token=on_token, timeout_s=timeout_s), stamps
 

@@ -1,4 +1,4 @@
-"""`disagg bench --quant-weights`: a quantized checkpoint prefilled on packed weights.
+"""`disagg bench quant-weights`: a quantized checkpoint prefilled on packed weights.
 
 On one quantized dir (default: SmolLM2 at MLX affine 4-bit, made by mlx_lm.convert),
 in one run:

@@ -88,8 +88,10 @@ def spawn_agent(
     log_dir: Path | None = None,
     extra_args: Sequence[str] = (),
     prefix: Sequence[str] = (),
+    module: str | None = None,
 ) -> tuple[subprocess.Popen[str], Path, str]:
-    """Start one agent process; `prefix` wraps the command (e.g. `ip netns exec NS`)."""
+    """Start one agent process; `prefix` wraps the command (e.g. `ip netns exec NS`);
+    `module` runs in place of `agents.<role>` (tests wrap an agent to inject faults)."""
     name = name or f"{role}@{host}"
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="disagg-logs-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -98,7 +100,7 @@ def spawn_agent(
         *prefix,
         sys.executable,
         "-m",
-        f"agents.{role}",
+        module or f"agents.{role}",
         "--model",
         str(model_dir),
         "--host",
@@ -228,12 +230,14 @@ def start_local_agents(
     prefill_args: Sequence[str] = (),
     decode_args: Sequence[str] = (),
     prefill_model_dir: Path | None = None,
+    prefill_module: str | None = None,
 ) -> tuple[AgentProc, list[AgentProc]]:
     """Start one prefill and `n_decode` decode agents on 127.0.0.1, all loading at once.
 
     They share `token_file` (one cluster), or a fresh token of their own;
     `prefill_args` / `decode_args` are extra command-line flags per role;
-    `prefill_model_dir`: the prefill agent loads that dir instead (mixed weights).
+    `prefill_model_dir`: the prefill agent loads that dir instead (mixed weights);
+    `prefill_module`: the prefill agent runs from that module (a test's wrapper).
     """
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="disagg-logs-"))
     if token_file is None:
@@ -251,6 +255,7 @@ def start_local_agents(
             name=name,
             log_dir=log_dir / name.split("@")[0],
             extra_args=["--token-file", str(token_file), *(decode_args if i else prefill_args)],
+            module=None if i else prefill_module,
         )
         for i, name in enumerate(names)
     ]

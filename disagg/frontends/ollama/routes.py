@@ -110,6 +110,20 @@ def chat_request(body: ChatBody) -> GenerateRequest | None:
     return _request(body, inputs)
 
 
+def refuse_tools(model: str, about: dict[str, Any]) -> None:
+    """Ollama refuses `tools` for a model whose template has no tool markup; so do
+    we, naming what Ollama's API can do instead (it has no tool_choice)."""
+    chat = about.get("chat")
+    caps = chat.get("capabilities") if isinstance(chat, dict) else None
+    if isinstance(caps, list) and "tools" not in caps:
+        raise OllamaError(
+            400,
+            f"{model} does not support tools (its chat template has no tool markup): send "
+            'the request without tools, or ask for the arguments as JSON with "format" '
+            "(a JSON schema)",
+        )
+
+
 def _durations(c: Completion, t0: float) -> dict[str, Any]:
     m = c.metrics
     return {
@@ -159,6 +173,8 @@ def routes(client: Client, workers: Executor | None = None) -> APIRouter:
 
     @api.post("/api/chat", response_model=None)
     async def chat(request: Request, body: ChatBody) -> Any:
+        if body.tools:
+            refuse_tools(body.model, await describe(resolve(client, body.model)))
         return await answer(client, workers, request, body, chat_request(body), "chat")
 
     @api.api_route("/api/{what}", methods=["POST", "DELETE", "PUT"], include_in_schema=False)

@@ -125,10 +125,16 @@ def tool_calls(c: Completion) -> list[dict[str, Any]]:
         {
             "id": f"call_{uuid.uuid4().hex[:24]}",
             "type": "function",
-            "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])},
+            # as the model wrote them where it wrote JSON: sent back, they render byte-exact
+            "function": {"name": call["name"], "arguments": _arguments(call)},
         }
         for call in c.tool_calls
     ]
+
+
+def _arguments(call: dict[str, Any]) -> str:
+    text = call.get("arguments_text")
+    return text if isinstance(text, str) else json.dumps(call["arguments"])
 
 
 def routes(client: Client, workers: Executor | None = None) -> APIRouter:
@@ -209,7 +215,8 @@ def _full(kind: str, rid: str, created: int, c: Completion, internals: bool) -> 
     if kind == "chat":
         message: dict[str, Any] = {"role": "assistant", "content": c.text}
         if c.reasoning:
-            message["reasoning_content"] = c.reasoning
+            # vLLM renamed reasoning_content to reasoning; clients read one or the other
+            message["reasoning_content"] = message["reasoning"] = c.reasoning
         if c.tool_calls:
             message.update(tool_calls=tool_calls(c), content=c.text or None)
         choice: dict[str, Any] = {"index": 0, "finish_reason": c.finish_reason, "message": message}
@@ -262,7 +269,10 @@ async def _sse(
     try:
         async for chunk in chunks:
             if chunk.reasoning and kind == "chat":
-                thought: dict[str, Any] = {"reasoning_content": chunk.reasoning}
+                thought: dict[str, Any] = {
+                    "reasoning_content": chunk.reasoning,
+                    "reasoning": chunk.reasoning,
+                }
                 yield event({"index": 0, "delta": thought, "finish_reason": None})
             if chunk.text:
                 yield event(piece(chunk.text))
