@@ -5,6 +5,7 @@ at once, in one line, with exit status 130 and no traceback."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -39,6 +40,13 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.drain = drain
 
+    def _cut(self) -> None:
+        """The deadline passed: cut every request at its next token. One whose next
+        token is slower than CUT_GRACE_S is cancelled by uvicorn, whose traceback
+        for it says nothing the draining line did not."""
+        self.drain.cut()
+        logging.getLogger("uvicorn.error").setLevel(logging.CRITICAL)
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.should_exit and sig == signal.SIGINT:
             n = self.drain.in_flight()
@@ -49,7 +57,7 @@ class DrainingServer(uvicorn.Server):
                 os._exit(130)  # no unwinding: threads mid-request would print tracebacks
         if not self.should_exit:
             n = self.drain.in_flight()
-            timer = threading.Timer(self.drain.deadline_s, self.drain.cut)
+            timer = threading.Timer(self.drain.deadline_s, self._cut)
             timer.daemon = True
             timer.start()
             _line(
