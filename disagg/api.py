@@ -144,6 +144,7 @@ class Client:
     def stop_now(self) -> None:
         """Kill the local agents without waiting for them to drain; remove temp files."""
         for agent in self.agents:
+            agent._stopped = True  # on purpose: nobody restarts it
             with contextlib.suppress(OSError):
                 agent.proc.kill()
         for agent in self.agents:

@@ -51,6 +51,7 @@ class DrainingServer(uvicorn.Server):
         if self.should_exit and sig == signal.SIGINT:
             n = self.drain.in_flight()
             _line(f"stopped at once{f', {n} request(s) cut' if n else ''}")
+            logging.disable(logging.CRITICAL)  # the cut requests' lines: this one said it
             try:
                 self.drain.stop_now()
             finally:
