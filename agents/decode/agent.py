@@ -44,6 +44,7 @@ from agents.decode.loop import DecodeLoop, Sampler, Seq, make_sampler, sample_ro
 from agents.decode.placement import Placement
 from agents.decode.prefixcache import DecodePrefix, Hit, Recording, Span
 from agents.decode.prefixstore import PendingStore
+from agents.decode.upfront import client_gone, max_token_bytes, too_long
 from agents.models import get_adapter, load_hf_config
 from agents.prefix.store import default_max_mb
 from agents.quant import check_supported, weights_identity
@@ -102,6 +103,7 @@ class DecodeEngine:
         self.chat = detect(self.tokenizer)  # its chat format, from vocab and template
         self.context = int(self.cfg.get("max_position_embeddings") or 1 << 20)
         self.vocab_size = int(self.cfg["vocab_size"])
+        self.max_token_bytes = max_token_bytes(self.tokenizer)
         # Structured outputs: compiled grammars for this tokenizer, cached.
         eos_ids = self.tokenizer.eos_token_ids or []
         self.grammars = Grammars(self.tokenizer, self.vocab_size, eos_ids)
@@ -125,11 +127,19 @@ class DecodeEngine:
             "weights": weights_identity(model_dir),
         }
 
+    def check_fits(self, req: GenerateRequest) -> None:
+        """Refuse, before tokenizing, a prompt that surely cannot fit the context."""
+        why = too_long(req, self.context, self.max_token_bytes)
+        if why:
+            raise BadRequest(why)
+
     def encode(self, req: GenerateRequest) -> list[int]:
         """The request's prompt as token ids: chat template unless raw, or the
         fill-in-the-middle prompt when it has a suffix. Chat messages and FIM code
         are text (special tokens' names in them stay characters); a raw prompt is
-        the caller's own markup, encoded as the tokenizer encodes it, specials and all."""
+        the caller's own markup, encoded as the tokenizer encodes it, specials and all.
+        A prompt that surely cannot fit the context is refused before any of that."""
+        self.check_fits(req)
         tok = self.tokenizer
         try:
             if req.suffix is not None:
@@ -620,7 +630,9 @@ class DecodeAgent:
             sliding = self.loop.call(self.prefix.recorded, caches)
         return [PendingStore(self.prefix, self.loop, h, prompt_len, sliding) for h in hits]
 
-    def _matcher(self, req: GenerateRequest, ids: list[int]) -> Matcher | None:
+    def _matcher(
+        self, req: GenerateRequest, ids: list[int], sock: socket.socket | None = None
+    ) -> Matcher | None:
         """The request's output grammar, compiled (or found in the cache) before
         any compute: an invalid or unenforceable schema is a bad request."""
         eng = self.engine
@@ -636,6 +648,7 @@ class DecodeAgent:
             trigger=eng.think_end if thinks else None,
             analysis_max_tokens=min(ANALYSIS_MAX_TOKENS, req.max_tokens // 2),
             opener=opener,
+            gone=None if sock is None else lambda: client_gone(sock),
         )
 
     def _decoded(
@@ -679,7 +692,7 @@ class DecodeAgent:
         ids = eng.encode(req)
         max_tokens = self._max_tokens(req, ids)
         t_grammar = time.perf_counter()
-        matcher = self._matcher(req, ids)
+        matcher = self._matcher(req, ids, sock)
         grammar_ms = (time.perf_counter() - t_grammar) * 1000 if matcher is not None else None
         allowed = eng.grammars.masks([matcher])[0] if matcher is not None else None
         metrics: dict[str, Any] = {

@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass, field, fields
 from dataclasses import replace as _replace
 from typing import Any
 
+from agents.wire.schemasize import SchemaTooBig, check_schemas
+
 # Limits, in one place. OpenAI and Ollama both take temperature up to 2.
 TEMPERATURE_MAX = 2.0
 SEED_MAX = (1 << 63) - 1
@@ -35,7 +37,6 @@ TOOL_CHOICES = ("auto", "none", "required")
 THINK_LEVELS = ("low", "medium", "high")
 # OpenAI's rule for function names, plus dots (MCP servers name tools a.b).
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-SCHEMA_MAX_CHARS = 65536  # a response_format's JSON Schema, as JSON text
 
 
 class RequestError(ValueError):
@@ -253,16 +254,10 @@ def check(r: GenerateRequest) -> None:
         )
     if r.prefill is not None and not isinstance(r.prefill, PrefillTarget):
         raise RequestError("prefill", "prefill must be a PrefillTarget")
-    if r.response_format is not None:
-        if response_format(r.response_format) != r.response_format:
-            raise RequestError("response_format", "response_format must be normalized")
-        chars = len(json.dumps(r.response_format.get("schema", {})))
-        if chars > SCHEMA_MAX_CHARS:
-            raise RequestError(
-                "response_format",
-                f"the JSON Schema is {chars} characters; at most {SCHEMA_MAX_CHARS} are taken",
-            )
+    if r.response_format is not None and response_format(r.response_format) != r.response_format:
+        raise RequestError("response_format", "response_format must be normalized")
     _check_chat_fields(r)
+    _check_schema_sizes(r)
     check_cache_salt(r.cache_salt)
 
 
@@ -453,6 +448,19 @@ def _tool_names(tools: Any) -> list[str]:
             )
         names.append(name)
     return names
+
+
+def _check_schema_sizes(r: GenerateRequest) -> None:
+    """Schemas within what a grammar may cost to compile (agents.wire.schemasize)."""
+    schema = (r.response_format or {}).get("schema")
+    tools = []
+    for tool in r.tools or []:
+        fn = tool["function"]
+        tools.append((fn["name"], fn.get("parameters") or {}))
+    try:
+        check_schemas(schema, tools)
+    except SchemaTooBig as e:
+        raise RequestError(e.field, str(e)) from None
 
 
 def _check_chat_fields(r: GenerateRequest) -> None:

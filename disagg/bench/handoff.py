@@ -226,7 +226,7 @@ def _send_layers(
 ) -> Any:
     """The layers, then `frames`, through the prefill agent's own LayerSender;
     it, for its byte count."""
-    from agents.prefill.agent import LayerSender  # imports torch: only in the sender
+    from agents.prefill.sender import LayerSender  # imports torch: only in the sender
 
     sender = LayerSender(sock, codec)
     for kv in layers:

@@ -83,7 +83,7 @@ def real_kv(model_dir: Path, tokens: int, dtype: str) -> list[LayerKV]:
     agent computes and sends it (wire dtype: float32, or bf16 as uint16 words)."""
     from transformers import AutoTokenizer
 
-    from agents.prefill.agent import PrefillEngine
+    from agents.prefill.engine import PrefillEngine
 
     tok: Any = AutoTokenizer.from_pretrained(str(model_dir))
     text = long_text(lambda s: len(tok.encode(s)), tokens)

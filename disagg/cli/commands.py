@@ -334,6 +334,74 @@ def _run_many(
         raise typer.Exit(1)
 
 
+# serve's options about callers and limits (docs/threat-model.md lists them).
+ApiKey = Annotated[
+    str | None,
+    typer.Option(
+        "--api-key",
+        envvar="DISAGG_API_KEY",
+        help="Require this key (Authorization: Bearer KEY); shows in ps: prefer the env var.",
+    ),
+]
+ApiKeyFile = Annotated[
+    Path | None,
+    typer.Option(
+        "--api-key-file",
+        help="Read the API keys from this file (0600; one per line, each a tenant; the first "
+        "is the operator's: it sees the whole fleet in /ui).",
+    ),
+]
+HeaderTimeout = Annotated[
+    float, typer.Option("--header-timeout", help="Seconds a connection has to send its headers.")
+]
+FirstByteTimeout = Annotated[
+    float,
+    typer.Option(
+        "--first-byte-timeout", help="Seconds a new connection has to send its first byte."
+    ),
+]
+MaxConnections = Annotated[
+    int | None,
+    typer.Option(
+        "--max-connections",
+        help="Connections at once, in total (default: the open-files limit less 64).",
+    ),
+]
+MaxPerAddress = Annotated[
+    int,
+    typer.Option("--max-per-address", help="Connections at once from one IPv4 /24 or IPv6 /64."),
+]
+WorkersOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--workers", help="Requests run at once (default: the decode agents' max_batch, summed)."
+    ),
+]
+MaxRequests = Annotated[
+    int | None,
+    typer.Option(
+        "--max-requests",
+        help="Requests admitted at once, running or waiting for a worker (default: "
+        "2 x workers); more get 429 (OpenAI) / 503 (Ollama) with Retry-After.",
+    ),
+]
+MaxRequestsPerKey = Annotated[
+    int | None,
+    typer.Option(
+        "--max-requests-per-key",
+        help="Of those, what one API key may hold (default: half, with two keys or more).",
+    ),
+]
+DrainTimeout = Annotated[
+    float,
+    typer.Option(
+        "--drain-timeout",
+        help="Seconds a first Ctrl-C (or SIGTERM) lets running requests finish; "
+        "a second Ctrl-C stops at once.",
+    ),
+]
+
+
 @app.command()
 @friendly
 def serve(
@@ -346,54 +414,16 @@ def serve(
         int, typer.Option("--decode-agents", help="Decode agents per model with --local.")
     ] = 1,
     dtype: Dtype = "auto",
-    api_key: Annotated[
-        str | None,
-        typer.Option(
-            "--api-key",
-            envvar="DISAGG_API_KEY",
-            help="Require this key (Authorization: Bearer KEY); shows in ps: prefer the env var.",
-        ),
-    ] = None,
-    api_key_file: Annotated[
-        Path | None,
-        typer.Option(
-            "--api-key-file",
-            help="Read the API keys from this file (0600; one per line, each a tenant).",
-        ),
-    ] = None,
-    header_timeout: Annotated[
-        float,
-        typer.Option("--header-timeout", help="Seconds a connection has to send its headers."),
-    ] = 10.0,
-    max_connections: Annotated[
-        int, typer.Option("--max-connections", help="Connections at once, in total.")
-    ] = 1024,
-    max_per_address: Annotated[
-        int, typer.Option("--max-per-address", help="Connections at once from one address.")
-    ] = 64,
-    workers: Annotated[
-        int | None,
-        typer.Option(
-            "--workers",
-            help="Requests run at once (default: the decode agents' max_batch, summed).",
-        ),
-    ] = None,
-    max_requests: Annotated[
-        int | None,
-        typer.Option(
-            "--max-requests",
-            help="Requests admitted at once, running or waiting for a worker (default: "
-            "2 x workers); more get 429 (OpenAI) / 503 (Ollama) with Retry-After.",
-        ),
-    ] = None,
-    drain_timeout: Annotated[
-        float,
-        typer.Option(
-            "--drain-timeout",
-            help="Seconds a first Ctrl-C (or SIGTERM) lets running requests finish; "
-            "a second Ctrl-C stops at once.",
-        ),
-    ] = 30.0,
+    api_key: ApiKey = None,
+    api_key_file: ApiKeyFile = None,
+    header_timeout: HeaderTimeout = 10.0,
+    first_byte_timeout: FirstByteTimeout = 5.0,
+    max_connections: MaxConnections = None,
+    max_per_address: MaxPerAddress = 64,
+    workers: WorkersOpt = None,
+    max_requests: MaxRequests = None,
+    max_requests_per_key: MaxRequestsPerKey = None,
+    drain_timeout: DrainTimeout = 30.0,
 ) -> None:
     """OpenAI- and Ollama-compatible gateway: /v1/... and /api/... on one port."""
     import signal
@@ -408,12 +438,14 @@ def serve(
 
     raise_nofile()  # before the local agents start: they inherit it
 
-    if decode_agents < 1:
-        raise UsageError(f"--decode-agents must be at least 1, got {decode_agents}")
-    for flag, value in (("--workers", workers), ("--max-requests", max_requests)):
-        if value is not None and value < 1:
-            raise UsageError(f"{flag} must be at least 1, got {value}")
-    key = _serve_keys(api_key, api_key_file, host)
+    _at_least_one(
+        ("--decode-agents", decode_agents),
+        ("--workers", workers),
+        ("--max-requests", max_requests),
+        ("--max-requests-per-key", max_requests_per_key),
+    )
+    keys = _serve_keys(api_key, api_key_file, host) or []
+    key = keys or None
     # SIGTERM (systemd, docker, kill) unwinds like Ctrl-C, so the local agents stop too;
     # uvicorn hands the signal back to this handler once it has shut down.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
@@ -425,9 +457,12 @@ def serve(
             f"(OpenAI: /v1, Ollama: /api){', API key required' if key else ''}"
         )
         err.print(f"web view: http://{host}:{port}/ui{'?key=KEY' if key else ''}")
-        limits = Limits(header_timeout, max_connections, max_per_address)
-        pool = Workers.for_router(client.router, workers, max_requests)
-        err.print(f"{pool.size} workers, at most {pool.limit} requests at once")
+        limits = Limits(header_timeout, max_connections, max_per_address, first_byte_timeout)
+        pool = Workers.for_router(
+            client.router, workers, max_requests, max_requests_per_key, keys=len(keys)
+        )
+        share = f", {pool.per_key} per key" if pool.per_key < pool.limit else ""
+        err.print(f"{pool.size} workers, at most {pool.limit} requests at once{share}")
         _log_to_stderr("disagg.requests", "disagg.agents")
         drain = Drain(lambda: pool.admitted, client.stop_now, client.router.cut_all, drain_timeout)
         with Supervisor(client) if local else contextlib.nullcontext():
@@ -435,6 +470,12 @@ def serve(
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _at_least_one(*flags: tuple[str, int | None]) -> None:
+    for flag, value in flags:
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be at least 1, got {value}")
 
 
 @app.command()

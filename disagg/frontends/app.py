@@ -38,9 +38,9 @@ def create_app(
     log = RequestLog(client.models())
     app.add_middleware(Guard, api_key=api_key, max_body=max_body)
     app.add_middleware(ListRefusals, log=log)  # outermost: sees the guard's 401s and 413s
-    pool = workers or Workers.for_router(client.router)
-    app.include_router(ollama_routes.routes(client, pool))
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    pool = workers or Workers.for_router(client.router, keys=len(keys))
+    app.include_router(ollama_routes.routes(client, pool))
     # /ui, /ui/api/..., /metrics; the web view's sign-in takes the first key.
     app.include_router(webview.routes(client, keys[0] if keys else None, log))
     app.include_router(openai_routes.routes(client, pool))

@@ -15,6 +15,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from disagg.frontends import tenancy
 from disagg.frontends.webview import auth as webauth
 
 MAX_BODY_BYTES = 4 << 20
@@ -41,8 +42,9 @@ def error_body(path: str, status: int, message: str, code: str) -> dict[str, Any
 # -- tenants -------------------------------------------------------------------
 # Each API key is a tenant. Routes read what the guard found in the request's
 # scope["state"]: the tenant's prefix-cache salt and whether it holds a key.
-TENANT = "disagg_tenant"  # the matching key's digest (None: the gateway wants no key)
+TENANT = tenancy.TENANT  # the matching key's digest (None: the gateway wants no key)
 SALT_KEY = "disagg_salt_key"
+OPERATOR = tenancy.OPERATOR  # True: the caller sees the whole fleet (tenancy.is_operator)
 INTERNALS_HEADER = b"x-disagg-internals"  # "1": a keyed caller asks for the metrics' internals
 
 
@@ -121,10 +123,15 @@ class Guard:
     def authorized(self, scope: Scope) -> bool:
         tenant = self.tenant(scope) if self.key_digests else None
         state = scope.setdefault("state", {})
-        state.update({TENANT: tenant, SALT_KEY: self.salt_key})
+        # The operator: the first key (or its web view cookie), or anyone when no key is wanted.
+        operator = not self.key_digests or (tenant is not None and tenant == self.key_digest)
+        state.update({TENANT: tenant, SALT_KEY: self.salt_key, OPERATOR: operator})
         if not self.key_digests or scope["path"] in OPEN_PATHS or tenant is not None:
             return True
-        return self.web_view(scope)
+        if self.web_view(scope):
+            state[OPERATOR] = not webauth.is_open_path(scope["path"])
+            return True
+        return False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -174,7 +181,11 @@ class Guard:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()  # later: http.disconnect when the client leaves
 
-        await self.app(scope, replay, send)
+        mark = tenancy.enter(scope["state"].get(TENANT))
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            tenancy.leave(mark)
 
 
 JSON_PATHS = ("/api/", "/v1/")

@@ -117,8 +117,10 @@ class GatewayMetrics:
         with self.lock:
             self.agents_up[(name, role, model)] = int(up)
 
-    def text(self) -> str:
-        """Prometheus text exposition format 0.0.4."""
+    def text(self, fleet: bool = True) -> str:
+        """Prometheus text exposition format 0.0.4; `fleet` False leaves out the
+        agents (their names are the operator's to see). No series carries prompt
+        text or a tenant: counts are the gateway's, summed over tenants."""
         out: list[str] = []
         with self.lock:
             for name, (_, _, help_) in HISTOGRAMS.items():
@@ -144,6 +146,8 @@ class GatewayMetrics:
                 f"{P}_in_flight{_labels((('model', m),))} {v}"
                 for m, v in sorted(self.in_flight.items())
             ]
+            if not fleet:
+                return "\n".join(out) + "\n"
             out += [f"# HELP {P}_agent_up {GAUGES['agent_up']}", f"# TYPE {P}_agent_up gauge"]
             out += [
                 f"{P}_agent_up{_labels((('agent', a), ('role', r), ('model', m)))} {v}"

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agents.wire.text import printable
+from disagg.frontends import tenancy
 from disagg.frontends.webview.prom import GatewayMetrics
 
 access = logging.getLogger("disagg.requests")  # `disagg serve` shows it on stderr
@@ -79,13 +80,16 @@ class Tracked:
     error: str | None = None
     outcome: str | None = None  # once ended: one of prom.OUTCOMES
     metrics: dict[str, Any] = field(default_factory=dict)
+    tenant: bytes | None = None  # whose request: its key's digest (tenancy)
 
-    def view(self, now: float) -> dict[str, Any]:
+    def view(self, now: float, fleet: bool = True) -> dict[str, Any]:
+        """The list's row; without `fleet` (a tenant's own view) no agent names
+        and no reasons (which may name agents or addresses)."""
         m = self.metrics
         state = "running" if self.ended_s is None else ("failed" if self.error else "done")
         if self.outcome == "refused":
             state = "refused"
-        return {
+        row = {
             "id": self.id,
             "model": self.model,
             "prompt": self.prompt,
@@ -108,6 +112,11 @@ class Tracked:
             "timeline": m.get("timeline"),
             "queue_time": m.get("queue_time"),
         }
+        if fleet:
+            row["tenant"] = tenancy.label(self.tenant)
+        else:
+            row.update(why=None, prefill_server=None, decode_server=None)
+        return row
 
 
 class RequestLog:
@@ -172,6 +181,7 @@ class RequestLog:
 
     def begin(self, model: str, request: Any) -> Tracked:
         t = Tracked(next(self.ids), model, prompt_of(request), time.time())
+        t.tenant = tenancy.current()
         with self.lock:
             self.running[t.id] = t
         self.metrics.begin(model)
@@ -189,12 +199,15 @@ class RequestLog:
         self.metrics.end(t.model, metrics, outcome)
         access.info("%s", access_line(t))
 
-    def snapshot(self) -> list[dict[str, Any]]:
-        """Newest first: running ones, then finished ones."""
+    def snapshot(self, tenant: bytes | None = None, everyone: bool = True) -> list[dict[str, Any]]:
+        """Newest first: running ones, then finished ones; every tenant's for the
+        operator (`everyone`), else `tenant`'s own only, without the fleet's names."""
         now = time.monotonic()
         with self.lock:
             items = list(self.running.values())[::-1] + list(self.done)[::-1]
-        return [t.view(now) for t in items]
+        if not everyone:
+            items = [t for t in items if t.tenant is not None and t.tenant == tenant]
+        return [t.view(now, fleet=everyone) for t in items]
 
     def finished_since(self, seconds: float) -> list[dict[str, Any]]:
         """Metrics of requests that ended in the last `seconds`."""
