@@ -188,8 +188,14 @@ class RequestLog:
         return t
 
     def end(
-        self, t: Tracked, metrics: dict[str, Any] | None, error: str | None, outcome: str
+        self,
+        t: Tracked,
+        metrics: dict[str, Any] | None,
+        error: str | None,
+        outcome: str | None = None,
     ) -> None:
+        if outcome is None:  # one of prom.OUTCOMES, from what it ended with
+            outcome = "error" if error else str((metrics or {}).get("finish_reason") or "stop")
         t.metrics = dict(metrics or {})
         t.error, t.outcome = error, outcome
         t.ended_s = round(time.monotonic() - t.t0, 4)
