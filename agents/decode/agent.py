@@ -215,10 +215,45 @@ def _tools(req: GenerateRequest) -> list[dict[str, Any]] | None:
     return None if req.tool_choice == "none" else req.tools
 
 
-def send_events(sock: socket.socket, tid: int | None, events: list[Any]) -> None:
+# What is known once the first token is out: a client that stops reading early (a stop
+# string matched, its caller left) still reports the prompt's side of the request.
+FIRST_METRICS = (
+    "prompt_tokens",
+    "cached_tokens",
+    "prefill_cached_tokens",
+    "method",
+    "prefill_server",
+    "decode_server",
+    "prefill_time",
+    "prefill_queue_time",
+    "kv_bytes",
+    "kv_transfer_time",
+    "weights",
+    "placement",
+    "placement_reason",
+    "fallback_reason",
+    "fallback_kind",
+)
+
+
+def first_metrics(metrics: dict[str, Any], at: float, t0: float, t_first: float) -> dict[str, Any]:
+    """The first TOKEN frame's `metrics`: the prompt's side, the agent's ttft, and the
+    timeline so far (`at`, first_token in seconds after it)."""
+    early = {k: metrics[k] for k in FIRST_METRICS if k in metrics}
+    early.update(ttft=t_first - t0, at=at, first_token=t_first - t0)
+    return early
+
+
+def send_events(
+    sock: socket.socket,
+    tid: int | None,
+    events: list[Any],
+    metrics: dict[str, Any] | None = None,
+) -> None:
     """TOKEN frames for what one token completed. The first carries the id (one
     per token, even when markup shows nothing); reasoning text is marked
-    `"channel": "reasoning"`; a finished tool call rides as `"tool_call"`."""
+    `"channel": "reasoning"`; a finished tool call rides as `"tool_call"`; the
+    request's first token carries `metrics` (`first_metrics`)."""
     frames: list[dict[str, Any]] = []
     for e in events:
         if isinstance(e, Piece):
@@ -237,6 +272,8 @@ def send_events(sock: socket.socket, tid: int | None, events: list[Any]) -> None
         frames.append(frame)
     if tid is not None and not frames:
         frames.append({"text": ""})
+    if metrics is not None and frames:
+        frames[0]["metrics"] = metrics
     for n, frame in enumerate(frames):
         send_json(sock, Frame.TOKEN, {"id": tid if n == 0 else None, **frame})
 
@@ -397,14 +434,14 @@ class DecodeAgent:
                 # PROGRESS while no token is due, if the client asked (agents/keepalive).
                 with Keepalive(sock, progress_interval(req), self.loop) as progress:
                     metrics = self._generate(GenerateRequest.from_dict(req), sock, progress)
-                outcome = "ok"
+                outcome = str((metrics or {}).get("finish_reason") or "stop")
             except (BadRequest, RequestError) as e:
                 outcome = "bad_request"
                 send_error(sock, "bad_request", str(e))
             except RemoteError as e:
                 send_error(sock, e.code, e.message)
             except OSError as e:
-                outcome = "client_gone"
+                outcome = "cancelled"
                 log.warning("client went away: %s", printable(e))
                 return
             except Exception as e:
@@ -700,7 +737,8 @@ class DecodeAgent:
 
         def emit(tid: int, lp: np.ndarray | None) -> None:
             out.append(tid)
-            send_events(sock, tid, chat.add(tid))
+            early = None if out[1:] else first_metrics(metrics, at, t0, t_first)
+            send_events(sock, tid, chat.add(tid), early)
             if lp is not None:
                 send_frame(sock, Frame.LOGPROBS, lp.tobytes())
 

@@ -201,7 +201,7 @@ class PrefillAgent:
             log.warning("%s: dropped: %s", peer, e)
             return False
         except OSError as e:
-            outcome = "client_gone"
+            outcome = "cancelled"
             log.warning("%s: connection lost during prefill: %s", peer, e)
             return False
         except Exception as e:

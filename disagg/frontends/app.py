@@ -23,6 +23,7 @@ from disagg.frontends.ollama.types import OllamaError
 from disagg.frontends.openai import routes as openai_routes
 from disagg.frontends.openai.types import OpenAIError
 from disagg.frontends.responses import routes as responses_routes
+from disagg.frontends.webview.tracker import RequestLog
 from disagg.frontends.workers import Workers
 
 
@@ -38,14 +39,16 @@ def create_app(
     `/health` wants one as a bearer token. Generation runs on `workers` (default:
     sized to the cluster's batch capacity), which refuses requests past its limit."""
     app = FastAPI(title="disagg gateway")
+    log = RequestLog(client.models())
     app.add_middleware(Guard, api_key=api_key, max_body=max_body)
+    app.add_middleware(ListRefusals, log=log)  # outermost: sees the guard's 401s and 413s
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     pool = workers or Workers.for_router(client.router, keys=len(keys))
     # Before Ollama's: its catch-all /api/{what} answers what it does not serve.
     app.include_router(embedding_routes.routes(client, pool))
     app.include_router(ollama_routes.routes(client, pool))
     # /ui, /ui/api/..., /metrics; the web view's sign-in takes the first key.
-    app.include_router(webview.routes(client, keys[0] if keys else None))
+    app.include_router(webview.routes(client, keys[0] if keys else None, log))
     app.include_router(openai_routes.routes(client, pool))
     app.include_router(anthropic_routes.routes(client, pool))
     app.include_router(responses_routes.routes(client, pool))
@@ -56,6 +59,28 @@ def create_app(
         return {"ok": True}
 
     return app
+
+
+class ListRefusals:
+    """ASGI middleware: requests answered 4xx (an unknown path or model, a bad body, no
+    key) are listed in the web view beside the ones that ran."""
+
+    def __init__(self, app: Any, log: RequestLog) -> None:
+        self.app = app
+        self.log = log
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or path.startswith("/ui") or path == "/metrics":
+            await self.app(scope, receive, send)
+            return
+
+        async def watch(message: Any) -> None:
+            if message["type"] == "http.response.start" and 400 <= message["status"] < 500:
+                self.log.refused(scope.get("method", "?"), path, message["status"])
+            await send(message)
+
+        await self.app(scope, receive, watch)
 
 
 def add_error_handlers(app: FastAPI) -> None:

@@ -193,6 +193,8 @@ class Guard:
             await _reply(send, path, 408, late, "request_timeout")
             return
         body = b"".join(pieces)
+        if body and path.startswith(JSON_PATHS):
+            json_whatever_the_type(scope)
         replayed = False
 
         async def replay() -> Message:
@@ -207,6 +209,16 @@ class Guard:
             await self.app(scope, replay, send)
         finally:
             tenancy.leave(mark)
+
+
+JSON_PATHS = ("/api/", "/v1/")
+
+
+def json_whatever_the_type(scope: Scope) -> None:
+    """Read the body as JSON whatever its content type, as Ollama does: `curl -d`
+    sends application/x-www-form-urlencoded, `requests.post(data=...)` none."""
+    headers = [(k, v) for k, v in scope.get("headers") or [] if k != b"content-type"]
+    scope["headers"] = [*headers, (b"content-type", b"application/json")]
 
 
 async def _reply(send: Send, path: str, status: int, message: str, code: str) -> None:

@@ -137,6 +137,7 @@ INTERNAL_NAMES = frozenset(
         "placement_reason",
         "codec_reason",
         "codec_probe",
+        "route",  # the router's pick names the decode agents
     }
 )
 
