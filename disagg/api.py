@@ -11,8 +11,11 @@ the last one done and holding the whole Completion (disagg.serving.completion).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import queue
+import shutil
+import subprocess
 import tempfile
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -47,6 +50,7 @@ class Client:
         self.router = router
         self.agents: list[AgentProc] = []
         self.model_dirs: dict[str, Path] = {}  # local pipelines: name -> model dir
+        self.temp_dirs: list[Path] = []  # local agents' token and log dirs, removed on close
 
     @classmethod
     def local(
@@ -75,14 +79,18 @@ class Client:
             path = resolve_model(m, say)
             dirs[path.name] = path
         pipelines, agents = [], []
-        # One cluster: every local agent shares one fresh token.
-        token_file, token = make_token_file(Path(tempfile.mkdtemp(prefix="disagg-local-")))
+        # One cluster: every local agent shares one fresh token. Its dir and the
+        # agents' log dirs go when the client closes.
+        temp_dirs = [Path(tempfile.mkdtemp(prefix="disagg-local-"))]
+        token_file, token = make_token_file(temp_dirs[0])
         try:
             for name, path in dirs.items():
+                temp_dirs.append(Path(tempfile.mkdtemp(prefix="disagg-logs-")))
                 prefill, decodes = start_local_agents(
                     path,
                     n_decode=n_decode,
                     dtype=dtype,
+                    log_dir=temp_dirs[-1],
                     token_file=token_file,
                     prefill_model_dir=prefill_dir,
                     decode_args=["--allow-mixed"] if allow_mixed else [],
@@ -101,16 +109,33 @@ class Client:
         except BaseException:
             for agent in agents:
                 agent.stop()
+            _remove(temp_dirs)
             raise
         client = cls(router=Router(pipelines, token=token))
         client.agents = agents
         client.model_dirs = dirs
+        client.temp_dirs = temp_dirs
         return client
 
     def close(self) -> None:
         for agent in reversed(self.agents):
             agent.stop()
         self.agents = []
+        _remove(self.temp_dirs)
+        self.temp_dirs = []
+
+    def stop_now(self) -> None:
+        """Kill the local agents without waiting for them to drain; remove temp files."""
+        for agent in self.agents:
+            agent._stopped = True  # on purpose: nobody restarts it
+            with contextlib.suppress(OSError):
+                agent.proc.kill()
+        for agent in self.agents:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                agent.proc.wait(5)
+        self.agents = []
+        _remove(self.temp_dirs)
+        self.temp_dirs = []
 
     def __enter__(self) -> Client:
         return self
@@ -161,7 +186,7 @@ class Client:
         def on_token(tok: TokenEvent) -> None:
             nonlocal count
             if cancel is not None and cancel.is_set():
-                raise StopGeneration
+                raise StopGeneration("cancelled")
             count += tok.id is not None
             if tok.is_reasoning:
                 if tok.text:
@@ -176,9 +201,11 @@ class Client:
 
         try:
             result = self.router.run(model, req, on_token=on_token, deadline_s=deadline_s)
-        except StopGeneration:
-            m = Metrics(completion_tokens=count)
-            return Completion(matcher.text, [], m, "stop", model, "".join(reasoning))
+        except StopGeneration as e:  # a stop string matched, or the caller left
+            m = e.metrics or Metrics(completion_tokens=count, finish_reason=e.reason)
+            done = Completion(matcher.text, [], m, e.reason, model, "".join(reasoning))
+            done.stop_sequence = matcher.matched
+            return done
         tail = matcher.flush()
         if tail:
             emit(Chunk(tail))
@@ -203,7 +230,7 @@ class Client:
 
         def emit(chunk: Chunk) -> None:
             if cancelled.is_set():
-                raise StopGeneration  # the consumer went away: stop decoding
+                raise StopGeneration("cancelled")  # the consumer went away: stop decoding
             put(chunk)
 
         try:
@@ -276,6 +303,11 @@ class Client:
         else:
             executor.submit(work)
         return _drain(chunks, cancelled)
+
+
+def _remove(dirs: list[Path]) -> None:
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _request_from(request: GenerateRequest | None, fields: dict[str, Any]) -> GenerateRequest:

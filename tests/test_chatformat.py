@@ -579,3 +579,16 @@ def test_request_chat_fields() -> None:
         with pytest.raises(RequestError, match=message) as e:
             GenerateRequest.from_dict(d)
         assert e.value.field == field
+
+
+def test_an_emoji_cut_by_max_tokens_leaves_no_replacement_char(toks: dict[str, Any]) -> None:
+    tok = toks["qwen3"]
+    ids = tok.encode("Hi 🙂", add_special_tokens=False)
+    whole = tok.decode(ids)
+    cut = next(n for n in range(len(ids), 0, -1) if "\ufffd" in tok.decode(ids[:n]))
+    assert whole.endswith("🙂") and cut < len(ids)
+    stream = open_stream(detect(tok), tok, [], chat=False, detokenizer=BPEStreamingDetokenizer(tok))
+    for tid in ids[:cut]:  # max_tokens ends it inside the emoji's bytes
+        stream.add(tid)
+    stream.finish()
+    assert stream.result()["text"] == "Hi ", stream.result()  # no "\ufffd" at the end

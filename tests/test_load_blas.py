@@ -241,10 +241,12 @@ def test_local_agents_split_the_cores_unless_the_user_chose() -> None:
 
     half = str(max(1, (os.cpu_count() or 2) // 2))
     assert (BLAS_SHARED_ENV, TORCH_SHARED_ENV) == (ENV, TORCH_ENV)
-    assert thread_share("decode", {}) == {ENV: half}
-    assert thread_share("decode", {"OPENBLAS_NUM_THREADS": "4"}) == {}
-    assert thread_share("prefill", {}) == {TORCH_ENV: half}
-    assert thread_share("prefill", {"OMP_NUM_THREADS": "4"}) == {}
+    passive = {"OMP_WAIT_POLICY": "PASSIVE"}  # OpenMP threads sleep, not spin, at barriers
+    assert thread_share("decode", {}) == {ENV: half, **passive}
+    assert thread_share("decode", {"OPENBLAS_NUM_THREADS": "4"}) == passive
+    assert thread_share("prefill", {}) == {TORCH_ENV: half, **passive}
+    assert thread_share("prefill", {"OMP_NUM_THREADS": "4"}) == passive
+    assert thread_share("prefill", {"OMP_WAIT_POLICY": "ACTIVE"}) == {TORCH_ENV: half}
 
 
 def test_blas_threads_follow_the_prefills() -> None:

@@ -71,15 +71,15 @@ def test_prometheus_text_parses_and_counts_what_happened() -> None:
     )
     assert sample(before, "disagg_gateway_ttft_seconds", "disagg_gateway_ttft_seconds_count") == 0
     m.begin("m1")
-    m.end("m1", RESULT, ok=True)
+    m.end("m1", RESULT, "stop")
     m.begin("m1")
     m.end(
         "m1",
         {**RESULT, "method": "local-fallback", "fallback_kind": "unreachable", "cached_tokens": 0},
-        ok=True,
+        "length",
     )
     m.begin("m1")
-    m.end("m1", None, ok=False)
+    m.end("m1", None, "error")
     m.agent("decode@x", "decode", "m1", up=False)
     f = families(m.text())
     assert (

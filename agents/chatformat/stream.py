@@ -59,12 +59,14 @@ class ChatStream:
 
     def finish(self, cut: bool = False) -> list[Event]:
         """The answer has ended; cut: by max_tokens (a call still open is dropped)."""
-        return self._keep(self._flush() + self.parser.finish(cut))
+        return self._keep(self._flush(last=True) + self.parser.finish(cut))
 
-    def _flush(self) -> list[Event]:
+    def _flush(self, last: bool = False) -> list[Event]:
         self.detok.finalize()
         tail = self.detok.last_segment
         self.detok.reset()
+        if last:  # max_tokens cut a character's bytes short (an emoji): drop them, not "\ufffd"
+            tail = tail.rstrip("\ufffd")
         return self.parser.text(tail) if tail else []
 
     def _keep(self, events: list[Event]) -> list[Event]:

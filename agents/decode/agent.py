@@ -157,7 +157,9 @@ class DecodeEngine:
                 assert req.prompt is not None  # GenerateRequest checked it
                 return list(tok.encode(req.prompt))
             messages = req.messages or [{"role": "user", "content": req.prompt}]
-            forced = req.tool_choice not in (None, "auto", "none")
+            # A Lark-grammar answer is a forced custom tool's input: its tools are context.
+            lark = (req.response_format or {}).get("type") == "lark"
+            forced = req.tool_choice not in (None, "auto", "none") or lark
             return render_chat(
                 tok,
                 self.chat,
@@ -217,10 +219,43 @@ def _tools(req: GenerateRequest) -> list[dict[str, Any]] | None:
     return None if req.tool_choice == "none" else req.tools
 
 
-def token_events(tid: int | None, events: list[Piece | ToolCall]) -> list[TokenEvent]:
+# What is known once the first token is out: a client that stops reading early (a stop
+# string matched, its caller left) still reports the prompt's side of the request.
+FIRST_METRICS = (
+    "prompt_tokens",
+    "cached_tokens",
+    "prefill_cached_tokens",
+    "method",
+    "prefill_server",
+    "decode_server",
+    "prefill_time",
+    "prefill_queue_time",
+    "kv_bytes",
+    "kv_transfer_time",
+    "weights",
+    "placement",
+    "placement_reason",
+    "fallback_reason",
+    "fallback_kind",
+)
+
+
+def first_metrics(metrics: Metrics, at: float, t0: float, t_first: float) -> Metrics:
+    """The first TOKEN frame's `metrics`: the prompt's side, the agent's ttft, and the
+    timeline so far (`at`, first_token in seconds after it)."""
+    early = Metrics.from_json({k: metrics[k] for k in FIRST_METRICS if k in metrics})
+    early.ttft = t_first - t0
+    early.timeline = {"at": at, "first_token": t_first - t0}
+    return early
+
+
+def token_events(
+    tid: int | None, events: list[Piece | ToolCall], metrics: Metrics | None = None
+) -> list[TokenEvent]:
     """What one token completed, as TOKEN frames: the first carries the id (one per
-    token, even when markup shows nothing); text on one channel rides in one frame;
-    a finished tool call rides alone."""
+    token, even when markup shows nothing) and on the request's first token its
+    `metrics` (first_metrics); text on one channel rides in one frame; a finished
+    tool call rides alone."""
     out: list[TokenEvent] = []
     for e in events:
         if isinstance(e, Piece):
@@ -234,12 +269,19 @@ def token_events(tid: int | None, events: list[Piece | ToolCall]) -> list[TokenE
             out.append(TokenEvent(tool_call=e.to_dict()))
     if tid is not None:
         out[:1] = [dataclasses.replace(out[0] if out else TokenEvent(), id=tid)]
+    if metrics is not None and out:
+        out[0] = dataclasses.replace(out[0], metrics=metrics)
     return out
 
 
-def send_events(sock: socket.socket, tid: int | None, events: list[Piece | ToolCall]) -> None:
+def send_events(
+    sock: socket.socket,
+    tid: int | None,
+    events: list[Piece | ToolCall],
+    metrics: Metrics | None = None,
+) -> None:
     """The TOKEN frames for what one token completed (token_events)."""
-    for event in token_events(tid, events):
+    for event in token_events(tid, events, metrics):
         send_json(sock, Frame.TOKEN, event.to_json())
 
 
@@ -411,14 +453,14 @@ class DecodeAgent:
                 # PROGRESS while no token is due, if the client asked (agents.decode.keepalive).
                 with Keepalive(sock, progress_interval(request), self.loop) as progress:
                     metrics = self._generate(request, sock, progress)
-                outcome = "ok"
+                outcome = str(metrics.finish_reason or "stop")
             except (BadRequest, RequestError) as e:
                 outcome = "bad_request"
                 send_error(sock, "bad_request", str(e))
             except RemoteError as e:
                 send_error(sock, e.code, e.message)
             except OSError as e:
-                outcome = "client_gone"
+                outcome = "cancelled"
                 log.warning("client went away: %s", printable(e))
                 return
             except Exception as e:
@@ -734,8 +776,10 @@ class DecodeAgent:
         # decoding stops writing them (agents.decode.prefixstore), pending from before
         # the first token goes out: a request that follows it finds them.
         stores = self._stores(hits, prefilled.caches, len(ids))
+        early = first_metrics(metrics, at, t0, t_first)
+        caches = prefilled.caches
         out, seq = self._decode(
-            req, sock, progress, chat, prefilled.caches, stores, first, sampler, max_tokens, matcher
+            req, sock, progress, chat, caches, stores, first, sampler, max_tokens, matcher, early
         )
         send_events(sock, None, chat.finish(cut=len(out) >= max_tokens))  # cut: no open call
         t_end = time.perf_counter()
@@ -780,10 +824,12 @@ class DecodeAgent:
         sampler: Sampler | None,
         max_tokens: int,
         matcher: Matcher | None,
+        early: Metrics,
     ) -> tuple[list[int], Seq | None]:
         """The answer from its first token on, sent as TOKEN (and LOGPROBS) frames as
-        the tokens come: the rest decoded in the loop's shared batch. Returns the
-        tokens sent and the batch row (None: the answer ended with its first token)."""
+        the tokens come (the first with `early`, first_metrics): the rest decoded in
+        the loop's shared batch. Returns the tokens sent and the batch row (None: the
+        answer ended with its first token)."""
         eos = self.engine.stops(req)
         if matcher is not None:
             matcher.consume(first[0])
@@ -792,7 +838,7 @@ class DecodeAgent:
 
         def emit(tid: int, lp: np.ndarray | None) -> None:
             out.append(tid)
-            send_events(sock, tid, chat.add(tid))
+            send_events(sock, tid, chat.add(tid), None if out[1:] else early)
             if lp is not None:
                 send_frame(sock, Frame.LOGPROBS, lp.tobytes())
 

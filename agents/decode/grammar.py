@@ -291,6 +291,9 @@ class Grammars:
         if forced:
             lark = grammarfmt.tool_call_lark(forced, kind, analysis_max_tokens)
             field = "tool_choice"
+        elif response_format is not None and response_format.get("type") == "lark":
+            lark = str(response_format["grammar"])
+            return self._lark(lark, kind, trigger, analysis_max_tokens, opener, gone)
         elif response_format is not None and response_format.get("type") != "text":
             schema = json_schema_of(response_format)
             if kind == "harmony":
@@ -317,6 +320,24 @@ class Grammars:
         # harmony's grammar covers the reasoning itself; others start at the trigger
         trigger = trigger if kind != "harmony" else None
         return Matcher(m.deep_copy(), self.eos, trigger, analysis_max_tokens, opener)
+
+    def _lark(
+        self,
+        lark: str,
+        kind: str,
+        trigger: list[int] | None,
+        budget: int,
+        opener: int | None,
+        gone: Callable[[], bool] | None,
+    ) -> Matcher:
+        """A caller's Lark grammar for the answer (harmony: its final message)."""
+        from agents.decode import grammarformats as grammarfmt
+
+        grammar = grammarfmt.lark_answer(lark, kind, budget)
+        key = "grammar:" + kind + ":" + grammar
+        m = self.compile(key, lambda: grammar, "response_format", gone)
+        trigger = trigger if kind != "harmony" else None
+        return Matcher(m.deep_copy(), self.eos, trigger, budget, opener)
 
     # -- masks for a batch -------------------------------------------------------
 

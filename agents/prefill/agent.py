@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from agents.prefill.embed import Embedder
 from agents.prefill.engine import PrefillEngine
 from agents.prefill.prefixcache import PrefillPrefix
 from agents.prefill.sender import KV_BUFFER_MB, KV_STALL_S, LayerSender, PeerStalled
@@ -69,6 +70,7 @@ class PrefillAgent:
         namespace = f"torch:{engine.device}:{engine.dtype}"
         self.prefix = PrefillPrefix(int(mb * (1 << 20)), engine.kinds, namespace)
         self.stats.extra.append(lambda: self.prefix.cache.prometheus("prefill"))
+        self.embedder = Embedder(engine)  # EMBED frames (agents.prefill.embed)
 
     def status(self) -> dict[str, Any]:
         return {
@@ -103,6 +105,11 @@ class PrefillAgent:
         except (ProtocolError, RemoteError, OSError) as e:
             log.warning("%s: bad hello: %s", peer, printable(e))
             send_error(sock, "protocol", str(e))
+            return
+        if hello.get("role") == "embed":  # embeddings: no K/V leaves, no fingerprint
+            info = {"server": self.name, "model": self.engine.model_dir}
+            send_json(sock, Frame.HELLO_OK, {**info, "pooling": self.embedder.pooling})
+            self.embedder.serve(sock, self.max_request_bytes)
             return
         ours = self.engine.fingerprint
         diffs = fingerprint_mismatch(ours, hello.get("fingerprint") or {})
@@ -194,7 +201,7 @@ class PrefillAgent:
             log.warning("%s: dropped: %s", peer, e)
             return False
         except OSError as e:
-            outcome = "client_gone"
+            outcome = "cancelled"
             log.warning("%s: connection lost during prefill: %s", peer, e)
             return False
         except Exception as e:

@@ -29,13 +29,16 @@ class TokenEvent:
     markup shows nothing), None on the events that follow it (one token can finish
     text on two channels, or text and a tool call). `text`: visible text on
     `channel` (CONTENT or REASONING). `tool_call`: a finished call, {"name",
-    "arguments": {...}}; its text is empty.
+    "arguments": {...}}; its text is empty. `metrics`: on a request's first token
+    only, what is known by then (the prompt's side, the agent's ttft, and the
+    timeline's `at` and `first_token`), for a client that stops reading before DONE.
     """
 
     id: int | None = None
     text: str = ""
     channel: str = CONTENT
     tool_call: dict[str, Any] | None = None
+    metrics: Metrics | None = None
 
     @property
     def is_reasoning(self) -> bool:
@@ -48,6 +51,10 @@ class TokenEvent:
             out["channel"] = self.channel
         if self.tool_call is not None:
             out["tool_call"] = self.tool_call
+        if self.metrics is not None:
+            early = self.metrics.to_json()
+            early.update(early.pop("timeline", None) or {})  # at, first_token: flat
+            out["metrics"] = early
         return out
 
     @classmethod
@@ -61,7 +68,16 @@ class TokenEvent:
             raise ProtocolError("TOKEN frame: text and channel must be text")
         if call is not None and not (isinstance(call, dict) and isinstance(call.get("name"), str)):
             raise ProtocolError("TOKEN frame: tool_call must be {name, arguments}")
-        return cls(tid, text, channel, call)
+        sent, metrics = d.get("metrics"), None
+        if isinstance(sent, Mapping):
+            metrics = Metrics.from_json({k: v for k, v in sent.items() if k not in EARLY_MARKS})
+            marks = {k: sent[k] for k in EARLY_MARKS if k in sent}
+            metrics.timeline = marks or None
+        return cls(tid, text, channel, call, metrics)
+
+
+# The first TOKEN's timeline entries, sent flat beside its metrics.
+EARLY_MARKS = ("at", "first_token")
 
 
 @dataclass

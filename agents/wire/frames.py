@@ -67,6 +67,10 @@ class Frame(enum.IntEnum):
     # decode -> client, only when the GENERATE asked for it (its progress_s): "still
     # working" while no token is due, {"phase": "queued"|"prefill"|"decode", ...}.
     PROGRESS = 15
+    # client -> prefill agent, after a HELLO with role "embed": {"input": [text],
+    # "truncate": bool, "max_tokens": int | None}; one forward, no K/V sent.
+    EMBED = 16
+    EMBEDDING = 17  # prefill -> client: {"embeddings": [[float]], "prompt_tokens", "pooling"}
 
 
 class ProtocolError(Exception):

@@ -33,6 +33,7 @@ KV_QUANTS = (None, "int8")
 CODECS = (0, 1, 2, "auto")  # raw, zstd, shuffle+zstd, or chosen per link
 WIRE_CODECS = (0, 1, 2)  # what a PREFILL may ask for: "auto" is resolved before
 TOOLS_MAX = 128  # function definitions per request
+GRAMMAR_MAX_CHARS = 65536  # a Lark response_format (a custom tool's grammar), as text
 TOOL_CHOICES = ("auto", "none", "required")
 THINK_LEVELS = ("low", "medium", "high")
 # OpenAI's rule for function names, plus dots (MCP servers name tools a.b).
@@ -122,7 +123,8 @@ class GenerateRequest:
     think: bool | str | None = None  # None: the template's default; or low, medium, high
     suffix: str | None = None  # the text after the middle the model writes (FIM)
     # Constrained output: None (text), {"type": "json_object"} or
-    # {"type": "json_schema", "schema": {...}, "strict": bool}; see normalize_format().
+    # {"type": "json_schema", "schema": {...}, "strict": bool} or {"type": "lark",
+    # "grammar": "..."}; see normalize_format().
     response_format: dict[str, Any] | None = None
     # Mixed into the prefix cache's first block key on both agents: only requests
     # with the same salt share cached K/V (the gateway sets one per API key).
@@ -164,10 +166,12 @@ class GenerateRequest:
         - OpenAI's `response_format`: {"type": "text"}, {"type": "json_object"}, or
           {"type": "json_schema", "json_schema": {"name", "schema", "strict"}};
         - Ollama's `format`: "", "json", or a JSON Schema;
+        - a Lark grammar (the Responses API's custom tools): {"type": "grammar",
+          "syntax": "lark", "definition": ...};
         - the wire's own form (below), unchanged.
 
-        Returns None (free text), {"type": "json_object"}, or {"type": "json_schema",
-        "schema": {...}, "strict": bool}.
+        Returns None (free text), {"type": "json_object"}, {"type": "json_schema",
+        "schema": {...}, "strict": bool} or {"type": "lark", "grammar": "..."}.
 
         `strict`: a bare schema (Ollama's `format`, the CLI's file) is strict, True:
         Ollama compiles `format` into a grammar its sampler must follow, so its
@@ -199,11 +203,16 @@ class GenerateRequest:
                 )
             strict = inner.get("strict", raw.get("strict", False)) is True
             return {"type": "json_schema", "schema": dict(inner["schema"]), "strict": strict}
+        if kind in ("lark", "grammar"):  # the whole answer follows a Lark grammar
+            text = raw.get("grammar", raw.get("definition"))
+            if raw.get("syntax", "lark") != "lark" or not isinstance(text, str) or not text.strip():
+                raise RequestError("response_format", "a grammar response_format needs Lark text")
+            return {"type": "lark", "grammar": text}
         if isinstance(kind, str) and kind not in JSON_TYPES:
             raise RequestError(
                 "response_format",
-                f"response_format type {kind!r}: use text, json_object or json_schema "
-                "(or give a JSON Schema)",
+                f"response_format type {kind!r}: use text, json_object, json_schema or "
+                "grammar (or give a JSON Schema)",
             )
         return {"type": "json_schema", "schema": dict(raw), "strict": True}  # a bare schema
 
@@ -295,6 +304,12 @@ def check(r: GenerateRequest) -> None:
     rf = r.response_format
     if rf is not None and GenerateRequest.normalize_format(rf) != rf:
         raise RequestError("response_format", "response_format must be normalized")
+    grammar = (r.response_format or {}).get("grammar")
+    if isinstance(grammar, str) and len(grammar) > GRAMMAR_MAX_CHARS:
+        raise RequestError(
+            "response_format",
+            f"the grammar is {len(grammar)} characters; at most {GRAMMAR_MAX_CHARS}",
+        )
     _check_chat_fields(r)
     _check_schema_sizes(r)
     check_cache_salt(r.cache_salt)

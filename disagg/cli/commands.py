@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Annotated, Any
@@ -28,6 +29,65 @@ from disagg.cli.common import (
 from disagg.errors import UsageError
 
 
+def _serve_keys(api_key: str | None, api_key_file: Path | None, host: str) -> list[str] | None:
+    """serve's API keys, with a warning where they show in ps or where none guards a
+    public address."""
+    import sys
+
+    from disagg.frontends.keys import api_keys
+
+    on_command_line = any(a == "--api-key" or a.startswith("--api-key=") for a in sys.argv)
+    if api_key is not None and on_command_line:
+        err.print(
+            "[yellow]warning:[/] --api-key on the command line shows in ps to every "
+            "user of this machine: use --api-key-file (chmod 600) or DISAGG_API_KEY",
+            soft_wrap=True,
+        )
+    keys = api_keys(api_key, api_key_file) or None
+    if keys is None and host not in LOOPBACK:
+        err.print(
+            f"[yellow]warning:[/] serving on {host} without an API key: anyone who reaches "
+            "this port can use the models (add --api-key-file or DISAGG_API_KEY)",
+            soft_wrap=True,
+        )
+    return keys
+
+
+def _log_to_stderr(*names: str) -> None:
+    """These loggers' lines on stderr, timestamped (serve's request and agent lines)."""
+    import logging
+    import sys
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+    for name in names:
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def _check_think(local: bool, models: list[str | None], think: bool | str | None) -> None:
+    """--think on a local model that does not reason apart: refused before any agent
+    starts (a fleet's agents refuse it themselves, at once)."""
+    if not local or think in (None, False):
+        return
+    from disagg.serving.defaultmodel import resolve_model
+    from disagg.serving.preflight import reasons_apart
+
+    for m in models:
+        path = resolve_model(m, say)
+        if reasons_apart(path) is False:
+            raise UsageError(
+                f"--think {think if isinstance(think, str) else 'on'}: {path.name} does not "
+                "reason apart (its chat template has no <think> or harmony channels); "
+                "leave --think out or set it to off"
+            )
+
+
 def _open_client(
     local: bool,
     models: list[str | None],
@@ -39,6 +99,8 @@ def _open_client(
 ) -> Any:
     from disagg.api import Client
 
+    if dtype not in DTYPES:  # the agents' own argparse would say it after they start
+        raise UsageError(f"--dtype {dtype}: use {', '.join(DTYPES)}")
     if (prefill_model or allow_mixed) and not local:
         raise UsageError(
             "--prefill-model and --allow-mixed go with --local; "
@@ -145,6 +207,7 @@ def generate(
         raise UsageError('give a prompt, e.g. disagg generate --local "Hi", or --batch FILE')
     request = build_request(prompt=prompt, **opts) if prompt is not None else None
     models: list[str | None] = list(model) if model else [None]
+    _check_think(local, models, opts.get("think"))
     with _open_client(
         local, models, inventory, dtype, prefill_model=prefill_model, allow_mixed=allow_mixed
     ) as client:
@@ -184,9 +247,15 @@ def _response_format(value: str) -> dict[str, Any] | None:
             why = f"not valid JSON ({e.msg} at line {e.lineno})"
             raise UsageError(f"--format {value}: {why}") from None
     try:
-        return GenerateRequest.normalize_format(raw)
+        rf = GenerateRequest.normalize_format(raw)
     except RequestError as e:
         raise UsageError(f"--format {value}: {e}", param=e.field) from None
+    from disagg.serving.preflight import schema_error
+
+    problem = schema_error(rf) if rf is not None and rf["type"] == "json_schema" else None
+    if problem:
+        raise UsageError(f"--format {value}: {problem}")
+    return rf
 
 
 def _run_one(client: Any, name: str, request: Any, as_json: bool, hide_reasoning: bool) -> None:
@@ -226,7 +295,8 @@ def _run_one(client: Any, name: str, request: Any, as_json: bool, hide_reasoning
     out.print()
     if c.tool_calls:
         out.print(tool_calls_table(c.tool_calls))
-    out.print(metrics_table(c.metrics, title=f"metrics: {name}"))
+    # stderr: `> answer.txt` keeps the answer alone
+    err.print(metrics_table(c.metrics, title=f"metrics: {name}"))
 
 
 def _run_many(
@@ -328,6 +398,14 @@ MaxRequestsPerKey = Annotated[
         help="Of those, what one API key may hold (default: half, with two keys or more).",
     ),
 ]
+DrainTimeout = Annotated[
+    float,
+    typer.Option(
+        "--drain-timeout",
+        help="Seconds a first Ctrl-C (or SIGTERM) lets running requests finish; "
+        "a second Ctrl-C stops at once.",
+    ),
+]
 
 
 @app.command()
@@ -351,16 +429,18 @@ def serve(
     workers: WorkersOpt = None,
     max_requests: MaxRequests = None,
     max_requests_per_key: MaxRequestsPerKey = None,
+    drain_timeout: DrainTimeout = 30.0,
 ) -> None:
     """OpenAI- and Ollama-compatible gateway: /v1/... and /api/... on one port."""
     import signal
     import sys
 
     from disagg.frontends.app import create_app
-    from disagg.frontends.keys import api_keys
     from disagg.frontends.limits import Limits, raise_nofile
     from disagg.frontends.limits import serve as serve_app
+    from disagg.frontends.shutdown import Drain
     from disagg.frontends.workers import Workers
+    from disagg.serving.supervise import Supervisor
 
     raise_nofile()  # before the local agents start: they inherit it
 
@@ -370,21 +450,8 @@ def serve(
         ("--max-requests", max_requests),
         ("--max-requests-per-key", max_requests_per_key),
     )
-    on_command_line = any(a == "--api-key" or a.startswith("--api-key=") for a in sys.argv)
-    if api_key is not None and on_command_line:
-        err.print(
-            "[yellow]warning:[/] --api-key on the command line shows in ps to every "
-            "user of this machine: use --api-key-file (chmod 600) or DISAGG_API_KEY",
-            soft_wrap=True,
-        )
-    keys = api_keys(api_key, api_key_file)
+    keys = _serve_keys(api_key, api_key_file, host) or []
     key = keys or None
-    if key is None and host not in LOOPBACK:
-        err.print(
-            f"[yellow]warning:[/] serving on {host} without an API key: anyone who reaches "
-            "this port can use the models (add --api-key-file or DISAGG_API_KEY)",
-            soft_wrap=True,
-        )
     # SIGTERM (systemd, docker, kill) unwinds like Ctrl-C, so the local agents stop too;
     # uvicorn hands the signal back to this handler once it has shut down.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
@@ -402,7 +469,10 @@ def serve(
         )
         share = f", {pool.per_key} per key" if pool.per_key < pool.limit else ""
         err.print(f"{pool.size} workers, at most {pool.limit} requests at once{share}")
-        serve_app(create_app(client, api_key=key, workers=pool), host, port, limits)
+        _log_to_stderr("disagg.requests", "disagg.agents")
+        drain = Drain(lambda: pool.admitted, client.stop_now, client.router.cut_all, drain_timeout)
+        with Supervisor(client) if local else contextlib.nullcontext():
+            serve_app(create_app(client, api_key=key, workers=pool), host, port, limits, drain)
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")

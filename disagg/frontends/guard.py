@@ -31,12 +31,32 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 def error_body(path: str, status: int, message: str, code: str) -> dict[str, Any]:
-    """The error in the shape of the API the path belongs to: OpenAI under /v1,
-    Ollama's `{"error": "..."}` elsewhere."""
+    """The error in the shape of the API the path belongs to: Anthropic's under
+    /v1/messages, OpenAI's elsewhere under /v1, Ollama's `{"error": "..."}` elsewhere."""
+    if path.startswith("/v1/messages"):
+        return anthropic_error_body(status, message)
     if path.startswith("/v1"):
         kind = "invalid_request_error" if status < 500 else "server_error"
         return {"error": {"message": message, "type": kind, "param": None, "code": code}}
     return {"error": message}
+
+
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error shape: `{"type": "error", "error": {"type", "message"}}`."""
+    fallback = "invalid_request_error" if status < 500 else "api_error"
+    kind = ANTHROPIC_ERROR_TYPES.get(status, fallback)
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 # -- tenants -------------------------------------------------------------------
@@ -75,7 +95,7 @@ def wants_internals(request: Request) -> bool:
 
 
 class Guard:
-    """ASGI middleware: the API keys (`Authorization: Bearer KEY`, compared in
+    """ASGI middleware: the API keys (`Authorization: Bearer KEY` or `x-api-key: KEY`, compared in
     constant time; each key a tenant) and the body cap, before any route sees
     the request."""
 
@@ -102,7 +122,10 @@ class Guard:
         auth = headers.get(b"authorization", b"").decode("latin-1").strip()
         scheme, _, given = auth.partition(" ")
         if scheme.lower() != "bearer":
-            return None
+            # Anthropic's clients send the key as x-api-key.
+            given = headers.get(b"x-api-key", b"").decode("latin-1")
+            if not given.strip():
+                return None
         # Digests: equal lengths, so the compare leaks nothing about the key.
         digest = hashlib.sha256(given.strip().encode()).digest()
         found = None
@@ -170,6 +193,8 @@ class Guard:
             await _reply(send, path, 408, late, "request_timeout")
             return
         body = b"".join(pieces)
+        if body and path.startswith(JSON_PATHS):
+            json_whatever_the_type(scope)
         replayed = False
 
         async def replay() -> Message:
@@ -184,6 +209,16 @@ class Guard:
             await self.app(scope, replay, send)
         finally:
             tenancy.leave(mark)
+
+
+JSON_PATHS = ("/api/", "/v1/")
+
+
+def json_whatever_the_type(scope: Scope) -> None:
+    """Read the body as JSON whatever its content type, as Ollama does: `curl -d`
+    sends application/x-www-form-urlencoded, `requests.post(data=...)` none."""
+    headers = [(k, v) for k, v in scope.get("headers") or [] if k != b"content-type"]
+    scope["headers"] = [*headers, (b"content-type", b"application/json")]
 
 
 async def _reply(send: Send, path: str, status: int, message: str, code: str) -> None:

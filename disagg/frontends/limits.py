@@ -27,6 +27,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from agents.runtime.server import peer_key
+from disagg.frontends.shutdown import Drain, DrainingServer
 
 HEADER_TIMEOUT_S = 10.0  # from connect (or the last response) to a request's full headers
 FIRST_BYTE_TIMEOUT_S = 5.0  # from connect to its first byte (shorter: a silent socket goes first)
@@ -265,8 +266,11 @@ class OncePer(logging.Filter):
         return True
 
 
-def serve(app: Any, host: str, port: int, limits: Limits | None = None) -> None:
-    """Run `app` with uvicorn under these limits until a signal stops it."""
+def serve(
+    app: Any, host: str, port: int, limits: Limits | None = None, drain: Drain | None = None
+) -> None:
+    """Run `app` with uvicorn under these limits until a signal stops it (`drain`:
+    how, disagg.frontends.shutdown)."""
     limits = limits or Limits()
     nofile = raise_nofile()
     cap = connection_cap(limits, nofile)
@@ -283,4 +287,4 @@ def serve(app: Any, host: str, port: int, limits: Limits | None = None) -> None:
         http=limited_protocol(limits, admission),
         backlog=min(2048, cap),
     )
-    uvicorn.Server(config).run()
+    (DrainingServer(config, drain) if drain is not None else uvicorn.Server(config)).run()

@@ -24,12 +24,15 @@ class Completion:
     text: str  # the answer: never the model's reasoning nor its tool-call markup
     token_ids: list[int]
     metrics: Metrics
-    finish_reason: str = "stop"  # "stop" (EOS or a stop sequence), "length", or "tool_calls"
+    # "stop" (EOS or a stop sequence), "length", "tool_calls", or "cancelled" (the
+    # caller left: `cancel` was set)
+    finish_reason: str = "stop"
     model: str = ""  # the pipeline that answered ("" from the bare wire client)
     reasoning: str = ""  # the model's private reasoning (harmony analysis, <think>)
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # {"name", "arguments": {}}
     logprobs: list[np.ndarray] = field(default_factory=list)  # one per token, when asked
     prompt_ids: list[int] | None = None  # the prompt's token ids, when asked
+    stop_sequence: str | None = None  # the stop sequence that ended the answer, if one did
 
     @classmethod
     def from_done(cls, done: Done, logprobs: list[np.ndarray] | None = None) -> Completion:

@@ -22,6 +22,7 @@ INTERNAL_NAMES = frozenset(
         "codec_reason",
         "codec_probe",
         "prefill_threads",
+        "route",  # the router's pick names the decode agents
     }
 )
 

@@ -31,6 +31,7 @@ from disagg.errors import (
 from disagg.serving import affinity
 from disagg.serving import wireclient as client
 from disagg.serving.completion import Completion
+from disagg.serving.metrics import Metrics
 
 DOWN_FOR_S = 5.0  # a failed agent is skipped this long before it is probed again
 HEALTH_TTL_S = 2.0
@@ -77,7 +78,37 @@ def _timed_out(e: BaseException) -> bool:
 
 
 class StopGeneration(Exception):
-    """Raised from a token callback to end a request early (a stop sequence matched)."""
+    """Raised from a token callback to end a request early: a stop sequence matched
+    (`reason` "stop") or its caller left ("cancelled"). The router sets `metrics`:
+    what is known of the request when it ended (`cut_short`)."""
+
+    def __init__(self, reason: str = "stop") -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.metrics: Metrics | None = None
+
+
+def cut_short(
+    early: Metrics | None, t_sent: float, t_first: float | None, tokens: int, reason: str
+) -> Metrics:
+    """A request's metrics when its client stopped reading before the agent's DONE:
+    the prompt's side from the first TOKEN frame (`early`, agents.decode.agent's
+    first_metrics), the decode side timed here."""
+    now = time.perf_counter()
+    m = Metrics.from_json(early.to_json()) if early is not None else Metrics()  # a copy
+    timeline, m.timeline = m.timeline or {}, None
+    m.agent_ttft, m.ttft = m.ttft, None if t_first is None else t_first - t_sent
+    m.completion_tokens, m.finish_reason, m.total_time = tokens, reason, now - t_sent
+    if t_first is not None:
+        m.decode_time = now - t_first
+        if tokens > 1 and m.decode_time > 0:
+            m.tpot, m.decode_speed = m.decode_time / (tokens - 1), (tokens - 1) / m.decode_time
+    if isinstance(m.prefill_time, int | float) and m.prefill_time > 0 and m.prompt_tokens:
+        m.prefill_speed = m.prompt_tokens / m.prefill_time
+    first = timeline.get("first_token")
+    if timeline.get("at") is not None and isinstance(first, int | float):
+        m.timeline = {**timeline, "done": first + (m.decode_time or 0.0)}
+    return m
 
 
 class Router:
@@ -90,6 +121,25 @@ class Router:
         self.health: dict[str, tuple[float, bool]] = {}
         self.last_ok: dict[str, float] = {}  # when each agent last answered /health ok
         self.affinity = affinity.AffinityTable()  # prefix -> the decode agent holding it
+        self.cutting = threading.Event()  # set: every request stops at its next token
+
+    def moved(self, name: str, host: str, port: int, control_port: int | None) -> None:
+        """Agent `name` runs again at a new address (a restarted local agent): route
+        to it there, and forget that it was down."""
+        for pipe in self.pipelines.values():
+            for ep in (*pipe.prefill, *pipe.decode):
+                if ep.name == name:
+                    ep.host, ep.port, ep.control_port = host, port, control_port
+                    ep.hosts = [host] if ep.hosts else []
+        with self.lock:
+            self.down_until.pop(name, None)
+            self.health.pop(name, None)
+            self.last_ok.pop(name, None)
+
+    def cut_all(self) -> None:
+        """End every running request at its next token, as if its caller left (a
+        gateway whose drain deadline passed); requests after this are cut too."""
+        self.cutting.set()
 
     def models(self) -> list[str]:
         return list(self.pipelines)
@@ -194,10 +244,16 @@ class Router:
                     + (f" ({'; '.join(failures)})" if failures else "")
                 )
             seen = 0
+            t_sent, t_first = time.perf_counter(), None
+            early: Metrics | None = None
 
             def forward(tok: TokenEvent) -> None:
-                nonlocal seen
+                nonlocal seen, t_first, early
+                if self.cutting.is_set():
+                    raise StopGeneration("cancelled")
                 seen += 1
+                if t_first is None and tok.id is not None:
+                    t_first, early = time.perf_counter(), tok.metrics
                 if seen <= len(delivered):
                     if delivered[seen - 1].id != tok.id:
                         raise AgentError("the rerouted run diverged from the text already sent")
@@ -228,7 +284,13 @@ class Router:
                 raise RequestTimeout(
                     f"the request did not finish within its deadline of {deadline_s:g}s: {e}"
                 ) from None
-            except (UsageError, ModelMismatch, AuthError, StopGeneration):
+            except StopGeneration as e:
+                tokens = sum(t.id is not None for t in delivered)
+                e.metrics = cut_short(early, t_sent, t_first, tokens, e.reason)
+                e.metrics.decode_server = e.metrics.decode_server or ep.name
+                e.metrics.route = choice.to_dict()
+                raise
+            except (UsageError, ModelMismatch, AuthError):
                 raise
             except (ConnectError, AgentError) as e:
                 self._mark_down(ep)

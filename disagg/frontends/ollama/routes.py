@@ -171,7 +171,7 @@ def routes(client: Client, workers: Executor | None = None) -> APIRouter:
     @api.api_route("/api/{what}", methods=["POST", "DELETE", "PUT"], include_in_schema=False)
     async def unsupported(what: str) -> Response:
         raise OllamaError(
-            501 if what in ("pull", "push", "create", "copy", "delete", "embed") else 404,
+            501 if what in ("pull", "push", "create", "copy", "delete") else 404,
             f"/api/{what} is not served by disagg: models are the inventory's pipelines",
         )
 
@@ -193,7 +193,13 @@ async def answer(
     t0 = time.perf_counter()
     head = {"model": body.model}
     if req is None:  # no prompt or messages: Ollama's "load the model" request
-        done = {"created_at": timestamp(), "done": True, "done_reason": "load"}
+        # keep_alive 0 asks to unload: Ollama answers "unload" (agents stay loaded here)
+        unload = body.keep_alive in (0, "0", "0s", "0m")
+        done = {
+            "created_at": timestamp(),
+            "done": True,
+            "done_reason": "unload" if unload else "load",
+        }
         return {**head, **({"response": ""} if kind == "generate" else _msg("")), **done}
     try:
         if not body.stream:

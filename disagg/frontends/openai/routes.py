@@ -151,6 +151,28 @@ def check_model(client: Client, name: str) -> None:
         )
 
 
+async def start(
+    client: Client,
+    workers: Executor | None,
+    request: Request,
+    model: str,
+    req: GenerateRequest,
+    stream: bool,
+) -> Completion | tuple[AsyncIterator[Chunk], threading.Event]:
+    """Run `req` for any front door: the whole completion (given up when the client
+    hangs up), or the stream's chunks and the event that stops its decoding.
+    Raises DisaggError; the caller puts it in its API's shape."""
+    if not stream:
+        return await unless_gone(
+            request,
+            lambda cancel: client.agenerate(req, model=model, cancel=cancel, executor=workers),
+        )
+    cancel = threading.Event()
+    chunks = await client.agenerate(req, model=model, stream=True, cancel=cancel, executor=workers)
+    assert not isinstance(chunks, Completion)
+    return chunks, cancel
+
+
 async def answer(
     client: Client,
     workers: Executor | None,
@@ -166,21 +188,12 @@ async def answer(
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     try:
-        if not body.stream:
-            result = await unless_gone(
-                request,
-                lambda cancel: client.agenerate(
-                    req, model=body.model, cancel=cancel, executor=workers
-                ),
-            )
-            return _full(kind, rid, created, result, internals)
-        cancel = threading.Event()
-        chunks = await client.agenerate(
-            req, model=body.model, stream=True, cancel=cancel, executor=workers
-        )
+        result = await start(client, workers, request, body.model, req, body.stream)
     except DisaggError as e:
         raise from_disagg(e) from None
-    assert not isinstance(chunks, Completion)
+    if isinstance(result, Completion):
+        return _full(kind, rid, created, result, internals)
+    chunks, cancel = result
     usage = bool(body.stream_options and body.stream_options.include_usage)
     return StreamingResponse(
         _sse(kind, rid, created, body.model, chunks, usage, cancel),

@@ -21,6 +21,9 @@ BYTES = tuple(float(1 << s) for s in range(10, 34, 2))  # 1 KiB .. 8 GiB, x4 apa
 # Why a decode agent prefilled locally: agents.decode.kvfetch.FALLBACK_KINDS
 # (a test holds them equal).
 FALLBACK_KINDS = ("unreachable", "timeout", "stream", "prefill_error")
+# How a request ended, in every place that says it: the APIs' finish reasons, these
+# counters, the web view, the agents' own counters.
+OUTCOMES = ("stop", "length", "tool_calls", "cancelled", "error")
 
 # name -> (result metric it observes, buckets, help)
 HISTOGRAMS: dict[str, tuple[str, tuple[float, ...], str]] = {
@@ -32,7 +35,8 @@ HISTOGRAMS: dict[str, tuple[str, tuple[float, ...], str]] = {
     "kv_bytes": ("kv_bytes", BYTES, "K/V bytes on the wire per disaggregated request."),
 }
 COUNTERS = {
-    "requests_total": "Requests by model, method and outcome (ok, error).",
+    "requests_total": "Requests by model, method and outcome (stop, length, tool_calls, "
+    "cancelled, error).",
     "fallbacks_total": "Requests prefilled on the decode agent because the prefill agent failed.",
     "prefix_hits_total": "Requests whose prompt reused K/V from a prefix cache.",
     "cached_tokens_total": "Prompt tokens whose K/V came from a prefix cache.",
@@ -78,12 +82,14 @@ class GatewayMetrics:
         with self.lock:
             self.in_flight[model] += 1
 
-    def end(self, model: str, metrics: dict[str, Any] | None, ok: bool) -> None:
+    def end(self, model: str, metrics: dict[str, Any] | None, outcome: str) -> None:
+        """A request ended: `outcome` is one of OUTCOMES; `metrics` what it measured
+        (a cancelled or stop-ended request's too)."""
         m = metrics or {}
         method = str(m.get("method") or "none")
+        ok = outcome != "error" and metrics is not None
         with self.lock:
             self.in_flight[model] -= 1
-            outcome = "ok" if ok else "error"
             self.counts[
                 ("requests_total", (("model", model), ("method", method), ("outcome", outcome)))
             ] += 1

@@ -45,9 +45,9 @@ def _login_page(error: str = "") -> HTMLResponse:
     return HTMLResponse(body, status_code=401 if error else 200, headers=PAGE_HEADERS)
 
 
-def routes(client: Any, api_key: str | None = None) -> APIRouter:
-    """The router; it starts recording every request `client.router` runs."""
-    log = RequestLog(client.models())
+def routes(client: Any, api_key: str | None = None, log: RequestLog | None = None) -> APIRouter:
+    """The router; it starts recording every request `client.router` runs (in `log`)."""
+    log = log or RequestLog(client.models())
     # The one door every gateway request goes through (see tracker.py).
     setattr(client.router, "run", log.wrap(client.router.run))  # noqa: B010
     fleet = FleetWatch(client, log)
