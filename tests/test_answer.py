@@ -73,6 +73,21 @@ def test_token_frames_round_trip_on_a_socket() -> None:
     assert sent[0].to_json() == {"id": 7, "text": "hmm", "channel": "reasoning"}
 
 
+def test_the_first_tokens_metrics_ride_flat_and_come_back_typed() -> None:
+    early = Metrics(prompt_tokens=9, method="local", ttft=0.25)
+    early.timeline = {"at": 1700000000.0, "first_token": 0.25}
+    sent = token_events(3, [Piece(CONTENT, "a"), Piece(REASONING, "b")], early)
+    assert sent[0].metrics is early and sent[1].metrics is None
+    wire = sent[0].to_json()["metrics"]
+    assert wire["at"] == 1700000000.0 and wire["first_token"] == 0.25 and "timeline" not in wire
+    a, b = pair()
+    with a, b:
+        send_json(a, Frame.TOKEN, sent[0].to_json())
+        _, raw = recv_json(b, Frame.TOKEN)
+    back = TokenEvent.from_json(raw)
+    assert back == sent[0] and back.metrics is not None and back.metrics.extra == {}
+
+
 def test_done_frame_round_trips_on_a_socket() -> None:
     metrics = Metrics(prompt_tokens=5, completion_tokens=2, method="local", finish_reason="stop")
     metrics.timeline = {"at": 1.0, "first_token": 0.5}
@@ -212,6 +227,7 @@ normalize = GenerateRequest.normalize_format
 STRICT = {"type": "json_schema", "schema": SCHEMA, "strict": True}
 LOOSE = {"type": "json_schema", "schema": SCHEMA, "strict": False}
 JSON = {"type": "json_object"}
+LARK = {"type": "lark", "grammar": 'start: "a"'}
 
 
 @pytest.mark.parametrize(
@@ -231,6 +247,8 @@ JSON = {"type": "json_object"}
         ("wire", STRICT, STRICT),
         ("wire", LOOSE, LOOSE),
         ("wire", None, None),
+        ("responses", {"type": "grammar", "syntax": "lark", "definition": 'start: "a"'}, LARK),
+        ("wire", LARK, LARK),
     ],
 )
 def test_each_front_doors_shape_normalizes_to_one(door: str, raw: Any, expected: Any) -> None:
@@ -246,7 +264,7 @@ def test_each_front_doors_shape_normalizes_to_one(door: str, raw: Any, expected:
         (7, "must be"),
         ("yaml", "must be"),
         ({"type": "json_schema", "json_schema": {"name": "v"}}, "needs a schema"),
-        ({"type": "xml"}, "use text, json_object or json_schema"),
+        ({"type": "xml"}, "use text, json_object, json_schema or grammar"),
     ],
 )
 def test_shapes_no_front_door_sends_are_refused(raw: Any, words: str) -> None:

@@ -111,6 +111,43 @@ def cut_short(
     return m
 
 
+class Relay:
+    """One decode agent's try at a request, as its token callback: it passes on what
+    earlier tries did not deliver (a rerouted run must match what they did), notes
+    its first token's time and metrics, and stops at Router.cut_all."""
+
+    def __init__(
+        self,
+        delivered: list[TokenEvent],
+        on_token: Callable[[TokenEvent], None] | None,
+        cutting: threading.Event,
+    ) -> None:
+        self.delivered, self.on_token, self.cutting = delivered, on_token, cutting
+        self.seen = 0
+        self.t_sent = time.perf_counter()
+        self.t_first: float | None = None
+        self.early: Metrics | None = None  # the first TOKEN's (agents.decode first_metrics)
+
+    def cut(self, reason: str) -> Metrics:
+        """The metrics of a request ended early (cut_short), as far as it went."""
+        tokens = sum(t.id is not None for t in self.delivered)
+        return cut_short(self.early, self.t_sent, self.t_first, tokens, reason)
+
+    def __call__(self, tok: TokenEvent) -> None:
+        if self.cutting.is_set():
+            raise StopGeneration("cancelled")
+        self.seen += 1
+        if self.t_first is None and tok.id is not None:
+            self.t_first, self.early = time.perf_counter(), tok.metrics
+        if self.seen <= len(self.delivered):
+            if self.delivered[self.seen - 1].id != tok.id:
+                raise AgentError("the rerouted run diverged from the text already sent")
+            return
+        self.delivered.append(tok)
+        if self.on_token:
+            self.on_token(tok)
+
+
 class Router:
     def __init__(self, pipelines: Iterable[Route], token: bytes | None = None) -> None:
         self.pipelines = {p.name: p for p in pipelines}
@@ -243,25 +280,7 @@ class Router:
                     f"the request did not finish within its deadline of {deadline_s:g}s"
                     + (f" ({'; '.join(failures)})" if failures else "")
                 )
-            seen = 0
-            t_sent, t_first = time.perf_counter(), None
-            early: Metrics | None = None
-
-            def forward(tok: TokenEvent) -> None:
-                nonlocal seen, t_first, early
-                if self.cutting.is_set():
-                    raise StopGeneration("cancelled")
-                seen += 1
-                if t_first is None and tok.id is not None:
-                    t_first, early = time.perf_counter(), tok.metrics
-                if seen <= len(delivered):
-                    if delivered[seen - 1].id != tok.id:
-                        raise AgentError("the rerouted run diverged from the text already sent")
-                    return
-                delivered.append(tok)
-                if on_token:
-                    on_token(tok)
-
+            forward = Relay(delivered, on_token, self.cutting)
             with self.lock:
                 self.busy[ep.name] += 1
             try:
@@ -285,8 +304,7 @@ class Router:
                     f"the request did not finish within its deadline of {deadline_s:g}s: {e}"
                 ) from None
             except StopGeneration as e:
-                tokens = sum(t.id is not None for t in delivered)
-                e.metrics = cut_short(early, t_sent, t_first, tokens, e.reason)
+                e.metrics = forward.cut(e.reason)
                 e.metrics.decode_server = e.metrics.decode_server or ep.name
                 e.metrics.route = choice.to_dict()
                 raise
