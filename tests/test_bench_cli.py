@@ -9,7 +9,11 @@ import subprocess
 import sys
 import tempfile
 
+import pytest
+
 from tests.test_cli import one_error_line
+
+pytestmark = pytest.mark.slow  # each test starts a Python process
 
 KINDS = (
     "core",
