@@ -3,23 +3,30 @@
 from disagg import Client
 with Client.local() as c:
     print(c.generate(prompt="What is the capital of France?").text)
+
+`generate` returns a `Completion`; with stream=True it yields `Chunk`s, its pieces,
+the last one done and holding the whole Completion (disagg.serving.completion).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import queue
+import shutil
+import subprocess
 import tempfile
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agents.wire.answer import TokenEvent
 from agents.wire.request import GenerateRequest
 from disagg.errors import DisaggError, UsageError
+from disagg.serving.completion import Chunk, Completion
 from disagg.serving.defaultmodel import Say, resolve_model
 from disagg.serving.localagents import (
     AgentProc,
@@ -31,25 +38,6 @@ from disagg.serving.metrics import Metrics
 from disagg.serving.request import build_request
 from disagg.serving.router import Endpoint, Route, Router, StopGeneration
 from disagg.serving.stops import StopMatcher
-
-
-@dataclass
-class Completion:
-    text: str  # the answer: never the model's reasoning nor its tool-call markup
-    token_ids: list[int]
-    metrics: Metrics
-    finish_reason: str  # "stop" (EOS or a stop sequence), "length", or "tool_calls"
-    model: str
-    reasoning: str = ""  # the model's private reasoning (harmony analysis, <think>)
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # {"name", "arguments": {}}
-
-
-@dataclass
-class Chunk:
-    text: str  # answer text
-    done: bool = False
-    completion: Completion | None = None
-    reasoning: str = ""  # reasoning text, streamed apart from the answer
 
 
 class Client:
@@ -67,6 +55,7 @@ class Client:
         self.router = router
         self.agents: list[AgentProc] = []
         self.model_dirs: dict[str, Path] = {}  # local pipelines: name -> model dir
+        self.temp_dirs: list[Path] = []  # local agents' token and log dirs, removed on close
 
     @classmethod
     def local(
@@ -95,14 +84,18 @@ class Client:
             path = resolve_model(m, say)
             dirs[path.name] = path
         pipelines, agents = [], []
-        # One cluster: every local agent shares one fresh token.
-        token_file, token = make_token_file(Path(tempfile.mkdtemp(prefix="disagg-local-")))
+        # One cluster: every local agent shares one fresh token. Its dir and the
+        # agents' log dirs go when the client closes.
+        temp_dirs = [Path(tempfile.mkdtemp(prefix="disagg-local-"))]
+        token_file, token = make_token_file(temp_dirs[0])
         try:
             for name, path in dirs.items():
+                temp_dirs.append(Path(tempfile.mkdtemp(prefix="disagg-logs-")))
                 prefill, decodes = start_local_agents(
                     path,
                     n_decode=n_decode,
                     dtype=dtype,
+                    log_dir=temp_dirs[-1],
                     token_file=token_file,
                     prefill_model_dir=prefill_dir,
                     decode_args=["--allow-mixed"] if allow_mixed else [],
@@ -120,15 +113,32 @@ class Client:
                 )
         except BaseException:
             stop_agents(agents)
+            _remove(temp_dirs)
             raise
         client = cls(router=Router(pipelines, token=token))
         client.agents = agents
         client.model_dirs = dirs
+        client.temp_dirs = temp_dirs
         return client
 
     def close(self) -> None:
         stop_agents(self.agents)  # all at once: each drains, then exits
         self.agents = []
+        _remove(self.temp_dirs)
+        self.temp_dirs = []
+
+    def stop_now(self) -> None:
+        """Kill the local agents without waiting for them to drain; remove temp files."""
+        for agent in self.agents:
+            agent._stopped = True  # on purpose: nobody restarts it
+            with contextlib.suppress(OSError):
+                agent.proc.kill()
+        for agent in self.agents:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                agent.proc.wait(5)
+        self.agents = []
+        _remove(self.temp_dirs)
+        self.temp_dirs = []
 
     def __enter__(self) -> Client:
         return self
@@ -176,17 +186,17 @@ class Client:
         count = 0
         reasoning: list[str] = []
 
-        def on_token(tok: dict[str, Any]) -> None:
+        def on_token(tok: TokenEvent) -> None:
             nonlocal count
             if cancel is not None and cancel.is_set():
-                raise StopGeneration
-            count += tok.get("id") is not None
-            if tok.get("channel") == "reasoning":
-                if tok.get("text"):
-                    reasoning.append(tok["text"])
-                    emit(Chunk("", reasoning=tok["text"]))
+                raise StopGeneration("cancelled")
+            count += tok.id is not None
+            if tok.is_reasoning:
+                if tok.text:
+                    reasoning.append(tok.text)
+                    emit(Chunk("", reasoning=tok.text))
                 return
-            text = matcher.feed(tok.get("text") or "")
+            text = matcher.feed(tok.text)
             if text:
                 emit(Chunk(text))
             if matcher.hit:
@@ -194,17 +204,21 @@ class Client:
 
         try:
             result = self.router.run(model, req, on_token=on_token, deadline_s=deadline_s)
-        except StopGeneration:
-            m = Metrics(completion_tokens=count)
-            return Completion(matcher.text, [], m, "stop", model, "".join(reasoning))
+        except StopGeneration as e:  # a stop string matched, or the caller left
+            m = e.metrics or Metrics(completion_tokens=count, finish_reason=e.reason)
+            done = Completion(matcher.text, [], m, e.reason, model, "".join(reasoning))
+            done.stop_sequence = matcher.matched
+            return done
         tail = matcher.flush()
         if tail:
             emit(Chunk(tail))
         m = result.metrics
-        reason = m.finish_reason or ("length" if m.completion_tokens == req.max_tokens else "stop")
-        return Completion(
-            result.text, result.token_ids, m, reason, model, result.reasoning, result.tool_calls
+        # An agent of an older release may leave finish_reason out.
+        result.finish_reason = m.finish_reason or (
+            "length" if m.completion_tokens == req.max_tokens else "stop"
         )
+        result.model = model
+        return result
 
     def _produce(
         self,
@@ -219,7 +233,7 @@ class Client:
 
         def emit(chunk: Chunk) -> None:
             if cancelled.is_set():
-                raise StopGeneration  # the consumer went away: stop decoding
+                raise StopGeneration("cancelled")  # the consumer went away: stop decoding
             put(chunk)
 
         try:
@@ -292,6 +306,11 @@ class Client:
         else:
             executor.submit(work)
         return _drain(chunks, cancelled)
+
+
+def _remove(dirs: list[Path]) -> None:
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _request_from(request: GenerateRequest | None, fields: dict[str, Any]) -> GenerateRequest:

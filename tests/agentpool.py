@@ -74,6 +74,7 @@ class SetKey:
     prefill_args: tuple[str, ...] = ()
     decode_args: tuple[str, ...] = ()
     prefill_model: Path | None = None  # the prefill agent's own dir (mixed weights)
+    prefill_module: str | None = None  # the prefill agent run from a test's wrapper
 
     def describe(self) -> str:
         flags = " ".join([*self.prefill_args, "|", *self.decode_args]).strip(" |")
@@ -145,12 +146,15 @@ class AgentPool:
             prefill_args=key.prefill_args,
             decode_args=key.decode_args,
             prefill_model_dir=key.prefill_model,
+            prefill_module=key.prefill_module,
         )
         return AgentSet(key, prefill, decodes)
 
     def lease(self, key: SetKey) -> AgentSet:
         """The pooled set for `key`, started if it is not up; held until release()."""
-        plain = key.dtype == "auto" and not (key.prefill_args or key.decode_args)
+        plain = key.dtype == "auto" and not (
+            key.prefill_args or key.decode_args or key.prefill_module
+        )
         width = self.widths.get(key.model, 0) if plain and key.prefill_model is None else 0
         wide = replace(key, n_decode=max(key.n_decode, width))
         if wide != key:
@@ -183,8 +187,8 @@ class AgentPool:
         set of it with no prefill flags), else the plain set, started."""
         model = model.resolve()
         for key in self.sets:
-            plain = (key.model, key.dtype, key.prefill_args, key.prefill_model)
-            if plain == (model, dtype, (), None):
+            plain = (key.model, key.dtype, key.prefill_args, key.prefill_model, key.prefill_module)
+            if plain == (model, dtype, (), None, None):
                 return self.lease(key)
         return self.lease(key_for(model, dtype=dtype))
 
@@ -237,6 +241,7 @@ def key_for(
     prefill_args: Sequence[str] = (),
     decode_args: Sequence[str] = (),
     prefill_model: Path | None = None,
+    prefill_module: str | None = None,
 ) -> SetKey:
     return SetKey(
         model.resolve(),
@@ -245,4 +250,5 @@ def key_for(
         tuple(prefill_args),
         tuple(decode_args),
         prefill_model.resolve() if prefill_model else None,
+        prefill_module,
     )

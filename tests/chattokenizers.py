@@ -150,16 +150,42 @@ QWEN3_CODER_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+LLAMA3_SPECIALS = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|python_tag|>",
+    "<|finetune_right_pad_id|>",
+]
+
+# Llama 3: a header per turn, content trimmed, tool results in the ipython role.
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for m in messages %}"
+    "{% set role = 'ipython' if m.role == 'tool' else m.role %}"
+    "<|start_header_id|>{{ role }}<|end_header_id|>\n\n"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    '{"name": "{{ c.function.name }}", "parameters": {{ c.function.arguments | tojson }}}'
+    "{% endfor %}<|eom_id|>"
+    "{% else %}{{ m.content | trim }}<|eot_id|>{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
 KINDS = {
     # kind: (special tokens, added non-special tokens, template, eos)
     "harmony": (HARMONY_SPECIALS, [], HARMONY_TEMPLATE, "<|return|>"),
     "qwen3": (QWEN_SPECIALS, QWEN_TAGS, QWEN3_TEMPLATE, "<|im_end|>"),
     "qwen3_coder": (QWEN_SPECIALS + FIM, QWEN_TAGS, QWEN3_CODER_TEMPLATE, "<|im_end|>"),
+    "llama3": (LLAMA3_SPECIALS, [], LLAMA3_TEMPLATE, "<|eot_id|>"),
 }
 
 
 def build(kind: str, vocab_size: int = 600) -> Any:
-    """A Hugging Face fast tokenizer for `kind` (harmony, qwen3, qwen3_coder)."""
+    """A Hugging Face fast tokenizer for `kind` (harmony, qwen3, qwen3_coder, llama3)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -176,7 +202,9 @@ def build(kind: str, vocab_size: int = 600) -> Any:
     tok.train_from_iterator(CORPUS, trainer=trainer)
     # Qwen's tags are added tokens that decode as text (not special), as in Qwen's vocab.
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in tags])
-    out = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token="<|endoftext|>")
+    pad = specials[0]
+    bos = "<|begin_of_text|>" if kind == "llama3" else None
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=pad, bos_token=bos)
     out.chat_template = template
     return out
 

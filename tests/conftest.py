@@ -149,6 +149,7 @@ class Agents:
         decode_args: Sequence[str] = (),
         fresh: bool | None = None,
         token_file: Path | None = None,
+        prefill_module: str | None = None,
     ) -> AgentSet:
         path = model if isinstance(model, Path) else tiny_checkpoint(model, seed, **(config or {}))
         key = key_for(
@@ -157,6 +158,7 @@ class Agents:
             n_decode=n_decode,
             prefill_args=prefill_args,
             decode_args=decode_args,
+            prefill_module=prefill_module,
         )
         if fresh if fresh is not None else self.fresh_default:
             made = self.pool.fresh(key, self.root / f"fresh-{len(self.own)}", token_file)

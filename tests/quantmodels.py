@@ -39,6 +39,18 @@ MLX_DIRS: dict[str, tuple[str, dict[str, Any]]] = {
 # Every checkpoint the tests run end to end.
 DIRS = ["smol-affine4", "smol-affine8", "smol-mxfp4", "moe-affine4", "gptoss-hf-mxfp4"]
 
+# Tiny MoE sources with the user's models' expert counts (routing, not width):
+# name -> (arch, config overrides). Qwen3-Coder-30B-A3B routes to 8 of 128 experts,
+# GPT-OSS-120B to 4 of 128.
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3_moe-e32": ("qwen3_moe", {"num_experts": 32, "num_experts_per_tok": 8}),
+    "qwen3_moe-e128": ("qwen3_moe", {"num_experts": 128, "num_experts_per_tok": 8}),
+    "gpt_oss-e32": ("gpt_oss", {"num_local_experts": 32, "num_experts_per_tok": 4}),
+    "gpt_oss-e128": ("gpt_oss", {"num_local_experts": 128, "num_experts_per_tok": 4}),
+}
+for _e in (32, 128):
+    MLX_DIRS[f"moe{_e}-affine4"] = (f"qwen3_moe-e{_e}", {"q_bits": 4, "q_group_size": 32})
+
 
 @cache
 def checkpoint_cache() -> Path:
@@ -57,26 +69,33 @@ def checkpoint_cache() -> Path:
     return cache_root() / "test-checkpoints" / h.hexdigest()[:16]
 
 
-def tiny_source(arch: str) -> Path:
-    """A tiny random checkpoint with the config keys mlx-lm needs (as a real HF
-    config has them), so that mlx_lm.convert can read it."""
+def tiny_source(name: str) -> Path:
+    """A tiny random checkpoint (an architecture, or one of VARIANTS) with the config
+    keys mlx-lm needs (as a real HF config has them), so that mlx_lm.convert can read it."""
     from agents.models import get_adapter
 
+    arch, overrides = VARIANTS.get(name, (name, {}))
+
     def build(dst: Path) -> None:
-        make_tiny(arch, dst, seed=3)
+        make_tiny(arch, dst, seed=3, **overrides)
         cfg_path = dst / "config.json"
         cfg = json.loads(cfg_path.read_text())
         cfg.update(get_adapter(arch).mlx_config(cfg))
         cfg_path.write_text(json.dumps(cfg, indent=2))
 
-    return publish(build, checkpoint_cache() / f"tiny-{arch}")
+    return publish(build, checkpoint_cache() / f"tiny-{name}")
+
+
+# OpenAI-layout MXFP4 gpt-oss dirs -> their tiny source.
+HF_MXFP4 = {"gptoss-hf-mxfp4": "gpt_oss", "gptoss32-hf-mxfp4": "gpt_oss-e32"}
+HF_MXFP4["gptoss128-hf-mxfp4"] = "gpt_oss-e128"
 
 
 def quant_dir(name: str) -> Path:
-    """The cached checkpoint `name` (see MLX_DIRS, or "gptoss-hf-mxfp4")."""
-    if name == "gptoss-hf-mxfp4":
+    """The cached checkpoint `name` (see MLX_DIRS and HF_MXFP4)."""
+    if name in HF_MXFP4:
         return publish(
-            lambda dst: write_hf_mxfp4_gptoss(tiny_source("gpt_oss"), dst),
+            lambda dst: write_hf_mxfp4_gptoss(tiny_source(HF_MXFP4[name]), dst),
             checkpoint_cache() / name,
         )
     source, kwargs = MLX_DIRS[name]

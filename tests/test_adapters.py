@@ -60,7 +60,7 @@ def engines(
     """(PrefillEngine, DecodeEngine) on the tiny checkpoint of the test's `arch`,
     each loaded once per session."""
     from agents.decode.agent import DecodeEngine
-    from agents.prefill.agent import PrefillEngine
+    from agents.prefill.engine import PrefillEngine
 
     arch = request.node.callspec.params["arch"]
     if arch not in loaded:

@@ -13,6 +13,7 @@ import pytest
 
 from agents.decode.placement import Placement
 from agents.prefix.store import BLOCK_TOKENS as BLOCK
+from agents.wire.answer import TokenEvent
 from agents.wire.request import GenerateRequest
 from disagg.serving import affinity
 from disagg.serving.affinity import AffinityTable, choose, prefix_keys, slack
@@ -208,7 +209,7 @@ def test_a_chats_later_turns_stay_on_its_busier_agent_and_hit_its_cache(
     stop = threading.Event()
     box: dict[str, Any] = {"tokens": 0}
 
-    def count(_: dict[str, Any]) -> None:
+    def count(_: TokenEvent) -> None:
         box["tokens"] += 1
         if stop.is_set():
             raise StopGeneration

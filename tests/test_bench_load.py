@@ -1,4 +1,4 @@
-"""`disagg bench --load` at its quick size, end to end: a real `disagg serve --local`
+"""`disagg bench load` at its quick size, end to end: a real `disagg serve --local`
 and a real mlx_lm.server on the default model, driven over HTTP. The figures must be
 well formed (every request sent came back whole, percentiles ordered, counts that
 add up), never fast: no speed is asserted. Plus the pure parts: sizes, text, arrivals."""

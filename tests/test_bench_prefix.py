@@ -1,4 +1,4 @@
-"""`disagg bench --prefix` end to end on the default model, small settings: it
+"""`disagg bench prefix` end to end on the default model, small settings: it
 runs and its numbers are consistent, not the speed bars."""
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ def test_bf16_run_equals_mlx_continued_from_the_same_kv(
 
     from agents.decode.agent import DecodeEngine
     from agents.decode.kvcaches import fill_layer
-    from agents.prefill.agent import PrefillEngine
+    from agents.prefill.engine import PrefillEngine
 
     prefill, decode = bf16_agents
     req = remote_request(

@@ -33,6 +33,7 @@ from rich.console import Console
 from disagg.cli.render_fleet import status_table
 from disagg.fleet.operations import AgentStatus
 from tests.conftest import PairFactory, PythonProcess
+from tests.slowprefill import slow_prefill
 from tests.tinymodels import shared_tiny
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the shim is for Linux")
@@ -250,10 +251,12 @@ def test_local_agents_split_the_cores_unless_the_user_chose() -> None:
 
     half = str(max(1, (os.cpu_count() or 2) // 2))
     assert (BLAS_SHARED_ENV, TORCH_SHARED_ENV) == (ENV, TORCH_ENV)
-    assert thread_share("decode", {}) == {ENV: half}
-    assert thread_share("decode", {"OPENBLAS_NUM_THREADS": "4"}) == {}
-    assert thread_share("prefill", {}) == {TORCH_ENV: half}
-    assert thread_share("prefill", {"OMP_NUM_THREADS": "4"}) == {}
+    passive = {"OMP_WAIT_POLICY": "PASSIVE"}  # OpenMP threads sleep, not spin, at barriers
+    assert thread_share("decode", {}) == {ENV: half, **passive}
+    assert thread_share("decode", {"OPENBLAS_NUM_THREADS": "4"}) == passive
+    assert thread_share("prefill", {}) == {TORCH_ENV: half, **passive}
+    assert thread_share("prefill", {"OMP_NUM_THREADS": "4"}) == passive
+    assert thread_share("prefill", {"OMP_WAIT_POLICY": "ACTIVE"}) == {TORCH_ENV: half}
 
 
 def test_blas_threads_follow_the_prefills() -> None:
@@ -287,7 +290,7 @@ def test_a_local_pair_gives_up_blas_threads_while_it_prefills(agent_pair: Any) -
     full, half = os.cpu_count() or 2, max(1, (os.cpu_count() or 2) // 2)
     if "OPENBLAS_NUM_THREADS" in os.environ or half == full:
         pytest.skip("the user fixed OpenBLAS's threads, or one core: nothing to share")
-    prefill, decode = agent_pair(shared_tiny("qwen3"), prefill_args=["--fault-layer-delay", "0.4"])
+    prefill, decode = agent_pair(shared_tiny("qwen3"), **slow_prefill(0.4))
     if not decode.status()["blas"].startswith("openblas"):
         pytest.skip("no OpenBLAS bound here: mlx's own BLAS has no thread count")
     assert decode.status()["blas_threads"] == full

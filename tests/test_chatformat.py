@@ -129,7 +129,13 @@ def test_harmony_token_by_token(toks: dict[str, Any]) -> None:
     assert got == {
         "text": "",
         "reasoning": "Need the weather: call get_weather.",
-        "tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}],
+        "tool_calls": [
+            {
+                "name": "get_weather",
+                "arguments": {"city": "Paris", "days": 2},
+                "arguments_text": '{"city": "Paris", "days": 2}',
+            }
+        ],
     }
 
 
@@ -170,7 +176,13 @@ def test_harmony_split_everywhere(output: str) -> None:
                 assert m not in got["content"] and m not in got["reasoning"]
     assert expected is not None
     if output == H_TOOL_AFTER_ROLE:
-        assert expected["calls"] == [{"name": "get_weather", "arguments": {"city": "Paris"}}]
+        assert expected["calls"] == [
+            {
+                "name": "get_weather",
+                "arguments": {"city": "Paris"},
+                "arguments_text": '{"city": "Paris"}',
+            }
+        ]
 
 
 def test_harmony_commentary_preamble_is_content_and_bad_args_are_text() -> None:
@@ -201,15 +213,20 @@ def test_harmony_prompt_effort_and_dropped_analysis(toks: dict[str, Any]) -> Non
 
 
 def test_harmony_round_trip_and_parallel_calls(toks: dict[str, Any]) -> None:
-    """The parsed call, sent back with its result, renders as harmony has it;
-    arguments as a JSON string (OpenAI) render like an object (Ollama)."""
+    """The parsed call, sent back with its result, renders as harmony has it:
+    arguments as the model wrote them (OpenAI clients send back the string we
+    returned), an object (Ollama) as compact JSON; the result as its text."""
     tok = toks["harmony"]
     fmt = detect(tok)
     user = {"role": "user", "content": "Weather in Paris?"}
     first = render_chat(tok, fmt, [user], tools=[WEATHER])
     got = run_stream(tok, fmt, first, H_TOOL, tools=[WEATHER])
     call = got["tool_calls"][0]
-    for args in (call["arguments"], json.dumps(call["arguments"])):
+    assert call["arguments_text"] == '{"city": "Paris", "days": 2}'
+    for args, written in (
+        (call["arguments_text"], '{"city": "Paris", "days": 2}'),
+        (call["arguments"], '{"city":"Paris","days":2}'),
+    ):
         msgs = [
             user,
             {
@@ -224,7 +241,7 @@ def test_harmony_round_trip_and_parallel_calls(toks: dict[str, Any]) -> None:
         assert text.endswith(
             "<|start|>assistant<|channel|>analysis<|message|>Need the weather: call get_weather."
             "<|end|><|start|>assistant to=functions.get_weather<|channel|>commentary "
-            '<|constrain|>json<|message|>{"city": "Paris", "days": 2}<|call|>'
+            f"<|constrain|>json<|message|>{written}<|call|>"
             "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"
             '{"sky": "sunny"}<|end|><|start|>assistant'
         )
@@ -562,3 +579,16 @@ def test_request_chat_fields() -> None:
         with pytest.raises(RequestError, match=message) as e:
             GenerateRequest.from_dict(d)
         assert e.value.field == field
+
+
+def test_an_emoji_cut_by_max_tokens_leaves_no_replacement_char(toks: dict[str, Any]) -> None:
+    tok = toks["qwen3"]
+    ids = tok.encode("Hi 🙂", add_special_tokens=False)
+    whole = tok.decode(ids)
+    cut = next(n for n in range(len(ids), 0, -1) if "\ufffd" in tok.decode(ids[:n]))
+    assert whole.endswith("🙂") and cut < len(ids)
+    stream = open_stream(detect(tok), tok, [], chat=False, detokenizer=BPEStreamingDetokenizer(tok))
+    for tid in ids[:cut]:  # max_tokens ends it inside the emoji's bytes
+        stream.add(tid)
+    stream.finish()
+    assert stream.result()["text"] == "Hi ", stream.result()  # no "\ufffd" at the end

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
+from agents.wire.answer import TokenEvent
 from disagg.errors import UsageError
 from tests.chattokenizers import HARMONY_SPECIALS
 from tests.conftest import PairFactory, ask
@@ -23,8 +24,10 @@ USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 HEADER_WORDS = ("<|", "|>", "to=functions", "<|constrain|>")
 
 
-def frames_of(decode: Any, req: dict[str, Any], prefill: Any = None) -> tuple[Any, list[dict]]:
-    frames: list[dict[str, Any]] = []
+def frames_of(
+    decode: Any, req: dict[str, Any], prefill: Any = None
+) -> tuple[Any, list[TokenEvent]]:
+    frames: list[TokenEvent] = []
     result = ask(decode, req, prefill=prefill, on_token=frames.append)
     return result, frames
 
@@ -48,11 +51,9 @@ def test_harmony_markup_never_reaches_text(
             for word in HEADER_WORDS:
                 assert word not in text, (seed, text)
         # The stream says what DONE says: content frames make text, reasoning apart.
-        assert "".join(f["text"] for f in frames if f.get("channel") != "reasoning") == result.text
-        assert "".join(f["text"] for f in frames if f.get("channel") == "reasoning") == (
-            result.reasoning or ""
-        )
-        assert [f["id"] for f in frames if f["id"] is not None] == result.token_ids
+        assert "".join(f.text for f in frames if not f.is_reasoning) == result.text
+        assert "".join(f.text for f in frames if f.is_reasoning) == (result.reasoning or "")
+        assert [f.id for f in frames if f.id is not None] == result.token_ids
     assert seen_markup, "the random model never wrote harmony markup: the test proved nothing"
 
 

@@ -65,7 +65,8 @@ def test_generate_local_streams_text_and_prints_metrics_table(cli_local: Cli) ->
         "prefill_server",
         "decode_server",
     ):
-        assert name in proc.stdout
+        assert name in proc.stderr  # the table: `> answer.txt` keeps the answer alone
+    assert "prefill_time" not in proc.stdout
 
 
 def test_prompt_longer_than_context_is_one_line(cli_local: Cli) -> None:

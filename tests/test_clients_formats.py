@@ -168,7 +168,10 @@ def test_openai_json_schema_strict(oai: openai.OpenAI, model: str) -> None:
         if chunk.choices:
             delta = chunk.choices[0].delta
             content += delta.content or ""
-            reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+            extra = delta.model_extra or {}
+            # Under both names: vLLM's newer `reasoning` and the older `reasoning_content`.
+            assert extra.get("reasoning") == extra.get("reasoning_content")
+            reasoning += extra.get("reasoning_content") or ""
     no_special(reasoning)
     Verdict.model_validate_json(content)  # the JSON alone, as above
 
@@ -221,6 +224,8 @@ def test_openai_named_tool_choice_calls_it_with_valid_arguments(
     args = json.loads(calls[0].function.arguments)
     jsonschema.validate(args, WEATHER["function"]["parameters"])
     no_markup(choice.message.content)
+    extra = choice.message.model_extra or {}
+    assert extra.get("reasoning") == extra.get("reasoning_content")
     # The call round-trips: its result comes back as a tool message, and the model answers.
     history: Any = [
         *ASK,

@@ -227,8 +227,8 @@ def test_control_endpoints_report_what_happened(smol_agents: tuple[AgentProc, Ag
         return now.get(key, 0.0) - then.get(key, 0.0)
 
     total = 'disagg_requests_total{role="decode",method="%s",outcome="%s"}'
-    assert moved(dec, dec0, total % ("disaggregated", "ok")) == 2
-    assert moved(dec, dec0, total % ("local-fallback", "ok")) == 1
+    assert moved(dec, dec0, total % ("disaggregated", "length")) == 2
+    assert moved(dec, dec0, total % ("local-fallback", "length")) == 1
     assert moved(dec, dec0, total % ("decode", "bad_request")) == 2
     assert moved(dec, dec0, "disagg_ttft_seconds_count") == 3
     assert moved(dec, dec0, "disagg_kv_transfer_seconds_count") == 2

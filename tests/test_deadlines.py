@@ -18,9 +18,10 @@ import httpx
 import openai
 import pytest
 
+from agents.wire.answer import TokenEvent
 from agents.wire.auth import client_auth
 from agents.wire.channel import recv_frame, send_json
-from agents.wire.frames import PROGRESS_KEY, Frame, decode_json
+from agents.wire.frames import Frame, decode_json
 from agents.wire.request import GenerateRequest
 from disagg.errors import RequestTimeout
 from disagg.frontends.workers import QUEUE_FACTOR, Workers, batch_capacity
@@ -30,6 +31,7 @@ from disagg.serving.router import Endpoint, Route, Router
 from tests.agentpool import AgentSet
 from tests.conftest import PairFactory
 from tests.gateways import Gateway, Gateways
+from tests.slowprefill import slow_prefill
 from tests.tinymodels import PROMPT, shared_tiny
 
 pytestmark = pytest.mark.slow
@@ -46,7 +48,7 @@ def cluster(agent_pair: PairFactory) -> tuple[AgentProc, list[AgentProc]]:
     agents = agent_pair.set(
         shared_tiny("gpt_oss"),
         n_decode=2,
-        prefill_args=["--fault-layer-delay", str(LAYER_DELAY_S)],
+        **slow_prefill(LAYER_DELAY_S),
         decode_args=["--max-batch", "1"],
     )
     return agents.prefill, agents.decodes
@@ -67,11 +69,11 @@ def router(prefill: AgentProc, decodes: list[AgentProc]) -> Router:
     return Router([route], token=prefill.token)
 
 
-def slow_reader(times: list[float]) -> Callable[[dict[str, Any]], None]:
+def slow_reader(times: list[float]) -> Callable[[TokenEvent], None]:
     """A token callback that notes each token's arrival and reads slowly."""
 
-    def on_token(tok: dict[str, Any]) -> None:
-        if tok.get("id") is not None:
+    def on_token(tok: TokenEvent) -> None:
+        if tok.id is not None:
             times.append(time.monotonic())
         time.sleep(CONSUMER_DELAY_S)
 
@@ -98,7 +100,7 @@ def test_progress_frames_while_prefilling_only_when_asked(
     target = {"host": prefill.host, "port": prefill.port}
     wire = {"prompt": PROMPT, "raw": True, "max_tokens": 4, "placement": "remote"}
     wire["prefill"] = target
-    asked = frames(decode, {**wire, PROGRESS_KEY: 0.5})
+    asked = frames(decode, {**wire, "progress_s": 0.5})
     kinds = [k for k, _ in asked]
     first_token = kinds.index(Frame.TOKEN)
     before = [body for k, body in asked[:first_token] if k == Frame.PROGRESS]

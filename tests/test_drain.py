@@ -12,6 +12,7 @@ import pytest
 
 from disagg.serving.localagents import AgentProc
 from tests.conftest import PairFactory, ask, remote_request
+from tests.slowprefill import slow_prefill
 from tests.tinymodels import shared_tiny
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
@@ -68,9 +69,7 @@ def test_sigterm_drains_a_decode_in_flight(fresh_agents: PairFactory) -> None:
 
 def test_sigterm_drains_a_prefill_in_flight(fresh_agents: PairFactory) -> None:
     # The KV stream of the 4-layer model is stretched to ~1.6 s so SIGTERM lands inside it.
-    prefill, decode = fresh_agents(
-        shared_tiny("qwen3"), prefill_args=["--fault-layer-delay", "0.4"]
-    )
+    prefill, decode = fresh_agents(shared_tiny("qwen3"), **slow_prefill(0.4))
     req = remote_request(prefill, ignore_eos=False)
     box: dict[str, Any] = {}
     worker = threading.Thread(target=lambda: box.update(r=ask(decode, req)))

@@ -18,6 +18,7 @@ from disagg.errors import AgentError
 from disagg.serving.localagents import AgentProc
 from disagg.serving.router import Endpoint, Route, Router
 from tests.conftest import PairFactory, ask, remote_request
+from tests.slowprefill import slow_prefill
 from tests.tinymodels import PROMPT, shared_tiny
 
 pytestmark = pytest.mark.slow
@@ -50,7 +51,7 @@ def endpoint(a: AgentProc) -> Endpoint:
 
 @pytest.fixture
 def slow_prefill_pair(tiny_dir: Path, fresh_agents: PairFactory) -> tuple[AgentProc, AgentProc]:
-    return fresh_agents(tiny_dir, prefill_args=["--fault-layer-delay", str(LAYER_DELAY_S)])
+    return fresh_agents(tiny_dir, **slow_prefill(LAYER_DELAY_S))
 
 
 def test_prefill_killed_mid_kv_stream_falls_back_with_the_same_text(
@@ -147,7 +148,7 @@ def test_decode_killed_with_a_sibling_is_rerouted_and_completes(
             r=router.run(
                 "tiny",
                 req,
-                on_token=lambda t: seen.append(t["id"]) if t.get("id") is not None else None,
+                on_token=lambda t: seen.append(t.id) if t.id is not None else None,
             )
         )
     )

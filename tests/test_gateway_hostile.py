@@ -206,13 +206,13 @@ def test_silent_sockets_do_not_stop_a_keyed_request(gateway: tuple[str, Path]) -
         if _closed_soon(trickler, 0.5):
             cut_at = time.monotonic() - t_trickle
             break
-    # One more address, PER_ADDRESS + 1 at once: the last is closed as it comes.
+    # One more /24, PER_ADDRESS + 1 at once: the oldest silent one makes room for the last.
     t_mine = time.monotonic()
     mine = [
         socket.create_connection(("127.0.0.1", port), 5, source_address=("127.0.3.1", 0))
         for _ in range(PER_ADDRESS + 1)
     ]
-    over_cap = _closed_soon(mine[-1], 1.0) and not any(_closed_now(s) for s in mine[:-1])
+    over_cap = _closed_soon(mine[0], 1.0) and not any(_closed_now(s) for s in mine[1:])
     time.sleep(max(0.0, t_mine + HEADER_TIMEOUT_S + 1.5 - time.monotonic()))
     silent += mine
     still_open = sum(not _closed_now(s) for s in silent)
@@ -224,7 +224,7 @@ def test_silent_sockets_do_not_stop_a_keyed_request(gateway: tuple[str, Path]) -
     logged = len(log.read_text().splitlines()) - lines_before
     print(
         f"200 silent sockets from 4 addresses: {refused} closed at once (cap {PER_ADDRESS} per "
-        f"address); keyed GET /v1/models answered in {took:.2f} s meanwhile; trickler cut "
+        f"/24); keyed GET /v1/models answered in {took:.2f} s meanwhile; trickler cut "
         f"{cut_at if cut_at is None else round(cut_at, 1)} s after it connected; {still_open} "
         f"left open after {HEADER_TIMEOUT_S + 1:.0f} s; a completion after in {generated:.1f} s;"
         f" {logged} log lines"

@@ -115,7 +115,7 @@ def test_response_format_forms_normalize_to_one() -> None:
         GenerateRequest.from_dict({"prompt": "x", "response_format": flat}).response_format == flat
     )
     ollama = GenerateRequest.from_dict({"prompt": "x", "response_format": GRADER}).response_format
-    assert ollama == {"type": "json_schema", "schema": GRADER, "strict": False}
+    assert ollama == {"type": "json_schema", "schema": GRADER, "strict": True}  # as Ollama's
     for json_mode in ("json", {"type": "json_object"}):
         r = GenerateRequest.from_dict({"prompt": "x", "response_format": json_mode})
         assert r.response_format == {"type": "json_object"}

@@ -23,7 +23,7 @@ from agents.decode.kvcaches import fill_layer
 from agents.decode.kvfetch import receive_layers
 from agents.decode.kvslots import ENV, Slots, allocate
 from agents.decode.prefixcache import DecodePrefix, Hit, Span
-from agents.prefill.agent import to_wire
+from agents.prefill.engine import to_wire
 from agents.wire import kvcodec as K
 from agents.wire.auth import client_auth, server_auth
 from agents.wire.channel import recv_json, send_buffers, send_frame, send_json

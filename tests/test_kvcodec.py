@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from agents.prefill.agent import to_wire
+from agents.prefill.engine import to_wire
 from agents.wire import kvcodec as K
 from agents.wire.frames import ProtocolError
 

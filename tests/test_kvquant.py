@@ -28,7 +28,7 @@ AGREEMENT_BAR = 0.9
 def engines(default_model: Path) -> tuple[Any, Any]:
     """(PrefillEngine, DecodeEngine) of the default model, as the agents load it."""
     from agents.decode.agent import DecodeEngine
-    from agents.prefill.agent import PrefillEngine
+    from agents.prefill.engine import PrefillEngine
 
     return PrefillEngine(str(default_model), device="cpu"), DecodeEngine(str(default_model))
 

@@ -6,11 +6,19 @@
 - Arrows run one way, up: `disagg.serving` (what the API is built on) never imports
   the API or the front doors; the API never imports the front doors
   (`disagg.frontends`: gateways, guard, batch runner).
+- The benchmarks (`disagg.bench`) sit beside the serving path, never on it: no
+  module under `disagg.bench` is reachable from the front doors, serving, the
+  API, the fleet, the agents or `disagg serve`'s own module, walking every
+  import (those inside functions too, and the packages each one runs).
+- Each front door's request and answer types (`disagg.frontends.<api>.types`)
+  stand apart from its routes: they reach no routes module and no fastapi; the
+  OpenAI and Ollama front doors never import each other (`app` mounts both).
 """
 
 from __future__ import annotations
 
 import ast
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -76,6 +84,92 @@ def test_the_api_never_imports_the_front_doors() -> None:
     assert not [n for n in imports(api) if n.startswith("disagg.frontends")]
 
 
+def our_modules() -> dict[str, Path]:
+    return {module_name(p): p for pkg in ("disagg", "agents") for p in modules(pkg)}
+
+
+def imported_modules(path: Path, known: dict[str, Path]) -> set[str]:
+    """Our modules a file imports (`resolved_imports`: at any depth in the file,
+    under TYPE_CHECKING too), with the packages above each: their `__init__` runs."""
+    found: set[str] = set()
+    for target in resolved_imports(path, typing_too=True):
+        parts = target.split(".")
+        found.update(
+            m for m in (".".join(parts[:i]) for i in range(1, len(parts) + 1)) if m in known
+        )
+    return found
+
+
+def reachable(
+    roots: list[str], known: dict[str, Path], opaque: tuple[str, ...] = ()
+) -> dict[str, str]:
+    """Every module reachable from `roots`, each with the chain that reaches it.
+    `opaque` modules are reached but not walked into."""
+    chain = {r: r for r in roots}
+    todo = deque(roots)
+    while todo:
+        mod = todo.popleft()
+        if mod in opaque:
+            continue
+        for nxt in sorted(imported_modules(known[mod], known)):
+            if nxt not in chain:
+                chain[nxt] = f"{chain[mod]} -> {nxt}"
+                todo.append(nxt)
+    return chain
+
+
+def test_no_bench_module_is_reachable_from_the_serving_path() -> None:
+    known = our_modules()
+    starts = ("disagg.frontends", "disagg.serving", "disagg.api", "disagg.fleet", "agents")
+    roots = [m for m in known if any(m == s or m.startswith(s + ".") for s in starts)]
+    # `disagg serve`'s module. The CLI package's __init__ registers every command,
+    # the bench sub-app too, whose commands import the benches only when they run
+    # (tests/test_bench_cli.py checks what a real process loads): not walked into.
+    roots.append("disagg.cli.commands")
+    chain = reachable(roots, known, opaque=("disagg.cli",))
+    assert [c for m, c in chain.items() if m.startswith("disagg.bench")] == []
+
+
+FRONT_DOORS = ("openai", "ollama")
+
+
+@pytest.mark.parametrize("api", FRONT_DOORS)
+def test_front_door_types_stand_apart_from_their_routes(api: str) -> None:
+    known = our_modules()
+    types = f"disagg.frontends.{api}.types"
+    chain = reachable([types], known)
+    assert [c for m, c in chain.items() if m.rpartition(".")[2] == "routes"] == []
+    assert not [n for n in imports(known[types]) if n == "fastapi" or n.startswith("fastapi.")]
+
+
+@pytest.mark.parametrize("api, other", [FRONT_DOORS, FRONT_DOORS[::-1]])
+def test_front_doors_never_import_each_other(api: str, other: str) -> None:
+    known = our_modules()
+    roots = [m for m in known if m.startswith(f"disagg.frontends.{api}.")]
+    chain = reachable(roots, known)
+    assert [c for m, c in chain.items() if m.startswith(f"disagg.frontends.{other}")] == []
+
+
+def test_the_graph_walker_sees_lazy_relative_and_package_imports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pkg = tmp_path / "disagg"
+    (pkg / "bench").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "bench" / "__init__.py").write_text("")
+    (pkg / "bench" / "x.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from .b import g\n")
+    (pkg / "b.py").write_text("def g():\n    from disagg import bench\n")
+    (pkg / "c.py").write_text("import disagg.bench.x\n")
+    monkeypatch.setitem(globals(), "REPO", tmp_path)
+    known = our_modules()
+    assert reachable(["disagg.a"], known)["disagg.bench"] == (
+        "disagg.a -> disagg.b -> disagg.bench"
+    )
+    assert {"disagg", "disagg.bench", "disagg.bench.x"} <= set(reachable(["disagg.c"], known))
+    assert "disagg.bench" not in reachable(["disagg.a"], known, opaque=("disagg.b",))
+
+
 @pytest.mark.parametrize(
     "source, forbidden, expected",
     [
@@ -97,6 +191,16 @@ def test_the_rule_reader_sees_imports(
     monkeypatch.setitem(globals(), "REPO", tmp_path)
     found = violations("pkg", forbidden)
     assert [f.replace("pkg/", "") for f in found] == expected
+
+
+def test_the_agents_ship_no_fault_injection() -> None:
+    # Tests stretch the K/V stream with their own wrapper (tests/slowprefill.py).
+    found = [
+        p.relative_to(REPO).as_posix()
+        for p in modules("agents")
+        if "--fault" in p.read_text() or "layer_delay" in p.read_text()
+    ]
+    assert found == []
 
 
 # -- the groups' arrows, circles and private names --------------------------------

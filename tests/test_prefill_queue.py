@@ -117,7 +117,7 @@ def unread_pair() -> tuple[socket.socket, socket.socket]:
 
 
 def test_the_sender_drops_a_peer_that_lets_its_buffer_fill() -> None:
-    from agents.prefill.agent import LayerSender, PeerStalled
+    from agents.prefill.sender import LayerSender, PeerStalled
 
     a, b = unread_pair()
     with a, b:
@@ -132,7 +132,7 @@ def test_the_sender_drops_a_peer_that_lets_its_buffer_fill() -> None:
 
 
 def test_the_sender_cuts_a_peer_that_takes_nothing_for_the_stall_deadline() -> None:
-    from agents.prefill.agent import LayerSender, PeerStalled
+    from agents.prefill.sender import LayerSender, PeerStalled
 
     a, b = unread_pair()
     with a, b:
@@ -145,7 +145,7 @@ def test_the_sender_cuts_a_peer_that_takes_nothing_for_the_stall_deadline() -> N
 
 
 def test_a_slow_reader_that_keeps_reading_is_not_cut() -> None:
-    from agents.prefill.agent import LayerSender
+    from agents.prefill.sender import LayerSender
 
     a, b = unread_pair()
     got = 0
@@ -177,7 +177,7 @@ def test_the_sender_frames_a_layer_early_without_reading_its_bytes(codec: Codec)
     a device-to-host copy may have written its bytes: what goes out must be what
     the arrays hold once `wait` returned, for early frames, strided arrays and
     compressing codecs alike."""
-    from agents.prefill.agent import LayerSender
+    from agents.prefill.sender import LayerSender
     from agents.wire.kvcodec import decode_layer
 
     a, b = socket.socketpair()

@@ -25,6 +25,7 @@ from agents.prefix.store import Block, PrefixCache, block_keys
 from disagg.serving.localagents import AgentProc
 from tests.conftest import PairFactory, ask
 from tests.references import hf_greedy, mlx_greedy
+from tests.slowprefill import slow_prefill
 from tests.tinymodels import PROMPT, shared_tiny
 
 N_NEW = 16
@@ -118,9 +119,7 @@ def test_decode_store_stays_in_budget_under_concurrent_requests(
 def slow_pair(fresh_agents: PairFactory) -> tuple[AgentProc, AgentProc, Path]:
     """A llama pair whose prefill agent takes 1.5 s per layer (4 layers): the test
     kills it."""
-    prefill, decode = fresh_agents(
-        shared_tiny("llama"), prefill_args=["--fault-layer-delay", "1.5"]
-    )
+    prefill, decode = fresh_agents(shared_tiny("llama"), **slow_prefill(1.5))
     return prefill, decode, Path(json.loads(decode.control("/status"))["model"])
 
 

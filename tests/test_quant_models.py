@@ -75,7 +75,7 @@ def test_packed_weights_are_bit_identical_to_mx_dequantize(name: str) -> None:
     import torch
     from mlx_lm.utils import load_model
 
-    from agents.prefill.agent import PrefillEngine
+    from agents.prefill.engine import PrefillEngine
     from agents.quant.dequant import Packed
 
     from .test_quant_units import same_bits, to_torch

@@ -78,7 +78,7 @@ def test_generate_request_replace_is_typed_and_checked() -> None:
 
 def test_metrics_keep_the_wire_names() -> None:
     wire = {"prompt_tokens": 3, "method": "local", "cached_tokens": 0, "from_the_future": 1}
-    m = Metrics.from_wire(wire)
+    m = Metrics.from_json(wire)
     assert m.prompt_tokens == 3 and m["method"] == "local" and m.get("from_the_future") == 1
     out = m.to_dict()
     assert all(name in out for name in SEED_NAMES)  # the seed's names, always

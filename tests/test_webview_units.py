@@ -22,6 +22,7 @@ import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
+from agents.wire.answer import TokenEvent
 from disagg.api import Client
 from disagg.fleet.crashes import crash_tail_command, last_error_from_tails
 from disagg.fleet.operations import LogLine, log_commands, merge_by_time, pump_lines
@@ -70,15 +71,15 @@ def test_prometheus_text_parses_and_counts_what_happened() -> None:
     )
     assert sample(before, "disagg_gateway_ttft_seconds", "disagg_gateway_ttft_seconds_count") == 0
     m.begin("m1")
-    m.end("m1", RESULT, ok=True)
+    m.end("m1", RESULT, "stop")
     m.begin("m1")
     m.end(
         "m1",
         {**RESULT, "method": "local-fallback", "fallback_kind": "unreachable", "cached_tokens": 0},
-        ok=True,
+        "length",
     )
     m.begin("m1")
-    m.end("m1", None, ok=False)
+    m.end("m1", None, "error")
     m.agent("decode@x", "decode", "m1", up=False)
     f = families(m.text())
     assert (
@@ -136,7 +137,7 @@ def test_request_log_records_runs_and_failures() -> None:
             raise RuntimeError("agent died")
         if request.get("prompt") == "stop":
             raise Stop
-        on_token({"id": 5, "text": "hi"})
+        on_token(TokenEvent(5, "hi"))
         return type("R", (), {"metrics": dict(RESULT)})()
 
     wrapped = log.wrap(run)

@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from . import qwenxml
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -28,9 +30,14 @@ class Piece:
 class ToolCall:
     name: str
     arguments: dict[str, Any]
+    text: str | None = None  # the arguments as the model wrote them, where it wrote JSON
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "arguments": self.arguments}
+        """DONE's form; `arguments_text` lets a client send the call back byte-exact."""
+        out: dict[str, Any] = {"name": self.name, "arguments": self.arguments}
+        if self.text is not None:
+            out["arguments_text"] = self.text
+        return out
 
 
 Event = Piece | ToolCall
@@ -47,11 +54,36 @@ class PlainParser:
     def special(self, name: str) -> list[Event]:
         return []
 
-    def finish(self) -> list[Event]:
+    def finish(self, cut: bool = False) -> list[Event]:
         return []
 
 
-def _tool_call(name: Any, args: Any) -> ToolCall | None:
+class CallParser:
+    """A forced call on a template without tool markup: the grammar makes the
+    whole answer `{"name": ..., "arguments": {...}}`, read once it ends."""
+
+    mode = "tool"
+
+    def __init__(self) -> None:
+        self.buf: list[str] = []
+
+    def text(self, s: str) -> list[Event]:
+        self.buf.append(s)
+        return []
+
+    def special(self, name: str) -> list[Event]:
+        return []
+
+    def finish(self, cut: bool = False) -> list[Event]:
+        body, self.buf = "".join(self.buf), []
+        call = parse_qwen_json(body, None)
+        if call is not None:
+            return [call]
+        # Cut short, the call is no answer; otherwise what was written is.
+        return [] if cut or not body.strip() else [Piece("content", body)]
+
+
+def _tool_call(name: Any, args: Any, text: str | None = None) -> ToolCall | None:
     if isinstance(args, str):
         try:
             args = json.loads(args) if args.strip() else {}
@@ -59,7 +91,7 @@ def _tool_call(name: Any, args: Any) -> ToolCall | None:
             return None
     if not isinstance(name, str) or not name or not isinstance(args, Mapping):
         return None
-    return ToolCall(name, dict(args))
+    return ToolCall(name, dict(args), text)
 
 
 # -- harmony -------------------------------------------------------------------
@@ -127,7 +159,12 @@ class HarmonyParser:
         self.state = "outside"
         return out
 
-    def finish(self) -> list[Event]:
+    def finish(self, cut: bool = False) -> list[Event]:
+        """cut: max_tokens ended the answer; a call still open is no call, and
+        its partial arguments are no answer either: dropped."""
+        if cut and self.state == "body" and self.recipient is not None:
+            self.state, self.recipient, self.body = "outside", None, []
+            return []
         return self._close()
 
     def _open(self) -> None:
@@ -145,7 +182,7 @@ class HarmonyParser:
         if self.state == "body" and self.recipient is not None:
             raw = "".join(self.body)
             name = self.recipient.removeprefix("functions.")
-            call = _tool_call(name, raw)
+            call = _tool_call(name, raw, raw)
             # Arguments that are no JSON object come back as text, never as markup.
             out.append(call if call is not None else Piece("content", raw))
         self.state, self.recipient, self.channel, self.body = "outside", None, "", []
@@ -156,6 +193,8 @@ class HarmonyParser:
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+FUNCTION_OPEN, FUNCTION_CLOSE = qwenxml.FUNCTION, qwenxml.FUNCTION_END
+XML_MARKUP = (FUNCTION_OPEN, qwenxml.PARAMETER, CALL_OPEN)
 
 
 def parse_qwen_json(body: str, tools: list[dict[str, Any]] | None) -> ToolCall | None:
@@ -171,14 +210,9 @@ def parse_qwen_json(body: str, tools: list[dict[str, Any]] | None) -> ToolCall |
 
 def parse_qwen_xml(body: str, tools: list[dict[str, Any]] | None) -> ToolCall | None:
     """Qwen3-Coder: `<function=NAME><parameter=ARG>value</parameter></function>`,
-    values typed by the tool's parameter schema: mlx-lm's parser."""
-    from mlx_lm.tool_parsers import qwen3_coder
-
-    try:
-        call = qwen3_coder.parse_tool_call(body.strip(), tools)
-    except ValueError:
-        return None
-    return _tool_call(call.get("name"), call.get("arguments", {}))
+    values typed by the tool's parameter schema, missing close tags recovered."""
+    found = qwenxml.parse_call(body, tools)
+    return None if found is None else _tool_call(*found)
 
 
 class _JsonQuotes:
@@ -236,6 +270,10 @@ class TagParser:
         self.answered = False
         self.quotes = _JsonQuotes()  # a JSON call's strings, read as its body grows
         self.skip = 0  # close tags before this in a call's body are its text
+        # Qwen3-Coder may open a call with <function= alone, after prose: such a
+        # call ends at its </function>.
+        self.xml = tool_parser is parse_qwen_xml
+        self.bare = False
 
     @property
     def mode(self) -> str:
@@ -245,9 +283,12 @@ class TagParser:
         if self.state == "reasoning":
             return (THINK_CLOSE,)
         if self.state == "tool":
-            return (CALL_CLOSE,)
+            return (CALL_CLOSE, FUNCTION_CLOSE) if self.bare else (CALL_CLOSE,)
         tags = (THINK_OPEN,) if self.think and not self.answered else ()
-        return (*tags, CALL_OPEN) if self.tool_parser else tags
+        if not self.tool_parser:
+            return tags
+        # A stray </tool_call> (after a bare call) is markup too: dropped.
+        return (*tags, CALL_OPEN, CALL_CLOSE, *((FUNCTION_OPEN,) if self.xml else ()))
 
     def _piece(self, text: str, out: list[Event]) -> None:
         if self.lead:
@@ -283,10 +324,15 @@ class TagParser:
             i, tag = min(found)
             before, self.buf = self.buf[:i], self.buf[i + len(tag) :]
             if self.state == "tool":
-                self._end_call(before, out)
+                self._end_call(before + (tag if tag == FUNCTION_CLOSE else ""), out)
             else:
                 self._piece(before.rstrip(), out)
-            self.state = {THINK_OPEN: "reasoning", CALL_OPEN: "tool"}.get(tag, "content")
+            self.bare = tag == FUNCTION_OPEN
+            if self.bare:
+                self.buf = tag + self.buf  # the call's own first tag
+            self.state = {THINK_OPEN: "reasoning", CALL_OPEN: "tool", FUNCTION_OPEN: "tool"}.get(
+                tag, "content"
+            )
             self.lead, self.quotes, self.skip = True, _JsonQuotes(), 0
         return out
 
@@ -295,7 +341,7 @@ class TagParser:
         a random model put the token "</tool_call>" inside a JSON argument, which the
         grammar allows, and the call was cut there. A close tag inside a JSON
         call's string, or before an XML call's </function>, is the call's text."""
-        if self.state != "tool":
+        if self.state != "tool" or tag == FUNCTION_CLOSE:
             return self.buf.find(tag)
         i = self.buf.find(tag, self.skip)
         while i >= 0 and self._inside_call(i):
@@ -304,29 +350,49 @@ class TagParser:
         return i
 
     def _inside_call(self, i: int) -> bool:
-        if self.tool_parser is parse_qwen_json:
+        if not self.xml:
             return self.quotes.inside_at(self.buf, i)
-        return self.tool_parser is parse_qwen_xml and self.buf.find("</function>", 0, i) < 0
+        # XML: inside a parameter's value that has not ended (no </parameter>, no
+        # </function> after its opening tag).
+        head = self.buf[:i]
+        at = head.rfind(qwenxml.PARAMETER)
+        return (
+            at >= 0 and qwenxml.PARAMETER_END not in head[at:] and FUNCTION_CLOSE not in head[at:]
+        )
+
+    def _whole(self, body: str) -> bool:
+        """Whether a call's body is complete: JSON that parses, XML that ends."""
+        if self.xml:
+            return FUNCTION_CLOSE in body
+        return self.tool_parser(body, self.tools) is not None
 
     def _end_call(self, body: str, out: list[Event]) -> None:
         call = self.tool_parser(body, self.tools)
+        self.bare = False
         if call is not None:
             out.append(call)
-        else:  # not a call after all: its text is the answer's
+        elif not (self.xml and any(t in body for t in XML_MARKUP)):
+            # not a call after all: its text is the answer's (an XML call's markup never is)
             self.state = "content"
             self._piece(body.strip(), out)
 
-    def finish(self) -> list[Event]:
+    def finish(self, cut: bool = False) -> list[Event]:
+        """cut: max_tokens ended the answer, and a call still open is dropped.
+        Otherwise (the model stopped) a call is recovered as far as it goes."""
         out: list[Event] = []
         buf, self.buf = self.buf, ""
-        if self.state == "tool":  # cut short: keep the call if it is whole
+        if self.state == "tool" and (not cut or self._whole(buf)):
             body, tag, rest = buf.partition(CALL_CLOSE)
-            if tag and self.tool_parser(buf, self.tools) is None:
-                # A string that never closed held the close tag: it was one after all.
+            if tag and not self._whole(buf):
+                # A value that never closed held the close tag: it was one after all.
                 self._end_call(body, out)
                 self.state, self.lead = "content", True
                 return out + self.text(rest) + self.finish()
             self._end_call(buf, out)
+        elif self.state == "tool":
+            pass  # cut inside a call: neither a call nor an answer
+        elif cut and buf.strip() and any(t.startswith(buf.strip()) for t in self._tags()):
+            pass  # a tag the cut left half-written is markup, not text
         else:
             self._piece(buf.rstrip() if self.state == "reasoning" else buf, out)
         self.state = "content"

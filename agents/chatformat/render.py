@@ -1,5 +1,7 @@
 """A request as prompt token ids: the tokenizer's own chat template renders the
-conversation; we only put the messages in the shape templates read."""
+conversation (we only put the messages in the shape templates read), except
+harmony, which openai-harmony's rendering defines (agents.chatformat.harmony).
+Message text is text either way: only the template's markup is special tokens."""
 
 from __future__ import annotations
 
@@ -7,7 +9,9 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from . import harmony
 from .detect import ChatFormat
+from .literal import text_encoder
 
 
 class FormatError(ValueError):
@@ -43,9 +47,10 @@ def _tool_calls(calls: list[Any]) -> list[dict[str, Any]]:
 def chat_messages(
     messages: list[dict[str, Any]], system: str | None, fmt: ChatFormat
 ) -> list[dict[str, Any]]:
-    """Messages as the templates read them: assistant reasoning under both names
-    templates use (`thinking`: harmony; `reasoning_content`: Qwen3), tool call
-    arguments as objects, no None content."""
+    """Messages as the templates read them: assistant reasoning (sent as
+    `thinking`, `reasoning_content` or `reasoning`) under the names templates use
+    (`thinking`: harmony; `reasoning_content`: Qwen3), tool call arguments as
+    objects, no None content."""
     out: list[dict[str, Any]] = []
     if system:
         out.append({"role": "system", "content": system})
@@ -53,9 +58,15 @@ def chat_messages(
         msg = {k: v for k, v in m.items() if v is not None}
         msg["content"] = m.get("content") or ""
         if m["role"] == "assistant":
-            thinking = m.get("thinking") or m.get("reasoning_content")
-            msg.pop("thinking", None)
-            msg.pop("reasoning_content", None)
+            thinking = m.get("thinking") or m.get("reasoning_content") or m.get("reasoning")
+            for key in ("thinking", "reasoning_content", "reasoning"):
+                msg.pop(key, None)
+            if not thinking and fmt.reasoning and "</think>" in msg["content"]:
+                # A client that sent the answer back with its think block: apart, as
+                # Qwen3's template splits it (its text is escaped before the template).
+                head, _, msg["content"] = msg["content"].rpartition("</think>")
+                thinking = head.split("<think>")[-1].strip("\n")
+                msg["content"] = msg["content"].lstrip("\n")
             if thinking:
                 msg["thinking"] = msg["reasoning_content"] = thinking
             if m.get("tool_calls"):
@@ -63,44 +74,6 @@ def chat_messages(
             else:
                 msg.pop("tool_calls", None)
         out.append(msg)
-    return _one_call_per_turn(out) if fmt.kind == "harmony" else out
-
-
-def _one_call_per_turn(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Harmony carries one call per assistant message, its result right after
-    it (the template names a result by the latest call): split parallel calls,
-    each followed by its result (matched by tool_call_id, else in order)."""
-    out: list[dict[str, Any]] = []
-    i = 0
-    while i < len(messages):
-        m = messages[i]
-        calls = m.get("tool_calls") or []
-        if m["role"] != "assistant" or len(calls) < 2:
-            out.append(m)
-            i += 1
-            continue
-        results = []
-        j = i + 1
-        while j < len(messages) and messages[j]["role"] == "tool":
-            results.append(messages[j])
-            j += 1
-        by_id = {r.get("tool_call_id"): r for r in results if r.get("tool_call_id")}
-        rest = [r for r in results if not r.get("tool_call_id")]
-        for n, call in enumerate(calls):
-            turn = {"role": "assistant", "content": "", "tool_calls": [call]}
-            if n == 0 and m.get("thinking"):
-                turn["thinking"] = turn["reasoning_content"] = m["thinking"]
-            out.append(turn)
-            result = by_id.pop(call["id"], None) or (rest.pop(0) if rest else None)
-            if result is not None:
-                out.append(result)
-        out.extend([*by_id.values(), *rest])
-        i = j
-    # Harmony's template refuses content and thinking together on a tool-call
-    # turn: the reasoning is what led to the call, keep it.
-    for m in out:
-        if m["role"] == "assistant" and m.get("tool_calls") and m.get("thinking"):
-            m["content"] = ""
     return out
 
 
@@ -134,12 +107,20 @@ def render_chat(
     think: bool | str | None = None,
     forced: bool = False,
 ) -> list[int]:
-    """The conversation through the tokenizer's chat template, ending where the
-    assistant speaks next. Raises FormatError for what the model cannot take.
+    """The conversation through the tokenizer's chat template (harmony: as
+    openai-harmony renders it), ending where the assistant speaks next; every
+    text the request carries is tokenized as text. Raises FormatError for what
+    the model cannot take.
 
     forced: a tool call is forced by constrained decoding (tool_choice
     "required" or a named function), so a template without tools is no refusal.
     """
+    if fmt.kind == "harmony":
+        try:
+            convo = harmony.conversation(messages, system=system, tools=tools or None, think=think)
+            return harmony.encode(tokenizer, fmt.special_ids, harmony.segments(convo))
+        except harmony.HarmonyError as e:
+            raise FormatError(str(e)) from None
     if not fmt.template:
         raise FormatError("this model has no chat template: send a raw prompt instead")
     kwargs = template_kwargs(fmt, think)
@@ -148,16 +129,22 @@ def render_chat(
     elif tools and not forced:
         raise FormatError(
             "tools: this model's chat template does not take tools, so it cannot call "
-            "them; send the request without tools (or force a call with tool_choice)"
+            "them; send the request without tools, or force a call (OpenAI's API: "
+            'tool_choice) or ask for the arguments as JSON (Ollama\'s API: "format")'
         )
     msgs = chat_messages(messages, system, fmt)
+    enc = text_encoder(tokenizer)
+    marker = enc.marker(msgs, kwargs)
     try:
-        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, **kwargs)
+        text = tokenizer.apply_chat_template(
+            enc.escape(msgs, marker),
+            add_generation_prompt=True,
+            tokenize=False,
+            **enc.escape(kwargs, marker),
+        )
     except Exception as e:  # jinja's raise_exception and friends: the messages are wrong
         raise FormatError(f"the chat template refused the messages: {e}") from None
-    if isinstance(ids, Mapping):  # some tokenizers answer a BatchEncoding
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
+    return enc.markup_ids(str(text), marker)
 
 
 def render_fim(tokenizer: Any, fmt: ChatFormat, prefix: str, suffix: str) -> list[int]:
@@ -169,7 +156,5 @@ def render_fim(tokenizer: Any, fmt: ChatFormat, prefix: str, suffix: str) -> lis
         )
     pre, suf, mid = fmt.fim
 
-    def enc(text: str) -> list[int]:
-        return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
-
+    enc = text_encoder(tokenizer).encode  # code that holds "<|fim_middle|>" is text too
     return [pre, *enc(prefix), suf, *enc(suffix), mid]

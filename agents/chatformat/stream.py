@@ -7,6 +7,7 @@ from typing import Any
 
 from .detect import ChatFormat
 from .parse import (
+    CallParser,
     Event,
     HarmonyParser,
     Piece,
@@ -56,13 +57,16 @@ class ChatStream:
         self.detok.add_token(tid)
         return self._keep(self.parser.text(self.detok.last_segment))
 
-    def finish(self) -> list[Event]:
-        return self._keep(self._flush() + self.parser.finish())
+    def finish(self, cut: bool = False) -> list[Event]:
+        """The answer has ended; cut: by max_tokens (a call still open is dropped)."""
+        return self._keep(self._flush(last=True) + self.parser.finish(cut))
 
-    def _flush(self) -> list[Event]:
+    def _flush(self, last: bool = False) -> list[Event]:
         self.detok.finalize()
         tail = self.detok.last_segment
         self.detok.reset()
+        if last:  # max_tokens cut a character's bytes short (an emoji): drop them, not "\ufffd"
+            tail = tail.rstrip("\ufffd")
         return self.parser.text(tail) if tail else []
 
     def _keep(self, events: list[Event]) -> list[Event]:
@@ -93,6 +97,7 @@ def open_stream(
     tools: list[dict[str, Any]] | None = None,
     detokenizer: Any = None,
     structured: bool = False,
+    forced: bool = False,
 ) -> ChatStream:
     """The stream for one request's answer.
 
@@ -100,6 +105,8 @@ def open_stream(
     tags are then plain text, harmony's markup tokens still never show).
     tools: the request's tools; Qwen's tool calls are parsed only when given.
     structured: the answer follows an output grammar (its text is kept whole).
+    forced: tool_choice forces a call; on a template without tool markup the
+    grammar makes the whole answer the call's JSON, read as the call.
     """
     detok = detokenizer if detokenizer is not None else tokenizer.detokenizer
     # Raw and FIM prompts keep every token's text, as mlx-lm's own generation does.
@@ -108,6 +115,8 @@ def open_stream(
         markup = {i: n for n, i in fmt.special_ids.items()}
         harmony = _harmony_after(prompt_ids, markup, tokenizer)
         return ChatStream(detok, harmony, markup, hidden - set(markup))
+    if chat and forced and tools and fmt.kind == "plain" and not fmt.reasoning:
+        return ChatStream(detok, CallParser(), {}, hidden)
     if not chat or (fmt.kind == "plain" and not fmt.reasoning):
         return ChatStream(detok, PlainParser(), {}, hidden)
     tool_parser = None

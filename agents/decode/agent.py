@@ -7,6 +7,7 @@ Run: python -m agents.decode --model DIR [--host H --port P]
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import queue
 import socket
@@ -14,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,7 @@ from agents.chatformat import (
     ChatStream,
     FormatError,
     Piece,
+    ToolCall,
     detect,
     open_stream,
     render_chat,
@@ -44,12 +47,14 @@ from agents.decode.loop import DecodeLoop, Sampler, Seq, make_sampler, sample_ro
 from agents.decode.placement import Placement
 from agents.decode.prefixcache import DecodePrefix, Hit, Recording, Span
 from agents.decode.prefixstore import PendingStore
+from agents.decode.upfront import client_gone, max_token_bytes, too_long
 from agents.models import get_adapter, load_hf_config
 from agents.prefix.store import default_max_mb
 from agents.quant import check_supported, weights_identity
 from agents.runtime.blasshare import BlasShare
 from agents.runtime.metrics import Stats
 from agents.runtime.server import common_args, fail, serve, start_agent
+from agents.wire.answer import CONTENT, REASONING, Done, Metrics, TokenEvent
 from agents.wire.channel import recv_json, send_error, send_frame, send_json
 from agents.wire.frames import CONTROL_MAX_FRAME, Frame, PeerClosed, ProtocolError, RemoteError
 from agents.wire.kvcodec import Codec, LayerKV
@@ -102,6 +107,7 @@ class DecodeEngine:
         self.chat = detect(self.tokenizer)  # its chat format, from vocab and template
         self.context = int(self.cfg.get("max_position_embeddings") or 1 << 20)
         self.vocab_size = int(self.cfg["vocab_size"])
+        self.max_token_bytes = max_token_bytes(self.tokenizer)
         # Structured outputs: compiled grammars for this tokenizer, cached.
         eos_ids = self.tokenizer.eos_token_ids or []
         self.grammars = Grammars(self.tokenizer, self.vocab_size, eos_ids)
@@ -125,9 +131,19 @@ class DecodeEngine:
             "weights": weights_identity(model_dir),
         }
 
+    def check_fits(self, req: GenerateRequest) -> None:
+        """Refuse, before tokenizing, a prompt that surely cannot fit the context."""
+        why = too_long(req, self.context, self.max_token_bytes)
+        if why:
+            raise BadRequest(why)
+
     def encode(self, req: GenerateRequest) -> list[int]:
         """The request's prompt as token ids: chat template unless raw, or the
-        fill-in-the-middle prompt when it has a suffix."""
+        fill-in-the-middle prompt when it has a suffix. Chat messages and FIM code
+        are text (special tokens' names in them stay characters); a raw prompt is
+        the caller's own markup, encoded as the tokenizer encodes it, specials and all.
+        A prompt that surely cannot fit the context is refused before any of that."""
+        self.check_fits(req)
         tok = self.tokenizer
         try:
             if req.suffix is not None:
@@ -141,7 +157,9 @@ class DecodeEngine:
                 assert req.prompt is not None  # GenerateRequest checked it
                 return list(tok.encode(req.prompt))
             messages = req.messages or [{"role": "user", "content": req.prompt}]
-            forced = req.tool_choice not in (None, "auto", "none")
+            # A Lark-grammar answer is a forced custom tool's input: its tools are context.
+            lark = (req.response_format or {}).get("type") == "lark"
+            forced = req.tool_choice not in (None, "auto", "none") or lark
             return render_chat(
                 tok,
                 self.chat,
@@ -192,6 +210,7 @@ class DecodeEngine:
             chat=self.is_chat(req),
             tools=_tools(req),
             structured=req.response_format is not None,
+            forced=req.tool_choice not in (None, "auto", "none"),
         )
 
 
@@ -200,30 +219,70 @@ def _tools(req: GenerateRequest) -> list[dict[str, Any]] | None:
     return None if req.tool_choice == "none" else req.tools
 
 
-def send_events(sock: socket.socket, tid: int | None, events: list[Any]) -> None:
-    """TOKEN frames for what one token completed. The first carries the id (one
-    per token, even when markup shows nothing); reasoning text is marked
-    `"channel": "reasoning"`; a finished tool call rides as `"tool_call"`."""
-    frames: list[dict[str, Any]] = []
+# What is known once the first token is out: a client that stops reading early (a stop
+# string matched, its caller left) still reports the prompt's side of the request.
+FIRST_METRICS = (
+    "prompt_tokens",
+    "cached_tokens",
+    "prefill_cached_tokens",
+    "method",
+    "prefill_server",
+    "decode_server",
+    "prefill_time",
+    "prefill_queue_time",
+    "kv_bytes",
+    "kv_transfer_time",
+    "weights",
+    "placement",
+    "placement_reason",
+    "fallback_reason",
+    "fallback_kind",
+)
+
+
+def first_metrics(metrics: Metrics, at: float, t0: float, t_first: float) -> Metrics:
+    """The first TOKEN frame's `metrics`: the prompt's side, the agent's ttft, and the
+    timeline so far (`at`, first_token in seconds after it)."""
+    early = Metrics.from_json({k: metrics[k] for k in FIRST_METRICS if k in metrics})
+    early.ttft = t_first - t0
+    early.timeline = {"at": at, "first_token": t_first - t0}
+    return early
+
+
+def token_events(
+    tid: int | None, events: list[Piece | ToolCall], metrics: Metrics | None = None
+) -> list[TokenEvent]:
+    """What one token completed, as TOKEN frames: the first carries the id (one per
+    token, even when markup shows nothing) and on the request's first token its
+    `metrics` (first_metrics); text on one channel rides in one frame; a finished
+    tool call rides alone."""
+    out: list[TokenEvent] = []
     for e in events:
         if isinstance(e, Piece):
-            if (
-                frames
-                and frames[-1].get("channel", "content") == e.channel
-                and "tool_call" not in frames[-1]
-            ):
-                frames[-1]["text"] += e.text
-                continue
-            frame: dict[str, Any] = {"text": e.text}
-            if e.channel == "reasoning":
-                frame["channel"] = "reasoning"
+            channel = REASONING if e.channel == REASONING else CONTENT
+            last = out[-1] if out else None
+            if last is not None and last.channel == channel and last.tool_call is None:
+                out[-1] = dataclasses.replace(last, text=last.text + e.text)
+            else:
+                out.append(TokenEvent(text=e.text, channel=channel))
         else:
-            frame = {"text": "", "tool_call": e.to_dict()}
-        frames.append(frame)
-    if tid is not None and not frames:
-        frames.append({"text": ""})
-    for n, frame in enumerate(frames):
-        send_json(sock, Frame.TOKEN, {"id": tid if n == 0 else None, **frame})
+            out.append(TokenEvent(tool_call=e.to_dict()))
+    if tid is not None:
+        out[:1] = [dataclasses.replace(out[0] if out else TokenEvent(), id=tid)]
+    if metrics is not None and out:
+        out[0] = dataclasses.replace(out[0], metrics=metrics)
+    return out
+
+
+def send_events(
+    sock: socket.socket,
+    tid: int | None,
+    events: list[Piece | ToolCall],
+    metrics: Metrics | None = None,
+) -> None:
+    """The TOKEN frames for what one token completed (token_events)."""
+    for event in token_events(tid, events, metrics):
+        send_json(sock, Frame.TOKEN, event.to_json())
 
 
 Item = tuple[int, "np.ndarray | None"]
@@ -310,6 +369,17 @@ def greedy_first(logits: np.ndarray, allowed: np.ndarray | None) -> int | None:
     return tid if gap > 1e-5 * max(1.0, abs(top)) else None
 
 
+@dataclass
+class Prefilled:
+    """Caches holding the prompt; after a remote prefill also the logits of its last
+    position and the fetch's marks (perf_counter times on this host: sent, kv_first,
+    kv_last), which only the timeline reads."""
+
+    caches: list[Any]
+    logits: np.ndarray | None = None
+    marks: dict[str, float | None] | None = None
+
+
 class DecodeAgent:
     def __init__(
         self,
@@ -379,24 +449,25 @@ class DecodeAgent:
             self.stats.begin()
             outcome, metrics = "error", None
             try:
-                # PROGRESS while no token is due, if the client asked (agents/keepalive).
-                with Keepalive(sock, progress_interval(req), self.loop) as progress:
-                    metrics = self._generate(GenerateRequest.from_dict(req), sock, progress)
-                outcome = "ok"
+                request = GenerateRequest.from_dict(req)
+                # PROGRESS while no token is due, if the client asked (agents.decode.keepalive).
+                with Keepalive(sock, progress_interval(request), self.loop) as progress:
+                    metrics = self._generate(request, sock, progress)
+                outcome = str(metrics.finish_reason or "stop")
             except (BadRequest, RequestError) as e:
                 outcome = "bad_request"
                 send_error(sock, "bad_request", str(e))
             except RemoteError as e:
                 send_error(sock, e.code, e.message)
             except OSError as e:
-                outcome = "client_gone"
+                outcome = "cancelled"
                 log.warning("client went away: %s", printable(e))
                 return
             except Exception as e:
                 log.exception("generate failed")
                 send_error(sock, "decode_failed", f"{type(e).__name__}: {e}")
             finally:
-                self.stats.end(outcome, metrics)
+                self.stats.end(outcome, metrics.to_json() if metrics is not None else None)
 
     def _max_tokens(self, req: GenerateRequest, ids: list[int]) -> int:
         """The request's max_tokens, capped by what the model's context leaves."""
@@ -413,45 +484,88 @@ class DecodeAgent:
         return self.prefix.lookup(namespace, ids, local, req.cache_salt)
 
     def _prefill(
-        self, req: GenerateRequest, ids: list[int], metrics: dict[str, Any], hits: list[Hit]
-    ) -> tuple[list[Any], np.ndarray | None]:
-        """Caches holding the prompt and, after a remote prefill, the logits of
-        its last position (None: prefill here, with local_prefill). A prefix
-        cache hit is appended to `hits`, to store the prompt's blocks later."""
+        self, req: GenerateRequest, ids: list[int], metrics: Metrics, hits: list[Hit]
+    ) -> Prefilled:
+        """Caches holding the prompt and, after a remote prefill, the logits of its
+        last position (None: prefill here, with _local_prefill). Picks the codec,
+        looks up the prefix cache, decides where to prefill and fetches the K/V; a
+        prefix cache hit is appended to `hits`, to store the prompt's blocks later."""
         caches = make_prompt_cache(self.engine.model)
         if req.prefill is None:
-            metrics["method"] = "decode-only"
-            return caches, None
+            metrics.method = "decode-only"
+            return Prefilled(caches)
         key = f"{','.join(req.prefill.hosts)}:{req.prefill.port}"
-        tuner: CodecTuner | None = None
-        probe = False
-        if req.codec == "auto":
-            with self.lock:
-                tuner = self.codec_tuners.setdefault(key, CodecTuner())
-            codec, why = tuner.choose()
-            probe = tuner.wants_probe()
-            metrics["codec_reason"] = why
-        else:
-            codec = Codec(int(req.codec))
-        # The remote prefix hit first: placement then weighs only what a remote
-        # prefill still computes and sends (most of a chat's next turn hits).
+        codec, tuner, probe = self._pick_codec(req, key, metrics)
+        where, why, hit = self._place(req, key, ids)
+        metrics.update(placement=where, placement_reason=why)
+        if where == "local":
+            metrics.method = "local"
+            return Prefilled(caches)
+        try:
+            fetched, logits = self._fetch_remote(req, ids, caches, hit, codec, probe)
+        except PrefillUnavailable as e:
+            log.warning("%s; prefilling locally", e)
+            metrics.update(method="local-fallback", fallback_reason=str(e), fallback_kind=e.kind)
+            return Prefilled(make_prompt_cache(self.engine.model))
+        marks = fetched.pop("marks", None)  # this host's clock, for the timeline only
+        # Rates from what was computed and sent, not what came from a prefix cache.
+        computed = len(ids) - max(hit.tokens if hit.used else 0, fetched["prefill_cached_tokens"])
+        self.placement.observe_remote(key, computed, len(caches), fetched)
+        if tuner is not None:
+            tuner.observe_fetch(fetched)
+        metrics.update(fetched, method="disaggregated", cached_tokens=hit.tokens if hit.used else 0)
+        hits.append(hit)
+        return Prefilled(caches, logits, marks)
+
+    def _pick_codec(
+        self, req: GenerateRequest, key: str, metrics: Metrics
+    ) -> tuple[Codec, CodecTuner | None, bool]:
+        """The K/V codec to ask the prefill agent `key` for: the request's, or for
+        "auto" what that link measured best. Also the tuner that learns from this
+        fetch, and whether to time the other codecs on one layer."""
+        if req.codec != "auto":
+            return Codec(int(req.codec)), None, False
+        with self.lock:
+            tuner = self.codec_tuners.setdefault(key, CodecTuner())
+        codec, why = tuner.choose()
+        metrics.codec_reason = why
+        return codec, tuner, tuner.wants_probe()
+
+    def _place(self, req: GenerateRequest, key: str, ids: list[int]) -> tuple[str, str, Hit]:
+        """Where the prompt is prefilled ("local" or "remote"), why, and the remote
+        prefix cache hit. The hit comes first: placement then weighs only what a
+        remote prefill still computes and sends (most of a chat's next turn hits)."""
         hit = Hit(f"remote:{key}", [], [], self.prefix.cache.block)
         if req.placement != "local":
             hit = self._lookup(req, f"remote:{key}", ids, local=False)
         where, why = self.placement.choose(key, len(ids), cached=hit.tokens)
         if req.placement in ("local", "remote"):
             where, why = req.placement, "placement forced by the request"
-        metrics.update(placement=where, placement_reason=why)
-        if where == "local":
-            metrics["method"] = "local"
-            return caches, None
-        hello = {
+        return where, why, hit
+
+    def _hello(self) -> dict[str, Any]:
+        """Our HELLO to a prefill agent: who we are and the model we decode."""
+        return {
             "role": "decode",
             "fingerprint": self.engine.fingerprint,
             "model": self.engine.model_dir,
             "server": self.name,
             "allow_mixed": self.allow_mixed,
         }
+
+    def _fetch_remote(
+        self,
+        req: GenerateRequest,
+        ids: list[int],
+        caches: list[Any],
+        hit: Hit,
+        codec: Codec,
+        probe: bool,
+    ) -> tuple[dict[str, Any], np.ndarray]:
+        """The prompt's K/V from the request's prefill agent, placed into `caches`
+        (past a prefix cache `hit`), and its last position's logits; the fetch's
+        metrics (kvfetch.fetch_metrics). Raises PrefillUnavailable."""
+        assert req.prefill is not None
         fills: list[Future[Any]] = []
         # Full-attention layers are received straight into their caches, which
         # the mlx thread allocates while we dial (agents.decode.kvslots).
@@ -480,58 +594,46 @@ class DecodeAgent:
                 own = LayerKV(kv.layer, kv.kind, kv.dtype, kv.keys.copy(), kv.values.copy())
             fills.append(self.loop.post(fill_layer, cache, own, prompt_len))
 
-        try:
-            prefix = self.prefix.remote_prefix(hit, ids)
-            ask = PrefillRequest(
-                ids,
-                codec=int(codec),
-                kv_quant=req.kv_quant,
-                start=prefix.start if prefix else 0,
-                prefix_digest=prefix.digest if prefix else None,
-                prefix_cache=req.prefix_cache,
-                probe_codecs=probe,
-                cache_salt=req.cache_salt,
-                # Only where the agents share cores (blas_share set up by localagents):
-                # rows decoding now, or prefills of ours ahead of this one, whose
-                # streams will be decoding by the time this one runs.
-                cores_busy=self.blas_share.shared is not None
-                and (self.loop.busy() or self.blas_share.prefills > 0),
+        prefix = self.prefix.remote_prefix(hit, ids)
+        ask = PrefillRequest(
+            ids,
+            codec=int(codec),
+            kv_quant=req.kv_quant,
+            start=prefix.start if prefix else 0,
+            prefix_digest=prefix.digest if prefix else None,
+            prefix_cache=req.prefix_cache,
+            probe_codecs=probe,
+            cache_salt=req.cache_salt,
+            # Only where the agents share cores (blas_share set up by localagents):
+            # rows decoding now, or prefills of ours ahead of this one, whose
+            # streams will be decoding by the time this one runs.
+            cores_busy=self.blas_share.shared is not None
+            and (self.loop.busy() or self.blas_share.prefills > 0),
+        )
+        with self.blas_share.prefilling():
+            fetched, logits = fetch_kv(
+                req.prefill,
+                ask,
+                caches,
+                self._hello(),
+                self.token,
+                self.engine.vocab_size,
+                place,
+                prefix,
+                slots if alloc is not None else None,
             )
-            with self.blas_share.prefilling():
-                fetched, logits = fetch_kv(
-                    req.prefill,
-                    ask,
-                    caches,
-                    hello,
-                    self.token,
-                    self.engine.vocab_size,
-                    place,
-                    prefix,
-                    slots if alloc is not None else None,
-                )
-            for f in fills:
-                f.result()
-            if alloc is not None:
-                alloc.result().release()  # so decoding updates the caches in place
-        except PrefillUnavailable as e:
-            log.warning("%s; prefilling locally", e)
-            metrics.update(method="local-fallback", fallback_reason=str(e), fallback_kind=e.kind)
-            return make_prompt_cache(self.engine.model), None
-        # Rates from what was computed and sent, not what came from a prefix cache.
-        computed = len(ids) - max(hit.tokens if hit.used else 0, fetched["prefill_cached_tokens"])
-        self.placement.observe_remote(key, computed, len(caches), fetched)
-        if tuner is not None:
-            tuner.observe_fetch(fetched)
-        metrics.update(fetched, method="disaggregated", cached_tokens=hit.tokens if hit.used else 0)
-        hits.append(hit)
-        return caches, logits
+        for f in fills:
+            f.result()
+        if alloc is not None:
+            alloc.result().release()  # so decoding updates the caches in place
+        return fetched, logits
 
     def _local_prefill(
         self,
         ids: list[int],
         caches: list[Any],
         req: GenerateRequest | None = None,
-        metrics: dict[str, Any] | None = None,
+        metrics: Metrics | None = None,
         hits: list[Hit] | None = None,
     ) -> np.ndarray:
         """The prompt through the model here. Alone, chunked exactly as mlx-lm's
@@ -550,7 +652,7 @@ class DecodeAgent:
                 self.loop.call(self.prefix.seed, hit, caches)
                 done = hit.tokens
             if metrics is not None:
-                metrics["cached_tokens"] = hit.tokens
+                metrics.cached_tokens = hit.tokens
 
         def chunk(a: int, b: int) -> None:
             model(mx.array(ids[a:b])[None], cache=caches)
@@ -580,7 +682,9 @@ class DecodeAgent:
             sliding = self.loop.call(self.prefix.recorded, caches)
         return [PendingStore(self.prefix, self.loop, h, prompt_len, sliding) for h in hits]
 
-    def _matcher(self, req: GenerateRequest, ids: list[int]) -> Matcher | None:
+    def _matcher(
+        self, req: GenerateRequest, ids: list[int], sock: socket.socket | None = None
+    ) -> Matcher | None:
         """The request's output grammar, compiled (or found in the cache) before
         any compute: an invalid or unenforceable schema is a bad request."""
         eng = self.engine
@@ -596,11 +700,12 @@ class DecodeAgent:
             trigger=eng.think_end if thinks else None,
             analysis_max_tokens=min(ANALYSIS_MAX_TOKENS, req.max_tokens // 2),
             opener=opener,
+            gone=None if sock is None else lambda: client_gone(sock),
         )
 
     def _decoded(
         self,
-        metrics: dict[str, Any],
+        metrics: Metrics,
         n_prompt: int,
         n_out: int,
         max_tokens: int,
@@ -612,147 +717,196 @@ class DecodeAgent:
         """A finished request's decode metrics; placement learns its step time
         (and a local prefill's rate)."""
         decode_s = t_end - t_first
-        if metrics["method"] != "disaggregated" and metrics["prefill_time"]:
-            self.placement.observe_local(
-                n_prompt - metrics["cached_tokens"], metrics["prefill_time"]
-            )
+        prefill_s = metrics.prefill_time
+        if metrics.method != "disaggregated" and prefill_s:
+            self.placement.observe_local(n_prompt - (metrics.cached_tokens or 0), prefill_s)
         if n_out > 1:
             self.placement.observe_step(decode_s / (n_out - 1))
-        metrics.update(
-            completion_tokens=n_out,
-            # max_tokens here is the request's, capped by what the context leaves.
-            finish_reason="tool_calls" if called else "length" if n_out >= max_tokens else "stop",
-            ttft=t_first - t0,
-            decode_time=decode_s,
-            decode_speed=(n_out - 1) / decode_s if n_out > 1 and decode_s > 0 else None,
-            tpot=decode_s / (n_out - 1) if n_out > 1 else None,
-            agent_total_time=t_end - t0,
-            prefill_speed=(n_prompt / metrics["prefill_time"]) if metrics["prefill_time"] else None,
+        metrics.completion_tokens = n_out
+        # max_tokens here is the request's, capped by what the context leaves.
+        metrics.finish_reason = (
+            "tool_calls" if called else "length" if n_out >= max_tokens else "stop"
         )
+        metrics.ttft = t_first - t0
+        metrics.decode_time = decode_s
+        metrics.decode_speed = (n_out - 1) / decode_s if n_out > 1 and decode_s > 0 else None
+        metrics.tpot = decode_s / (n_out - 1) if n_out > 1 else None
+        metrics.agent_total_time = t_end - t0
+        metrics.prefill_speed = (n_prompt / prefill_s) if prefill_s else None
 
     def _generate(
         self, req: GenerateRequest, sock: socket.socket, progress: Keepalive | None = None
-    ) -> dict[str, Any]:
+    ) -> Metrics:
+        """One request: its prompt's K/V (remote, local or from the prefix cache), the
+        first token, the rest decoded in the shared batch with TOKEN frames as they
+        come, then DONE. Returns the metrics DONE carried."""
         eng = self.engine
-        t0 = time.perf_counter()
-        at = time.time()
+        t0, at = time.perf_counter(), time.time()
         ids = eng.encode(req)
         max_tokens = self._max_tokens(req, ids)
         t_grammar = time.perf_counter()
-        matcher = self._matcher(req, ids)
+        matcher = self._matcher(req, ids, sock)
         grammar_ms = (time.perf_counter() - t_grammar) * 1000 if matcher is not None else None
         allowed = eng.grammars.masks([matcher])[0] if matcher is not None else None
-        metrics: dict[str, Any] = {
-            "prompt_tokens": len(ids),
-            "kv_bytes": 0,
-            "kv_transfer_time": 0.0,
-            "decode_server": self.name,
-            "prefill_server": None,
-            "prefill_time": None,
-            "cached_tokens": 0,  # prompt positions whose K/V came from the prefix cache
-            "weights": "same",  # a remote prefill on other weights says "mixed"
-            "grammar_ms": grammar_ms,  # compiling the output grammar, or its cache hit
-        }
+        metrics = Metrics(
+            prompt_tokens=len(ids),
+            kv_bytes=0,
+            kv_transfer_time=0.0,
+            decode_server=self.name,
+            cached_tokens=0,  # prompt positions whose K/V came from the prefix cache
+            weights="same",  # a remote prefill on other weights says "mixed"
+            grammar_ms=grammar_ms,  # compiling the output grammar, or its cache hit
+        )
         hits: list[Hit] = []
-        caches, remote_logits = self._prefill(req, ids, metrics, hits)
+        prefilled = self._prefill(req, ids, metrics, hits)
         t_local = time.perf_counter()
         logits: np.ndarray | mx.array
-        if remote_logits is not None:
-            logits = remote_logits
+        if prefilled.logits is not None:
+            logits = prefilled.logits
         else:
-            logits = self._local_prefill(ids, caches, req, metrics, hits)
+            logits = self._local_prefill(ids, prefilled.caches, req, metrics, hits)
         t_prefilled = time.perf_counter()
         sampler = make_sampler(req.temperature, req.top_p, req.seed)
-        want_logprobs = req.logprobs
+        first = self._first_token(logits, sampler, req.logprobs, allowed)
+        t_first = time.perf_counter()
+        if metrics.method != "disaggregated":
+            metrics.prefill_time = t_first - t_local
+        chat = eng.stream(req, ids)
+        # The prompt's blocks are taken from the caches without a copy once
+        # decoding stops writing them (agents.decode.prefixstore), pending from before
+        # the first token goes out: a request that follows it finds them.
+        stores = self._stores(hits, prefilled.caches, len(ids))
+        early = first_metrics(metrics, at, t0, t_first)
+        caches = prefilled.caches
+        out, seq = self._decode(
+            req, sock, progress, chat, caches, stores, first, sampler, max_tokens, matcher, early
+        )
+        send_events(sock, None, chat.finish(cut=len(out) >= max_tokens))  # cut: no open call
+        t_end = time.perf_counter()
+        called = bool(chat.tool_calls)
+        self._decoded(metrics, len(ids), len(out), max_tokens, called, t0, t_first, t_end)
+        marks = prefilled.marks
+        local_span = None if marks else (t_local, t_prefilled)
+        joined = seq.joined_at if seq else None
+        metrics.timeline = timeline(at, t0, marks, metrics, local_span, t_first, joined, t_end)
+        batch_wait = seq.joined_at - seq.posted_at if seq and seq.joined_at else 0.0
+        metrics.queue_time = (metrics.prefill_queue_time or 0.0) + batch_wait
+        self._done(sock, progress, chat, out, metrics, ids if req.return_prompt_ids else None)
+        return metrics
+
+    def _first_token(
+        self,
+        logits: np.ndarray | mx.array,
+        sampler: Sampler | None,
+        want_logprobs: bool,
+        allowed: np.ndarray | None,
+    ) -> tuple[int, np.ndarray | None]:
+        """The first new token and its logprobs: greedy is read off the logits on
+        this thread (greedy_first), anything else sampled on the mlx thread."""
         greedy = sampler is None and not want_logprobs
         quick = greedy_first(np.asarray(logits), allowed) if greedy else None
         if quick is not None:
-            first, first_lp = quick, None
-        else:
-            first, first_lp = self.loop.call(first_token, logits, sampler, want_logprobs, allowed)
-        t_first = time.perf_counter()
-        if metrics["method"] != "disaggregated":
-            metrics["prefill_time"] = t_first - t_local
-        eos = eng.stops(req)
+            return quick, None
+        got: tuple[int, np.ndarray | None] = self.loop.call(
+            first_token, logits, sampler, want_logprobs, allowed
+        )
+        return got
+
+    def _decode(
+        self,
+        req: GenerateRequest,
+        sock: socket.socket,
+        progress: Keepalive | None,
+        chat: ChatStream,
+        caches: list[Any],
+        stores: list[PendingStore],
+        first: tuple[int, np.ndarray | None],
+        sampler: Sampler | None,
+        max_tokens: int,
+        matcher: Matcher | None,
+        early: Metrics,
+    ) -> tuple[list[int], Seq | None]:
+        """The answer from its first token on, sent as TOKEN (and LOGPROBS) frames as
+        the tokens come (the first with `early`, first_metrics): the rest decoded in
+        the loop's shared batch. Returns the tokens sent and the batch row (None: the
+        answer ended with its first token)."""
+        eos = self.engine.stops(req)
         if matcher is not None:
-            matcher.consume(first)
+            matcher.consume(first[0])
             eos = eos | matcher.eos  # under a grammar EOS comes only where it accepts
-        chat = eng.stream(req, ids)
         out: list[int] = []
 
         def emit(tid: int, lp: np.ndarray | None) -> None:
             out.append(tid)
-            send_events(sock, tid, chat.add(tid))
+            send_events(sock, tid, chat.add(tid), None if out[1:] else early)
             if lp is not None:
                 send_frame(sock, Frame.LOGPROBS, lp.tobytes())
 
-        # The prompt's blocks are taken from the caches without a copy once
-        # decoding stops writing them (agents.decode.prefixstore), pending from before
-        # the first token goes out: a request that follows it finds them.
-        stores = self._stores(hits, caches, len(ids))
-        ended = matcher is not None and matcher.finished
-        seq: Seq | None = None
-        if first not in eos and max_tokens > 1 and not ended:
-            seq = Seq(caches, first, sampler, max_tokens, eos, want_logprobs, matcher=matcher)
-            for store in stores:
-                store.attach(seq)
-            self.loop.join(seq)
-            if progress is not None:
-                progress.seq = seq  # PROGRESS now says queued (no batch slot yet) or decode
-            try:
-                emit(first, first_lp)
-                for burst in bursts(seq.out):
-                    with corked(sock, len(burst) > 1):
-                        for tid, lp in burst:
-                            emit(tid, lp)
-                    for store in stores:
-                        store.poll()  # joined a batch: its caches are free now
-                for store in stores:
-                    store.finish()
-            finally:
-                seq.done = True  # a no-op when it ended; stops it if we failed
-                for store in stores:
-                    store.drop()  # a no-op once stored
-        else:
+        if first[0] in eos or max_tokens <= 1 or (matcher is not None and matcher.finished):
             for store in stores:
                 store.now(caches)  # never decoded: nothing writes them
-            if first not in eos:
-                emit(first, first_lp)
-        send_events(sock, None, chat.finish())
-        t_end = time.perf_counter()
-        called = bool(chat.tool_calls)
-        self._decoded(metrics, len(ids), len(out), max_tokens, called, t0, t_first, t_end)
-        marks = metrics.pop("marks", None)  # agents.decode.kvfetch's, on this host's clock
-        local_span = None if marks else (t_local, t_prefilled)
-        metrics["timeline"] = timeline(
-            at, t0, marks, metrics, local_span, t_first, seq.joined_at if seq else None, t_end
+            if first[0] not in eos:
+                emit(*first)
+            return out, None
+        seq = Seq(caches, first[0], sampler, max_tokens, eos, req.logprobs, matcher=matcher)
+        for store in stores:
+            store.attach(seq)
+        self.loop.join(seq)
+        if progress is not None:
+            progress.seq = seq  # PROGRESS now says queued (no batch slot yet) or decode
+        try:
+            emit(*first)
+            for burst in bursts(seq.out):
+                with corked(sock, len(burst) > 1):
+                    for tid, lp in burst:
+                        emit(tid, lp)
+                for store in stores:
+                    store.poll()  # joined a batch: its caches are free now
+            for store in stores:
+                store.finish()
+        finally:
+            seq.done = True  # a no-op when it ended; stops it if we failed
+            for store in stores:
+                store.drop()  # a no-op once stored
+        return out, seq
+
+    def _done(
+        self,
+        sock: socket.socket,
+        progress: Keepalive | None,
+        chat: ChatStream,
+        out: list[int],
+        metrics: Metrics,
+        prompt_ids: list[int] | None,
+    ) -> None:
+        """The DONE frame: the answer's text only, reasoning and tool calls beside it."""
+        done = Done(
+            "".join(chat.content),
+            out,
+            metrics,
+            "".join(chat.reasoning),
+            [c.to_dict() for c in chat.tool_calls],
+            prompt_ids,
         )
-        batch_wait = seq.joined_at - seq.posted_at if seq and seq.joined_at else 0.0
-        metrics["queue_time"] = (metrics.get("prefill_queue_time") or 0.0) + batch_wait
-        # text is the answer only; reasoning and tool_calls ride beside it.
-        done: dict[str, Any] = {**chat.result(), "token_ids": out, "metrics": metrics}
-        if req.return_prompt_ids:
-            done["prompt_ids"] = ids
         if progress is not None:
             progress.stop()  # nothing follows DONE
-        send_json(sock, Frame.DONE, done)
+        send_json(sock, Frame.DONE, done.to_json())
         log.info(
             "%s: %d prompt + %d new tokens, ttft %.3fs, %.1f tok/s, %s",
-            metrics["method"],
-            len(ids),
+            metrics.method,
+            metrics.prompt_tokens,
             len(out),
-            metrics["ttft"],
-            metrics["decode_speed"] or 0.0,
-            metrics.get("prefill_address") or "local prefill",
+            metrics.ttft,
+            metrics.decode_speed or 0.0,
+            metrics.prefill_address or "local prefill",
         )
-        return metrics
 
 
 def timeline(
     at: float,
     t0: float,
     marks: dict[str, float | None] | None,
-    metrics: dict[str, Any],
+    metrics: Metrics,
     local_span: tuple[float, float] | None,
     t_first: float,
     t_joined: float | None,
@@ -771,9 +925,9 @@ def timeline(
     out: dict[str, float | None] = {"at": at}
     sent = marks.get("sent") if marks is not None else None
     if marks is not None and sent is not None:
-        start = sent + float(metrics.get("prefill_queue_time") or 0.0)
+        start = sent + float(metrics.prefill_queue_time or 0.0)
         out["prefill_start"] = rel(start)
-        out["prefill_end"] = rel(start + float(metrics.get("prefill_time") or 0.0))
+        out["prefill_end"] = rel(start + float(metrics.prefill_time or 0.0))
         out["kv_first"], out["kv_last"] = rel(marks.get("kv_first")), rel(marks.get("kv_last"))
     elif local_span is not None:
         out["prefill_start"], out["prefill_end"] = rel(local_span[0]), rel(local_span[1])

@@ -17,10 +17,16 @@ xgrammar accepts them silently and outlines-core ignores integer bounds.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
+import os
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -35,7 +41,15 @@ except ImportError:  # the agent still serves unconstrained requests
     llg = None  # type: ignore[assignment]
 
 KINDS = ("plain", "harmony", "qwen_json", "qwen_xml")
-CACHE_ENTRIES = 256  # compiled grammars kept per model
+CACHE_ENTRIES = 256  # compiled grammars kept per model (and refusals remembered)
+CACHE_MAX_BYTES = 256 << 20  # their estimated memory, per model (DISAGG_GRAMMAR_CACHE_MB)
+# A compiled grammar's memory, estimated from its text (measured: a 57 kB one
+# grew the process by 5-7 MB; the issue saw ~60 MB for 230 kB).
+GRAMMAR_BASE_BYTES = 256 << 10
+GRAMMAR_BYTES_PER_CHAR = 256
+COMPILE_WORKERS = 2  # grammars compiling at once, per model; others queue
+COMPILE_BUDGET_S = 10.0  # a request waits this long for its grammar, then it is a 400
+GONE_POLL_S = 0.25  # how often a waiting request checks that its client is still there
 ANALYSIS_MAX_TOKENS = 512  # harmony: the reasoning's budget under a constraint
 # Compact but readable JSON, as json.dumps writes it: no free whitespace, so a
 # model cannot spend its max_tokens on blanks.
@@ -97,6 +111,14 @@ class Matcher:
         return self.active and self.inner.is_stopped()
 
 
+@dataclass(eq=False)
+class _Job:
+    """One grammar compiling, and how many requests wait for it."""
+
+    future: Future[tuple[Any, int]]
+    waiting: int = 0
+
+
 class Grammars:
     """Per model: its llguidance tokenizer (built once, ~0.5 s, in the background),
     the compiled-grammar cache, and the batch mask buffers."""
@@ -110,7 +132,15 @@ class Grammars:
         self._tok_error: str | None = None
         self._ready = threading.Event()
         self._lock = threading.Lock()
-        self.cache: OrderedDict[str, Any] = OrderedDict()
+        # By the grammar's digest: (matcher, estimated bytes); refusals by digest too.
+        self.cache: OrderedDict[bytes, tuple[Any, int]] = OrderedDict()
+        self.refused: OrderedDict[bytes, str] = OrderedDict()
+        self.cache_bytes = 0
+        self.cache_max_bytes = _env_mb("DISAGG_GRAMMAR_CACHE_MB", CACHE_MAX_BYTES)
+        self.budget_s = COMPILE_BUDGET_S
+        self._cache_lock = threading.Lock()
+        self._jobs: dict[bytes, _Job] = {}
+        self._pool = ThreadPoolExecutor(COMPILE_WORKERS, thread_name_prefix="grammar")
         self.hits = self.misses = 0
         self._executor: Any = None
 
@@ -138,23 +168,95 @@ class Grammars:
 
     # -- compiling -------------------------------------------------------------
 
-    def compile(self, key: str, grammar: str, field: str) -> Any:
-        """A pristine matcher for `grammar` (llguidance's JSON), cached under `key`.
-        An invalid or unenforceable grammar raises RequestError naming `field`."""
-        hit = self.cache.get(key)
-        if hit is not None:
-            self.cache.move_to_end(key)
-            self.hits += 1
-            return hit
-        tok = self._tokenizer()
-        m = llg.LLMatcher(tok, grammar, log_level=0)
+    def compile(
+        self, key: str, build: Callable[[], str], field: str, gone: Callable[[], bool] | None = None
+    ) -> Any:
+        """A pristine matcher for the grammar `build()` writes (llguidance's JSON),
+        cached under `key`. Compiled on the bounded pool, once for all requests that
+        ask for it at the same time, within COMPILE_BUDGET_S; an invalid or
+        unenforceable grammar, or one over the budget, raises RequestError naming
+        `field`. `gone()` true: the client left, stop waiting (RequestError too)."""
+        digest = hashlib.sha256(key.encode()).digest()
+        tok = self._tokenizer()  # built once (~0.5 s); raises when there is no engine
+        with self._cache_lock:
+            hit = self.cache.get(digest)
+            if hit is not None:
+                self.cache.move_to_end(digest)
+                self.hits += 1
+                return hit[0]
+            refused = self.refused.get(digest)
+            if refused is not None:
+                raise RequestError(field, refused)
+            job = self._jobs.get(digest)
+            new = job is None
+            if job is None:
+                job = self._jobs[digest] = _Job(self._pool.submit(self._build, tok, build, field))
+            job.waiting += 1
+        if new:  # outside the lock: a job done already runs its callback right here
+            job.future.add_done_callback(lambda f: self._done(digest, job, f))
+        try:
+            return self._wait(job, field, gone)
+        finally:
+            with self._cache_lock:
+                job.waiting -= 1
+                if job.waiting == 0 and not job.future.done():
+                    job.future.cancel()  # not started yet: nobody will run it
+
+    def _wait(self, job: _Job, field: str, gone: Callable[[], bool] | None) -> Any:
+        deadline = time.monotonic() + self.budget_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return job.future.result(timeout=max(0.0, min(GONE_POLL_S, left)))[0]
+            except FutureTimeout:
+                pass
+            if gone is not None and gone():
+                raise RequestError(field, f"{field}: the client went away while it compiled")
+            if time.monotonic() >= deadline:
+                raise RequestError(
+                    field,
+                    f"{field}: the grammar did not compile within {self.budget_s:g}s; "
+                    "make the schema smaller",
+                )
+
+    @staticmethod
+    def _build(tok: Any, build: Callable[[], str], field: str) -> tuple[Any, int]:
+        """(matcher, its estimated bytes) on a pool thread; llguidance drops the GIL."""
+        try:
+            text = build()
+            m = llg.LLMatcher(tok, text, log_level=0)
+        except BaseException as e:  # ValueError, and llguidance's PanicException (a BaseException)
+            if isinstance(e, KeyboardInterrupt | SystemExit):
+                raise
+            raise RequestError(field, f"{field}: {_short(str(e) or type(e).__name__)}") from None
         if m.is_error():
             raise RequestError(field, f"{field}: {_short(m.get_error())}")
-        self.misses += 1
-        self.cache[key] = m
-        while len(self.cache) > CACHE_ENTRIES:
-            self.cache.popitem(last=False)
-        return m
+        return m, GRAMMAR_BASE_BYTES + GRAMMAR_BYTES_PER_CHAR * len(text)
+
+    def _done(self, digest: bytes, job: _Job, future: Future[Any]) -> None:
+        """A compile ended: cached if someone still waits for it (an abandoned one
+        is dropped), its refusal remembered, the cache trimmed to its bytes."""
+        with self._cache_lock:
+            self._jobs.pop(digest, None)
+            if future.cancelled():
+                return
+            error = future.exception()
+            if isinstance(error, RequestError):
+                self.refused[digest] = str(error)
+                while len(self.refused) > CACHE_ENTRIES:
+                    self.refused.popitem(last=False)
+                return
+            if error is not None or job.waiting == 0:
+                return
+            self.misses += 1
+            m, size = future.result()
+            self.cache[digest] = (m, size)
+            self.cache_bytes += size
+            while self.cache and (
+                self.cache_bytes > self.cache_max_bytes or len(self.cache) > CACHE_ENTRIES
+            ):
+                _, (_, dropped) = self.cache.popitem(last=False)
+                self.cache_bytes -= dropped
 
     def matcher(
         self,
@@ -166,6 +268,7 @@ class Grammars:
         trigger: list[int] | None = None,
         analysis_max_tokens: int = ANALYSIS_MAX_TOKENS,
         opener: int | None = None,
+        gone: Callable[[], bool] | None = None,
     ) -> Matcher | None:
         """The request's matcher, or None when nothing constrains it.
 
@@ -178,6 +281,7 @@ class Grammars:
         analysis_max_tokens: the reasoning's budget (harmony's analysis message, or
             the tokens before the trigger); then the answer is forced to begin.
         opener: with a trigger, the token that opens the reasoning, forced first.
+        gone: true once the client left (a compile is then no longer waited for).
         """
         from agents.decode import grammarformats as grammarfmt  # lark builders; only needed here
 
@@ -187,29 +291,53 @@ class Grammars:
         if forced:
             lark = grammarfmt.tool_call_lark(forced, kind, analysis_max_tokens)
             field = "tool_choice"
+        elif response_format is not None and response_format.get("type") == "lark":
+            lark = str(response_format["grammar"])
+            return self._lark(lark, kind, trigger, analysis_max_tokens, opener, gone)
         elif response_format is not None and response_format.get("type") != "text":
             schema = json_schema_of(response_format)
             if kind == "harmony":
                 lark = grammarfmt.harmony_final_lark(schema, analysis_max_tokens)
             else:
-                grammar = (
-                    llg.LLMatcher.grammar_from_json_schema(
-                        canonical(schema),
-                        overrides=JSON_OPTIONS,  # type: ignore[arg-type]
+                text = canonical(schema)
+
+                def from_schema() -> str:
+                    return str(
+                        llg.LLMatcher.grammar_from_json_schema(
+                            text,
+                            overrides=JSON_OPTIONS,  # type: ignore[arg-type]
+                        )
                     )
-                    if llg is not None
-                    else ""
-                )
-                m = self.compile("json:" + canonical(schema), grammar, "response_format")
+
+                m = self.compile("json:" + text, from_schema, "response_format", gone)
                 return Matcher(m.deep_copy(), self.eos, trigger, analysis_max_tokens, opener)
             field = "response_format"
         else:
             return None
-        grammar = llg.LLMatcher.grammar_from_lark(lark) if llg is not None else ""
-        m = self.compile("lark:" + lark, grammar, field)
+        m = self.compile(
+            "lark:" + lark, lambda: str(llg.LLMatcher.grammar_from_lark(lark)), field, gone
+        )
         # harmony's grammar covers the reasoning itself; others start at the trigger
         trigger = trigger if kind != "harmony" else None
         return Matcher(m.deep_copy(), self.eos, trigger, analysis_max_tokens, opener)
+
+    def _lark(
+        self,
+        lark: str,
+        kind: str,
+        trigger: list[int] | None,
+        budget: int,
+        opener: int | None,
+        gone: Callable[[], bool] | None,
+    ) -> Matcher:
+        """A caller's Lark grammar for the answer (harmony: its final message)."""
+        from agents.decode import grammarformats as grammarfmt
+
+        grammar = grammarfmt.lark_answer(lark, kind, budget)
+        key = "grammar:" + kind + ":" + grammar
+        m = self.compile(key, lambda: grammar, "response_format", gone)
+        trigger = trigger if kind != "harmony" else None
+        return Matcher(m.deep_copy(), self.eos, trigger, budget, opener)
 
     # -- masks for a batch -------------------------------------------------------
 
@@ -240,6 +368,14 @@ class Grammars:
             elif eos:
                 allowed[i, eos] = False  # before its trigger: anything but the end
         return allowed
+
+
+def _env_mb(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    try:
+        return int(float(raw) * (1 << 20)) if raw else default
+    except ValueError:
+        return default
 
 
 def _tokenizer_json(hf: Any) -> str:

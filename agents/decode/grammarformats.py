@@ -44,6 +44,21 @@ def harmony_final_lark(schema: Mapping[str, Any], budget: int) -> str:
     )
 
 
+def lark_answer(lark: str, kind: str, budget: int) -> str:
+    """llguidance's JSON for a caller's Lark grammar as the answer: as is, or for
+    harmony inside the final message (the caller's grammar kept whole, as a
+    sub-grammar, so its own `start` and rule names cannot clash with ours)."""
+    if kind != "harmony":
+        return json.dumps({"grammars": [{"lark_grammar": lark}]})
+    main = (
+        'start: analysis? <|channel|> "final" <|message|> answer <|return|>\n'
+        "answer: @caller\n" + HARMONY_REASONING.format(budget=max(1, budget))
+    )
+    return json.dumps(
+        {"grammars": [{"lark_grammar": main}, {"name": "caller", "lark_grammar": lark}]}
+    )
+
+
 def function_of(tool: Any) -> tuple[str, dict[str, Any]]:
     """(name, parameters schema) of an OpenAI tool ({"type": "function",
     "function": {...}}) or a bare function object."""

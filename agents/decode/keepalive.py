@@ -2,8 +2,8 @@
 
 A client's decode timeout is an idle deadline: no frame for that long means the
 agent is gone. A request that waits (for a batch slot, for a prefill agent's K/V,
-for its own local prefill) sends nothing meanwhile, so when the GENERATE frame asks
-(`protocol.PROGRESS_KEY`), a thread sends a small PROGRESS frame every so often
+for its own local prefill) sends nothing meanwhile, so when the request asks
+(`GenerateRequest.progress_s`), a thread sends a small PROGRESS frame every so often
 and a working agent is never taken for a dead one. It speaks only while the decode
 loop answers (a no-op posted to the loop has run since the last frame): a hung loop
 goes silent and its client fails over as before.
@@ -16,8 +16,8 @@ from concurrent.futures import Future
 from typing import Any, Protocol
 
 from agents.wire.channel import send_json, serialize_sends
-from agents.wire.frames import PROGRESS_KEY, Frame
-from agents.wire.request import RequestError, is_num
+from agents.wire.frames import Frame
+from agents.wire.request import GenerateRequest
 
 MIN_EVERY_S = 0.1  # a client cannot make us spin
 
@@ -26,15 +26,12 @@ class Loop(Protocol):
     def post(self, fn: Any, *args: Any) -> Future[Any]: ...
 
 
-def progress_interval(wire: dict[str, Any]) -> float | None:
-    """Pop the GENERATE frame's PROGRESS_KEY: seconds between PROGRESS frames, or
-    None (the client did not ask: an older client knows no such frame)."""
-    every = wire.pop(PROGRESS_KEY, None)
-    if every is None:
+def progress_interval(req: GenerateRequest) -> float | None:
+    """Seconds between PROGRESS frames for `req`, or None (the client did not ask:
+    an older client knows no such frame). The request checked it is > 0."""
+    if req.progress_s is None:
         return None
-    if not is_num(every) or every <= 0:
-        raise RequestError(PROGRESS_KEY, f"{PROGRESS_KEY} must be > 0 seconds, got {every!r}")
-    return max(float(every), MIN_EVERY_S)
+    return max(float(req.progress_s), MIN_EVERY_S)
 
 
 def _nothing() -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+from agents.models.cost import Prior
 from agents.runtime.metrics import ema
 
 
@@ -26,7 +27,11 @@ class RemoteRates:
 
 
 class Placement:
-    def __init__(self) -> None:
+    """`prior` (agents.models.cost): rates guessed from published device figures,
+    used for what has not been measured yet; without it, remote until measured."""
+
+    def __init__(self, prior: Prior | None = None) -> None:
+        self.prior = prior
         self.lock = threading.Lock()
         self.local_tokens_per_s: float | None = None
         self.step_s: float | None = None
@@ -61,8 +66,18 @@ class Placement:
         with self.lock:
             r = self.remote.get(key)
             local_rate, step = self.local_tokens_per_s, self.step_s
+        p, guessed = self.prior, []
         if r is None or r.tokens_per_s is None or r.handshake_s is None:
-            return "remote", "no measurement of the prefill agent yet"
+            if p is None:
+                return "remote", "no measurement of the prefill agent yet"
+            r = RemoteRates(
+                p.handshake_s, p.remote_tokens_per_s, p.link_bytes_per_s, p.layer_bytes_per_token
+            )
+            guessed.append("remote")
+        assert r.tokens_per_s is not None and r.handshake_s is not None
+        if local_rate is None and step is None and p is not None:
+            local_rate = p.local_tokens_per_s
+            guessed.append("local")
         sent = max(1, tokens - cached)  # only the suffix is computed and sent
         remote = r.handshake_s + sent / r.tokens_per_s
         if r.bytes_per_s and r.layer_bytes_per_token:
@@ -79,4 +94,6 @@ class Placement:
         )
         if cached:
             why += f"; {cached} of {tokens} tokens cached from that prefill agent"
+        if guessed:
+            why += f"; {' and '.join(guessed)} rate from the prior, not measured"
         return ("local" if local < remote else "remote"), why

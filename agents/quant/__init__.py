@@ -1,5 +1,6 @@
 """Quantized checkpoints: formats, refusals and weight identity (no torch, no mlx
-here); `dequant`, `modules` and `loader` are the prefill side's torch code."""
+here); `dequant`, `modules`, `moe`, `budget` and `loader` are the prefill side's
+torch code."""
 
 from __future__ import annotations
 

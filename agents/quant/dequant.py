@@ -8,17 +8,19 @@ Packed layouts (as mlx stores them; bytes are little-endian on every host we run
 - mxfp4 / nvfp4: E2M1 nibbles, low nibble first; scale per group is E8M0
   (2^(e-127), group 32) or E4M3 (group 16).
 - mxfp8: E4M3 bytes, E8M0 scale per group of 32.
-The fp products are exact in float32 (few mantissa bits), so they are computed
-there and rounded once into the target dtype.
+The fp modes multiply value and scale in the target dtype, as mlx does (one
+rounding of an exact product in fp32 and bf16).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)
 FP_MODES = {"mxfp4": (4, 32), "mxfp8": (8, 32), "nvfp4": (4, 16)}  # mode -> (bits, group)
@@ -83,24 +85,44 @@ def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
     return torch.where(ei == 0, torch.full_like(normal, 2.0**-127), normal)
 
 
+_PAIRS: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+
+def e2m1_pairs(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[256, 2]: the two E2M1 values of each byte, low nibble first; made once per
+    device (a table built from a list per call is a blocking host-to-device copy)."""
+    key = (str(device), dtype)
+    if key not in _PAIRS:
+        vals = torch.tensor(E2M1, dtype=torch.float32)
+        byte = torch.arange(256)
+        pairs = torch.stack((vals[byte & 0x0F], vals[byte >> 4]), dim=-1)
+        _PAIRS[key] = pairs.to(device=device, dtype=dtype)
+    return _PAIRS[key]
+
+
 def dequant_fp(
     packed: torch.Tensor, scales: torch.Tensor, mode: str, n_in: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """mxfp4 / mxfp8 / nvfp4 bytes [..., out, in*bits/8] -> [..., out, in] in `dtype`."""
+    """mxfp4 / mxfp8 / nvfp4 bytes [..., out, in*bits/8] -> [..., out, in] in `dtype`.
+
+    Value and scale are converted to `dtype` and multiplied there, as mlx does: a
+    value times a power of two rounds once, so fp32 and bf16 get the exact product
+    rounded; in fp16 a scale outside its range is 0 or inf, in mlx too.
+    """
     bits, group = FP_MODES[mode]
     lead = packed.shape[:-1]
     if bits == 4:
-        lut = torch.tensor(E2M1, dtype=torch.float32, device=packed.device)
-        nib = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(*lead, -1)[..., :n_in]
-        vals = lut[nib.to(torch.int64)]
+        # One table row per byte: an int32 index per byte, not an int64 per value.
+        pairs = F.embedding(packed.to(torch.int32), e2m1_pairs(packed.device, dtype))
+        vals = pairs.reshape(*lead, -1)[..., :n_in]
     else:
-        vals = packed[..., :n_in].view(torch.float8_e4m3fn).to(torch.float32)
+        vals = packed[..., :n_in].view(torch.float8_e4m3fn).to(dtype)
     if mode == "nvfp4":
-        scale = scales.view(torch.float8_e4m3fn).to(torch.float32)
+        scale = scales.view(torch.float8_e4m3fn).to(dtype)
     else:
-        scale = e8m0_to_float(scales)
+        scale = e8m0_to_float(scales).to(dtype)
     w = vals.reshape(*lead, n_in // group, group) * scale.unsqueeze(-1)
-    return w.reshape(*lead, n_in).to(dtype)
+    return w.reshape(*lead, n_in)
 
 
 @contextmanager
@@ -152,21 +174,46 @@ class Packed:
             )
         self.packed, self.scales, self.biases = packed, scales, biases
         self.spec, self.n_in, self.dtype = spec, n_in, dtype
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (*self.packed.shape[:-1], self.n_in)
+        self.shape: tuple[int, ...] = (*packed.shape[:-1], n_in)
+        self.kept: torch.Tensor | None = None  # the full-precision weight, once `keep` ran
 
     @property
     def nbytes(self) -> int:
+        """Bytes held now: packed, or the kept full-precision weight."""
+        if self.kept is not None:
+            return self.kept.nbytes
         extra = self.biases.nbytes if self.biases is not None else 0
         return self.packed.nbytes + self.scales.nbytes + extra
 
+    @property
+    def full_nbytes(self) -> int:
+        """Bytes of the weight dequantized."""
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
     def to(self, device: torch.device | str) -> Packed:
+        if self.kept is not None:
+            moved = copy.copy(self)
+            moved.kept = self.kept.to(device)
+            return moved
         b = self.biases.to(device) if self.biases is not None else None
         return Packed(
             self.packed.to(device), self.scales.to(device), b, self.spec, self.n_in, self.dtype
         )
+
+    def keep(self) -> int:
+        """Dequantize once, for good: `full`, `rows` and `expert` read the kept tensor
+        from now on, and the packed bytes are let go. Returns the bytes added."""
+        if self.kept is not None:
+            return 0
+        before = self.nbytes
+        self.kept = self.full()
+        empty = torch.empty(0, dtype=torch.uint8, device=self.packed.device)
+        self.packed, self.scales = empty, empty
+        self.biases = None
+        return self.kept.nbytes - before
 
     def _dequant(
         self, packed: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None
@@ -179,11 +226,17 @@ class Packed:
         return dequant_fp(packed, scales, self.spec.mode, self.n_in, self.dtype)
 
     def full(self) -> torch.Tensor:
+        """The whole weight (all experts of a stacked one in one batched op)."""
+        if self.kept is not None:
+            return self.kept
         with one_thread(self.packed):
             return self._dequant(self.packed, self.scales, self.biases)
 
     def rows(self, idx: torch.Tensor | slice) -> torch.Tensor:
-        """Only the rows `idx` of a 2-D weight (embedding lookups, chunked heads)."""
+        """Only the rows `idx` along the first axis: of a 2-D weight (embedding
+        lookups, chunked heads), or the experts `idx` of a stacked one."""
+        if self.kept is not None:
+            return self.kept[idx]
         b = self.biases[idx] if self.biases is not None else None
         with one_thread(self.packed):
             return self._dequant(self.packed[idx], self.scales[idx], b)

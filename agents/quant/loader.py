@@ -93,13 +93,35 @@ def hf_config(cfg: dict[str, Any], dtype: torch.dtype) -> Any:
 
 
 class PackedLoader:
-    def __init__(self, model_dir: Path, cfg: dict[str, Any], dtype: torch.dtype, device: str):
+    """`keep_budget`: bytes the weights may grow by when dequantized at load (kept),
+    weight by weight in load order (agents.quant.budget); the rest stay packed."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        cfg: dict[str, Any],
+        dtype: torch.dtype,
+        device: str,
+        keep_budget: int = 0,
+    ):
         self.dir, self.cfg, self.dtype, self.device = model_dir, cfg, dtype, device
         self.ckpt = Checkpoint(model_dir)
         self.quant = mlx_quantization(cfg) or {}
         self.hf_mxfp4 = (cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4"
         self.used: set[str] = set()
-        self.packed_bytes = 0
+        self.packed_bytes = 0  # of the quantized weights read, as packed
+        self.kept_bytes = 0  # of the weights dequantized at load and kept
+        self.keep_left = keep_budget
+
+    def _hold(self, p: Packed) -> Packed:
+        """Keep `p` dequantized if the budget allows, and count what is held."""
+        self.packed_bytes += p.nbytes
+        grow = p.full_nbytes - p.nbytes
+        if grow <= self.keep_left:
+            self.keep_left -= grow
+            p.keep()
+            self.kept_bytes += p.nbytes
+        return p
 
     def take(self, name: str) -> torch.Tensor:
         self.used.add(name)
@@ -133,8 +155,7 @@ class PackedLoader:
         p = Packed(
             self.take(f"{path}.weight"), self.take(f"{path}.scales"), biases, spec, n_in, self.dtype
         ).to(self.device)
-        self.packed_bytes += p.nbytes
-        return p
+        return self._hold(p)
 
     def experts_weight(self, prefix: str, n_in: int) -> Packed | torch.Tensor:
         if f"{prefix}.scales" in self.ckpt:
@@ -191,8 +212,7 @@ class PackedLoader:
         p = Packed(
             blocks, scales[:, rows].contiguous(), None, QSpec("mxfp4", 4, 32), n_in, self.dtype
         ).to(self.device)
-        self.packed_bytes += p.nbytes
-        return p
+        return self._hold(p)
 
     def _split_gate_up(self, prefix: str, hidden: int) -> tuple[Packed, Packed, Any, Any]:
         # Rows interleave gate and up, as mlx-lm's sanitize splits them: ::2 and 1::2.
@@ -293,12 +313,17 @@ class PackedLoader:
 
 
 def load_packed_model(
-    model_dir: str | Path, cfg: dict[str, Any], dtype: torch.dtype, device: str
-) -> tuple[nn.Module, int]:
-    """The transformers model for `model_dir` with quantized weights kept packed,
-    and the bytes of packed weights it holds. Raises UnsupportedModel."""
-    loader = PackedLoader(Path(model_dir), cfg, dtype, device)
-    return loader.load(), loader.packed_bytes
+    model_dir: str | Path,
+    cfg: dict[str, Any],
+    dtype: torch.dtype,
+    device: str,
+    keep_budget: int = 0,
+) -> tuple[nn.Module, int, int]:
+    """The transformers model for `model_dir` with quantized weights held packed, or
+    dequantized at load within `keep_budget` bytes of growth; the bytes of its
+    quantized weights as packed, and of those kept dequantized. Raises UnsupportedModel."""
+    loader = PackedLoader(Path(model_dir), cfg, dtype, device, keep_budget)
+    return loader.load(), loader.packed_bytes, loader.kept_bytes
 
 
 def needs_packed_loader(model_dir: str | Path, cfg: dict[str, Any]) -> bool:

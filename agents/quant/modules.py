@@ -1,8 +1,11 @@
-"""torch modules that hold weights packed and dequantize them just in time.
+"""torch modules that hold weights packed and dequantize them just in time, or
+hold them dequantized once at load where memory allows (`Packed.keep`).
 
-Each forward call of a layer covers the whole prompt, so a weight is dequantized
-once per prefill, not per token; the full-precision copy lives only during that
-call. MoE experts dequantize only the experts that some token was routed to.
+Each forward call of a layer covers the whole prompt, so a packed weight is
+dequantized once per prefill, not per token; the full-precision copy lives only
+during that call. MoE experts dequantize all experts of a layer in one batched
+op (or, for fewer (token, slot) pairs than experts, only the routed ones) and
+run as grouped GEMMs with no host sync (agents.quant.moe).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import moe
 from .dequant import Packed
 
 # A dequantized chunk of a big matrix (the LM head) stays under this many elements,
@@ -23,7 +27,7 @@ Weight = Packed | torch.Tensor  # an expert projection may be left unquantized
 
 
 class QuantLinear(nn.Module):
-    """nn.Linear whose weight [out, in] stays packed."""
+    """nn.Linear whose weight [out, in] stays packed (or was kept dequantized)."""
 
     def __init__(self, packed: Packed, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -33,7 +37,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = max(1, CHUNK_ELEMENTS // self.in_features)
-        if rows >= self.out_features:
+        if rows >= self.out_features or self.packed.kept is not None:
             return F.linear(x, self.packed.full(), self.bias)
         parts = []
         for start in range(0, self.out_features, rows):
@@ -52,8 +56,10 @@ class QuantEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = packed.shape
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        uniq, inverse = torch.unique(ids, return_inverse=True)
-        return self.packed.rows(uniq)[inverse]
+        if self.packed.kept is not None:
+            return F.embedding(ids, self.packed.kept)
+        # Each looked-up row dequantized (a repeated id twice): no `unique`, a host sync.
+        return self.packed.rows(ids.reshape(-1)).view(*ids.shape, self.embedding_dim)
 
 
 class PackedWeightHook:
@@ -76,15 +82,23 @@ class PackedWeightHook:
         module.__dict__["weight"] = None
 
 
-def _dq(w: Weight, e: int, dtype: torch.dtype) -> torch.Tensor:
-    return w.expert(e) if isinstance(w, Packed) else w[e].to(dtype)
+def _full(w: Weight) -> torch.Tensor:
+    return w.full() if isinstance(w, Packed) else w
+
+
+def _take(w: Weight) -> moe.Take:
+    return w.rows if isinstance(w, Packed) else lambda idx: w.index_select(0, idx)
+
+
+def _kept(w: Weight) -> bool:
+    return not isinstance(w, Packed) or w.kept is not None
 
 
 class PackedExperts(nn.Module):
     """Stacked experts as mlx keeps them: gate/up [E, I, hidden], down [E, hidden, I]
     (Linear orientation), with optional biases [E, out]. Computes the transformers
-    module it replaces (same call signature, same loop over the hit experts):
-    qwen3_moe SwiGLU, or gpt_oss' clamped GLU with alpha and limit."""
+    module it replaces (same call signature): qwen3_moe SwiGLU, or gpt_oss' clamped
+    GLU with alpha and limit, for all tokens at once (agents.quant.moe)."""
 
     def __init__(
         self,
@@ -119,24 +133,24 @@ class PackedExperts(nn.Module):
     def forward(
         self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        out = torch.zeros_like(hidden)
-        with torch.no_grad():
-            mask = F.one_hot(top_k_index, num_classes=self.num_experts).permute(2, 1, 0)
-            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
-        for row in hit:
-            e = int(row[0])
-            pos, tok = torch.where(mask[e])
-            x = hidden[tok]
-            g = F.linear(x, _dq(self.gate, e, self.dtype))
-            u = F.linear(x, _dq(self.up, e, self.dtype))
-            if self.biases is not None:
-                g, u = g + self.biases[0][e], u + self.biases[1][e]
-            y = F.linear(self._glu(g, u), _dq(self.down, e, self.dtype))
-            if self.biases is not None:
-                y = y + self.biases[2][e]
-            y = y * top_k_weights[tok, pos, None]
-            out.index_add_(0, tok, y.to(out.dtype))
-        return out
+        r = moe.route(top_k_index, self.num_experts)
+        x = hidden.index_select(0, r.tokens)  # [S, hidden], rows grouped by expert
+        kept = all(_kept(w) for w in (self.gate, self.up, self.down))
+        gemm, block = moe.pick_gemm(x, self.dtype, kept, r)
+        layout = moe.blocked_layout(r, block) if gemm == "blocked" else None
+
+        def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
+            if layout is None:
+                return moe.grouped_linear(x, _full(w), r)
+            return moe.blocked_linear(x, _take(w), layout, block)
+
+        g, u = linear(x, self.gate), linear(x, self.up)
+        if self.biases is not None:
+            g, u = g + self.biases[0][r.experts], u + self.biases[1][r.experts]
+        y = linear(self._glu(g, u), self.down)
+        if self.biases is not None:
+            y = y + self.biases[2][r.experts]
+        return moe.combine(y, r, top_k_weights, hidden.dtype)
 
 
 def materialize(model: nn.Module) -> int:

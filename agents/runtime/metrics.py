@@ -90,6 +90,10 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else None
 
 
+# Outcomes that are no failure: a request answered (ok; a finish reason) or left by its client.
+FINE = frozenset({"ok", "stop", "length", "tool_calls", "cancelled"})
+
+
 class Stats:
     """Updated from request threads; read by the control endpoint."""
 
@@ -116,7 +120,9 @@ class Stats:
             self.in_flight += 1
 
     def end(self, outcome: str, metrics: dict[str, Any] | None = None) -> None:
-        """`outcome`: ok, bad_request, error or client_gone; `metrics`: the request's."""
+        """`outcome`: how the request ended, the gateway's words where they apply: a
+        finish reason (stop, length, tool_calls), cancelled (the client left), error;
+        also ok (a prefill sent), bad_request, peer_stalled. `metrics`: the request's."""
         m = metrics or {}
         with self.lock:
             self.in_flight -= 1
@@ -142,12 +148,14 @@ class Stats:
         with self.lock:
             recent = list(self.recent_ttft)
             total = sum(self.outcomes.values())
-            errors = sum(n for (_, o), n in self.outcomes.items() if o != "ok")
+            errors = sum(n for (_, o), n in self.outcomes.items() if o not in FINE)
+            cancelled = sum(n for (_, o), n in self.outcomes.items() if o == "cancelled")
             in_flight = self.in_flight
         return {
             "uptime_s": round(time.time() - self.started, 3),
             "requests": total + in_flight,
             "errors": errors,
+            "cancelled": cancelled,
             "in_flight": in_flight,
             "ttft_p50_s": percentile(recent, 0.50),
             "ttft_p95_s": percentile(recent, 0.95),

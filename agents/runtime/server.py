@@ -22,6 +22,7 @@ import socketserver
 import sys
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -220,7 +221,14 @@ class Gate:
     and at most `preauth_per_peer` unauthenticated ones from one peer (an IPv6
     /64 is one). `trusted` peers (the inventory's addresses, loopback) have
     their own unauthenticated slots, so strangers filling theirs cannot lock
-    the cluster out. A refused connection is closed before it costs a thread."""
+    the cluster out. A refused connection is closed before it costs a thread.
+
+    Connections admitted with their socket (`conn`) can be evicted: when a pool
+    of unauthenticated slots is full, its oldest connection is shut down to make
+    room (a stranger over its own per-peer cap is still refused). Any local user
+    reaches loopback's reserve: 300 silent sockets there once turned every gateway
+    request into a 503; now they only push each other out, and a peer that
+    authenticates at once gets in."""
 
     def __init__(
         self,
@@ -237,33 +245,68 @@ class Gate:
         self.preauth: dict[str, int] = {}
         self.trusted_preauth = 0
         self.lock = threading.Lock()
-        self.refused = 0
+        self.refused = self.evicted = 0
         self._told_at = 0.0
+        # Tracked connections: unauthenticated ones oldest first (peer key, trusted), and
+        # the authenticated; one evicted is in neither, so its own release does nothing.
+        self.pending: OrderedDict[Any, tuple[str, bool]] = OrderedDict()
+        self.authed: set[Any] = set()
 
-    def admit(self, peer: str) -> str | None:
-        """Take a slot for a new, unauthenticated connection; else why not."""
+    def admit(self, peer: str, conn: Any = None) -> str | None:
+        """Take a slot for a new, unauthenticated connection; else why not. With
+        `conn` (its socket) it may take the slot of the oldest one in a full pool."""
         key = peer_key(peer)
+        victim = None
         with self.lock:
-            strangers = sum(self.preauth.values())
-            if key in self.trusted:  # the reserve: never counted with strangers
-                if self.trusted_preauth >= self.preauth_total:
-                    why = f"{self.preauth_total} unauthenticated connections from the cluster"
-                elif self.open >= self.total + self.preauth_total:
-                    why = f"{self.open} connections open"
-                else:
-                    self.open += 1
-                    self.trusted_preauth += 1
-                    return None
-            elif self.open >= self.total:
-                why = f"{self.open} connections open"
-            elif strangers >= self.preauth_total:
-                why = f"{self.preauth_total} unauthenticated connections open"
-            elif self.preauth.get(key, 0) >= self.preauth_per_peer:
-                why = f"{self.preauth_per_peer} unauthenticated connections from {key} open"
-            else:
+            full = self._full(key)
+            if full is not None and conn is not None and full[1] != "peer":
+                victim = self._oldest(key in self.trusted)
+                if victim is not None:
+                    self._drop(victim)
+                    full = self._full(key)
+            if full is None:
                 self.open += 1
-                self.preauth[key] = self.preauth.get(key, 0) + 1
-                return None
+                if key in self.trusted:
+                    self.trusted_preauth += 1
+                else:
+                    self.preauth[key] = self.preauth.get(key, 0) + 1
+                if conn is not None:
+                    self.pending[conn] = (key, key in self.trusted)
+        if victim is not None:
+            with contextlib.suppress(OSError):
+                victim.shutdown(socket.SHUT_RDWR)  # wakes its handler's read: it ends
+        return None if full is None else self._refuse(full[0])
+
+    def _full(self, key: str) -> tuple[str, str] | None:
+        """Why a new unauthenticated connection from `key` has no slot, and which cap
+        ("pool": a shared one; "peer": its own); None: it has one."""
+        if key in self.trusted:  # the reserve: never counted with strangers
+            if self.trusted_preauth >= self.preauth_total:
+                return f"{self.preauth_total} unauthenticated connections from the cluster", "pool"
+            if self.open >= self.total + self.preauth_total:
+                return f"{self.open} connections open", "pool"
+            return None
+        if self.open >= self.total:
+            return f"{self.open} connections open", "pool"
+        if sum(self.preauth.values()) >= self.preauth_total:
+            return f"{self.preauth_total} unauthenticated connections open", "pool"
+        if self.preauth.get(key, 0) >= self.preauth_per_peer:
+            why = f"{self.preauth_per_peer} unauthenticated connections from {key} open"
+            return why, "peer"  # a peer over its own cap only costs itself: refused
+        return None
+
+    def _oldest(self, trusted: bool) -> Any:
+        """The oldest unauthenticated connection of a pool (the reserve's, or strangers')."""
+        return next((c for c, (_, t) in self.pending.items() if t == trusted), None)
+
+    def _drop(self, conn: Any) -> None:
+        key, _ = self.pending.pop(conn)
+        self.evicted += 1
+        self.open -= 1
+        self._leave_preauth_key(key)
+
+    def _refuse(self, why: str) -> str:
+        with self.lock:
             self.refused += 1
             # One line per 10 s at most: a flood must not flood the log too.
             now = time.monotonic()
@@ -273,12 +316,20 @@ class Gate:
         log.warning("refused connections (%d so far): %s", count, why)
         return why
 
-    def authenticated(self, peer: str) -> None:
+    def authenticated(self, peer: str, conn: Any = None) -> bool:
+        """The connection proved the token; False: it was evicted meanwhile."""
         with self.lock:
+            if conn is not None:
+                if self.pending.pop(conn, None) is None:
+                    return False
+                self.authed.add(conn)
             self._leave_preauth(peer)
+            return True
 
     def _leave_preauth(self, peer: str) -> None:
-        key = peer_key(peer)
+        self._leave_preauth_key(peer_key(peer))
+
+    def _leave_preauth_key(self, key: str) -> None:
         if key in self.trusted:
             self.trusted_preauth -= 1
             return
@@ -288,8 +339,15 @@ class Gate:
         else:
             self.preauth.pop(key, None)
 
-    def release(self, peer: str, authenticated: bool) -> None:
+    def release(self, peer: str, authenticated: bool, conn: Any = None) -> None:
         with self.lock:
+            if conn is not None:
+                if authenticated:
+                    if conn not in self.authed:
+                        return
+                    self.authed.discard(conn)
+                elif self.pending.pop(conn, None) is None:
+                    return  # evicted: its slot was given back then
             self.open -= 1
             if not authenticated:
                 self._leave_preauth(peer)
@@ -325,7 +383,8 @@ class FrameServer(socketserver.ThreadingTCPServer):
                     sock.settimeout(handshake_timeout_s)
                     server_auth(sock, token, deadline)
                     sock.settimeout(IDLE_TIMEOUT_S)
-                    gate.authenticated(addr)
+                    if not gate.authenticated(addr, sock):
+                        return  # evicted as it authenticated: its slot is gone
                     authed = True
                 except AuthError as e:
                     log.warning("refused %s: %s", peer, printable(e))
@@ -335,18 +394,18 @@ class FrameServer(socketserver.ThreadingTCPServer):
                     return
                 finally:
                     if not authed:
-                        gate.release(addr, authenticated=False)
+                        gate.release(addr, authenticated=False, conn=sock)
                 try:
                     handle(sock, peer)
                 except Exception:  # a bad connection must never take the agent down
                     log.exception("connection from %s failed", peer)
                 finally:
-                    gate.release(addr, authenticated=True)
+                    gate.release(addr, authenticated=True, conn=sock)
 
         super().__init__((host, port), _Handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if self.gate.admit(client_address[0]) is not None:
+        if self.gate.admit(client_address[0], request) is not None:
             self.shutdown_request(request)
             return
         super().process_request(request, client_address)
@@ -402,7 +461,7 @@ class ControlServer(ThreadingHTTPServer):
         self.deadline_s = deadline_s
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if self.gate.admit(client_address[0]) is not None:
+        if self.gate.admit(client_address[0], request) is not None:
             self.shutdown_request(request)
             return
         self.reaper.watch(request, self.deadline_s)
@@ -416,7 +475,7 @@ class ControlServer(ThreadingHTTPServer):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self.gate.release(client_address[0], authenticated=False)
+            self.gate.release(client_address[0], authenticated=False, conn=request)
 
 
 def start_control(

@@ -56,22 +56,21 @@ class Frame(enum.IntEnum):
     KV_LAYER = 4  # binary, see kvcodec
     PREFILL_DONE = 5  # {"prefill_time", "tokens", "last_layer_at", ...}
     GENERATE = 6  # client -> decode agent: the request
-    TOKEN = 7  # {"id", "text"}
-    DONE = 8  # {"text", "token_ids", "metrics"}
+    TOKEN = 7  # {"id", "text", "channel"?, "tool_call"?}: answer.TokenEvent
+    DONE = 8  # {"text", "token_ids", "metrics", ...}: answer.Done
     ERROR = 9  # {"code", "message"}
     LOGPROBS = 10  # binary float32 vector, only when a request asks for it
     CHALLENGE = 11  # server -> client, first frame of every connection: {"nonce", "auth"}
     AUTH = 12  # client -> server: {"nonce", "mac"}
     AUTH_OK = 13  # server -> client: {"mac"}, the server's proof
     LOGITS = 14  # prefill -> decode: float32 logits of the prompt's last position
-    # decode -> client, only when the GENERATE asked for it (PROGRESS_KEY): "still
+    # decode -> client, only when the GENERATE asked for it (its progress_s): "still
     # working" while no token is due, {"phase": "queued"|"prefill"|"decode", ...}.
     PROGRESS = 15
-
-
-# The GENERATE frame's key asking for PROGRESS frames at least this often (seconds);
-# a transport matter, not a request field: the decode agent pops it before parsing.
-PROGRESS_KEY = "progress_s"
+    # client -> prefill agent, after a HELLO with role "embed": {"input": [text],
+    # "truncate": bool, "max_tokens": int | None}; one forward, no K/V sent.
+    EMBED = 16
+    EMBEDDING = 17  # prefill -> client: {"embeddings": [[float]], "prompt_tokens", "pooling"}
 
 
 class ProtocolError(Exception):

@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass, field, fields
 from dataclasses import replace as _replace
 from typing import Any
 
+from agents.wire.schemasize import SchemaTooBig, check_schemas
+
 # Limits, in one place. OpenAI and Ollama both take temperature up to 2.
 TEMPERATURE_MAX = 2.0
 SEED_MAX = (1 << 63) - 1
@@ -31,11 +33,13 @@ KV_QUANTS = (None, "int8")
 CODECS = (0, 1, 2, "auto")  # raw, zstd, shuffle+zstd, or chosen per link
 WIRE_CODECS = (0, 1, 2)  # what a PREFILL may ask for: "auto" is resolved before
 TOOLS_MAX = 128  # function definitions per request
+GRAMMAR_MAX_CHARS = 65536  # a Lark response_format (a custom tool's grammar), as text
 TOOL_CHOICES = ("auto", "none", "required")
 THINK_LEVELS = ("low", "medium", "high")
 # OpenAI's rule for function names, plus dots (MCP servers name tools a.b).
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-SCHEMA_MAX_CHARS = 65536  # a response_format's JSON Schema, as JSON text
+# A JSON Schema's own types: a bare schema's "type" is one of these (or a list).
+JSON_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 
 
 class RequestError(ValueError):
@@ -119,11 +123,16 @@ class GenerateRequest:
     think: bool | str | None = None  # None: the template's default; or low, medium, high
     suffix: str | None = None  # the text after the middle the model writes (FIM)
     # Constrained output: None (text), {"type": "json_object"} or
-    # {"type": "json_schema", "schema": {...}, "strict": bool}; see response_format().
+    # {"type": "json_schema", "schema": {...}, "strict": bool} or {"type": "lark",
+    # "grammar": "..."}; see normalize_format().
     response_format: dict[str, Any] | None = None
     # Mixed into the prefix cache's first block key on both agents: only requests
     # with the same salt share cached K/V (the gateway sets one per API key).
     cache_salt: str | None = None
+    # Seconds between the PROGRESS frames the decode agent sends while no token is
+    # due (the wire client sets it from its idle deadline); None: it sends none, as
+    # to a client of a release that knows no such frame.
+    progress_s: float | None = None
 
     def __post_init__(self) -> None:
         check(self)
@@ -145,8 +154,67 @@ class GenerateRequest:
         if "prefill" in args:
             args["prefill"] = PrefillTarget.from_dict(args["prefill"])
         if "response_format" in args:
-            args["response_format"] = response_format(args["response_format"])
+            args["response_format"] = cls.normalize_format(args["response_format"])
         return cls(**args)
+
+    @staticmethod
+    def normalize_format(raw: Any) -> dict[str, Any] | None:
+        """The one normalizer of a requested output format; every front door hands
+        it its raw shape:
+
+        - the CLI's `--format`: "json", or the JSON Schema its file holds;
+        - OpenAI's `response_format`: {"type": "text"}, {"type": "json_object"}, or
+          {"type": "json_schema", "json_schema": {"name", "schema", "strict"}};
+        - Ollama's `format`: "", "json", or a JSON Schema;
+        - a Lark grammar (the Responses API's custom tools): {"type": "grammar",
+          "syntax": "lark", "definition": ...};
+        - the wire's own form (below), unchanged.
+
+        Returns None (free text), {"type": "json_object"}, {"type": "json_schema",
+        "schema": {...}, "strict": bool} or {"type": "lark", "grammar": "..."}.
+
+        `strict`: a bare schema (Ollama's `format`, the CLI's file) is strict, True:
+        Ollama compiles `format` into a grammar its sampler must follow, so its
+        clients are promised a conforming answer. OpenAI's json_schema keeps the
+        caller's `strict` (False unless it says true, OpenAI's default). Either way
+        the decode agent enforces the schema with a grammar: `strict` records what
+        the caller asked for; it never loosens the enforcement.
+
+        Raises RequestError (field "response_format") for any other shape.
+        """
+        if raw is None or raw == "" or (isinstance(raw, Mapping) and raw.get("type") == "text"):
+            return None
+        if raw == "json" or (isinstance(raw, Mapping) and raw.get("type") == "json_object"):
+            return {"type": "json_object"}
+        if not isinstance(raw, Mapping):
+            raise RequestError(
+                "response_format",
+                'the output format (response_format; Ollama\'s format) must be "json" or '
+                'a JSON object: a JSON Schema, or {"type": "json_object" | "json_schema"}',
+            )
+        kind = raw.get("type")
+        if kind == "json_schema":
+            inner = raw.get("json_schema", raw)  # OpenAI's wrapper, or the wire's flat form
+            if not isinstance(inner, Mapping) or not isinstance(inner.get("schema"), Mapping):
+                raise RequestError(
+                    "response_format",
+                    "a json_schema response_format needs a schema: "
+                    "response_format.json_schema.schema, a JSON Schema object",
+                )
+            strict = inner.get("strict", raw.get("strict", False)) is True
+            return {"type": "json_schema", "schema": dict(inner["schema"]), "strict": strict}
+        if kind in ("lark", "grammar"):  # the whole answer follows a Lark grammar
+            text = raw.get("grammar", raw.get("definition"))
+            if raw.get("syntax", "lark") != "lark" or not isinstance(text, str) or not text.strip():
+                raise RequestError("response_format", "a grammar response_format needs Lark text")
+            return {"type": "lark", "grammar": text}
+        if isinstance(kind, str) and kind not in JSON_TYPES:
+            raise RequestError(
+                "response_format",
+                f"response_format type {kind!r}: use text, json_object, json_schema or "
+                "grammar (or give a JSON Schema)",
+            )
+        return {"type": "json_schema", "schema": dict(raw), "strict": True}  # a bare schema
 
     def to_wire(self) -> dict[str, Any]:
         """The GENERATE frame's JSON: only what differs from the defaults."""
@@ -169,26 +237,6 @@ class GenerateRequest:
         if self.prefill is not None:
             d["prefill"] = self.prefill.to_wire()
         return d
-
-
-def response_format(v: Any) -> dict[str, Any] | None:
-    """Normalize Ollama's `format` ("json" or a schema) and OpenAI's
-    `response_format` ({"type": "json_schema", "json_schema": {"name", "schema",
-    "strict"}}) to None, {"type": "json_object"} or {"type": "json_schema",
-    "schema": ..., "strict": ...}."""
-    if v is None or v == "" or (isinstance(v, Mapping) and v.get("type") == "text"):
-        return None
-    if v == "json" or (isinstance(v, Mapping) and v.get("type") == "json_object"):
-        return {"type": "json_object"}
-    if not isinstance(v, Mapping):
-        raise RequestError("response_format", 'response_format must be "json" or a JSON object')
-    if v.get("type") == "json_schema":
-        inner = v.get("json_schema", v)  # OpenAI's wrapper, or already flat
-        if not isinstance(inner, Mapping) or not isinstance(inner.get("schema"), Mapping):
-            raise RequestError("response_format", "a json_schema response_format needs a schema")
-        strict = inner.get("strict", v.get("strict", False))
-        return {"type": "json_schema", "schema": dict(inner["schema"]), "strict": strict is True}
-    return {"type": "json_schema", "schema": dict(v), "strict": False}  # Ollama: a bare schema
 
 
 def _is_int(v: Any) -> bool:
@@ -253,17 +301,20 @@ def check(r: GenerateRequest) -> None:
         )
     if r.prefill is not None and not isinstance(r.prefill, PrefillTarget):
         raise RequestError("prefill", "prefill must be a PrefillTarget")
-    if r.response_format is not None:
-        if response_format(r.response_format) != r.response_format:
-            raise RequestError("response_format", "response_format must be normalized")
-        chars = len(json.dumps(r.response_format.get("schema", {})))
-        if chars > SCHEMA_MAX_CHARS:
-            raise RequestError(
-                "response_format",
-                f"the JSON Schema is {chars} characters; at most {SCHEMA_MAX_CHARS} are taken",
-            )
+    rf = r.response_format
+    if rf is not None and GenerateRequest.normalize_format(rf) != rf:
+        raise RequestError("response_format", "response_format must be normalized")
+    grammar = (r.response_format or {}).get("grammar")
+    if isinstance(grammar, str) and len(grammar) > GRAMMAR_MAX_CHARS:
+        raise RequestError(
+            "response_format",
+            f"the grammar is {len(grammar)} characters; at most {GRAMMAR_MAX_CHARS}",
+        )
     _check_chat_fields(r)
+    _check_schema_sizes(r)
     check_cache_salt(r.cache_salt)
+    if r.progress_s is not None and (not is_num(r.progress_s) or r.progress_s <= 0):
+        raise RequestError("progress_s", f"progress_s must be > 0 seconds, got {r.progress_s!r}")
 
 
 CACHE_SALT_MAX = 256  # characters
@@ -403,7 +454,7 @@ def _check_message(i: int, m: Mapping[str, Any]) -> None:
     content = m.get("content")
     if not isinstance(content, str) and not (content is None and calls):
         raise RequestError("messages", f"{where}.content must be text")
-    for key in ("thinking", "reasoning_content", "tool_call_id", "name"):
+    for key in ("thinking", "reasoning_content", "reasoning", "tool_call_id", "name"):
         if m.get(key) is not None and not isinstance(m[key], str):
             raise RequestError("messages", f"{where}.{key} must be text")
     if calls is None:
@@ -453,6 +504,19 @@ def _tool_names(tools: Any) -> list[str]:
             )
         names.append(name)
     return names
+
+
+def _check_schema_sizes(r: GenerateRequest) -> None:
+    """Schemas within what a grammar may cost to compile (agents.wire.schemasize)."""
+    schema = (r.response_format or {}).get("schema")
+    tools = []
+    for tool in r.tools or []:
+        fn = tool["function"]
+        tools.append((fn["name"], fn.get("parameters") or {}))
+    try:
+        check_schemas(schema, tools)
+    except SchemaTooBig as e:
+        raise RequestError(e.field, str(e)) from None
 
 
 def _check_chat_fields(r: GenerateRequest) -> None:

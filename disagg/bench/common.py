@@ -26,6 +26,7 @@ from disagg.serving.defaultmodel import Say
 from disagg.units import fmt
 
 if TYPE_CHECKING:
+    from agents.wire.answer import TokenEvent
     from disagg.serving.localagents import AgentProc
     from disagg.serving.wireclient import Result
 
@@ -187,11 +188,11 @@ def disaggregated(
 
     stamps: list[float] = []
 
-    def on_token(ev: dict[str, Any]) -> None:
-        if ev.get("id") is not None:
+    def on_token(ev: TokenEvent) -> None:
+        if ev.id is not None:
             stamps.append(time.perf_counter())
 
-    # The whole prompt every time (benches repeat prompts; --prefix measures the cache).
+    # The whole prompt every time (benches repeat prompts; `bench prefix` measures the cache).
     req = build_request(**{"prefix_cache": False, **request})
     return run_remote(prefill, decode, req, on_token=on_token, timeout_s=timeout_s), stamps
 

@@ -1,4 +1,4 @@
-"""Structured outputs' cost (`disagg bench --formats`).
+"""Structured outputs' cost (`disagg bench formats`).
 
 Through a real prefill + decode agent pair: decode tokens/s of requests whose
 output must follow a JSON Schema against the same requests unconstrained, one
@@ -12,17 +12,23 @@ on a cache hit (`grammar_ms` in each result's metrics).
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
 from disagg.bench.common import Stamp, local_pair, pair_machine_info, quiet, table
 from disagg.serving.defaultmodel import Say
+
+if TYPE_CHECKING:
+    from disagg.serving.localagents import AgentProc
+    from disagg.serving.wireclient import Result
 
 SPEED_BAR = 0.9  # constrained decode tok/s / unconstrained, at least
 COMPILE_BAR_MS = 50.0  # the grader schema, compiled cold
@@ -65,59 +71,15 @@ def _speeds(results: list[Any], wall_s: float) -> dict[str, Any]:
 def run_formats_bench(
     model_dir: Path | str, new_tokens: int = 64, repeats: int = 2, say: Say = quiet
 ) -> dict[str, Any]:
-    from disagg.serving.pair import run_remote
-    from disagg.serving.request import build_request
-
     stamp = Stamp()
     with local_pair(Path(model_dir), say) as (prefill, decode):
-
-        def ask(schema: dict[str, Any] | None, i: int = 0) -> Any:
-            fields: dict[str, Any] = {
-                "messages": [{"role": "user", "content": f"{PROMPT} (answer {i})"}],
-                "max_tokens": new_tokens,
-                "prefix_cache": False,
-            }
-            if schema is None:
-                fields["ignore_eos"] = True  # exactly new_tokens
-            else:  # room to finish the JSON: speeds are rates, lengths may differ
-                fields["response_format"] = {"type": "json_schema", "schema": schema}
-                fields["max_tokens"] = 4 * new_tokens
-            # 16 prompts queue at one prefill agent: allow for the wait.
-            req = build_request(**fields)
-            return run_remote(prefill, decode, req, timeout_s=1800, prefill_timeout_s=900)
-
+        ask = functools.partial(_ask, prefill, decode, new_tokens)
         say("warming up (the grammar engine reads the tokenizer once)")
         ask({"type": "object", "properties": {"warm": {"type": "boolean"}}})
         cold = ask(GRADER).metrics["grammar_ms"]
         hits = [ask(GRADER).metrics["grammar_ms"] for _ in range(5)]
         say(f"grader schema: compile {cold:.2f} ms, cache hit {statistics.median(hits):.3f} ms")
-
-        runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
-        for batch in (1, 16):
-            for name in ("free", "json"):
-                runs.setdefault(str(batch), {}).setdefault(name, [])
-            for rep in range(repeats):
-                for name in ("free", "json"):
-                    t0 = time.perf_counter()
-                    with ThreadPoolExecutor(batch) as pool:
-                        results = list(
-                            pool.map(
-                                lambda i, n=name, r=rep: ask(
-                                    long_schema(i + 100 * r) if n == "json" else None, i
-                                ),
-                                range(batch),
-                            )
-                        )
-                    speeds = _speeds(results, time.perf_counter() - t0)
-                    if name == "json":  # what the constraint gave is checked, not trusted
-                        speeds["valid"] = all(
-                            _valid(r.text) and r.metrics["finish_reason"] == "stop" for r in results
-                        )
-                    runs[str(batch)][name].append(speeds)
-                    say(
-                        f"batch {batch} {name}: {speeds['row_tok_s']:.1f} tok/s per row, "
-                        f"{speeds['total_tok_s']:.1f} in all"
-                    )
+        runs = _batch_runs(ask, repeats, say)
         machine = pair_machine_info(prefill, decode)
     out: dict[str, Any] = {
         "model": str(model_dir),
@@ -148,6 +110,65 @@ def run_formats_bench(
     out["elapsed_s"] = stamp.elapsed_s()
     out["ok"] = ok
     return out
+
+
+def _ask(
+    prefill: AgentProc,
+    decode: AgentProc,
+    new_tokens: int,
+    schema: dict[str, Any] | None,
+    i: int = 0,
+) -> Result:
+    """One request through the pair: free (exactly `new_tokens`) or held to `schema`."""
+    from disagg.serving.pair import run_remote
+    from disagg.serving.request import build_request
+
+    fields: dict[str, Any] = {
+        "messages": [{"role": "user", "content": f"{PROMPT} (answer {i})"}],
+        "max_tokens": new_tokens,
+        "prefix_cache": False,
+    }
+    if schema is None:
+        fields["ignore_eos"] = True  # exactly new_tokens
+    else:  # room to finish the JSON: speeds are rates, lengths may differ
+        fields["response_format"] = {"type": "json_schema", "schema": schema}
+        fields["max_tokens"] = 4 * new_tokens
+    # 16 prompts queue at one prefill agent: allow for the wait.
+    req = build_request(**fields)
+    return run_remote(prefill, decode, req, timeout_s=1800, prefill_timeout_s=900)
+
+
+def _batch_runs(
+    ask: Callable[..., Result], repeats: int, say: Say
+) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """Speeds per batch size (1, 16), mode (free, json) and repeat."""
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for batch in (1, 16):
+        for name in ("free", "json"):
+            runs.setdefault(str(batch), {}).setdefault(name, [])
+        for rep in range(repeats):
+            for name in ("free", "json"):
+                t0 = time.perf_counter()
+                with ThreadPoolExecutor(batch) as pool:
+                    results = list(
+                        pool.map(
+                            lambda i, n=name, r=rep: ask(
+                                long_schema(i + 100 * r) if n == "json" else None, i
+                            ),
+                            range(batch),
+                        )
+                    )
+                speeds = _speeds(results, time.perf_counter() - t0)
+                if name == "json":  # what the constraint gave is checked, not trusted
+                    speeds["valid"] = all(
+                        _valid(r.text) and r.metrics["finish_reason"] == "stop" for r in results
+                    )
+                runs[str(batch)][name].append(speeds)
+                say(
+                    f"batch {batch} {name}: {speeds['row_tok_s']:.1f} tok/s per row, "
+                    f"{speeds['total_tok_s']:.1f} in all"
+                )
+    return runs
 
 
 def _valid(text: str) -> bool:

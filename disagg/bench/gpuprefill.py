@@ -23,7 +23,7 @@ from disagg.bench.quant_weights import checkpoint_bytes
 def probe(model_dir: Path, device: str, dtype: str, tokens: int, repeats: int) -> dict[str, Any]:
     import torch
 
-    from agents.prefill.agent import PrefillEngine
+    from agents.prefill.engine import PrefillEngine
 
     cuda = device.startswith("cuda")
     t0 = time.perf_counter()

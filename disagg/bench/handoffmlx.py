@@ -1,6 +1,6 @@
 """The wire bench's receiver as the decode agent receives: K/V into mlx caches.
 
-Two modes, run in the receiving process (`handoff._receiver_main`):
+Two modes, run in the receiving process (`handoffrecv.main`):
   - inplace: the mlx thread allocates the request's caches before the clock
     starts (the agent posts that before it dials, so it overlaps the prefill),
     then `kvfetch.receive_layers` with `kvinplace` slots writes every layer

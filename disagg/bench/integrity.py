@@ -23,9 +23,12 @@ import threading
 import time
 from typing import Any
 
+from rich.table import Table
+
 from agents.wire.auth import client_auth, server_auth
 from agents.wire.channel import FrameReader, send_frame
 from agents.wire.frames import Frame
+from disagg.bench.common import num, table
 
 LINK_BYTES_PER_S = 10e9 / 8  # 10 Gbit/s
 
@@ -87,6 +90,21 @@ def measure(layer_mb: float = 8.0, layers: int = 48, repeats: int = 3) -> dict[s
         # The receiver checks each frame after it arrived: that time adds to the wire's.
         "mac_added_at_10gbit_pct": 100 * (total / rate) / wire_s,
     }
+
+
+def integrity_table(r: dict[str, Any]) -> Table:
+    """Render `measure`'s result."""
+    t = table(
+        f"sealed frames (mac) vs bare: {r['kv_bytes'] / 1e6:,.0f} MB of K/V on loopback",
+        ("figure", "value"),
+        left=("figure",),
+    )
+    t.add_row("loopback, bare", num(r["loopback_none_s"], "s"))
+    t.add_row("loopback, sealed", num(r["loopback_mac_s"], "s"))
+    t.add_row("one core tags", f"{r['tag_rate_gb_s']:.2f} GB/s")
+    t.add_row("the same bytes at 10 Gbit/s", num(r["wire_10gbit_s"], "s"))
+    t.add_row("the check added at 10 Gbit/s", f"{r['mac_added_at_10gbit_pct']:.1f} %")
+    return t
 
 
 def main() -> None:

@@ -217,7 +217,7 @@ def run_kvquant_bench(
 ) -> dict[str, Any]:
     """int8 vs lossless KV on `model_dir` for each prompt; plain data."""
     from agents.decode.agent import DecodeEngine
-    from agents.prefill.agent import PrefillEngine
+    from agents.prefill.engine import PrefillEngine
 
     if tokens < 2 or not prompts:
         raise ValueError("tokens >= 2 and at least one prompt")

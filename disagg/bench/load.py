@@ -1,4 +1,4 @@
-"""The grader's load (`disagg bench --load`): disagg against mlx_lm.server.
+"""The grader's load (`disagg bench load`): disagg against mlx_lm.server.
 
 Requests share one long rubric (the system message) and each carries a different
 submission (the user message), as a grader sends them. For each concurrency level
@@ -93,7 +93,7 @@ SMALL = LoadSettings(
     mixed_requests=4,
 )
 PRESETS = {"quick": QUICK, "small": SMALL, "issue": LoadSettings()}
-KEYS = {  # --load-sizes key -> LoadSettings field
+KEYS = {  # --sizes key -> LoadSettings field
     "rubric": "rubric_tokens",
     "submission": "submission_tokens",
     "concurrency": "concurrency",
@@ -111,7 +111,7 @@ KEYS = {  # --load-sizes key -> LoadSettings field
 
 
 def parse_sizes(spec: str) -> LoadSettings:
-    """`--load-sizes`: a preset (quick, small, issue) and/or key=value overrides,
+    """`--sizes`: a preset (quick, small, issue) and/or key=value overrides,
     comma-separated: "issue", "small,requests=8", "rubric=3000,concurrency=1/4/16".
     Raises ValueError naming what is wrong."""
     base, fields = SMALL, {}

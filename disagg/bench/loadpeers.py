@@ -1,4 +1,4 @@
-"""The two servers `disagg bench --load` drives, and the one client it drives them with.
+"""The two servers `disagg bench load` drives, and the one client it drives them with.
 
 Both are real processes on 127.0.0.1 that speak OpenAI's streaming chat API:
 `disagg serve --local` (its gateway over a local prefill + decode agent pair) and

@@ -1,4 +1,4 @@
-"""Prefix reuse on a grader-shaped workload (`disagg bench --prefix`).
+"""Prefix reuse on a grader-shaped workload (`disagg bench prefix`).
 
 One long shared prefix (a rubric and reference solution, as the system message)
 and several different submissions (the user message), each answered with the

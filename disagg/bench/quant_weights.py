@@ -1,4 +1,4 @@
-"""`disagg bench --quant-weights`: a quantized checkpoint prefilled on packed weights.
+"""`disagg bench quant-weights`: a quantized checkpoint prefilled on packed weights.
 
 On one quantized dir (default: SmolLM2 at MLX affine 4-bit, made by mlx_lm.convert),
 in one run:
@@ -54,7 +54,7 @@ def _idle_engine_rss(model_dir: str) -> tuple[int, int]:
     from transformers.initialization import no_init_weights
 
     from agents.models import load_hf_config
-    from agents.prefill.agent import TORCH_DTYPES, pick_dtype
+    from agents.prefill.engine import TORCH_DTYPES, pick_dtype
     from agents.quant.loader import hf_config
 
     start = _rss()
@@ -73,13 +73,13 @@ def _probe(model_dir: str, mode: str, tokens: int, repeats: int) -> dict[str, An
 
     import torch
 
-    from agents.prefill.agent import PrefillEngine
+    from agents.prefill.engine import PrefillEngine
     from agents.quant.dequant import Packed
     from agents.quant.modules import materialize
 
     start, idle = _idle_engine_rss(model_dir)
     t0 = time.perf_counter()
-    eng = PrefillEngine(model_dir, device="cpu")
+    eng = PrefillEngine(model_dir, device="cpu", dequant_budget_gb=0)  # held packed
     elem = torch.tensor([], dtype=getattr(torch, eng.dtype)).element_size()
     layer0 = [p for m in eng.layers[0].modules() for p in vars(m).values() if isinstance(p, Packed)]
     one_layer = sum(elem * int(torch.Size(p.shape).numel()) for p in layer0)

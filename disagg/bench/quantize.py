@@ -1,5 +1,5 @@
 """Quantized copies of a model dir, made the way users make them (`mlx_lm.convert -q`),
-once per machine: what `disagg bench --quant-weights` and the tests run on."""
+once per machine: what `disagg bench quant-weights` and the tests run on."""
 
 from __future__ import annotations
 

@@ -348,7 +348,7 @@ def concurrency_part(
         say(f"concurrency: {n} requests at once, {tokens} tokens each")
         t0 = time.perf_counter()
         results = _at_once(pair, req, n)
-        conc.append(_concurrency_row(n, results, time.perf_counter() - t0))
+        conc.append(concurrency_row(n, results, time.perf_counter() - t0))
     single = conc[0]["aggregate_tok_s"] if conc and conc[0]["requests"] == 1 else None
     for c in conc:
         c["vs_single"] = c["aggregate_tok_s"] / single if single else None
@@ -376,7 +376,7 @@ def _at_once(pair: Pair, req: dict[str, Any], n: int) -> list[Stamped | BaseExce
     return results
 
 
-def _concurrency_row(n: int, results: list[Stamped | BaseException], wall: float) -> dict[str, Any]:
+def concurrency_row(n: int, results: list[Stamped | BaseException], wall: float) -> dict[str, Any]:
     errors = [str(r) for r in results if isinstance(r, BaseException)]
     ok = [r for r in results if not isinstance(r, BaseException)]
     done = [r for r, _ in ok]

@@ -22,7 +22,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from disagg.bench.common import DECODE_PROMPT, Say, Stamp, local_pair, long_text, quiet
+from rich.table import Table
+
+from agents.wire.answer import TokenEvent
+from disagg.bench.common import (
+    DECODE_PROMPT,
+    Say,
+    Stamp,
+    cell,
+    local_pair,
+    long_text,
+    num,
+    quiet,
+    table,
+    verdict,
+)
 from disagg.serving import wireclient as client
 from disagg.serving.localagents import AgentProc
 
@@ -46,8 +60,8 @@ def prefill_stall(
     going, stop = threading.Event(), threading.Event()
     failed: list[BaseException] = []
 
-    def on_token(ev: dict[str, Any]) -> None:
-        if ev.get("id") is not None:
+    def on_token(ev: TokenEvent) -> None:
+        if ev.id is not None:
             arrivals.append(time.time())
         if len(arrivals) >= 4:
             going.set()
@@ -102,7 +116,7 @@ def prefill_stall(
 def batch_gain(decode: AgentProc, n: int, tokens: int = 64) -> dict[str, Any]:
     """Aggregate decode tokens/s of `n` streams at once on `decode`, each prefilled
     there (a short prompt: no prefill agent in the way), as serving.py counts it."""
-    from disagg.bench.serving import _concurrency_row
+    from disagg.bench.serving import concurrency_row
 
     results: list[Any] = []
     lock = threading.Lock()
@@ -111,8 +125,8 @@ def batch_gain(decode: AgentProc, n: int, tokens: int = 64) -> dict[str, Any]:
     def one() -> None:
         stamps: list[float] = []
 
-        def on_token(ev: dict[str, Any]) -> None:
-            if ev.get("id") is not None:
+        def on_token(ev: TokenEvent) -> None:
+            if ev.id is not None:
                 stamps.append(time.perf_counter())
 
         try:
@@ -132,10 +146,10 @@ def batch_gain(decode: AgentProc, n: int, tokens: int = 64) -> dict[str, Any]:
         t.start()
     for t in threads:
         t.join()
-    return _concurrency_row(n, results, time.perf_counter() - t0)
+    return concurrency_row(n, results, time.perf_counter() - t0)
 
 
-def run(model_dir: Path, prompt_tokens: int, say: Say) -> dict[str, Any]:
+def run_stall_bench(model_dir: Path, prompt_tokens: int = 1500, say: Say = quiet) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     stamp = Stamp()
@@ -158,12 +172,39 @@ def run(model_dir: Path, prompt_tokens: int, say: Say) -> dict[str, Any]:
     }
 
 
+def stall_table(r: dict[str, Any]) -> Table:
+    """Render `run_stall_bench`'s result."""
+    st = r["stall"]
+    t = table(
+        f"a stream while its agent prefills {st['prompt_tokens']} tokens itself",
+        ("figure", "value", "bar"),
+        caption="load average (1 min): {start} at the start, {end} at the end".format(
+            **r["load_avg_1m"]
+        ),
+        left=("figure",),
+    )
+    gap = st["gap_vs_prefill"]
+    ok = gap is not None and gap <= st["bar"]
+    t.add_row("prefill", num(st["prefill_s"], "s"), "")
+    t.add_row("longest gap in the stream", num(st["longest_gap_s"], "s"), "")
+    t.add_row("gap / prefill", cell(gap), f"<= {st['bar']} {verdict(ok)}")
+    t.add_row("tokens during the prefill", str(st["tokens_during_prefill"]), "")
+    for row in r["batch"]:
+        t.add_row(
+            f"{row['requests']} streams: tok/s in all",
+            cell(row["aggregate_tok_s"], form="{:.1f}"),
+            "",
+        )
+    t.add_row("16 streams / 1", cell(r["batch_16_vs_1"], form="{:.2f}"), "")
+    return t
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", type=Path)
     ap.add_argument("--prompt-tokens", type=int, default=1500)
     args = ap.parse_args()
-    print(json.dumps(run(args.model, args.prompt_tokens, print), indent=1))
+    print(json.dumps(run_stall_bench(args.model, args.prompt_tokens, print), indent=1))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@
 The real KV comes from `agents.prefill.PrefillEngine` run in this process on a
 deterministic prompt (fp32 and bf16). `run_wire_bench` returns plain data;
 `wire_tables` renders it. The receiving process and the three senders are in
-`handoff.py`.
+`handoff.py` and `handoffrecv.py`.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +83,7 @@ def real_kv(model_dir: Path, tokens: int, dtype: str) -> list[LayerKV]:
     agent computes and sends it (wire dtype: float32, or bf16 as uint16 words)."""
     from transformers import AutoTokenizer
 
-    from agents.prefill.agent import PrefillEngine
+    from agents.prefill.engine import PrefillEngine
 
     tok: Any = AutoTokenizer.from_pretrained(str(model_dir))
     text = long_text(lambda s: len(tok.encode(s)), tokens)
@@ -226,6 +227,54 @@ def handoff_part(
 ) -> dict[str, Any]:
     raw = raw_size(layers)
     # Bit-exactness first, untimed: the receiver hashes what it decoded.
+    exact = handoff_exactness(rx, layers)
+    t = handoff_timings(rx, layers, repeats, say, label)
+    runs, request_s = t.runs, t.request_s
+    t.wire["bare"] = t.wire["bare_asked"] = raw
+    med = {k: median(v) for k, v in runs.items()}
+    gbs = {k: raw / v / 1e9 for k, v in med.items()}
+    return {
+        "layers": len(layers),
+        "prompt_tokens": int(layers[0].keys.shape[1]),
+        "dtype": layers[0].dtype.name.lower(),
+        "raw_bytes": raw,
+        "wire_bytes": t.wire,
+        "seconds": runs,
+        "median_s": med,
+        "gb_s": gbs,  # raw KV bytes per second, 1e9
+        "ours_vs_bare": gbs["ours"] / gbs["bare"],
+        "ours_vs_json": gbs["ours"] / gbs["json"],
+        "bare_bar": HANDOFF_BARE_BAR,
+        "json_bar": HANDOFF_JSON_BAR,
+        "ok_bare": gbs["ours"] / gbs["bare"] >= HANDOFF_BARE_BAR,
+        "ok_json": gbs["ours"] / gbs["json"] >= HANDOFF_JSON_BAR,
+        "bit_exact": exact["bit_exact"],
+        # Into mlx caches (HANDOFF_INPLACE_BAR): per triple too, bare_i / inplace_i.
+        "inplace_vs_bare": gbs["ours_inplace"] / gbs["bare"],
+        "inplace_vs_bare_runs": [
+            b / a for a, b in zip(runs["ours_inplace"], runs["bare"], strict=True)
+        ],
+        "mlx_copy_vs_bare": gbs["ours_mlx_copy"] / gbs["bare"],
+        "inplace_bar": HANDOFF_INPLACE_BAR,
+        "ok_inplace": gbs["ours_inplace"] / gbs["bare"] >= HANDOFF_INPLACE_BAR,
+        # A bare socket that waits to be asked, as the in-place path does: no bar
+        # (it streamed 10-20 % faster than the unasked push here; handoff.py).
+        "inplace_vs_bare_asked": gbs["ours_inplace"] / gbs["bare_asked"],
+        "inplace_vs_bare_asked_runs": [
+            b / a for a, b in zip(runs["ours_inplace"], runs["bare_asked"], strict=True)
+        ],
+        "inplace_alloc_s": median(t.alloc_s),  # before the clock, as the agent's overlaps
+        # The PREFILL's round trip (no bare counterpart unasked) is in ours_inplace;
+        # the stream alone, from the sender having it to the ack:
+        "inplace_request_s": median(request_s),
+        "inplace_stream_vs_bare": med["bare"]
+        / median([t - r for t, r in zip(runs["ours_inplace"], request_s, strict=True)]),
+        **{k: v for k, v in exact.items() if k != "bit_exact"},
+    }
+
+
+def handoff_exactness(rx: Receiver, layers: list[LayerKV]) -> dict[str, bool]:
+    """Every path's K/V as the receiver hashed it, against the sent K/V (untimed)."""
     want = kv_digest(layers)
     got_ours = rx.ours(layers, verify=True)[2]
     got_json = rx.json(layers, verify=True)[2]
@@ -235,19 +284,34 @@ def handoff_part(
     compressed_ok = all(
         rx.ours(layers, c, verify=True)[2] == want for c in (Codec.ZSTD, Codec.SHUFFLE_ZSTD)
     )
-    runs: dict[str, list[float]] = {
-        "ours": [],
-        "bare": [],
-        "bare_asked": [],
-        "json": [],
-        "ours_zstd": [],
-        "ours_shuffle_zstd": [],
-        "ours_inplace": [],
-        "ours_mlx_copy": [],
+    return {
+        "bit_exact": got_ours == want,
+        "inplace_bit_exact": all(
+            g["digest"] == want and g["placed"] == len(layers) for g in got_inplace
+        ),
+        "mlx_copy_bit_exact": got_mlx_copy["digest"] == want,
+        "bit_exact_compressed": compressed_ok,
+        "json_bit_exact": got_json == want,
     }
-    alloc_s: list[float] = []
-    request_s: list[float] = []
-    wire: dict[str, int] = {}
+
+
+@dataclass
+class HandoffTimings:
+    """Seconds per path and run; the in-place path's allocation and PREFILL round
+    trip per run; wire bytes per path."""
+
+    runs: dict[str, list[float]] = field(default_factory=dict)
+    alloc_s: list[float] = field(default_factory=list)
+    request_s: list[float] = field(default_factory=list)
+    wire: dict[str, int] = field(default_factory=dict)
+
+
+def handoff_timings(
+    rx: Receiver, layers: list[LayerKV], repeats: int, say: Say, label: str
+) -> HandoffTimings:
+    keys = ("ours", "bare", "bare_asked", "json", "ours_zstd", "ours_shuffle_zstd")
+    t = HandoffTimings(runs={k: [] for k in (*keys, "ours_inplace", "ours_mlx_copy")})
+    runs, wire = t.runs, t.wire
     for i in range(repeats):
         say(
             f"handoff {label} {i + 1}/{repeats}: ours, bare socket, ours into mlx "
@@ -263,8 +327,8 @@ def handoff_part(
                 if key == "ours_inplace":
                     secs, wire["ours_inplace"], got = rx.into_mlx(layers, True)
                     runs[key].append(secs)
-                    alloc_s.append(got["alloc_s"])
-                    request_s.append(got["request_s"])
+                    t.alloc_s.append(got["alloc_s"])
+                    t.request_s.append(got["request_s"])
                 else:
                     runs[key].append(rx.bare(layers, asked=key == "bare_asked"))
         secs, wire["ours_mlx_copy"], _ = rx.into_mlx(layers, False)
@@ -275,52 +339,7 @@ def handoff_part(
         runs["ours_zstd"].append(secs)
         secs, wire["ours_shuffle_zstd"], _ = rx.ours(layers, Codec.SHUFFLE_ZSTD)
         runs["ours_shuffle_zstd"].append(secs)
-    wire["bare"] = wire["bare_asked"] = raw
-    med = {k: median(v) for k, v in runs.items()}
-    gbs = {k: raw / v / 1e9 for k, v in med.items()}
-    return {
-        "layers": len(layers),
-        "prompt_tokens": int(layers[0].keys.shape[1]),
-        "dtype": layers[0].dtype.name.lower(),
-        "raw_bytes": raw,
-        "wire_bytes": wire,
-        "seconds": runs,
-        "median_s": med,
-        "gb_s": gbs,  # raw KV bytes per second, 1e9
-        "ours_vs_bare": gbs["ours"] / gbs["bare"],
-        "ours_vs_json": gbs["ours"] / gbs["json"],
-        "bare_bar": HANDOFF_BARE_BAR,
-        "json_bar": HANDOFF_JSON_BAR,
-        "ok_bare": gbs["ours"] / gbs["bare"] >= HANDOFF_BARE_BAR,
-        "ok_json": gbs["ours"] / gbs["json"] >= HANDOFF_JSON_BAR,
-        "bit_exact": got_ours == want,
-        # Into mlx caches (HANDOFF_INPLACE_BAR): per triple too, bare_i / inplace_i.
-        "inplace_vs_bare": gbs["ours_inplace"] / gbs["bare"],
-        "inplace_vs_bare_runs": [
-            b / a for a, b in zip(runs["ours_inplace"], runs["bare"], strict=True)
-        ],
-        "mlx_copy_vs_bare": gbs["ours_mlx_copy"] / gbs["bare"],
-        "inplace_bar": HANDOFF_INPLACE_BAR,
-        "ok_inplace": gbs["ours_inplace"] / gbs["bare"] >= HANDOFF_INPLACE_BAR,
-        # A bare socket that waits to be asked, as the in-place path does: no bar
-        # (it streamed 10-20 % faster than the unasked push here; handoff.py).
-        "inplace_vs_bare_asked": gbs["ours_inplace"] / gbs["bare_asked"],
-        "inplace_vs_bare_asked_runs": [
-            b / a for a, b in zip(runs["ours_inplace"], runs["bare_asked"], strict=True)
-        ],
-        "inplace_alloc_s": median(alloc_s),  # before the clock, as the agent's overlaps
-        # The PREFILL's round trip (no bare counterpart unasked) is in ours_inplace;
-        # the stream alone, from the sender having it to the ack:
-        "inplace_request_s": median(request_s),
-        "inplace_stream_vs_bare": med["bare"]
-        / median([t - r for t, r in zip(runs["ours_inplace"], request_s, strict=True)]),
-        "inplace_bit_exact": all(
-            g["digest"] == want and g["placed"] == len(layers) for g in got_inplace
-        ),
-        "mlx_copy_bit_exact": got_mlx_copy["digest"] == want,
-        "bit_exact_compressed": compressed_ok,
-        "json_bit_exact": got_json == want,
-    }
+    return t
 
 
 def run_wire_bench(

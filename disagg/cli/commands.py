@@ -1,10 +1,11 @@
-"""The commands that run models: generate, serve, verify, bench."""
+"""The commands that run models: generate, serve, verify (the benches: `disagg.cli.bench`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
 from rich.text import Text
@@ -27,8 +28,64 @@ from disagg.cli.common import (
 )
 from disagg.errors import UsageError
 
-if TYPE_CHECKING:
-    from disagg.bench.load import LoadSettings
+
+def _serve_keys(api_key: str | None, api_key_file: Path | None, host: str) -> list[str] | None:
+    """serve's API keys, with a warning where they show in ps or where none guards a
+    public address."""
+    import sys
+
+    from disagg.frontends.keys import api_keys
+
+    on_command_line = any(a == "--api-key" or a.startswith("--api-key=") for a in sys.argv)
+    if api_key is not None and on_command_line:
+        err.print(
+            "[yellow]warning:[/] --api-key on the command line shows in ps to every "
+            "user of this machine: use --api-key-file (chmod 600) or DISAGG_API_KEY",
+            soft_wrap=True,
+        )
+    keys = api_keys(api_key, api_key_file) or None
+    if keys is None and host not in LOOPBACK:
+        err.print(
+            f"[yellow]warning:[/] serving on {host} without an API key: anyone who reaches "
+            "this port can use the models (add --api-key-file or DISAGG_API_KEY)",
+            soft_wrap=True,
+        )
+    return keys
+
+
+def _log_to_stderr(*names: str) -> None:
+    """These loggers' lines on stderr, timestamped (serve's request and agent lines)."""
+    import logging
+    import sys
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+    for name in names:
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def _check_think(local: bool, models: list[str | None], think: bool | str | None) -> None:
+    """--think on a local model that does not reason apart: refused before any agent
+    starts (a fleet's agents refuse it themselves, at once)."""
+    if not local or think in (None, False):
+        return
+    from disagg.serving.defaultmodel import resolve_model
+    from disagg.serving.preflight import reasons_apart
+
+    for m in models:
+        path = resolve_model(m, say)
+        if reasons_apart(path) is False:
+            raise UsageError(
+                f"--think {think if isinstance(think, str) else 'on'}: {path.name} does not "
+                "reason apart (its chat template has no <think> or harmony channels); "
+                "leave --think out or set it to off"
+            )
 
 
 def _open_client(
@@ -42,6 +99,8 @@ def _open_client(
 ) -> Any:
     from disagg.api import Client
 
+    if dtype not in DTYPES:  # the agents' own argparse would say it after they start
+        raise UsageError(f"--dtype {dtype}: use {', '.join(DTYPES)}")
     if (prefill_model or allow_mixed) and not local:
         raise UsageError(
             "--prefill-model and --allow-mixed go with --local; "
@@ -148,6 +207,7 @@ def generate(
         raise UsageError('give a prompt, e.g. disagg generate --local "Hi", or --batch FILE')
     request = build_request(prompt=prompt, **opts) if prompt is not None else None
     models: list[str | None] = list(model) if model else [None]
+    _check_think(local, models, opts.get("think"))
     with _open_client(
         local, models, inventory, dtype, prefill_model=prefill_model, allow_mixed=allow_mixed
     ) as client:
@@ -172,18 +232,30 @@ def _think(value: str) -> bool | str:
     raise UsageError(f"--think {value!r}: use on, off, low, medium or high")
 
 
-def _response_format(value: str) -> dict[str, Any]:
-    if value == "json":
-        return {"type": "json_object"}
-    path = Path(value)
+def _response_format(value: str) -> dict[str, Any] | None:
+    """--format: "json", or a JSON Schema file, through the request's one normalizer."""
+    from agents.wire.request import GenerateRequest, RequestError
+
+    raw: Any = value
+    if value != "json":
+        try:
+            raw = json.loads(Path(value).read_text())
+        except OSError as e:
+            why = f"use json, or a JSON Schema file ({e.strerror})"
+            raise UsageError(f"--format {value}: {why}") from None
+        except json.JSONDecodeError as e:
+            why = f"not valid JSON ({e.msg} at line {e.lineno})"
+            raise UsageError(f"--format {value}: {why}") from None
     try:
-        schema = json.loads(path.read_text())
-    except OSError as e:
-        why = f"use json, or a JSON Schema file ({e.strerror})"
-        raise UsageError(f"--format {value}: {why}") from None
-    except json.JSONDecodeError as e:
-        raise UsageError(f"--format {value}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    return {"type": "json_schema", "schema": schema, "strict": True}
+        rf = GenerateRequest.normalize_format(raw)
+    except RequestError as e:
+        raise UsageError(f"--format {value}: {e}", param=e.field) from None
+    from disagg.serving.preflight import schema_error
+
+    problem = schema_error(rf) if rf is not None and rf["type"] == "json_schema" else None
+    if problem:
+        raise UsageError(f"--format {value}: {problem}")
+    return rf
 
 
 def _run_one(client: Any, name: str, request: Any, as_json: bool, hide_reasoning: bool) -> None:
@@ -223,7 +295,8 @@ def _run_one(client: Any, name: str, request: Any, as_json: bool, hide_reasoning
     out.print()
     if c.tool_calls:
         out.print(tool_calls_table(c.tool_calls))
-    out.print(metrics_table(c.metrics, title=f"metrics: {name}"))
+    # stderr: `> answer.txt` keeps the answer alone
+    err.print(metrics_table(c.metrics, title=f"metrics: {name}"))
 
 
 def _run_many(
@@ -267,6 +340,74 @@ def _run_many(
         raise typer.Exit(1)
 
 
+# serve's options about callers and limits (docs/threat-model.md lists them).
+ApiKey = Annotated[
+    str | None,
+    typer.Option(
+        "--api-key",
+        envvar="DISAGG_API_KEY",
+        help="Require this key (Authorization: Bearer KEY); shows in ps: prefer the env var.",
+    ),
+]
+ApiKeyFile = Annotated[
+    Path | None,
+    typer.Option(
+        "--api-key-file",
+        help="Read the API keys from this file (0600; one per line, each a tenant; the first "
+        "is the operator's: it sees the whole fleet in /ui).",
+    ),
+]
+HeaderTimeout = Annotated[
+    float, typer.Option("--header-timeout", help="Seconds a connection has to send its headers.")
+]
+FirstByteTimeout = Annotated[
+    float,
+    typer.Option(
+        "--first-byte-timeout", help="Seconds a new connection has to send its first byte."
+    ),
+]
+MaxConnections = Annotated[
+    int | None,
+    typer.Option(
+        "--max-connections",
+        help="Connections at once, in total (default: the open-files limit less 64).",
+    ),
+]
+MaxPerAddress = Annotated[
+    int,
+    typer.Option("--max-per-address", help="Connections at once from one IPv4 /24 or IPv6 /64."),
+]
+WorkersOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--workers", help="Requests run at once (default: the decode agents' max_batch, summed)."
+    ),
+]
+MaxRequests = Annotated[
+    int | None,
+    typer.Option(
+        "--max-requests",
+        help="Requests admitted at once, running or waiting for a worker (default: "
+        "2 x workers); more get 429 (OpenAI) / 503 (Ollama) with Retry-After.",
+    ),
+]
+MaxRequestsPerKey = Annotated[
+    int | None,
+    typer.Option(
+        "--max-requests-per-key",
+        help="Of those, what one API key may hold (default: half, with two keys or more).",
+    ),
+]
+DrainTimeout = Annotated[
+    float,
+    typer.Option(
+        "--drain-timeout",
+        help="Seconds a first Ctrl-C (or SIGTERM) lets running requests finish; "
+        "a second Ctrl-C stops at once.",
+    ),
+]
+
+
 @app.command()
 @friendly
 def serve(
@@ -279,79 +420,38 @@ def serve(
         int, typer.Option("--decode-agents", help="Decode agents per model with --local.")
     ] = 1,
     dtype: Dtype = "auto",
-    api_key: Annotated[
-        str | None,
-        typer.Option(
-            "--api-key",
-            envvar="DISAGG_API_KEY",
-            help="Require this key (Authorization: Bearer KEY); shows in ps: prefer the env var.",
-        ),
-    ] = None,
-    api_key_file: Annotated[
-        Path | None,
-        typer.Option(
-            "--api-key-file",
-            help="Read the API keys from this file (0600; one per line, each a tenant).",
-        ),
-    ] = None,
-    header_timeout: Annotated[
-        float,
-        typer.Option("--header-timeout", help="Seconds a connection has to send its headers."),
-    ] = 10.0,
-    max_connections: Annotated[
-        int, typer.Option("--max-connections", help="Connections at once, in total.")
-    ] = 1024,
-    max_per_address: Annotated[
-        int, typer.Option("--max-per-address", help="Connections at once from one address.")
-    ] = 64,
-    workers: Annotated[
-        int | None,
-        typer.Option(
-            "--workers",
-            help="Requests run at once (default: the decode agents' max_batch, summed).",
-        ),
-    ] = None,
-    max_requests: Annotated[
-        int | None,
-        typer.Option(
-            "--max-requests",
-            help="Requests admitted at once, running or waiting for a worker (default: "
-            "2 x workers); more get 429 (OpenAI) / 503 (Ollama) with Retry-After.",
-        ),
-    ] = None,
+    api_key: ApiKey = None,
+    api_key_file: ApiKeyFile = None,
+    header_timeout: HeaderTimeout = 10.0,
+    first_byte_timeout: FirstByteTimeout = 5.0,
+    max_connections: MaxConnections = None,
+    max_per_address: MaxPerAddress = 64,
+    workers: WorkersOpt = None,
+    max_requests: MaxRequests = None,
+    max_requests_per_key: MaxRequestsPerKey = None,
+    drain_timeout: DrainTimeout = 30.0,
 ) -> None:
     """OpenAI- and Ollama-compatible gateway: /v1/... and /api/... on one port."""
     import signal
     import sys
 
     from disagg.frontends.app import create_app
-    from disagg.frontends.keys import api_keys
     from disagg.frontends.limits import Limits, raise_nofile
     from disagg.frontends.limits import serve as serve_app
+    from disagg.frontends.shutdown import Drain
     from disagg.frontends.workers import Workers
+    from disagg.serving.supervise import Supervisor
 
     raise_nofile()  # before the local agents start: they inherit it
 
-    if decode_agents < 1:
-        raise UsageError(f"--decode-agents must be at least 1, got {decode_agents}")
-    for flag, value in (("--workers", workers), ("--max-requests", max_requests)):
-        if value is not None and value < 1:
-            raise UsageError(f"{flag} must be at least 1, got {value}")
-    on_command_line = any(a == "--api-key" or a.startswith("--api-key=") for a in sys.argv)
-    if api_key is not None and on_command_line:
-        err.print(
-            "[yellow]warning:[/] --api-key on the command line shows in ps to every "
-            "user of this machine: use --api-key-file (chmod 600) or DISAGG_API_KEY",
-            soft_wrap=True,
-        )
-    keys = api_keys(api_key, api_key_file)
+    _at_least_one(
+        ("--decode-agents", decode_agents),
+        ("--workers", workers),
+        ("--max-requests", max_requests),
+        ("--max-requests-per-key", max_requests_per_key),
+    )
+    keys = _serve_keys(api_key, api_key_file, host) or []
     key = keys or None
-    if key is None and host not in LOOPBACK:
-        err.print(
-            f"[yellow]warning:[/] serving on {host} without an API key: anyone who reaches "
-            "this port can use the models (add --api-key-file or DISAGG_API_KEY)",
-            soft_wrap=True,
-        )
     # SIGTERM (systemd, docker, kill) unwinds like Ctrl-C, so the local agents stop too;
     # uvicorn hands the signal back to this handler once it has shut down.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
@@ -363,13 +463,25 @@ def serve(
             f"(OpenAI: /v1, Ollama: /api){', API key required' if key else ''}"
         )
         err.print(f"web view: http://{host}:{port}/ui{'?key=KEY' if key else ''}")
-        limits = Limits(header_timeout, max_connections, max_per_address)
-        pool = Workers.for_router(client.router, workers, max_requests)
-        err.print(f"{pool.size} workers, at most {pool.limit} requests at once")
-        serve_app(create_app(client, api_key=key, workers=pool), host, port, limits)
+        limits = Limits(header_timeout, max_connections, max_per_address, first_byte_timeout)
+        pool = Workers.for_router(
+            client.router, workers, max_requests, max_requests_per_key, keys=len(keys)
+        )
+        share = f", {pool.per_key} per key" if pool.per_key < pool.limit else ""
+        err.print(f"{pool.size} workers, at most {pool.limit} requests at once{share}")
+        _log_to_stderr("disagg.requests", "disagg.agents")
+        drain = Drain(lambda: pool.admitted, client.stop_now, client.router.cut_all, drain_timeout)
+        with Supervisor(client) if local else contextlib.nullcontext():
+            serve_app(create_app(client, api_key=key, workers=pool), host, port, limits, drain)
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _at_least_one(*flags: tuple[str, int | None]) -> None:
+    for flag, value in flags:
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be at least 1, got {value}")
 
 
 @app.command()
@@ -424,186 +536,3 @@ def verify(
             err.print(Text.assemble(("error: ", "red"), report["error"]), highlight=False)
     if not report["ok"]:
         raise typer.Exit(1)
-
-
-@app.command()
-@friendly
-def bench(
-    local: Local = False,
-    model: Model = None,
-    repeats: Annotated[int, typer.Option("--repeats", help="Runs per comparison.")] = 3,
-    decode_tokens: Annotated[int, typer.Option("--decode-tokens")] = 64,
-    prompt_tokens: Annotated[int, typer.Option("--prompt-tokens")] = 2000,
-    as_json: Json = False,
-    wire: Annotated[
-        bool,
-        typer.Option(
-            "--wire",
-            help="Also: KV handoff GB/s vs a bare socket and JSON/base64 "
-            "over HTTP, and compression at 1 and 10 Gbit/s.",
-        ),
-    ] = False,
-    serving: Annotated[
-        bool,
-        typer.Option(
-            "--serving",
-            help="Also: TTFT/TPOT at 128/1k/4k tokens vs transformers "
-            "and mlx-lm, decode memory, concurrency (slow).",
-        ),
-    ] = False,
-    png: Annotated[
-        Path | None,
-        typer.Option("--png", help="Draw TTFT against prompt length (implies --serving)."),
-    ] = None,
-    hiding: Annotated[
-        bool,
-        typer.Option(
-            "--hiding",
-            help="Also: TTFT minus prefill compute with the prefill agent behind a link "
-            "shaped to 1 and 10 Gbit/s (needs root: a network namespace and tc).",
-        ),
-    ] = False,
-    quant: Annotated[
-        bool,
-        typer.Option(
-            "--quant",
-            help="Also: lossy int8 KV vs lossless: bytes, logit error, token agreement.",
-        ),
-    ] = False,
-    prefix: Annotated[
-        bool,
-        typer.Option(
-            "--prefix",
-            help="Also: a ~3k-token shared prefix + 16 ~300-token suffixes, "
-            "prefix cache off vs on: TTFT, K/V bytes, same tokens.",
-        ),
-    ] = False,
-    quant_weights: Annotated[
-        bool,
-        typer.Option(
-            "--quant-weights",
-            help="Also: a 4-bit checkpoint prefilled on packed weights: memory, prefill "
-            "tok/s and TTFT against the model dequantized at load, agreement with mlx-lm.",
-        ),
-    ] = False,
-    formats: Annotated[
-        bool,
-        typer.Option(
-            "--formats",
-            help="Also: decode tok/s with a JSON Schema constraint vs without at batch 1 "
-            "and 16, and the grader schema's compile time, cold and cached.",
-        ),
-    ] = False,
-    load: Annotated[
-        bool,
-        typer.Option(
-            "--load",
-            help="Also: the grader's load (a shared rubric, different submissions, Poisson "
-            "arrivals at 1/4/16 concurrent, a mixed run) against mlx_lm.server: TTFT and "
-            "TPOT p50/p99, the longest inter-token gap, tokens/s.",
-        ),
-    ] = False,
-    load_sizes: Annotated[
-        str,
-        typer.Option(
-            "--load-sizes",
-            help="--load's sizes: a preset (quick, small, issue) and/or key=value, "
-            "comma-separated: rubric, submission, concurrency (1/4/16), requests (per slot), "
-            "min_requests, rate (arrivals/s per slot), tokens, mixed, short, long, seed, "
-            "peer (on/off), timeout.",
-        ),
-    ] = "small",
-    everything: Annotated[
-        bool,
-        typer.Option(
-            "--all",
-            help="Every section: --wire --serving --hiding --quant --quant-weights --prefix "
-            "--formats --load.",
-        ),
-    ] = False,
-) -> None:
-    """Measure the handoff against its peers in one run: decode tokens/s against
-    mlx-lm's own generation, TTFT against transformers' own prefill."""
-    from disagg.bench.core import bench_table, run_core_bench
-    from disagg.serving.defaultmodel import resolve_model
-
-    need_local(local)
-    if repeats < 1 or decode_tokens < 2 or prompt_tokens < 16:
-        raise UsageError("--repeats >= 1, --decode-tokens >= 2, --prompt-tokens >= 16")
-    load_settings = _load_settings(load_sizes) if load or everything else None
-    model_dir = resolve_model(model, say)
-    report = run_core_bench(
-        model_dir,
-        repeats=repeats,
-        decode_tokens=decode_tokens,
-        long_prompt_tokens=prompt_tokens,
-        say=say,
-    )
-    tables = [bench_table(report)]
-    wire, serving, hiding = wire or everything, serving or everything, hiding or everything
-    quant = quant or everything
-    quant_weights = quant_weights or everything
-    prefix = prefix or everything
-    if wire:
-        from disagg.bench.wire import run_wire_bench, wire_tables
-
-        report["wire"] = run_wire_bench(model_dir, say=say)
-        tables += wire_tables(report["wire"])
-    if serving or png:
-        from disagg.bench.serving import run_serving_bench, serving_tables, ttft_chart
-
-        report["serving"] = run_serving_bench(model_dir, say=say)
-        tables += serving_tables(report["serving"])
-        if png:
-            report["serving"]["png"] = str(ttft_chart(report["serving"], png))
-            say(f"wrote {png}")
-    if hiding:
-        from disagg.bench.hiding import hiding_table, run_hiding_bench
-
-        report["hiding"] = run_hiding_bench(model_dir, say=say)
-        tables.append(hiding_table(report["hiding"]))
-    if quant:
-        from disagg.bench.kvquant import kvquant_table, run_kvquant_bench
-
-        report["kv_quant"] = run_kvquant_bench(model_dir, say=say)
-        tables.append(kvquant_table(report["kv_quant"]))
-    if quant_weights:
-        from agents.models import load_hf_config
-
-        # On the model quantized to 4 bits (by mlx_lm.convert, once), or -m if it is one.
-        from agents.quant import is_quantized
-        from disagg.bench.quant_weights import quant_weights_table, run_quant_weights_bench
-
-        qdir = model_dir if is_quantized(load_hf_config(model_dir)) else None
-        report["quant_weights"] = run_quant_weights_bench(qdir, say=say)
-        tables.append(quant_weights_table(report["quant_weights"]))
-    if prefix:
-        from disagg.bench.prefix import prefix_table, run_prefix_bench
-
-        report["prefix"] = run_prefix_bench(model_dir, say=say)
-        tables.append(prefix_table(report["prefix"]))
-    if formats or everything:
-        from disagg.bench.formats import formats_table, run_formats_bench
-
-        report["formats"] = run_formats_bench(model_dir, say=say)
-        tables.append(formats_table(report["formats"]))
-    if load_settings is not None:
-        from disagg.bench.load import load_table, run_load_bench
-
-        report["load"] = run_load_bench(model_dir, load_settings, say=say)
-        tables.append(load_table(report["load"]))
-    if as_json:
-        print(json.dumps(report))
-    else:
-        for table in tables:
-            out.print(table)
-
-
-def _load_settings(spec: str) -> LoadSettings:
-    """--load-sizes checked before anything runs: one line naming what is wrong."""
-    from disagg.bench.load import parse_sizes
-
-    try:
-        return parse_sizes(spec)
-    except ValueError as e:
-        raise UsageError(f"--load-sizes: {e}") from None

@@ -14,6 +14,24 @@ from rich.text import Text
 
 from disagg.errors import DisaggError, UsageError
 
+
+def _flags_without_a_type() -> None:
+    """typer's help shows `<bool>` beside every on/off flag, which takes no value:
+    show nothing there, as click does."""
+    from typer.core import TyperOption
+
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is None or getattr(shown, "disagg_patched", False):
+        return
+
+    def display_type_rich(self: TyperOption, ctx: Any) -> str | None:
+        return None if self.is_flag else shown(self, ctx)
+
+    display_type_rich.disagg_patched = True  # type: ignore[attr-defined]
+    TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
+
+
+_flags_without_a_type()
 app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,

@@ -14,11 +14,16 @@ from fastapi.responses import JSONResponse
 
 from disagg.api import Client
 from disagg.frontends import webview
-from disagg.frontends.guard import MAX_BODY_BYTES, Guard
+from disagg.frontends.anthropic import routes as anthropic_routes
+from disagg.frontends.anthropic.types import AnthropicError
+from disagg.frontends.embeddings import routes as embedding_routes
+from disagg.frontends.guard import MAX_BODY_BYTES, Guard, anthropic_error_body
 from disagg.frontends.ollama import routes as ollama_routes
 from disagg.frontends.ollama.types import OllamaError
 from disagg.frontends.openai import routes as openai_routes
 from disagg.frontends.openai.types import OpenAIError
+from disagg.frontends.responses import routes as responses_routes
+from disagg.frontends.webview.tracker import RequestLog
 from disagg.frontends.workers import Workers
 
 
@@ -34,13 +39,19 @@ def create_app(
     `/health` wants one as a bearer token. Generation runs on `workers` (default:
     sized to the cluster's batch capacity), which refuses requests past its limit."""
     app = FastAPI(title="disagg gateway")
+    log = RequestLog(client.models())
     app.add_middleware(Guard, api_key=api_key, max_body=max_body)
-    pool = workers or Workers.for_router(client.router)
-    app.include_router(ollama_routes.routes(client, pool))
+    app.add_middleware(ListRefusals, log=log)  # outermost: sees the guard's 401s and 413s
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    pool = workers or Workers.for_router(client.router, keys=len(keys))
+    # Before Ollama's: its catch-all /api/{what} answers what it does not serve.
+    app.include_router(embedding_routes.routes(client, pool))
+    app.include_router(ollama_routes.routes(client, pool))
     # /ui, /ui/api/..., /metrics; the web view's sign-in takes the first key.
-    app.include_router(webview.routes(client, keys[0] if keys else None))
+    app.include_router(webview.routes(client, keys[0] if keys else None, log))
     app.include_router(openai_routes.routes(client, pool))
+    app.include_router(anthropic_routes.routes(client, pool))
+    app.include_router(responses_routes.routes(client, pool))
     add_error_handlers(app)
 
     @app.get("/health")
@@ -50,11 +61,37 @@ def create_app(
     return app
 
 
+class ListRefusals:
+    """ASGI middleware: requests answered 4xx (an unknown path or model, a bad body, no
+    key) are listed in the web view beside the ones that ran."""
+
+    def __init__(self, app: Any, log: RequestLog) -> None:
+        self.app = app
+        self.log = log
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or path.startswith("/ui") or path == "/metrics":
+            await self.app(scope, receive, send)
+            return
+
+        async def watch(message: Any) -> None:
+            if message["type"] == "http.response.start" and 400 <= message["status"] < 500:
+                self.log.refused(scope.get("method", "?"), path, message["status"])
+            await send(message)
+
+        await self.app(scope, receive, watch)
+
+
 def add_error_handlers(app: FastAPI) -> None:
     """Each API's errors in its own shape; a body that fails validation too."""
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, e: OpenAIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(AnthropicError)
+    async def _anthropic_error(_: Request, e: AnthropicError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(OllamaError)
@@ -66,6 +103,8 @@ def add_error_handlers(app: FastAPI) -> None:
         first = e.errors()[0] if e.errors() else {}
         loc = [str(p) for p in first.get("loc", []) if p != "body"]
         msg = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
+        if request.url.path.startswith("/v1/messages"):
+            return JSONResponse(anthropic_error_body(400, msg), status_code=400)
         if not request.url.path.startswith("/v1"):
             return JSONResponse({"error": msg}, status_code=400)
         err = OpenAIError(400, msg, "invalid_request_error", ".".join(loc) or None)

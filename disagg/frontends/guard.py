@@ -15,6 +15,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from disagg.frontends import tenancy
 from disagg.frontends.webview import auth as webauth
 
 MAX_BODY_BYTES = 4 << 20
@@ -30,19 +31,40 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 def error_body(path: str, status: int, message: str, code: str) -> dict[str, Any]:
-    """The error in the shape of the API the path belongs to: OpenAI under /v1,
-    Ollama's `{"error": "..."}` elsewhere."""
+    """The error in the shape of the API the path belongs to: Anthropic's under
+    /v1/messages, OpenAI's elsewhere under /v1, Ollama's `{"error": "..."}` elsewhere."""
+    if path.startswith("/v1/messages"):
+        return anthropic_error_body(status, message)
     if path.startswith("/v1"):
         kind = "invalid_request_error" if status < 500 else "server_error"
         return {"error": {"message": message, "type": kind, "param": None, "code": code}}
     return {"error": message}
 
 
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error shape: `{"type": "error", "error": {"type", "message"}}`."""
+    fallback = "invalid_request_error" if status < 500 else "api_error"
+    kind = ANTHROPIC_ERROR_TYPES.get(status, fallback)
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
 # -- tenants -------------------------------------------------------------------
 # Each API key is a tenant. Routes read what the guard found in the request's
 # scope["state"]: the tenant's prefix-cache salt and whether it holds a key.
-TENANT = "disagg_tenant"  # the matching key's digest (None: the gateway wants no key)
+TENANT = tenancy.TENANT  # the matching key's digest (None: the gateway wants no key)
 SALT_KEY = "disagg_salt_key"
+OPERATOR = tenancy.OPERATOR  # True: the caller sees the whole fleet (tenancy.is_operator)
 INTERNALS_HEADER = b"x-disagg-internals"  # "1": a keyed caller asks for the metrics' internals
 
 
@@ -73,7 +95,7 @@ def wants_internals(request: Request) -> bool:
 
 
 class Guard:
-    """ASGI middleware: the API keys (`Authorization: Bearer KEY`, compared in
+    """ASGI middleware: the API keys (`Authorization: Bearer KEY` or `x-api-key: KEY`, compared in
     constant time; each key a tenant) and the body cap, before any route sees
     the request."""
 
@@ -100,7 +122,10 @@ class Guard:
         auth = headers.get(b"authorization", b"").decode("latin-1").strip()
         scheme, _, given = auth.partition(" ")
         if scheme.lower() != "bearer":
-            return None
+            # Anthropic's clients send the key as x-api-key.
+            given = headers.get(b"x-api-key", b"").decode("latin-1")
+            if not given.strip():
+                return None
         # Digests: equal lengths, so the compare leaks nothing about the key.
         digest = hashlib.sha256(given.strip().encode()).digest()
         found = None
@@ -121,10 +146,15 @@ class Guard:
     def authorized(self, scope: Scope) -> bool:
         tenant = self.tenant(scope) if self.key_digests else None
         state = scope.setdefault("state", {})
-        state.update({TENANT: tenant, SALT_KEY: self.salt_key})
+        # The operator: the first key (or its web view cookie), or anyone when no key is wanted.
+        operator = not self.key_digests or (tenant is not None and tenant == self.key_digest)
+        state.update({TENANT: tenant, SALT_KEY: self.salt_key, OPERATOR: operator})
         if not self.key_digests or scope["path"] in OPEN_PATHS or tenant is not None:
             return True
-        return self.web_view(scope)
+        if self.web_view(scope):
+            state[OPERATOR] = not webauth.is_open_path(scope["path"])
+            return True
+        return False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -163,6 +193,8 @@ class Guard:
             await _reply(send, path, 408, late, "request_timeout")
             return
         body = b"".join(pieces)
+        if body and path.startswith(JSON_PATHS):
+            json_whatever_the_type(scope)
         replayed = False
 
         async def replay() -> Message:
@@ -172,7 +204,21 @@ class Guard:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()  # later: http.disconnect when the client leaves
 
-        await self.app(scope, replay, send)
+        mark = tenancy.enter(scope["state"].get(TENANT))
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            tenancy.leave(mark)
+
+
+JSON_PATHS = ("/api/", "/v1/")
+
+
+def json_whatever_the_type(scope: Scope) -> None:
+    """Read the body as JSON whatever its content type, as Ollama does: `curl -d`
+    sends application/x-www-form-urlencoded, `requests.post(data=...)` none."""
+    headers = [(k, v) for k, v in scope.get("headers") or [] if k != b"content-type"]
+    scope["headers"] = [*headers, (b"content-type", b"application/json")]
 
 
 async def _reply(send: Send, path: str, status: int, message: str, code: str) -> None:

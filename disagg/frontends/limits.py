@@ -3,29 +3,36 @@
 uvicorn alone takes any number of connections and waits forever for a request's
 first byte: a few dozen silent sockets under a low open-files limit held the
 gateway, and asyncio then logged every refused accept. Here, at the transport:
-connections are capped per address (an IPv6 /64 is one) and in total, below the
-open-files limit, which is raised to its hard limit at start; a connection must
-deliver a request's headers within a deadline (the guard bounds the body); and
-the OS refusing sockets is logged at most once per LOG_EVERY_S.
+connections are capped per network (an IPv4 /24, an IPv6 /64) and in total, near
+the open-files limit, which is raised to its hard limit at start; at a cap the
+oldest connection that has not sent a request's headers is closed to make room
+(1,024 silent sockets once locked keyed clients out); a connection must send its
+first byte within a deadline and a request's headers within a longer one (the
+guard bounds the body); and the OS refusing sockets is logged at most once per
+LOG_EVERY_S.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import resource
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from agents.runtime.server import peer_key
+from disagg.frontends.shutdown import Drain, DrainingServer
 
 HEADER_TIMEOUT_S = 10.0  # from connect (or the last response) to a request's full headers
-MAX_CONNECTIONS = 1024
-MAX_PER_ADDRESS = 64
+FIRST_BYTE_TIMEOUT_S = 5.0  # from connect to its first byte (shorter: a silent socket goes first)
+MAX_CONNECTIONS: int | None = None  # None: the open-files limit less FD_HEADROOM
+MAX_PER_NETWORK = 64  # from one IPv4 /24 or one IPv6 /64
 FD_HEADROOM = 64  # files kept free beyond the connections: agents' sockets, logs, accept
 NOFILE_WANTED = 65536
 LOG_EVERY_S = 10.0
@@ -36,8 +43,20 @@ log = logging.getLogger("disagg.gateway")
 @dataclass
 class Limits:
     header_timeout_s: float = HEADER_TIMEOUT_S
-    max_connections: int = MAX_CONNECTIONS
-    max_per_address: int = MAX_PER_ADDRESS
+    max_connections: int | None = MAX_CONNECTIONS
+    max_per_address: int = MAX_PER_NETWORK  # per IPv4 /24 or IPv6 /64 (network_key)
+    first_byte_timeout_s: float = FIRST_BYTE_TIMEOUT_S
+
+
+def network_key(addr: str) -> str:
+    """Whose connection it is, for the per-network cap: an IPv4 /24, an IPv6 /64
+    (one host, or one client's NAT pool, can own either)."""
+    key = peer_key(addr)
+    try:
+        ip = ipaddress.ip_address(key)
+    except ValueError:
+        return key  # already a /64, or not an address
+    return str(ipaddress.ip_network(f"{ip}/24", strict=False))
 
 
 def raise_nofile(wanted: int = NOFILE_WANTED) -> int:
@@ -63,41 +82,86 @@ def open_files() -> int:
 
 
 def connection_cap(limits: Limits, nofile: int) -> int:
-    """Connections at once: the asked cap, but always leaving files free."""
-    return max(8, min(limits.max_connections, nofile - open_files() - FD_HEADROOM))
+    """Connections at once: the open-files limit less what is open and a headroom,
+    or the asked cap if lower."""
+    room = nofile - open_files() - FD_HEADROOM
+    asked = limits.max_connections
+    return max(8, room if asked is None else min(asked, room))
+
+
+class Conn(Protocol):
+    def evict(self) -> None: ...
 
 
 class Admission:
-    """Open connections per address and in total (event-loop thread only)."""
+    """Open connections per network and in total, and which of them have not sent
+    a request's headers yet, oldest first (event-loop thread only). At a cap the
+    oldest such connection (in that network, or anywhere for the total) makes room:
+    silent sockets cannot keep a client that talks out."""
 
     def __init__(self, total: int, per_address: int) -> None:
         self.total, self.per_address = total, per_address
         self.open: dict[str, int] = {}
         self.count = 0
-        self.refused = 0
+        self.refused = self.evicted = 0
+        self.silent: OrderedDict[Conn, str] = OrderedDict()  # not yet sent headers
+        self.silent_in: dict[str, OrderedDict[Conn, None]] = {}
         self._told_at = 0.0
 
-    def admit(self, addr: str) -> bool:
-        key = peer_key(addr)
-        if self.count >= self.total or self.open.get(key, 0) >= self.per_address:
-            self.refused += 1
-            now = time.monotonic()
-            if now - self._told_at >= LOG_EVERY_S:
-                self._told_at = now
-                log.warning(
-                    "refused connections (%d so far): %d open, %d from %s",
-                    self.refused,
-                    self.count,
-                    self.open.get(key, 0),
-                    key,
-                )
-            return False
+    def admit(self, conn: Conn, addr: str) -> bool:
+        key = network_key(addr)
+        full_here = self.open.get(key, 0) >= self.per_address
+        if full_here and not self._evict(key):
+            return self._refuse(key)
+        if self.count >= self.total and not self._evict(None):
+            return self._refuse(key)
         self.open[key] = self.open.get(key, 0) + 1
         self.count += 1
         return True
 
-    def release(self, addr: str) -> None:
-        key = peer_key(addr)
+    def _evict(self, key: str | None) -> bool:
+        pool = self.silent if key is None else self.silent_in.get(key)
+        if not pool:
+            return False
+        victim = next(iter(pool))
+        self.evicted += 1
+        victim.evict()  # releases it here, at once
+        return True
+
+    def _refuse(self, key: str) -> bool:
+        self.refused += 1
+        now = time.monotonic()
+        if now - self._told_at >= LOG_EVERY_S:
+            self._told_at = now
+            log.warning(
+                "refused connections (%d so far): %d open, %d from %s",
+                self.refused,
+                self.count,
+                self.open.get(key, 0),
+                key,
+            )
+        return False
+
+    def waiting(self, conn: Conn, addr: str) -> None:
+        """`conn` waits for a request's headers (new, or kept alive after a response)."""
+        key = network_key(addr)
+        self.silent[conn] = key
+        self.silent_in.setdefault(key, OrderedDict())[conn] = None
+
+    def heard(self, conn: Conn) -> None:
+        """`conn` sent a request's headers (or is gone)."""
+        key = self.silent.pop(conn, None)
+        if key is None:
+            return
+        mine = self.silent_in.get(key)
+        if mine is not None:
+            mine.pop(conn, None)
+            if not mine:
+                del self.silent_in[key]
+
+    def release(self, conn: Conn, addr: str) -> None:
+        self.heard(conn)
+        key = network_key(addr)
         self.count -= 1
         left = self.open.get(key, 0) - 1
         if left > 0:
@@ -107,42 +171,68 @@ class Admission:
 
 
 def limited_protocol(limits: Limits, admission: Admission) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with the admission check and the headers deadline."""
+    """uvicorn's h11 protocol with admission (evicting the oldest silent connection
+    at a cap), a first-byte deadline and a headers deadline."""
 
     class Limited(H11Protocol):
         _addr: str | None = None
         _timer: Any = None
+        _first: Any = None
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             addr = (self.client or ("?", 0))[0]
-            if not admission.admit(addr):
+            if not admission.admit(self, addr):
                 transport.abort()  # no answer: an answer would cost what we refuse to spend
                 return
             self._addr = addr
+            self._first = self.loop.call_later(limits.first_byte_timeout_s, self._late)
             self._arm()
 
-        def _arm(self) -> None:
-            # Fires unless a new request's headers arrived (uvicorn starts a new cycle).
-            waiting_on = self.cycle
-            self._timer = self.loop.call_later(limits.header_timeout_s, self._late, waiting_on)
+        def _idle(self) -> bool:
+            """No request under way: waiting for the next one's headers."""
+            return self.cycle is None or self.cycle.response_complete
 
-        def _late(self, waiting_on: Any) -> None:
-            if self.cycle is waiting_on and not self.transport.is_closing():
-                self.transport.abort()
+        def _arm(self) -> None:
+            # Fires unless a request is under way by then.
+            assert self._addr is not None
+            admission.waiting(self, self._addr)
+            self._timer = self.loop.call_later(limits.header_timeout_s, self._late)
+
+        def _late(self) -> None:
+            if self._idle() and not self.transport.is_closing():
+                self.evict()
+
+        def evict(self) -> None:
+            """Close now and give its place back at once (abort's connection_lost comes later)."""
+            self._release()
+            self.transport.abort()
+
+        def data_received(self, data: bytes) -> None:
+            if self._first is not None:
+                self._first.cancel()
+                self._first = None
+            super().data_received(data)
+            if not self._idle():
+                admission.heard(self)
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
             if self._timer is not None and not self.transport.is_closing():
                 self._timer.cancel()
-                self._arm()  # a kept-alive connection's next headers, on the same terms
+                if self._idle():
+                    self._arm()  # a kept-alive connection's next headers, on the same terms
+
+        def _release(self) -> None:
+            for timer in (self._timer, self._first):
+                if timer is not None:
+                    timer.cancel()
+            if self._addr is not None:
+                admission.release(self, self._addr)
+                self._addr = None
 
         def connection_lost(self, exc: Exception | None) -> None:
-            if self._timer is not None:
-                self._timer.cancel()
-            if self._addr is not None:
-                admission.release(self._addr)
-                self._addr = None
+            self._release()
             super().connection_lost(exc)
 
     return Limited
@@ -176,8 +266,11 @@ class OncePer(logging.Filter):
         return True
 
 
-def serve(app: Any, host: str, port: int, limits: Limits | None = None) -> None:
-    """Run `app` with uvicorn under these limits until a signal stops it."""
+def serve(
+    app: Any, host: str, port: int, limits: Limits | None = None, drain: Drain | None = None
+) -> None:
+    """Run `app` with uvicorn under these limits until a signal stops it (`drain`:
+    how, disagg.frontends.shutdown)."""
     limits = limits or Limits()
     nofile = raise_nofile()
     cap = connection_cap(limits, nofile)
@@ -185,7 +278,7 @@ def serve(app: Any, host: str, port: int, limits: Limits | None = None) -> None:
     for name in ("asyncio", "uvicorn.error"):
         logging.getLogger(name).addFilter(quiet)
     admission = Admission(cap, min(limits.max_per_address, cap))
-    log.info("at most %d connections, %d per address", cap, admission.per_address)
+    log.info("at most %d connections, %d per /24 or /64", cap, admission.per_address)
     config = uvicorn.Config(
         app,
         host=host,
@@ -194,4 +287,4 @@ def serve(app: Any, host: str, port: int, limits: Limits | None = None) -> None:
         http=limited_protocol(limits, admission),
         backlog=min(2048, cap),
     )
-    uvicorn.Server(config).run()
+    (DrainingServer(config, drain) if drain is not None else uvicorn.Server(config)).run()

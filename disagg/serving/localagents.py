@@ -35,6 +35,9 @@ class AgentProc:
     log_path: Path
     token: bytes | None = None
     _stopped: bool = field(default=False, repr=False)
+    # spawn_agent's keywords, to start it again (disagg.serving.supervise)
+    spawn: dict[str, Any] = field(default_factory=dict, repr=False)
+    started: float = field(default_factory=time.monotonic, repr=False)
 
     @property
     def address(self) -> str:
@@ -94,8 +97,10 @@ def spawn_agent(
     log_dir: Path | None = None,
     extra_args: Sequence[str] = (),
     prefix: Sequence[str] = (),
+    module: str | None = None,
 ) -> tuple[subprocess.Popen[str], Path, str]:
-    """Start one agent process; `prefix` wraps the command (e.g. `ip netns exec NS`)."""
+    """Start one agent process; `prefix` wraps the command (e.g. `ip netns exec NS`);
+    `module` runs in place of `agents.<role>` (tests wrap an agent to inject faults)."""
     name = name or f"{role}@{host}"
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="disagg-logs-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -104,7 +109,7 @@ def spawn_agent(
         *prefix,
         sys.executable,
         "-m",
-        f"agents.{role}",
+        module or f"agents.{role}",
         "--model",
         str(model_dir),
         "--host",
@@ -163,11 +168,15 @@ def thread_share(role: str, env: dict[str, str]) -> dict[str, str]:
     against 4.0 s and 0.40 s); with half always, one stream alone decoded 1.3x
     slower than mlx-lm (docs/bench-history/2026-11-23-load.md)."""
     half = str(max(1, (os.cpu_count() or 2) // 2))
+    # torch's OpenMP threads sleep at a barrier instead of spinning: beside two busy
+    # processes on 2 cores a SmolLM2 prefill took 38 s spinning (the default), 1.1 s
+    # passive, 2.9 s on one thread (docs/performance.md, 2026-11-27).
+    out = {} if "OMP_WAIT_POLICY" in env else {"OMP_WAIT_POLICY": "PASSIVE"}
     if role == "decode" and "OPENBLAS_NUM_THREADS" not in env:
-        return {BLAS_SHARED_ENV: half}
+        out[BLAS_SHARED_ENV] = half
     if role == "prefill" and "OMP_NUM_THREADS" not in env:
-        return {TORCH_SHARED_ENV: half}
-    return {}
+        out[TORCH_SHARED_ENV] = half
+    return out
 
 
 def wait_ready(
@@ -230,12 +239,14 @@ def start_local_agents(
     prefill_args: Sequence[str] = (),
     decode_args: Sequence[str] = (),
     prefill_model_dir: Path | None = None,
+    prefill_module: str | None = None,
 ) -> tuple[AgentProc, list[AgentProc]]:
     """Start one prefill and `n_decode` decode agents on 127.0.0.1, all loading at once.
 
     They share `token_file` (one cluster), or a fresh token of their own;
     `prefill_args` / `decode_args` are extra command-line flags per role;
-    `prefill_model_dir`: the prefill agent loads that dir instead (mixed weights).
+    `prefill_model_dir`: the prefill agent loads that dir instead (mixed weights);
+    `prefill_module`: the prefill agent runs from that module (a test's wrapper).
     """
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="disagg-logs-"))
     if token_file is None:
@@ -245,30 +256,46 @@ def start_local_agents(
     names = ["prefill@127.0.0.1"] + [
         "decode@127.0.0.1" if i == 0 else f"decode-{i + 1}@127.0.0.1" for i in range(n_decode)
     ]
-    spawned = [
-        spawn_agent(
-            "prefill" if i == 0 else "decode",
-            (prefill_model_dir or model_dir) if i == 0 else model_dir,
+    how: list[dict[str, Any]] = [
+        dict(
+            role="prefill" if i == 0 else "decode",
+            model_dir=(prefill_model_dir or model_dir) if i == 0 else model_dir,
             dtype=dtype,
             name=name,
             log_dir=log_dir / name.split("@")[0],
             extra_args=["--token-file", str(token_file), *(decode_args if i else prefill_args)],
+            module=None if i else prefill_module,
         )
         for i, name in enumerate(names)
     ]
+    spawned = [spawn_agent(**kw) for kw in how]
     ready: list[AgentProc] = []
     try:
         for i, (proc, log_path, name) in enumerate(spawned):
             ready.append(
                 wait_ready("prefill" if i == 0 else "decode", proc, log_path, name, timeout_s)
             )
-            ready[-1].token = token
+            ready[-1].token, ready[-1].spawn = token, how[i]
     except Exception:
         for proc, _, _ in spawned[len(ready) :]:
             proc.kill()
         stop_agents(ready)
         raise
     return ready[0], ready[1:]
+
+
+def restart_agent(agent: AgentProc, timeout_s: float = 300.0) -> AgentProc:
+    """Start a local agent again as it was started (new ports: the caller updates
+    whatever routes to it)."""
+    proc, log_path, name = spawn_agent(**agent.spawn)
+    try:
+        new = wait_ready(agent.role, proc, log_path, name, timeout_s)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    new.token, new.spawn = agent.token, agent.spawn
+    return new
 
 
 def start_local_pair(model_dir: Path, **kw: Any) -> tuple[AgentProc, AgentProc]:

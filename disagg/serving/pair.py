@@ -4,11 +4,12 @@ from the prefill agent: the one way `disagg verify` and the benches run it."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
+from agents.wire.answer import TokenEvent
 from agents.wire.request import GenerateRequest
 from disagg.errors import AgentError
 from disagg.serving import wireclient
+from disagg.serving.completion import Completion
 from disagg.serving.localagents import AgentProc
 from disagg.serving.router import Endpoint
 
@@ -18,11 +19,11 @@ def run_remote(
     decode: AgentProc,
     request: GenerateRequest,
     *,
-    on_token: Callable[[dict[str, Any]], None] | None = None,
+    on_token: Callable[[TokenEvent], None] | None = None,
     timeout_s: float = 900.0,
     prefill_timeout_s: float | None = None,
     require: bool = True,
-) -> wireclient.Result:
+) -> Completion:
     """Run `request` on `decode` with placement "remote" and `prefill` as its target.
     The decode agent still falls back to a local prefill if the prefill agent fails;
     with `require` that is an AgentError, else the result says so in its metrics.

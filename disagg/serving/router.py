@@ -17,8 +17,8 @@ import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
+from agents.wire.answer import TokenEvent
 from agents.wire.request import GenerateRequest, PrefillTarget
 from disagg.errors import (
     AgentError,
@@ -30,6 +30,8 @@ from disagg.errors import (
 )
 from disagg.serving import affinity
 from disagg.serving import wireclient as client
+from disagg.serving.completion import Completion
+from disagg.serving.metrics import Metrics
 
 DOWN_FOR_S = 5.0  # a failed agent is skipped this long before it is probed again
 HEALTH_TTL_S = 2.0
@@ -76,7 +78,74 @@ def _timed_out(e: BaseException) -> bool:
 
 
 class StopGeneration(Exception):
-    """Raised from a token callback to end a request early (a stop sequence matched)."""
+    """Raised from a token callback to end a request early: a stop sequence matched
+    (`reason` "stop") or its caller left ("cancelled"). The router sets `metrics`:
+    what is known of the request when it ended (`cut_short`)."""
+
+    def __init__(self, reason: str = "stop") -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.metrics: Metrics | None = None
+
+
+def cut_short(
+    early: Metrics | None, t_sent: float, t_first: float | None, tokens: int, reason: str
+) -> Metrics:
+    """A request's metrics when its client stopped reading before the agent's DONE:
+    the prompt's side from the first TOKEN frame (`early`, agents.decode.agent's
+    first_metrics), the decode side timed here."""
+    now = time.perf_counter()
+    m = Metrics.from_json(early.to_json()) if early is not None else Metrics()  # a copy
+    timeline, m.timeline = m.timeline or {}, None
+    m.agent_ttft, m.ttft = m.ttft, None if t_first is None else t_first - t_sent
+    m.completion_tokens, m.finish_reason, m.total_time = tokens, reason, now - t_sent
+    if t_first is not None:
+        m.decode_time = now - t_first
+        if tokens > 1 and m.decode_time > 0:
+            m.tpot, m.decode_speed = m.decode_time / (tokens - 1), (tokens - 1) / m.decode_time
+    if isinstance(m.prefill_time, int | float) and m.prefill_time > 0 and m.prompt_tokens:
+        m.prefill_speed = m.prompt_tokens / m.prefill_time
+    first = timeline.get("first_token")
+    if timeline.get("at") is not None and isinstance(first, int | float):
+        m.timeline = {**timeline, "done": first + (m.decode_time or 0.0)}
+    return m
+
+
+class Relay:
+    """One decode agent's try at a request, as its token callback: it passes on what
+    earlier tries did not deliver (a rerouted run must match what they did), notes
+    its first token's time and metrics, and stops at Router.cut_all."""
+
+    def __init__(
+        self,
+        delivered: list[TokenEvent],
+        on_token: Callable[[TokenEvent], None] | None,
+        cutting: threading.Event,
+    ) -> None:
+        self.delivered, self.on_token, self.cutting = delivered, on_token, cutting
+        self.seen = 0
+        self.t_sent = time.perf_counter()
+        self.t_first: float | None = None
+        self.early: Metrics | None = None  # the first TOKEN's (agents.decode first_metrics)
+
+    def cut(self, reason: str) -> Metrics:
+        """The metrics of a request ended early (cut_short), as far as it went."""
+        tokens = sum(t.id is not None for t in self.delivered)
+        return cut_short(self.early, self.t_sent, self.t_first, tokens, reason)
+
+    def __call__(self, tok: TokenEvent) -> None:
+        if self.cutting.is_set():
+            raise StopGeneration("cancelled")
+        self.seen += 1
+        if self.t_first is None and tok.id is not None:
+            self.t_first, self.early = time.perf_counter(), tok.metrics
+        if self.seen <= len(self.delivered):
+            if self.delivered[self.seen - 1].id != tok.id:
+                raise AgentError("the rerouted run diverged from the text already sent")
+            return
+        self.delivered.append(tok)
+        if self.on_token:
+            self.on_token(tok)
 
 
 class Router:
@@ -89,6 +158,25 @@ class Router:
         self.health: dict[str, tuple[float, bool]] = {}
         self.last_ok: dict[str, float] = {}  # when each agent last answered /health ok
         self.affinity = affinity.AffinityTable()  # prefix -> the decode agent holding it
+        self.cutting = threading.Event()  # set: every request stops at its next token
+
+    def moved(self, name: str, host: str, port: int, control_port: int | None) -> None:
+        """Agent `name` runs again at a new address (a restarted local agent): route
+        to it there, and forget that it was down."""
+        for pipe in self.pipelines.values():
+            for ep in (*pipe.prefill, *pipe.decode):
+                if ep.name == name:
+                    ep.host, ep.port, ep.control_port = host, port, control_port
+                    ep.hosts = [host] if ep.hosts else []
+        with self.lock:
+            self.down_until.pop(name, None)
+            self.health.pop(name, None)
+            self.last_ok.pop(name, None)
+
+    def cut_all(self) -> None:
+        """End every running request at its next token, as if its caller left (a
+        gateway whose drain deadline passed); requests after this are cut too."""
+        self.cutting.set()
 
     def models(self) -> list[str]:
         return list(self.pipelines)
@@ -165,9 +253,9 @@ class Router:
         self,
         model: str | None,
         request: GenerateRequest,
-        on_token: Callable[[dict[str, Any]], None] | None = None,
+        on_token: Callable[[TokenEvent], None] | None = None,
         deadline_s: float | None = None,
-    ) -> client.Result:
+    ) -> Completion:
         """Run one request, rerouting to another decode agent if one fails (sent
         nothing for the pipeline's decode_timeout_s). `deadline_s` bounds the whole
         request, reroutes included (RequestTimeout); None: no bound.
@@ -181,7 +269,7 @@ class Router:
         if target and req.prefill is None:
             req = req.replace(prefill=target)
         deadline = None if deadline_s is None else time.monotonic() + deadline_s
-        delivered: list[dict[str, Any]] = []
+        delivered: list[TokenEvent] = []
         failures: list[str] = []
         keys = affinity.prefix_keys(pipe.name, req)
         endpoints, choice = self.decode_order(pipe.decode, keys)
@@ -192,19 +280,7 @@ class Router:
                     f"the request did not finish within its deadline of {deadline_s:g}s"
                     + (f" ({'; '.join(failures)})" if failures else "")
                 )
-            seen = 0
-
-            def forward(tok: dict[str, Any]) -> None:
-                nonlocal seen
-                seen += 1
-                if seen <= len(delivered):
-                    if delivered[seen - 1].get("id") != tok.get("id"):
-                        raise AgentError("the rerouted run diverged from the text already sent")
-                    return
-                delivered.append(tok)
-                if on_token:
-                    on_token(tok)
-
+            forward = Relay(delivered, on_token, self.cutting)
             with self.lock:
                 self.busy[ep.name] += 1
             try:
@@ -217,17 +293,22 @@ class Router:
                     token=self.token,
                     deadline_s=left,
                 )
+                result.model = pipe.name
                 result.metrics.decode_server = result.metrics.decode_server or ep.name
                 result.metrics.route = choice.to_dict()
                 self.affinity.remember(keys, ep.name)  # it now holds this prompt's K/V
-                if failures:
-                    result.metrics.rerouted_from = failures
+                result.metrics.rerouted_from = failures or None
                 return result
             except RequestTimeout as e:  # no fault of the agent: not marked down
                 raise RequestTimeout(
                     f"the request did not finish within its deadline of {deadline_s:g}s: {e}"
                 ) from None
-            except (UsageError, ModelMismatch, AuthError, StopGeneration):
+            except StopGeneration as e:
+                e.metrics = forward.cut(e.reason)
+                e.metrics.decode_server = e.metrics.decode_server or ep.name
+                e.metrics.route = choice.to_dict()
+                raise
+            except (UsageError, ModelMismatch, AuthError):
                 raise
             except (ConnectError, AgentError) as e:
                 self._mark_down(ep)

@@ -17,6 +17,7 @@ class StopMatcher:
         self.text = ""
         self.sent = 0  # characters of `text` already released
         self.hit = False
+        self.matched: str | None = None  # the stop sequence that ended the text
 
     def feed(self, piece: str) -> str:
         """Add a piece; return the text now safe to show (never part of a stop)."""
@@ -24,9 +25,10 @@ class StopMatcher:
             return ""
         start = max(0, len(self.text) - self.hold)  # no stop began before this
         self.text += piece
-        ats = [at for s in self.stop if (at := self.text.find(s, start)) >= 0]
+        ats = [(at, s) for s in self.stop if (at := self.text.find(s, start)) >= 0]
         if ats:
-            self.text, self.hit = self.text[: min(ats)], True
+            at, self.matched = min(ats)
+            self.text, self.hit = self.text[:at], True
             return self._emit(len(self.text))
         return self._emit(max(self.sent, len(self.text) - self.hold))
 

@@ -6,10 +6,12 @@ from typing import Any
 
 import numpy as np
 
-from disagg.serving.wireclient import Result
+from disagg.serving.completion import Completion
 
 
-def compare(disagg: Result, local: Result, min_agreement: float, model: str) -> dict[str, Any]:
+def compare(
+    disagg: Completion, local: Completion, min_agreement: float, model: str
+) -> dict[str, Any]:
     """Token agreement, first divergence, and the log-softmax gap the handoff caused."""
     a, b = disagg.token_ids, local.token_ids
     longest = max(len(a), len(b))

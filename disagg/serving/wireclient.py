@@ -6,23 +6,15 @@ import contextlib
 import socket
 import time
 from collections.abc import Callable, Generator, Iterator, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from agents.wire.answer import Done, TokenEvent
 from agents.wire.auth import client_auth
 from agents.wire.channel import recv_frame, send_json
-from agents.wire.frames import (
-    PROGRESS_KEY,
-    Frame,
-    ProtocolError,
-    RemoteError,
-    decode_json,
-)
-from agents.wire.frames import (
-    AuthError as WireAuthError,
-)
+from agents.wire.frames import AuthError as WireAuthError
+from agents.wire.frames import Frame, Header, ProtocolError, RemoteError, decode_json
 from agents.wire.request import GenerateRequest
 from disagg.errors import (
     AgentError,
@@ -33,18 +25,10 @@ from disagg.errors import (
     RequestTimeout,
     UsageError,
 )
-from disagg.serving.metrics import Metrics
+from disagg.serving.completion import Completion
 
-
-@dataclass
-class Result:
-    text: str
-    token_ids: list[int]
-    metrics: Metrics
-    logprobs: list[np.ndarray] = field(default_factory=list)
-    prompt_ids: list[int] | None = None
-    reasoning: str = ""  # the model's reasoning, apart from `text` (the answer)
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # {"name", "arguments"}
+# The name earlier releases gave the wire client's result: the one answer type.
+Result = Completion
 
 
 def _raise_remote(e: RemoteError) -> None:
@@ -59,6 +43,8 @@ def _raise_remote(e: RemoteError) -> None:
 
 # A typed request, or a GENERATE frame's JSON as is (tests of the wire send those).
 Request = GenerateRequest | Mapping[str, Any]
+# What `stream` yields: ("token", TokenEvent), ("logprobs", float32 array), ("done", Done).
+Event = tuple[str, Any]
 
 
 def stream(
@@ -68,64 +54,35 @@ def stream(
     timeout_s: float = 240.0,
     token: bytes | None = None,
     deadline_s: float | None = None,
-) -> Generator[tuple[str, Any], None, None]:
-    """Yield ("token", {"id", "text"}), ("logprobs", array) and finally ("done", result).
+) -> Generator[Event, None, None]:
+    """Yield ("token", TokenEvent) per TOKEN frame, ("logprobs", array) and finally
+    ("done", Done): the answer as typed in agents.wire.answer.
 
     `timeout_s` is an idle deadline: the agent failed when it sent no frame for that
     long (it sends PROGRESS while it queues or prefills, so only a dead or hung one
-    does). `deadline_s`, when given, bounds the whole request: RequestTimeout then.
-    A token event may also carry "channel": "reasoning" (its text is reasoning,
-    not content) or "tool_call": {"name", "arguments"}; "id" is None on events
-    that follow the first one of the same token."""
+    does). `deadline_s`, when given, bounds the whole request: RequestTimeout then."""
     try:
         sock = socket.create_connection((host, port), timeout=min(timeout_s, 10.0))
     except OSError as e:
         raise ConnectError(f"cannot reach decode agent at {host}:{port}: {e}") from None
     deadline = None if deadline_s is None else time.monotonic() + deadline_s
     try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.settimeout(min(timeout_s, 10.0))
-        try:
-            client_auth(sock, token)
-        except WireAuthError as e:
-            raise AuthError(
-                f"decode agent {host}:{port}: {e}; fix: use the cluster's token "
-                "(disagg deploy writes it; --local makes its own)"
-            ) from None
-        except TimeoutError:
-            raise AgentError(
-                f"decode agent {host}:{port} accepted the connection but did not open it "
-                f"within {min(timeout_s, 10.0):.0f}s (overloaded or hung?)"
-            ) from None
+        _open(sock, host, port, timeout_s, token)
         wire = request.to_wire() if isinstance(request, GenerateRequest) else dict(request)
-        # Three PROGRESS frames per idle deadline: one late frame is no failure.
-        wire.setdefault(PROGRESS_KEY, max(timeout_s / 3, 0.1))
+        # Its progress_s: three PROGRESS frames per idle deadline, so one late frame
+        # is no failure.
+        wire.setdefault("progress_s", max(timeout_s / 3, 0.1))
         send_json(sock, Frame.GENERATE, wire)
         while True:
-            wait = timeout_s
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise RequestTimeout(
-                        f"decode agent {host}:{port} was still working when the request's "
-                        f"deadline of {deadline_s:.1f}s passed"
-                    )
-                wait = min(wait, left)
-            sock.settimeout(wait)
-            try:
-                header, payload = recv_frame(sock)
-            except TimeoutError:
-                if deadline is not None and deadline - time.monotonic() <= 0:
-                    continue  # the request's deadline, not the agent's silence
-                raise
+            header, payload = _recv(sock, timeout_s, deadline, f"{host}:{port}", deadline_s)
             if header.type == Frame.PROGRESS:
                 continue  # still working (queued, prefilling): only the idle clock hears it
             if header.type == Frame.TOKEN:
-                yield "token", decode_json(header, payload)
+                yield "token", TokenEvent.from_json(decode_json(header, payload))
             elif header.type == Frame.LOGPROBS:
                 yield "logprobs", np.frombuffer(bytes(payload), np.float32)
             elif header.type == Frame.DONE:
-                yield "done", decode_json(header, payload)
+                yield "done", Done.from_json(decode_json(header, payload))
                 return
             elif header.type == Frame.ERROR:
                 err = decode_json(header, payload)
@@ -146,21 +103,67 @@ def stream(
         sock.close()
 
 
+def _open(sock: socket.socket, host: str, port: int, timeout_s: float, token: bytes | None) -> None:
+    """Prove the cluster token to the decode agent on a fresh connection."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.settimeout(min(timeout_s, 10.0))
+    try:
+        client_auth(sock, token)
+    except WireAuthError as e:
+        raise AuthError(
+            f"decode agent {host}:{port}: {e}; fix: use the cluster's token "
+            "(disagg deploy writes it; --local makes its own)"
+        ) from None
+    except TimeoutError:
+        raise AgentError(
+            f"decode agent {host}:{port} accepted the connection but did not open it "
+            f"within {min(timeout_s, 10.0):.0f}s (overloaded or hung?)"
+        ) from None
+
+
+def _recv(
+    sock: socket.socket,
+    timeout_s: float,
+    deadline: float | None,
+    where: str,
+    deadline_s: float | None,
+) -> tuple[Header, bytearray]:
+    """The next frame, waiting at most the idle `timeout_s` (TimeoutError) and no
+    longer than the request's `deadline` (monotonic; RequestTimeout)."""
+    while True:
+        wait = timeout_s
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RequestTimeout(
+                    f"decode agent {where} was still working when the request's "
+                    f"deadline of {deadline_s:.1f}s passed"
+                )
+            wait = min(wait, left)
+        sock.settimeout(wait)
+        try:
+            return recv_frame(sock)
+        except TimeoutError:
+            if deadline is not None and deadline - time.monotonic() <= 0:
+                continue  # the request's deadline, not the agent's silence
+            raise
+
+
 def generate(
     host: str,
     port: int,
     request: Request,
     on_text: Callable[[str], None] | None = None,
     timeout_s: float = 240.0,
-    on_token: Callable[[dict[str, Any]], None] | None = None,
+    on_token: Callable[[TokenEvent], None] | None = None,
     token: bytes | None = None,
     deadline_s: float | None = None,
-) -> Result:
+) -> Completion:
     """Run one request to completion (`timeout_s`, `deadline_s`: see `stream`).
 
-    `on_text` sees each piece of text as it arrives; `on_token` each token event
-    ({"id", "text"}). An exception raised by either ends the request and closes
-    the connection, which tells the decode agent to stop.
+    `on_text` sees each piece of answer text as it arrives; `on_token` each
+    TokenEvent. An exception raised by either ends the request and closes the
+    connection, which tells the decode agent to stop.
     """
     t0 = time.perf_counter()
     with contextlib.closing(stream(host, port, request, timeout_s, token, deadline_s)) as events:
@@ -170,37 +173,28 @@ def generate(
 def _collect(
     host: str,
     port: int,
-    events: Iterator[tuple[str, Any]],
+    events: Iterator[Event],
     t0: float,
     on_text: Callable[[str], None] | None,
-    on_token: Callable[[dict[str, Any]], None] | None,
-) -> Result:
+    on_token: Callable[[TokenEvent], None] | None,
+) -> Completion:
     ttft = None
     logprobs: list[np.ndarray] = []
     for kind, data in events:
         if kind == "token":
-            if ttft is None and data.get("id") is not None:
+            if ttft is None and data.id is not None:
                 ttft = time.perf_counter() - t0
             if on_token:
                 on_token(data)
-            if on_text and data.get("text") and data.get("channel") != "reasoning":
-                on_text(data["text"])
+            if on_text and data.text and not data.is_reasoning:
+                on_text(data.text)
         elif kind == "logprobs":
             logprobs.append(data)
         else:
-            sent = data.get("metrics")
-            metrics = Metrics.from_wire(sent if isinstance(sent, dict) else {})
+            result = Completion.from_done(data, logprobs)
+            metrics = result.metrics
             # The agent's ttft is its own; the client's includes the way here.
             metrics.agent_ttft, metrics.ttft = metrics.ttft, ttft
             metrics.total_time = time.perf_counter() - t0
-            calls = data.get("tool_calls")
-            return Result(
-                str(data.get("text", "")),
-                list(data.get("token_ids") or []),
-                metrics,
-                logprobs,
-                data.get("prompt_ids"),
-                str(data.get("reasoning") or ""),
-                [c for c in calls if isinstance(c, dict)] if isinstance(calls, list) else [],
-            )
+            return result
     raise AgentError(f"decode agent {host}:{port} closed the stream without a result")

@@ -57,8 +57,9 @@ class ModelInfo:
                 break
             except (OSError, ValueError, AuthError):
                 continue
-        with self.lock:
-            self.cache[name] = (now, info)
+        if info:  # a failed fetch is never kept: the next request asks again
+            with self.lock:
+                self.cache[name] = (now, info)
         return info
 
 

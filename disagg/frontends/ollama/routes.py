@@ -53,17 +53,6 @@ def _ns(seconds: Any) -> int:
     return int(float(seconds) * 1e9) if isinstance(seconds, int | float) else 0
 
 
-def response_format(fmt: str | dict[str, Any] | None) -> dict[str, Any] | None:
-    """Ollama's `format` as the request's response_format."""
-    if fmt is None or fmt == "":
-        return None
-    if fmt == "json":
-        return {"type": "json_object"}
-    if isinstance(fmt, dict):
-        return {"type": "json_schema", "schema": fmt, "strict": True}
-    raise OllamaError(400, f'format {fmt!r}: use "json" or a JSON Schema object')
-
-
 def _sampling(body: CommonFields) -> dict[str, Any]:
     o = body.options or Options()
     num_predict = o.num_predict
@@ -73,7 +62,9 @@ def _sampling(body: CommonFields) -> dict[str, Any]:
         "seed": o.seed,
         "stop": o.stop,
         "max_tokens": UNLIMITED if num_predict is None or num_predict < 0 else num_predict,
-        "response_format": response_format(body.format),
+        # As sent: the request's one normalizer (GenerateRequest.normalize_format)
+        # reads Ollama's "", "json" or schema; a schema is strict, as Ollama's grammar.
+        "response_format": body.format,
         "think": body.think,
     }
 
@@ -108,6 +99,20 @@ def chat_request(body: ChatBody) -> GenerateRequest | None:
     if body.tools:
         inputs["tools"] = body.tools
     return _request(body, inputs)
+
+
+def refuse_tools(model: str, about: dict[str, Any]) -> None:
+    """Ollama refuses `tools` for a model whose template has no tool markup; so do
+    we, naming what Ollama's API can do instead (it has no tool_choice)."""
+    chat = about.get("chat")
+    caps = chat.get("capabilities") if isinstance(chat, dict) else None
+    if isinstance(caps, list) and "tools" not in caps:
+        raise OllamaError(
+            400,
+            f"{model} does not support tools (its chat template has no tool markup): send "
+            'the request without tools, or ask for the arguments as JSON with "format" '
+            "(a JSON schema)",
+        )
 
 
 def _durations(c: Completion, t0: float) -> dict[str, Any]:
@@ -159,12 +164,14 @@ def routes(client: Client, workers: Executor | None = None) -> APIRouter:
 
     @api.post("/api/chat", response_model=None)
     async def chat(request: Request, body: ChatBody) -> Any:
+        if body.tools:
+            refuse_tools(body.model, await describe(resolve(client, body.model)))
         return await answer(client, workers, request, body, chat_request(body), "chat")
 
     @api.api_route("/api/{what}", methods=["POST", "DELETE", "PUT"], include_in_schema=False)
     async def unsupported(what: str) -> Response:
         raise OllamaError(
-            501 if what in ("pull", "push", "create", "copy", "delete", "embed") else 404,
+            501 if what in ("pull", "push", "create", "copy", "delete") else 404,
             f"/api/{what} is not served by disagg: models are the inventory's pipelines",
         )
 
@@ -186,7 +193,13 @@ async def answer(
     t0 = time.perf_counter()
     head = {"model": body.model}
     if req is None:  # no prompt or messages: Ollama's "load the model" request
-        done = {"created_at": timestamp(), "done": True, "done_reason": "load"}
+        # keep_alive 0 asks to unload: Ollama answers "unload" (agents stay loaded here)
+        unload = body.keep_alive in (0, "0", "0s", "0m")
+        done = {
+            "created_at": timestamp(),
+            "done": True,
+            "done_reason": "unload" if unload else "load",
+        }
         return {**head, **({"response": ""} if kind == "generate" else _msg("")), **done}
     try:
         if not body.stream:

@@ -71,31 +71,6 @@ def _request(body: CommonFields, inputs: dict[str, Any]) -> GenerateRequest:
         raise from_disagg(e) from None
 
 
-def response_format(rf: dict[str, Any] | None) -> dict[str, Any] | None:
-    """OpenAI's response_format as the request's: json_object, or json_schema with
-    the schema itself (OpenAI nests it under json_schema.schema)."""
-    if rf is None or rf.get("type") == "text":
-        return None
-    if rf.get("type") == "json_object":
-        return {"type": "json_object"}
-    if rf.get("type") == "json_schema":
-        spec = rf.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-            raise OpenAIError(
-                400,
-                "response_format.json_schema.schema must be a JSON Schema object",
-                "invalid_request_error",
-                "response_format",
-            )
-        return {"type": "json_schema", "schema": spec["schema"], "strict": bool(spec.get("strict"))}
-    raise OpenAIError(
-        400,
-        f"response_format type {rf.get('type')!r}: use text, json_object or json_schema",
-        "invalid_request_error",
-        "response_format",
-    )
-
-
 def chat_request(body: ChatRequest) -> GenerateRequest:
     """/v1/chat/completions' body as the one request."""
     inputs: dict[str, Any] = {"messages": [m.as_request() for m in body.messages]}
@@ -108,7 +83,9 @@ def chat_request(body: ChatRequest) -> GenerateRequest:
             "invalid_request_error",
             "tool_choice",
         )
-    inputs["response_format"] = response_format(body.response_format)
+    # As sent: the request's one normalizer (GenerateRequest.normalize_format) reads
+    # OpenAI's shape; a bad one is a 400 naming response_format.
+    inputs["response_format"] = body.response_format
     inputs["think"] = body.reasoning_effort
     return _request(body, inputs)
 
@@ -125,10 +102,16 @@ def tool_calls(c: Completion) -> list[dict[str, Any]]:
         {
             "id": f"call_{uuid.uuid4().hex[:24]}",
             "type": "function",
-            "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])},
+            # as the model wrote them where it wrote JSON: sent back, they render byte-exact
+            "function": {"name": call["name"], "arguments": _arguments(call)},
         }
         for call in c.tool_calls
     ]
+
+
+def _arguments(call: dict[str, Any]) -> str:
+    text = call.get("arguments_text")
+    return text if isinstance(text, str) else json.dumps(call["arguments"])
 
 
 def routes(client: Client, workers: Executor | None = None) -> APIRouter:
@@ -168,6 +151,28 @@ def check_model(client: Client, name: str) -> None:
         )
 
 
+async def start(
+    client: Client,
+    workers: Executor | None,
+    request: Request,
+    model: str,
+    req: GenerateRequest,
+    stream: bool,
+) -> Completion | tuple[AsyncIterator[Chunk], threading.Event]:
+    """Run `req` for any front door: the whole completion (given up when the client
+    hangs up), or the stream's chunks and the event that stops its decoding.
+    Raises DisaggError; the caller puts it in its API's shape."""
+    if not stream:
+        return await unless_gone(
+            request,
+            lambda cancel: client.agenerate(req, model=model, cancel=cancel, executor=workers),
+        )
+    cancel = threading.Event()
+    chunks = await client.agenerate(req, model=model, stream=True, cancel=cancel, executor=workers)
+    assert not isinstance(chunks, Completion)
+    return chunks, cancel
+
+
 async def answer(
     client: Client,
     workers: Executor | None,
@@ -183,21 +188,12 @@ async def answer(
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     try:
-        if not body.stream:
-            result = await unless_gone(
-                request,
-                lambda cancel: client.agenerate(
-                    req, model=body.model, cancel=cancel, executor=workers
-                ),
-            )
-            return _full(kind, rid, created, result, internals)
-        cancel = threading.Event()
-        chunks = await client.agenerate(
-            req, model=body.model, stream=True, cancel=cancel, executor=workers
-        )
+        result = await start(client, workers, request, body.model, req, body.stream)
     except DisaggError as e:
         raise from_disagg(e) from None
-    assert not isinstance(chunks, Completion)
+    if isinstance(result, Completion):
+        return _full(kind, rid, created, result, internals)
+    chunks, cancel = result
     usage = bool(body.stream_options and body.stream_options.include_usage)
     return StreamingResponse(
         _sse(kind, rid, created, body.model, chunks, usage, cancel),
@@ -209,7 +205,8 @@ def _full(kind: str, rid: str, created: int, c: Completion, internals: bool) -> 
     if kind == "chat":
         message: dict[str, Any] = {"role": "assistant", "content": c.text}
         if c.reasoning:
-            message["reasoning_content"] = c.reasoning
+            # vLLM renamed reasoning_content to reasoning; clients read one or the other
+            message["reasoning_content"] = message["reasoning"] = c.reasoning
         if c.tool_calls:
             message.update(tool_calls=tool_calls(c), content=c.text or None)
         choice: dict[str, Any] = {"index": 0, "finish_reason": c.finish_reason, "message": message}
@@ -262,7 +259,10 @@ async def _sse(
     try:
         async for chunk in chunks:
             if chunk.reasoning and kind == "chat":
-                thought: dict[str, Any] = {"reasoning_content": chunk.reasoning}
+                thought: dict[str, Any] = {
+                    "reasoning_content": chunk.reasoning,
+                    "reasoning": chunk.reasoning,
+                }
                 yield event({"index": 0, "delta": thought, "finish_reason": None})
             if chunk.text:
                 yield event(piece(chunk.text))

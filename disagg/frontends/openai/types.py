@@ -25,7 +25,9 @@ class Message(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool result: the call it answers
-    reasoning_content: str | None = None  # an assistant turn's reasoning, as we return it
+    # An assistant turn's reasoning, as we return it: under both names clients read.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     def as_request(self) -> dict[str, Any]:
         """This message as the one request type takes it."""
@@ -33,7 +35,7 @@ class Message(BaseModel):
         if self.tool_calls:
             out["tool_calls"] = [c.model_dump(exclude_none=True) for c in self.tool_calls]
             out["content"] = out["content"] or None
-        for key in ("name", "tool_call_id", "reasoning_content"):
+        for key in ("name", "tool_call_id", "reasoning_content", "reasoning"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         return out

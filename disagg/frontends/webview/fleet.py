@@ -145,6 +145,7 @@ class FleetWatch:
             max_batch=st.get("max_batch"),
             requests=st.get("requests"),
             errors=st.get("errors"),
+            cancelled=st.get("cancelled"),
             uptime_s=st.get("uptime_s"),
             rss_bytes=st.get("rss_bytes"),
             prefix_hit_rate=pc.get("hit_rate"),

@@ -21,6 +21,9 @@ BYTES = tuple(float(1 << s) for s in range(10, 34, 2))  # 1 KiB .. 8 GiB, x4 apa
 # Why a decode agent prefilled locally: agents.decode.kvfetch.FALLBACK_KINDS
 # (a test holds them equal).
 FALLBACK_KINDS = ("unreachable", "timeout", "stream", "prefill_error")
+# How a request ended, in every place that says it: the APIs' finish reasons, these
+# counters, the web view, the agents' own counters.
+OUTCOMES = ("stop", "length", "tool_calls", "cancelled", "error")
 
 # name -> (result metric it observes, buckets, help)
 HISTOGRAMS: dict[str, tuple[str, tuple[float, ...], str]] = {
@@ -32,7 +35,8 @@ HISTOGRAMS: dict[str, tuple[str, tuple[float, ...], str]] = {
     "kv_bytes": ("kv_bytes", BYTES, "K/V bytes on the wire per disaggregated request."),
 }
 COUNTERS = {
-    "requests_total": "Requests by model, method and outcome (ok, error).",
+    "requests_total": "Requests by model, method and outcome (stop, length, tool_calls, "
+    "cancelled, error).",
     "fallbacks_total": "Requests prefilled on the decode agent because the prefill agent failed.",
     "prefix_hits_total": "Requests whose prompt reused K/V from a prefix cache.",
     "cached_tokens_total": "Prompt tokens whose K/V came from a prefix cache.",
@@ -78,12 +82,14 @@ class GatewayMetrics:
         with self.lock:
             self.in_flight[model] += 1
 
-    def end(self, model: str, metrics: dict[str, Any] | None, ok: bool) -> None:
+    def end(self, model: str, metrics: dict[str, Any] | None, outcome: str) -> None:
+        """A request ended: `outcome` is one of OUTCOMES; `metrics` what it measured
+        (a cancelled or stop-ended request's too)."""
         m = metrics or {}
         method = str(m.get("method") or "none")
+        ok = outcome != "error" and metrics is not None
         with self.lock:
             self.in_flight[model] -= 1
-            outcome = "ok" if ok else "error"
             self.counts[
                 ("requests_total", (("model", model), ("method", method), ("outcome", outcome)))
             ] += 1
@@ -111,8 +117,10 @@ class GatewayMetrics:
         with self.lock:
             self.agents_up[(name, role, model)] = int(up)
 
-    def text(self) -> str:
-        """Prometheus text exposition format 0.0.4."""
+    def text(self, fleet: bool = True) -> str:
+        """Prometheus text exposition format 0.0.4; `fleet` False leaves out the
+        agents (their names are the operator's to see). No series carries prompt
+        text or a tenant: counts are the gateway's, summed over tenants."""
         out: list[str] = []
         with self.lock:
             for name, (_, _, help_) in HISTOGRAMS.items():
@@ -138,6 +146,8 @@ class GatewayMetrics:
                 f"{P}_in_flight{_labels((('model', m),))} {v}"
                 for m, v in sorted(self.in_flight.items())
             ]
+            if not fleet:
+                return "\n".join(out) + "\n"
             out += [f"# HELP {P}_agent_up {GAUGES['agent_up']}", f"# TYPE {P}_agent_up gauge"]
             out += [
                 f"{P}_agent_up{_labels((('agent', a), ('role', r), ('model', m)))} {v}"

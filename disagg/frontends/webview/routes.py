@@ -20,6 +20,7 @@ from fastapi.responses import (
     Response,
 )
 
+from disagg.frontends.tenancy import is_operator, tenant_of
 from disagg.frontends.webview.auth import key_digest, key_matches, set_cookie_header, signed_in
 from disagg.frontends.webview.fleet import FleetWatch
 from disagg.frontends.webview.tracker import RequestLog
@@ -44,9 +45,9 @@ def _login_page(error: str = "") -> HTMLResponse:
     return HTMLResponse(body, status_code=401 if error else 200, headers=PAGE_HEADERS)
 
 
-def routes(client: Any, api_key: str | None = None) -> APIRouter:
-    """The router; it starts recording every request `client.router` runs."""
-    log = RequestLog(client.models())
+def routes(client: Any, api_key: str | None = None, log: RequestLog | None = None) -> APIRouter:
+    """The router; it starts recording every request `client.router` runs (in `log`)."""
+    log = log or RequestLog(client.models())
     # The one door every gateway request goes through (see tracker.py).
     setattr(client.router, "run", log.wrap(client.router.run))  # noqa: B010
     fleet = FleetWatch(client, log)
@@ -93,13 +94,16 @@ def routes(client: Any, api_key: str | None = None) -> APIRouter:
 
     @r.get("/ui/api/state")
     async def state(request: Request) -> Response:
-        agents = await asyncio.to_thread(fleet.poll)
+        # The fleet and everyone's requests for the operator; a tenant its own.
+        operator = is_operator(request)
+        agents = await asyncio.to_thread(fleet.poll) if operator else []
         body = {
             "now": time.time(),
             "models": [p.name for p in fleet.pipelines()],
             "agents": agents,
-            "links": fleet.links(),
-            "requests": log.snapshot(),
+            "links": fleet.links() if operator else [],
+            "requests": log.snapshot(tenant_of(request), everyone=operator),
+            "operator": operator,
         }
         raw = json.dumps(body, separators=(",", ":")).encode()
         headers = {"Cache-Control": "no-store"}
@@ -110,8 +114,11 @@ def routes(client: Any, api_key: str | None = None) -> APIRouter:
         return Response(raw, media_type="application/json", headers=headers)
 
     @r.get("/metrics", response_class=PlainTextResponse)
-    async def metrics() -> PlainTextResponse:
-        await asyncio.to_thread(fleet.poll)  # agent_up is as fresh as the scrape
-        return PlainTextResponse(log.metrics.text(), media_type="text/plain; version=0.0.4")
+    async def metrics(request: Request) -> PlainTextResponse:
+        operator = is_operator(request)
+        if operator:
+            await asyncio.to_thread(fleet.poll)  # agent_up is as fresh as the scrape
+        text = log.metrics.text(fleet=operator)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     return r

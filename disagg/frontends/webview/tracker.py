@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import threading
 import time
 from collections import deque
@@ -16,8 +17,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from agents.wire.answer import TokenEvent
+from agents.wire.text import printable
+from disagg.frontends import tenancy
 from disagg.frontends.webview.prom import GatewayMetrics
 
+access = logging.getLogger("disagg.requests")  # `disagg serve` shows it on stderr
 KEEP = 300  # finished requests kept for the view's list and charts
 PROMPT_CHARS = 120  # of a prompt shown in the list
 
@@ -32,6 +37,26 @@ def prompt_of(request: Any) -> str:
         text = users[-1].get("content") if users else ""
     text = " ".join(str(text or "").split())
     return text if len(text) <= PROMPT_CHARS else text[: PROMPT_CHARS - 1] + "…"
+
+
+def access_line(t: Tracked) -> str:
+    """One line per request, no prompt text: `disagg serve` logs it."""
+    m = t.metrics
+
+    def secs(v: Any) -> str:
+        return f"{v:.3f}s" if isinstance(v, int | float) else "-"
+
+    line = (
+        f"request {t.id} {t.model} {t.outcome} {m.get('method') or '-'}: "
+        f"{m.get('prompt_tokens') or 0} prompt ({m.get('cached_tokens') or 0} cached) + "
+        f"{int(m.get('completion_tokens') or t.tokens)} tokens, ttft {secs(m.get('ttft'))}, "
+        f"{secs(t.ended_s)} in all"
+    )
+    return line + (f"; {t.error[:200]}" if t.error else "")
+
+
+def _as_dict(m: Any) -> dict[str, Any]:
+    return m.to_dict() if hasattr(m, "to_dict") else dict(m)
 
 
 def why(m: dict[str, Any]) -> str | None:
@@ -54,17 +79,24 @@ class Tracked:
     first_token_s: float | None = None
     ended_s: float | None = None
     error: str | None = None
+    outcome: str | None = None  # once ended: one of prom.OUTCOMES
     metrics: dict[str, Any] = field(default_factory=dict)
+    tenant: bytes | None = None  # whose request: its key's digest (tenancy)
 
-    def view(self, now: float) -> dict[str, Any]:
+    def view(self, now: float, fleet: bool = True) -> dict[str, Any]:
+        """The list's row; without `fleet` (a tenant's own view) no agent names
+        and no reasons (which may name agents or addresses)."""
         m = self.metrics
         state = "running" if self.ended_s is None else ("failed" if self.error else "done")
-        return {
+        if self.outcome == "refused":
+            state = "refused"
+        row = {
             "id": self.id,
             "model": self.model,
             "prompt": self.prompt,
             "started": self.started,
             "state": state,
+            "outcome": self.outcome,
             "elapsed": round((self.ended_s if self.ended_s is not None else now - self.t0), 4),
             "tokens": int(m.get("completion_tokens") or self.tokens),
             "first_token": self.first_token_s,
@@ -79,7 +111,13 @@ class Tracked:
             "prompt_tokens": m.get("prompt_tokens"),
             "cached_tokens": m.get("cached_tokens"),
             "timeline": m.get("timeline"),
+            "queue_time": m.get("queue_time"),
         }
+        if fleet:
+            row["tenant"] = tenancy.label(self.tenant)
+        else:
+            row.update(why=None, prefill_server=None, decode_server=None)
+        return row
 
 
 class RequestLog:
@@ -99,54 +137,84 @@ class RequestLog:
         def tracked(
             model: str | None,
             request: Any,
-            on_token: Callable[[dict[str, Any]], None] | None = None,
+            on_token: Callable[[TokenEvent], None] | None = None,
             **kw: Any,
         ) -> Any:
             t = self.begin(str(model or "?"), request)
 
-            def seen(tok: dict[str, Any]) -> None:
-                if tok.get("id") is not None:
+            def seen(tok: TokenEvent) -> None:
+                if tok.id is not None:
                     t.tokens += 1
                     if t.first_token_s is None:
                         t.first_token_s = round(time.monotonic() - t.t0, 4)
+                        # The prompt's side while it decodes, flat as the frame has it.
+                        t.metrics = dict(tok.to_json().get("metrics") or {})
                 if on_token is not None:
                     on_token(tok)
 
             try:
                 result = run(model, request, on_token=seen, **kw)
             except BaseException as e:
-                # A stop sequence ends a request early on purpose (StopGeneration).
-                stopped = type(e).__name__ == "StopGeneration"
-                self.end(t, None, None if stopped else (str(e) or type(e).__name__))
+                # A stop sequence or a caller that left ends a request early on
+                # purpose (StopGeneration): no failure, and it measured what it did.
+                if type(e).__name__ == "StopGeneration":
+                    m = getattr(e, "metrics", None)
+                    self.end(
+                        t, _as_dict(m) if m is not None else {}, None, getattr(e, "reason", "stop")
+                    )
+                else:
+                    self.end(t, None, str(e) or type(e).__name__, "error")
                 raise
-            m = result.metrics
-            self.end(t, m.to_dict() if hasattr(m, "to_dict") else dict(m), None)
+            m = _as_dict(result.metrics)
+            self.end(t, m, None, str(m.get("finish_reason") or "stop"))
             return result
 
         return tracked
 
+    def refused(self, method: str, path: str, status: int) -> None:
+        """A request answered with an error before it ran (a 404, a 401, a bad body):
+        listed in the view, not counted as a request."""
+        what = printable(f"{method} {path}", PROMPT_CHARS)
+        t = Tracked(next(self.ids), "", what, time.time(), error=f"HTTP {status}")
+        t.ended_s, t.outcome = 0.0, "refused"
+        with self.lock:
+            self.done.append(t)
+
     def begin(self, model: str, request: Any) -> Tracked:
         t = Tracked(next(self.ids), model, prompt_of(request), time.time())
+        t.tenant = tenancy.current()
         with self.lock:
             self.running[t.id] = t
         self.metrics.begin(model)
         return t
 
-    def end(self, t: Tracked, metrics: dict[str, Any] | None, error: str | None) -> None:
+    def end(
+        self,
+        t: Tracked,
+        metrics: dict[str, Any] | None,
+        error: str | None,
+        outcome: str | None = None,
+    ) -> None:
+        if outcome is None:  # one of prom.OUTCOMES, from what it ended with
+            outcome = "error" if error else str((metrics or {}).get("finish_reason") or "stop")
         t.metrics = dict(metrics or {})
-        t.error = error
+        t.error, t.outcome = error, outcome
         t.ended_s = round(time.monotonic() - t.t0, 4)
         with self.lock:
             self.running.pop(t.id, None)
             self.done.append(t)
-        self.metrics.end(t.model, metrics, error is None and metrics is not None)
+        self.metrics.end(t.model, metrics, outcome)
+        access.info("%s", access_line(t))
 
-    def snapshot(self) -> list[dict[str, Any]]:
-        """Newest first: running ones, then finished ones."""
+    def snapshot(self, tenant: bytes | None = None, everyone: bool = True) -> list[dict[str, Any]]:
+        """Newest first: running ones, then finished ones; every tenant's for the
+        operator (`everyone`), else `tenant`'s own only, without the fleet's names."""
         now = time.monotonic()
         with self.lock:
             items = list(self.running.values())[::-1] + list(self.done)[::-1]
-        return [t.view(now) for t in items]
+        if not everyone:
+            items = [t for t in items if t.tenant is not None and t.tenant == tenant]
+        return [t.view(now, fleet=everyone) for t in items]
 
     def finished_since(self, seconds: float) -> list[dict[str, Any]]:
         """Metrics of requests that ended in the last `seconds`."""

@@ -84,7 +84,8 @@ function topology(state) {
       if (!p || !d) continue;
       const up = byName[l.prefill]?.up && byName[l.decode]?.up;
       const cls = `link${l.requests && up ? " active" : ""}`;
-      const kind = l.rate_kind === "link" ? "link" : "K/V";
+      // "link": timed on the wire; else K/V bytes over the transfer windows (mostly waiting for compute)
+      const kind = l.rate_kind === "link" ? "link" : "K/V bytes / transfer time";
       const label = l.requests ? `${kind} ${fmtB(l.bytes_per_s)}/s · ${l.requests} req` : "no K/V yet";
       if (narrow) {
         const x1 = p.x + p.w / 2, y1 = p.y + nodeH, x2 = d.x + d.w / 2, y2 = d.y, my = (y1 + y2) / 2;
@@ -123,9 +124,10 @@ function agentCard(a) {
   const rows = [
     ["role", a.role], ["model", a.model], ["address", a.address], ["device", a.device && `${a.backend || ""} ${a.device}`],
     ["weights", a.weights], ["queue", a.queued ?? a.in_flight], ["batch rows", a.batch !== undefined && a.batch !== null ? `${a.batch} / ${a.max_batch}` : null],
-    ["tokens/s", a.tokens_per_s], ["memory", a.rss_bytes ? fmtB(a.rss_bytes) : null],
-    ["prefix hits", a.prefix_hit_rate !== undefined ? fmtPct(a.prefix_hit_rate) : null],
-    ["requests", a.requests !== undefined && a.requests !== null ? `${a.requests} (${a.errors ?? 0} failed)` : null],
+    ["tokens/s", a.live_rate !== undefined ? `${a.live_rate.toFixed(1)} (decoding now)` : a.tokens_per_s],
+    ["memory (RSS)", a.rss_bytes ? fmtB(a.rss_bytes) : null],
+    ["prefix cache hit rate", a.prefix_hit_rate !== undefined && a.prefix_hit_rate !== null ? fmtPct(a.prefix_hit_rate) : null],
+    ["requests", a.requests !== undefined && a.requests !== null ? `${a.requests} (${a.errors ?? 0} failed, ${a.cancelled ?? 0} cancelled)` : null],
     ["uptime", a.uptime_s ? fmtS(a.uptime_s) : null],
   ].filter(([, v]) => v !== null && v !== undefined && v !== "");
   return h("div", { class: `card agent${a.up ? "" : " down"}`, "data-agent": a.name, "data-up": String(a.up) },
@@ -136,46 +138,92 @@ function agentCard(a) {
 }
 
 // ---- requests ------------------------------------------------------------------
+// Every bar on one time axis: the last `win.span` seconds, ending now (gateway clock).
+// A request's phases sit where they happened (the decode agent's timeline, `at` on
+// its clock), so a 2 s and a 16 s request have bars of different lengths.
 
-function segments(r) {
-  const t = r.timeline;
-  const bar = h("div", { class: "bar", "data-timeline": t ? "yes" : "no" });
-  if (!t || r.state !== "done") {
-    if (r.state === "running") bar.append(h("i", { class: "run", style: { left: "0", width: "100%" } }));
-    return bar;
+const SPANS = [60, 120, 300, 900, 1800, 3600];
+
+function windowFor(state) {
+  const oldest = Math.min(state.now, ...state.requests.slice(0, 40).map((r) => r.started));
+  const span = SPANS.find((w) => state.now - oldest <= w * 0.95) || SPANS[SPANS.length - 1];
+  return { end: state.now, span, start: state.now - span };
+}
+
+function timeAxis(win) {
+  const ticks = [];
+  for (const f of [0, 0.25, 0.5, 0.75, 1]) {
+    const ago = win.span * (1 - f);
+    const label = ago === 0 ? "now" : ago >= 60 ? `−${(ago / 60).toFixed(ago % 60 ? 1 : 0)} min` : `−${ago.toFixed(0)} s`;
+    ticks.push(h("span", { class: "tick", style: { left: `${(f * 100).toFixed(2)}%` } }, label));
   }
-  const total = t.done || r.elapsed || 1;
-  const pct = (v) => `${Math.max(0, Math.min(100, (v / total) * 100)).toFixed(2)}%`;
-  const seg = (cls, a, b, title) => {
-    if (a === null || a === undefined || b === null || b === undefined) return;
-    bar.append(h("i", { class: cls, style: { left: pct(a), width: pct(Math.max(b - a, total / 400)) }, title }));
+  return h("div", { class: "req axisrow" },
+    h("div", {}), h("div", { class: "muted" }, `time axis: last ${win.span >= 60 ? `${win.span / 60} min` : `${win.span} s`}`),
+    h("div", { class: "timeaxis", "data-span": String(win.span) }, ticks), h("div", {}));
+}
+
+function segments(r, win) {
+  const t = r.timeline;
+  const outcome = r.state === "running" ? "running" : r.outcome || r.state;
+  const bar = h("div", { class: `bar ${outcome}`, "data-timeline": t ? "yes" : "no" });
+  const pct = (abs) => Math.max(0, Math.min(100, ((abs - win.start) / win.span) * 100));
+  const place = (cls, a, b, title) => {
+    if (a === null || a === undefined || b === null || b === undefined) return null;
+    const left = pct(a), right = pct(Math.max(b, a));
+    const e = h("i", { class: cls, style: { left: `${left.toFixed(3)}%`, width: `${Math.max(right - left, 0.25).toFixed(3)}%` }, title });
+    bar.append(e);
+    return e;
   };
-  const ps = t.prefill_start ?? t.first_token;
-  seg("queue", 0, ps, `queued ${fmtS(ps)}`);
-  seg("prefill", t.prefill_start, t.prefill_end, `prefill ${fmtS((t.prefill_end ?? 0) - (t.prefill_start ?? 0))}`);
-  seg("kv", t.kv_first, t.kv_last, `K/V layers arriving ${fmtS((t.kv_last ?? 0) - (t.kv_first ?? 0))}`);
-  seg("decode", t.first_token, t.done, `decode ${fmtS(t.done - t.first_token)}`);
-  if (t.first_token !== null && t.first_token !== undefined) {
-    bar.append(h("i", { class: "tok", style: { left: pct(t.first_token) }, title: `first token ${fmtS(t.first_token)}` }));
+  const end = r.state === "running" ? win.end : r.started + (r.elapsed || 0);
+  // the whole request, gateway's view: its extent is what the axis compares
+  const span = place("span", r.started, end, `${outcome} · ${fmtS(end - r.started)}`);
+  if (span) span.dataset.width = String(end - r.started);
+  if (t && t.at) {
+    const at = (k) => (t[k] === null || t[k] === undefined ? null : t.at + t[k]);
+    const first = at("first_token");
+    const ps = at("prefill_start") ?? first;
+    place("queue", t.at, ps, `queued ${fmtS(ps - t.at)}`);
+    place("prefill", at("prefill_start"), at("prefill_end"), `prefill ${fmtS((t.prefill_end ?? 0) - (t.prefill_start ?? 0))}`);
+    place("kv", at("kv_first"), at("kv_last"), `K/V layers arriving ${fmtS((t.kv_last ?? 0) - (t.kv_first ?? 0))}`);
+    place("decode", first, t.done !== undefined && t.done !== null ? at("done") : end, "decode");
+    if (first !== null) bar.append(h("i", { class: "tok", style: { left: `${pct(first).toFixed(3)}%` }, title: "first token" }));
+  } else if (r.state === "running") {
+    place("run", r.started, end, "running");
+  }
+  if (outcome !== "running" && r.state !== "refused") {
+    bar.append(h("i", { class: `end ${outcome}`, style: { left: `${pct(end).toFixed(3)}%` }, title: outcome }));
   }
   return bar;
 }
 
-function requestRow(r) {
-  // Where a running request is: before its first token (queued or prefilling), or decoding.
+// How a request ended, in the APIs' words; refused: answered 4xx before it ran.
+const OUTCOME_LABEL = { stop: "stop", length: "length", tool_calls: "tool calls", cancelled: "cancelled", error: "failed", refused: "refused" };
+
+function liveRate(r) {
+  // a running request's decode rate: tokens after the first over the time since it
+  if (r.state !== "running" || !r.first_token || r.tokens < 2) return null;
+  const dt = r.elapsed - r.first_token;
+  return dt > 0 ? (r.tokens - 1) / dt : null;
+}
+
+function requestRow(r, win) {
   const where = r.tokens ? "decoding" : "prefilling";
-  const label = r.state === "done" ? r.method || "done" : r.state === "running" ? where : r.state;
+  const outcome = r.state === "running" ? where : r.outcome || r.state;
+  const label = OUTCOME_LABEL[outcome] || outcome;
   const servers = [r.prefill_server, r.decode_server].filter(Boolean).join(" → ");
-  const nums = r.state === "done"
-    ? [h("div", {}, `ttft ${fmtS(r.ttft)}`), h("div", { class: "muted" }, `${r.tokens} tok · ${fmtS(r.elapsed)}`)]
-    : [h("div", {}, fmtS(r.elapsed)), h("div", { class: "muted" }, `${r.tokens} tok`)];
-  const why = r.error || r.why;
-  return h("div", { class: "req", "data-req": String(r.id), "data-state": r.state },
+  const rate = liveRate(r);
+  const nums = r.state === "refused"
+    ? [h("div", {}, r.error), h("div", { class: "muted" }, "not run")]
+    : r.state === "running"
+      ? [h("div", {}, fmtS(r.elapsed)), h("div", { class: "muted" }, `${r.tokens} tok${rate ? ` · ${rate.toFixed(1)} tok/s` : ""}`)]
+      : [h("div", {}, `ttft ${fmtS(r.ttft)}`), h("div", { class: "muted" }, `${r.tokens} tok · ${fmtS(r.elapsed)}`)];
+  const why = r.state === "refused" ? null : r.error || r.why;
+  return h("div", { class: "req", "data-req": String(r.id), "data-state": r.state, "data-outcome": outcome },
     h("div", { class: "id" }, `#${r.id}`),
     h("div", { class: "what" },
       h("div", { class: "prompt", title: r.prompt }, r.prompt || "(empty)"),
-      h("div", { class: "meta" }, h("span", { class: `m ${label}` }, label), [r.model, servers].filter(Boolean).join(" · "))),
-    segments(r),
+      h("div", { class: "meta" }, h("span", { class: `m ${outcome}` }, label), [r.method, r.model, servers].filter(Boolean).join(" · "))),
+    segments(r, win),
     h("div", { class: "nums" }, nums),
     why ? h("div", { class: `why${r.error ? " failed" : ""}` }, `${r.error ? "failed" : "why"}: ${why}`) : null);
 }
@@ -195,19 +243,20 @@ function axes(svg, ymax, fmt, xlabel) {
   svg.append(s("text", { x: CW - PAD.r, y: CH - 4, "text-anchor": "end" }, xlabel));
 }
 
-function latencyChart(id, done, key) {
+function latencyChart(id, done, key, win) {
+  // each request a dot where it ended (wall clock), with rolling p50/p95/p99
   const box = document.getElementById(id);
-  const pts = done.filter((r) => typeof r[key] === "number").sort((a, b) => a.started - b.started);
+  const end = (r) => r.started + (r.elapsed || 0);
+  const pts = done.filter((r) => typeof r[key] === "number" && end(r) >= win.start).sort((a, b) => end(a) - end(b));
   const svg = s("svg", { viewBox: `0 0 ${CW} ${CH}`, role: "img" });
   const vals = pts.map((r) => r[key]);
   const ymax = Math.max(percentile(vals, 0.99) || 0, 1e-3) * 1.15;
-  axes(svg, ymax, fmtS, pts.length ? `${pts.length} requests, oldest → newest` : "no data yet");
-  const X = (i) => PAD.l + ((i + 0.5) / Math.max(pts.length, 1)) * (CW - PAD.l - PAD.r);
+  axes(svg, ymax, fmtS, pts.length ? `${pts.length} requests · last ${win.span / 60} min` : "no data yet");
+  const X = (r) => PAD.l + ((end(r) - win.start) / win.span) * (CW - PAD.l - PAD.r);
   const Y = (v) => CH - PAD.b - (Math.min(v, ymax) / ymax) * (CH - PAD.b - PAD.t);
-  pts.forEach((r, i) => svg.append(s("circle", { cx: X(i), cy: Y(r[key]), r: 2.2, class: "dot" })));
-  // Rolling percentiles over the last 20 requests at each point.
+  pts.forEach((r) => svg.append(s("circle", { cx: X(r), cy: Y(r[key]), r: 2.2, class: "dot" })));
   for (const [q, cls] of [[0.5, "p50"], [0.95, "p95"], [0.99, "p99"]]) {
-    const d = pts.map((_, i) => `${i ? "L" : "M"}${X(i).toFixed(1)},${Y(percentile(vals.slice(Math.max(0, i - 19), i + 1), q)).toFixed(1)}`).join("");
+    const d = pts.map((r, i) => `${i ? "L" : "M"}${X(r).toFixed(1)},${Y(percentile(vals.slice(Math.max(0, i - 19), i + 1), q)).toFixed(1)}`).join("");
     if (d) svg.append(s("path", { d, class: cls }));
   }
   const note = h("div", { class: "note" },
@@ -215,6 +264,31 @@ function latencyChart(id, done, key) {
     h("b", { class: "k95" }, "p95 "), fmtS(percentile(vals, 0.95)), "  ",
     h("b", { class: "k99" }, "p99 "), fmtS(percentile(vals, 0.99)));
   box.replaceChildren(svg, note);
+}
+
+// Queue depth and memory: sampled at each poll while the page is open.
+const HISTORY = [];
+
+function remember(state) {
+  const running = state.requests.filter((r) => r.state === "running");
+  const queued = state.agents.reduce((n, a) => n + (a.queued ?? 0), 0);
+  const rss = state.agents.filter((a) => a.up).reduce((n, a) => n + (a.rss_bytes || 0), 0);
+  HISTORY.push({ t: state.now, waiting: running.filter((r) => !r.tokens).length + queued, running: running.length, rss });
+  while (HISTORY.length && HISTORY[0].t < state.now - 3600) HISTORY.shift();
+}
+
+function seriesChart(id, key, fmt, win, what) {
+  const box = document.getElementById(id);
+  const pts = HISTORY.filter((p) => p.t >= win.start);
+  const ymax = Math.max(...pts.map((p) => p[key]), key === "rss" ? 1e6 : 1) * 1.15;
+  const svg = s("svg", { viewBox: `0 0 ${CW} ${CH}`, role: "img" });
+  axes(svg, ymax, fmt, pts.length > 1 ? `last ${win.span / 60} min (since this page opened)` : "collecting…");
+  const X = (p) => PAD.l + ((p.t - win.start) / win.span) * (CW - PAD.l - PAD.r);
+  const Y = (v) => CH - PAD.b - (v / ymax) * (CH - PAD.b - PAD.t);
+  const d = pts.map((p, i) => `${i ? "L" : "M"}${X(p).toFixed(1)},${Y(p[key]).toFixed(1)}`).join("");
+  if (d) svg.append(s("path", { d, class: "p50" }));
+  const last = pts.length ? pts[pts.length - 1][key] : null;
+  box.replaceChildren(svg, h("div", { class: "note" }, `${what} now ${last === null ? "–" : fmt(last)}`));
 }
 
 function tpsChart(done, now) {
@@ -256,25 +330,38 @@ function kvChart(done) {
 
 function render(state) {
   const up = state.agents.filter((a) => a.up).length;
-  const running = state.requests.filter((r) => r.state === "running").length;
+  const live = state.requests.filter((r) => r.state === "running");
+  const running = live.length;
   const done = state.requests.filter((r) => r.state === "done");
   const fallbacks = done.filter((r) => r.method === "local-fallback").length;
   const hits = done.filter((r) => r.cached_tokens > 0).length;
+  const rate = live.map(liveRate).filter((v) => v !== null).reduce((a, b) => a + b, 0);
+  for (const a of state.agents) {
+    // the agent's own tokens/s counts finished requests: while it decodes, say the live rate
+    const mine = live.filter((r) => r.decode_server === a.name).map(liveRate).filter((v) => v !== null);
+    if (a.role === "decode" && mine.length) a.live_rate = mine.reduce((x, y) => x + y, 0);
+  }
+  remember(state);
+  const win = windowFor(state);
   const item = (k, v) => h("span", {}, `${k} `, h("b", {}, String(v)));
   document.getElementById("summary").replaceChildren(
     item("models", state.models.join(", ")),
     item("agents up", `${up}/${state.agents.length}`),
     item("in flight", running),
+    item("decoding", `${rate.toFixed(1)} tok/s`),
     item("done", done.length),
     item("fallbacks", fallbacks),
-    item("prefix hits", done.length ? fmtPct(hits / done.length) : "–"));
+    item("prompts reusing a cached prefix", done.length ? fmtPct(hits / done.length) : "–"));
   topology(state);
   document.getElementById("agents").replaceChildren(...state.agents.map(agentCard));
   const list = document.getElementById("requests");
-  const rows = state.requests.slice(0, 40).map(requestRow);
-  list.replaceChildren(...(rows.length ? rows : [h("p", { class: "muted" }, "No requests yet.")]));
-  latencyChart("c-ttft", done, "ttft");
-  latencyChart("c-tpot", done, "tpot");
+  const rows = state.requests.slice(0, 40).map((r) => requestRow(r, win));
+  list.replaceChildren(...(rows.length ? [timeAxis(win), ...rows] : [h("p", { class: "muted" }, "No requests yet.")]));
+  const measured = state.requests.filter((r) => r.state === "done" || r.outcome === "cancelled");
+  latencyChart("c-ttft", measured, "ttft", win);
+  latencyChart("c-tpot", measured, "tpot", win);
+  seriesChart("c-queue", "waiting", (v) => v.toFixed(v < 10 && v % 1 ? 1 : 0), win, "waiting for a first token");
+  seriesChart("c-mem", "rss", fmtB, win, "agents' resident memory");
   tpsChart(done, state.now);
   kvChart(done);
 }

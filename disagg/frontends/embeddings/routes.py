@@ -1,0 +1,102 @@
+"""Embedding routes over a disagg Client: the vectors come from the model's prefill
+agent (`disagg.serving.embed`), L2-normalized, re-normalized after a `dimensions` cut."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import functools
+import struct
+import time
+from concurrent.futures import Executor
+from typing import Any
+
+from fastapi import APIRouter
+
+from disagg.api import Client
+from disagg.errors import DisaggError
+from disagg.frontends.embeddings.types import OllamaEmbed, OllamaEmbeddings, OpenAIEmbeddings
+from disagg.frontends.ollama.types import OllamaError
+from disagg.frontends.openai import routes as oai
+from disagg.frontends.openai.types import OpenAIError
+from disagg.serving.embed import Embeddings, embed
+
+
+async def _embed(
+    client: Client, workers: Executor | None, model: str, texts: list[str], **kw: Any
+) -> Embeddings:
+    run = functools.partial(embed, client.router, model, texts, **kw)
+    return await asyncio.get_running_loop().run_in_executor(workers, run)
+
+
+def _ollama(e: DisaggError) -> OllamaError:
+    err = oai.from_disagg(e)
+    return OllamaError(err.status, err.message, err.headers)
+
+
+def routes(client: Client, workers: Executor | None = None) -> APIRouter:
+    api = APIRouter()
+
+    @api.post("/api/embed")
+    async def ollama_embed(body: OllamaEmbed) -> dict[str, Any]:
+        t0 = time.perf_counter_ns()
+        if body.model.removesuffix(":latest") not in client.models():
+            raise OllamaError(404, f"model '{body.model}' not found")
+        try:
+            e = await _embed(
+                client,
+                workers,
+                body.model.removesuffix(":latest"),
+                body.texts(),
+                truncate=body.truncate,
+                max_tokens=body.max_tokens(),
+                dimensions=body.dimensions,
+            )
+        except DisaggError as err:
+            raise _ollama(err) from None
+        return {
+            "model": body.model,
+            "embeddings": e.vectors,
+            "total_duration": time.perf_counter_ns() - t0,
+            "load_duration": 0,
+            "prompt_eval_count": e.prompt_tokens,
+        }
+
+    @api.post("/api/embeddings")
+    async def ollama_embeddings(body: OllamaEmbeddings) -> dict[str, Any]:
+        if body.model.removesuffix(":latest") not in client.models():
+            raise OllamaError(404, f"model '{body.model}' not found")
+        try:
+            e = await _embed(client, workers, body.model.removesuffix(":latest"), [body.prompt])
+        except DisaggError as err:
+            raise _ollama(err) from None
+        return {"embedding": e.vectors[0]}
+
+    @api.post("/v1/embeddings")
+    async def openai_embeddings(body: OpenAIEmbeddings) -> dict[str, Any]:
+        oai.check_model(client, body.model)
+        texts = [body.input] if isinstance(body.input, str) else body.input
+        if not texts or not all(isinstance(t, str) for t in texts):
+            msg = "input must be text or a list of texts (token ids are not taken)"
+            raise OpenAIError(400, msg, "invalid_request_error", "input")
+        try:
+            e = await _embed(
+                client, workers, body.model, [str(t) for t in texts], dimensions=body.dimensions
+            )
+        except DisaggError as err:
+            raise oai.from_disagg(err) from None
+        data = [
+            {"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
+            for i, v in enumerate(e.vectors)
+        ]
+        usage = {"prompt_tokens": e.prompt_tokens, "total_tokens": e.prompt_tokens}
+        return {"object": "list", "data": data, "model": body.model, "usage": usage}
+
+    return api
+
+
+def _encoded(v: list[float], fmt: str) -> list[float] | str:
+    """float, or base64 of little-endian float32 (what the openai SDK asks for by default)."""
+    if fmt == "float":
+        return v
+    return base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode()

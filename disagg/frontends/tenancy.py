@@ -1,0 +1,56 @@
+"""Which tenant (API key) a request belongs to, wherever the request runs.
+
+The guard sets it for each request it lets in; the worker pool carries it onto
+the request's thread (contextvars), so the request log records whose request it
+is and admission counts each tenant's share. A tenant is its key's SHA-256
+digest, never the key; None when the gateway wants no key (or the caller came
+in with the web view's cookie, which only the operator holds).
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from typing import Any
+
+# Where the guard leaves what it found, in the request's scope["state"].
+TENANT = "disagg_tenant"
+OPERATOR = "disagg_operator"
+
+_current: ContextVar[bytes | None] = ContextVar("disagg_tenant", default=None)
+
+
+def current() -> bytes | None:
+    """The tenant of the request running here (None: no key)."""
+    return _current.get()
+
+
+def enter(tenant: bytes | None) -> object:
+    """Set the tenant for the rest of this context; `leave` undoes it."""
+    return _current.set(tenant)
+
+
+def leave(token: object) -> None:
+    _current.reset(token)  # type: ignore[arg-type]
+
+
+def _state(request: Any) -> dict[str, Any]:
+    state = request.scope.get("state")
+    return state if isinstance(state, dict) else {}
+
+
+def is_operator(request: Any) -> bool:
+    """The operator sees the fleet (agents, addresses) and every tenant's requests:
+    the first key of the gateway's keys (its web view cookie too), or every caller
+    of a gateway that wants no key. Other keys see their own requests only."""
+    return _state(request).get(OPERATOR) is True
+
+
+def tenant_of(request: Any) -> bytes | None:
+    """The caller's tenant (its key's digest), None without a key."""
+    got = _state(request).get(TENANT)
+    return got if isinstance(got, bytes) else None
+
+
+def label(tenant: bytes | None) -> str | None:
+    """A short name for a tenant the operator may see (never the key)."""
+    return None if tenant is None else "key-" + tenant.hex()[:8]

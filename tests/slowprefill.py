@@ -1,0 +1,53 @@
+"""A prefill agent whose K/V stream is stretched, so a test's fault (a kill, a cut
+link, a drain) lands mid-stream. Test-only: the shipped agent has no such flag.
+
+`python -m tests.slowprefill --layer-delay S <the agent's flags>` runs the real
+prefill agent (`agents.prefill`) with an engine that sleeps S seconds after each
+layer's K/V is handed on, but the last; tests start it with `slow_prefill(S)`:
+`start_local_agents(model, **slow_prefill(0.4))`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+FLAG = "--layer-delay"
+
+
+def slow_prefill(layer_delay_s: float, *args: str) -> dict[str, Any]:
+    """Keywords for `start_local_agents` / `agent_pair`: the prefill agent runs from
+    this module, each layer `layer_delay_s` late; `args`: more prefill flags."""
+    return {"prefill_module": __name__, "prefill_args": [FLAG, str(layer_delay_s), *args]}
+
+
+def main() -> None:
+    from agents.prefill import agent
+    from agents.wire.kvcodec import LayerKV
+
+    argv = sys.argv[1:]
+    at = argv.index(FLAG)
+    delay_s = float(argv[at + 1])
+    sys.argv = [sys.argv[0], *argv[:at], *argv[at + 2 :]]
+
+    class SlowEngine(agent.PrefillEngine):
+        def prefill(
+            self, token_ids: list[int], on_layer: Callable[[LayerKV], None], *a: Any, **kw: Any
+        ) -> Any:
+            last = len(self.layers) - 1
+
+            def late(kv: LayerKV) -> None:
+                on_layer(kv)  # on the forward pass's thread: the next layer waits
+                if kv.layer != last:
+                    time.sleep(delay_s)
+
+            return super().prefill(token_ids, late, *a, **kw)
+
+    agent.PrefillEngine = SlowEngine  # type: ignore[misc]  # what agent.main() builds
+    agent.main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,303 @@
+"""The answer contract (agents.wire.answer) and the one response_format normalizer.
+
+TOKEN and DONE frames round-trip through `TokenEvent`, `Done` and `Metrics` on a
+real socket pair, from a fake agent of another release through the wire client,
+and from a real decode agent; each front door's output-format shape goes through
+`GenerateRequest.normalize_format` with one rule for `strict`."""
+
+from __future__ import annotations
+
+import ast
+import json
+import socket
+import threading
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agents.chatformat import Piece, ToolCall
+from agents.decode.agent import send_events, token_events
+from agents.wire.answer import CONTENT, REASONING, Done, Metrics, TokenEvent
+from agents.wire.auth import client_auth, server_auth
+from agents.wire.channel import recv_frame, recv_json, send_json
+from agents.wire.frames import Frame, ProtocolError, decode_json
+from agents.wire.request import GenerateRequest, RequestError
+from disagg.errors import UsageError
+from disagg.serving import wireclient
+from disagg.serving.localagents import AgentProc
+from tests.conftest import PairFactory
+from tests.tinymodels import PROMPT
+
+REPO = Path(__file__).resolve().parent.parent
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+
+
+def pair() -> tuple[socket.socket, socket.socket]:
+    a, b = socket.socketpair()
+    a.settimeout(5)
+    b.settimeout(5)
+    return a, b
+
+
+# ---- the frames on a socket --------------------------------------------------------------
+
+
+def test_token_frames_round_trip_on_a_socket() -> None:
+    call = ToolCall("get_weather", {"city": "Paris"})
+    events: list[Piece | ToolCall] = [
+        Piece(REASONING, "hm"),
+        Piece(REASONING, "m"),
+        Piece(CONTENT, "Hi"),
+        call,
+    ]
+    sent = token_events(7, events)
+    assert sent == [
+        TokenEvent(7, "hmm", REASONING),  # one frame per run of a channel; the id on the first
+        TokenEvent(None, "Hi"),
+        TokenEvent(None, "", CONTENT, {"name": "get_weather", "arguments": {"city": "Paris"}}),
+    ]
+    assert token_events(8, []) == [TokenEvent(8)]  # one frame per token, even when empty
+    assert token_events(None, []) == []
+    a, b = pair()
+    with a, b:
+        send_events(a, 7, events)
+        got = []
+        for _ in sent:
+            header, payload = recv_frame(b)
+            assert header.type == Frame.TOKEN
+            got.append(TokenEvent.from_json(decode_json(header, payload)))
+    assert got == sent
+    # The JSON is the releases' that sent dicts: no channel on the answer's text.
+    assert sent[1].to_json() == {"id": None, "text": "Hi"}
+    assert sent[0].to_json() == {"id": 7, "text": "hmm", "channel": "reasoning"}
+
+
+def test_the_first_tokens_metrics_ride_flat_and_come_back_typed() -> None:
+    early = Metrics(prompt_tokens=9, method="local", ttft=0.25)
+    early.timeline = {"at": 1700000000.0, "first_token": 0.25}
+    sent = token_events(3, [Piece(CONTENT, "a"), Piece(REASONING, "b")], early)
+    assert sent[0].metrics is early and sent[1].metrics is None
+    wire = sent[0].to_json()["metrics"]
+    assert wire["at"] == 1700000000.0 and wire["first_token"] == 0.25 and "timeline" not in wire
+    a, b = pair()
+    with a, b:
+        send_json(a, Frame.TOKEN, sent[0].to_json())
+        _, raw = recv_json(b, Frame.TOKEN)
+    back = TokenEvent.from_json(raw)
+    assert back == sent[0] and back.metrics is not None and back.metrics.extra == {}
+
+
+def test_done_frame_round_trips_on_a_socket() -> None:
+    metrics = Metrics(prompt_tokens=5, completion_tokens=2, method="local", finish_reason="stop")
+    metrics.timeline = {"at": 1.0, "first_token": 0.5}
+    done = Done("Paris.", [11, 12], metrics, "thinking", [{"name": "f", "arguments": {}}], [1, 2])
+    a, b = pair()
+    with a, b:
+        send_json(a, Frame.DONE, done.to_json())
+        _, raw = recv_json(b, Frame.DONE)
+    back = Done.from_json(raw)
+    assert back == done and back.finish_reason == "stop"
+    assert raw["metrics"]["method"] == "local" and "fallback_reason" not in raw["metrics"]
+    # What a plain answer leaves out is left out of the frame.
+    assert set(Done("x", [1], Metrics()).to_json()) == {"text", "token_ids", "metrics"}
+
+
+def test_other_releases_frames_parse_and_keep_unknown_metrics() -> None:
+    older = {
+        "text": "hi",
+        "token_ids": [3],
+        "metrics": {"prompt_tokens": 2, "method": "disaggregated", "kv_gpu_ms": 1.5},
+    }
+    done = Done.from_json(older)
+    assert (done.reasoning, done.tool_calls, done.prompt_ids) == ("", [], None)
+    assert done.metrics.extra == {"kv_gpu_ms": 1.5} and done.metrics["kv_gpu_ms"] == 1.5
+    assert done.metrics.to_json()["kv_gpu_ms"] == 1.5  # passed on, not dropped
+    assert Done.from_json(done.to_json()) == done
+    # A newer agent's TOKEN keys are ignored; an older one's missing keys take defaults.
+    assert TokenEvent.from_json({"id": 4, "text": "a", "logit": 0.1}) == TokenEvent(4, "a")
+    assert TokenEvent.from_json({"id": None}) == TokenEvent()
+    for bad in ({"id": "4"}, {"id": True}, {"text": 5}, {"tool_call": "f"}):
+        with pytest.raises(ProtocolError):
+            TokenEvent.from_json(bad)
+    with pytest.raises(ProtocolError):
+        Done.from_json({"text": 1, "token_ids": []})
+
+
+def test_an_older_agents_metrics_reach_the_client_through_the_wire() -> None:
+    """A fake decode agent of another release on a real port: its TOKEN frames have
+    no channel, its DONE metrics a name this release does not know."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    seen: dict[str, Any] = {}
+
+    def agent() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            server_auth(conn, None)
+            _, seen["generate"] = recv_json(conn, Frame.GENERATE)
+            send_json(conn, Frame.PROGRESS, {"phase": "prefill"})
+            for tid, text in ((5, "Par"), (6, "is")):
+                send_json(conn, Frame.TOKEN, {"id": tid, "text": text})
+            metrics = {"prompt_tokens": 3, "completion_tokens": 2, "old_metric": [1, 2]}
+            send_json(conn, Frame.DONE, {"text": "Paris", "token_ids": [5, 6], "metrics": metrics})
+
+    thread = threading.Thread(target=agent, daemon=True)
+    thread.start()
+    events: list[TokenEvent] = []
+    with listener:
+        result = wireclient.generate(
+            "127.0.0.1", port, GenerateRequest(prompt="hi"), on_token=events.append, timeout_s=9
+        )
+    thread.join(5)
+    assert [e.id for e in events] == result.token_ids == [5, 6]
+    assert all(not e.is_reasoning for e in events) and result.text == "Paris"
+    assert result.metrics.extra == {"old_metric": [1, 2]}
+    assert result.metrics.ttft is not None and result.finish_reason == "stop"
+    # progress_s is the request's field, sent under the name older agents read.
+    assert seen["generate"]["progress_s"] == 3.0 and seen["generate"]["prompt"] == "hi"
+
+
+def test_progress_s_is_a_checked_request_field() -> None:
+    assert GenerateRequest.from_dict({"prompt": "x", "progress_s": 0.5}).progress_s == 0.5
+    for bad in (0, -1, "1", True):
+        with pytest.raises(RequestError) as err:
+            GenerateRequest.from_dict({"prompt": "x", "progress_s": bad})
+        assert err.value.field == "progress_s"
+    assert "progress_s" not in GenerateRequest(prompt="x").to_wire()
+
+
+# ---- one request through a real agent pair ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def agents(agent_pair: PairFactory) -> tuple[AgentProc, AgentProc]:
+    return agent_pair("llama", seed=3)
+
+
+@pytest.mark.slow
+def test_a_real_agents_frames_go_through_the_contract(
+    agents: tuple[AgentProc, AgentProc],
+) -> None:
+    prefill, decode = agents
+    wire = {
+        "prompt": PROMPT,
+        "raw": True,
+        "max_tokens": 6,
+        "ignore_eos": True,
+        "placement": "remote",
+        "return_prompt_ids": True,
+        "prefill": {"host": prefill.host, "port": prefill.port},
+    }
+    frames: list[tuple[Frame, dict[str, Any]]] = []
+    with socket.create_connection((decode.host, decode.port), timeout=60) as sock:
+        client_auth(sock, decode.token)
+        send_json(sock, Frame.GENERATE, wire)
+        while not frames or frames[-1][0] != Frame.DONE:
+            header, payload = recv_frame(sock)
+            assert header.type in (Frame.TOKEN, Frame.DONE), bytes(payload)
+            frames.append((header.type, decode_json(header, payload)))
+    tokens = [TokenEvent.from_json(body) for kind, body in frames if kind == Frame.TOKEN]
+    done = Done.from_json(frames[-1][1])
+    # Typed and back: the same JSON the agent sent.
+    assert [t.to_json() for t in tokens] == [b for k, b in frames if k == Frame.TOKEN]
+    assert done.to_json() == frames[-1][1]
+    assert done.metrics.extra == {}  # every metric the agent sends is a declared field
+    assert [t.id for t in tokens if t.id is not None] == done.token_ids and len(done.token_ids) == 6
+    assert "".join(t.text for t in tokens) == done.text
+    assert done.metrics.method == "disaggregated" and done.finish_reason == "length"
+    assert done.prompt_ids and done.metrics.prompt_tokens == len(done.prompt_ids)
+    # The wire client reads the same answer into the one client-side type.
+    events: list[TokenEvent] = []
+    result = wireclient.generate(
+        decode.host, decode.port, wire, token=decode.token, on_token=events.append
+    )
+    assert (result.text, result.token_ids, result.prompt_ids) == (
+        done.text,
+        done.token_ids,
+        done.prompt_ids,
+    )
+    # The same events; the first carries that request's own prompt-side timings.
+    assert [replace(e, metrics=None) for e in events] == [replace(t, metrics=None) for t in tokens]
+    assert events[0].metrics is not None and result.finish_reason == "length"
+    assert result.metrics.agent_ttft is not None and result.metrics.total_time is not None
+
+
+# ---- one response_format normalizer -------------------------------------------------------
+
+normalize = GenerateRequest.normalize_format
+STRICT = {"type": "json_schema", "schema": SCHEMA, "strict": True}
+LOOSE = {"type": "json_schema", "schema": SCHEMA, "strict": False}
+JSON = {"type": "json_object"}
+LARK = {"type": "lark", "grammar": 'start: "a"'}
+
+
+@pytest.mark.parametrize(
+    "door, raw, expected",
+    [
+        ("ollama", "", None),
+        ("ollama", "json", JSON),
+        ("ollama", SCHEMA, STRICT),  # Ollama's grammar enforces a format: strict
+        ("openai", {"type": "text"}, None),
+        ("openai", {"type": "json_object"}, JSON),
+        ("openai", {"type": "json_schema", "json_schema": {"name": "v", "schema": SCHEMA}}, LOOSE),
+        (
+            "openai",
+            {"type": "json_schema", "json_schema": {"name": "v", "schema": SCHEMA, "strict": True}},
+            STRICT,
+        ),
+        ("wire", STRICT, STRICT),
+        ("wire", LOOSE, LOOSE),
+        ("wire", None, None),
+        ("responses", {"type": "grammar", "syntax": "lark", "definition": 'start: "a"'}, LARK),
+        ("wire", LARK, LARK),
+    ],
+)
+def test_each_front_doors_shape_normalizes_to_one(door: str, raw: Any, expected: Any) -> None:
+    assert normalize(raw) == expected
+    assert normalize(expected) == expected  # the normalized form is a fixed point
+    req = GenerateRequest.from_dict({"prompt": "x", "response_format": raw})
+    assert req.response_format == expected
+
+
+@pytest.mark.parametrize(
+    "raw, words",
+    [
+        (7, "must be"),
+        ("yaml", "must be"),
+        ({"type": "json_schema", "json_schema": {"name": "v"}}, "needs a schema"),
+        ({"type": "xml"}, "use text, json_object, json_schema or grammar"),
+    ],
+)
+def test_shapes_no_front_door_sends_are_refused(raw: Any, words: str) -> None:
+    with pytest.raises(RequestError, match=words) as err:
+        normalize(raw)
+    assert err.value.field == "response_format"
+
+
+def test_the_cli_format_flag_goes_through_the_normalizer(tmp_path: Path) -> None:
+    from disagg.cli.commands import _response_format
+
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(SCHEMA))
+    assert _response_format("json") == JSON
+    assert _response_format(str(schema_file)) == STRICT  # a bare schema, as Ollama's
+    schema_file.write_text("[1, 2]")
+    with pytest.raises(UsageError, match="--format"):
+        _response_format(str(schema_file))
+    with pytest.raises(UsageError, match="JSON Schema file"):
+        _response_format(str(tmp_path / "missing.json"))
+
+
+def test_no_other_module_builds_the_normalized_form() -> None:
+    """Only the normalizer writes {"type": "json_schema", "schema": ..., "strict": ...}."""
+    found = set()
+    for root in ("agents", "disagg"):
+        for path in sorted((REPO / root).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Dict):
+                    keys = {k.value for k in node.keys if isinstance(k, ast.Constant)}
+                    if {"type", "schema", "strict"} <= keys:
+                        found.add(path.relative_to(REPO).as_posix())
+    assert found == {"agents/wire/request.py"}

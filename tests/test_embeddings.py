@@ -1,0 +1,120 @@
+"""Embeddings through a real `disagg serve`, computed by the prefill agent: the
+official `ollama` and `openai` clients and LangChain's OllamaEmbeddings. Pooling
+rules are unit-tested on plain files."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import ollama
+import openai
+import pytest
+import torch
+
+from agents.prefill.embed import pool, pooling_of
+from disagg.serving.embed import cut
+from tests.conftest import start_serve
+
+TINY = "tiny-qwen3"
+
+
+def norm(v: list[float]) -> float:
+    return math.sqrt(sum(x * x for x in v))
+
+
+# ---- pooling rules (fast) -----------------------------------------------------------------
+
+
+def test_pooling_from_the_checkpoint(tmp_path: Path) -> None:
+    assert pooling_of(tmp_path) == "mean"  # no sentence-transformers config
+    (tmp_path / "modules.json").write_text(
+        json.dumps(
+            [{"idx": 1, "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+        )
+    )
+    (tmp_path / "1_Pooling").mkdir()
+    cfg = {"pooling_mode_lasttoken": True, "pooling_mode_mean_tokens": False}
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(cfg))
+    assert pooling_of(tmp_path) == "last"  # as Qwen3-Embedding ships it
+    cfg = {"pooling_mode_cls_token": True}
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(cfg))
+    assert pooling_of(tmp_path) == "cls"
+
+
+def test_pool_and_cut_are_normalized() -> None:
+    h = torch.tensor([[3.0, 0.0, 0.0], [0.0, 4.0, 0.0]])
+    assert pool(h, "last").tolist() == [0.0, 1.0, 0.0]
+    assert pool(h, "cls").tolist() == [1.0, 0.0, 0.0]
+    assert torch.allclose(pool(h, "mean"), torch.tensor([0.6, 0.8, 0.0]))
+    assert cut([0.6, 0.8, 0.0], 1) == [1.0]
+    assert cut([0.6, 0.8], 5) == [0.6, 0.8]
+
+
+# ---- through the gateway (slow) -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def url(
+    tiny_model: Callable[..., Path], default_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    root = tmp_path_factory.mktemp("embed-serve")
+    tiny = shutil.copytree(tiny_model("qwen3", 0), root / TINY)
+    proc, port = start_serve("-m", str(tiny), "-m", str(default_model), log_path=root / "serve.log")
+    yield f"http://127.0.0.1:{port}"
+    proc.terminate()
+    try:
+        proc.wait(120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.slow
+def test_ollama_embed(url: str, default_model: Path) -> None:
+    c = ollama.Client(host=url, timeout=300)
+    for model in (TINY, default_model.name):
+        r = c.embed(model=model, input=["The capital of France is Paris.", "def add(a, b):"])
+        assert len(r.embeddings) == 2 and len(r.embeddings[0]) == len(r.embeddings[1]) > 8
+        assert all(abs(norm(list(v)) - 1) < 1e-4 for v in r.embeddings)
+        assert r.embeddings[0] != r.embeddings[1] and (r.prompt_eval_count or 0) > 4
+        same = c.embed(model=model, input="The capital of France is Paris.")
+        assert list(same.embeddings[0]) == list(r.embeddings[0])  # same text, same vector
+        cut8 = c.embed(model=model, input="The capital of France is Paris.", dimensions=8)
+        assert len(cut8.embeddings[0]) == 8 and abs(norm(list(cut8.embeddings[0])) - 1) < 1e-4
+    long = "The key value cache streams over a socket. " * 20
+    with pytest.raises(ollama.ResponseError) as too_long:
+        c.embed(model=TINY, input=long, truncate=False, options={"num_ctx": 16})
+    assert too_long.value.status_code == 400 and "truncate" in str(too_long.value)
+    cut = c.embed(model=TINY, input=long, options={"num_ctx": 16})
+    assert cut.prompt_eval_count == 16
+    legacy = c.embeddings(model=TINY, prompt="The capital of France is Paris.")
+    first = c.embed(model=TINY, input="The capital of France is Paris.")
+    assert list(legacy.embedding) == list(first.embeddings[0])
+
+
+@pytest.mark.slow
+def test_openai_and_langchain_embeddings(url: str, default_model: Path) -> None:
+    from langchain_ollama import OllamaEmbeddings
+
+    oai = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+    text = "Disaggregated inference runs prefill on one machine."
+    r = oai.embeddings.create(model=default_model.name, input=[text, "hello"])  # base64 on the wire
+    assert [d.index for d in r.data] == [0, 1] and r.usage.prompt_tokens > 4
+    v = r.data[0].embedding
+    assert abs(norm(v) - 1) < 1e-4
+    floats = oai.embeddings.create(model=default_model.name, input=text, encoding_format="float")
+    assert max(abs(a - b) for a, b in zip(floats.data[0].embedding, v, strict=True)) < 1e-6
+    short = oai.embeddings.create(model=default_model.name, input=text, dimensions=16)
+    assert len(short.data[0].embedding) == 16
+    with pytest.raises(openai.BadRequestError):
+        oai.embeddings.create(model=default_model.name, input=[[1, 2, 3]])
+    lc = OllamaEmbeddings(model=default_model.name, base_url=url)
+    docs = lc.embed_documents([text, "hello"])
+    assert len(docs) == 2 and abs(norm(docs[0]) - 1) < 1e-4
+    assert max(abs(a - b) for a, b in zip(docs[0], v, strict=True)) < 1e-5
+    assert lc.embed_query(text) == docs[0]

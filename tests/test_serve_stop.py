@@ -1,0 +1,108 @@
+"""Ctrl-C on a real `disagg serve --local` with a stream in flight: the first says
+it drains and takes no new requests, and the process exits within the drain
+deadline; a second stops at once. Either way: rc 130, no traceback, no agent and
+no disagg temp dir left behind."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.conftest import start_serve
+
+pytestmark = pytest.mark.slow
+
+DRAIN_S = 4
+
+
+def _streaming(base: str, got: list[str]) -> threading.Thread:
+    body = {
+        "model": "SmolLM2-135M-Instruct",
+        "prompt": "Tell me a very long story about the sea.",
+        "options": {"num_predict": 4000, "temperature": 0.8, "seed": 3},
+    }
+
+    def read() -> None:
+        try:
+            with httpx.stream("POST", base + "/api/generate", json=body, timeout=300) as r:
+                for line in r.iter_lines():
+                    got.append(line)
+        except httpx.HTTPError as e:
+            got.append(f"cut: {e}")
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    return t
+
+
+def _serve_with_a_stream(tmp: Path) -> tuple[subprocess.Popen[bytes], str, list[int], list[str]]:
+    log = tmp.parent / f"{tmp.name}-serve.log"
+    proc, port = start_serve(
+        "--drain-timeout", str(DRAIN_S), log_path=log, env={"TMPDIR": str(tmp)}
+    )
+    base = f"http://127.0.0.1:{port}"
+    agents = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+    assert len(agents) >= 2, agents
+    got: list[str] = []
+    _streaming(base, got)
+    deadline = time.monotonic() + 180
+    while len(got) < 3:  # a few tokens are out: the stream is decoding
+        assert time.monotonic() < deadline, got
+        time.sleep(0.2)
+    return proc, base, agents, got
+
+
+def _left_behind(tmp: Path, agents: list[int]) -> tuple[list[str], list[int]]:
+    dirs = [p.name for p in tmp.iterdir() if p.name.startswith("disagg-")]
+    alive = [pid for pid in agents if psutil.pid_exists(pid) and _running(pid)]
+    return dirs, alive
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_first_ctrl_c_drains_then_exits(default_model: Path, tmp_path: Path) -> None:
+    proc, base, agents, got = _serve_with_a_stream(tmp_path)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    time.sleep(1.5)
+    with pytest.raises(httpx.HTTPError):  # no new requests
+        httpx.get(base + "/health", timeout=3)
+    rc = proc.wait(120)
+    took = time.monotonic() - t0
+    said = (tmp_path.parent / f"{tmp_path.name}-serve.log").read_text()
+    assert rc == 130, said
+    assert "draining 1 request" in said and "Traceback" not in said, said
+    # The deadline, plus stopping the agents on a loaded 2-core box.
+    assert took < DRAIN_S + 60, took
+    assert _left_behind(tmp_path, agents) == ([], [])
+    last = json.loads(next(g for g in reversed(got) if g.startswith("{")))
+    assert last["done"] is True and last["done_reason"] == "cancelled", got[-3:]
+
+
+def test_second_ctrl_c_stops_at_once(default_model: Path, tmp_path: Path) -> None:
+    proc, _, agents, _ = _serve_with_a_stream(tmp_path)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    rc = proc.wait(60)
+    took = time.monotonic() - t0
+    said = (tmp_path.parent / f"{tmp_path.name}-serve.log").read_text()
+    assert rc == 130 and "Traceback" not in said, said
+    after_drain = said.split("Ctrl-C again to stop now)", 1)[1].strip()
+    assert after_drain.startswith("stopped at once") and after_drain.count("\n") == 0, said
+    assert took < 15, took
+    assert _left_behind(tmp_path, agents) == ([], [])
