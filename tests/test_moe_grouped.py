@@ -96,6 +96,7 @@ def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
     torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=tol * max(scale, 1.0))
 
 
+@pytest.mark.slow  # 32 cases of ~2-3 s of CPU matmuls each: over a minute in all
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("form", ["affine4", "mxfp4", "kept", "plain"])
 @pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss"])
@@ -196,6 +197,7 @@ def engine(name: str, budget: float | None) -> Any:
 PAIRS = [("moe32-affine4", "moe128-affine4"), ("gptoss32-hf-mxfp4", "gptoss128-hf-mxfp4")]
 
 
+@pytest.mark.slow  # real quantized checkpoints, loaded and prefilled
 @pytest.mark.parametrize("budget", [None, 0.0], ids=["kept", "packed"])
 @pytest.mark.parametrize("pair", PAIRS, ids=["qwen3_moe-affine4", "gpt_oss-mxfp4"])
 def test_prefill_moe_layers_have_no_host_sync(pair: tuple[str, str], budget: float | None) -> None:
@@ -213,6 +215,7 @@ def test_prefill_moe_layers_have_no_host_sync(pair: tuple[str, str], budget: flo
     assert per_layer[1] <= 1.2 * per_layer[0], per_layer
 
 
+@pytest.mark.slow  # real quantized checkpoints, loaded and prefilled
 @pytest.mark.parametrize("name", ["moe128-affine4", "gptoss128-hf-mxfp4"])
 def test_weights_kept_at_load_compute_what_packed_ones_do(name: str) -> None:
     """Dequantized once at load or on every forward: the same bits in, the same out."""
