@@ -217,7 +217,16 @@ def test_a_real_agents_frames_go_through_the_contract(
         done.token_ids,
         done.prompt_ids,
     )
-    assert events == tokens and result.finish_reason == "length"
+
+    # The same events but the first one's metrics (timings of another run).
+    def bare(e: TokenEvent) -> tuple[Any, ...]:
+        return (e.id, e.text, e.channel, e.tool_call)
+
+    assert [bare(e) for e in events] == [bare(t) for t in tokens]
+    first = events[0].metrics
+    assert first is not None and first.prompt_tokens == done.metrics.prompt_tokens
+    assert first.timeline is not None and set(first.timeline) == {"at", "first_token"}
+    assert all(e.metrics is None for e in events[1:]) and result.finish_reason == "length"
     assert result.metrics.agent_ttft is not None and result.metrics.total_time is not None
 
 
