@@ -28,7 +28,12 @@ from agents.wire.request import GenerateRequest
 from disagg.errors import DisaggError, UsageError
 from disagg.serving.completion import Chunk, Completion
 from disagg.serving.defaultmodel import Say, resolve_model
-from disagg.serving.localagents import AgentProc, make_token_file, start_local_agents
+from disagg.serving.localagents import (
+    AgentProc,
+    make_token_file,
+    start_local_agents,
+    stop_agents,
+)
 from disagg.serving.metrics import Metrics
 from disagg.serving.request import build_request
 from disagg.serving.router import Endpoint, Route, Router, StopGeneration
@@ -107,8 +112,7 @@ class Client:
                     )
                 )
         except BaseException:
-            for agent in agents:
-                agent.stop()
+            stop_agents(agents)
             _remove(temp_dirs)
             raise
         client = cls(router=Router(pipelines, token=token))
@@ -118,8 +122,7 @@ class Client:
         return client
 
     def close(self) -> None:
-        for agent in reversed(self.agents):
-            agent.stop()
+        stop_agents(self.agents)  # all at once: each drains, then exits
         self.agents = []
         _remove(self.temp_dirs)
         self.temp_dirs = []

@@ -1,5 +1,8 @@
-"""Shared fixtures: the converted default model (cached across runs) and real
-agents as processes on 127.0.0.1, shared across a test module."""
+"""Shared fixtures: the converted default model (cached across runs), tiny seeded
+checkpoints (cached likewise), real agents as processes on 127.0.0.1 from a
+session-wide pool (tests/agentpool.py), in-process gateways over them
+(tests/gateways.py), and the hooks that mark every test starting a process `slow`
+and count the agent sets a run starts."""
 
 from __future__ import annotations
 
@@ -7,9 +10,11 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +22,64 @@ import pytest
 
 from disagg.serving import wireclient as client
 from disagg.serving.defaultmodel import ensure_default_model
-from disagg.serving.localagents import AgentProc, free_port, start_local_pair
-from tests.tinymodels import PROMPT, make_tiny
+from disagg.serving.localagents import AgentProc, free_port, spawn_agent, stop_agents
+from tests.agentpool import STARTS, AgentPool, AgentSet, count_start, key_for
+from tests.gateways import Gateways
+from tests.tinymodels import PROMPT, tiny_checkpoint
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Fixtures that start processes (agents, `disagg serve`, a Python): a test using
+# any of them, directly or through another fixture, is marked `slow`.
+PROCESS_FIXTURES = {
+    "agent_pool",
+    "spawn",
+    "spawn_module",
+    "serve_process",
+    "python_process",
+    "testbed",
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    started = {k: v for k, v in STARTS.items() if k not in ("evicted", "taken over")}
+    if not started:
+        return
+    parts = ", ".join(f"{k} {v}" for k, v in sorted(started.items()))
+    notes = [f"{STARTS[k]} {k}" for k in ("evicted", "taken over") if STARTS[k]]
+    more = f"; pooled sets {', '.join(notes)}" if notes else ""
+    terminalreporter.write_line(f"agent-set starts: {sum(started.values())} ({parts}){more}")
+
+
+@pytest.fixture(autouse=True)
+def _processes_only_when_slow(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test not marked slow that starts a Python process fails: the fast tier
+    (`-m "not slow"`) stays free of processes because the marks are true."""
+    if request.node.get_closest_marker("slow") is not None:
+        yield
+        return
+    real = subprocess.Popen.__init__
+
+    def guarded(self: Any, args: Any, *a: Any, **kw: Any) -> None:
+        argv = [args] if isinstance(args, str | bytes | os.PathLike) else list(args)
+        if argv and Path(str(argv[0])).name.startswith("python"):
+            raise AssertionError(
+                f"{request.node.nodeid} starts a Python process ({argv[:4]}) but is not "
+                "marked slow: use a process fixture (python_process, spawn, ...) or the mark"
+            )
+        real(self, args, *a, **kw)
+
+    subprocess.Popen.__init__ = guarded  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        subprocess.Popen.__init__ = real  # type: ignore[method-assign]
 
 
 @pytest.fixture(scope="session")
@@ -29,9 +88,182 @@ def default_model() -> Path:
     return ensure_default_model()
 
 
+TinyModel = Callable[..., Path]
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> TinyModel:
+    """`tiny_model("gpt_oss", seed=8, sliding_window=8)`: that tiny seeded random
+    checkpoint, written once per machine (tests/tinymodels.tiny_checkpoint)."""
+    return tiny_checkpoint
+
+
+# ---- agents ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def agent_pool(
+    tmp_path_factory: pytest.TempPathFactory, default_model: Path
+) -> Iterator[AgentPool]:
+    # The default model's sets have two decode agents: one set serves one-agent
+    # tests and two-agent routers and gateways alike.
+    pool = AgentPool(tmp_path_factory.mktemp("pool"), widths={default_model: 2})
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+class Agents:
+    """Agent sets for tests: `agents(model)` or `agents.set(model, n_decode=2)`.
+
+    `model` is a model dir, or a tiny architecture ("gpt_oss") made with `seed` and
+    `config` (e.g. {"sliding_window": 8}). Pooled sets are shared with every test of
+    the same configuration, in one cluster (`token_file`); `fresh=True` starts a set
+    of the caller's own (its own token unless `token_file` is given), stopped when
+    this factory's scope ends: ask for one to stop, kill, drain or restart an agent.
+    """
+
+    def __init__(self, pool: AgentPool, root: Path, fresh: bool = False) -> None:
+        self.pool, self.root, self.fresh_default = pool, root, fresh
+        self.leased: list[AgentSet] = []
+        self.own: list[AgentSet] = []
+
+    @property
+    def token_file(self) -> Path:
+        return self.pool.token_file
+
+    def set(
+        self,
+        model: str | Path,
+        *,
+        seed: int = 0,
+        config: dict[str, Any] | None = None,
+        dtype: str = "auto",
+        n_decode: int = 1,
+        prefill_args: Sequence[str] = (),
+        decode_args: Sequence[str] = (),
+        fresh: bool | None = None,
+        token_file: Path | None = None,
+        prefill_module: str | None = None,
+    ) -> AgentSet:
+        path = model if isinstance(model, Path) else tiny_checkpoint(model, seed, **(config or {}))
+        key = key_for(
+            path,
+            dtype=dtype,
+            n_decode=n_decode,
+            prefill_args=prefill_args,
+            decode_args=decode_args,
+            prefill_module=prefill_module,
+        )
+        if fresh if fresh is not None else self.fresh_default:
+            made = self.pool.fresh(key, self.root / f"fresh-{len(self.own)}", token_file)
+            self.own.append(made)
+            return made
+        if token_file is not None:
+            raise ValueError("pooled sets share the pool's token (agents.token_file): fresh=True")
+        leased = self.pool.lease(key)
+        self.leased.append(leased)
+        return leased
+
+    def __call__(self, model: str | Path, **kw: Any) -> tuple[AgentProc, AgentProc]:
+        """A prefill and a decode agent; keywords as for set()."""
+        return self.set(model, **kw).pair
+
+    def close(self) -> None:
+        stop_agents([a for s in self.own for a in s.agents])
+        for leased in self.leased:
+            self.pool.release(leased)
+        self.own, self.leased = [], []
+
+
+PairFactory = Agents
+
+
 @pytest.fixture(scope="module")
-def smol_agents(default_model: Path, agent_pair: PairFactory) -> tuple[AgentProc, AgentProc]:
-    return agent_pair(default_model)
+def agent_pair(agent_pool: AgentPool, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Agents]:
+    """Pooled agent sets (or fresh=True ones, stopped when the module ends)."""
+    agents = Agents(agent_pool, tmp_path_factory.mktemp("agents"))
+    try:
+        yield agents
+    finally:
+        agents.close()
+
+
+@pytest.fixture
+def fresh_agents(agent_pool: AgentPool, tmp_path: Path) -> Iterator[Agents]:
+    """Agent sets of this test's own, stopped when it ends: to stop, kill or drain."""
+    agents = Agents(agent_pool, tmp_path, fresh=True)
+    try:
+        yield agents
+    finally:
+        agents.close()
+
+
+@pytest.fixture(scope="session")
+def smol_set(agent_pool: AgentPool, default_model: Path) -> Iterator[AgentSet]:
+    """The default model's pooled set: a prefill and two decode agents (most tests
+    use the first decode agent; a two-agent router or gateway uses both)."""
+    leased = agent_pool.lease(key_for(default_model, n_decode=2))
+    try:
+        yield leased
+    finally:
+        agent_pool.release(leased)
+
+
+@pytest.fixture(scope="session")
+def smol_agents(smol_set: AgentSet) -> tuple[AgentProc, AgentProc]:
+    return smol_set.pair
+
+
+Spawn = Callable[..., tuple["subprocess.Popen[str]", Path, str]]
+
+
+def _spawner(root: Path) -> tuple[Spawn, Callable[[], None]]:
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(role: str, model: Path, **kw: Any) -> tuple[subprocess.Popen[str], Path, str]:
+        kw.setdefault("log_dir", root / f"{role}-{len(procs)}")
+        proc, log, name = spawn_agent(role, model, **kw)
+        count_start("single")
+        procs.append(proc)
+        return proc, log, name
+
+    def stop() -> None:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            if proc.stdout:
+                proc.stdout.close()
+
+    return start, stop
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator[Spawn]:
+    """spawn_agent(role, model, ...) for one agent on its own (stopped when the test
+    ends); wait_ready() makes it an AgentProc."""
+    start, stop = _spawner(tmp_path)
+    try:
+        yield start
+    finally:
+        stop()
+
+
+@pytest.fixture(scope="module")
+def spawn_module(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Spawn]:
+    """spawn, for a module's fixtures: its agents stop when the module ends."""
+    start, stop = _spawner(tmp_path_factory.mktemp("spawned"))
+    try:
+        yield start
+    finally:
+        stop()
 
 
 def ask(
@@ -42,55 +274,6 @@ def ask(
     if prefill is not None:
         req = {**req, "prefill": {"host": prefill.host, "port": prefill.port}}
     return client.generate(decode.host, decode.port, req, token=decode.token, **kw)
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    """`tiny_model("gpt_oss", seed=8, sliding_window=8)`: that tiny seeded random
-    checkpoint, made once per session for the same arguments."""
-    root = tmp_path_factory.mktemp("tiny")
-    made: dict[str, Path] = {}
-
-    def make(arch: str, seed: int = 0, **config: Any) -> Path:
-        key = f"{arch}-{seed}-" + "-".join(f"{k}={config[k]}" for k in sorted(config))
-        if key not in made:
-            made[key] = make_tiny(arch, root / f"m{len(made)}", seed=seed, **config)
-        return made[key]
-
-    return make
-
-
-PairFactory = Callable[..., tuple[AgentProc, AgentProc]]
-
-
-@pytest.fixture(scope="module")
-def agent_pair(
-    tmp_path_factory: pytest.TempPathFactory, tiny_model: Callable[..., Path]
-) -> Iterator[PairFactory]:
-    """Start prefill + decode agent pairs; all stopped when the module ends.
-
-    `agent_pair(path)` serves a model dir; `agent_pair("gpt_oss", seed=8,
-    config={"sliding_window": 8})` serves that tiny checkpoint. Other keywords go
-    to start_local_pair (dtype, token_file, prefill_args, decode_args).
-    """
-    root = tmp_path_factory.mktemp("pairs")
-    started: list[tuple[AgentProc, AgentProc]] = []
-
-    def start(
-        model: str | Path, *, seed: int = 0, config: dict[str, Any] | None = None, **kw: Any
-    ) -> tuple[AgentProc, AgentProc]:
-        path = model if isinstance(model, Path) else tiny_model(model, seed, **(config or {}))
-        kw.setdefault("log_dir", root / f"logs-{len(started)}")
-        pair = start_local_pair(path, **kw)
-        started.append(pair)
-        return pair
-
-    try:
-        yield start
-    finally:
-        for pair in reversed(started):
-            for agent in reversed(pair):
-                agent.stop()
 
 
 def remote_request(
@@ -114,6 +297,18 @@ def remote_request(
     elif prefill is not None:
         req["prefill"] = prefill
     return req
+
+
+def log_since(agent: AgentProc, offset: int) -> str:
+    """What the agent logged after byte `offset` of its log (a pooled agent's log
+    holds other tests' lines too)."""
+    with agent.log_path.open("rb") as f:
+        f.seek(offset)
+        return f.read().decode(errors="replace")
+
+
+def log_size(agent: AgentProc) -> int:
+    return agent.log_path.stat().st_size
 
 
 def socket_pair() -> tuple[socket.socket, socket.socket]:
@@ -148,6 +343,9 @@ class LocalServer:
         self.listener.close()
 
 
+# ---- processes of the control plane ---------------------------------------------------------
+
+
 def start_serve(
     *args: str, log_path: Path, timeout_s: float = 300, env: dict[str, str] | None = None
 ) -> tuple[subprocess.Popen[bytes], int]:
@@ -156,6 +354,7 @@ def start_serve(
     to the environment (TMPDIR=dir: its agents' logs land in dir/disagg-logs-*)."""
     port = free_port()
     cmd = [sys.executable, "-m", "disagg.cli", "serve", "--local", *args, "--port", str(port)]
+    count_start("serve", max(1, args.count("-m") + args.count("--model")))
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
@@ -171,3 +370,189 @@ def start_serve(
                 proc.wait()
                 raise RuntimeError(f"disagg serve did not start:\n{log_path.read_text()}") from None
             time.sleep(0.3)
+
+
+ServeProcess = Callable[..., tuple["subprocess.Popen[bytes]", int]]
+
+
+@pytest.fixture(scope="session")
+def serve_process() -> ServeProcess:
+    """start_serve: `disagg serve --local` as a process (the caller stops it)."""
+    return start_serve
+
+
+PythonProcess = Callable[..., "subprocess.CompletedProcess[str]"]
+
+
+@pytest.fixture(scope="session")
+def python_process() -> PythonProcess:
+    """`python ARGS` run to its end (capture_output, text): for tests of what a fresh
+    interpreter does; `prefix` wraps the command (`unshare ...`). `agents=N` counts
+    the agent sets it starts (a `--local` run)."""
+
+    def run(
+        *args: str, agents: int = 0, prefix: Sequence[str] = (), **kw: Any
+    ) -> subprocess.CompletedProcess[str]:
+        count_start("cli", agents)
+        kw.setdefault("capture_output", True)
+        kw.setdefault("text", True)
+        return subprocess.run([*prefix, sys.executable, *args], **kw)
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def gateways(agent_pool: AgentPool) -> Iterator[Gateways]:
+    """In-process gateways over pooled agent sets, keyed by what they serve."""
+    started = Gateways(agent_pool.token)
+    try:
+        yield started
+    finally:
+        started.close()
+
+
+@pytest.fixture(scope="session")
+def refs() -> Any:
+    """tests.references.References: reference models loaded once per session."""
+    from tests.references import References
+
+    return References()
+
+
+DisaggProcess = Callable[..., "subprocess.CompletedProcess[str]"]
+
+
+@pytest.fixture(scope="session")
+def disagg_process(python_process: PythonProcess) -> DisaggProcess:
+    """`disagg ARGS` as a user runs it: a process, where no inventory.toml lies (a
+    test must never dial the real cluster), 200 columns wide. `agents=N` counts
+    the agent sets a `--local` run starts."""
+
+    def run(
+        *args: str, timeout: float = 600, env: dict[str, str] | None = None, agents: int = 0
+    ) -> subprocess.CompletedProcess[str]:
+        full = {**os.environ, "COLUMNS": "200", **(env or {})}
+        full.pop("DISAGG_INVENTORY", None)
+        return python_process(
+            "-m", "disagg.cli", *args, agents=agents, timeout=timeout, env=full,
+            cwd=tempfile.gettempdir(),
+        )  # fmt: skip
+
+    return run
+
+
+# ---- the command line in this process -------------------------------------------------------
+
+
+@dataclass
+class CliResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+Cli = Callable[..., CliResult]
+
+
+def _runner(monkeypatch: pytest.MonkeyPatch, cwd: Path) -> Cli:
+    from typer.testing import CliRunner
+
+    from disagg.cli import app, common
+
+    # As a user's 200-column terminal (the consoles read COLUMNS when made), run
+    # where no inventory.toml lies: a test must never dial the real cluster.
+    monkeypatch.setattr(common.out, "_width", 200)
+    monkeypatch.setattr(common.err, "_width", 200)
+    monkeypatch.delenv("DISAGG_INVENTORY", raising=False)
+    monkeypatch.chdir(cwd)
+
+    def run(*args: str, env: dict[str, str] | None = None) -> CliResult:
+        done = CliRunner().invoke(app, list(args), env=env, catch_exceptions=False)
+        return CliResult(done.exit_code, done.stdout, done.stderr)
+
+    return run
+
+
+@pytest.fixture
+def cli(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Cli]:
+    """`disagg ARGS` in this process (typer's CliRunner): exit code, stdout, stderr.
+    For runs that start no agent; `cli_local` for `--local` runs."""
+    import disagg.api
+
+    def no_agents(*_: Any, **__: Any) -> Any:
+        raise AssertionError("this run starts agents: use the cli_local fixture")
+
+    monkeypatch.setattr(disagg.api, "start_local_agents", no_agents)
+    yield _runner(monkeypatch, tmp_path)
+
+
+@pytest.fixture
+def cli_local(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, agent_pool: AgentPool
+) -> Iterator[Cli]:
+    """`disagg ARGS` in this process, its `--local` agents from the pool: the real
+    Client.local (model checks, routes) over pooled sets with the pool's token;
+    closing the client leaves them running."""
+    import disagg.api
+
+    agents = Agents(agent_pool, tmp_path)
+
+    def leased(
+        model_dir: Path,
+        *,
+        n_decode: int = 1,
+        dtype: str = "auto",
+        prefill_model_dir: Path | None = None,
+        decode_args: Sequence[str] = (),
+        **_: Any,
+    ) -> tuple[AgentProc, list[AgentProc]]:
+        got = agent_pool.lease(
+            key_for(model_dir, dtype=dtype, n_decode=n_decode, decode_args=decode_args)
+        )
+        agents.leased.append(got)
+        if prefill_model_dir is None:
+            return got.prefill, got.decodes
+        # Mixed weights: the decode agents of model_dir's set, the prefill agent of
+        # prefill_model_dir's (what Client.local starts, from agents already up).
+        other = agent_pool.lease_prefill(prefill_model_dir, dtype)
+        agents.leased.append(other)
+        return other.prefill, got.decodes
+
+    def close(self: Any) -> None:
+        self.agents = []
+
+    monkeypatch.setattr(disagg.api, "start_local_agents", leased)
+    monkeypatch.setattr(
+        disagg.api, "make_token_file", lambda _dir: (agent_pool.token_file, agent_pool.token)
+    )
+    monkeypatch.setattr(disagg.api.Client, "close", close)
+    try:
+        yield _runner(monkeypatch, tmp_path)
+    finally:
+        agents.close()
+
+
+@pytest.fixture
+def pooled_bench_pairs(monkeypatch: pytest.MonkeyPatch, agent_pair: Agents) -> Iterator[None]:
+    """The benches' local agent pairs from the pool (they measure agents, not their
+    start): `local_pair` and `start_local_pair` hand out a pooled pair of the model,
+    and stopping it leaves it running."""
+    from contextlib import contextmanager
+
+    import disagg.bench.common
+    import disagg.bench.core
+    from disagg.serving import localagents
+
+    def pair(model_dir: Path, **_: Any) -> tuple[AgentProc, AgentProc]:
+        return agent_pair(Path(model_dir))
+
+    @contextmanager
+    def local_pair(model_dir: Path, say: Any) -> Iterator[tuple[AgentProc, AgentProc]]:
+        say("starting prefill and decode agents (pooled)")
+        yield pair(model_dir)
+
+    for module in (disagg.bench.common, disagg.bench.core):
+        monkeypatch.setattr(module, "local_pair", local_pair)
+    monkeypatch.setattr(localagents, "start_local_pair", pair)
+    monkeypatch.setattr(localagents, "stop_agents", lambda *_a, **_k: None)
+    yield

@@ -46,3 +46,51 @@ def tokenizer_ids(model_dir: str | Path, prompt: str, *, raw: bool = False) -> l
     messages = [{"role": "user", "content": prompt}]
     out: Any = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
     return [int(i) for i in out["input_ids"]]
+
+
+class References:
+    """Reference models loaded once per test session and shared (read-only: a
+    generation keeps its state in its own cache): transformers' model, mlx-lm's own
+    `load`, and our engines where a test takes them as its reference."""
+
+    def __init__(self) -> None:
+        self._loaded: dict[tuple[Any, ...], Any] = {}
+
+    def _get(self, key: tuple[Any, ...], load: Any) -> Any:
+        if key not in self._loaded:
+            self._loaded[key] = load()
+        return self._loaded[key]
+
+    def hf(self, path: str | Path) -> Any:
+        """transformers' AutoModelForCausalLM in float32, eval mode."""
+        from transformers import AutoModelForCausalLM
+
+        return self._get(
+            ("hf", str(path)),
+            lambda: AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval(),
+        )
+
+    def mlx_load(self, path: str | Path) -> tuple[Any, Any]:
+        """mlx-lm's own `load` (no adapter of ours): the model and its tokenizer."""
+        from mlx_lm import load
+
+        return self._get(("mlx", str(path)), lambda: tuple(load(str(path))[:2]))
+
+    def mlx(self, path: str | Path) -> Any:
+        """mlx-lm's own `load`: the model."""
+        return self.mlx_load(path)[0]
+
+    def decode_engine(self, path: str | Path, dtype: str = "auto") -> Any:
+        """Our DecodeEngine (mlx-lm with our adapter's config)."""
+        from agents.decode.agent import DecodeEngine
+
+        return self._get(("decode", str(path), dtype), lambda: DecodeEngine(str(path), dtype=dtype))
+
+    def prefill_engine(self, path: str | Path, dtype: str = "auto") -> Any:
+        """Our PrefillEngine on the CPU."""
+        from agents.prefill.agent import PrefillEngine
+
+        return self._get(
+            ("prefill", str(path), dtype),
+            lambda: PrefillEngine(str(path), device="cpu", dtype=dtype),
+        )

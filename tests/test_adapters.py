@@ -6,13 +6,14 @@ Tiny seeded random checkpoints are built once per session (tests/tinymodels.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from tests.tinymodels import PROMPT, make_tiny
+from tests.tinymodels import PROMPT
 
 pytestmark = pytest.mark.slow
 
@@ -41,11 +42,9 @@ LOGPROB_ATOL = 2e-3
 
 
 @pytest.fixture(scope="session")
-def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("tiny")
+def tiny_dirs(tiny_model: Callable[..., Path]) -> dict[str, Path]:
     return {
-        name: make_tiny(arch, root / name, seed=0, **overrides)
-        for name, (arch, overrides) in VARIANTS.items()
+        name: tiny_model(arch, seed=0, **overrides) for name, (arch, overrides) in VARIANTS.items()
     }
 
 

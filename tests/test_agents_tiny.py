@@ -3,16 +3,15 @@ sliding-window architectures, and what happens when two agents disagree."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from disagg.errors import ModelMismatch
-from disagg.serving.localagents import AgentProc, make_token_file
+from disagg.serving.localagents import AgentProc
 from tests.conftest import PairFactory, ask, remote_request
-from tests.tinymodels import PROMPT
+from tests.tinymodels import PROMPT, shared_tiny
 
 from .references import hf_greedy, mlx_greedy
 
@@ -23,18 +22,12 @@ WINDOW = 8
 
 
 @pytest.fixture(scope="module")
-def tiny(
-    tmp_path_factory: pytest.TempPathFactory,
-    tiny_model: Callable[..., Path],
-    agent_pair: PairFactory,
-) -> dict[str, tuple[Path, AgentProc, AgentProc]]:
-    # One cluster token: the mismatch test crosses pairs.
-    token_file, _ = make_token_file(tmp_path_factory.mktemp("cluster"))
+def tiny(agent_pair: PairFactory) -> dict[str, tuple[Path, AgentProc, AgentProc]]:
+    # Pooled sets are one cluster (one token): the mismatch test crosses pairs.
     out: dict[str, tuple[Path, AgentProc, AgentProc]] = {}
     for arch in ("gpt_oss", "qwen3_moe"):
-        extra = {"sliding_window": WINDOW} if arch == "gpt_oss" else {}
-        path = tiny_model(arch, seed=1, **extra)
-        out[arch] = (path, *agent_pair(path, token_file=token_file))
+        path = shared_tiny(arch)  # gpt_oss: sliding window WINDOW
+        out[arch] = (path, *agent_pair(path))
     return out
 
 
@@ -44,13 +37,8 @@ def long_prompt() -> str:
 
 @pytest.mark.parametrize("arch", ["gpt_oss", "qwen3_moe"])
 def test_tiny_agents_match_both_monolithic_references(
-    tiny: dict[str, tuple[Path, AgentProc, AgentProc]], arch: str
+    tiny: dict[str, tuple[Path, AgentProc, AgentProc]], refs: Any, arch: str
 ) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from agents.decode.agent import DecodeEngine
-
     path, prefill, decode = tiny[arch]
     req = remote_request(prefill, long_prompt(), N_NEW, return_prompt_ids=True)
     res = ask(decode, req)
@@ -58,9 +46,8 @@ def test_tiny_agents_match_both_monolithic_references(
     assert res.metrics["method"] == "disaggregated" and res.metrics["kv_bytes"] > 0
     if arch == "gpt_oss":
         assert len(ids) >= 4 * WINDOW
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    assert res.token_ids == hf_greedy(hf, ids, N_NEW)
-    assert res.token_ids == mlx_greedy(DecodeEngine(str(path)).model, ids, N_NEW)
+    assert res.token_ids == hf_greedy(refs.hf(path), ids, N_NEW)
+    assert res.token_ids == mlx_greedy(refs.decode_engine(path).model, ids, N_NEW)
 
 
 def test_mismatched_models_fail_naming_both(
@@ -85,7 +72,7 @@ def test_mismatched_models_fail_naming_both(
 
 @pytest.mark.parametrize("arch", ["gpt_oss", "qwen3_moe"])
 def test_concurrent_requests_decode_in_one_batch_and_match_mlx_alone(
-    tiny: dict[str, tuple[Path, AgentProc, AgentProc]], arch: str
+    tiny: dict[str, tuple[Path, AgentProc, AgentProc]], refs: Any, arch: str
 ) -> None:
     """Six requests of different lengths at once: they share decode steps (left-padded
     batch caches, sliding windows included) and each still gets what mlx-lm's own
@@ -94,8 +81,6 @@ def test_concurrent_requests_decode_in_one_batch_and_match_mlx_alone(
     import threading
     import time
     from concurrent.futures import ThreadPoolExecutor
-
-    from agents.decode.agent import DecodeEngine
 
     path, prefill, decode = tiny[arch]
     words = PROMPT.split()
@@ -149,7 +134,7 @@ def test_concurrent_requests_decode_in_one_batch_and_match_mlx_alone(
     # Shared steps: fewer steps than rows decoded (alone, each token after the first is a step).
     rows = sum(n - 1 for n in lengths)
     assert steps < rows
-    model = DecodeEngine(str(path)).model
+    model = refs.decode_engine(path).model
     agree = total = 0
     for res, n in zip(results, lengths, strict=True):
         assert len(res.token_ids) == n

@@ -22,16 +22,16 @@ from agents.wire.frames import Frame, RemoteError
 from agents.wire.httpauth import control_get
 from disagg.errors import AuthError
 from disagg.serving import wireclient as client
-from disagg.serving.localagents import AgentProc, spawn_agent, wait_ready
-from tests.conftest import LocalServer, PairFactory, ask
-from tests.tinymodels import PROMPT
+from disagg.serving.localagents import AgentProc, wait_ready
+from tests.conftest import LocalServer, PairFactory, Spawn, ask, log_since, log_size
+from tests.tinymodels import PROMPT, shared_tiny
 
 pytestmark = [pytest.mark.auth, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tiny_model: Callable[..., Path]) -> Path:
-    return tiny_model("llama", seed=6)
+    return shared_tiny("llama")
 
 
 @pytest.fixture(scope="module")
@@ -70,19 +70,19 @@ def test_missing_or_wrong_token_is_refused_and_logged(
     pair: tuple[AgentProc, AgentProc], token: bytes | None, message: str
 ) -> None:
     prefill, decode = pair
-    before = prefill_requests(prefill)
+    before, logged = prefill_requests(prefill), log_size(decode)
     with pytest.raises(AuthError, match=message):
         client.generate(decode.host, decode.port, request(prefill.host, prefill.port), token=token)
     assert prefill_requests(prefill) == before  # no work was done anywhere
     if token is not None:
-        assert "refused 127.0.0.1" in decode.log_path.read_text()
+        assert "refused 127.0.0.1" in log_since(decode, logged)
 
 
 def test_prefill_agent_refuses_a_decode_side_without_the_token(
     pair: tuple[AgentProc, AgentProc],
 ) -> None:
     prefill, _ = pair
-    before = prefill_requests(prefill)
+    before, logged = prefill_requests(prefill), log_size(prefill)
     with (
         socket.create_connection((prefill.host, prefill.port), timeout=5) as s,
         pytest.raises(WireAuthError),
@@ -94,7 +94,7 @@ def test_prefill_agent_refuses_a_decode_side_without_the_token(
         with pytest.raises(RemoteError, match="authentication required"):
             recv_json(s, Frame.HELLO_OK)
     assert prefill_requests(prefill) == before
-    assert "refused 127.0.0.1" in prefill.log_path.read_text()
+    assert "refused 127.0.0.1" in log_since(prefill, logged)
 
 
 def http_status(agent: AgentProc, path: str, token: str | None) -> int:
@@ -167,25 +167,22 @@ def test_the_token_never_crosses_the_wire(pair: tuple[AgentProc, AgentProc]) -> 
         assert decode.token not in rec.seen and bytes.fromhex(decode.token.decode()) not in rec.seen
 
 
-def test_a_token_file_others_can_read_is_refused(tiny_dir: Path, tmp_path: Path) -> None:
+def test_a_token_file_others_can_read_is_refused(
+    tiny_dir: Path, tmp_path: Path, spawn: Spawn
+) -> None:
     token = tmp_path / "token"
     token.write_text("x" * 64)
     os.chmod(token, 0o644)
-    proc, log, name = spawn_agent(
-        "decode", tiny_dir, log_dir=tmp_path, extra_args=["--token-file", str(token)]
-    )
+    proc, log, name = spawn("decode", tiny_dir, extra_args=["--token-file", str(token)])
     from disagg.errors import ModelError
 
     with pytest.raises(ModelError, match="readable by others; fix: chmod 600"):
         wait_ready("decode", proc, log, name, timeout_s=60)
 
 
-def test_agents_bind_only_the_addresses_they_are_given(tiny_dir: Path, tmp_path: Path) -> None:
-    proc, log, name = spawn_agent("prefill", tiny_dir, host="127.0.0.2", log_dir=tmp_path)
+def test_agents_bind_only_the_addresses_they_are_given(tiny_dir: Path, spawn: Spawn) -> None:
+    proc, log, name = spawn("prefill", tiny_dir, host="127.0.0.2")
     agent = wait_ready("prefill", proc, log, name, timeout_s=120)
-    try:
-        socket.create_connection(("127.0.0.2", agent.port), timeout=2).close()
-        with pytest.raises(ConnectionRefusedError):
-            socket.create_connection(("127.0.0.1", agent.port), timeout=2)
-    finally:
-        agent.stop()
+    socket.create_connection(("127.0.0.2", agent.port), timeout=2).close()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", agent.port), timeout=2)

@@ -15,7 +15,7 @@ from tests.benchcheck import positive, run_section
 pytestmark = pytest.mark.slow
 
 
-def test_core_bench_runs(default_model: Path) -> None:
+def test_core_bench_runs(default_model: Path, pooled_bench_pairs: None) -> None:
     report, _ = run_section(
         run_core_bench, default_model, repeats=1, decode_tokens=8, long_prompt_tokens=300
     )

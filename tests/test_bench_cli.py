@@ -4,10 +4,16 @@ before any agent starts, and the serving commands never load a bench module."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import tempfile
 
-from tests.test_cli import disagg, one_error_line
+import pytest
+
+from tests.test_cli import one_error_line
+
+pytestmark = pytest.mark.slow  # each test starts a Python process
 
 KINDS = (
     "core",
@@ -23,6 +29,22 @@ KINDS = (
     "integrity",
     "all",
 )
+
+
+def disagg(
+    *args: str, timeout: float = 600, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    # Run where no inventory.toml lies: a test must never dial the real cluster.
+    env = {**os.environ, "COLUMNS": "200", **(env or {})}
+    env.pop("DISAGG_INVENTORY", None)
+    return subprocess.run(
+        [sys.executable, "-m", "disagg.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=tempfile.gettempdir(),
+    )
 
 
 def test_every_kind_is_a_command() -> None:

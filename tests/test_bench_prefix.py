@@ -14,7 +14,7 @@ from disagg.bench.prefix import prefix_table, run_prefix_bench
 pytestmark = pytest.mark.slow
 
 
-def test_prefix_bench_runs(default_model: Path) -> None:
+def test_prefix_bench_runs(default_model: Path, pooled_bench_pairs: None) -> None:
     messages: list[str] = []
     r = run_prefix_bench(
         default_model,

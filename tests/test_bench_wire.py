@@ -79,4 +79,9 @@ def test_wire_bench_runs(default_model: Path) -> None:
             assert a["codec"] in c["codecs"]
             assert a["never_slower"] and a["pipelined_s"] <= r["codecs"]["off"]["pipelined_s"]
         assert c["adaptive_never_slower"]
-    assert report["ok"] in (True, False)
+    # The verdict is the bench's (its speed bars), not this test's; it must follow from
+    # its parts: exactness holds (asserted above), so it is the bars' conjunction.
+    bars = [p[k] for p in report["dtypes"].values() for k in ("ok_bare", "ok_json", "ok_inplace")]
+    bars += [p["compression"]["adaptive_ok_1gbit"] for p in report["dtypes"].values()]
+    assert all(isinstance(b, bool) for b in bars)
+    assert report["ok"] is all(bars)

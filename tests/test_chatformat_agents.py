@@ -16,6 +16,7 @@ from agents.wire.answer import TokenEvent
 from disagg.errors import UsageError
 from tests.chattokenizers import HARMONY_SPECIALS
 from tests.conftest import PairFactory, ask
+from tests.tinymodels import shared_tiny
 
 pytestmark = pytest.mark.slow
 
@@ -78,7 +79,7 @@ def test_fim_prompt_from_the_tokenizer(
 
 
 def test_refusals_name_the_field_and_the_agent_stays_healthy(agent_pair: PairFactory) -> None:
-    _, decode = agent_pair("llama")  # its tokenizer has no FIM tokens and no chat template
+    _, decode = agent_pair(shared_tiny("llama"))  # no FIM tokens, no chat template
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
     with pytest.raises(UsageError, match="suffix: .*no fill-in-the-middle tokens"):
         ask(decode, {"prompt": "def f():", "suffix": "\n", "max_tokens": 2})

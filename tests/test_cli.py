@@ -1,35 +1,21 @@
-"""The `disagg` command as a user runs it: a subprocess, stdout, stderr, exit code."""
+"""The `disagg` command: stdout, stderr, exit code. Two `--local` runs as a user
+runs them, a process that starts and stops its own agents; the rest in this
+process (typer's runner), their `--local` agents from the session's pool."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-
-def disagg(
-    *args: str, timeout: float = 600, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    # Run where no inventory.toml lies: a test must never dial the real cluster.
-    env = {**os.environ, "COLUMNS": "200", **(env or {})}
-    env.pop("DISAGG_INVENTORY", None)
-    return subprocess.run(
-        [sys.executable, "-m", "disagg.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=tempfile.gettempdir(),
-    )
+from tests.conftest import Cli, DisaggProcess
+from tests.tinymodels import shared_tiny
 
 
-def one_error_line(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
+def one_error_line(proc: Any, *needles: str) -> None:
     assert proc.returncode == 1, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     errors = [ln for ln in lines if ln.startswith("error:")]
@@ -39,9 +25,13 @@ def one_error_line(proc: subprocess.CompletedProcess[str], *needles: str) -> Non
         assert needle in errors[0], errors[0]
 
 
-@pytest.mark.slow
-def test_generate_local_json_answers_paris(default_model: Path) -> None:
-    proc = disagg("generate", "--local", "What is the capital of France?", "--json")
+def test_generate_local_json_answers_paris(
+    default_model: Path, disagg_process: DisaggProcess
+) -> None:
+    # A process that starts its own agents and stops them on the way out.
+    proc = disagg_process(
+        "generate", "--local", "What is the capital of France?", "--json", agents=1
+    )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)  # exactly one JSON object on stdout
     want = {"text", "reasoning", "tool_calls", "finish_reason", "token_ids", "model", "metrics"}
@@ -62,11 +52,8 @@ def test_generate_local_json_answers_paris(default_model: Path) -> None:
     assert t["done"] <= m["total_time"] and m["queue_time"] >= 0
 
 
-@pytest.mark.slow
-def test_generate_local_streams_text_and_prints_metrics_table_on_stderr(
-    default_model: Path,
-) -> None:
-    proc = disagg("generate", "--local", "What is the capital of France?", "--max-tokens", "12")
+def test_generate_local_streams_text_and_prints_metrics_table(cli_local: Cli) -> None:
+    proc = cli_local("generate", "--local", "What is the capital of France?", "--max-tokens", "12")
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
     for name in (
@@ -82,15 +69,13 @@ def test_generate_local_streams_text_and_prints_metrics_table_on_stderr(
     assert "prefill_time" not in proc.stdout
 
 
-@pytest.mark.slow
-def test_prompt_longer_than_context_is_one_line(default_model: Path) -> None:
-    proc = disagg("generate", "--local", "--raw", "word " * 9000)
+def test_prompt_longer_than_context_is_one_line(cli_local: Cli) -> None:
+    proc = cli_local("generate", "--local", "--raw", "word " * 9000)
     one_error_line(proc, "context is 8192", "shorten the prompt")
 
 
-@pytest.mark.slow
-def test_verify_reports_full_agreement(default_model: Path) -> None:
-    proc = disagg("verify", "--local", "--max-tokens", "16", "--json")
+def test_verify_reports_full_agreement(disagg_process: DisaggProcess) -> None:
+    proc = disagg_process("verify", "--local", "--max-tokens", "16", "--json", agents=1)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["agreement"] == 1.0 and report["first_divergence"] is None
@@ -119,84 +104,77 @@ def test_verify_reports_full_agreement(default_model: Path) -> None:
         (["generate", "--local", "hi", "--kv-quant", "int4"], ["--kv-quant 'int4'", "int8"]),
     ],
 )
-def test_bad_input_is_one_clear_line(args: list[str], needles: list[str]) -> None:
-    one_error_line(disagg(*args, timeout=60), *needles)
+def test_bad_input_is_one_clear_line(cli: Cli, args: list[str], needles: list[str]) -> None:
+    one_error_line(cli(*args), *needles)
 
 
-def test_unsupported_architecture_is_one_clear_line(tmp_path: Path) -> None:
+def test_unsupported_architecture_is_one_clear_line(cli: Cli, tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
     one_error_line(
-        disagg("generate", "--local", "hi", "-m", str(tmp_path), timeout=60),
-        "'bert' is not supported",
-        "llama",
+        cli("generate", "--local", "hi", "-m", str(tmp_path)), "'bert' is not supported", "llama"
     )
     (tmp_path / "config.json").write_text("{broken")
-    one_error_line(
-        disagg("generate", "--local", "hi", "-m", str(tmp_path), timeout=60), "cannot read"
-    )
+    one_error_line(cli("generate", "--local", "hi", "-m", str(tmp_path)), "cannot read")
 
 
 @pytest.fixture(scope="module")
-def two_tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    from tests.tinymodels import make_tiny
-
-    root = tmp_path_factory.mktemp("cli-tiny")
-    return make_tiny("qwen3_moe", root / "moe", seed=4), make_tiny("gpt_oss", root / "oss", seed=5)
+def two_tiny(tiny_model: Any) -> tuple[Path, Path]:
+    return shared_tiny("qwen3_moe"), shared_tiny("gpt_oss")
 
 
-@pytest.mark.slow
-def test_two_models_at_once(two_tiny: tuple[Path, Path]) -> None:
+def test_two_models_at_once(two_tiny: tuple[Path, Path], cli_local: Cli) -> None:
     moe, oss = two_tiny
-    proc = disagg(
+    proc = cli_local(
         "generate", "--local", "-m", str(moe), "-m", str(oss), "--raw", "hello", "-n", "6", "--json"
     )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    assert [r["model"] for r in out["results"]] == ["moe", "oss"]
+    assert [r["model"] for r in out["results"]] == [moe.name, oss.name]
     assert all(r["metrics"]["method"] in ("disaggregated", "local") for r in out["results"])
     assert all(len(r["token_ids"]) == r["metrics"]["completion_tokens"] > 0 for r in out["results"])
     assert out["failed"] == 0 and out["wall_time"] > 0
 
 
-@pytest.mark.slow
-def test_batch_file_writes_jsonl_results(two_tiny: tuple[Path, Path], tmp_path: Path) -> None:
+def test_batch_file_writes_jsonl_results(
+    two_tiny: tuple[Path, Path], tmp_path: Path, cli_local: Cli
+) -> None:
     moe, oss = two_tiny
     batch = tmp_path / "reqs.jsonl"
     lines = [
-        {"model": "moe", "prompt": "one", "raw": True, "max_tokens": 3},
-        {"model": "oss", "prompt": "two", "raw": True},
-        {"model": "moe", "prompt": "three", "raw": True},
+        {"model": moe.name, "prompt": "one", "raw": True, "max_tokens": 3},
+        {"model": oss.name, "prompt": "two", "raw": True},
+        {"model": moe.name, "prompt": "three", "raw": True},
     ]
     batch.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    proc = disagg(
+    proc = cli_local(
         "generate", "--local", "-m", str(moe), "-m", str(oss), "--batch", str(batch), "-n", "5"
     )
     assert proc.returncode == 0, proc.stderr
     assert "3 requests, 0 failed" in proc.stdout and "sum of request times" in proc.stdout
     rows = [json.loads(x) for x in (tmp_path / "reqs.results.jsonl").read_text().splitlines()]
     assert [r["id"] for r in rows] == [1, 2, 3]
-    assert [r["model"] for r in rows] == ["moe", "oss", "moe"]
+    assert [r["model"] for r in rows] == [moe.name, oss.name, moe.name]
     assert len(rows[0]["token_ids"]) == 3 and len(rows[1]["token_ids"]) <= 5
 
     # A request the model cannot serve is an error row; the others still complete.
     batch.write_text(
-        json.dumps({"model": "moe", "messages": [{"role": "user", "content": "x"}]})
+        json.dumps({"model": moe.name, "messages": [{"role": "user", "content": "x"}]})
         + "\n"
         + json.dumps(lines[0])
         + "\n"
     )
-    proc = disagg("generate", "--local", "-m", str(moe), "--batch", str(batch), "--json")
+    proc = cli_local("generate", "--local", "-m", str(moe), "--batch", str(batch), "--json")
     assert proc.returncode == 1
     out = json.loads(proc.stdout)
     assert out["failed"] == 1 and "has no chat template" in out["results"][0]["error"]
     assert len(out["results"][1]["token_ids"]) == 3
 
 
-def test_bad_batch_file_is_one_line(tmp_path: Path) -> None:
+def test_bad_batch_file_is_one_line(cli: Cli, tmp_path: Path) -> None:
     batch = tmp_path / "bad.jsonl"
     batch.write_text('{"prompt": "fine"}\n{oops\n')
     one_error_line(
-        disagg("generate", "--local", "--batch", str(batch), timeout=60),
+        cli("generate", "--local", "--batch", str(batch)),
         "bad.jsonl:2",
         "not valid JSON",
     )

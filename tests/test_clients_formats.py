@@ -1,4 +1,5 @@
-"""The user's models as their clients expect them, through a real `disagg serve`:
+"""The user's models as their clients expect them, through the gateway (`disagg
+serve`'s app, in this process, over the session's agents):
 the official `ollama` and `openai` clients and langchain-ollama against three tiny
 random-weight models whose tokenizers speak the real formats (harmony, Qwen3's
 JSON tool calls, Qwen3-Coder's XML ones with FIM tokens). With random weights the
@@ -8,11 +9,7 @@ so, and no markup reaches `content` because the parser keeps it out."""
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
-from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, Literal
 
 import jsonschema
@@ -21,7 +18,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.conftest import start_serve
+from tests.conftest import PairFactory
+from tests.gateways import Gateways
 
 pytestmark = pytest.mark.slow
 
@@ -70,24 +68,16 @@ TIME: Any = {
 
 
 @pytest.fixture(scope="module")
-def url(tiny_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    root = tmp_path_factory.mktemp("formats-serve")
-    args: list[str] = []
-    for name, arch, chat in (
-        (HARMONY, "gpt_oss", "harmony"),
-        (QWEN, "qwen3", "qwen3"),
-        (CODER, "qwen3", "qwen3_coder"),
-    ):
-        # Served models are named by their dir.
-        args += ["-m", str(shutil.copytree(tiny_model(arch, 0, chat=chat), root / name))]
-    proc, port = start_serve(*args, log_path=root / "serve.log")
-    yield f"http://127.0.0.1:{port}"
-    proc.terminate()  # serve stops its six agents, each draining first
-    try:
-        proc.wait(120)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+def url(agent_pair: PairFactory, gateways: Gateways) -> str:
+    sets = {
+        name: agent_pair.set(arch, seed=0, config={"chat": chat})
+        for name, arch, chat in (
+            (HARMONY, "gpt_oss", "harmony"),
+            (QWEN, "qwen3", "qwen3"),
+            (CODER, "qwen3", "qwen3_coder"),
+        )
+    }
+    return gateways.get(sets).url
 
 
 @pytest.fixture(scope="module")

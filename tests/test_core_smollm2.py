@@ -30,18 +30,13 @@ LONG = (
 
 
 @pytest.fixture(scope="module")
-def hf_model(default_model: Path) -> Any:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(default_model, dtype=torch.float32).eval()
+def hf_model(default_model: Path, refs: Any) -> Any:
+    return refs.hf(default_model)
 
 
 @pytest.fixture(scope="module")
-def mlx_model(default_model: Path) -> Any:
-    from mlx_lm import load
-
-    return load(str(default_model))[0]
+def mlx_model(default_model: Path, refs: Any) -> Any:
+    return refs.mlx(default_model)
 
 
 def run(
@@ -239,7 +234,7 @@ def test_control_endpoints_report_what_happened(smol_agents: tuple[AgentProc, Ag
     assert moved(dec, dec0, "disagg_kv_transfer_seconds_count") == 2
     assert moved(dec, dec0, "disagg_tpot_seconds_count") == 3
     assert moved(dec, dec0, "disagg_kv_bytes_total") > 0
-    # The web view's histograms and counters (issue 19) move as well.
+    # The histograms and counters the web view draws move as well.
     assert moved(dec, dec0, "disagg_queue_seconds_count") == 3
     assert moved(dec, dec0, "disagg_kv_request_bytes_count") == 2
     assert moved(dec, dec0, 'disagg_fallbacks_total{role="decode",reason="unreachable"}') == 1

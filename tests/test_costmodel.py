@@ -104,6 +104,7 @@ def test_prior_from_a_config_favours_the_spark_for_long_prompts() -> None:
     assert pr.layer_bytes_per_token == 2 * 4 * 128 * 2
 
 
+@pytest.mark.slow
 def test_plan_json_has_every_model_and_load() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "disagg.cli", "plan", "--json", "--count-layers", "0"],

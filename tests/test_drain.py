@@ -13,6 +13,7 @@ import pytest
 from disagg.serving.localagents import AgentProc
 from tests.conftest import PairFactory, ask, remote_request
 from tests.slowprefill import slow_prefill
+from tests.tinymodels import shared_tiny
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
 
@@ -37,8 +38,8 @@ def _wait_in_flight(agent: AgentProc, limit_s: float = 60.0) -> None:
         time.sleep(0.02)
 
 
-def test_sigterm_drains_a_decode_in_flight(agent_pair: PairFactory) -> None:
-    prefill, decode = agent_pair("qwen3", seed=9)
+def test_sigterm_drains_a_decode_in_flight(fresh_agents: PairFactory) -> None:
+    prefill, decode = fresh_agents(shared_tiny("qwen3"))
     req = remote_request(prefill, max_tokens=1500)
     reference = ask(decode, req)
     box: dict[str, Any] = {}
@@ -66,9 +67,9 @@ def test_sigterm_drains_a_decode_in_flight(agent_pair: PairFactory) -> None:
     assert "decode drained and stopped" in log
 
 
-def test_sigterm_drains_a_prefill_in_flight(agent_pair: PairFactory) -> None:
+def test_sigterm_drains_a_prefill_in_flight(fresh_agents: PairFactory) -> None:
     # The KV stream of the 4-layer model is stretched to ~1.6 s so SIGTERM lands inside it.
-    prefill, decode = agent_pair("qwen3", seed=9, **slow_prefill(0.4))
+    prefill, decode = fresh_agents(shared_tiny("qwen3"), **slow_prefill(0.4))
     req = remote_request(prefill, ignore_eos=False)
     box: dict[str, Any] = {}
     worker = threading.Thread(target=lambda: box.update(r=ask(decode, req)))

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each test starts a Python process
+
 LIMIT_S = 6.0  # the 2 s, with room for this loaded 2-core box (~0.8 s seen alone)
 
 

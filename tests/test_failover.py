@@ -8,7 +8,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +15,11 @@ import pytest
 
 from agents.wire.request import GenerateRequest
 from disagg.errors import AgentError
-from disagg.serving.localagents import AgentProc, start_local_agents
+from disagg.serving.localagents import AgentProc
 from disagg.serving.router import Endpoint, Route, Router
 from tests.conftest import PairFactory, ask, remote_request
 from tests.slowprefill import slow_prefill
-from tests.tinymodels import PROMPT
+from tests.tinymodels import PROMPT, shared_tiny
 
 pytestmark = pytest.mark.slow
 
@@ -28,8 +27,8 @@ LAYER_DELAY_S = 0.5  # stretches the tiny model's 4-layer KV stream to ~1.5 s
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tiny_model: Callable[..., Path]) -> Path:
-    return tiny_model("gpt_oss", seed=2)
+def tiny_dir() -> Path:
+    return shared_tiny("gpt_oss")
 
 
 def in_flight(agent: AgentProc) -> int:
@@ -51,8 +50,8 @@ def endpoint(a: AgentProc) -> Endpoint:
 
 
 @pytest.fixture
-def slow_prefill_pair(tiny_dir: Path, agent_pair: PairFactory) -> tuple[AgentProc, AgentProc]:
-    return agent_pair(tiny_dir, **slow_prefill(LAYER_DELAY_S))
+def slow_prefill_pair(tiny_dir: Path, fresh_agents: PairFactory) -> tuple[AgentProc, AgentProc]:
+    return fresh_agents(tiny_dir, **slow_prefill(LAYER_DELAY_S))
 
 
 def test_prefill_killed_mid_kv_stream_falls_back_with_the_same_text(
@@ -79,12 +78,24 @@ def test_prefill_killed_mid_kv_stream_falls_back_with_the_same_text(
     assert time.monotonic() - t0 < 60
 
 
+@pytest.fixture(scope="module")
+def killable(tiny_dir: Path, agent_pair: PairFactory) -> tuple[AgentProc, list[AgentProc]]:
+    """A prefill agent and three decode agents of this module's own: each test below
+    kills decode agents of its own share (the first; the other two), in any order."""
+    agents = agent_pair.set(tiny_dir, n_decode=3, fresh=True)
+    return agents.prefill, agents.decodes
+
+
 @pytest.fixture
-def decoders(tiny_dir: Path, tmp_path: Path) -> Iterator[tuple[AgentProc, list[AgentProc]]]:
-    prefill, decodes = start_local_agents(tiny_dir, n_decode=2, log_dir=tmp_path)
-    yield prefill, decodes
-    for agent in [*decodes, prefill]:
-        agent.stop()
+def lone_decode(killable: tuple[AgentProc, list[AgentProc]]) -> tuple[AgentProc, AgentProc]:
+    prefill, decodes = killable
+    return prefill, decodes[0]
+
+
+@pytest.fixture
+def decoders(killable: tuple[AgentProc, list[AgentProc]]) -> tuple[AgentProc, list[AgentProc]]:
+    prefill, decodes = killable
+    return prefill, decodes[1:]
 
 
 LONG_DECODE = GenerateRequest(
@@ -93,9 +104,9 @@ LONG_DECODE = GenerateRequest(
 
 
 def test_decode_killed_alone_is_a_clear_error_within_the_timeout(
-    decoders: tuple[AgentProc, list[AgentProc]],
+    lone_decode: tuple[AgentProc, AgentProc],
 ) -> None:
-    prefill, (decode, _) = decoders
+    prefill, decode = lone_decode
     router = Router(
         [Route("tiny", [endpoint(prefill)], [endpoint(decode)], decode_timeout_s=30)],
         token=prefill.token,

@@ -1,4 +1,4 @@
-"""Fleet edges (issue 13): known_hosts as OpenSSH reads and writes it, checked against a
+"""Fleet edges: known_hosts as OpenSSH reads and writes it, checked against a
 real paramiko sshd on port 0; unit and plist text for any path; the run script's
 arguments as the agent receives them; pidfiles whose pid was reused never signalled,
 run through the same shell text the fleet sends to a host."""
@@ -340,6 +340,7 @@ def test_reused_pid_is_never_signalled(tmp_path: Path, kind: str) -> None:
         assert not Path(paths.pid).exists()
 
 
+@pytest.mark.slow  # starts a Python (one that sleeps, as an agent's stand-in)
 def test_pid_of_the_agent_is_stopped(tmp_path: Path) -> None:
     paths = service.AgentPaths(str(agent_root(tmp_path)), "decode")
     code = "import time; time.sleep(60)"

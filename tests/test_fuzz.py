@@ -25,7 +25,7 @@ from agents.wire.channel import recv_frame, recv_json
 from agents.wire.frames import Frame, ProtocolError, decode_json, pack_header
 from disagg.serving.localagents import AgentProc
 from tests.conftest import PairFactory, ask
-from tests.tinymodels import PROMPT
+from tests.tinymodels import PROMPT, shared_tiny
 
 pytestmark = pytest.mark.fuzz
 
@@ -148,7 +148,7 @@ def test_any_bytes_parse_or_are_refused(data: bytes) -> None:
 
 @pytest.fixture(scope="module")
 def agents(agent_pair: PairFactory) -> tuple[AgentProc, AgentProc]:
-    return agent_pair("qwen3", seed=7)
+    return agent_pair(shared_tiny("qwen3"))
 
 
 def rss_kb(agent: AgentProc) -> int:

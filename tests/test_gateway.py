@@ -1,18 +1,18 @@
-"""`disagg serve --local` as a real process, driven by the official openai client."""
+"""The gateway (`disagg serve`'s app, in this process) over the default model's
+pooled agents, two decode agents behind it, driven by the official openai client."""
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
-from tests.conftest import start_serve
+from tests.agentpool import AgentSet
+from tests.gateways import Gateway, Gateways
 
 pytestmark = pytest.mark.slow
 
@@ -20,23 +20,14 @@ QUESTION: Any = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def serve_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The serve process's TMPDIR: its agents' logs are under disagg-logs-*/."""
-    return tmp_path_factory.mktemp("serve-tmp")
+def gateway(gateways: Gateways, smol_set: AgentSet) -> Gateway:
+    # As `disagg serve --local --decode-agents 2`.
+    return gateways.get({"SmolLM2-135M-Instruct": smol_set}, n_decode=2)
 
 
 @pytest.fixture(scope="module")
-def gateway(default_model: Path, serve_tmp: Path) -> Iterator[str]:
-    log = serve_tmp / "serve.log"
-    proc, port = start_serve("--decode-agents", "2", log_path=log, env={"TMPDIR": str(serve_tmp)})
-    yield f"http://127.0.0.1:{port}/v1"
-    proc.terminate()
-    proc.wait(30)
-
-
-@pytest.fixture(scope="module")
-def oai(gateway: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gateway, api_key="unused", max_retries=0, timeout=300)
+def oai(gateway: Gateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -66,19 +57,19 @@ def test_text_completion_and_length_finish(oai: openai.OpenAI, model_id: str) ->
 STORY: Any = [{"role": "user", "content": "Write a very long story about the sea."}]
 
 
-def _clients_gone(serve_tmp: Path) -> int:
-    """How often the serve process's decode agents saw their client leave mid-request."""
-    logs = serve_tmp.glob("disagg-logs-*/decode*/decode.log")
+def _clients_gone(gateway: Gateway) -> int:
+    """How often the gateway's decode agents saw their client leave mid-request."""
+    logs = [gateway.decode(i=i).log_path for i in range(2)]
     return sum(p.read_text(errors="replace").count("client went away") for p in logs)
 
 
 def test_stream_first_chunk_arrives_while_decoding_goes_on(
-    oai: openai.OpenAI, model_id: str, serve_tmp: Path
+    oai: openai.OpenAI, model_id: str, gateway: Gateway
 ) -> None:
     """Streaming is real: the first text reaches the client while the decode agent is
     still producing tokens. Read one chunk, hang up: the agent then sees its client gone
     mid-request, which a gateway that buffered the whole answer could not make happen."""
-    before = _clients_gone(serve_tmp)
+    before = _clients_gone(gateway)
     stream = oai.chat.completions.create(
         model=model_id, temperature=0, max_tokens=4000, stream=True, messages=STORY
     )
@@ -91,7 +82,7 @@ def test_stream_first_chunk_arrives_while_decoding_goes_on(
     stream.close()
     assert first
     deadline = time.monotonic() + 120  # a hang guard, not a speed bar
-    while _clients_gone(serve_tmp) == before:
+    while _clients_gone(gateway) == before:
         assert time.monotonic() < deadline, "no decode agent saw the client leave"
         time.sleep(0.2)
 

@@ -34,9 +34,10 @@ from agents.wire.frames import (
 )
 from disagg.errors import ModelError
 from disagg.fleet.operations import _http_status
-from disagg.serving.localagents import AgentProc, make_token_file, spawn_agent, wait_ready
-from tests.conftest import LocalServer, PairFactory, ask, remote_request
+from disagg.serving.localagents import AgentProc, make_token_file, wait_ready
+from tests.conftest import LocalServer, PairFactory, Spawn, ask, log_since, log_size, remote_request
 from tests.test_auth import Recorder
+from tests.tinymodels import shared_tiny
 
 pytestmark = [pytest.mark.fault, pytest.mark.auth, pytest.mark.slow]
 
@@ -46,7 +47,7 @@ PER_PEER = 8  # their --max-preauth-per-peer
 
 @pytest.fixture(scope="module")
 def model(tiny_model: Callable[..., Path]) -> Path:
-    return tiny_model("llama", seed=11)
+    return shared_tiny("llama")
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +97,7 @@ def test_fifty_unauthenticated_peers_cost_little_and_are_cut_at_the_deadline(
     prefill, decode = agents
     reference = ask(decode, remote_request(target(prefill), max_tokens=4))
     rss0 = {a.role: rss_kb(a) for a in agents}
-    peak = dict(rss0)
+    peak, logged = dict(rss0), log_size(decode)
     cuts: dict[str, list[float]] = {"prefill": [], "decode": []}
     lock = threading.Lock()
 
@@ -131,7 +132,7 @@ def test_fifty_unauthenticated_peers_cost_little_and_are_cut_at_the_deadline(
         # Each was cut by the handshake deadline or the frame cap: a trickle left alone
         # runs ~17 min. The ceiling only guards against a hang on a busy box.
         assert slowest < DEADLINE_S + 30, cuts[a.role]
-    log = decode.log_path.read_text()
+    log = log_since(decode, logged)
     assert "did not finish within 1.5s" in log and "exceeds the cap of 4096" in log
 
 
@@ -225,7 +226,7 @@ def test_a_lying_prefill_agent_means_local_fallback(
     assert decode.token is not None
     reference = ask(decode, remote_request(target(prefill), max_tokens=4))
     fake = FakePrefill(decode.token, reply)
-    rss0 = rss_kb(decode)
+    rss0, logged = rss_kb(decode), log_size(decode)
     try:
         res = ask(decode, remote_request(fake.target(), max_tokens=4))
     finally:
@@ -238,7 +239,7 @@ def test_a_lying_prefill_agent_means_local_fallback(
     reason = res.metrics["fallback_reason"]
     assert "\x1b" not in reason and "\n" not in reason and len(reason) < 400
     if name == "ESC/newline ERROR":
-        lines = [ln for ln in decode.log_path.read_text().splitlines() if "forged line" in ln]
+        lines = [ln for ln in log_since(decode, logged).splitlines() if "forged line" in ln]
         assert len(lines) == 1 and "prefilling locally" in lines[0], lines
         assert "\\x1b]0;pwned\\x07" in lines[0] and "\x1b" not in lines[0]
 
@@ -255,13 +256,14 @@ def test_a_prefill_agent_without_a_token_is_refused(agents: list[AgentProc]) -> 
 
 def test_an_unauthenticated_peers_error_is_one_escaped_log_line(agents: list[AgentProc]) -> None:
     prefill, _ = agents
+    logged = log_size(prefill)
     with socket.create_connection((prefill.host, prefill.port), timeout=5) as s:
         recv_json(s, Frame.CHALLENGE)
         send_error(s, "x\x1b[31m", "evil\nFAKE refused line\x1b[2J" * 3)
         with contextlib.suppress(ProtocolError, RemoteError, OSError):
             recv_json(s, Frame.AUTH_OK)
     time.sleep(0.2)
-    lines = [ln for ln in prefill.log_path.read_text().splitlines() if "FAKE refused" in ln]
+    lines = [ln for ln in log_since(prefill, logged).splitlines() if "FAKE refused" in ln]
     assert len(lines) == 1, lines
     assert "refused 127.0.0.1" in lines[0] and "\\x1b[2J" in lines[0] and "\x1b" not in lines[0]
 
@@ -283,13 +285,13 @@ def test_http_status_never_carries_the_token(agents: list[AgentProc]) -> None:
         assert agent.token.upper() not in seen
 
 
-def test_an_empty_token_file_stops_the_agent_with_one_line(model: Path, tmp_path: Path) -> None:
+def test_an_empty_token_file_stops_the_agent_with_one_line(
+    model: Path, tmp_path: Path, spawn: Spawn
+) -> None:
     token = tmp_path / "token"
     token.write_text("")
     token.chmod(0o600)
-    proc, log, name = spawn_agent(
-        "decode", model, log_dir=tmp_path, extra_args=["--token-file", str(token)]
-    )
+    proc, log, name = spawn("decode", model, extra_args=["--token-file", str(token)])
     with pytest.raises(ModelError) as info:
         wait_ready("decode", proc, log, name, timeout_s=120)
     assert proc.returncode == 1
@@ -299,13 +301,12 @@ def test_an_empty_token_file_stops_the_agent_with_one_line(model: Path, tmp_path
     )
 
 
-def test_agent_logs_rotate_by_size(model: Path, tmp_path: Path) -> None:
+def test_agent_logs_rotate_by_size(model: Path, tmp_path: Path, spawn: Spawn) -> None:
     log_file = tmp_path / "agent.log"
     token_file, _ = make_token_file(tmp_path / "t")
-    proc, log, name = spawn_agent(
+    proc, log, name = spawn(
         "prefill",
         model,
-        log_dir=tmp_path,
         extra_args=[
             "--token-file",
             str(token_file),

@@ -6,10 +6,6 @@ shows what the control port answered directly."""
 from __future__ import annotations
 
 import io
-import os
-import subprocess
-import sys
-import tempfile
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -20,6 +16,7 @@ from rich.console import Console
 
 from disagg.cli.render_fleet import status_table
 from disagg.fleet.operations import AgentStatus, _http_status, strip_escapes
+from tests.conftest import Cli
 
 pytestmark = pytest.mark.fuzz
 
@@ -102,19 +99,6 @@ def test_log_lines_lose_their_terminal_escapes() -> None:
     assert strip_escapes(line) == "2026 decode INFO red  link \\x07!"
 
 
-def disagg(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    full = {**os.environ, "COLUMNS": "200", **env}
-    full.pop("DISAGG_INVENTORY", None)
-    return subprocess.run(
-        [sys.executable, "-m", "disagg.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=full,
-        cwd=tempfile.gettempdir(),
-    )
-
-
 def inventory(tmp_path: Path, control_port: int) -> Path:
     path = tmp_path / "inventory.toml"
     path.write_text(
@@ -142,15 +126,14 @@ decode_model = "/m"
     return path
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("body", [b"5", b"null", DEEP, b'{"model": "m", "backend": "[/red]"}'])
 def test_disagg_status_shows_a_row_for_any_answer_and_exits_1(
-    fake: FakeAgent, tmp_path: Path, body: bytes
+    fake: FakeAgent, tmp_path: Path, body: bytes, cli: Cli
 ) -> None:
     fake.body = body
     inv = inventory(tmp_path, fake.port)
     env = {"DISAGG_TOKEN_FILE": str(tmp_path / "no-token")}
-    proc = disagg("status", "-i", str(inv), env=env)
+    proc = cli("status", "-i", str(inv), env=env)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
     assert "box" in proc.stdout and "decode" in proc.stdout, proc.stdout
@@ -160,14 +143,13 @@ def test_disagg_status_shows_a_row_for_any_answer_and_exits_1(
         assert "bad answer" in proc.stdout, proc.stdout
 
 
-@pytest.mark.slow
 @pytest.mark.auth
-def test_deploy_refuses_an_empty_token_file_with_one_line(tmp_path: Path) -> None:
+def test_deploy_refuses_an_empty_token_file_with_one_line(tmp_path: Path, cli: Cli) -> None:
     token = tmp_path / "token"
     token.write_text("")
     token.chmod(0o600)
     inv = inventory(tmp_path, 4)
-    proc = disagg("deploy", "-i", str(inv), env={"DISAGG_TOKEN_FILE": str(token)})
+    proc = cli("deploy", "-i", str(inv), env={"DISAGG_TOKEN_FILE": str(token)})
     assert proc.returncode == 1
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr

@@ -1,18 +1,16 @@
 """Inventory parsing and validation; the shipped inventory.toml validates (never dialled).
 
-Bad inventories are run through the real command: one red line naming file and key,
-exit 1, and nothing dialled (no known_hosts file appears)."""
+Bad inventories are run through the real command (in this process): one red line
+naming file and key, exit 1, and nothing dialled (no known_hosts file appears)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from disagg.fleet.inventory import DEFAULT_TIMEOUTS_S, InventoryError, load, resolve_path
+from tests.conftest import Cli
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -127,13 +125,8 @@ BAD = {
 }
 
 
-def disagg(*args: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "disagg.cli", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
-
-
 @pytest.mark.parametrize("case", list(BAD))
-def test_bad_inventory_is_one_clear_line(tmp_path: Path, case: str) -> None:
+def test_bad_inventory_is_one_clear_line(tmp_path: Path, cli: Cli, case: str) -> None:
     edit, needle = BAD[case]
     path = write(tmp_path, edit(GOOD))
     with pytest.raises(InventoryError) as info:
@@ -141,7 +134,7 @@ def test_bad_inventory_is_one_clear_line(tmp_path: Path, case: str) -> None:
     assert str(info.value).startswith(f"{path}: ") and needle in str(info.value)
     assert "fix:" in str(info.value) or case == "bad toml"
 
-    proc = disagg("deploy", "-i", str(path))
+    proc = cli("deploy", "-i", str(path))
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
@@ -151,27 +144,21 @@ def test_bad_inventory_is_one_clear_line(tmp_path: Path, case: str) -> None:
 
 
 @pytest.mark.parametrize("kind", ["missing", "directory", "binary"])
-def test_unreadable_inventory(tmp_path: Path, kind: str) -> None:
+def test_unreadable_inventory(tmp_path: Path, cli: Cli, kind: str) -> None:
     path = tmp_path / "inv.toml"
     if kind == "directory":
         path.mkdir()
     elif kind == "binary":
         path.write_bytes(b"\xff\xfe\x00garbage")
-    proc = disagg("status", "-i", str(path))
+    proc = cli("status", "-i", str(path))
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
     assert str(path) in lines[0] and "fix:" in lines[0]
 
 
-def test_env_var_names_the_file(tmp_path: Path) -> None:
+def test_env_var_names_the_file(tmp_path: Path, cli: Cli, monkeypatch: pytest.MonkeyPatch) -> None:
     env_path = tmp_path / "from-env.toml"
-    proc = subprocess.run(
-        [sys.executable, "-m", "disagg.cli", "status"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-        env={**os.environ, "DISAGG_INVENTORY": str(env_path)},
-    )
+    monkeypatch.chdir(REPO)  # where an inventory.toml lies: the variable wins over it
+    proc = cli("status", env={"DISAGG_INVENTORY": str(env_path)})
     assert proc.returncode == 1 and str(env_path) in proc.stderr

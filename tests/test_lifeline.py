@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import start_serve
+from tests.conftest import ServeProcess
+from tests.tinymodels import shared_tiny
 
 pytestmark = [pytest.mark.slow, pytest.mark.fault]
 
@@ -39,10 +40,12 @@ def children(pid: int) -> list[int]:
     return [int(p) for p in done.stdout.split()]
 
 
-def start_with_agents(model: Path, log: Path) -> tuple[subprocess.Popen[bytes], list[int]]:
+def start_with_agents(
+    serve: ServeProcess, model: Path, log: Path
+) -> tuple[subprocess.Popen[bytes], list[int]]:
     """A real `disagg serve --local` on a free port; returns it and its agents' pids
     once it answers."""
-    proc, _ = start_serve("-m", str(model), log_path=log)
+    proc, _ = serve("-m", str(model), log_path=log)
     agents = children(proc.pid)
     assert len(agents) == 2, f"expected a prefill and a decode agent, got {agents}"
     return proc, agents
@@ -50,9 +53,13 @@ def start_with_agents(model: Path, log: Path) -> tuple[subprocess.Popen[bytes], 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_agents_die_with_serve(
-    tiny_model: Callable[..., Path], tmp_path: Path, sig: signal.Signals
+    tiny_model: Callable[..., Path],
+    tmp_path: Path,
+    serve_process: ServeProcess,
+    sig: signal.Signals,
 ) -> None:
-    proc, agents = start_with_agents(tiny_model("qwen3", seed=3), tmp_path / "serve.log")
+    model = shared_tiny("qwen3")
+    proc, agents = start_with_agents(serve_process, model, tmp_path / "serve.log")
     try:
         proc.send_signal(sig)
         proc.wait(GONE_WITHIN_S)

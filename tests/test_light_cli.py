@@ -1,11 +1,12 @@
 """The CLI's help and the control plane's modules never compile or load mlx's BLAS
-shim (agents/runtime/fastblas.py), nor mlx: only what runs mlx imports them."""
+shim (agents/runtime/fastblas.py), nor mlx: only what runs mlx imports them; and
+the decode agent, which runs mlx, never imports torch. Each in a fresh Python."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+
+from tests.conftest import PythonProcess
 
 PROBE = """
 import contextlib, io, json, sys
@@ -19,20 +20,34 @@ print(json.dumps({m: m in sys.modules for m in ("agents.runtime.fastblas", "mlx.
 """
 
 
-def test_help_and_control_plane_load_no_blas_shim_nor_mlx() -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120, check=True
-    )
+def test_help_and_control_plane_load_no_blas_shim_nor_mlx(python_process: PythonProcess) -> None:
+    done = python_process("-c", PROBE, timeout=120, check=True)
     loaded = json.loads(done.stdout.strip().splitlines()[-1])
     assert loaded == {"agents.runtime.fastblas": False, "mlx.core": False, "torch": False}
 
 
-def test_the_decode_agent_loads_the_shim_before_mlx() -> None:
+def test_the_decode_agent_loads_the_shim_before_mlx(python_process: PythonProcess) -> None:
     probe = (
         "import sys, agents.decode.agent; m = list(sys.modules); "
         "print(m.index('agents.runtime.fastblas') < m.index('mlx.core'))"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True
-    )
+    done = python_process("-c", probe, timeout=300, check=True)
     assert done.stdout.strip().splitlines()[-1] == "True"
+
+
+DECODE_START = """
+import runpy, sys
+sys.argv = ["agents.decode", "--help"]  # every import of a start, then argparse exits
+try:
+    runpy.run_module("agents.decode", run_name="__main__", alter_sys=True)
+except SystemExit:
+    pass
+print(sys.modules.get("torch") is not None, "mlx_lm" in sys.modules)
+"""
+
+
+def test_the_decode_agent_imports_no_torch(python_process: PythonProcess) -> None:
+    # torch is installed here (this machine runs both roles); mlx-lm's tokenizers
+    # import transformers, which would import it: seconds of every decode start.
+    done = python_process("-c", DECODE_START, timeout=300, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "False True"

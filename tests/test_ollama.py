@@ -1,15 +1,13 @@
 """The gateway's Ollama API driven by the official `ollama` client, and the API key
-and body cap on both APIs: a real `disagg serve --local --api-key KEY` process over
-its own SmolLM2 agents, one per module."""
+and body cap on both APIs: `disagg serve --local --api-key KEY`'s app, in this
+process, over the session's SmolLM2 agents."""
 
 from __future__ import annotations
 
 import json
-import re
 import socket
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -18,8 +16,8 @@ import openai
 import pytest
 
 from disagg.frontends.guard import MAX_BODY_BYTES
-from disagg.serving.control import control_status
-from tests.conftest import start_serve
+from tests.agentpool import AgentSet
+from tests.gateways import Gateway, Gateways
 
 pytestmark = pytest.mark.slow
 
@@ -30,22 +28,13 @@ GREEDY: dict[str, Any] = {"temperature": 0, "num_predict": 20}
 
 
 @pytest.fixture(scope="module")
-def served(
-    default_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[str, Path]]:
-    """(base URL, the serve process's TMPDIR: its agents' logs and token are there)."""
-    tmp = tmp_path_factory.mktemp("ollama-serve")
-    proc, port = start_serve("--api-key", KEY, log_path=tmp / "serve.log", env={"TMPDIR": str(tmp)})
-    try:
-        yield f"http://127.0.0.1:{port}", tmp
-    finally:
-        proc.terminate()
-        proc.wait(30)
+def served(gateways: Gateways, smol_set: AgentSet) -> Gateway:
+    return gateways.get({"SmolLM2-135M-Instruct": smol_set}, api_keys=[KEY])
 
 
 @pytest.fixture(scope="module")
-def base(served: tuple[str, Path]) -> str:
-    return served[0]
+def base(served: Gateway) -> str:
+    return served.url
 
 
 @pytest.fixture(scope="module")
@@ -188,22 +177,16 @@ def test_bodies_over_the_cap_are_413(base: str, path: str) -> None:
     assert "body" in (err if path.startswith("/api") else err["message"])
 
 
-def _in_flight(tmp: Path) -> int:
-    """The serve process's decode agent's own count, over its control port with the token."""
-    [log] = tmp.glob("disagg-logs-*/decode/decode.log")
-    found = re.search(r"serving decode on \S+ port \d+ \(control (\d+)\)", log.read_text())
-    assert found, log.read_text()
-    [token] = tmp.glob("disagg-local-*/token")  # Client.local's cluster token
-    status = control_status("127.0.0.1", int(found[1]), token.read_bytes().strip(), 5)
-    return int(status["in_flight"])
+def _in_flight(gw: Gateway) -> int:
+    """The gateway's decode agent's own count, over its control port with the token."""
+    return int(gw.decode().status()["in_flight"])
 
 
 STORY = "Write a very long story about the sea."
 
 
-def _clients_gone(tmp: Path) -> int:
-    [log] = tmp.glob("disagg-logs-*/decode/decode.log")
-    return log.read_text(errors="replace").count("client went away")
+def _clients_gone(gw: Gateway) -> int:
+    return gw.decode().log_path.read_text(errors="replace").count("client went away")
 
 
 def _wait(cond: Callable[[], bool], what: str, limit_s: float = 120) -> None:
@@ -225,12 +208,12 @@ def _wait(cond: Callable[[], bool], what: str, limit_s: float = 120) -> None:
     ],
 )
 def test_a_client_that_hangs_up_stops_decoding(
-    served: tuple[str, Path], model: str, path: str, body: dict[str, Any]
+    served: Gateway, model: str, path: str, body: dict[str, Any]
 ) -> None:
     """A non-streamed request whose client leaves mid-decode: the decode agent is told
     (it logs its client gone) instead of decoding up to 4000 tokens for nobody."""
-    base, tmp = served
-    gone_before = _clients_gone(tmp)
+    base, gw = served.url, served
+    gone_before = _clients_gone(gw)
     payload = json.dumps({"model": model, **body}).encode()
     head = (
         f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
@@ -239,8 +222,8 @@ def test_a_client_that_hangs_up_stops_decoding(
     caller = socket.create_connection(("127.0.0.1", int(base.rsplit(":", 1)[1])), 10)
     caller.sendall(head.encode() + payload)
     try:
-        _wait(lambda: _in_flight(tmp) == 1, "the request to reach the decode agent")
+        _wait(lambda: _in_flight(gw) == 1, "the request to reach the decode agent")
     finally:
         caller.close()  # hang up while it decodes
-    _wait(lambda: _clients_gone(tmp) > gone_before, "the decode agent to see its client gone")
-    _wait(lambda: _in_flight(tmp) == 0, "the decode agent to stop")
+    _wait(lambda: _clients_gone(gw) > gone_before, "the decode agent to see its client gone")
+    _wait(lambda: _in_flight(gw) == 0, "the decode agent to stop")

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
-
-import pytest
 
 from agents.decode.placement import Placement
-from disagg.serving.localagents import start_local_pair
-from tests.conftest import ask
-from tests.tinymodels import make_tiny
+from tests.conftest import PairFactory, ask
+from tests.test_auth import Recorder
+from tests.tinymodels import shared_tiny
 
 FETCH = {
     "prefill_time": 0.5,
@@ -44,12 +41,13 @@ def test_tiny_prompts_stay_local_when_local_is_measured_faster() -> None:
     assert p.choose("b:2", 3)[0] == "remote"  # another prefill agent: not measured
 
 
-@pytest.mark.slow
-def test_agents_choose_from_their_own_measurements(tmp_path: Path) -> None:
-    tiny = make_tiny("qwen3_moe", tmp_path / "m", seed=3)
-    prefill, decode = start_local_pair(tiny, log_dir=tmp_path)
+def test_agents_choose_from_their_own_measurements(agent_pair: PairFactory) -> None:
+    prefill, decode = agent_pair(shared_tiny("qwen3_moe"))
+    # The shared decode agent has measured this prefill agent before: a relay in front
+    # of it is a prefill address it has never seen (its estimates are per address).
+    relay = Recorder((prefill.host, prefill.port))
     try:
-        target = {"host": prefill.host, "port": prefill.port}
+        target = {"host": "127.0.0.1", "port": relay.port}
         base = {"prompt": "hello there", "raw": True, "max_tokens": 4, "prefill": target}
         first = ask(decode, base).metrics
         assert first["method"] == "disaggregated"
@@ -72,5 +70,4 @@ def test_agents_choose_from_their_own_measurements(tmp_path: Path) -> None:
             else:
                 assert auto["method"] == "disaggregated" and auto["kv_bytes"] > 0
     finally:
-        decode.stop()
-        prefill.stop()
+        relay.close()

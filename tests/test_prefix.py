@@ -5,7 +5,6 @@ output is token for token what the same request gives with the cache off."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -13,10 +12,12 @@ from typing import Any
 import pytest
 
 from agents.prefix.store import BLOCK_TOKENS as BLOCK
-from disagg.serving.localagents import AgentProc, make_token_file, spawn_agent, wait_ready
+from disagg.serving.localagents import AgentProc, make_token_file, wait_ready
 from disagg.serving.wireclient import Result
-from tests.conftest import PairFactory, ask, start_serve
-from tests.tinymodels import PROMPT
+from tests.agentpool import AgentSet
+from tests.conftest import PairFactory, Spawn, ask
+from tests.gateways import Gateway, Gateways
+from tests.tinymodels import PROMPT, shared_tiny
 
 pytestmark = pytest.mark.slow
 
@@ -107,8 +108,7 @@ def test_smollm2_second_request_hits_and_matches(
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "gpt_oss"])
 def test_tiny_archs_hit_and_match(agent_pair: PairFactory, arch: str) -> None:
-    config = {"sliding_window": WINDOW} if arch == "gpt_oss" else {}
-    prefill, decode = agent_pair(arch, seed=3, config=config)
+    prefill, decode = agent_pair(shared_tiny(arch))  # gpt_oss: sliding window WINDOW
     shared = long_text(arch)
     window = WINDOW if arch == "gpt_oss" else 0
     off, _ = check_hit(
@@ -144,7 +144,7 @@ def test_eviction_at_a_tiny_cache_never_fails(agent_pair: PairFactory) -> None:
     # About 3 blocks of this model's K/V: every new prompt evicts older blocks.
     prefill, decode = agent_pair(
         "llama",
-        seed=4,
+        seed=3,
         prefill_args=["--prefix-cache-mb", "0.05"],
         decode_args=["--prefix-cache-mb", "0.05"],
     )
@@ -158,51 +158,41 @@ def test_eviction_at_a_tiny_cache_never_fails(agent_pair: PairFactory) -> None:
 
 
 def test_restarted_prefill_agent_answers_identically(
-    agent_pair: PairFactory, tmp_path: Path
+    fresh_agents: PairFactory, spawn: Spawn, tmp_path: Path
 ) -> None:
     token_file, _ = make_token_file(tmp_path / "cluster")
-    prefill, decode = agent_pair("qwen3", seed=5, token_file=token_file)
+    prefill, decode = fresh_agents(shared_tiny("qwen3"), token_file=token_file)
     shared = long_text("Restart")
     off = ask(decode, base(prompt=shared + " two", prefix_cache=False), prefill=prefill)
     ask(decode, base(prompt=shared + " one"), prefill=prefill)
     model = Path(status(prefill)["model"])
     port = prefill.port
     prefill.stop()
-    proc, log, name = spawn_agent(
+    proc, log, name = spawn(
         "prefill",
         model,
         name=prefill.name,
-        log_dir=tmp_path,
         extra_args=["--token-file", str(token_file), "--port", str(port)],
     )
     again = wait_ready("prefill", proc, log, name, 120)
     again.token = prefill.token
-    try:
-        hit = ask(decode, base(prompt=shared + " two"), prefill=again)
-        assert hit.metrics["method"] == "disaggregated", hit.metrics
-        assert hit.metrics["cached_tokens"] > 0
-        assert hit.metrics["prefill_cached_tokens"] == 0  # its cache went with it
-        assert hit.token_ids == off.token_ids
-    finally:
-        again.stop()
+    hit = ask(decode, base(prompt=shared + " two"), prefill=again)
+    assert hit.metrics["method"] == "disaggregated", hit.metrics
+    assert hit.metrics["cached_tokens"] > 0
+    assert hit.metrics["prefill_cached_tokens"] == 0  # its cache went with it
+    assert hit.token_ids == off.token_ids
 
 
 @pytest.fixture(scope="module")
-def gateway(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """`disagg serve --local` with one decode agent, as a process."""
-    log = tmp_path_factory.mktemp("gateway") / "serve.log"
-    proc, port = start_serve(log_path=log)
-    try:
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        proc.terminate()
-        proc.wait(30)
+def gateway(gateways: Gateways, smol_set: AgentSet) -> Gateway:
+    """As `disagg serve --local`, one decode agent."""
+    return gateways.get({"SmolLM2-135M-Instruct": smol_set})
 
 
-def test_chat_of_three_turns_through_the_gateway_hits(gateway: str) -> None:
+def test_chat_of_three_turns_through_the_gateway_hits(gateway: Gateway) -> None:
     import openai
 
-    oai = openai.OpenAI(base_url=gateway, api_key="unused", max_retries=0, timeout=300)
+    oai = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=300)
     model = oai.models.list().data[0].id
     messages: list[Any] = [
         {"role": "system", "content": "You grade answers. " + " ".join([PROMPT] * 3)},

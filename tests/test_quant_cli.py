@@ -1,39 +1,40 @@
-"""Quantized checkpoints through the `disagg` command, as a user runs it: a 4-bit
-dir answers, other weights on the prefill side are refused or labelled, and a
-format neither side runs is one line before any agent starts."""
+"""Quantized checkpoints through the `disagg` command (in this process, its `--local`
+agents from the session's pool): a 4-bit dir answers, other weights on the prefill
+side are refused or labelled, and a format neither side runs is one line before
+any agent starts."""
 
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import Cli
 from tests.quantmodels import DIRS, quant_dir
-from tests.test_cli import disagg, one_error_line
+from tests.test_cli import one_error_line
 
 PROMPT = "What is the capital of France?"
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", DIRS)
-def test_generate_local_runs_on_a_quantized_dir(name: str) -> None:
+def test_generate_local_runs_on_a_quantized_dir(cli_local: Cli, name: str) -> None:
     model = str(quant_dir(name))
-    proc = disagg("generate", "--local", "-m", model, "-n", "12", "--json", PROMPT)
+    proc = cli_local("generate", "--local", "-m", model, "-n", "12", "--json", PROMPT)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["metrics"]["method"] == "disaggregated" and out["metrics"]["weights"] == "same"
     assert len(out["token_ids"]) > 0 and out["text"].strip()
 
 
-@pytest.mark.slow
-def test_mixed_weights_on_the_command_line(default_model: Path) -> None:
+def test_mixed_weights_on_the_command_line(default_model: Path, cli_local: Cli) -> None:
     q4 = str(quant_dir("smol-affine4"))
-    refused = disagg(
+    refused = cli_local(
         "generate", "--local", "-m", q4, "--prefill-model", str(default_model), "-n", "4", PROMPT
     )
     one_error_line(refused, "full precision", "4-bit", "--allow-mixed")
-    allowed = disagg(
+    allowed = cli_local(
         "verify", "--local", "-m", q4, "--prefill-model", str(default_model),
         "--allow-mixed", "-n", "16", "--min-agreement", "0", "--json", PROMPT,
     )  # fmt: skip
@@ -47,7 +48,7 @@ def test_mixed_weights_on_the_command_line(default_model: Path) -> None:
 
 
 def test_unsupported_format_is_one_line_and_starts_no_agent(
-    default_model: Path, tmp_path: Path
+    default_model: Path, tmp_path: Path, cli: Cli, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = tmp_path / "gptq"
     model.mkdir()
@@ -56,15 +57,17 @@ def test_unsupported_format_is_one_line_and_starts_no_agent(
     (model / "config.json").write_text(json.dumps(cfg))
     (model / "model.safetensors").write_bytes(b"")
     # Every local agent start makes a `disagg-logs-*` dir under TMPDIR: none may appear.
+    # (`cli` also fails the run if anything asks for agents.)
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    proc = disagg("generate", "--local", "-m", str(model), "hi", env={"TMPDIR": str(tmp)})
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))  # TMPDIR, as this process reads it
+    proc = cli("generate", "--local", "-m", str(model), "hi")
     one_error_line(proc, "GPTQ", "not supported", "mlx_lm.convert")
     assert list(tmp.glob("disagg-logs-*")) == []  # refused before any agent process
 
 
-def test_a_gguf_file_is_refused_in_one_line(tmp_path: Path) -> None:
+def test_a_gguf_file_is_refused_in_one_line(tmp_path: Path, cli: Cli) -> None:
     gguf = tmp_path / "model.Q4_K_M.gguf"
     gguf.write_bytes(b"GGUF\x03\x00\x00\x00")
-    proc = disagg("generate", "--local", "-m", str(gguf), "hi")
+    proc = cli("generate", "--local", "-m", str(gguf), "hi")
     one_error_line(proc, "GGUF", "mlx_lm.convert")

@@ -18,13 +18,8 @@ import pytest
 
 from disagg.errors import ModelMismatch
 from disagg.serving import wireclient as client
-from disagg.serving.localagents import (
-    AgentProc,
-    make_token_file,
-    spawn_agent,
-    wait_ready,
-)
-from tests.conftest import PairFactory, ask, remote_request
+from disagg.serving.localagents import AgentProc, wait_ready
+from tests.conftest import PairFactory, Spawn, ask, remote_request
 from tests.quantmodels import DIRS, quant_dir, tiny_source
 from tests.tinymodels import PROMPT
 
@@ -36,21 +31,19 @@ N_NEW = 64
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One token file for every agent here: the mixed-weights test crosses pairs."""
-    return make_token_file(tmp_path_factory.mktemp("quant-cluster"))[0]
+def cluster(agent_pair: PairFactory) -> Path:
+    """The pooled agents' token file: the mixed-weights test crosses pairs."""
+    return agent_pair.token_file
 
 
 @pytest.fixture(scope="module")
-def pair_for(
-    agent_pair: PairFactory, cluster: Path
-) -> Callable[[str], tuple[AgentProc, AgentProc]]:
+def pair_for(agent_pair: PairFactory) -> Callable[[str], tuple[AgentProc, AgentProc]]:
     """The agent pair serving a quantized dir, started on first use."""
     started: dict[str, tuple[AgentProc, AgentProc]] = {}
 
     def get(name: str) -> tuple[AgentProc, AgentProc]:
         if name not in started:
-            started[name] = agent_pair(quant_dir(name), token_file=cluster)
+            started[name] = agent_pair(quant_dir(name))
         return started[name]
 
     return get
@@ -128,7 +121,7 @@ def test_packed_weights_are_bit_identical_to_mx_dequantize(name: str) -> None:
 TRANSFORMED = {"gptoss-hf-mxfp4"}
 
 
-def reference_greedy(name: str, ids: list[int]) -> list[int]:
+def reference_greedy(name: str, ids: list[int], refs: Any) -> list[int]:
     """N_NEW greedy tokens from a monolithic run that shares no code with the agents."""
     d = quant_dir(name)
     if name in TRANSFORMED:
@@ -141,9 +134,7 @@ def reference_greedy(name: str, ids: list[int]) -> list[int]:
         # transformers 5.17 leaves the dequantized experts in bf16 whatever dtype says
         # (5.24 does not): the values are exact either way, the arithmetic is not.
         return hf_greedy(model.float().eval(), ids, N_NEW)
-    from mlx_lm import load
-
-    return mlx_greedy(load(str(d))[0], ids, N_NEW)
+    return mlx_greedy(refs.mlx(d), ids, N_NEW)
 
 
 @pytest.mark.parametrize("name", DIRS)
@@ -162,19 +153,19 @@ def test_the_reference_is_chosen_by_what_our_adapter_changes(name: str) -> None:
 
 @pytest.mark.parametrize("name", DIRS)
 def test_agents_on_one_quantized_dir_match_an_independent_reference(
-    pair_for: Callable[[str], tuple[AgentProc, AgentProc]], name: str
+    pair_for: Callable[[str], tuple[AgentProc, AgentProc]], refs: Any, name: str
 ) -> None:
     prefill, decode = pair_for(name)
     res = ask(decode, request(prefill))
     assert res.metrics["method"] == "disaggregated" and res.metrics["weights"] == "same"
     ids = tokenizer_ids(quant_dir(name), " ".join([PROMPT] * 2), raw=True)
     assert res.prompt_ids == ids
-    alone = reference_greedy(name, ids)
+    alone = reference_greedy(name, ids, refs)
     assert len(alone) == N_NEW and res.token_ids == alone
 
 
 def test_mixed_weights_are_refused_unless_allowed_then_labelled(
-    pair_for: Callable[[str], tuple[AgentProc, AgentProc]], cluster: Path, tmp_path: Path
+    pair_for: Callable[[str], tuple[AgentProc, AgentProc]], cluster: Path, spawn: Spawn
 ) -> None:
     """Decode on the tiny qwen3_moe's full-precision source, prefill on its 4-bit
     conversion: one line naming both; with --allow-mixed it runs, labelled."""
@@ -184,13 +175,7 @@ def test_mixed_weights_are_refused_unless_allowed_then_labelled(
     try:
         for allow in (False, True):
             extra = ["--token-file", str(cluster)] + (["--allow-mixed"] * allow)
-            spawned = spawn_agent(
-                "decode",
-                source,
-                name=f"decode-mixed-{allow}",
-                log_dir=tmp_path / f"mixed-{allow}",
-                extra_args=extra,
-            )
+            spawned = spawn("decode", source, name=f"decode-mixed-{allow}", extra_args=extra)
             decodes.append(wait_ready("decode", *spawned, timeout_s=300))
         token = cluster.read_bytes().strip()
         with pytest.raises(ModelMismatch) as info:
@@ -203,7 +188,7 @@ def test_mixed_weights_are_refused_unless_allowed_then_labelled(
         assert res.metrics["method"] == "disaggregated" and res.metrics["weights"] == "mixed"
     finally:
         for agent in decodes:
-            agent.stop()
+            agent.stop()  # (spawn stops them too; here, before the next test)
 
 
 def test_packed_prefill_memory_stays_within_checkpoint_bytes() -> None:

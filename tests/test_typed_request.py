@@ -26,7 +26,7 @@ from disagg.serving.localagents import AgentProc
 from disagg.serving.metrics import SEED_NAMES, Metrics
 from disagg.serving.pair import run_remote
 from tests.conftest import PairFactory
-from tests.tinymodels import PROMPT
+from tests.tinymodels import PROMPT, shared_tiny
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -123,7 +123,7 @@ def test_the_prefill_target_is_built_in_one_place() -> None:
 
 @pytest.fixture(scope="module")
 def pair(agent_pair: PairFactory) -> tuple[AgentProc, AgentProc]:
-    return agent_pair("llama", seed=3)
+    return agent_pair(shared_tiny("llama"))
 
 
 def test_todays_generate_json_gets_the_typed_requests_answer(

@@ -1,6 +1,7 @@
-"""The web view against real `disagg serve --local` processes, in Debian's
-headless chromium driven by selenium: one gateway with an API key, one without
-(loopback). Also: every Grafana panel names a metric the live /metrics exports.
+"""The web view of live gateways (`disagg serve --local`'s app, in this process,
+over the session's agents), in Debian's headless chromium driven by selenium: one
+gateway with an API key, one without (loopback). Also: every Grafana panel names a
+metric the live /metrics exports.
 
 With DISAGG_UI_SHOTS=DIR the browser's screenshots (laptop and phone widths,
 light and dark) are written there; docs/ui*.png come from that.
@@ -14,8 +15,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -27,7 +26,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import free_port
+from tests.agentpool import AgentSet
+from tests.conftest import PairFactory, free_port
+from tests.gateways import Gateways, client_over, start_gateway
+from tests.tinymodels import shared_tiny
 
 pytestmark = pytest.mark.slow
 
@@ -43,58 +45,14 @@ needs_browser = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def gateways(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """{"open": (proc, url), "keyed": (proc, url)}: both start at once."""
-    logs = tmp_path_factory.mktemp("webview")
-    started: dict[str, Any] = {}
-
-    def start(name: str, *args: str) -> None:
-        try:
-            started[name] = serve_on_a_quiet_port(args, logs / f"{name}.log")
-        except Exception as e:  # raised below, on the test's thread
-            started[name] = e
-
-    threads = [
-        threading.Thread(target=start, args=("open",)),
-        threading.Thread(target=start, args=("keyed", "--api-key", KEY)),
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    try:
-        for v in started.values():
-            if isinstance(v, Exception):
-                raise v
-        yield started
-    finally:
-        for v in started.values():
-            if not isinstance(v, Exception):
-                v[0].terminate()
-                v[0].wait(30)
-
-
-def serve_on_a_quiet_port(args: tuple[str, ...], log: Path) -> tuple[Any, str]:
-    """`disagg serve --local ARGS` as a process; once its port answers, make sure it
-    is this process that answers (its web view's page), not another one."""
-    cmd = [sys.executable, "-m", "disagg.cli", "serve", "--local", *args]
-    port = free_port()
-    with log.open("wb") as out:
-        proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            proc.wait()
-            raise RuntimeError(f"disagg serve did not start:\n{log.read_text()}")
-        try:
-            with urllib.request.urlopen(f"{url}/ui", timeout=5) as r:
-                if b"/ui/assets/ui.css" in r.read():
-                    return proc, url
-        except OSError:
-            pass
-        time.sleep(0.3)
+def served(gateways: Gateways, smol_set: AgentSet) -> dict[str, tuple[None, str]]:
+    """{"open": (None, url), "keyed": (None, url)}: the gateway without a key and
+    the one with `--api-key KEY`, over the default model's agents."""
+    models = {MODEL: smol_set}
+    return {
+        "open": (None, gateways.get(models).url),
+        "keyed": (None, gateways.get(models, api_keys=[KEY]).url),
+    }
 
 
 def ask(url: str, prompt: str, key: str = "unused") -> Any:
@@ -172,8 +130,8 @@ def agents_on_page(driver: Any) -> dict[str, str]:
 
 
 @needs_browser
-def test_page_shows_the_agents_and_the_model(gateways: Any, browser: Any) -> None:
-    _, url = gateways["open"]
+def test_page_shows_the_agents_and_the_model(served: Any, browser: Any) -> None:
+    _, url = served["open"]
     browser.get(f"{url}/ui")
     agents = wait_for(
         lambda: len(agents_on_page(browser)) == 2 and agents_on_page(browser), 30, "no agents"
@@ -188,9 +146,9 @@ def test_page_shows_the_agents_and_the_model(gateways: Any, browser: Any) -> Non
 
 @needs_browser
 def test_a_request_sent_after_the_page_opened_appears_with_its_timeline(
-    gateways: Any, browser: Any
+    served: Any, browser: Any
 ) -> None:
-    _, url = gateways["open"]
+    _, url = served["open"]
     browser.get(f"{url}/ui")
     wait_for(lambda: agents_on_page(browser), 30, "page did not load")
     browser.execute_script("window.stillThisPage = true")
@@ -218,8 +176,8 @@ def test_a_request_sent_after_the_page_opened_appears_with_its_timeline(
 
 
 @needs_browser
-def test_an_in_flight_request_shows_while_it_runs(gateways: Any, browser: Any) -> None:
-    _, url = gateways["open"]
+def test_an_in_flight_request_shows_while_it_runs(served: Any, browser: Any) -> None:
+    _, url = served["open"]
     browser.get(f"{url}/ui")
     wait_for(lambda: agents_on_page(browser), 30, "page did not load")
     prompt = f"Count from one to one hundred in words. ({time.time():.0f})"
@@ -256,8 +214,8 @@ def test_an_in_flight_request_shows_while_it_runs(gateways: Any, browser: Any) -
     )
 
 
-def test_every_grafana_panel_names_a_metric_the_live_gateway_exports(gateways: Any) -> None:
-    _, url = gateways["open"]
+def test_every_grafana_panel_names_a_metric_the_live_gateway_exports(served: Any) -> None:
+    _, url = served["open"]
     ask(url, "Say hi.")
     with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
         text = resp.read().decode()
@@ -288,8 +246,8 @@ def test_every_grafana_panel_names_a_metric_the_live_gateway_exports(gateways: A
 
 
 @needs_browser
-def test_without_the_key_no_agent_or_prompt_appears(gateways: Any, browser: Any) -> None:
-    _, url = gateways["keyed"]
+def test_without_the_key_no_agent_or_prompt_appears(served: Any, browser: Any) -> None:
+    _, url = served["keyed"]
     secret_prompt = f"Tell me about otters ({time.time():.0f})."
     ask(url, secret_prompt, key=KEY)
     browser.delete_all_cookies()
@@ -335,8 +293,8 @@ class Recorder(http.server.ThreadingHTTPServer):
 
 
 @needs_browser
-def test_the_cookie_never_goes_with_another_sites_requests(gateways: Any, browser: Any) -> None:
-    _, url = gateways["keyed"]
+def test_the_cookie_never_goes_with_another_sites_requests(served: Any, browser: Any) -> None:
+    _, url = served["keyed"]
     browser.get(f"{url}/ui?key={KEY}")
     wait_for(lambda: agents_on_page(browser), 30, "not signed in")
     # A stand-in for this host at another port, and a page of another site
@@ -369,10 +327,10 @@ def test_the_cookie_never_goes_with_another_sites_requests(gateways: Any, browse
 
 @needs_browser
 @pytest.mark.skipif(not os.environ.get("DISAGG_UI_SHOTS"), reason="set DISAGG_UI_SHOTS=DIR")
-def test_screenshots_for_the_docs(gateways: Any, browser: Any) -> None:
+def test_screenshots_for_the_docs(served: Any, browser: Any) -> None:
     """Some traffic (a few at once, short and long prompts), then the page at a
     laptop's and a phone's width, light and dark."""
-    _, url = gateways["open"]
+    _, url = served["open"]
     browser.get(f"{url}/ui")
     wait_for(lambda: agents_on_page(browser), 30, "page did not load")
     prompts = [
@@ -399,30 +357,21 @@ def test_screenshots_for_the_docs(gateways: Any, browser: Any) -> None:
 # ---- last: an agent dies -----------------------------------------------------------------
 
 
-def agent_pid(serve_pid: int, role: str) -> int:
-    for child in Path(f"/proc/{serve_pid}/task/{serve_pid}/children").read_text().split():
-        cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-        if f"agents.{role}".encode() in cmdline:
-            return int(child)
-    raise AssertionError(f"no {role} agent under {serve_pid}")
-
-
 @needs_browser
-def test_a_dead_agent_turns_red_within_seconds(browser: Any, tmp_path: Path) -> None:
-    # Its own gateway: killing the module's agents would break whichever test runs
-    # after this one (the suite runs in any order: pytest -p randomly).
-    proc, url = serve_on_a_quiet_port((), tmp_path / "dead-agent.log")
+def test_a_dead_agent_turns_red_within_seconds(browser: Any, fresh_agents: PairFactory) -> None:
+    # Agents and a gateway of its own: it kills the decode agent.
+    agents = fresh_agents.set(shared_tiny("llama"))
+    gw = start_gateway(client_over({"tiny": agents}, agents.prefill.token or b""))
     try:
-        _turns_red(proc, url, browser)
+        _turns_red(agents.decodes[0].proc.pid, gw.url, browser)
     finally:
-        proc.terminate()
-        proc.wait(30)
+        gw.stop()
 
 
-def _turns_red(proc: Any, url: str, browser: Any) -> None:
+def _turns_red(decode_pid: int, url: str, browser: Any) -> None:
     browser.get(f"{url}/ui")
     wait_for(lambda: agents_on_page(browser).get("decode@127.0.0.1") == "true", 30, "not up")
-    os.kill(agent_pid(proc.pid, "decode"), signal.SIGKILL)
+    os.kill(decode_pid, signal.SIGKILL)
     t0 = time.monotonic()
     wait_for(
         lambda: agents_on_page(browser).get("decode@127.0.0.1") == "false", 10, "still not red"

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,16 +19,39 @@ import httpx
 import openai
 import pytest
 
+from tests.conftest import free_port
 from tests.test_webview_live import (
     MODEL,
     agents_on_page,
     browser,  # noqa: F401  (the fixture)
     needs_browser,
-    serve_on_a_quiet_port,
     wait_for,
 )
 
 pytestmark = [pytest.mark.slow, needs_browser]
+
+
+def serve_on_a_quiet_port(args: tuple[str, ...], log: Path) -> tuple[Any, str]:
+    """`disagg serve --local ARGS` as a process; once its port answers, make sure it
+    is this process that answers (its web view's page), not another one."""
+    cmd = [sys.executable, "-m", "disagg.cli", "serve", "--local", *args]
+    port = free_port()
+    with log.open("wb") as out:
+        proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"disagg serve did not start:\n{log.read_text()}")
+        try:
+            with urllib.request.urlopen(f"{url}/ui", timeout=5) as r:
+                if b"/ui/assets/ui.css" in r.read():
+                    return proc, url
+        except OSError:
+            pass
+        time.sleep(0.3)
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,9 @@ difference: each framework must compute the same function from these files.
 
 from __future__ import annotations
 
+import hashlib
+import json
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -160,3 +163,53 @@ def make_tiny(
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
     return out_dir
+
+
+@cache
+def _tiny_cache() -> Path:
+    """$DISAGG_CACHE/test-checkpoints/tiny-<digest>: the digest covers the code that
+    writes the checkpoints and the versions of the libraries that save them."""
+    import tokenizers
+    import torch
+    import transformers
+
+    from disagg.serving.defaultmodel import cache_root
+
+    here = Path(__file__).parent
+    h = hashlib.sha256(f"{transformers.__version__} {tokenizers.__version__}".encode())
+    h.update(torch.__version__.encode())
+    for f in (here / "tinymodels.py", here / "chattokenizers.py"):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return cache_root() / "test-checkpoints" / f"tiny-{h.hexdigest()[:16]}"
+
+
+def tiny_checkpoint(arch: str, seed: int = 0, **config: Any) -> Path:
+    """make_tiny(arch, seed=seed, **config), written once per machine and shared by
+    every session (an agent set is keyed by this path)."""
+    from disagg.bench.quantize import publish
+
+    def part(value: Any) -> str:
+        if isinstance(value, str | int | float | bool):
+            return str(value)
+        return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:12]
+
+    name = f"{arch}-{seed}" + "".join(f"-{k}={part(config[k])}" for k in sorted(config))
+    return publish(lambda d: make_tiny(arch, d, seed=seed, **config), _tiny_cache() / name)
+
+
+# The tiny checkpoint of each architecture that tests share, and with it their
+# pooled agent set: (seed, config). llama keeps a plain tokenizer (no chat template,
+# no FIM tokens: the refusal tests want that); qwen3 and gpt_oss speak their real
+# chat formats, so the format tests and the rest share one set each.
+SHARED: dict[str, tuple[int, dict[str, Any]]] = {
+    "llama": (3, {}),
+    "qwen3": (0, {"chat": "qwen3"}),
+    "qwen3_moe": (1, {}),
+    "gpt_oss": (0, {"chat": "harmony"}),  # sliding window 8
+}
+
+
+def shared_tiny(arch: str) -> Path:
+    """The architecture's shared tiny checkpoint (SHARED)."""
+    seed, config = SHARED[arch]
+    return tiny_checkpoint(arch, seed, **config)

@@ -1,5 +1,13 @@
 """`python -m agents.decode`: run the decode agent."""
 
-from agents.decode.agent import main
+import sys
+
+# The decode role runs on mlx and needs no torch. Where torch is installed as well
+# (a host that can run both roles), transformers, which mlx-lm's tokenizers import,
+# would import it anyway: 2-3 s of every start. Hidden, transformers finds no torch,
+# as on a decode-only host.
+sys.modules.setdefault("torch", None)  # type: ignore[arg-type]
+
+from agents.decode.agent import main  # noqa: E402
 
 main()

@@ -165,15 +165,14 @@ def pair_machine_info(prefill: AgentProc, decode: AgentProc) -> dict[str, Any]:
 @contextmanager
 def local_pair(model_dir: Path, say: Say) -> Iterator[Pair]:
     """A prefill and a decode agent on 127.0.0.1, stopped on the way out."""
-    from disagg.serving.localagents import start_local_pair
+    from disagg.serving.localagents import start_local_pair, stop_agents
 
     say("starting prefill and decode agents")
     prefill, decode = start_local_pair(model_dir)
     try:
         yield prefill, decode
     finally:
-        for agent in (decode, prefill):
-            agent.stop()
+        stop_agents([decode, prefill])
 
 
 def disaggregated(

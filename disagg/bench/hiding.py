@@ -150,7 +150,13 @@ def run_hiding_bench(
 def split_pair(model_dir: Path, link: Link, say: Say) -> Iterator[Pair]:
     """The prefill agent in the link's namespace (at INNER), the decode agent here,
     one cluster token; stopped on the way out."""
-    from disagg.serving.localagents import AgentProc, make_token_file, spawn_agent, wait_ready
+    from disagg.serving.localagents import (
+        AgentProc,
+        make_token_file,
+        spawn_agent,
+        stop_agents,
+        wait_ready,
+    )
 
     logs = Path(tempfile.mkdtemp(prefix="disagg-hiding-"))
     token_file, token = make_token_file(logs)
@@ -173,8 +179,7 @@ def split_pair(model_dir: Path, link: Link, say: Say) -> Iterator[Pair]:
             agents[-1].token = token
         yield agents[0], agents[1]
     finally:
-        for agent in reversed(agents):
-            agent.stop()
+        stop_agents(agents)
 
 
 def once(pair: Pair, text: str) -> dict[str, Any]:

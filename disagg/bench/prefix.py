@@ -72,7 +72,7 @@ def run_prefix_bench(
 
     from agents.wire.request import GenerateRequest
     from disagg.serving import wireclient as client
-    from disagg.serving.localagents import start_local_pair
+    from disagg.serving.localagents import start_local_pair, stop_agents
     from disagg.serving.pair import run_remote
 
     model_dir = Path(model_dir)
@@ -113,8 +113,7 @@ def run_prefix_bench(
                 runs[name].append(ask(sub, cache))
                 say(f"cache {name}: {i + 1}/{requests}, ttft {runs[name][-1].metrics['ttft']:.3f}s")
     finally:
-        decode.stop()
-        prefill.stop()
+        stop_agents([decode, prefill])
 
     summary = _summary(runs["off"], runs["on"], primer_ids)
     return {

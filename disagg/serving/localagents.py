@@ -56,18 +56,27 @@ class AgentProc:
         return self.proc.poll() is None
 
     def stop(self, grace_s: float = 10.0) -> None:
-        if self._stopped:
-            return
-        self._stopped = True
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc.stdout:
-            self.proc.stdout.close()
+        stop_agents([self], grace_s)
+
+
+def stop_agents(agents: Sequence[AgentProc], grace_s: float = 10.0) -> None:
+    """SIGTERM every agent, then wait for them together (each drains, then exits):
+    n agents stop in the time of the slowest, not the sum. One still running at
+    the shared deadline is killed."""
+    todo = [a for a in agents if not a._stopped]
+    for agent in todo:
+        agent._stopped = True
+        if agent.proc.poll() is None:
+            agent.proc.terminate()
+    deadline = time.monotonic() + grace_s
+    for agent in todo:
+        try:
+            agent.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            agent.proc.kill()
+            agent.proc.wait()
+        if agent.proc.stdout:
+            agent.proc.stdout.close()
 
 
 def _tail(path: Path, n: int = 5) -> str:
@@ -268,10 +277,9 @@ def start_local_agents(
             )
             ready[-1].token, ready[-1].spawn = token, how[i]
     except Exception:
-        for agent in ready:
-            agent.stop()
         for proc, _, _ in spawned[len(ready) :]:
             proc.kill()
+        stop_agents(ready)
         raise
     return ready[0], ready[1:]
 

@@ -235,7 +235,7 @@ def in_flight_span(metrics: dict[str, Any]) -> tuple[float, float]:
 def test_both_pipelines_in_parallel(
     testbed: TestBed, inventory: Path, fleet_cli: FleetCli, fleet_running: None
 ) -> None:
-    """Issue 4: `disagg generate -m A -m B` runs both pipelines at once: their requests are
+    """`disagg generate -m A -m B` runs both pipelines at once: their requests are
     on their decode agents at the same time (overlapping spans from the agents' own
     metrics), and each answers exactly what it answers alone. Each pipeline's hosts are
     pinned to their own core (the inventory's cpus), as if on machines of their own. How
@@ -488,7 +488,7 @@ def test_inventory_the_user_cannot_read(testbed: TestBed, inventory: Path) -> No
 def test_remote_dir_with_spaces_and_percent_deploys_and_starts(
     testbed: TestBed, fleet_cli: FleetCli, testbed_models: dict[str, Path], fleet_stopped: None
 ) -> None:
-    """Issue 13: a remote_dir every text has to quote (shell, run script, pidfile check)
+    """A remote_dir every text has to quote (shell, run script, pidfile check)
     deploys, starts, logs and stops; known_hosts lines paramiko cannot parse break
     nothing, and keys are remembered hashed. Runs last: the fleet's agents are stopped."""
     stranger = paramiko.ECDSAKey.generate()

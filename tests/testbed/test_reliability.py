@@ -1,4 +1,4 @@
-"""Reliability on the four-host test bed (issue 6, items 3-5), each test with figures.
+"""Reliability on the four-host test bed, each test with figures (docs/reliability.md).
 
 Faults: SIGKILL of an agent mid-prefill and mid-decode, both fast links cut
 mid-traffic, 5 % loss + 50 ms delay on a data link and on the client's switch

@@ -1,4 +1,4 @@
-"""The prefix cache under load (issue 18, items 8 and 9), with real agents:
+"""The prefix cache under load, with real agents:
 
 - its memory stays within `--prefix-cache-mb` at every moment, concurrent
   stores included, and one request adds at most a quarter of it;
@@ -20,15 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from transformers import AutoModelForCausalLM
 
-from agents.decode.agent import DecodeEngine
 from agents.prefix.store import Block, PrefixCache, block_keys
 from disagg.serving.localagents import AgentProc
 from tests.conftest import PairFactory, ask
 from tests.references import hf_greedy, mlx_greedy
 from tests.slowprefill import slow_prefill
-from tests.tinymodels import PROMPT
+from tests.tinymodels import PROMPT, shared_tiny
 
 N_NEW = 16
 WINDOW = 8
@@ -84,7 +82,7 @@ def test_decode_store_stays_in_budget_under_concurrent_requests(
 ) -> None:
     budget = 12 * BLOCK_BYTES
     _, decode = agent_pair(
-        "llama", seed=11, decode_args=["--prefix-cache-mb", str(budget / (1 << 20))]
+        "llama", seed=3, decode_args=["--prefix-cache-mb", str(budget / (1 << 20))]
     )
     s0 = cache_status(decode)
     assert s0["max_bytes"] == budget and s0["request_cap_bytes"] == budget // 4
@@ -117,15 +115,16 @@ def test_decode_store_stays_in_budget_under_concurrent_requests(
     assert s2["evictions"] > 0
 
 
-@pytest.fixture(scope="module")
-def slow_pair(agent_pair: PairFactory) -> tuple[AgentProc, AgentProc, Path]:
-    """A llama pair whose prefill agent takes 1.5 s per layer (4 layers)."""
-    prefill, decode = agent_pair("llama", seed=12, **slow_prefill(1.5))
+@pytest.fixture
+def slow_pair(fresh_agents: PairFactory) -> tuple[AgentProc, AgentProc, Path]:
+    """A llama pair whose prefill agent takes 1.5 s per layer (4 layers): the test
+    kills it."""
+    prefill, decode = fresh_agents(shared_tiny("llama"), **slow_prefill(1.5))
     return prefill, decode, Path(json.loads(decode.control("/status"))["model"])
 
 
 def test_prefill_dying_mid_stream_after_a_prefix_hit_falls_back_to_mlx_tokens(
-    slow_pair: tuple[AgentProc, AgentProc, Path],
+    slow_pair: tuple[AgentProc, AgentProc, Path], refs: Any
 ) -> None:
     prefill, decode, model = slow_pair
     target = {"prefill": {"host": prefill.host, "port": prefill.port}, "placement": "remote"}
@@ -153,13 +152,13 @@ def test_prefill_dying_mid_stream_after_a_prefix_hit_falls_back_to_mlx_tokens(
     # The decode agent held a hit on that prefill agent's K/V (the local lookup
     # that followed missed: nothing was prefilled here yet).
     assert cache_status(decode)["hits"] == hits0 + 1
-    mlx = mlx_greedy(DecodeEngine(str(model)).model, res.prompt_ids or [], N_NEW)
+    mlx = mlx_greedy(refs.decode_engine(model).model, res.prompt_ids or [], N_NEW)
     assert res.token_ids == mlx
 
 
 @pytest.fixture(scope="module")
 def gpt_oss(agent_pair: PairFactory) -> tuple[AgentProc, AgentProc, Path]:
-    prefill, decode = agent_pair("gpt_oss", seed=13, config={"sliding_window": WINDOW})
+    prefill, decode = agent_pair(shared_tiny("gpt_oss"))  # sliding window WINDOW
     return prefill, decode, Path(json.loads(decode.control("/status"))["model"])
 
 
@@ -184,7 +183,7 @@ def check_hit(ask_one: Callable[[dict[str, Any]], Any], shared: str) -> tuple[An
 
 
 def test_gpt_oss_local_prefill_hits_and_matches(
-    gpt_oss: tuple[AgentProc, AgentProc, Path],
+    gpt_oss: tuple[AgentProc, AgentProc, Path], refs: Any
 ) -> None:
     _, decode, model = gpt_oss
     off, hit, n = check_hit(lambda r: ask(decode, {**r, "placement": "local"}), text("Local"))
@@ -192,11 +191,11 @@ def test_gpt_oss_local_prefill_hits_and_matches(
     assert len(ids) >= 4 * WINDOW and n > 0
     assert off.metrics["cached_tokens"] == 0
     assert hit.metrics["cached_tokens"] == n  # every layer skipped the prefix
-    assert hit.token_ids == mlx_greedy(DecodeEngine(str(model)).model, ids, N_NEW)
+    assert hit.token_ids == mlx_greedy(refs.decode_engine(model).model, ids, N_NEW)
 
 
 def test_gpt_oss_prefill_agent_hits_and_matches(
-    gpt_oss: tuple[AgentProc, AgentProc, Path],
+    gpt_oss: tuple[AgentProc, AgentProc, Path], refs: Any
 ) -> None:
     prefill, decode, model = gpt_oss
     target = {"prefill": {"host": prefill.host, "port": prefill.port}, "placement": "remote"}
@@ -208,5 +207,4 @@ def test_gpt_oss_prefill_agent_hits_and_matches(
     # asked only for what its sliding layers need (the last window at least).
     assert hit.metrics["prefill_cached_tokens"] == n > 0
     assert 0 < hit.metrics["cached_tokens"] <= len(ids) - WINDOW
-    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype="float32").eval()
-    assert hit.token_ids == hf_greedy(hf, ids, N_NEW)
+    assert hit.token_ids == hf_greedy(refs.hf(model), ids, N_NEW)

@@ -1,10 +1,10 @@
-"""Issue 20 at live agents (tiny model, token, 127.0.0.0/8): prefix-cache tenants
-kept apart by the salt on both agents; a bit flipped on the path in a K/V frame
-(a relay between the agents) refused before anything is placed or cached;
-strangers filling the unauthenticated pool while the cluster's own connections
-still get in; hostile safetensors headers answered with one line; an agent's
-ERROR text with escapes and markup shown as plain text by the CLI. Figures
-are printed for docs/reliability.md."""
+"""A security review's findings at live agents (tiny model, token, 127.0.0.0/8):
+prefix-cache tenants kept apart by the salt on both agents; a bit flipped on the path
+in a K/V frame (a relay between the agents) refused before anything is placed or
+cached; strangers filling the unauthenticated pool while the cluster's own connections
+still get in; hostile safetensors headers answered with one line; an agent's ERROR
+text with escapes and markup shown as plain text by the CLI. Figures are printed for
+docs/reliability.md."""
 
 from __future__ import annotations
 
@@ -26,9 +26,18 @@ from agents.wire.auth import _mac, client_auth, server_auth
 from agents.wire.channel import recv_json, send_json
 from agents.wire.frames import AuthError, Frame, ProtocolError, RemoteError
 from disagg.errors import ModelError
-from disagg.serving.localagents import AgentProc, spawn_agent, wait_ready
-from tests.conftest import LocalServer, PairFactory, ask, remote_request
-from tests.test_hostile_fleet import disagg
+from disagg.serving.localagents import AgentProc, wait_ready
+from tests.conftest import (
+    DisaggProcess,
+    LocalServer,
+    PairFactory,
+    Spawn,
+    ask,
+    log_since,
+    log_size,
+    remote_request,
+)
+from tests.tinymodels import shared_tiny
 
 pytestmark = [pytest.mark.fault, pytest.mark.auth, pytest.mark.slow]
 
@@ -39,7 +48,7 @@ LONG = " ".join(["The vault code of the north tower is 4711 and nobody else may 
 
 @pytest.fixture(scope="module")
 def model(tiny_model: Callable[..., Path]) -> Path:
-    return tiny_model("llama", seed=20)
+    return shared_tiny("llama")
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +145,7 @@ class FlippingRelay(LocalServer):
 @pytest.mark.parametrize("integrity", ["none", "mac"])
 def test_a_bit_flipped_in_a_kv_frame(agents: list[AgentProc], integrity: str) -> None:
     prefill, decode = agents
+    logged = log_size(prefill), log_size(decode)
     clean = ask(decode, remote_request(target(prefill), LONG, max_tokens=8, prefix_cache=False))
     # Past the handshake and HELLO_OK (~1 kB), inside layer 0's K/V.
     relay = FlippingRelay(prefill, at=4000)
@@ -163,7 +173,7 @@ def test_a_bit_flipped_in_a_kv_frame(agents: list[AgentProc], integrity: str) ->
     assert after.metrics["method"] == "disaggregated"
     assert after.metrics["cached_tokens"] == 0, after.metrics
     assert after.token_ids == clean.token_ids
-    assert "integrity check" in prefill.log_path.read_text() + decode.log_path.read_text()
+    assert "integrity check" in log_since(prefill, logged[0]) + log_since(decode, logged[1])
 
 
 def test_a_client_that_asks_for_tags_refuses_an_agent_without_them() -> None:
@@ -301,10 +311,10 @@ CASES = [("prefill", kind) for kind in HOSTILE] + [("decode", "past the end"), (
 
 @pytest.mark.parametrize("role, kind", CASES)
 def test_a_hostile_checkpoint_gets_one_line(
-    model: Path, tmp_path: Path, role: str, kind: str
+    model: Path, tmp_path: Path, spawn: Spawn, role: str, kind: str
 ) -> None:
     bad = _hostile_dir(model, tmp_path / "bad", HOSTILE[kind])
-    proc, log, name = spawn_agent(role, bad, log_dir=tmp_path)
+    proc, log, name = spawn(role, bad)
     try:
         with pytest.raises(ModelError) as err:
             wait_ready(role, proc, log, name, timeout_s=240)
@@ -338,7 +348,9 @@ class EvilDecode(LocalServer):
             send_json(conn, Frame.ERROR, {"code": "decode_failed", "message": self.MESSAGE})
 
 
-def test_an_agents_error_text_reaches_the_terminal_as_plain_text(tmp_path: Path) -> None:
+def test_an_agents_error_text_reaches_the_terminal_as_plain_text(
+    tmp_path: Path, disagg_process: DisaggProcess
+) -> None:
     token = os.urandom(32).hex().encode()
     token_file = tmp_path / "token"
     token_file.write_bytes(token)
@@ -368,7 +380,8 @@ decode_model = "/m"
     )
     env = {"DISAGG_TOKEN_FILE": str(token_file), "FORCE_COLOR": "1", "TERM": "xterm-256color"}
     try:
-        proc = disagg("generate", "-i", str(inv), "-m", "m", "hi", env=env)
+        # A process: the consoles take FORCE_COLOR and TERM when they are made.
+        proc = disagg_process("generate", "-i", str(inv), "-m", "m", "hi", env=env, timeout=120)
     finally:
         evil.close()
     print(proc.stderr[-400:])

@@ -1,4 +1,4 @@
-"""Issue 18, items 0 and 7, with real agents as processes: a request fails for a
+"""Deadlines and admission, with real agents as processes: a request fails for a
 decode agent's silence, not for its length (PROGRESS frames while it prefills or
 queues); the gateway runs requests on a pool sized to the cluster, answers 429 /
 503 with Retry-After past its admission limit, and bridges streams so a client
@@ -7,13 +7,11 @@ that hangs up mid-stream leaves no error behind."""
 from __future__ import annotations
 
 import os
-import re
 import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -24,16 +22,17 @@ from agents.wire.answer import TokenEvent
 from agents.wire.auth import client_auth
 from agents.wire.channel import recv_frame, send_json
 from agents.wire.frames import Frame, decode_json
-from agents.wire.httpauth import control_get
 from agents.wire.request import GenerateRequest
 from disagg.errors import RequestTimeout
 from disagg.frontends.workers import QUEUE_FACTOR, Workers, batch_capacity
 from disagg.serving.control import parse_status
-from disagg.serving.localagents import AgentProc, start_local_agents
+from disagg.serving.localagents import AgentProc
 from disagg.serving.router import Endpoint, Route, Router
-from tests.conftest import start_serve
+from tests.agentpool import AgentSet
+from tests.conftest import PairFactory
+from tests.gateways import Gateway, Gateways
 from tests.slowprefill import slow_prefill
-from tests.tinymodels import PROMPT
+from tests.tinymodels import PROMPT, shared_tiny
 
 pytestmark = pytest.mark.slow
 
@@ -44,20 +43,15 @@ LONG = GenerateRequest(prompt=PROMPT, raw=True, max_tokens=3000, ignore_eos=True
 
 
 @pytest.fixture(scope="module")
-def cluster(
-    tiny_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[AgentProc, list[AgentProc]]]:
+def cluster(agent_pair: PairFactory) -> tuple[AgentProc, list[AgentProc]]:
     """A slow prefill agent and two decode agents of one batch slot each."""
-    prefill, decodes = start_local_agents(
-        tiny_model("gpt_oss", seed=2),
+    agents = agent_pair.set(
+        shared_tiny("gpt_oss"),
         n_decode=2,
-        log_dir=tmp_path_factory.mktemp("deadline-logs"),
         **slow_prefill(LAYER_DELAY_S),
         decode_args=["--max-batch", "1"],
     )
-    yield prefill, decodes
-    for agent in [*decodes, prefill]:
-        agent.stop()
+    return agents.prefill, agents.decodes
 
 
 def endpoint(a: AgentProc) -> Endpoint:
@@ -232,43 +226,23 @@ STORY: Any = [{"role": "user", "content": "Write a very long story about the sea
 
 
 @pytest.fixture(scope="module")
-def gateway(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """`disagg serve --local --workers 1 --max-requests 1`; yields its TMPDIR
-    (serve.log, and its agents' logs and token)."""
-    tmp = tmp_path_factory.mktemp("admission")
-    proc, port = start_serve(
-        "--workers",
-        "1",
-        "--max-requests",
-        "1",
-        log_path=tmp / "serve.log",
-        env={"TMPDIR": str(tmp)},
-    )
-    (tmp / "port").write_text(str(port))
-    try:
-        yield tmp
-    finally:
-        proc.terminate()
-        proc.wait(30)
+def gateway(gateways: Gateways, smol_set: AgentSet) -> Gateway:
+    """As `disagg serve --local --workers 1 --max-requests 1`."""
+    return gateways.get({"SmolLM2-135M-Instruct": smol_set}, workers=1, max_requests=1)
 
 
-def base(tmp: Path) -> str:
-    return f"http://127.0.0.1:{(tmp / 'port').read_text()}"
+def base(gw: Gateway) -> str:
+    return gw.url
 
 
-def decode_control(tmp: Path, path: str) -> dict[str, Any]:
-    """The serve process's decode agent's /status or /health, over its control port
-    with the cluster token."""
-    [log] = tmp.glob("disagg-logs-*/decode/decode.log")
-    found = re.search(r"serving decode on \S+ port \d+ \(control (\d+)\)", log.read_text())
-    assert found, log.read_text()
-    [token] = tmp.glob("disagg-local-*/token")
-    raw = control_get("127.0.0.1", int(found[1]), path, token.read_bytes().strip(), 5)
-    return parse_status(raw)
+def decode_control(gw: Gateway, path: str) -> dict[str, Any]:
+    """The gateway's decode agent's /status or /health, over its control port with
+    the cluster token."""
+    return parse_status(gw.decode().control(path))
 
 
-def decode_status(tmp: Path) -> dict[str, Any]:
-    return decode_control(tmp, "/status")
+def decode_status(gw: Gateway) -> dict[str, Any]:
+    return decode_control(gw, "/status")
 
 
 def wait(cond: Callable[[], bool], what: str, limit_s: float = 120) -> None:
@@ -279,7 +253,9 @@ def wait(cond: Callable[[], bool], what: str, limit_s: float = 120) -> None:
         time.sleep(0.05)
 
 
-def test_full_gateway_answers_429_and_503_with_retry_after_then_recovers(gateway: Path) -> None:
+def test_full_gateway_answers_429_and_503_with_retry_after_then_recovers(
+    gateway: Gateway,
+) -> None:
     oai = openai.OpenAI(base_url=base(gateway) + "/v1", api_key="unused", max_retries=0)
     model = oai.models.list().data[0].id
     stream = oai.chat.completions.create(
@@ -317,8 +293,9 @@ def test_full_gateway_answers_429_and_503_with_retry_after_then_recovers(gateway
     ],
 )
 def test_a_client_leaving_mid_stream_leaves_no_error(
-    gateway: Path, path: str, body: dict[str, Any]
+    gateway: Gateway, path: str, body: dict[str, Any]
 ) -> None:
+    logged = gateway.log_mark()
     model = httpx.get(base(gateway) + "/v1/models", timeout=30).json()["data"][0]["id"]
     with (
         httpx.Client(timeout=120) as http,
@@ -329,7 +306,7 @@ def test_a_client_leaving_mid_stream_leaves_no_error(
         got = [next(pieces) for _ in range(4)]  # a few pieces of text, then hang up
         assert all("content" in line for line in got)
     wait(lambda: decode_status(gateway)["in_flight"] == 0, "the decode agent to stop")
-    log = (gateway / "serve.log").read_text(errors="replace")
+    log = gateway.log(since=logged)
     assert "generator already executing" not in log and "Traceback" not in log
     assert decode_control(gateway, "/health")["ok"] is True  # the agent stays healthy
     oai = openai.OpenAI(base_url=base(gateway) + "/v1", api_key="unused", max_retries=5)

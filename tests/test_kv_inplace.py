@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import socket
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +31,9 @@ from agents.wire.frames import Frame, ProtocolError, pack_header
 from agents.wire.request import PrefillRequest
 from agents.wire.seal import _SEALS, IntegrityError, sealed
 from disagg.serving import wireclient as client
-from disagg.serving.localagents import AgentProc, make_token_file, spawn_agent, wait_ready
-from tests.conftest import PairFactory, ask, remote_request, socket_pair
+from disagg.serving.localagents import AgentProc, wait_ready
+from tests.agentpool import AgentSet
+from tests.conftest import PairFactory, Spawn, ask, remote_request, socket_pair
 
 HEADS, DIM, LAYERS, PROMPT = 3, 16, 4, 45
 WINDOW = 8  # the sliding layer's window in the mixed-cache test
@@ -344,22 +344,19 @@ def test_bad_frames_are_refused_as_on_the_copy_path() -> None:
 
 @pytest.fixture(scope="module")
 def both(
-    default_model: Path, agent_pair: PairFactory, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[AgentProc, AgentProc, AgentProc]]:
+    default_model: Path, smol_set: AgentSet, agent_pair: PairFactory, spawn_module: Spawn
+) -> tuple[AgentProc, AgentProc, AgentProc]:
     """A SmolLM2 prefill agent, a decode agent receiving in place, and a second
     decode agent on the copy path (DISAGG_KV_INPLACE=0), in one cluster."""
-    logs = tmp_path_factory.mktemp("inplace")
-    token_file, token = make_token_file(logs)
-    prefill, inplace = agent_pair(default_model, token_file=token_file)
+    prefill, inplace = smol_set.pair
     old = os.environ.get(ENV)
     os.environ[ENV] = "0"
     try:
-        proc, log, name = spawn_agent(
+        proc, log, name = spawn_module(
             "decode",
             default_model,
             name="decode-copy@127.0.0.1",
-            log_dir=logs / "copy",
-            extra_args=["--token-file", str(token_file)],
+            extra_args=["--token-file", str(agent_pair.token_file)],
         )
     finally:
         if old is None:
@@ -367,9 +364,8 @@ def both(
         else:
             os.environ[ENV] = old
     copy = wait_ready("decode", proc, log, name, 300.0)
-    copy.token = token
-    yield prefill, inplace, copy
-    copy.stop()
+    copy.token = prefill.token
+    return prefill, inplace, copy
 
 
 def same_answer(a: client.Result, b: client.Result) -> None:

@@ -24,12 +24,17 @@ from disagg.bench.load import (
     run_load_bench,
     seeded_text,
 )
+from tests.agentpool import count_start
 
 SERVERS = ("disagg", "mlx_lm")
 
 
 @pytest.fixture(scope="module")
-def report(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def report(
+    default_model: Path, tmp_path_factory: pytest.TempPathFactory, serve_process: Any
+) -> dict[str, Any]:
+    # The bench starts its own `disagg serve --local` (and mlx_lm.server): what it measures.
+    count_start("serve")
     messages: list[str] = []
     r = run_load_bench(
         default_model, QUICK, log_dir=tmp_path_factory.mktemp("load"), say=messages.append

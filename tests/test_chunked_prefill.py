@@ -14,7 +14,7 @@ import pytest
 
 from disagg.serving.localagents import AgentProc
 from tests.conftest import PairFactory, ask
-from tests.tinymodels import PROMPT
+from tests.tinymodels import PROMPT, shared_tiny
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +25,7 @@ class Stop(Exception):
 
 @pytest.fixture(scope="module")
 def decode(tiny_model: Callable[..., Path], agent_pair: PairFactory) -> AgentProc:
-    return agent_pair(tiny_model("llama", seed=2))[1]
+    return agent_pair(shared_tiny("llama"))[1]
 
 
 def long_prompt(words: int) -> str:

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,9 +17,10 @@ from agents.wire.answer import TokenEvent
 from agents.wire.request import GenerateRequest
 from disagg.serving import affinity
 from disagg.serving.affinity import AffinityTable, choose, prefix_keys, slack
-from disagg.serving.localagents import AgentProc, start_local_agents
+from disagg.serving.localagents import AgentProc
 from disagg.serving.router import Endpoint, Route, Router, StopGeneration
 from disagg.serving.wireclient import Result
+from tests.agentpool import AgentSet
 
 FETCH = {
     "prefill_time": 0.5,
@@ -165,13 +164,8 @@ TURNS = [
 
 
 @pytest.fixture(scope="module")
-def cluster(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    prefill, decodes = start_local_agents(
-        default_model, n_decode=2, log_dir=tmp_path_factory.mktemp("affinity")
-    )
-    yield prefill, decodes
-    for agent in [*decodes, prefill]:
-        agent.stop()
+def cluster(smol_set: AgentSet) -> tuple[AgentProc, list[AgentProc]]:
+    return smol_set.prefill, smol_set.decodes
 
 
 def in_flight(agent: AgentProc) -> int:
@@ -200,7 +194,11 @@ def test_a_chats_later_turns_stay_on_its_busier_agent_and_hit_its_cache(
     router = Router([Route("smol", [ep(prefill)], [ep(a), ep(b)])], token=prefill.token)
 
     def turn(messages: list[dict[str, Any]]) -> GenerateRequest:
-        return GenerateRequest(messages=list(messages), max_tokens=16, return_prompt_ids=True)
+        # A tenant of its own: the shared agents' caches hold other tests' chat
+        # templates, and this chat's first turn must find nothing.
+        return GenerateRequest(
+            messages=list(messages), max_tokens=16, return_prompt_ids=True, cache_salt="affinity"
+        )
 
     messages: list[dict[str, Any]] = [{"role": "user", "content": TURNS[0]}]
     first = router.run("smol", turn(messages))

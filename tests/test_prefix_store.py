@@ -1,5 +1,5 @@
 """The decode agent's prefix store takes a prompt's K/V from the request's own
-caches without a copy (issue 18, items 2 and 8; agents/decode/prefixstore.py):
+caches without a copy (agents/decode/prefixstore.py):
 
 - in process, on the real decode loop and a tiny model: the stored blocks are
   views inside the cache buffers the loop released (a lone request at its end,
@@ -33,7 +33,7 @@ from agents.prefix.store import Block, Owner, PrefixCache, block_keys
 from disagg.serving.localagents import AgentProc
 from tests.conftest import PairFactory, ask
 from tests.references import mlx_greedy
-from tests.tinymodels import PROMPT
+from tests.tinymodels import PROMPT, shared_tiny
 
 N_NEW = 16
 NS = "local"
@@ -48,8 +48,9 @@ def words(n: int, tag: str = "") -> str:
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model: Callable[..., Path]) -> DecodeEngine:
-    return DecodeEngine(str(tiny_model("llama", seed=21)))
+def engine(tiny_model: Callable[..., Path], refs: Any) -> DecodeEngine:
+    engine: DecodeEngine = refs.decode_engine(shared_tiny("llama"))
+    return engine
 
 
 @pytest.fixture(scope="module")
@@ -293,13 +294,13 @@ def cache_status(agent: AgentProc) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def pair(agent_pair: PairFactory) -> tuple[AgentProc, AgentProc, Path]:
-    prefill, decode = agent_pair("llama", seed=22)
+    prefill, decode = agent_pair(shared_tiny("llama"))
     return prefill, decode, Path(json.loads(decode.control("/status"))["model"])
 
 
 @pytest.mark.parametrize("placement", ["remote", "local"])
 def test_hits_after_zero_copy_stores_match_cache_off_and_mlx(
-    pair: tuple[AgentProc, AgentProc, Path], placement: str
+    pair: tuple[AgentProc, AgentProc, Path], refs: Any, placement: str
 ) -> None:
     prefill, decode, model = pair
     target = {"prefill": {"host": prefill.host, "port": prefill.port}, "placement": placement}
@@ -320,7 +321,7 @@ def test_hits_after_zero_copy_stores_match_cache_off_and_mlx(
     assert hit.metrics["cached_tokens"] > 0
     assert hit.token_ids == off.token_ids
     ids = hit.prompt_ids or []
-    assert hit.token_ids == mlx_greedy(DecodeEngine(str(model)).model, ids, N_NEW)
+    assert hit.token_ids == mlx_greedy(refs.decode_engine(model).model, ids, N_NEW)
 
 
 def test_a_second_request_hits_while_the_first_still_decodes(

@@ -1,4 +1,6 @@
-"""mlx's matmuls run on numpy's OpenBLAS when nothing else is installed (issue 18, item 4).
+"""mlx's matmuls run on numpy's OpenBLAS when nothing else is installed: the Linux
+mlx wheel's own reference BLAS makes a batched decode step cost as much as each
+request alone (agents/runtime/fastblas.py).
 
 Each case runs in a fresh Python (the shim binds once per process, before mlx loads):
 it imports agents.runtime.fastblas, then mlx, multiplies non-square, transposed and batched
@@ -30,8 +32,9 @@ from rich.console import Console
 
 from disagg.cli.render_fleet import status_table
 from disagg.fleet.operations import AgentStatus
-from tests.conftest import PairFactory
+from tests.conftest import PairFactory, PythonProcess
 from tests.slowprefill import slow_prefill
+from tests.tinymodels import shared_tiny
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the shim is for Linux")
 
@@ -42,6 +45,7 @@ import json, sys
 import numpy as np
 import agents.runtime.fastblas as fastblas
 import mlx.core as mx
+from tests.tinymodels import shared_tiny
 
 rng = np.random.default_rng(7)
 MX = {np.float32: mx.float32, np.float64: mx.float64, np.complex64: mx.complex64}
@@ -93,12 +97,11 @@ def _numpy_openblas() -> str:
     return str(libs[0])
 
 
-def _system_openblas_files() -> list[str]:
+def _system_openblas_files(python: PythonProcess) -> list[str]:
     """Every system OpenBLAS file the shim could find, resolved through symlinks."""
-    listed = subprocess.run(
-        [sys.executable, "-c", "from agents import fastblas; print(*fastblas.SYSTEM_PATHS)"],
-        env={**os.environ, "DISAGG_BLAS": "bundled"},
-        capture_output=True, text=True, check=True, cwd=ROOT, timeout=120,
+    listed = python(
+        "-c", "from agents.runtime import fastblas; print(*fastblas.SYSTEM_PATHS)",
+        env={**os.environ, "DISAGG_BLAS": "bundled"}, check=True, cwd=ROOT, timeout=120,
     ).stdout.split()  # fmt: skip
     ldconfig = shutil.which("ldconfig") or "/sbin/ldconfig"
     cache = subprocess.run([ldconfig, "-p"], capture_output=True, text=True, timeout=60).stdout
@@ -106,17 +109,20 @@ def _system_openblas_files() -> list[str]:
     return sorted({os.path.realpath(p) for p in listed if os.path.exists(p)})
 
 
-def _run(blas: str | None, *, hide_system: bool = False, **env: str) -> dict[str, Any]:
+def _run(
+    python: PythonProcess, blas: str | None, *, hide_system: bool = False, **env: str
+) -> dict[str, Any]:
     """PROBE in a fresh interpreter with DISAGG_BLAS=`blas` (unset if None)."""
     child = {k: v for k, v in os.environ.items() if k != "DISAGG_BLAS"} | env
     if blas is not None:
         child["DISAGG_BLAS"] = blas
-    cmd = [sys.executable, "-c", PROBE]
+    prefix: list[str] = []
     if hide_system:
-        mounts = " && ".join(f"mount --bind /dev/null '{p}'" for p in _system_openblas_files())
+        files = _system_openblas_files(python)
+        mounts = " && ".join(f"mount --bind /dev/null '{p}'" for p in files)
         script = f'{mounts or "true"} && exec "$@"'
-        cmd = ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", *cmd]
-    done = subprocess.run(cmd, env=child, capture_output=True, text=True, cwd=ROOT, timeout=300)
+        prefix = ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh"]
+    done = python("-c", PROBE, prefix=prefix, env=child, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     out: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     out["stderr"] = done.stderr
@@ -152,8 +158,8 @@ def _float32_2d_same_bits(run: dict[str, Any]) -> list[bool]:
 
 
 @pytest.fixture(scope="module")
-def bundled() -> dict[str, Any]:
-    return _run("bundled")
+def bundled(python_process: PythonProcess) -> dict[str, Any]:
+    return _run(python_process, "bundled")
 
 
 def test_bundled_is_correct_and_not_numpys(bundled: dict[str, Any]) -> None:
@@ -163,58 +169,62 @@ def test_bundled_is_correct_and_not_numpys(bundled: dict[str, Any]) -> None:
     assert not all(_float32_2d_same_bits(bundled))
 
 
-def test_picks_numpys_openblas_on_a_machine_without_the_system_library() -> None:
+def test_picks_numpys_openblas_on_a_machine_without_the_system_library(
+    python_process: PythonProcess,
+) -> None:
     if not _can_hide():
         pytest.skip("needs a private mount namespace (root) to hide the system library")
     lib = _numpy_openblas()
-    hidden = _run("system", hide_system=True)
+    hidden = _run(python_process, "system", hide_system=True)
     assert hidden["loaded"] == "bundled"  # the hiding works: no system OpenBLAS is left
     assert "DISAGG_BLAS=system: not used" in hidden["stderr"]
-    run = _run(None, hide_system=True)
+    run = _run(python_process, None, hide_system=True)
     assert run["loaded"] == f"openblas (numpy): {lib}"
     assert "USE64BITINT" in run["config"].split()  # the 64-bit-integer prototype was bound
     _assert_correct(run)
     assert all(_float32_2d_same_bits(run))
 
 
-def test_auto_prefers_numpys_openblas() -> None:
+def test_auto_prefers_numpys_openblas(python_process: PythonProcess) -> None:
     lib = _numpy_openblas()
-    run = _run("auto")
+    run = _run(python_process, "auto")
     assert run["loaded"] == f"openblas (numpy): {lib}"
     _assert_correct(run)
     assert all(_float32_2d_same_bits(run))
 
 
-def test_disagg_blas_path_still_chooses() -> None:
+def test_disagg_blas_path_still_chooses(python_process: PythonProcess) -> None:
     lib = _numpy_openblas()
-    run = _run(lib)
+    run = _run(python_process, lib)
     assert run["loaded"] == f"openblas (DISAGG_BLAS): {lib}"
     _assert_correct(run)
     assert all(_float32_2d_same_bits(run))
 
 
-def test_disagg_blas_system_binds_the_32_bit_library() -> None:
-    if not _system_openblas_files():
+def test_disagg_blas_system_binds_the_32_bit_library(python_process: PythonProcess) -> None:
+    if not _system_openblas_files(python_process):
         pytest.skip("no system OpenBLAS here (Debian: libopenblas0-pthread)")
-    run = _run("system")
+    run = _run(python_process, "system")
     assert run["loaded"].startswith("openblas (system): ")
     assert "USE64BITINT" not in run["config"].split()
     _assert_correct(run)
 
 
-def test_a_path_that_is_no_blas_keeps_mlx_bundled_and_says_so(tmp_path: Path) -> None:
+def test_a_path_that_is_no_blas_keeps_mlx_bundled_and_says_so(
+    tmp_path: Path, python_process: PythonProcess
+) -> None:
     bogus = tmp_path / "libnot.so"
     bogus.write_bytes(b"not an ELF file")
-    run = _run(str(bogus))
+    run = _run(python_process, str(bogus))
     assert run["loaded"] == "bundled"
     assert f"DISAGG_BLAS={bogus}: not used" in run["stderr"]
     _assert_correct(run)
 
 
-def test_openblas_num_threads_is_respected() -> None:
-    one = _run("numpy", OPENBLAS_NUM_THREADS="1")
+def test_openblas_num_threads_is_respected(python_process: PythonProcess) -> None:
+    one = _run(python_process, "numpy", OPENBLAS_NUM_THREADS="1")
     assert one["config"].endswith("threads 1"), one["config"]
-    two = _run("numpy", OPENBLAS_NUM_THREADS="2")
+    two = _run(python_process, "numpy", OPENBLAS_NUM_THREADS="2")
     assert two["config"].endswith("threads 2") or os.cpu_count() == 1, two["config"]
 
 
@@ -222,7 +232,7 @@ def test_openblas_num_threads_is_respected() -> None:
 def test_status_says_which_blas_the_decode_agent_runs(agent_pair: PairFactory) -> None:
     if os.environ.get("DISAGG_BLAS", "auto") != "auto":
         pytest.skip("DISAGG_BLAS is set in this environment: the agent follows it")
-    _, decode = agent_pair("llama")
+    _, decode = agent_pair(shared_tiny("llama"))
     st = decode.status()
     assert st["blas"] == f"openblas (numpy): {_numpy_openblas()}"
     row = AgentStatus("localhost", "decode", "healthy", f"127.0.0.1:{decode.port}", st)
@@ -280,7 +290,7 @@ def test_a_local_pair_gives_up_blas_threads_while_it_prefills(agent_pair: Any) -
     full, half = os.cpu_count() or 2, max(1, (os.cpu_count() or 2) // 2)
     if "OPENBLAS_NUM_THREADS" in os.environ or half == full:
         pytest.skip("the user fixed OpenBLAS's threads, or one core: nothing to share")
-    prefill, decode = agent_pair("qwen3", seed=9, **slow_prefill(0.4))
+    prefill, decode = agent_pair(shared_tiny("qwen3"), **slow_prefill(0.4))
     if not decode.status()["blas"].startswith("openblas"):
         pytest.skip("no OpenBLAS bound here: mlx's own BLAS has no thread count")
     assert decode.status()["blas_threads"] == full
@@ -339,7 +349,7 @@ def test_a_local_prefill_gives_up_torch_threads_while_its_requester_decodes(
     full = torch.get_num_threads()  # torch's default here is the agent's too
     if full <= half:
         pytest.skip(f"torch runs on {full} threads already: nothing to give up")
-    prefill, decode = agent_pair("qwen3", seed=9)
+    prefill, decode = agent_pair(shared_tiny("qwen3"))
     alone = ask(decode, remote_request(prefill))
     assert alone.metrics["prefill_threads"] == full, alone.metrics
     box: dict[str, Any] = {}

@@ -24,10 +24,8 @@ TEXT = (
 
 
 @pytest.fixture(scope="module")
-def smol(default_model: Path) -> tuple[Any, Any]:
-    from mlx_lm import load
-
-    model, tok = load(str(default_model))[:2]
+def smol(default_model: Path, refs: Any) -> tuple[Any, Any]:
+    model, tok = refs.mlx_load(default_model)
     return model, tok
 
 
@@ -194,16 +192,15 @@ def test_a_departure_and_a_join_copy_no_other_row(smol: tuple[Any, Any], rows: b
 
 
 def test_sliding_layers_keep_mlx_lms_batch_caches_in_the_same_row_order(
-    tiny_model: Callable[..., Path],
+    tiny_model: Callable[..., Path], refs: Any
 ) -> None:
     """gpt_oss: full-attention layers in rows, sliding ones in mlx-lm's rotating batch
     caches; after departures move rows, both kinds still hold each row's own K/V."""
     from mlx_lm.models.cache import BatchRotatingKVCache
 
-    from agents.decode.agent import DecodeEngine
     from agents.decode.rows import RowsKVCache
 
-    model = DecodeEngine(str(tiny_model("gpt_oss", seed=1, sliding_window=8))).model
+    model = refs.decode_engine(tiny_model("gpt_oss", seed=1)).model  # sliding window 8
     words = [7 + (i * 37) % 400 for i in range(200)]
     prompts = [words[i * 11 : i * 11 + 9 + 6 * i] for i in range(5)]
     lengths = [40, 6, 30, 12, 25]

@@ -1,6 +1,6 @@
-"""Issue 20, finding 5: remote strings on the operator's terminal. One hostile
-/status must not hide the fleet (a real `disagg status` process against a fake
-agent's control port); remote stderr, log tails and reasons with rich markup or
+"""Remote strings on the operator's terminal. One hostile /status must not hide
+the fleet (`disagg status`, run in this process, against a fake agent's control
+port); remote stderr, log tails and reasons with rich markup or
 terminal escapes render as plain text in every table (a colour terminal, so a
 live hyperlink would show as OSC 8)."""
 
@@ -10,7 +10,6 @@ import io
 import json
 from pathlib import Path
 
-import pytest
 from rich.console import Console, RenderableType
 
 from disagg.cli.render import batch_table, metrics_table
@@ -19,7 +18,8 @@ from disagg.fleet.deploy import HostDeploy
 from disagg.fleet.operations import AgentAction, AgentStatus, LogLine
 from disagg.fleet.ssh import HostResult
 from disagg.serving.metrics import Metrics
-from tests.test_hostile_fleet import FakeAgent, disagg, inventory
+from tests.conftest import Cli
+from tests.test_hostile_fleet import FakeAgent, inventory
 
 EVIL = "\x1b[2J\x1b]0;pwned\x07[link=http://evil.example]click[/link] [/] [bold red]x"
 
@@ -36,15 +36,14 @@ def plain_and_safe(text: str) -> None:
     assert "[link=http://evil.example]click[/link]" in text  # the brackets, as text
 
 
-@pytest.mark.slow
-def test_one_hostile_status_costs_its_row_only(tmp_path: Path) -> None:
+def test_one_hostile_status_costs_its_row_only(tmp_path: Path, cli: Cli) -> None:
     fake = FakeAgent()
     fake.body = json.dumps(
         {"model": "m", "backend": "mlx", "requests": 3, "prefix_cache": {"bytes": "x"}}
     ).encode()
     try:
         env = {"DISAGG_TOKEN_FILE": str(tmp_path / "no-token")}
-        proc = disagg("status", "-i", str(inventory(tmp_path, fake.port)), env=env)
+        proc = cli("status", "-i", str(inventory(tmp_path, fake.port)), env=env)
     finally:
         fake.close()
     assert "Traceback" not in proc.stderr, proc.stderr

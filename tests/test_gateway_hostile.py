@@ -1,8 +1,8 @@
-"""Issue 20 at a real gateway: `disagg serve --local` as a process, started under
-a 64-file soft limit as the review's was, with two API keys (two tenants).
-Cross-tenant prefix-cache probes, metrics internals, 200 silent sockets and a
-header trickler, a body in 1-byte pieces, and the key checks. Figures are
-printed for docs/reliability.md."""
+"""A security review's findings at a real gateway: `disagg serve --local` as a process
+(the process itself is under test), started under a 64-file soft limit as the review's
+was, with two API keys (two tenants). Cross-tenant prefix-cache probes, metrics
+internals, 200 silent sockets and a header trickler, a body in 1-byte pieces, and the
+key checks. Figures are printed for docs/reliability.md."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ import httpx
 import pytest
 
 from disagg.frontends.guard import Guard
-from tests.conftest import free_port
+from tests.agentpool import count_start
+from tests.conftest import Cli, DisaggProcess, PythonProcess, free_port
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
 
@@ -36,7 +37,10 @@ GUESS = SECRET.replace("hunter2-Q7", "letmein-X1")
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+def gateway(
+    tmp_path_factory: pytest.TempPathFactory, python_process: PythonProcess
+) -> Iterator[tuple[str, Path]]:
+    # A process of its own: its open-files limit, and its own agents, are under test.
     d = tmp_path_factory.mktemp("gw")
     keys = d / "keys"
     keys.write_text("# one key per tenant\n" + "".join(f"{k}\n" for k in [KEY_A, KEY_B, *PROBERS]))
@@ -52,6 +56,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pat
     def few_files() -> None:  # the review's setting: 64 open files (the gateway may raise it)
         resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
 
+    count_start("serve")
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=few_files)
     base = f"http://127.0.0.1:{port}"
@@ -287,17 +292,6 @@ def test_a_chunked_body_of_tiny_chunks_is_answered(gateway: tuple[str, Path]) ->
 # -- 8. keys -------------------------------------------------------------------------
 
 
-def _serve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    full = {k: v for k, v in __import__("os").environ.items() if k != "DISAGG_API_KEY"}
-    return subprocess.run(
-        [sys.executable, "-m", "disagg.cli", "serve", "--local", "--port", "1", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**full, **(env or {})},
-    )
-
-
 @pytest.mark.parametrize(
     "mode, text, why",
     [
@@ -306,16 +300,27 @@ def _serve(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
         (0o600, "# nothing\n\n", "holds no key"),
     ],
 )
-def test_key_files_are_checked(tmp_path: Path, mode: int, text: str, why: str) -> None:
+def test_key_files_are_checked(
+    tmp_path: Path, cli: Cli, monkeypatch: pytest.MonkeyPatch, mode: int, text: str, why: str
+) -> None:
+    monkeypatch.delenv("DISAGG_API_KEY", raising=False)
     path = tmp_path / "keys"
     path.write_text(text)
     path.chmod(mode)
-    proc = _serve("--api-key-file", str(path))
+    proc = cli("serve", "--local", "--port", "1", "--api-key-file", str(path))
     assert proc.returncode == 1 and why in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
-def test_a_key_on_the_command_line_is_warned_about_and_a_short_one_refused() -> None:
+def test_a_key_on_the_command_line_is_warned_about_and_a_short_one_refused(
+    disagg_process: DisaggProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A process: the warning reads the command line (sys.argv) the user typed.
+    monkeypatch.delenv("DISAGG_API_KEY", raising=False)
+
+    def _serve(*args: str, env: dict[str, str] | None = None) -> Any:
+        return disagg_process("serve", "--local", "--port", "1", *args, env=env, timeout=120)
+
     proc = _serve("--api-key", "tiny")
     assert proc.returncode == 1
     assert "shows in ps" in proc.stderr and "at least 16" in proc.stderr, proc.stderr
