@@ -220,7 +220,10 @@ def test_a_real_agents_frames_go_through_the_contract(
     )
     # The same events; the first carries that request's own prompt-side timings.
     assert [replace(e, metrics=None) for e in events] == [replace(t, metrics=None) for t in tokens]
-    assert events[0].metrics is not None and result.finish_reason == "length"
+    first = events[0].metrics
+    assert first is not None and first.prompt_tokens == done.metrics.prompt_tokens
+    assert first.timeline is not None and set(first.timeline) == {"at", "first_token"}
+    assert all(e.metrics is None for e in events[1:]) and result.finish_reason == "length"
     assert result.metrics.agent_ttft is not None and result.metrics.total_time is not None
 
 
