@@ -271,6 +271,26 @@ def test_a_full_reserve_evicts_its_oldest_unauthenticated_connection() -> None:
             b.close()
 
 
+def test_a_stranger_at_its_own_cap_is_refused_even_when_the_pool_is_full() -> None:
+    from agents.runtime.server import Gate
+
+    gate = Gate(8, 2)  # 4 unauthenticated slots for strangers, 2 a peer
+    pairs = [socket.socketpair() for _ in range(6)]
+    try:
+        for i, (a, _) in enumerate(pairs[:4]):
+            assert gate.admit(f"10.0.0.{1 + i // 2}", a) is None
+        # 10.0.0.1 holds its 2 (the oldest among them): a third is refused, not let evict.
+        assert gate.admit("10.0.0.1", pairs[4][0]) is not None
+        assert gate.evicted == 0 and gate.preauth == {"10.0.0.1": 2, "10.0.0.2": 2}
+        # A newcomer takes the oldest stranger's slot.
+        assert gate.admit("10.0.0.3", pairs[5][0]) is None
+        assert gate.evicted == 1 and pairs[0][1].recv(1) == b""
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()
+
+
 def test_gateway_admission_evicts_the_oldest_silent_connection() -> None:
     from disagg.frontends.limits import Admission, network_key
 

@@ -203,39 +203,67 @@ def test_stripping_the_mode_on_the_path_fails_the_proof(agents: list[AgentProc])
 # -- 4. strangers cannot lock the cluster out --------------------------------------
 
 
+def _refused(host: str, port: int, src: str) -> bool:
+    """Whether a connection from `src` is closed at once, unchallenged."""
+    with socket.create_connection((host, port), 5, (src, 0)) as s:
+        s.settimeout(5)
+        return s.recv(1) == b""
+
+
+def _cut(s: socket.socket) -> bool:
+    """Whether the agent has shut `s` (its challenge, if any, read and dropped)."""
+    s.setblocking(False)
+    try:
+        while s.recv(4096):
+            pass
+        return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
 def test_strangers_filling_the_pool_do_not_block_the_cluster(agents: list[AgentProc]) -> None:
     prefill, decode = agents
-    held: list[socket.socket] = []
+    held: dict[tuple[int, str], list[socket.socket]] = {}
     stop = threading.Event()
 
-    def stranger(agent: AgentProc, src: str, port: int) -> None:
-        # Keep PER_PEER silent sockets open from `src`, renewing the ones cut.
-        mine: list[socket.socket] = []
-        while not stop.is_set():
-            mine = [s for s in mine if s.fileno() != -1]
-            while len(mine) < PER_PEER and not stop.is_set():
-                try:
-                    mine.append(socket.create_connection((agent.host, port), 5, (src, 0)))
-                except OSError:
-                    break
-            time.sleep(0.2)
-        held.extend(mine)
+    def stranger(agent: AgentProc, src: str, port: int, full: threading.Event) -> None:
+        # Open PER_PEER silent sockets from `src` and hold them (the agent cuts them
+        # after --handshake-timeout; the checks below come well before).
+        mine = held.setdefault((port, src), [])
+        while len(mine) < PER_PEER and not stop.is_set():
+            try:
+                mine.append(socket.create_connection((agent.host, port), 5, (src, 0)))
+            except OSError:
+                time.sleep(0.05)
+        full.set()
 
-    threads = [
-        threading.Thread(target=stranger, args=(a, f"127.0.20.{i}", port), daemon=True)
+    fills = [
+        (a, f"127.0.20.{i}", port, threading.Event())
         for a in agents
         for port in (a.port, a.control_port)
         for i in range(1, 5)
     ]
+    threads = [threading.Thread(target=stranger, args=f, daemon=True) for f in fills]
     for t in threads:
         t.start()
-    time.sleep(1.0)
     try:
-        # A newcomer from a fifth address finds no unauthenticated slot left...
+        assert all(full.wait(30) for *_, full in fills), "the strangers never got their sockets"
+        # Four strangers hold all 32 unauthenticated slots. One over its own cap is
+        # refused outright...
+        assert _refused(decode.host, decode.port, "127.0.20.1"), "a ninth socket of one peer"
+        # ... a newcomer from a fifth address is challenged, in the slot of the oldest
+        # silent stranger, which the agent shuts...
         with socket.create_connection((decode.host, decode.port), 5, ("127.0.20.9", 0)) as s:
             s.settimeout(5)
-            assert s.recv(1) == b""
-        # ... while the cluster's own connections (loopback: the local pair) get in.
+            assert s.recv(1) != b"", "a newcomer found no slot: strangers locked it out"
+        strangers = [s for i in range(1, 5) for s in held[(decode.port, f"127.0.20.{i}")]]
+        deadline = time.monotonic() + 5
+        while not any(_cut(s) for s in strangers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert any(_cut(s) for s in strangers), "no stranger was evicted for the newcomer"
+        # ... and the cluster's own connections (loopback: the local pair) get in.
         t0 = time.monotonic()
         r = ask(decode, remote_request(target(prefill), max_tokens=4))
         took = time.monotonic() - t0
@@ -244,7 +272,7 @@ def test_strangers_filling_the_pool_do_not_block_the_cluster(agents: list[AgentP
         stop.set()
         for t in threads:
             t.join()
-        for s in held:
+        for s in (s for mine in held.values() for s in mine):
             s.close()
     print(f"4 strangers x {PER_PEER} sockets per port: the pair's request took {took:.2f} s")
     assert r.metrics["method"] == "disaggregated", r.metrics

@@ -286,13 +286,14 @@ class Gate:
             if self.open >= self.total + self.preauth_total:
                 return f"{self.open} connections open", "pool"
             return None
+        # Its own cap first: a peer at it is refused, never let evict the oldest (its own).
+        if self.preauth.get(key, 0) >= self.preauth_per_peer:
+            why = f"{self.preauth_per_peer} unauthenticated connections from {key} open"
+            return why, "peer"  # a peer over its own cap only costs itself: refused
         if self.open >= self.total:
             return f"{self.open} connections open", "pool"
         if sum(self.preauth.values()) >= self.preauth_total:
             return f"{self.preauth_total} unauthenticated connections open", "pool"
-        if self.preauth.get(key, 0) >= self.preauth_per_peer:
-            why = f"{self.preauth_per_peer} unauthenticated connections from {key} open"
-            return why, "peer"  # a peer over its own cap only costs itself: refused
         return None
 
     def _oldest(self, trusted: bool) -> Any:

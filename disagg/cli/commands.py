@@ -232,9 +232,12 @@ def _think(value: str) -> bool | str:
     raise UsageError(f"--think {value!r}: use on, off, low, medium or high")
 
 
+_FORMAT_KINDS = ("text", "json_object", "json_schema", "lark", "grammar")
+
+
 def _response_format(value: str) -> dict[str, Any] | None:
     """--format: "json", or a JSON Schema file, through the request's one normalizer."""
-    from agents.wire.request import GenerateRequest, RequestError
+    from agents.wire.request import JSON_TYPES, GenerateRequest, RequestError
 
     raw: Any = value
     if value != "json":
@@ -246,6 +249,11 @@ def _response_format(value: str) -> dict[str, Any] | None:
         except json.JSONDecodeError as e:
             why = f"not valid JSON ({e.msg} at line {e.lineno})"
             raise UsageError(f"--format {value}: {why}") from None
+    kind = raw.get("type") if isinstance(raw, dict) else None
+    if isinstance(kind, str) and kind not in JSON_TYPES and kind not in _FORMAT_KINDS:
+        # A file here is a JSON Schema: name its type as that, not as the wire's field.
+        why = f"type {kind!r} is not a JSON Schema type (use one of {', '.join(JSON_TYPES)})"
+        raise UsageError(f"--format {value}: {why}")
     try:
         rf = GenerateRequest.normalize_format(raw)
     except RequestError as e:
