@@ -53,7 +53,10 @@ def test_generate_local_json_answers_paris(
 
 
 def test_generate_local_streams_text_and_prints_metrics_table(cli_local: Cli) -> None:
-    proc = cli_local("generate", "--local", "What is the capital of France?", "--max-tokens", "12")
+    # Remote asked for: the pooled agents' placement has learned from earlier tests.
+    proc = cli_local(
+        "generate", "--local", "What is the capital of France?", "-n", "12", "--placement", "remote"
+    )
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
     for name in (

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from agents.decode.placement import Placement
 from tests.conftest import PairFactory, ask
 from tests.test_auth import Recorder
@@ -39,6 +41,22 @@ def test_tiny_prompts_stay_local_when_local_is_measured_faster() -> None:
     assert p.choose("a:1", 3)[0] == "local"  # 6 ms < 20 ms handshake
     assert p.choose("a:1", 2000)[0] == "remote"  # 4 s of steps > 1 s remote
     assert p.choose("b:2", 3)[0] == "remote"  # another prefill agent: not measured
+
+
+def test_an_old_remote_estimate_is_measured_again_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from agents.decode import placement
+
+    now = [1000.0]
+    monkeypatch.setattr(placement.time, "monotonic", lambda: now[0])
+    p = Placement()
+    slow = {**FETCH, "prefill_time": 50.0, "kv_fetch_time": 50.02}  # a bad minute: 20 tok/s
+    p.observe_remote("a:1", 1000, 30, slow)
+    p.observe_local(1000, 10.0)
+    assert p.choose("a:1", 500)[0] == "local"
+    now[0] += placement.REMEASURE_S + 1
+    where, why = p.choose("a:1", 500)
+    assert where == "remote" and "measuring the prefill agent again (61 s old)" in why
+    assert p.choose("a:1", 500)[0] == "local"  # one request re-measures, not every one
 
 
 def test_agents_choose_from_their_own_measurements(agent_pair: PairFactory) -> None:

@@ -35,9 +35,6 @@ pytestmark = pytest.mark.slow
 
 KEY = "webview-test-key-" + "x" * 16
 MODEL = "SmolLM2-135M-Instruct"
-FILLER = " ".join(
-    f"Colour {i} of the old paint chart was catalogued in the spring." for i in range(60)
-)
 DASHBOARD = Path(__file__).resolve().parent.parent / "docs" / "grafana" / "disagg.json"
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 needs_browser = pytest.mark.skipif(
@@ -58,10 +55,14 @@ def served(gateways: Gateways, smol_set: AgentSet) -> dict[str, tuple[None, str]
     }
 
 
-def ask(url: str, prompt: str, key: str = "unused") -> Any:
+def ask(url: str, prompt: str, key: str = "unused", placement: str = "auto") -> Any:
     oai = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=300)
     return oai.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=12, temperature=0
+        model=MODEL,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=12,
+        temperature=0,
+        extra_body={"placement": placement},
     )
 
 
@@ -155,11 +156,10 @@ def test_a_request_sent_after_the_page_opened_appears_with_its_timeline(
     browser.get(f"{url}/ui")
     wait_for(lambda: agents_on_page(browser), 30, "page did not load")
     browser.execute_script("window.stillThisPage = true")
-    # Long enough that the decode agent sends it to the prefill agent even after the
-    # pooled agents measured a fast local prefill on short prompts (its placement
-    # weighs handshake + remote rate against its own rate).
     prompt = f"Name a colour. ({time.time():.0f})"
-    answer = ask(url, f"{prompt}\n\n{FILLER}")
+    # Remote asked for (disagg's request field): the pooled agents' placement has
+    # learned from earlier tests, and this test wants the K/V on the wire.
+    answer = ask(url, prompt, placement="remote")
     assert answer.choices[0].message.content
 
     def row() -> Any:
@@ -188,12 +188,9 @@ def test_an_in_flight_request_shows_while_it_runs(served: Any, browser: Any) -> 
     wait_for(lambda: agents_on_page(browser), 30, "page did not load")
     prompt = f"Count from one to one hundred in words. ({time.time():.0f})"
     oai = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
-    done = threading.Event()
-
     def long_request() -> None:
         # A raw prompt that runs on: about 120 tokens at this box's decode speed.
         oai.completions.create(model=MODEL, prompt=prompt, max_tokens=120, temperature=0)
-        done.set()
 
     worker = threading.Thread(target=long_request)
     worker.start()
@@ -206,8 +203,9 @@ def test_an_in_flight_request_shows_while_it_runs(served: Any, browser: Any) -> 
             return None
 
         text = wait_for(running, 30, "the request never showed as running")
+        # Shown running only if a poll caught it running on the gateway (the page may
+        # still show that a moment after it ended: no race with `done` is asserted).
         assert "prefilling" in text or "decoding" in text
-        assert not done.is_set()
     finally:
         worker.join(300)
     wait_for(

@@ -7,15 +7,23 @@ this agent holds from that prefill agent (only the suffix is sent, and its own
 cache normally holds the prefix it made); local = tokens / local prefill rate, or
 tokens x one decode step when no local prefill was measured yet (an upper bound:
 a prefill step batches tokens, a decode step does not).
+
+A remote estimate is only renewed by a remote prefill, so one taken while the
+prefill agent was slowed (a burst of other work, a link's bad minute) would keep
+every prompt local for good: a local choice against a remote rate older than
+REMEASURE_S goes remote once instead, and measures it again.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 from agents.models.cost import Prior
 from agents.runtime.metrics import ema
+
+REMEASURE_S = 60.0  # a prefill agent's rates older than this are measured again
 
 
 @dataclass
@@ -24,6 +32,7 @@ class RemoteRates:
     tokens_per_s: float | None = None
     bytes_per_s: float | None = None
     layer_bytes_per_token: float | None = None
+    measured_at: float | None = None  # time.monotonic() of the last remote prefill
 
 
 class Placement:
@@ -57,6 +66,7 @@ class Placement:
             r.tokens_per_s = ema(r.tokens_per_s, tokens / prefill_s)
             r.handshake_s = ema(r.handshake_s, max(0.0, fetch_s - prefill_s))
             r.layer_bytes_per_token = m["kv_bytes"] / layers / tokens
+            r.measured_at = time.monotonic()
             if m.get("kv_transfer_time"):
                 r.bytes_per_s = ema(r.bytes_per_s, m["kv_bytes"] / m["kv_transfer_time"])
 
@@ -96,4 +106,11 @@ class Placement:
             why += f"; {cached} of {tokens} tokens cached from that prefill agent"
         if guessed:
             why += f"; {' and '.join(guessed)} rate from the prior, not measured"
-        return ("local" if local < remote else "remote"), why
+        if local >= remote:
+            return "remote", why
+        age = None if r.measured_at is None else time.monotonic() - r.measured_at
+        if age is not None and age > REMEASURE_S:
+            with self.lock:
+                r.measured_at = time.monotonic()  # one request re-measures, not every one
+            return "remote", f"{why}; measuring the prefill agent again ({age:.0f} s old)"
+        return "local", why

@@ -176,6 +176,14 @@ def generate(
     hide_reasoning: Annotated[
         bool, typer.Option("--hide-reasoning", help="Do not show the model's reasoning.")
     ] = False,
+    placement: Annotated[
+        str,
+        typer.Option(
+            "--placement",
+            help="where the prompt is prefilled: auto (the decode agent's estimate), "
+            "remote (the prefill agent) or local (the decode agent)",
+        ),
+    ] = "auto",
     dtype: Dtype = "auto",
     as_json: Json = False,
 ) -> None:
@@ -183,22 +191,20 @@ def generate(
     from disagg.frontends.batch import BatchItem, load_requests
     from disagg.serving.request import build_request
 
-    opts: dict[str, Any] = dict(
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        seed=seed,
-        system=system,
-        raw=raw,
+    opts = _request_opts(
+        dict(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            system=system,
+            raw=raw,
+        ),
+        kv_quant,
+        think,
+        fmt,
+        placement,
     )
-    if kv_quant not in (None, "none", "int8"):
-        raise UsageError(f"--kv-quant {kv_quant!r}: use int8, or leave it out")
-    if kv_quant == "int8":
-        opts["kv_quant"] = "int8"
-    if think is not None:
-        opts["think"] = _think(think)
-    if fmt is not None:
-        opts["response_format"] = _response_format(fmt)
     # The request is built and checked before any agent starts.
     items: list[BatchItem] = []
     if batch is not None:
@@ -221,6 +227,28 @@ def generate(
         if request is not None and not items:
             items = [BatchItem(i + 1, n, request) for i, n in enumerate(names)]
         _run_many(client, items, names[0], batch, out_file, as_json)
+
+
+def _request_opts(
+    opts: dict[str, Any],
+    kv_quant: str | None,
+    think: str | None,
+    fmt: str | None,
+    placement: str,
+) -> dict[str, Any]:
+    """generate's request fields from its flags, each refused naming the flag."""
+    if placement not in ("auto", "remote", "local"):
+        raise UsageError(f"--placement {placement!r}: use auto, remote or local")
+    opts["placement"] = placement
+    if kv_quant not in (None, "none", "int8"):
+        raise UsageError(f"--kv-quant {kv_quant!r}: use int8, or leave it out")
+    if kv_quant == "int8":
+        opts["kv_quant"] = "int8"
+    if think is not None:
+        opts["think"] = _think(think)
+    if fmt is not None:
+        opts["response_format"] = _response_format(fmt)
+    return opts
 
 
 def _think(value: str) -> bool | str:

@@ -24,6 +24,7 @@ from tests.testbed.bed import BY_NAME, NAMESPACES, TestBed, in_ns
 from tests.testbed.conftest import PIPELINES, REPO, FleetCli, inventory_text, pipeline_cpus
 
 pytestmark = pytest.mark.testbed
+ORDERED = True  # one story: deploy, start, use, stop, redeploy
 
 # Both pipelines serve SmolLM2 on the test bed (conftest.testbed_models).
 PROMPTS = {

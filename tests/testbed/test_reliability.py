@@ -70,6 +70,7 @@ from tests.testbed.rig import (
 )
 
 pytestmark = pytest.mark.testbed
+ORDERED = True  # one story: kills, then the leak window over the faults, then a restart
 
 
 DRAIN_TOKENS = 48  # ~10 s of decode here: still running when restart's SIGTERM lands

@@ -65,6 +65,7 @@ def _request(body: CommonFields, inputs: dict[str, Any]) -> GenerateRequest:
             top_p=body.top_p,
             stop=body.stop,
             seed=body.seed,
+            placement=body.placement,
             **inputs,
         )
     except UsageError as e:

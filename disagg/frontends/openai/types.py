@@ -72,6 +72,9 @@ class CommonFields(BaseModel):
     n: int = Field(default=1, ge=1, le=1)
     # vLLM's: requests passing the same salt share cached prompt K/V (default: per API key).
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    # disagg's: where the prompt is prefilled (auto: the decode agent's estimate;
+    # remote: the prefill agent; local: the decode agent), as `disagg generate --placement`.
+    placement: Literal["auto", "remote", "local"] = "auto"
 
 
 class ChatRequest(CommonFields):
