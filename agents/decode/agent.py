@@ -38,7 +38,7 @@ from agents.chatformat import (
     render_fim,
 )
 from agents.decode.codectuner import CodecTuner
-from agents.decode.grammar import ANALYSIS_MAX_TOKENS, Grammars, Matcher
+from agents.decode.grammar import ANALYSIS_MAX_TOKENS, ClientGone, Grammars, Matcher
 from agents.decode.keepalive import Keepalive, progress_interval
 from agents.decode.kvcaches import MX_DTYPES, cache_kinds, fill_layer
 from agents.decode.kvfetch import PrefillUnavailable, fetch_kv
@@ -430,6 +430,7 @@ class DecodeAgent:
             **batch,
             **self.stats.snapshot(),
             "prefix_cache": self.prefix.cache.snapshot(),
+            "grammars": self.engine.grammars.snapshot(),
             "chat": self.engine.chat_info(),  # for /api/show: capabilities, template, stops
         }
 
@@ -454,6 +455,10 @@ class DecodeAgent:
                 with Keepalive(sock, progress_interval(request), self.loop) as progress:
                     metrics = self._generate(request, sock, progress)
                 outcome = str(metrics.finish_reason or "stop")
+            except ClientGone as e:  # hung up while its grammar compiled: nobody to tell
+                outcome = "cancelled"
+                log.info("client went away: %s", printable(e))
+                return
             except (BadRequest, RequestError) as e:
                 outcome = "bad_request"
                 send_error(sock, "bad_request", str(e))

@@ -56,6 +56,10 @@ ANALYSIS_MAX_TOKENS = 512  # harmony: the reasoning's budget under a constraint
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+class ClientGone(RequestError):
+    """The client hung up while its grammar compiled: nobody to answer."""
+
+
 class Matcher:
     """One request's grammar state. `trigger`: token ids after which the grammar
     starts (reasoning models: the answer, not the reasoning, is constrained);
@@ -144,6 +148,17 @@ class Grammars:
         self.hits = self.misses = 0
         self._executor: Any = None
 
+    def snapshot(self) -> dict[str, int]:
+        """For the agent's /status: compiles running or queued, and the cache."""
+        with self._cache_lock:
+            return {
+                "compiling": len(self._jobs),
+                "cached": len(self.cache),
+                "cache_bytes": self.cache_bytes,
+                "hits": self.hits,
+                "misses": self.misses,
+            }
+
     def warm(self) -> None:
         """Build the tokenizer now, off the request path."""
         threading.Thread(target=self._tokenizer, daemon=True, name="grammar-tok").start()
@@ -211,7 +226,7 @@ class Grammars:
             except FutureTimeout:
                 pass
             if gone is not None and gone():
-                raise RequestError(field, f"{field}: the client went away while it compiled")
+                raise ClientGone(field, f"{field}: the client went away while it compiled")
             if time.monotonic() >= deadline:
                 raise RequestError(
                     field,
