@@ -259,24 +259,72 @@ def test_local_agents_split_the_cores_unless_the_user_chose() -> None:
     assert thread_share("prefill", {"OMP_WAIT_POLICY": "ACTIVE"}) == {TORCH_ENV: half}
 
 
-def test_blas_threads_follow_the_prefills() -> None:
+def test_blas_threads_follow_the_prefills(monkeypatch: pytest.MonkeyPatch) -> None:
     """Threads drop to `shared` when the first prefill starts and come back when
     the last ends, set in order through the mlx thread's queue."""
+    from agents.runtime import blasshare
     from agents.runtime.blasshare import BlasShare
 
     posted: list[int] = []
-    share = BlasShare(lambda fn, n: posted.append(n), shared=1, full=4)
+    monkeypatch.setattr(blasshare.fastblas, "set_threads", posted.append)
+    share = BlasShare(lambda fn: fn(), shared=1, full=4)
     with share.prefilling():
         with share.prefilling():
             assert posted == [1]
         assert posted == [1]
     assert posted == [1, 4]
     # No second thread to give up, or mlx's own BLAS: nothing changes.
-    quiet: list[int] = []
     for full in (1, None):
-        with BlasShare(lambda fn, n: quiet.append(n), shared=1, full=full).prefilling():
+        with BlasShare(lambda fn: fn(), shared=1, full=full).prefilling():
             pass
-    assert quiet == []
+    assert posted == [1, 4]
+
+
+def test_free_cores_are_what_others_leave_by_the_median_of_a_few_looks() -> None:
+    from agents.runtime.cpubusy import FreeCores, others_running, own_running
+
+    free = FreeCores(cores=2)
+    assert free.sample(others=2) == 1  # the first look decides at once
+    assert free.sample(others=0) == 1  # one quiet instant is not enough
+    assert free.sample(others=0) == 2
+    many = FreeCores(cores=16)
+    assert [many.sample(others=n) for n in (3, 3, 20)] == [13, 13, 13]
+    assert FreeCores(cores=2).sample(others=5) == 1  # never below one
+    # Linux's /proc: this process runs at least the thread asking.
+    assert own_running() >= 1 and (others_running() or 0) >= 0
+
+
+def test_a_busy_machine_takes_blas_threads_a_quiet_one_gives_them_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Between steps the decode agent uses no more OpenBLAS threads than the
+    machine's other work leaves, within the share's cap while a prefill runs."""
+    from agents.runtime import blasshare
+    from agents.runtime.blasshare import BlasShare
+    from agents.runtime.cpubusy import FreeCores
+
+    set_to: list[int] = []
+    monkeypatch.setattr(blasshare.fastblas, "set_threads", set_to.append)
+    others = [0]
+    free = FreeCores(cores=4, window=1)
+    monkeypatch.setattr(free, "sample", lambda: FreeCores.sample(free, others[0]))
+    share = BlasShare(lambda fn: fn(), shared=2, full=4, free=free)
+    share.tick()
+    assert set_to == []  # nobody else: all four
+    others[0] = 3
+    share.tick()  # within SAMPLE_S of the last look: not looked at again
+    assert set_to == []
+    share.sampled_at = 0.0
+    share.tick()
+    assert set_to == [1]
+    others[0] = 1
+    with share.prefilling():
+        share.sampled_at = 0.0
+        share.tick()  # three free, but a prefill beside it: the share's two
+        assert set_to == [1, 2]
+    assert set_to == [1, 2, 3]
+    share.idle()  # nothing to run: every thread back until the next look
+    assert set_to == [1, 2, 3, 4]
 
 
 def test_a_local_pair_gives_up_blas_threads_while_it_prefills(agent_pair: Any) -> None:

@@ -408,6 +408,7 @@ class DecodeAgent:
         )
         engine.grammars.warm()  # its tokenizer (~0.5 s) off the first request's path
         self.blas_share = BlasShare.from_env(self.loop.post)
+        self.loop.before_turn, self.loop.on_idle = self.blas_share.tick, self.blas_share.idle
         mb = default_max_mb() if prefix_cache_mb is None else prefix_cache_mb
         self.prefix = DecodePrefix(int(mb * (1 << 20)), engine.fingerprint["layers"], engine.dtype)
         self.stats.extra.append(lambda: self.prefix.cache.prometheus("decode"))

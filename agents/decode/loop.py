@@ -180,6 +180,10 @@ class DecodeLoop:
         self.prefills: deque[PrefillJob] = deque()
         self.chunks = ChunkSizer(prefill_step)
         self._last_step_end: float | None = None  # None: something ran since
+        # Called on this thread before each turn of work, and before it waits idle
+        # (BlasShare.tick and .idle: thread counts).
+        self.before_turn: Callable[[], None] | None = None
+        self.on_idle: Callable[[], None] | None = None
         threading.Thread(target=self._run, daemon=True, name="mlx").start()
 
     # -- other threads ---------------------------------------------------------
@@ -226,6 +230,8 @@ class DecodeLoop:
     def _serve(self) -> None:
         while True:
             block = not self.seqs and not self.prefills
+            if block and self.on_idle is not None:
+                self.on_idle()
             while True:
                 try:
                     fn, fut = self.tasks.get(block=block)
@@ -238,6 +244,8 @@ class DecodeLoop:
                     except BaseException as e:  # handed back to the caller
                         fut.set_exception(e)
             self._admit_waiting()
+            if self.before_turn is not None and (self.seqs or self.prefills):
+                self.before_turn()
             if self.prefills:
                 self._chunks()
             if self.seqs:
