@@ -188,6 +188,7 @@ def test_an_in_flight_request_shows_while_it_runs(served: Any, browser: Any) -> 
     wait_for(lambda: agents_on_page(browser), 30, "page did not load")
     prompt = f"Count from one to one hundred in words. ({time.time():.0f})"
     oai = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+
     def long_request() -> None:
         # A raw prompt that runs on: about 120 tokens at this box's decode speed.
         oai.completions.create(model=MODEL, prompt=prompt, max_tokens=120, temperature=0)
