@@ -25,10 +25,10 @@ from typing import Any
 SETTINGS: dict[str, dict[str, str]] = {
     "default": {},
     "OMP=1 OPENBLAS=1": {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"},
-    # the default before 2026-11-27: torch's OpenMP threads spin at barriers
-    "OMP_WAIT_POLICY=ACTIVE": {"OMP_WAIT_POLICY": "ACTIVE"},
+    # the default until the decode agent watched the machine: OpenBLAS on every core
+    "DISAGG_BLAS_WATCH=0": {"DISAGG_BLAS_WATCH": "0"},
 }
-CLEARED = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OMP_WAIT_POLICY")
+CLEARED = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OMP_WAIT_POLICY", "DISAGG_BLAS_WATCH")
 PROMPT = "Write a short paragraph about lighthouses."
 
 
