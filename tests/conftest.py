@@ -20,6 +20,10 @@ from typing import Any
 
 import pytest
 
+# First, before anything loads mlx: the mlx references computed in this process run
+# on OpenBLAS as the decode agent does, not on mlx's Linux wheel's reference BLAS
+# (a 1,353-token SmolLM2 reference took 89 s on it).
+import agents.runtime.fastblas  # noqa: F401
 from disagg.serving import wireclient as client
 from disagg.serving.defaultmodel import ensure_default_model
 from disagg.serving.localagents import AgentProc, free_port, spawn_agent, stop_agents

@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,10 +20,10 @@ from agents.wire.channel import recv_frame, recv_json, send_json
 from agents.wire.frames import Frame
 from agents.wire.kvcodec import DTYPE_NAMES, Codec, Kind, LayerKV
 from disagg.serving.localagents import AgentProc
-from tests.conftest import ask, log_since, log_size, remote_request
+from tests.conftest import PairFactory, ask, log_since, log_size, remote_request
 
-STALL_S = 60.0  # the agents' default --kv-stall-timeout (agents/prefill.py KV_STALL_S)
-CEILING_S = 40.0  # hang guard for the short prefill: inside the stuck peer's deadline
+STALL_S = 20.0  # the prefill agent's --kv-stall-timeout here (its default is 60 s)
+CEILING_S = 15.0  # hang guard for the short prefill: inside the stuck peer's deadline
 
 
 # --- the queue's order, no timing ---------------------------------------------
@@ -218,8 +219,9 @@ def test_the_sender_frames_a_layer_early_without_reading_its_bytes(codec: Codec)
 
 
 @pytest.fixture(scope="module")
-def agents(smol_agents: tuple[AgentProc, AgentProc]) -> tuple[AgentProc, AgentProc]:
-    return smol_agents
+def agents(default_model: Path, agent_pair: PairFactory) -> tuple[AgentProc, AgentProc]:
+    # A stall deadline of 20 s, not the default 60 s the test would wait out.
+    return agent_pair(default_model, prefill_args=["--kv-stall-timeout", str(int(STALL_S))])
 
 
 def peers_stalled(prefill: AgentProc) -> float:
