@@ -16,7 +16,8 @@ import openai
 import pytest
 import torch
 
-from agents.prefill.embed import pool, pooling_of
+from agents.models.pooling import pooling_of
+from agents.prefill.embed import pool
 from disagg.serving.embed import cut
 from tests.conftest import start_serve
 
@@ -30,16 +31,20 @@ def norm(v: list[float]) -> float:
 # ---- pooling rules (fast) -----------------------------------------------------------------
 
 
-def test_pooling_from_the_checkpoint(tmp_path: Path) -> None:
-    assert pooling_of(tmp_path) == "mean"  # no sentence-transformers config
-    (tmp_path / "modules.json").write_text(
+def declare_pooling(model_dir: Path, **modes: bool) -> None:
+    """Write sentence-transformers' pooling files into `model_dir`."""
+    (model_dir / "modules.json").write_text(
         json.dumps(
             [{"idx": 1, "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
         )
     )
-    (tmp_path / "1_Pooling").mkdir()
-    cfg = {"pooling_mode_lasttoken": True, "pooling_mode_mean_tokens": False}
-    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(cfg))
+    (model_dir / "1_Pooling").mkdir(exist_ok=True)
+    (model_dir / "1_Pooling" / "config.json").write_text(json.dumps(modes))
+
+
+def test_pooling_from_the_checkpoint(tmp_path: Path) -> None:
+    assert pooling_of(tmp_path) == "mean"  # no sentence-transformers config
+    declare_pooling(tmp_path, pooling_mode_lasttoken=True, pooling_mode_mean_tokens=False)
     assert pooling_of(tmp_path) == "last"  # as Qwen3-Embedding ships it
     cfg = {"pooling_mode_cls_token": True}
     (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(cfg))
@@ -64,6 +69,7 @@ def url(
 ) -> Iterator[str]:
     root = tmp_path_factory.mktemp("embed-serve")
     tiny = shutil.copytree(tiny_model("qwen3", 0), root / TINY)
+    declare_pooling(tiny, pooling_mode_lasttoken=True)  # an embedding model, as Qwen3-Embedding
     proc, port = start_serve("-m", str(tiny), "-m", str(default_model), log_path=root / "serve.log")
     yield f"http://127.0.0.1:{port}"
     proc.terminate()
@@ -95,6 +101,15 @@ def test_ollama_embed(url: str, default_model: Path) -> None:
     legacy = c.embeddings(model=TINY, prompt="The capital of France is Paris.")
     first = c.embed(model=TINY, input="The capital of France is Paris.")
     assert list(legacy.embedding) == list(first.embeddings[0])
+
+
+@pytest.mark.slow
+def test_show_says_embedding_where_the_checkpoint_declares_its_pooling(
+    url: str, default_model: Path
+) -> None:
+    c = ollama.Client(host=url, timeout=300)
+    assert "embedding" in (c.show(TINY).capabilities or [])
+    assert "embedding" not in (c.show(default_model.name).capabilities or [])
 
 
 @pytest.mark.slow

@@ -49,6 +49,7 @@ from agents.decode.prefixcache import DecodePrefix, Hit, Recording, Span
 from agents.decode.prefixstore import PendingStore
 from agents.decode.upfront import client_gone, max_token_bytes, too_long
 from agents.models import get_adapter, load_hf_config
+from agents.models.pooling import pooling_config
 from agents.prefix.store import default_max_mb
 from agents.quant import check_supported, weights_identity
 from agents.runtime.blasshare import BlasShare
@@ -184,6 +185,8 @@ class DecodeEngine:
         }
         if self.chat.fim is not None:
             info["fim_tokens"] = tok.convert_ids_to_tokens(list(self.chat.fim))
+        if pooling_config(self.model_dir) is not None:  # an embedding model's checkpoint
+            info["capabilities"] = [*info["capabilities"], "embedding"]
         return info
 
     def is_chat(self, req: GenerateRequest) -> bool:

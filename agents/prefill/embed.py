@@ -1,50 +1,25 @@
 """Embeddings on the prefill agent: the prompt's forward pass without any K/V
 transfer, its last hidden states pooled into one L2-normalized vector per text.
 
-Pooling comes from the checkpoint: sentence-transformers' pooling config
-(`modules.json` -> `1_Pooling/config.json`: last token, CLS, max or mean), which
-Qwen3-Embedding-style checkpoints carry as last-token; mean over the tokens
-otherwise. A client asks with a HELLO of role "embed" (no fingerprint: nothing it
-receives depends on another agent's cache layout), then EMBED frames.
+Pooling comes from the checkpoint (agents/models/pooling.py): sentence-transformers'
+pooling config where it has one, mean over the tokens otherwise. A client asks with
+a HELLO of role "embed" (no fingerprint: nothing it receives depends on another
+agent's cache layout), then EMBED frames.
 """
 
 from __future__ import annotations
 
-import json
 import socket
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from agents.models.pooling import pooling_of
 from agents.wire.channel import recv_json, send_error, send_json
 from agents.wire.frames import Frame, ProtocolError, RemoteError
 
-POOLINGS = {
-    "pooling_mode_lasttoken": "last",
-    "pooling_mode_cls_token": "cls",
-    "pooling_mode_max_tokens": "max",
-    "pooling_mode_mean_tokens": "mean",
-}
 INPUTS_MAX = 512  # texts per EMBED
 TEXT_MAX_CHARS = 1 << 20
-
-
-def pooling_of(model_dir: str | Path) -> str:
-    """The checkpoint's pooling: sentence-transformers' config where present, else mean."""
-    d = Path(model_dir)
-    config = d / "1_Pooling" / "config.json"
-    try:
-        for module in json.loads((d / "modules.json").read_text()):
-            if str(module.get("type", "")).endswith("Pooling"):
-                config = d / str(module.get("path", "1_Pooling")) / "config.json"
-    except (OSError, ValueError, AttributeError):
-        pass
-    try:
-        cfg = json.loads(config.read_text())
-    except (OSError, ValueError):
-        return "mean"
-    return next((name for key, name in POOLINGS.items() if cfg.get(key)), "mean")
 
 
 def pool(hidden: torch.Tensor, how: str) -> torch.Tensor:
