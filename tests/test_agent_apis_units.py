@@ -58,6 +58,27 @@ def test_messages_map_onto_one_chat_request() -> None:
     assert req.tool_choice == "required" and req.stop == ["END"] and req.max_tokens == 9
 
 
+def test_a_system_message_among_the_turns_joins_the_system_prompt() -> None:
+    # As Claude Code 2.1 sends it: its agent list as a system message after the first turn.
+    body = MessagesRequest.model_validate(
+        {
+            "model": "m",
+            "max_tokens": 8,
+            "system": [{"type": "text", "text": "You are an agent."}],
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "Say hi."}]},
+                {"role": "system", "content": "Available agent types: claude."},
+                {"role": "assistant", "content": "Hi."},
+                {"role": "user", "content": "Again."},
+            ],
+        }
+    )
+    chat = as_chat(body)
+    roles = [m.role for m in chat.messages]
+    assert roles == ["system", "user", "assistant", "user"], roles
+    assert chat.messages[0].content == "You are an agent.\n\nAvailable agent types: claude."
+
+
 def test_responses_items_map_onto_one_chat_request() -> None:
     body = rt.ResponsesRequest.model_validate(
         {

@@ -4,6 +4,7 @@ chat request (`types.as_chat`), so both APIs build the same GenerateRequest."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import uuid
@@ -24,6 +25,7 @@ from disagg.frontends.anthropic.types import (
     as_chat,
 )
 from disagg.frontends.guard import cache_salt
+from disagg.frontends.ollama.modelinfo import ModelInfo
 from disagg.frontends.openai import routes as oai
 from disagg.frontends.openai.types import OpenAIError
 
@@ -112,11 +114,21 @@ def request_of(request: Request, body: MessagesRequest) -> GenerateRequest:
 def routes(client: Client, workers: Executor | None = None) -> APIRouter:
     """Anthropic's endpoints, for `disagg.frontends.app.create_app` to mount."""
     api = APIRouter()
+    info = ModelInfo(client)
+
+    async def reasons(model: str) -> bool:
+        """Whether the model reasons apart (unknown: assume it does; the agent decides)."""
+        chat = (await asyncio.to_thread(info.get, model)).get("chat")
+        return not isinstance(chat, dict) or chat.get("reasoning") is not False
 
     @api.post("/v1/messages", response_model=None)
     async def messages(request: Request, body: MessagesRequest) -> Any:
         _check_model(client, body.model)
         req = request_of(request, body)
+        if req.think not in (None, False) and not await reasons(body.model):
+            # Claude Code asks every model for thinking (adaptive, effort high); one
+            # that does not reason answers without it rather than refusing the turn.
+            req = req.replace(think=None)
         rid = f"msg_{uuid.uuid4().hex[:24]}"
         try:
             result = await oai.start(client, workers, request, body.model, req, body.stream)

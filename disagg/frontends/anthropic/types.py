@@ -93,7 +93,9 @@ class OutputConfig(BaseModel):
 
 
 class InMessage(BaseModel):
-    role: Literal["user", "assistant"]
+    # "system": Claude Code sends its agent list as a system message after the first
+    # user turn; it joins the system prompt (see chat_messages).
+    role: Literal["user", "assistant", "system"]
     content: str | list[dict[str, Any]]
 
 
@@ -208,10 +210,15 @@ def _assistant(i: int, blocks: list[dict[str, Any]]) -> Message:
 def chat_messages(body: MessagesRequest | CountTokensRequest) -> list[Message]:
     """The conversation as OpenAI's chat messages (system first)."""
     out = []
-    system = system_text(body.system)
+    # System messages among the turns join the system prompt, in order: a chat
+    # template may take a system message only first, and they instruct as it does.
+    later = [system_text(m.content) for m in body.messages if m.role == "system"]
+    system = "\n\n".join(t for t in [system_text(body.system), *later] if t)
     if system:
         out.append(Message(role="system", content=system))
     for i, m in enumerate(body.messages):
+        if m.role == "system":
+            continue
         if isinstance(m.content, str):
             out.append(Message(role=m.role, content=m.content))
         elif m.role == "user":

@@ -1,0 +1,125 @@
+"""The real agent CLIs from npm, one headless turn each against `disagg serve
+--local`: OpenAI's Codex (`codex exec`, a custom provider on /v1/responses) and
+Anthropic's Claude Code (`claude -p`, ANTHROPIC_BASE_URL at the gateway). The model
+is a tiny random qwen3-coder whose context holds their ~3k- and ~46k-token prompts;
+it never stops on its own, so each turn ends on its token limit, which each CLI
+reports in its own words (it read the whole answer and its end reason). Claude
+Code's later requests find its prompt in the prefix cache: its billing header's
+per-request nonce stays out of the cache key.
+
+`.ci/run` installs the CLIs into .ci/node (npm, pinned versions); elsewhere set
+DISAGG_AGENT_CLIS to a node_modules/.bin holding `codex` and `claude`."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import start_serve
+from tests.tinymodels import tiny_checkpoint
+
+pytestmark = pytest.mark.slow
+
+BIN = Path(
+    os.environ.get(
+        "DISAGG_AGENT_CLIS", Path(__file__).resolve().parent.parent / ".ci/node/node_modules/.bin"
+    )
+)
+needs_clis = pytest.mark.skipif(
+    not ((BIN / "codex").exists() and (BIN / "claude").exists()),
+    reason=f"no codex and claude in {BIN} (.ci/run installs them with npm)",
+)
+QUIET = {  # nothing but the gateway: no telemetry, updates or login checks
+    "DISABLE_TELEMETRY": "1",
+    "DISABLE_AUTOUPDATER": "1",
+    "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, Path]]:
+    """(base URL, model name, serve log) of a `disagg serve --local` process."""
+    model = tiny_checkpoint("qwen3", 0, chat="qwen3_coder", max_position_embeddings=131072)
+    log = tmp_path_factory.mktemp("clis") / "serve.log"
+    proc, port = start_serve("-m", str(model), log_path=log)
+    yield f"http://127.0.0.1:{port}", model.name, log
+    proc.terminate()
+    try:
+        proc.wait(120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def run(cmd: list[str], env: dict[str, str], cwd: Path) -> str:
+    done = subprocess.run(
+        cmd,
+        env={**os.environ, **QUIET, **env},
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
+    return done.stdout + done.stderr
+
+
+def requests_logged(log: Path) -> list[tuple[int, int]]:
+    """(prompt tokens, cached) of each request the gateway logged."""
+    pattern = r" request \d+ .* (\d+) prompt \((\d+) cached\)"
+    return [(int(a), int(b)) for a, b in re.findall(pattern, log.read_text())]
+
+
+@needs_clis
+def test_codex_exec_runs_a_turn_over_the_responses_api(
+    served: tuple[str, str, Path], tmp_path: Path
+) -> None:
+    url, model, log = served
+    home = tmp_path / "codex"
+    home.mkdir()
+    (home / "config.toml").write_text(
+        f'model = "{model}"\nmodel_provider = "disagg"\n'
+        f'[model_providers.disagg]\nname = "disagg"\nbase_url = "{url}/v1"\n'
+        'wire_api = "responses"\nenv_key = "DISAGG_KEY"\n'
+    )
+    before = len(requests_logged(log))
+    said = run(
+        [str(BIN / "codex"), "exec", "--skip-git-repo-check", "Say hi."],
+        {"CODEX_HOME": str(home), "DISAGG_KEY": "unused"},
+        tmp_path,
+    )
+    assert "Incomplete response returned, reason: max_output_tokens" in said, said
+    assert "tokens used" in said, said  # it read the usage of response.incomplete
+    seen = requests_logged(log)[before:]
+    assert seen and seen[0][0] > 1000, seen  # Codex's own prompt and tools, rendered
+
+
+@needs_clis
+def test_claude_code_runs_a_turn_over_the_messages_api(
+    served: tuple[str, str, Path], tmp_path: Path
+) -> None:
+    url, model, log = served
+    before = len(requests_logged(log))
+    said = run(
+        [str(BIN / "claude"), "-p", "Say hi.", "--model", model],
+        {
+            "ANTHROPIC_BASE_URL": url,
+            "ANTHROPIC_API_KEY": "unused",
+            "ANTHROPIC_MODEL": model,
+            "ANTHROPIC_SMALL_FAST_MODEL": model,
+            "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "32",
+            "HOME": str(tmp_path),
+        },
+        tmp_path,
+    )
+    # Claude Code's words for a message that ended on stop_reason max_tokens.
+    assert "exceeded the 32 output token maximum" in said, said
+    seen = requests_logged(log)[before:]
+    assert seen and seen[0][0] > 10_000, seen  # its system prompt, tools and agents
+    # It tries again with the same long prefix: found in the cache, nonce or not.
+    assert len(seen) >= 2 and seen[1][1] >= 0.9 * seen[0][0], seen
