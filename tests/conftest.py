@@ -32,6 +32,7 @@ from tests.gateways import Gateways
 from tests.tinymodels import PROMPT, tiny_checkpoint
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+pytest_plugins = ["tests.ordering"]  # story modules keep their order under a shuffle
 
 # Fixtures that start processes (agents, `disagg serve`, a Python): a test using
 # any of them, directly or through another fixture, is marked `slow`.
@@ -45,27 +46,11 @@ PROCESS_FIXTURES = {
 }
 
 
-@pytest.hookimpl(trylast=True)  # after pytest-randomly's shuffle (`-p randomly`)
+# Before `-m` deselects (this hook runs ahead of pytest's own): marks decide the tiers.
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
-    keep_stories_in_order(items)
-
-
-def keep_stories_in_order(items: list[pytest.Item]) -> None:
-    """A module that is one story (`ORDERED = True`: the test bed kills agents, then
-    opens a leak window over the faults that follow, then restarts the fleet) keeps
-    its tests in file order wherever a shuffle puts the module."""
-    at: dict[Any, list[int]] = {}
-    for i, item in enumerate(items):
-        module = getattr(item, "module", None)
-        if getattr(module, "ORDERED", False):
-            at.setdefault(module, []).append(i)
-    for places in at.values():
-        story = sorted((items[i] for i in places), key=lambda it: it.reportinfo()[1] or 0)
-        for i, item in zip(places, story, strict=True):
-            items[i] = item
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
