@@ -196,8 +196,14 @@ def test_a_chats_later_turns_stay_on_its_busier_agent_and_hit_its_cache(
     def turn(messages: list[dict[str, Any]]) -> GenerateRequest:
         # A tenant of its own: the shared agents' caches hold other tests' chat
         # templates, and this chat's first turn must find nothing.
+        # Remote asked for: the pooled agents' placement has learned from earlier tests
+        # (the decode agent's prefix hit applies either way).
         return GenerateRequest(
-            messages=list(messages), max_tokens=16, return_prompt_ids=True, cache_salt="affinity"
+            messages=list(messages),
+            max_tokens=16,
+            return_prompt_ids=True,
+            cache_salt="affinity",
+            placement="remote",
         )
 
     messages: list[dict[str, Any]] = [{"role": "user", "content": TURNS[0]}]

@@ -21,7 +21,10 @@ PROMPT = "What is the capital of France?"
 @pytest.mark.parametrize("name", DIRS)
 def test_generate_local_runs_on_a_quantized_dir(cli_local: Cli, name: str) -> None:
     model = str(quant_dir(name))
-    proc = cli_local("generate", "--local", "-m", model, "-n", "12", "--json", PROMPT)
+    # Remote asked for: the pooled agents' placement has learned from earlier tests.
+    proc = cli_local(
+        "generate", "--local", "-m", model, "-n", "12", "--json", "--placement", "remote", PROMPT
+    )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["metrics"]["method"] == "disaggregated" and out["metrics"]["weights"] == "same"
