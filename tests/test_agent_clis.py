@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import start_serve
+from tests.conftest import start_serve, stop_serve
 from tests.tinymodels import tiny_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -48,12 +48,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str,
     log = tmp_path_factory.mktemp("clis") / "serve.log"
     proc, port = start_serve("-m", str(model), log_path=log)
     yield f"http://127.0.0.1:{port}", model.name, log
-    proc.terminate()
-    try:
-        proc.wait(120)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop_serve(proc)
 
 
 def run(cmd: list[str], env: dict[str, str], cwd: Path) -> str:

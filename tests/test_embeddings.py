@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import torch
 from agents.models.pooling import pooling_of
 from agents.prefill.embed import pool
 from disagg.serving.embed import cut
-from tests.conftest import start_serve
+from tests.conftest import start_serve, stop_serve
 
 TINY = "tiny-qwen3"
 
@@ -72,12 +71,7 @@ def url(
     declare_pooling(tiny, pooling_mode_lasttoken=True)  # an embedding model, as Qwen3-Embedding
     proc, port = start_serve("-m", str(tiny), "-m", str(default_model), log_path=root / "serve.log")
     yield f"http://127.0.0.1:{port}"
-    proc.terminate()
-    try:
-        proc.wait(120)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop_serve(proc)
 
 
 @pytest.mark.slow
