@@ -2,10 +2,11 @@
 --local`: OpenAI's Codex (`codex exec`, a custom provider on /v1/responses) and
 Anthropic's Claude Code (`claude -p`, ANTHROPIC_BASE_URL at the gateway). The model
 is a tiny random qwen3-coder whose context holds their ~3k- and ~46k-token prompts;
-it never stops on its own, so each turn ends on its token limit, which each CLI
-reports in its own words (it read the whole answer and its end reason). Claude
-Code's later requests find its prompt in the prefix cache: its billing header's
-per-request nonce stays out of the cache key.
+it rarely stops on its own, so a turn mostly ends on its token limit, which each CLI
+reports in its own words (it read the whole answer and its end reason), unless
+the model happens to write its end token first. A second Claude Code session finds
+its prompt in the prefix cache: the billing header's per-request nonce stays out of
+the cache key.
 
 `.ci/run` installs the CLIs into .ci/node (npm, pinned versions); elsewhere set
 DISAGG_AGENT_CLIS to a node_modules/.bin holding `codex` and `claude`."""
@@ -51,7 +52,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str,
     stop_serve(proc)
 
 
-def run(cmd: list[str], env: dict[str, str], cwd: Path) -> str:
+def run(cmd: list[str], env: dict[str, str], cwd: Path) -> tuple[int, str]:
     done = subprocess.run(
         cmd,
         env={**os.environ, **QUIET, **env},
@@ -61,7 +62,7 @@ def run(cmd: list[str], env: dict[str, str], cwd: Path) -> str:
         timeout=300,
         stdin=subprocess.DEVNULL,
     )
-    return done.stdout + done.stderr
+    return done.returncode, done.stdout + done.stderr
 
 
 def requests_logged(log: Path) -> list[tuple[int, int]]:
@@ -83,13 +84,15 @@ def test_codex_exec_runs_a_turn_over_the_responses_api(
         'wire_api = "responses"\nenv_key = "DISAGG_KEY"\n'
     )
     before = len(requests_logged(log))
-    said = run(
+    rc, said = run(
         [str(BIN / "codex"), "exec", "--skip-git-repo-check", "Say hi."],
         {"CODEX_HOME": str(home), "DISAGG_KEY": "unused"},
         tmp_path,
     )
-    assert "Incomplete response returned, reason: max_output_tokens" in said, said
-    assert "tokens used" in said, said  # it read the usage of response.incomplete
+    # The random model stops where it happens to write its end token, or at the limit.
+    cut = "Incomplete response returned, reason: max_output_tokens" in said
+    assert cut or rc == 0, said
+    assert "tokens used" in said, said  # it read the usage of the final event
     seen = requests_logged(log)[before:]
     assert seen and seen[0][0] > 1000, seen  # Codex's own prompt and tools, rendered
 
@@ -99,22 +102,24 @@ def test_claude_code_runs_a_turn_over_the_messages_api(
     served: tuple[str, str, Path], tmp_path: Path
 ) -> None:
     url, model, log = served
-    before = len(requests_logged(log))
-    said = run(
-        [str(BIN / "claude"), "-p", "Say hi.", "--model", model],
-        {
-            "ANTHROPIC_BASE_URL": url,
-            "ANTHROPIC_API_KEY": "unused",
-            "ANTHROPIC_MODEL": model,
-            "ANTHROPIC_SMALL_FAST_MODEL": model,
-            "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "32",
-            "HOME": str(tmp_path),
-        },
-        tmp_path,
-    )
-    # Claude Code's words for a message that ended on stop_reason max_tokens.
-    assert "exceeded the 32 output token maximum" in said, said
-    seen = requests_logged(log)[before:]
-    assert seen and seen[0][0] > 10_000, seen  # its system prompt, tools and agents
-    # It tries again with the same long prefix: found in the cache, nonce or not.
-    assert len(seen) >= 2 and seen[1][1] >= 0.9 * seen[0][0], seen
+    env = {
+        "ANTHROPIC_BASE_URL": url,
+        "ANTHROPIC_API_KEY": "unused",
+        "ANTHROPIC_MODEL": model,
+        "ANTHROPIC_SMALL_FAST_MODEL": model,
+        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "32",
+        "HOME": str(tmp_path),
+    }
+    turns = []
+    for _ in range(2):
+        before = len(requests_logged(log))
+        rc, said = run([str(BIN / "claude"), "-p", "Say hi.", "--model", model], env, tmp_path)
+        # The random model stops where it writes its end token (rc 0, its text), or
+        # Claude Code's words for a message that ended on stop_reason max_tokens.
+        cut = "exceeded the 32 output token maximum" in said
+        assert cut or (rc == 0 and "API Error" not in said and said.strip()), said
+        turns.append(requests_logged(log)[before:])
+    first, second = turns[0][0], turns[1][0]
+    assert first[0] > 10_000, turns  # its system prompt, tools and agents
+    # The second session's prompt is found in the cache: the nonce stays out of the key.
+    assert second[1] >= 0.9 * second[0], turns
