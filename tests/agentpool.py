@@ -29,19 +29,23 @@ from disagg.serving import localagents
 from disagg.serving.localagents import AgentProc, make_token_file, stop_agents
 
 # Idle pooled sets may hold this much resident memory (the box has 24 GiB, shared).
-IDLE_BUDGET_BYTES = int(float(os.environ.get("DISAGG_TEST_POOL_GB", "6")) * (1 << 30))
+IDLE_BUDGET_BYTES = int(float(os.environ.get("DISAGG_TEST_POOL_GB", "9")) * (1 << 30))
 
 # What this session started, by kind: "pooled" and "fresh" agent sets, "in-process"
 # (a set the code under test started itself: a bench, the API's Client.local),
 # "serve" (a `disagg serve --local` process's own agents, one set per model), "cli"
 # (the same for a `disagg ... --local` run), "single" (one agent on its own).
 STARTS: Counter[str] = Counter()
+# Each start as (kind, what, the test running when it began): where they come from.
+STARTED: list[tuple[str, str, str]] = []
+CURRENT_TEST = ""  # set by conftest before each test's setup
 _KIND = contextvars.ContextVar("kind", default="in-process")
 
 
-def count_start(kind: str, n: int = 1) -> None:
+def count_start(kind: str, n: int = 1, what: str = "") -> None:
     if n:
         STARTS[kind] += n
+        STARTED.extend([(kind, what, CURRENT_TEST)] * n)
 
 
 @contextmanager
@@ -57,7 +61,11 @@ _real_start = localagents.start_local_agents
 
 
 def _counted_start(*args: Any, **kw: Any) -> tuple[AgentProc, list[AgentProc]]:
-    count_start(_KIND.get())
+    count_start(
+        _KIND.get(),
+        what=f"{Path(args[0]).name} {kw.get('prefill_args', ())} "
+        f"{kw.get('decode_args', ())} x{kw.get('n_decode', 1)}",
+    )
     return _real_start(*args, **kw)
 
 
@@ -210,7 +218,7 @@ class AgentPool:
             and all(a.alive() for a in idle.agents)
         ):
             del self.sets[key]
-            count_start("taken over")
+            count_start("taken over", what=key.describe())
             return idle
         with starting("fresh"):
             return self._start(key, log_dir, token_file)
@@ -226,7 +234,7 @@ class AgentPool:
             held -= oldest.rss_bytes()
             del self.sets[oldest.key]
             stop_agents(oldest.agents)
-            count_start("evicted")
+            count_start("evicted", what=oldest.key.describe())
 
     def close(self) -> None:
         stop_agents([a for s in self.sets.values() for a in s.agents])

@@ -53,6 +53,8 @@ for _name in LOGGERS:
     logging.getLogger(_name).addHandler(RECORDING)
 for _name in ("asyncio", "uvicorn.error"):  # as disagg.frontends.limits.serve
     logging.getLogger(_name).addFilter(OncePer())
+for _name in ("disagg.requests", "disagg.agents"):  # the lines `disagg serve` shows
+    logging.getLogger(_name).setLevel(logging.INFO)
 
 
 @dataclass(frozen=True)

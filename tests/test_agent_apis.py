@@ -1,4 +1,4 @@
-"""The APIs agent CLIs speak, through a real `disagg serve` and the official SDKs:
+"""The APIs agent CLIs speak, through `disagg serve`'s app and the official SDKs:
 Anthropic's Messages API (Claude Code) and OpenAI's Responses API (Codex), on tiny
 random-weight models whose tokenizers speak harmony and Qwen3-Coder's format, and on
 SmolLM2. With random weights the text is noise: what is checked is the shape, and
@@ -7,8 +7,6 @@ what a constraint makes valid by construction."""
 from __future__ import annotations
 
 import json
-import shutil
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +16,10 @@ import openai
 import pytest
 from openai.types.responses import ResponseTextDeltaEvent
 
-from tests.conftest import start_serve, stop_serve
+from tests.agentpool import AgentSet
+from tests.conftest import PairFactory
+from tests.gateways import Gateways
+from tests.tinymodels import shared_tiny
 
 pytestmark = pytest.mark.slow
 
@@ -38,17 +39,16 @@ SYSTEM = (
 
 @pytest.fixture(scope="module")
 def serve(
-    tiny_model: Callable[..., Path], default_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[str, str]]:
-    """The gateway's URL and SmolLM2's model name."""
-    root = tmp_path_factory.mktemp("agentapis-serve")
-    args = ["-m", str(default_model)]
-    for name, arch, chat in ((HARMONY, "gpt_oss", "harmony"), (CODER, "qwen3", "qwen3_coder")):
-        args += ["-m", str(shutil.copytree(tiny_model(arch, 0, chat=chat), root / name))]
-    env = {"DISAGG_API_KEY": KEY}
-    proc, port = start_serve(*args, log_path=root / "serve.log", env=env)
-    yield f"http://127.0.0.1:{port}", default_model.name
-    stop_serve(proc)
+    agent_pair: PairFactory, smol_set: AgentSet, gateways: Gateways, default_model: Path
+) -> tuple[str, str]:
+    """The gateway's URL and SmolLM2's model name: `disagg serve`'s app in this
+    process over the pooled agents of the three models, keyed."""
+    sets = {
+        default_model.name: smol_set,
+        HARMONY: agent_pair.set(shared_tiny("gpt_oss")),
+        CODER: agent_pair.set(shared_tiny("qwen3_coder")),
+    }
+    return gateways.get(sets, api_keys=[KEY]).url, default_model.name
 
 
 @pytest.fixture(scope="module")

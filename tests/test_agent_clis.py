@@ -1,5 +1,5 @@
-"""The real agent CLIs from npm, one headless turn each against `disagg serve
---local`: OpenAI's Codex (`codex exec`, a custom provider on /v1/responses) and
+"""The real agent CLIs from npm, one headless turn each against `disagg serve`'s
+app over real agents: OpenAI's Codex (`codex exec`, a custom provider on /v1/responses) and
 Anthropic's Claude Code (`claude -p`, ANTHROPIC_BASE_URL at the gateway). The model
 is a tiny random qwen3-coder whose context holds their ~3k- and ~46k-token prompts;
 it rarely stops on its own, so a turn mostly ends on its token limit, which each CLI
@@ -16,13 +16,13 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import start_serve, stop_serve
-from tests.tinymodels import tiny_checkpoint
+from tests.conftest import PairFactory
+from tests.gateways import Gateway, Gateways
+from tests.tinymodels import shared_tiny
 
 pytestmark = pytest.mark.slow
 
@@ -43,13 +43,12 @@ QUIET = {  # nothing but the gateway: no telemetry, updates or login checks
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, Path]]:
-    """(base URL, model name, serve log) of a `disagg serve --local` process."""
-    model = tiny_checkpoint("qwen3", 0, chat="qwen3_coder", max_position_embeddings=131072)
-    log = tmp_path_factory.mktemp("clis") / "serve.log"
-    proc, port = start_serve("-m", str(model), log_path=log)
-    yield f"http://127.0.0.1:{port}", model.name, log
-    stop_serve(proc)
+def served(agent_pair: PairFactory, gateways: Gateways) -> tuple[str, str, Gateway]:
+    """(base URL, model name, gateway): `disagg serve`'s app in this process over the
+    pooled agents of the tiny qwen3-coder."""
+    model = "tiny-qwen3-coder"
+    gateway = gateways.get({model: agent_pair.set(shared_tiny("qwen3_coder"))})
+    return gateway.url, model, gateway
 
 
 def run(cmd: list[str], env: dict[str, str], cwd: Path) -> tuple[int, str]:
@@ -65,15 +64,15 @@ def run(cmd: list[str], env: dict[str, str], cwd: Path) -> tuple[int, str]:
     return done.returncode, done.stdout + done.stderr
 
 
-def requests_logged(log: Path) -> list[tuple[int, int]]:
-    """(prompt tokens, cached) of each request the gateway logged."""
+def requests_logged(gateway: Gateway) -> list[tuple[int, int]]:
+    """(prompt tokens, cached) of each request the gateways logged."""
     pattern = r" request \d+ .* (\d+) prompt \((\d+) cached\)"
-    return [(int(a), int(b)) for a, b in re.findall(pattern, log.read_text())]
+    return [(int(a), int(b)) for a, b in re.findall(pattern, gateway.log())]
 
 
 @needs_clis
 def test_codex_exec_runs_a_turn_over_the_responses_api(
-    served: tuple[str, str, Path], tmp_path: Path
+    served: tuple[str, str, Gateway], tmp_path: Path
 ) -> None:
     url, model, log = served
     home = tmp_path / "codex"
@@ -99,7 +98,7 @@ def test_codex_exec_runs_a_turn_over_the_responses_api(
 
 @needs_clis
 def test_claude_code_runs_a_turn_over_the_messages_api(
-    served: tuple[str, str, Path], tmp_path: Path
+    served: tuple[str, str, Gateway], tmp_path: Path
 ) -> None:
     url, model, log = served
     env = {

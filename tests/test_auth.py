@@ -180,9 +180,14 @@ def test_a_token_file_others_can_read_is_refused(
         wait_ready("decode", proc, log, name, timeout_s=60)
 
 
-def test_agents_bind_only_the_addresses_they_are_given(tiny_dir: Path, spawn: Spawn) -> None:
-    proc, log, name = spawn("prefill", tiny_dir, host="127.0.0.2")
-    agent = wait_ready("prefill", proc, log, name, timeout_s=120)
-    socket.create_connection(("127.0.0.2", agent.port), timeout=2).close()
-    with pytest.raises(ConnectionRefusedError):
-        socket.create_connection(("127.0.0.1", agent.port), timeout=2)
+def test_agents_bind_only_the_addresses_they_are_given(
+    pair: tuple[AgentProc, AgentProc],
+) -> None:
+    """Given `--host 127.0.0.1` (as every local agent is), each port of both agents
+    answers there and nowhere else on loopback's /8 (127.0.0.2 is this machine too)."""
+    for agent in pair:
+        assert agent.host == "127.0.0.1"
+        for port in (agent.port, agent.control_port):
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection(("127.0.0.2", port), timeout=2)

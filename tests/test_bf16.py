@@ -10,7 +10,7 @@ import pytest
 
 from agents.wire.kvcodec import DType, LayerKV, decode_layer, encode_layer
 from disagg.serving.localagents import AgentProc
-from tests.conftest import PairFactory, ask, remote_request
+from tests.conftest import SMOL_BF16, PairFactory, ask, remote_request
 
 from .references import mlx_greedy
 
@@ -21,7 +21,7 @@ N_NEW = 24
 
 @pytest.fixture(scope="module")
 def bf16_agents(default_model: Path, agent_pair: PairFactory) -> tuple[AgentProc, AgentProc]:
-    return agent_pair(default_model, dtype="bfloat16")
+    return agent_pair(default_model, **SMOL_BF16)
 
 
 def test_bf16_run_equals_mlx_continued_from_the_same_kv(

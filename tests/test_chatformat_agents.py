@@ -60,8 +60,8 @@ def test_harmony_markup_never_reaches_text(
 def test_fim_prompt_from_the_tokenizer(
     agent_pair: PairFactory, tiny_model: Callable[..., Path]
 ) -> None:
-    _, decode = agent_pair("qwen3", config={"chat": "qwen3_coder"})
-    tok = AutoTokenizer.from_pretrained(tiny_model("qwen3", 0, chat="qwen3_coder"))
+    _, decode = agent_pair(shared_tiny("qwen3_coder"))
+    tok = AutoTokenizer.from_pretrained(shared_tiny("qwen3_coder"))
     assert "insert" in decode.status()["chat"]["capabilities"]
     prefix, suffix = "def add(a, b):\n    return ", "\n\nprint(add(2, 3))"
     result = ask(

@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field
 
 from tests.conftest import PairFactory
 from tests.gateways import Gateways
+from tests.tinymodels import shared_tiny
 
 pytestmark = pytest.mark.slow
 
@@ -70,12 +71,8 @@ TIME: Any = {
 @pytest.fixture(scope="module")
 def url(agent_pair: PairFactory, gateways: Gateways) -> str:
     sets = {
-        name: agent_pair.set(arch, seed=0, config={"chat": chat})
-        for name, arch, chat in (
-            (HARMONY, "gpt_oss", "harmony"),
-            (QWEN, "qwen3", "qwen3"),
-            (CODER, "qwen3", "qwen3_coder"),
-        )
+        name: agent_pair.set(shared_tiny(tiny))
+        for name, tiny in ((HARMONY, "gpt_oss"), (QWEN, "qwen3"), (CODER, "qwen3_coder"))
     }
     return gateways.get(sets).url
 

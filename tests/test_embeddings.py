@@ -1,4 +1,4 @@
-"""Embeddings through a real `disagg serve`, computed by the prefill agent: the
+"""Embeddings through `disagg serve`'s app over real agents, computed by the prefill agent: the
 official `ollama` and `openai` clients and LangChain's OllamaEmbeddings. Pooling
 rules are unit-tested on plain files."""
 
@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import ollama
@@ -18,7 +17,10 @@ import torch
 from agents.models.pooling import pooling_of
 from agents.prefill.embed import pool
 from disagg.serving.embed import cut
-from tests.conftest import start_serve, stop_serve
+from tests.agentpool import AgentSet
+from tests.conftest import PairFactory
+from tests.gateways import Gateways
+from tests.tinymodels import shared_tiny
 
 TINY = "tiny-qwen3"
 
@@ -64,14 +66,19 @@ def test_pool_and_cut_are_normalized() -> None:
 
 @pytest.fixture(scope="module")
 def url(
-    tiny_model: Callable[..., Path], default_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[str]:
+    agent_pair: PairFactory,
+    smol_set: AgentSet,
+    gateways: Gateways,
+    default_model: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> str:
+    """`disagg serve`'s app in this process over pooled agents: a tiny qwen3 that
+    declares last-token pooling (as Qwen3-Embedding ships) and SmolLM2."""
     root = tmp_path_factory.mktemp("embed-serve")
-    tiny = shutil.copytree(tiny_model("qwen3", 0), root / TINY)
-    declare_pooling(tiny, pooling_mode_lasttoken=True)  # an embedding model, as Qwen3-Embedding
-    proc, port = start_serve("-m", str(tiny), "-m", str(default_model), log_path=root / "serve.log")
-    yield f"http://127.0.0.1:{port}"
-    stop_serve(proc)
+    tiny = shutil.copytree(shared_tiny("qwen3"), root / TINY)
+    declare_pooling(tiny, pooling_mode_lasttoken=True)
+    sets = {TINY: agent_pair.set(tiny), default_model.name: smol_set}
+    return gateways.get(sets).url
 
 
 @pytest.mark.slow

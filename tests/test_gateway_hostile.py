@@ -1,12 +1,13 @@
-"""A security review's findings at a real gateway: `disagg serve --local` as a process
-(the process itself is under test), started under a 64-file soft limit as the review's
-was, with two API keys (two tenants). Cross-tenant prefix-cache probes, metrics
-internals, 200 silent sockets and a header trickler, a body in 1-byte pieces, and the
-key checks. Figures are printed for docs/reliability.md."""
+"""A security review's findings at a real gateway: `disagg serve` as a process (the
+process itself is under test; a fleet's, over pooled agents an inventory names),
+started under a 64-file soft limit as the review's was, with two API keys (two
+tenants). Cross-tenant prefix-cache probes, metrics internals, 200 silent sockets
+and a header trickler, a body in 1-byte pieces, and the key checks. Figures are printed for docs/reliability.md."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import resource
 import signal
 import socket
@@ -22,7 +23,7 @@ import httpx
 import pytest
 
 from disagg.frontends.guard import Guard
-from tests.agentpool import count_start
+from tests.agentpool import AgentPool, AgentSet
 from tests.conftest import Cli, DisaggProcess, PythonProcess, free_port
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
@@ -36,29 +37,70 @@ SECRET = " ".join(["Note to self: the staging database password is hunter2-Q7."]
 GUESS = SECRET.replace("hunter2-Q7", "letmein-X1")
 
 
+def fleet_inventory(d: Path, agents: AgentSet, model: Path) -> Path:
+    """An inventory whose one pipeline is these (pooled) agents on this machine."""
+    p, dec = agents.prefill, agents.decodes[0]
+    path = d / "inventory.toml"
+    path.write_text(
+        f"""
+[ssh]
+config = ""
+known_hosts = "{d}/known_hosts"
+
+[hosts.p]
+ssh = "127.0.0.1"
+data = ["127.0.0.1"]
+roles = ["prefill"]
+prefill = {{ port = {p.port}, control_port = {p.control_port} }}
+
+[hosts.d]
+ssh = "127.0.0.1"
+data = ["127.0.0.1"]
+roles = ["decode"]
+decode = {{ port = {dec.port}, control_port = {dec.control_port} }}
+
+[pipelines.{model.name}]
+prefill = ["p"]
+decode = ["d"]
+prefill_model = "{model}"
+decode_model = "{model}"
+"""
+    )
+    return path
+
+
 @pytest.fixture(scope="module")
 def gateway(
-    tmp_path_factory: pytest.TempPathFactory, python_process: PythonProcess
+    tmp_path_factory: pytest.TempPathFactory,
+    python_process: PythonProcess,
+    smol_set: AgentSet,
+    agent_pool: AgentPool,
+    default_model: Path,
 ) -> Iterator[tuple[str, Path]]:
-    # A process of its own: its open-files limit, and its own agents, are under test.
+    # A process of its own (its open-files limit is under test), a fleet's gateway
+    # over the pooled SmolLM2 agents as over an inventory's.
     d = tmp_path_factory.mktemp("gw")
     keys = d / "keys"
     keys.write_text("# one key per tenant\n" + "".join(f"{k}\n" for k in [KEY_A, KEY_B, *PROBERS]))
     keys.chmod(0o600)
     port, log = free_port(), d / "serve.log"
     cmd = [
-        sys.executable, "-m", "disagg.cli", "serve", "--local", "--api-key-file", str(keys),
+        sys.executable, "-m", "disagg.cli", "serve", "-i",
+        str(fleet_inventory(d, smol_set, default_model)), "--api-key-file", str(keys),
         "--header-timeout", str(HEADER_TIMEOUT_S), "--max-per-address", str(PER_ADDRESS),
         "--port", str(port),
     ]  # fmt: skip
+    env = {**os.environ, "DISAGG_TOKEN_FILE": str(agent_pool.token_file)}
+    env.pop("DISAGG_INVENTORY", None)
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
 
     def few_files() -> None:  # the review's setting: 64 open files (the gateway may raise it)
         resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
 
-    count_start("serve")
     with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=few_files)
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=few_files, env=env
+        )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while True:

@@ -1,12 +1,11 @@
-"""The default model (SmolLM2: a chat template without tool markup) through a real
-gateway and real agents: a forced call comes back as a call on both APIs'
+"""The default model (SmolLM2: a chat template without tool markup) through a new
+gateway (`disagg serve`'s app) and real agents: a forced call comes back as a call on both APIs'
 terms, and /api/show is right from the gateway's first request."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -14,7 +13,8 @@ import ollama
 import openai
 import pytest
 
-from tests.conftest import start_serve
+from tests.agentpool import AgentPool, AgentSet
+from tests.gateways import client_over, start_gateway
 
 pytestmark = pytest.mark.slow
 
@@ -36,14 +36,14 @@ FORCE: Any = {"type": "function", "function": {"name": "get_weather"}}
 
 
 @pytest.fixture(scope="module")
-def base(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    tmp = tmp_path_factory.mktemp("prompt-serve")
-    proc, port = start_serve(log_path=tmp / "serve.log", env={"TMPDIR": str(tmp)})
+def base(smol_set: AgentSet, agent_pool: AgentPool) -> Iterator[str]:
+    """A gateway of this module's own (`disagg serve`'s app in this process, over the
+    pooled SmolLM2 agents): its first request is this module's."""
+    gateway = start_gateway(client_over({MODEL: smol_set}, agent_pool.token))
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield gateway.url
     finally:
-        proc.terminate()
-        proc.wait(30)
+        gateway.stop()
 
 
 def test_show_is_right_on_the_first_request(base: str) -> None:

@@ -20,9 +20,17 @@ from agents.wire.channel import recv_frame, recv_json, send_json
 from agents.wire.frames import Frame
 from agents.wire.kvcodec import DTYPE_NAMES, Codec, Kind, LayerKV
 from disagg.serving.localagents import AgentProc
-from tests.conftest import PairFactory, ask, log_since, log_size, remote_request
+from tests.conftest import (
+    SMOL_BF16,
+    SMOL_STALL_S,
+    PairFactory,
+    ask,
+    log_since,
+    log_size,
+    remote_request,
+)
 
-STALL_S = 20.0  # the prefill agent's --kv-stall-timeout here (its default is 60 s)
+STALL_S = float(SMOL_STALL_S)  # the prefill agent's --kv-stall-timeout here (default 60 s)
 CEILING_S = 15.0  # hang guard for the short prefill: inside the stuck peer's deadline
 
 
@@ -220,8 +228,9 @@ def test_the_sender_frames_a_layer_early_without_reading_its_bytes(codec: Codec)
 
 @pytest.fixture(scope="module")
 def agents(default_model: Path, agent_pair: PairFactory) -> tuple[AgentProc, AgentProc]:
-    # A stall deadline of 20 s, not the default 60 s the test would wait out.
-    return agent_pair(default_model, prefill_args=["--kv-stall-timeout", str(int(STALL_S))])
+    # A stall deadline of 20 s, not the default 60 s the test would wait out (the
+    # set the bf16 tests use too).
+    return agent_pair(default_model, **SMOL_BF16)
 
 
 def peers_stalled(prefill: AgentProc) -> float:
@@ -274,7 +283,7 @@ def test_a_peer_that_stops_reading_delays_nobody_elses_prefill(
     short = remote_request(prefill, "The capital of France is", max_tokens=2)
     reference = ask(decode, short)  # warm, and the tokens to expect
     logged, stalled0 = log_size(prefill), peers_stalled(prefill)
-    stuck = stuck_peer(prefill, 320)  # ~15 MB of K/V, far past the socket buffers
+    stuck = stuck_peer(prefill, 640)  # ~15 MB of bf16 K/V, far past the socket buffers
     try:
         # Precondition: its forward pass is over (the device is free) and its K/V
         # send is blocked on the socket.

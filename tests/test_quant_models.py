@@ -17,10 +17,9 @@ from typing import Any
 import pytest
 
 from disagg.errors import ModelMismatch
-from disagg.serving import wireclient as client
-from disagg.serving.localagents import AgentProc, wait_ready
-from tests.conftest import PairFactory, Spawn, ask, remote_request
-from tests.quantmodels import DIRS, quant_dir, tiny_source
+from disagg.serving.localagents import AgentProc
+from tests.conftest import PairFactory, ask, remote_request
+from tests.quantmodels import DIRS, quant_dir
 from tests.tinymodels import PROMPT
 
 from .references import hf_greedy, mlx_greedy, tokenizer_ids
@@ -28,12 +27,6 @@ from .references import hf_greedy, mlx_greedy, tokenizer_ids
 pytestmark = pytest.mark.slow
 
 N_NEW = 64
-
-
-@pytest.fixture(scope="module")
-def cluster(agent_pair: PairFactory) -> Path:
-    """The pooled agents' token file: the mixed-weights test crosses pairs."""
-    return agent_pair.token_file
 
 
 @pytest.fixture(scope="module")
@@ -165,30 +158,25 @@ def test_agents_on_one_quantized_dir_match_an_independent_reference(
 
 
 def test_mixed_weights_are_refused_unless_allowed_then_labelled(
-    pair_for: Callable[[str], tuple[AgentProc, AgentProc]], cluster: Path, spawn: Spawn
+    pair_for: Callable[[str], tuple[AgentProc, AgentProc]],
+    smol_agents: tuple[AgentProc, AgentProc],
+    agent_pair: PairFactory,
+    default_model: Path,
 ) -> None:
-    """Decode on the tiny qwen3_moe's full-precision source, prefill on its 4-bit
-    conversion: one line naming both; with --allow-mixed it runs, labelled."""
-    prefill, _ = pair_for("moe-affine4")
-    source = tiny_source("qwen3_moe")
-    decodes = []
-    try:
-        for allow in (False, True):
-            extra = ["--token-file", str(cluster)] + (["--allow-mixed"] * allow)
-            spawned = spawn("decode", source, name=f"decode-mixed-{allow}", extra_args=extra)
-            decodes.append(wait_ready("decode", *spawned, timeout_s=300))
-        token = cluster.read_bytes().strip()
-        with pytest.raises(ModelMismatch) as info:
-            client.generate(decodes[0].host, decodes[0].port, request(prefill, 4), token=token)
-        line = str(info.value)
-        assert str(source) in line and str(quant_dir("moe-affine4")) in line
-        assert "4-bit affine g32" in line and "full precision" in line
-        assert "--allow-mixed" in line and "mixed_weights = true" in line
-        res = client.generate(decodes[1].host, decodes[1].port, request(prefill, 4), token=token)
-        assert res.metrics["method"] == "disaggregated" and res.metrics["weights"] == "mixed"
-    finally:
-        for agent in decodes:
-            agent.stop()  # (spawn stops them too; here, before the next test)
+    """A decode agent on SmolLM2's full-precision dir asked to take K/V from a prefill
+    agent on its 4-bit conversion: one line naming both. A decode agent started with
+    --allow-mixed (on the 4-bit dir, asking the full-precision prefill) runs, labelled."""
+    q4_prefill, _ = pair_for("smol-affine4")
+    full_prefill, full_decode = smol_agents
+    with pytest.raises(ModelMismatch) as info:
+        ask(full_decode, request(q4_prefill, 4))
+    line = str(info.value)
+    assert str(default_model) in line and str(quant_dir("smol-affine4")) in line
+    assert "4-bit affine g64" in line and "full precision" in line
+    assert "--allow-mixed" in line and "mixed_weights = true" in line
+    _, allowed = agent_pair(quant_dir("smol-affine4"), decode_args=["--allow-mixed"])
+    res = ask(allowed, request(full_prefill, 4))
+    assert res.metrics["method"] == "disaggregated" and res.metrics["weights"] == "mixed"
 
 
 def test_packed_prefill_memory_stays_within_checkpoint_bytes() -> None:

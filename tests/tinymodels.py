@@ -197,19 +197,21 @@ def tiny_checkpoint(arch: str, seed: int = 0, **config: Any) -> Path:
     return publish(lambda d: make_tiny(arch, d, seed=seed, **config), _tiny_cache() / name)
 
 
-# The tiny checkpoint of each architecture that tests share, and with it their
-# pooled agent set: (seed, config). llama keeps a plain tokenizer (no chat template,
-# no FIM tokens: the refusal tests want that); qwen3 and gpt_oss speak their real
-# chat formats, so the format tests and the rest share one set each.
-SHARED: dict[str, tuple[int, dict[str, Any]]] = {
-    "llama": (3, {}),
-    "qwen3": (0, {"chat": "qwen3"}),
-    "qwen3_moe": (1, {}),
-    "gpt_oss": (0, {"chat": "harmony"}),  # sliding window 8
+# The tiny checkpoints tests share, and with them their pooled agent sets:
+# name -> (architecture, seed, config). llama keeps a plain tokenizer (no chat
+# template, no FIM tokens: the refusal tests want that); qwen3 and gpt_oss speak
+# their real chat formats, so the format tests and the rest share one set each;
+# qwen3_coder's context holds the agent CLIs' ~46k-token prompts.
+SHARED: dict[str, tuple[str, int, dict[str, Any]]] = {
+    "llama": ("llama", 3, {}),
+    "qwen3": ("qwen3", 0, {"chat": "qwen3"}),
+    "qwen3_moe": ("qwen3_moe", 1, {}),
+    "gpt_oss": ("gpt_oss", 0, {"chat": "harmony"}),  # sliding window 8
+    "qwen3_coder": ("qwen3", 0, {"chat": "qwen3_coder", "max_position_embeddings": 131072}),
 }
 
 
-def shared_tiny(arch: str) -> Path:
-    """The architecture's shared tiny checkpoint (SHARED)."""
-    seed, config = SHARED[arch]
+def shared_tiny(name: str) -> Path:
+    """The shared tiny checkpoint `name` (SHARED)."""
+    arch, seed, config = SHARED[name]
     return tiny_checkpoint(arch, seed, **config)

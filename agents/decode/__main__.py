@@ -8,6 +8,10 @@ import sys
 # as on a decode-only host.
 sys.modules.setdefault("torch", None)  # type: ignore[arg-type]
 
+from agents.runtime.server import preflight  # noqa: E402
+
+preflight("decode")  # a bad token file or checkpoint: one line before mlx loads
+
 from agents.decode.agent import main  # noqa: E402
 
 main()

@@ -63,6 +63,9 @@ def setup_logging(role: str, log_file: str | None = None, max_bytes: int = LOG_M
         handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(OneLineFormatter(f"%(asctime)s {role} %(levelname)s %(message)s"))
     root = logging.getLogger()
+    for old in root.handlers:
+        if old is not LAST_ERROR:
+            old.close()  # a second call (preflight, then start_agent) replaces the first
     root.handlers[:] = [handler, LAST_ERROR]
     root.setLevel(logging.INFO)
 
@@ -153,6 +156,25 @@ def common_args(role: str) -> argparse.ArgumentParser:
 
 
 E = TypeVar("E")
+
+
+def preflight(role: str) -> None:
+    """What an agent can refuse before torch or mlx loads (seconds of a start): a
+    token file it must not use, a checkpoint neither agent can run or whose headers
+    lie. One FAILED line in a fraction of a second; start_agent checks again."""
+    from agents.models import UnsupportedModel
+    from agents.quant import check_supported
+
+    argv = sys.argv[1:]
+    if "-h" in argv or "--help" in argv:
+        return  # the whole parser, with the role's own flags, answers that
+    args, _ = common_args(role).parse_known_args(argv)
+    setup_logging(role, args.log_file, args.log_max_bytes)
+    load_token(args.token_file)
+    try:
+        check_supported(args.model)
+    except UnsupportedModel as e:
+        fail(str(e))
 
 
 def start_agent(
