@@ -2,7 +2,8 @@
 process itself is under test; a fleet's, over pooled agents an inventory names),
 started under a 64-file soft limit as the review's was, with two API keys (two
 tenants). Cross-tenant prefix-cache probes, metrics internals, 200 silent sockets
-and a header trickler, a body in 1-byte pieces, and the key checks. Figures are printed for docs/reliability.md."""
+and a header trickler, a body in 1-byte pieces, and the key checks. Figures are
+printed for docs/reliability.md."""
 
 from __future__ import annotations
 
