@@ -23,6 +23,17 @@ def slow_prefill(layer_delay_s: float, *args: str) -> dict[str, Any]:
     return {"prefill_module": __name__, "prefill_args": [FLAG, str(layer_delay_s), *args]}
 
 
+# A slow set two modules share (test_deadlines, test_failover): a prefill agent 1.5 s
+# late per layer and two decode agents of one batch slot each. A fresh set asked for
+# with it takes over the idle pooled one instead of starting another.
+SLOW_LAYER_S = 1.5
+SLOW_SET: dict[str, Any] = {
+    "n_decode": 2,
+    **slow_prefill(SLOW_LAYER_S),
+    "decode_args": ["--max-batch", "1"],
+}
+
+
 def main() -> None:
     from agents.prefill import agent
     from agents.wire.kvcodec import LayerKV

@@ -31,13 +31,13 @@ from disagg.serving.router import Endpoint, Route, Router
 from tests.agentpool import AgentSet
 from tests.conftest import PairFactory
 from tests.gateways import Gateway, Gateways
-from tests.slowprefill import slow_prefill
+from tests.slowprefill import SLOW_LAYER_S, SLOW_SET
 from tests.tinymodels import PROMPT, shared_tiny
 
 pytestmark = pytest.mark.slow
 
 TIMEOUT_S = 3.0  # the pipelines' decode (idle) timeout in these tests
-LAYER_DELAY_S = 1.5  # between the prefill agent's 4 layers: >= 4.5 s, longer than TIMEOUT_S
+LAYER_DELAY_S = SLOW_LAYER_S  # between the prefill agent's 4 layers: >= 4.5 s, > TIMEOUT_S
 CONSUMER_DELAY_S = 0.002  # per token: 3000 tokens stream for >= 6 s on any machine
 LONG = GenerateRequest(prompt=PROMPT, raw=True, max_tokens=3000, ignore_eos=True, placement="local")
 
@@ -45,12 +45,7 @@ LONG = GenerateRequest(prompt=PROMPT, raw=True, max_tokens=3000, ignore_eos=True
 @pytest.fixture(scope="module")
 def cluster(agent_pair: PairFactory) -> tuple[AgentProc, list[AgentProc]]:
     """A slow prefill agent and two decode agents of one batch slot each."""
-    agents = agent_pair.set(
-        shared_tiny("gpt_oss"),
-        n_decode=2,
-        **slow_prefill(LAYER_DELAY_S),
-        decode_args=["--max-batch", "1"],
-    )
+    agents = agent_pair.set(shared_tiny("gpt_oss"), **SLOW_SET)
     return agents.prefill, agents.decodes
 
 

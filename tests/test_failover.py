@@ -18,12 +18,14 @@ from disagg.errors import AgentError
 from disagg.serving.localagents import AgentProc
 from disagg.serving.router import Endpoint, Route, Router
 from tests.conftest import PairFactory, ask, remote_request
-from tests.slowprefill import slow_prefill
+from tests.slowprefill import SLOW_LAYER_S, SLOW_SET
 from tests.tinymodels import PROMPT, shared_tiny
 
 pytestmark = pytest.mark.slow
 
-LAYER_DELAY_S = 0.5  # stretches the tiny model's 4-layer KV stream to ~1.5 s
+# Stretches the tiny model's 4-layer KV stream to ~4.5 s: the slow set test_deadlines
+# uses (an idle pooled one is handed over rather than another started).
+LAYER_DELAY_S = SLOW_LAYER_S
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +53,7 @@ def endpoint(a: AgentProc) -> Endpoint:
 
 @pytest.fixture
 def slow_prefill_pair(tiny_dir: Path, fresh_agents: PairFactory) -> tuple[AgentProc, AgentProc]:
-    return fresh_agents(tiny_dir, **slow_prefill(LAYER_DELAY_S))
+    return fresh_agents(tiny_dir, **SLOW_SET)
 
 
 def test_prefill_killed_mid_kv_stream_falls_back_with_the_same_text(

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from agents.prefix.store import BLOCK_TOKENS as BLOCK
-from disagg.serving.localagents import AgentProc, make_token_file, wait_ready
+from disagg.serving.localagents import AgentProc, wait_ready
 from disagg.serving.wireclient import Result
 from tests.agentpool import AgentSet
 from tests.conftest import PairFactory, Spawn, ask
@@ -160,8 +160,10 @@ def test_eviction_at_a_tiny_cache_never_fails(agent_pair: PairFactory) -> None:
 def test_restarted_prefill_agent_answers_identically(
     fresh_agents: PairFactory, spawn: Spawn, tmp_path: Path
 ) -> None:
-    token_file, _ = make_token_file(tmp_path / "cluster")
-    prefill, decode = fresh_agents(shared_tiny("qwen3"), token_file=token_file)
+    prefill, decode = fresh_agents(shared_tiny("qwen3"))
+    token_file = tmp_path / "token"  # the restarted agent's: its cluster's token
+    token_file.write_bytes(prefill.token or b"")
+    token_file.chmod(0o600)
     shared = long_text("Restart")
     off = ask(decode, base(prompt=shared + " two", prefix_cache=False), prefill=prefill)
     ask(decode, base(prompt=shared + " one"), prefill=prefill)
