@@ -1,5 +1,6 @@
 """Local agents never outlive `disagg serve --local`: SIGTERM stops them as Ctrl-C
-does, and a SIGKILLed gateway's agents notice and exit (agents/runtime/lifeline.py)."""
+does (an agent the gateway restarted too), and a SIGKILLed gateway's agents notice
+and exit (agents/runtime/lifeline.py). A killed agent is logged and restarted."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable
 from pathlib import Path
 
+import httpx
+import psutil
 import pytest
 
 from tests.conftest import ServeProcess
@@ -42,25 +44,63 @@ def children(pid: int) -> list[int]:
 
 def start_with_agents(
     serve: ServeProcess, model: Path, log: Path
-) -> tuple[subprocess.Popen[bytes], list[int]]:
-    """A real `disagg serve --local` on a free port; returns it and its agents' pids
-    once it answers."""
-    proc, _ = serve("-m", str(model), log_path=log)
+) -> tuple[subprocess.Popen[bytes], int, list[int]]:
+    """A real `disagg serve --local` on a free port; returns it, its port and its
+    agents' pids once it answers."""
+    proc, port = serve("-m", str(model), log_path=log)
     agents = children(proc.pid)
     assert len(agents) == 2, f"expected a prefill and a decode agent, got {agents}"
-    return proc, agents
+    return proc, port, agents
+
+
+def ask(port: int, model: Path) -> str:
+    """One chat through the gateway, its K/V on the wire if it can be: the method."""
+    chat = {
+        "model": model.name,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 4,
+        "placement": "remote",
+    }
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=chat, timeout=300)
+    assert r.status_code == 200, r.text
+    return str(r.json()["disagg_metrics"]["method"])
+
+
+def restart_prefill(proc: subprocess.Popen[bytes], port: int, model: Path, log: Path) -> int:
+    """Kill the gateway's prefill agent: it is logged, restarted, and the next
+    requests are disaggregated again. Returns the new agent's pid."""
+    [prefill] = [
+        p
+        for p in psutil.Process(proc.pid).children(recursive=True)
+        if "agents.prefill" in " ".join(p.cmdline())
+    ]
+    prefill.kill()
+    deadline = time.monotonic() + 240
+    while "is back on" not in log.read_text():
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.5)
+    assert "prefill agent prefill@127.0.0.1 exited (killed by SIGKILL)" in log.read_text()
+    while (method := ask(port, model)) != "disaggregated":  # the router re-probes it
+        assert time.monotonic() < deadline, (method, log.read_text())
+        time.sleep(1)
+    [again] = [
+        p.pid
+        for p in psutil.Process(proc.pid).children(recursive=True)
+        if "agents.prefill" in " ".join(p.cmdline())
+    ]
+    assert again != prefill.pid
+    return again
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_agents_die_with_serve(
-    tiny_model: Callable[..., Path],
-    tmp_path: Path,
-    serve_process: ServeProcess,
-    sig: signal.Signals,
+    tmp_path: Path, serve_process: ServeProcess, sig: signal.Signals
 ) -> None:
-    model = shared_tiny("qwen3")
-    proc, agents = start_with_agents(serve_process, model, tmp_path / "serve.log")
+    model, log = shared_tiny("qwen3"), tmp_path / "serve.log"
+    proc, port, agents = start_with_agents(serve_process, model, log)
     try:
+        if sig == signal.SIGTERM:  # and an agent it restarted dies with it too
+            agents.append(restart_prefill(proc, port, model, log))
         proc.send_signal(sig)
         proc.wait(GONE_WITHIN_S)
         deadline = time.monotonic() + GONE_WITHIN_S

@@ -1,4 +1,5 @@
-"""What a new user meets first on `disagg serve --local`: `curl -d` without a content
+"""What a new user meets first on `disagg serve` (its app in this process over real
+agents; a killed agent's restart is in test_lifeline.py): `curl -d` without a content
 type, stop-ended and cancelled requests that keep their metrics, one outcome
 vocabulary in the APIs, Prometheus and the web view's data."""
 
@@ -9,35 +10,34 @@ import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 import pytest
 
-from tests.conftest import start_serve
+from tests.agentpool import AgentPool, AgentSet
+from tests.gateways import Gateway, client_over, start_gateway
 
 pytestmark = pytest.mark.slow
 
+MODEL = "SmolLM2-135M-Instruct"
 QUESTION = "What is the capital of France?"
 
 
 @pytest.fixture(scope="module")
-def served(
-    default_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[str, Path, subprocess.Popen[bytes]]]:
-    """The gateway's address, its log (stdout and stderr) and its process."""
-    tmp = tmp_path_factory.mktemp("newuser")
-    proc, port = start_serve(log_path=tmp / "serve.log", env={"TMPDIR": str(tmp)})
-    yield f"http://127.0.0.1:{port}", tmp / "serve.log", proc
-    proc.terminate()
-    proc.wait(30)
+def gateway(smol_set: AgentSet, agent_pool: AgentPool) -> Iterator[Gateway]:
+    """`disagg serve`'s app in this process, this module's own (its metrics, web
+    view rows and log are its requests'), over the pooled SmolLM2 agents."""
+    gw = start_gateway(client_over({MODEL: smol_set}, agent_pool.token))
+    try:
+        yield gw
+    finally:
+        gw.stop()
 
 
 @pytest.fixture(scope="module")
-def base(served: tuple[str, Path, subprocess.Popen[bytes]]) -> str:
-    return served[0]
+def base(gateway: Gateway) -> str:
+    return gateway.url
 
 
 def curl(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -104,6 +104,7 @@ def test_a_stop_ended_request_keeps_its_metrics_in_both_apis(base: str) -> None:
         "temperature": 0,
         "stop": ["France"],
         "max_tokens": 40,
+        "placement": "remote",
     }
     o = httpx.post(base + "/v1/chat/completions", json=chat, timeout=300).json()
     assert o["choices"][0]["finish_reason"] == "stop", o
@@ -145,45 +146,20 @@ def _ask(base: str) -> dict[str, Any]:
         "model": "SmolLM2-135M-Instruct",
         "messages": [{"role": "user", "content": QUESTION}],
         "max_tokens": 4,
+        "placement": "remote",  # the K/V on the wire, whatever placement learned
     }
     r = httpx.post(base + "/v1/chat/completions", json=chat, timeout=300)
     assert r.status_code == 200, r.text
     return dict(r.json())
 
 
-def test_requests_are_logged_without_their_prompt(
-    served: tuple[str, Path, subprocess.Popen[bytes]],
-) -> None:
-    base, log, _ = served
-    _ask(base)
+def test_requests_are_logged_without_their_prompt(gateway: Gateway) -> None:
+    mark = gateway.log_mark()
+    _ask(gateway.url)
     deadline = time.monotonic() + 30
-    while "request " not in log.read_text():
-        assert time.monotonic() < deadline, log.read_text()
+    while " request " not in gateway.log(mark):
+        assert time.monotonic() < deadline, gateway.log(mark)
         time.sleep(0.2)
-    lines = [ln for ln in log.read_text().splitlines() if " request " in ln]
-    assert lines and "capital" not in log.read_text(), lines
+    lines = [ln for ln in gateway.log(mark).splitlines() if " request " in ln]
+    assert lines and "capital" not in gateway.log(mark), lines
     assert "SmolLM2-135M-Instruct length disaggregated" in lines[-1], lines
-
-
-def test_a_killed_prefill_agent_is_logged_and_restarted(
-    served: tuple[str, Path, subprocess.Popen[bytes]],
-) -> None:
-    base, log, proc = served
-    [prefill] = [
-        p
-        for p in psutil.Process(proc.pid).children(recursive=True)
-        if "agents.prefill" in " ".join(p.cmdline())
-    ]
-    prefill.kill()
-    deadline = time.monotonic() + 240
-    while "is back on" not in log.read_text():
-        assert time.monotonic() < deadline, log.read_text()
-        time.sleep(0.5)
-    said = log.read_text()
-    assert "prefill agent prefill@127.0.0.1 exited (killed by SIGKILL)" in said, said
-    while True:  # the next request is disaggregated again (the router re-probes it)
-        method = _ask(base)["disagg_metrics"]["method"]
-        if method == "disaggregated" or time.monotonic() > deadline:
-            break
-        time.sleep(1)
-    assert method == "disaggregated", log.read_text()

@@ -8,9 +8,11 @@ import sys
 # as on a decode-only host.
 sys.modules.setdefault("torch", None)  # type: ignore[arg-type]
 
+from agents.quant import check_supported  # noqa: E402
 from agents.runtime.server import preflight  # noqa: E402
 
-preflight("decode")  # a bad token file or checkpoint: one line before mlx loads
+# A bad token file or checkpoint: one line before mlx loads.
+preflight("decode", check_supported)
 
 from agents.decode.agent import main  # noqa: E402
 

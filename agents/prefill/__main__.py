@@ -1,8 +1,10 @@
 """`python -m agents.prefill`: run the prefill agent."""
 
+from agents.quant import check_supported
 from agents.runtime.server import preflight
 
-preflight("prefill")  # a bad token file or checkpoint: one line before torch loads
+# A bad token file or checkpoint: one line before torch loads.
+preflight("prefill", check_supported)
 
 from agents.prefill.agent import main  # noqa: E402
 

@@ -158,12 +158,12 @@ def common_args(role: str) -> argparse.ArgumentParser:
 E = TypeVar("E")
 
 
-def preflight(role: str) -> None:
+def preflight(role: str, check_model: Callable[[str], None]) -> None:
     """What an agent can refuse before torch or mlx loads (seconds of a start): a
-    token file it must not use, a checkpoint neither agent can run or whose headers
-    lie. One FAILED line in a fraction of a second; start_agent checks again."""
+    token file it must not use, a checkpoint `check_model` refuses (one neither agent
+    can run, or whose headers lie). One FAILED line in a fraction of a second;
+    start_agent checks again."""
     from agents.models import UnsupportedModel
-    from agents.quant import check_supported
 
     argv = sys.argv[1:]
     if "-h" in argv or "--help" in argv:
@@ -172,7 +172,7 @@ def preflight(role: str) -> None:
     setup_logging(role, args.log_file, args.log_max_bytes)
     load_token(args.token_file)
     try:
-        check_supported(args.model)
+        check_model(args.model)
     except UnsupportedModel as e:
         fail(str(e))
 
