@@ -10,7 +10,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from disagg.api import Client
-from disagg.frontends.ollama.modelinfo import ModelInfo
+from disagg.frontends.agentinfo import ModelInfo
 from disagg.serving.router import Endpoint, Route, Router
 
 STATUS = {"chat": {"capabilities": ["completion", "tools"], "template": "{{ messages }}"}}

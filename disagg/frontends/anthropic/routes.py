@@ -18,6 +18,7 @@ from fastapi.responses import StreamingResponse
 from agents.wire.request import GenerateRequest
 from disagg.api import Chunk, Client, Completion
 from disagg.errors import DisaggError
+from disagg.frontends.agentinfo import ModelInfo
 from disagg.frontends.anthropic.types import (
     AnthropicError,
     CountTokensRequest,
@@ -25,7 +26,6 @@ from disagg.frontends.anthropic.types import (
     as_chat,
 )
 from disagg.frontends.guard import cache_salt
-from disagg.frontends.ollama.modelinfo import ModelInfo
 from disagg.frontends.openai import routes as oai
 from disagg.frontends.openai.types import OpenAIError
 

@@ -1,20 +1,14 @@
 """What Ollama's /api/tags, /api/ps and /api/show say about a served model, from
-its decode agents' /status (architecture, context, dtype, chat template)."""
+its decode agents' /status (disagg.frontends.agentinfo)."""
 
 from __future__ import annotations
 
 import json
-import threading
-import time
 from datetime import datetime, timezone
 from typing import Any
 
-from agents.wire.frames import AuthError
 from disagg.api import Client
 from disagg.frontends.ollama.types import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, OllamaError
-from disagg.serving.control import control_status
-
-INFO_TTL_S = 30.0
 
 
 def timestamp() -> str:
@@ -30,37 +24,6 @@ def resolve(client: Client, name: str) -> str:
     if name.endswith(":latest") and name[: -len(":latest")] in served:
         return name[: -len(":latest")]
     raise OllamaError(404, f'model "{name}" not found; served: {", ".join(served) or "none"}')
-
-
-class ModelInfo:
-    """What the decode agents say about each model (architecture, context,
-    dtype), fetched from their /status and kept for a short while."""
-
-    def __init__(self, client: Client) -> None:
-        self.client = client
-        self.cache: dict[str, tuple[float, dict[str, Any]]] = {}
-        self.lock = threading.Lock()
-
-    def get(self, name: str) -> dict[str, Any]:
-        now = time.monotonic()
-        with self.lock:
-            hit = self.cache.get(name)
-        if hit and now - hit[0] < INFO_TTL_S:
-            return hit[1]
-        info: dict[str, Any] = {}
-        router = self.client.router
-        for ep in router.pipeline(name).decode:
-            if ep.control_port is None:
-                continue
-            try:
-                info = control_status(ep.host, ep.control_port, router.token, timeout_s=2.0)
-                break
-            except (OSError, ValueError, AuthError):
-                continue
-        if info:  # a failed fetch is never kept: the next request asks again
-            with self.lock:
-                self.cache[name] = (now, info)
-        return info
 
 
 def _details(info: dict[str, Any]) -> dict[str, Any]:

@@ -23,9 +23,9 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from agents.wire.request import GenerateRequest
 from disagg.api import Chunk, Client, Completion
 from disagg.errors import DisaggError, Overloaded, UsageError
+from disagg.frontends.agentinfo import ModelInfo
 from disagg.frontends.guard import cache_salt, unless_gone
 from disagg.frontends.ollama.modelinfo import (
-    ModelInfo,
     listed,
     resolve,
     running,
