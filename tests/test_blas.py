@@ -242,6 +242,24 @@ def test_status_says_which_blas_the_decode_agent_runs(agent_pair: PairFactory) -
         assert "mlx/Device(cpu, 0), openblas (numpy)" in console.export_text(), width
 
 
+def test_status_says_why_blas_runs_on_fewer_threads() -> None:
+    st = {"backend": "mlx", "device": "Device(cpu, 0)", "blas": "openblas (numpy): /x.so"}
+    for threads, why, said in (
+        (2, None, None),
+        (1, "busy machine", "1 BLAS thread (busy machine)"),
+        (2, "prefill", "2 BLAS threads (prefill)"),
+    ):
+        row = AgentStatus(
+            "mac", "decode", "healthy", "10.0.0.2:8001",
+            {**st, "blas_threads": threads, "blas_limited_by": why},
+        )  # fmt: skip
+        console = Console(width=240, record=True, color_system=None)
+        console.print(status_table([row], 240))
+        text = console.export_text()
+        assert "mlx/Device(cpu, 0), openblas (numpy)" in text
+        assert ("BLAS thread" in text) == (said is not None) and (said or "") in text, text
+
+
 def test_local_agents_split_the_cores_unless_the_user_chose() -> None:
     """A local pair shares one machine: the decode agent's OpenBLAS gives up half
     the cores while a prefill runs beside it, and a user's setting wins."""
@@ -310,21 +328,21 @@ def test_a_busy_machine_takes_blas_threads_a_quiet_one_gives_them_back(
     monkeypatch.setattr(free, "sample", lambda: FreeCores.sample(free, others[0]))
     share = BlasShare(lambda fn: fn(), shared=2, full=4, free=free)
     share.tick()
-    assert set_to == []  # nobody else: all four
+    assert set_to == [] and share.limited_by is None  # nobody else: all four
     others[0] = 3
     share.tick()  # within SAMPLE_S of the last look: not looked at again
     assert set_to == []
     share.sampled_at = 0.0
     share.tick()
-    assert set_to == [1]
+    assert set_to == [1] and share.limited_by == "busy machine"
     others[0] = 1
     with share.prefilling():
         share.sampled_at = 0.0
         share.tick()  # three free, but a prefill beside it: the share's two
-        assert set_to == [1, 2]
-    assert set_to == [1, 2, 3]
+        assert set_to == [1, 2] and share.limited_by == "prefill"
+    assert set_to == [1, 2, 3] and share.limited_by == "busy machine"
     share.idle()  # nothing to run: every thread back until the next look
-    assert set_to == [1, 2, 3, 4]
+    assert set_to == [1, 2, 3, 4] and share.limited_by is None
 
 
 def test_a_local_pair_gives_up_blas_threads_while_it_prefills(agent_pair: Any) -> None:
@@ -342,16 +360,20 @@ def test_a_local_pair_gives_up_blas_threads_while_it_prefills(agent_pair: Any) -
     if not decode.status()["blas"].startswith("openblas"):
         pytest.skip("no OpenBLAS bound here: mlx's own BLAS has no thread count")
     assert decode.status()["blas_threads"] == full
+    assert decode.status()["blas_limited_by"] is None
     box: dict[str, Any] = {}
     worker = threading.Thread(target=lambda: box.update(r=ask(decode, remote_request(prefill))))
     worker.start()
-    seen: set[int] = set()
+    seen: set[tuple[int, str | None]] = set()
     while worker.is_alive():  # the stream's 4 layers take ~1.6 s; polled every 50 ms
-        seen.add(decode.status()["blas_threads"])
+        st = decode.status()
+        seen.add((st["blas_threads"], st["blas_limited_by"]))
         time.sleep(0.05)
     worker.join()
     assert box["r"].metrics["method"] == "disaggregated"
-    assert half in seen, seen
+    assert half in {n for n, _ in seen}, seen
+    # The count says why it is not all of them (a busy box may say so too).
+    assert (half, "prefill") in seen or any(why == "busy machine" for _, why in seen), seen
     deadline = time.monotonic() + 30  # given back on the mlx thread, before its next step
     while decode.status()["blas_threads"] != full and time.monotonic() < deadline:
         time.sleep(0.05)

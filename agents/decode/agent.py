@@ -427,6 +427,7 @@ class DecodeAgent:
             "device": self.engine.device,
             "blas": fastblas.loaded,
             "blas_threads": fastblas.threads(),
+            "blas_limited_by": self.blas_share.limited_by,  # None: every thread
             "fingerprint": self.engine.fingerprint,
             "context": self.engine.context,
             "queued": batch["batch_waiting"],

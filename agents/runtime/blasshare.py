@@ -51,6 +51,7 @@ class BlasShare:
         self.free = free if full is not None and full > 1 else None
         self.spare = full  # threads the other work leaves us, as last sampled
         self.current = full  # what OpenBLAS uses now (set on the mlx thread only)
+        self.limited_by: str | None = None  # why fewer than `full`: "prefill", "busy machine"
         self.sampled_at = 0.0
         self.prefills = 0  # this agent's remote prefills now running
         self.lock = threading.Lock()
@@ -106,3 +107,6 @@ class BlasShare:
         if want != self.current:
             fastblas.set_threads(want)
             self.current = want
+        # What an operator reads in /status beside blas_threads: why not all of them.
+        busy = self.spare is not None and self.spare < cap
+        self.limited_by = None if want >= self.full else "busy machine" if busy else "prefill"

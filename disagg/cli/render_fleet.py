@@ -181,6 +181,10 @@ def _backend(st: dict[str, Any]) -> str:
     # mlx's bundled one is several times slower (agents/runtime/fastblas.py).
     if isinstance(st.get("blas"), str) and "cpu" in str(st.get("device")):
         text += f", {st['blas'].split(':')[0]}" + (" BLAS" if st["blas"] == "bundled" else "")
+    # Fewer BLAS threads than it started with, and why (agents/runtime/blasshare.py).
+    why, threads = st.get("blas_limited_by"), st.get("blas_threads")
+    if isinstance(why, str) and isinstance(threads, int):
+        text += f", {threads} BLAS thread{'s' if threads > 1 else ''} ({why})"
     return printable(text, 120)
 
 
