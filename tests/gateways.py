@@ -202,3 +202,35 @@ class Gateways:
         for gw in self.started.values():
             gw.stop()
         self.started.clear()
+
+
+def fleet_inventory(d: Path, agents: AgentSet, model: Path) -> Path:
+    """An inventory whose one pipeline is these (pooled) agents on this machine."""
+    p, dec = agents.prefill, agents.decodes[0]
+    path = d / "inventory.toml"
+    path.write_text(
+        f"""
+[ssh]
+config = ""
+known_hosts = "{d}/known_hosts"
+
+[hosts.p]
+ssh = "127.0.0.1"
+data = ["127.0.0.1"]
+roles = ["prefill"]
+prefill = {{ port = {p.port}, control_port = {p.control_port} }}
+
+[hosts.d]
+ssh = "127.0.0.1"
+data = ["127.0.0.1"]
+roles = ["decode"]
+decode = {{ port = {dec.port}, control_port = {dec.control_port} }}
+
+[pipelines.{model.name}]
+prefill = ["p"]
+decode = ["d"]
+prefill_model = "{model}"
+decode_model = "{model}"
+"""
+    )
+    return path

@@ -1,5 +1,6 @@
-"""Issue 37 at a real gateway: `disagg serve --local` as a process with three API
-keys (the operator's first, then tenants A and B), real agents, loopback only.
+"""Issue 37 at a real gateway: `disagg serve` as a process (a fleet's, over pooled
+agents an inventory names) with three API keys (the operator's first, then tenants
+A and B), real agents, loopback only.
 What each tenant sees, bad and oversized schemas, a prompt that cannot fit, a
 tenant's share of `--max-requests 2`, and silent-connection floods at the
 gateway (from many 127.x networks) and at the agents' data ports."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import resource
 import signal
 import socket
@@ -16,12 +18,15 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.conftest import free_port
+from tests.agentpool import AgentPool, AgentSet
+from tests.conftest import PythonProcess, free_port
+from tests.gateways import fleet_inventory
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
 
@@ -33,7 +38,15 @@ SECRET_B = "B's launch codes are tango-7-foxtrot"
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def gateway(
+    tmp_path_factory: pytest.TempPathFactory,
+    python_process: PythonProcess,
+    smol_set: AgentSet,
+    agent_pool: AgentPool,
+    default_model: Path,
+) -> Iterator[str]:
+    # A process of its own (its connection limits and floods are under test): a
+    # fleet's gateway over the pooled SmolLM2 agents, named in an inventory.
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(8192, hard), hard))  # our floods
@@ -43,12 +56,15 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     keys.chmod(0o600)
     port, log = free_port(), d / "serve.log"
     cmd = [
-        sys.executable, "-m", "disagg.cli", "serve", "--local", "--api-key-file", str(keys),
+        sys.executable, "-m", "disagg.cli", "serve", "-i",
+        str(fleet_inventory(d, smol_set, default_model)), "--api-key-file", str(keys),
         "--max-requests", "2", "--max-connections", str(MAX_CONNECTIONS),
         "--first-byte-timeout", "3", "--header-timeout", "6", "--port", str(port),
     ]  # fmt: skip
+    env = {**os.environ, "DISAGG_TOKEN_FILE": str(agent_pool.token_file)}
+    env.pop("DISAGG_INVENTORY", None)
     with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while True:

@@ -26,6 +26,7 @@ import pytest
 from disagg.frontends.guard import Guard
 from tests.agentpool import AgentPool, AgentSet
 from tests.conftest import Cli, DisaggProcess, PythonProcess, free_port
+from tests.gateways import fleet_inventory
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
 
@@ -36,38 +37,6 @@ HEADER_TIMEOUT_S = 4.0
 PER_ADDRESS = 16
 SECRET = " ".join(["Note to self: the staging database password is hunter2-Q7."] * 5)
 GUESS = SECRET.replace("hunter2-Q7", "letmein-X1")
-
-
-def fleet_inventory(d: Path, agents: AgentSet, model: Path) -> Path:
-    """An inventory whose one pipeline is these (pooled) agents on this machine."""
-    p, dec = agents.prefill, agents.decodes[0]
-    path = d / "inventory.toml"
-    path.write_text(
-        f"""
-[ssh]
-config = ""
-known_hosts = "{d}/known_hosts"
-
-[hosts.p]
-ssh = "127.0.0.1"
-data = ["127.0.0.1"]
-roles = ["prefill"]
-prefill = {{ port = {p.port}, control_port = {p.control_port} }}
-
-[hosts.d]
-ssh = "127.0.0.1"
-data = ["127.0.0.1"]
-roles = ["decode"]
-decode = {{ port = {dec.port}, control_port = {dec.control_port} }}
-
-[pipelines.{model.name}]
-prefill = ["p"]
-decode = ["d"]
-prefill_model = "{model}"
-decode_model = "{model}"
-"""
-    )
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -7,20 +7,14 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from disagg.serving import wireclient as client
-from disagg.serving.localagents import (
-    AgentProc,
-    make_token_file,
-    spawn_agent,
-    stop_agents,
-    wait_ready,
-)
+from disagg.serving.localagents import AgentProc, make_token_file, wait_ready
+from tests.conftest import Spawn
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
 
@@ -33,20 +27,19 @@ SCHEMA = {
 
 
 @pytest.fixture(scope="module")
-def decode(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProc]:
-    root = tmp_path_factory.mktemp("hungup")
-    token_file, token = make_token_file(root)
-    proc, log, name = spawn_agent(
+def decode(
+    default_model: Path, tmp_path_factory: pytest.TempPathFactory, spawn_module: Spawn
+) -> AgentProc:
+    token_file, token = make_token_file(tmp_path_factory.mktemp("hungup"))
+    proc, log, name = spawn_module(
         "decode",
         default_model,
-        log_dir=root / "decode",
         module="tests.slowgrammar",
         extra_args=["--compile-delay", str(DELAY_S), "--token-file", str(token_file)],
     )
     agent = wait_ready("decode", proc, log, name, 300)
     agent.token = token
-    yield agent
-    stop_agents([agent])
+    return agent
 
 
 def request(**fields: Any) -> dict[str, Any]:

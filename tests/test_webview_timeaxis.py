@@ -1,16 +1,13 @@
-"""The web view's request list on one time axis, in headless chromium against a real
-`disagg serve --local`: a longer request has a longer bar, a cancelled stream is
-marked cancelled, a 404 is listed. With DISAGG_UI_SHOTS=DIR the page is saved as
-DIR/ui-timeaxis.png."""
+"""The web view's request list on one time axis, in headless chromium against a
+gateway of its own (`disagg serve`'s app over real agents): a longer request has a
+longer bar, a cancelled stream is marked cancelled, a 404 is listed. With
+DISAGG_UI_SHOTS=DIR the page is saved as DIR/ui-timeaxis.png."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +16,8 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import free_port
+from tests.agentpool import AgentPool, AgentSet
+from tests.gateways import client_over, start_gateway
 from tests.test_webview_live import (
     MODEL,
     agents_on_page,
@@ -31,35 +29,15 @@ from tests.test_webview_live import (
 pytestmark = [pytest.mark.slow, needs_browser]
 
 
-def serve_on_a_quiet_port(args: tuple[str, ...], log: Path) -> tuple[Any, str]:
-    """`disagg serve --local ARGS` as a process; once its port answers, make sure it
-    is this process that answers (its web view's page), not another one."""
-    cmd = [sys.executable, "-m", "disagg.cli", "serve", "--local", *args]
-    port = free_port()
-    with log.open("wb") as out:
-        proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            proc.wait()
-            raise RuntimeError(f"disagg serve did not start:\n{log.read_text()}")
-        try:
-            with urllib.request.urlopen(f"{url}/ui", timeout=5) as r:
-                if b"/ui/assets/ui.css" in r.read():
-                    return proc, url
-        except OSError:
-            pass
-        time.sleep(0.3)
-
-
 @pytest.fixture(scope="module")
-def url(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    proc, address = serve_on_a_quiet_port((), tmp_path_factory.mktemp("axis") / "serve.log")
-    yield address
-    proc.terminate()
-    proc.wait(120)
+def url(smol_set: AgentSet, agent_pool: AgentPool) -> Iterator[str]:
+    """`disagg serve`'s app in this process, this module's own (its request list is
+    this module's requests), over the pooled SmolLM2 agents."""
+    gateway = start_gateway(client_over({MODEL: smol_set}, agent_pool.token))
+    try:
+        yield gateway.url
+    finally:
+        gateway.stop()
 
 
 ROWS_JS = """

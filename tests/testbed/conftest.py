@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.agentpool import count_start
 from tests.testbed.bed import BY_NAME, ROOT, TestBed, grant_access, running_testbed
 
 REPO = Path(__file__).resolve().parents[2]
@@ -143,6 +144,28 @@ def fleet_cli(testbed: TestBed) -> FleetCli:
             f"$ disagg {' '.join(args)} -> {proc.returncode}\n"
             f"{proc.stdout[-6000:]}{proc.stderr[-3000:]}"
         )
+        count_start("fleet", fleet_starts(args, proc), what=" ".join(args))
         return proc
 
     return run
+
+
+def fleet_starts(args: tuple[str, ...], proc: subprocess.CompletedProcess[str]) -> int:
+    """Agent starts a fleet command made on the test bed's hosts, in agent sets: a
+    whole fleet's start or restart is its two pipelines' sets; one host's, or a
+    deploy that restarted changed agents, one per host (an agent of a set)."""
+    if proc.returncode != 0 or not args:
+        return 0
+    command, rest, hosts = args[0], list(args[1:]), []
+    while rest:
+        arg = rest.pop(0)
+        if arg in ("-i", "--inventory", "--timeout"):
+            rest = rest[1:]
+        elif not arg.startswith("-"):
+            hosts.append(arg)
+    if command in ("start", "restart"):
+        return len(hosts) if hosts else len(PIPELINES)
+    if command == "deploy" and "--json" in args:
+        rows = json.loads(proc.stdout)
+        return sum(bool((r.get("result") or {}).get("restarted")) for r in rows)
+    return 0
