@@ -43,6 +43,21 @@ def test_tiny_prompts_stay_local_when_local_is_measured_faster() -> None:
     assert p.choose("b:2", 3)[0] == "remote"  # another prefill agent: not measured
 
 
+def test_a_local_rate_stands_only_near_the_lengths_it_was_measured_at() -> None:
+    """Attention grows with the square of the length: a local rate from 1,000-token
+    prompts says nothing of 45,000 (mlx on this CPU: 150 s, torch 8 s)."""
+    from agents.decode.placement import EXTRAPOLATE
+
+    p = Placement()
+    p.observe_remote("a:1", 1000, 30, {**FETCH, "prefill_time": 2.0, "kv_fetch_time": 2.02})
+    p.observe_local(1000, 1.0)  # 1,000 tok/s here, twice the prefill agent's 500
+    assert p.choose("a:1", EXTRAPOLATE * 1000)[0] == "local"
+    where, why = p.choose("a:1", EXTRAPOLATE * 1000 + 1)
+    assert where == "remote" and "longest prompt prefilled here (1000)" in why, why
+    p.observe_local(45_000, 150.0)  # a forced local prefill that long: measured now
+    assert p.local_longest == 45_000
+
+
 def test_an_old_remote_estimate_is_measured_again_once(monkeypatch: pytest.MonkeyPatch) -> None:
     from agents.decode import placement
 

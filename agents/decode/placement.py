@@ -8,6 +8,13 @@ cache normally holds the prefix it made); local = tokens / local prefill rate, o
 tokens x one decode step when no local prefill was measured yet (an upper bound:
 a prefill step batches tokens, a decode step does not).
 
+A local rate holds for prompts near the lengths it was measured at: attention's
+cost grows with the square of the length, and more steeply on some backends than
+others (mlx on a Linux CPU: 45,600 tokens of a tiny model took 150 s here, torch
+8 s, where short prompts had measured the two alike). A prompt over EXTRAPOLATE x
+the longest one prefilled here goes remote, as the prefill agent exists to take
+long prompts; a forced local prefill that long measures it.
+
 A remote estimate is only renewed by a remote prefill, so one taken while the
 prefill agent was slowed (a burst of other work, a link's bad minute) would keep
 every prompt local for good: a local choice against a remote rate older than
@@ -24,6 +31,7 @@ from agents.models.cost import Prior
 from agents.runtime.metrics import ema
 
 REMEASURE_S = 60.0  # a prefill agent's rates older than this are measured again
+EXTRAPOLATE = 4  # a local rate stands for prompts up to this many times the longest measured
 
 
 @dataclass
@@ -43,6 +51,7 @@ class Placement:
         self.prior = prior
         self.lock = threading.Lock()
         self.local_tokens_per_s: float | None = None
+        self.local_longest = 0  # the longest prompt prefilled here (tokens)
         self.step_s: float | None = None
         self.remote: dict[str, RemoteRates] = {}
 
@@ -50,6 +59,7 @@ class Placement:
         if tokens > 1 and seconds > 0:
             with self.lock:
                 self.local_tokens_per_s = ema(self.local_tokens_per_s, tokens / seconds)
+                self.local_longest = max(self.local_longest, tokens)
 
     def observe_step(self, seconds: float) -> None:
         if seconds > 0:
@@ -76,6 +86,7 @@ class Placement:
         with self.lock:
             r = self.remote.get(key)
             local_rate, step = self.local_tokens_per_s, self.step_s
+            longest = self.local_longest
         p, guessed = self.prior, []
         if r is None or r.tokens_per_s is None or r.handshake_s is None:
             if p is None:
@@ -108,6 +119,11 @@ class Placement:
             why += f"; {' and '.join(guessed)} rate from the prior, not measured"
         if local >= remote:
             return "remote", why
+        if longest and tokens > EXTRAPOLATE * longest:
+            return "remote", (
+                f"{why}; {tokens} tokens is past {EXTRAPOLATE}x the longest prompt "
+                f"prefilled here ({longest}): its local rate is not known"
+            )
         age = None if r.measured_at is None else time.monotonic() - r.measured_at
         if age is not None and age > REMEASURE_S:
             with self.lock:
