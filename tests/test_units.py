@@ -147,3 +147,25 @@ def test_prometheus_text_is_well_formed() -> None:
     # Buckets are cumulative: counts never fall as le grows.
     counts = [int(n) for n in re.findall(r'disagg_ttft_seconds_bucket\{le="[^"]+"\} (\d+)', text)]
     assert counts == sorted(counts) and counts[-1] == 1
+
+
+def test_a_drain_a_signal_began_exits_as_that_signal() -> None:
+    """Once uvicorn has drained and returned, `disagg serve` leaves as the signal
+    would (Ctrl-C: 130 through the CLI's KeyboardInterrupt; SIGTERM: 143), whether
+    or not uvicorn's own re-raise of it got through."""
+    import signal
+
+    import uvicorn
+
+    from disagg.frontends.shutdown import Drain, DrainingServer
+
+    drain = Drain(lambda: 0, lambda: None, lambda: None)
+    server = DrainingServer(uvicorn.Config(app="unused:app"), drain)
+    server.exit_as_signalled()  # no signal: a plain return
+    server.signalled = signal.SIGINT
+    with pytest.raises(KeyboardInterrupt):
+        server.exit_as_signalled()
+    server.signalled = signal.SIGTERM
+    with pytest.raises(SystemExit) as done:
+        server.exit_as_signalled()
+    assert done.value.code == 128 + signal.SIGTERM

@@ -287,4 +287,9 @@ def serve(
         http=limited_protocol(limits, admission),
         backlog=min(2048, cap),
     )
-    (DrainingServer(config, drain) if drain is not None else uvicorn.Server(config)).run()
+    if drain is None:
+        uvicorn.Server(config).run()
+        return
+    server = DrainingServer(config, drain)
+    server.run()
+    server.exit_as_signalled()

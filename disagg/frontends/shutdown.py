@@ -39,6 +39,7 @@ class DrainingServer(uvicorn.Server):
         config.timeout_graceful_shutdown = int(max(1.0, drain.deadline_s)) + CUT_GRACE_S
         super().__init__(config)
         self.drain = drain
+        self.signalled: int | None = None  # the first signal that began the drain
 
     def _cut(self) -> None:
         """The deadline passed: cut every request at its next token. One whose next
@@ -57,6 +58,7 @@ class DrainingServer(uvicorn.Server):
             finally:
                 os._exit(130)  # no unwinding: threads mid-request would print tracebacks
         if not self.should_exit:
+            self.signalled = sig
             n = self.drain.in_flight()
             timer = threading.Timer(self.drain.deadline_s, self._cut)
             timer.daemon = True
@@ -66,3 +68,13 @@ class DrainingServer(uvicorn.Server):
                 "ones (Ctrl-C again to stop now)"
             )
         super().handle_exit(sig, frame)
+
+    def exit_as_signalled(self) -> None:
+        """After a drain that a signal began, leave as that signal does (Ctrl-C: 130).
+        uvicorn raises the signal again once it has shut down, but a SIGINT then meets
+        asyncio's own handler, which only cancels the main task, and the interrupt can
+        be lost (once in CI: a drained `disagg serve` exited 0, not 130)."""
+        if self.signalled == signal.SIGINT:
+            raise KeyboardInterrupt
+        if self.signalled is not None:
+            raise SystemExit(128 + self.signalled)
