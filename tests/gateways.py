@@ -11,13 +11,19 @@ lines a test reads since it began (`log_mark()`, `log(since)`) are its own.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import uvicorn
 
 from disagg.api import Client
@@ -234,3 +240,49 @@ decode_model = "{model}"
 """
     )
     return path
+
+
+@contextmanager
+def fleet_gateway(
+    d: Path,
+    agents: AgentSet,
+    model: Path,
+    token_file: Path,
+    args: Sequence[str],
+    preexec: Callable[[], None] | None = None,
+) -> Iterator[tuple[str, Path]]:
+    """`disagg serve -i INVENTORY ARGS` as a process in `d`, a fleet's gateway over
+    these agents (`fleet_inventory`): its base URL and log, once /health answers;
+    stopped with SIGTERM after. For tests of the gateway process itself."""
+    port, log = free_port(), d / "serve.log"
+    cmd = [
+        sys.executable, "-m", "disagg.cli", "serve",
+        "-i", str(fleet_inventory(d, agents, model)), *args, "--port", str(port),
+    ]  # fmt: skip
+    env = {**os.environ, "DISAGG_TOKEN_FILE": str(token_file)}
+    env.pop("DISAGG_INVENTORY", None)  # the inventory given, never the real cluster's
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=preexec, env=env
+        )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"disagg serve did not start:\n{log.read_text()}")
+        time.sleep(0.5)
+    try:
+        yield base, log
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

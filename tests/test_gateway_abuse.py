@@ -9,12 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import resource
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -25,8 +21,8 @@ import httpx
 import pytest
 
 from tests.agentpool import AgentPool, AgentSet
-from tests.conftest import PythonProcess, free_port
-from tests.gateways import fleet_inventory
+from tests.conftest import PythonProcess
+from tests.gateways import fleet_gateway
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
 
@@ -54,38 +50,13 @@ def gateway(
     keys = d / "keys"
     keys.write_text(f"# the first key is the operator's\n{OPERATOR}\n{KEY_A}\n{KEY_B}\n")
     keys.chmod(0o600)
-    port, log = free_port(), d / "serve.log"
-    cmd = [
-        sys.executable, "-m", "disagg.cli", "serve", "-i",
-        str(fleet_inventory(d, smol_set, default_model)), "--api-key-file", str(keys),
-        "--max-requests", "2", "--max-connections", str(MAX_CONNECTIONS),
-        "--first-byte-timeout", "3", "--header-timeout", "6", "--port", str(port),
+    args = [
+        "--api-key-file", str(keys), "--max-requests", "2",
+        "--max-connections", str(MAX_CONNECTIONS), "--first-byte-timeout", "3",
+        "--header-timeout", "6",
     ]  # fmt: skip
-    env = {**os.environ, "DISAGG_TOKEN_FILE": str(agent_pool.token_file)}
-    env.pop("DISAGG_INVENTORY", None)
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while True:
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"disagg serve did not start:\n{log.read_text()}")
-        time.sleep(0.5)
-    try:
+    with fleet_gateway(d, smol_set, default_model, agent_pool.token_file, args) as (base, _):
         yield base
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def auth(key: str) -> dict[str, str]:

@@ -8,13 +8,9 @@ printed for docs/reliability.md."""
 from __future__ import annotations
 
 import asyncio
-import os
 import resource
-import signal
 import socket
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,8 +21,8 @@ import pytest
 
 from disagg.frontends.guard import Guard
 from tests.agentpool import AgentPool, AgentSet
-from tests.conftest import Cli, DisaggProcess, PythonProcess, free_port
-from tests.gateways import fleet_inventory
+from tests.conftest import Cli, DisaggProcess, PythonProcess
+from tests.gateways import fleet_gateway
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
 
@@ -53,45 +49,18 @@ def gateway(
     keys = d / "keys"
     keys.write_text("# one key per tenant\n" + "".join(f"{k}\n" for k in [KEY_A, KEY_B, *PROBERS]))
     keys.chmod(0o600)
-    port, log = free_port(), d / "serve.log"
-    cmd = [
-        sys.executable, "-m", "disagg.cli", "serve", "-i",
-        str(fleet_inventory(d, smol_set, default_model)), "--api-key-file", str(keys),
-        "--header-timeout", str(HEADER_TIMEOUT_S), "--max-per-address", str(PER_ADDRESS),
-        "--port", str(port),
+    args = [
+        "--api-key-file", str(keys), "--header-timeout", str(HEADER_TIMEOUT_S),
+        "--max-per-address", str(PER_ADDRESS),
     ]  # fmt: skip
-    env = {**os.environ, "DISAGG_TOKEN_FILE": str(agent_pool.token_file)}
-    env.pop("DISAGG_INVENTORY", None)
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
 
     def few_files() -> None:  # the review's setting: 64 open files (the gateway may raise it)
         resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
 
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=few_files, env=env
-        )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while True:
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"disagg serve did not start:\n{log.read_text()}")
-        time.sleep(0.5)
-    try:
-        yield base, log
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    token = agent_pool.token_file
+    with fleet_gateway(d, smol_set, default_model, token, args, few_files) as served:
+        yield served
 
 
 def complete(base: str, key: str, prompt: str, **extra: Any) -> dict[str, Any]:
