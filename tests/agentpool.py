@@ -34,7 +34,10 @@ IDLE_BUDGET_BYTES = int(float(os.environ.get("DISAGG_TEST_POOL_GB", "9")) * (1 <
 # What this session started, by kind: "pooled" and "fresh" agent sets, "in-process"
 # (a set the code under test started itself: a bench, the API's Client.local),
 # "serve" (a `disagg serve --local` process's own agents, one set per model), "cli"
-# (the same for a `disagg ... --local` run), "single" (one agent on its own).
+# (the same for a `disagg ... --local` run), "single" (one agent on its own),
+# "fleet" (agents the test bed's `disagg start`/`restart`/`deploy` began); apart from
+# those, "refused" (an agent that exited before loading anything), and what befell
+# pooled sets ("evicted", "taken over").
 STARTS: Counter[str] = Counter()
 # Each start as (kind, what, the test running when it began): where they come from.
 STARTED: list[tuple[str, str, str]] = []

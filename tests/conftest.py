@@ -412,16 +412,6 @@ def start_serve(
             time.sleep(0.3)
 
 
-def stop_serve(proc: subprocess.Popen[bytes]) -> None:
-    """Stop a start_serve() process (SIGTERM drains, then stops its agents)."""
-    proc.terminate()
-    try:
-        proc.wait(120)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 ServeProcess = Callable[..., tuple["subprocess.Popen[bytes]", int]]
 
 
