@@ -10,7 +10,15 @@ scope ends.
 
 Idle sets stay up until their memory is needed: when starting one more would put
 the idle sets' resident memory over the budget, the least recently used idle set
-stops first. A set a module's fixture holds is leased until that module ends.
+stops first. A set a module's fixture holds is leased until that module ends; one a
+test asks for in its body, until that test ends.
+
+Flags an agent takes live (`PUT /settings`: connection caps, handshake deadline,
+prefix-cache budget, stall timeout, `--allow-mixed`) are not part of a set's
+configuration: the set is started without them and they are applied when it is
+leased (the agent's own values again for a lease without them). A set held by a test
+with other live values is not changed under it: the new lease gets a set of its own,
+started with those flags on its command line.
 """
 
 from __future__ import annotations
@@ -42,6 +50,8 @@ STARTS: Counter[str] = Counter()
 # Each start as (kind, what, the test running when it began): where they come from.
 STARTED: list[tuple[str, str, str]] = []
 CURRENT_TEST = ""  # set by conftest before each test's setup
+# While a test's body runs: the sets it leased (Agents, set), released when it ends.
+BODY_LEASES: list[tuple[Any, AgentSet]] | None = None
 _KIND = contextvars.ContextVar("kind", default="in-process")
 
 
@@ -77,6 +87,49 @@ def _counted_start(*args: Any, **kw: Any) -> tuple[AgentProc, list[AgentProc]]:
 localagents.start_local_agents = _counted_start
 
 
+# Agent flags that are live settings (agents.runtime.settings): flag -> (name, type);
+# a flag of type bool takes no value.
+LIVE_FLAGS: dict[str, tuple[str, type]] = {
+    "--handshake-timeout": ("handshake_timeout_s", float),
+    "--max-connections": ("max_connections", int),
+    "--max-preauth-per-peer": ("max_preauth_per_peer", int),
+    "--prefix-cache-mb": ("prefix_cache_mb", float),
+    "--kv-stall-timeout": ("kv_stall_timeout_s", float),
+    "--allow-mixed": ("allow_mixed", bool),
+}
+Live = tuple[tuple[str, Any], ...]  # (setting, value), sorted: part of a SetKey
+
+
+def split_live(args: Sequence[str]) -> tuple[tuple[str, ...], Live]:
+    """An agent's flags as (those it needs at start, the live settings among them)."""
+    start: list[str] = []
+    live: dict[str, Any] = {}
+    rest = list(args)
+    while rest:
+        flag = rest.pop(0)
+        if flag not in LIVE_FLAGS:
+            start.append(flag)
+            continue
+        name, kind = LIVE_FLAGS[flag]
+        live[name] = True if kind is bool else kind(rest.pop(0))
+    return tuple(start), tuple(sorted(live.items()))
+
+
+def live_flags(live: Live) -> list[str]:
+    """Live settings back as command-line flags (a set started with them)."""
+    by_name = {name: flag for flag, (name, _) in LIVE_FLAGS.items()}
+    out: list[str] = []
+    for name, value in live:
+        out += (
+            [by_name[name]]
+            if value is True
+            else []
+            if value is False
+            else [by_name[name], str(value)]
+        )
+    return out
+
+
 @dataclass(frozen=True)
 class SetKey:
     model: Path
@@ -86,9 +139,23 @@ class SetKey:
     decode_args: tuple[str, ...] = ()
     prefill_model: Path | None = None  # the prefill agent's own dir (mixed weights)
     prefill_module: str | None = None  # the prefill agent run from a test's wrapper
+    prefill_live: Live = ()  # live settings the set is leased with (not started with)
+    decode_live: Live = ()
+    own: bool = False  # a set of its own, its live flags on its command line
+
+    @property
+    def live(self) -> tuple[Live, Live]:
+        return self.prefill_live, self.decode_live
+
+    @property
+    def shared(self) -> SetKey:
+        """The set this configuration is leased from: no live settings."""
+        return replace(self, prefill_live=(), decode_live=(), own=False)
 
     def describe(self) -> str:
-        flags = " ".join([*self.prefill_args, "|", *self.decode_args]).strip(" |")
+        prefill = [*self.prefill_args, *live_flags(self.prefill_live)]
+        decode = [*self.decode_args, *live_flags(self.decode_live)]
+        flags = " ".join([*prefill, "|", *decode]).strip(" |")
         mixed = f" prefill on {self.prefill_model.name}" if self.prefill_model else ""
         return f"{self.model.name}{mixed} {self.dtype} x{self.n_decode} {flags}".strip()
 
@@ -101,6 +168,8 @@ class AgentSet:
     leases: int = 0
     used_at: float = field(default_factory=time.monotonic)
     base: AgentSet | None = None  # the pooled set this one shows fewer decode agents of
+    live: tuple[Live, Live] = ((), ())  # the live settings applied now
+    defaults: dict[str, dict[str, Any]] = field(default_factory=dict)  # agent -> its own
 
     @property
     def pair(self) -> tuple[AgentProc, AgentProc]:
@@ -154,22 +223,55 @@ class AgentPool:
             dtype=key.dtype,
             log_dir=log_dir,
             token_file=token_file,
-            prefill_args=key.prefill_args,
-            decode_args=key.decode_args,
+            prefill_args=[*key.prefill_args, *live_flags(key.prefill_live)],
+            decode_args=[*key.decode_args, *live_flags(key.decode_live)],
             prefill_model_dir=key.prefill_model,
             prefill_module=key.prefill_module,
         )
-        return AgentSet(key, prefill, decodes)
+        return AgentSet(key, prefill, decodes, live=key.live)
+
+    def _apply(self, agent_set: AgentSet, live: tuple[Live, Live]) -> None:
+        """Give the set's agents these live settings (their own values for the rest)."""
+        agent_set = agent_set.base or agent_set
+        if agent_set.live == live:
+            return
+        roles = [(agent_set.prefill, 0)] + [(d, 1) for d in agent_set.decodes]
+        for agent, role in roles:
+            if agent.name not in agent_set.defaults:  # read before anything changed
+                agent_set.defaults[agent.name] = agent.settings()
+            own = agent_set.defaults[agent.name]
+            want = dict(live[role])
+            change = {k: own[k] for k, _ in agent_set.live[role] if k not in want} | want
+            if change:
+                agent.settings(**change)
+        agent_set.live = live
 
     def lease(self, key: SetKey) -> AgentSet:
         """The pooled set for `key`, started if it is not up; held until release()."""
-        plain = key.dtype == "auto" and not (
-            key.prefill_args or key.decode_args or key.prefill_module
+        if not key.own:
+            shared = self.sets.get(key.shared)
+            held = shared is not None and (shared.leases > 0 and shared.live != key.live)
+            if not held:
+                got = self._lease(key.shared)
+                try:
+                    self._apply(got, key.live)
+                except BaseException:
+                    self.release(got)
+                    raise
+                return got
+            key = replace(key, own=True)  # held with other live values: not changed under it
+        return self._lease(key)
+
+    def _lease(self, key: SetKey) -> AgentSet:
+        plain = (
+            key.dtype == "auto"
+            and not (key.prefill_args or key.decode_args or key.prefill_module)
+            and key.live == ((), ())
         )
         width = self.widths.get(key.model, 0) if plain and key.prefill_model is None else 0
         wide = replace(key, n_decode=max(key.n_decode, width))
         if wide != key:
-            base = self.lease(wide)
+            base = self._lease(wide)
             return AgentSet(key, base.prefill, base.decodes[: key.n_decode], base=base)
         found = self.sets.get(key)
         if found is not None:
@@ -213,14 +315,15 @@ class AgentPool:
         An idle pooled set of the same configuration is handed over instead of starting
         one (its token is the pool's): a start now, or maybe one later if it is asked for
         again, never worse."""
-        idle = self.sets.get(key)
+        idle = self.sets.get(key.shared)
         if (
             token_file is None
             and idle is not None
             and idle.leases <= 0
             and all(a.alive() for a in idle.agents)
         ):
-            del self.sets[key]
+            self._apply(idle, key.live)
+            del self.sets[key.shared]
             count_start("taken over", what=key.describe())
             return idle
         with starting("fresh"):
@@ -254,12 +357,16 @@ def key_for(
     prefill_model: Path | None = None,
     prefill_module: str | None = None,
 ) -> SetKey:
+    prefill_start, prefill_live = split_live(prefill_args)
+    decode_start, decode_live = split_live(decode_args)
     return SetKey(
         model.resolve(),
         dtype,
         n_decode,
-        tuple(prefill_args),
-        tuple(decode_args),
+        prefill_start,
+        decode_start,
         prefill_model.resolve() if prefill_model else None,
         prefill_module,
+        prefill_live,
+        decode_live,
     )

@@ -78,6 +78,19 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     tests.agentpool.CURRENT_TEST = item.nodeid
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    """Sets a test's body leases (agent_pair(...) in the test) are held until it ends,
+    not until its module does: the next test may lease them with other live settings."""
+    tests.agentpool.BODY_LEASES = []
+    try:
+        return (yield)
+    finally:
+        taken, tests.agentpool.BODY_LEASES = tests.agentpool.BODY_LEASES, None
+        for owner, leased in taken:
+            owner.give_back(leased)
+
+
 @pytest.fixture(autouse=True)
 def _processes_only_when_slow(request: pytest.FixtureRequest) -> Iterator[None]:
     """A test not marked slow that starts a Python process fails: the fast tier
@@ -189,7 +202,14 @@ class Agents:
             raise ValueError("pooled sets share the pool's token (agents.token_file): fresh=True")
         leased = self.pool.lease(key)
         self.leased.append(leased)
+        if tests.agentpool.BODY_LEASES is not None:
+            tests.agentpool.BODY_LEASES.append((self, leased))
         return leased
+
+    def give_back(self, leased: AgentSet) -> None:
+        """Release one lease now (a test's body lease, when the test ends)."""
+        self.leased.remove(leased)
+        self.pool.release(leased)
 
     def __call__(self, model: str | Path, **kw: Any) -> tuple[AgentProc, AgentProc]:
         """A prefill and a decode agent; keywords as for set()."""
@@ -532,7 +552,7 @@ def cli_local(
 ) -> Iterator[Cli]:
     """`disagg ARGS` in this process, its `--local` agents from the pool: the real
     Client.local (model checks, routes) over pooled sets with the pool's token;
-    closing the client leaves them running."""
+    closing the client leaves them running (and gives its leases back)."""
     import disagg.api
 
     agents = Agents(agent_pool, tmp_path)
@@ -560,6 +580,8 @@ def cli_local(
 
     def close(self: Any) -> None:
         self.agents = []
+        for got in list(agents.leased):  # the run is over: the next may lease them anew
+            agents.give_back(got)
 
     monkeypatch.setattr(disagg.api, "start_local_agents", leased)
     monkeypatch.setattr(

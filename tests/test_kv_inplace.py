@@ -7,10 +7,9 @@ copy path (decode_layer + fill_layer) must agree with them too."""
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -21,7 +20,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from agents.decode.kvcaches import fill_layer
 from agents.decode.kvfetch import receive_layers
-from agents.decode.kvslots import ENV, Slots, allocate
+from agents.decode.kvslots import Slots, allocate
 from agents.decode.prefixcache import DecodePrefix, Hit, Span
 from agents.prefill.engine import to_wire
 from agents.wire import kvcodec as K
@@ -31,9 +30,9 @@ from agents.wire.frames import Frame, ProtocolError, pack_header
 from agents.wire.request import PrefillRequest
 from agents.wire.seal import _SEALS, IntegrityError, sealed
 from disagg.serving import wireclient as client
-from disagg.serving.localagents import AgentProc, wait_ready
+from disagg.serving.localagents import AgentProc
 from tests.agentpool import AgentSet
-from tests.conftest import PairFactory, Spawn, ask, remote_request, socket_pair
+from tests.conftest import ask, remote_request, socket_pair
 
 HEADS, DIM, LAYERS, PROMPT = 3, 16, 4, 45
 WINDOW = 8  # the sliding layer's window in the mixed-cache test
@@ -343,29 +342,17 @@ def test_bad_frames_are_refused_as_on_the_copy_path() -> None:
 
 
 @pytest.fixture(scope="module")
-def both(
-    default_model: Path, smol_set: AgentSet, agent_pair: PairFactory, spawn_module: Spawn
-) -> tuple[AgentProc, AgentProc, AgentProc]:
-    """A SmolLM2 prefill agent, a decode agent receiving in place, and a second
-    decode agent on the copy path (DISAGG_KV_INPLACE=0), in one cluster."""
+def both(smol_set: AgentSet) -> Iterator[tuple[AgentProc, AgentProc, AgentProc]]:
+    """A SmolLM2 prefill agent, a decode agent receiving in place, and the set's
+    second decode agent on the copy path (its live setting kv_inplace, as
+    DISAGG_KV_INPLACE=0 gives at start), in one cluster."""
     prefill, inplace = smol_set.pair
-    old = os.environ.get(ENV)
-    os.environ[ENV] = "0"
+    copy = smol_set.decodes[1]
+    assert copy.settings(kv_inplace=False)["kv_inplace"] is False
     try:
-        proc, log, name = spawn_module(
-            "decode",
-            default_model,
-            name="decode-copy@127.0.0.1",
-            extra_args=["--token-file", str(agent_pair.token_file)],
-        )
+        yield prefill, inplace, copy
     finally:
-        if old is None:
-            del os.environ[ENV]
-        else:
-            os.environ[ENV] = old
-    copy = wait_ready("decode", proc, log, name, 300.0)
-    copy.token = prefill.token
-    return prefill, inplace, copy
+        copy.settings(kv_inplace=True)  # a pooled agent: its own value again
 
 
 def same_answer(a: client.Result, b: client.Result) -> None:
@@ -395,6 +382,9 @@ def test_agents_in_place_answer_as_the_copy_path(
         for r in results:
             assert r.metrics["method"] == "disaggregated", r.metrics
             assert r.metrics["kv_quant"] == fields.get("kv_quant"), fields
+        # Each path was the one asked for: every layer in place, none on the copy path.
+        assert results[0].metrics["kv_inplace_layers"] > 0
+        assert results[1].metrics["kv_inplace_layers"] == 0
         same_answer(*results)
     # A decode-side prefix hit: each agent's second ask reuses its first's blocks
     # (a salt each, so neither sees the other's entries on either agent).

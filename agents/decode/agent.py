@@ -50,11 +50,12 @@ from agents.decode.prefixstore import PendingStore
 from agents.decode.upfront import client_gone, max_token_bytes, too_long
 from agents.models import get_adapter, load_hf_config
 from agents.models.pooling import pooling_config
-from agents.prefix.store import default_max_mb
+from agents.prefix.store import budget_setting, default_max_mb
 from agents.quant import check_supported, weights_identity
 from agents.runtime.blasshare import BlasShare
 from agents.runtime.metrics import Stats
 from agents.runtime.server import common_args, fail, serve, start_agent
+from agents.runtime.settings import Setting
 from agents.wire.answer import CONTENT, REASONING, Done, Metrics, TokenEvent
 from agents.wire.channel import recv_json, send_error, send_frame, send_json
 from agents.wire.frames import CONTROL_MAX_FRAME, Frame, PeerClosed, ProtocolError, RemoteError
@@ -397,6 +398,7 @@ class DecodeAgent:
         self.engine = engine
         # Accept a prefill agent on other weights (results then say weights: "mixed").
         self.allow_mixed = allow_mixed
+        self.kv_inplace = inplace_enabled()  # DISAGG_KV_INPLACE=0: the copy path
         self.name = name
         self.max_request_bytes = max_request_bytes  # largest GENERATE frame taken
         self.token = token  # the cluster token, also proves us to prefill agents
@@ -415,6 +417,26 @@ class DecodeAgent:
         mb = default_max_mb() if prefix_cache_mb is None else prefix_cache_mb
         self.prefix = DecodePrefix(int(mb * (1 << 20)), engine.fingerprint["layers"], engine.dtype)
         self.stats.extra.append(lambda: self.prefix.cache.prometheus("decode"))
+
+    def live_settings(self) -> list[Setting]:
+        """What PUT /settings may change (agents.runtime.settings), for new requests."""
+        return [
+            budget_setting(self.prefix.cache),
+            Setting(
+                "allow_mixed",
+                bool,
+                lambda: self.allow_mixed,
+                lambda v: setattr(self, "allow_mixed", v),
+                help="accept prefill agents whose weights differ from ours",
+            ),
+            Setting(
+                "kv_inplace",
+                bool,
+                lambda: self.kv_inplace,
+                lambda v: setattr(self, "kv_inplace", v),
+                help="receive K/V straight into the caches (false: the copy path)",
+            ),
+        ]
 
     def status(self) -> dict[str, Any]:
         batch = self.loop.snapshot()
@@ -581,7 +603,7 @@ class DecodeAgent:
         # the mlx thread allocates while we dial (agents.decode.kvslots).
         fp = self.engine.fingerprint
         alloc: Future[Slots] | None = None
-        if inplace_enabled():
+        if self.kv_inplace:
             alloc = self.loop.post(
                 allocate, caches, len(ids), self.engine.dtype, fp["num_kv_heads"], fp["head_dim"]
             )
@@ -634,7 +656,9 @@ class DecodeAgent:
             )
         for f in fills:
             f.result()
+        fetched["kv_inplace_layers"] = 0
         if alloc is not None:
+            fetched["kv_inplace_layers"] = len(alloc.result().placed)
             alloc.result().release()  # so decoding updates the caches in place
         return fetched, logits
 

@@ -17,10 +17,11 @@ from agents.prefill.embed import Embedder
 from agents.prefill.engine import PrefillEngine
 from agents.prefill.prefixcache import PrefillPrefix
 from agents.prefill.sender import KV_BUFFER_MB, KV_STALL_S, LayerSender, PeerStalled
-from agents.prefix.store import default_max_mb, prefix_digest
+from agents.prefix.store import budget_setting, default_max_mb, prefix_digest
 from agents.quant import weights_mismatch
 from agents.runtime.metrics import Stats
 from agents.runtime.server import common_args, serve, start_agent
+from agents.runtime.settings import Setting
 from agents.wire.channel import (
     recv_control,
     recv_json,
@@ -71,6 +72,21 @@ class PrefillAgent:
         self.prefix = PrefillPrefix(int(mb * (1 << 20)), engine.kinds, namespace)
         self.stats.extra.append(lambda: self.prefix.cache.prometheus("prefill"))
         self.embedder = Embedder(engine)  # EMBED frames (agents.prefill.embed)
+
+    def live_settings(self) -> list[Setting]:
+        """What PUT /settings may change (agents.runtime.settings), for new requests."""
+        return [
+            budget_setting(self.prefix.cache),
+            Setting(
+                "kv_stall_timeout_s",
+                float,
+                lambda: self.kv_stall_s,
+                lambda v: setattr(self, "kv_stall_s", v),
+                0.1,
+                86400.0,
+                "cut a peer that takes no K/V bytes for this many seconds",
+            ),
+        ]
 
     def status(self) -> dict[str, Any]:
         return {

@@ -26,11 +26,14 @@ class PrefillPrefix:
 
     def __init__(self, max_bytes: int, kinds: list[list[Any]], namespace: str) -> None:
         self.cache = PrefixCache(max_bytes)
-        self.enabled = bool(self.cache.max_bytes)
         self.namespace = namespace
         # A finished prompt's blocks, copied in after its K/V went out, or by the
         # next lookup if that comes first: it never waits on a peer's socket.
         self.pending = PendingStores()
+
+    @property
+    def enabled(self) -> bool:  # the budget is a live setting: 0 turns the cache off
+        return bool(self.cache.max_bytes)
 
     def seed(self, dyn: Any, ids: list[int], salt: str | None = None) -> tuple[list[bytes], int]:
         """Fill the DynamicCache `dyn` with the longest cached prefix of `ids`

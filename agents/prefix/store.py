@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from agents.runtime.settings import Setting
+
 BLOCK_TOKENS = 16  # tokens per block: hits are multiples of this
 
 
@@ -104,7 +106,8 @@ class PrefixCache:
     def __init__(self, max_bytes: int, block: int = BLOCK_TOKENS, share: int = 4) -> None:
         self.max_bytes = max(0, int(max_bytes))
         self.block = block
-        self.request_cap = self.max_bytes // max(1, share)
+        self.share = max(1, share)
+        self.request_cap = self.max_bytes // self.share
         self.lock = threading.Lock()
         self.blocks: OrderedDict[bytes, Block] = OrderedDict()
         self.bytes = 0
@@ -188,6 +191,13 @@ class PrefixCache:
             if cached_tokens:
                 self.hits += 1
                 self.hit_tokens += cached_tokens
+
+    def set_budget(self, max_bytes: int) -> None:
+        """A new budget, live: what no longer fits goes, least recently used first."""
+        with self.lock:
+            self.max_bytes = max(0, int(max_bytes))
+            self.request_cap = self.max_bytes // self.share
+            self._make_room(0, set())
 
     def _make_room(self, nbytes: int, ours: set[bytes]) -> bool:
         """Evict least recently used blocks until `nbytes` more fit (under the
@@ -289,3 +299,16 @@ class PrefixCache:
         for name, kind, value in rows:
             lines += [f"# TYPE {p}_{name} {kind}", f"{p}_{name}{lab} {value}"]
         return "\n".join(lines) + "\n"
+
+
+def budget_setting(cache: PrefixCache) -> Setting:
+    """The cache's budget as a live setting (PUT /settings): a smaller one evicts."""
+    return Setting(
+        "prefix_cache_mb",
+        float,
+        lambda: round(cache.max_bytes / (1 << 20), 4),
+        lambda mb: cache.set_budget(int(mb * (1 << 20))),
+        0.0,
+        float(1 << 24),
+        "memory for prompt K/V reused across requests (0: off)",
+    )

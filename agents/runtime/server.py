@@ -30,6 +30,8 @@ from typing import Any, NoReturn, Protocol, TypeVar
 
 from agents.prefix.store import default_max_mb
 from agents.runtime.metrics import LAST_ERROR, Stats
+from agents.runtime.settings import MAX_BODY_BYTES as MAX_SETTINGS_BODY
+from agents.runtime.settings import Setting, Settings, SettingsError
 from agents.wire.auth import TOKEN_MIN_CHARS, server_auth
 from agents.wire.frames import CONTROL_MAX_FRAME, AuthError, Deadline, ProtocolError
 from agents.wire.httpauth import PROOF_HEADER, ServerAuth
@@ -393,6 +395,8 @@ class FrameServer(socketserver.ThreadingTCPServer):
         trusted: frozenset[str] = frozenset(),
     ) -> None:
         self.gate = gate = Gate(max_connections, max_preauth_per_peer, trusted=trusted)
+        self.handshake_timeout_s = handshake_timeout_s  # a live setting: read per connection
+        server = self
 
         class _Handler(socketserver.BaseRequestHandler):
             def handle(inner) -> None:
@@ -402,8 +406,8 @@ class FrameServer(socketserver.ThreadingTCPServer):
                 authed = False
                 try:
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    deadline = Deadline(handshake_timeout_s)
-                    sock.settimeout(handshake_timeout_s)
+                    deadline = Deadline(server.handshake_timeout_s)
+                    sock.settimeout(server.handshake_timeout_s)
                     server_auth(sock, token, deadline)
                     sock.settimeout(IDLE_TIMEOUT_S)
                     if not gate.authenticated(addr, sock):
@@ -510,9 +514,11 @@ def start_control(
     draining: threading.Event,
     deadline_s: float = HANDSHAKE_TIMEOUT_S,
     trusted: frozenset[str] = frozenset(),
+    settings: Settings | None = None,
 ) -> ThreadingHTTPServer:
-    """GET /health for anyone; /status and /metrics for token holders, proven by
-    challenge-response (agents.wire.httpauth) so the token never crosses the wire."""
+    """GET /health for anyone; /status, /metrics and /settings for token holders,
+    proven by challenge-response (agents.wire.httpauth) so the token never crosses
+    the wire; PUT /settings (a signed body) changes live settings."""
     auth = ServerAuth(token) if token is not None else None
 
     class _Handler(BaseHTTPRequestHandler):
@@ -539,16 +545,55 @@ def start_control(
             elif self.path == "/metrics":
                 raw, code = metrics().encode(), 200
                 kind = "text/plain; version=0.0.4"
+            elif self.path == "/settings" and settings is not None:
+                raw, code = json.dumps({"settings": settings.values()}).encode(), 200
             else:
                 raw, code = b'{"error": "no such endpoint"}', 404
             if auth is not None and proven is not None:
                 extra[PROOF_HEADER] = auth.proof("GET", self.path, *proven, code, raw)
             self._answer(code, kind, raw, extra)
 
+        def do_PUT(self) -> None:  # noqa: N802 (http.server's naming)
+            """A live settings change: the body is read (bounded) first, since the
+            client's MAC covers it; only an agent with a token takes changes."""
+            length = self.headers.get("Content-Length", "")
+            if not length.isdigit() or int(length) > MAX_SETTINGS_BODY:
+                why = f"a PUT needs a Content-Length of at most {MAX_SETTINGS_BODY} bytes"
+                self._error(413, why)
+                return
+            body = self.rfile.read(int(length))
+            if self.path != "/settings" or settings is None:
+                self._error(404, "no such endpoint")
+                return
+            if auth is None:
+                self._error(403, "this agent runs without a cluster token: it takes no changes")
+                return
+            checked = auth.check("PUT", self.path, self.headers.get("Authorization"), body)
+            if isinstance(checked, str):
+                self._refuse(auth, checked)
+                return
+            peer = self.client_address[0]
+            try:
+                changed = settings.change(json.loads(body))
+            except (ValueError, SettingsError) as e:  # JSON's errors are ValueErrors
+                code, raw = 400, json.dumps({"error": printable(e, 300)}).encode()
+            else:
+                if changed:
+                    told = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
+                    log.info("settings changed by %s: %s", peer, told)
+                code = 200
+                raw = json.dumps({"settings": settings.values(), "changed": changed}).encode()
+            proof = auth.proof("PUT", self.path, *checked, code, raw)
+            self._answer(code, "application/json", raw, {PROOF_HEADER: proof})
+
+        def _error(self, code: int, why: str) -> None:
+            self._answer(code, "application/json", json.dumps({"error": why}).encode(), {})
+
         def _refuse(self, auth: ServerAuth, why: str) -> None:
             if why != "no credentials":  # a bare request is the protocol's first step
                 log.warning(
-                    "refused HTTP GET %s from %s: %s",
+                    "refused HTTP %s %s from %s: %s",
+                    self.command,
                     printable(self.path, 100),
                     self.client_address[0],
                     why,
@@ -585,6 +630,87 @@ class Agent(Protocol):
 
     def status(self) -> dict[str, Any]: ...
 
+    def live_settings(self) -> list[Setting]: ...
+
+
+def listener_settings(
+    frames: list[FrameServer], controls: list[ThreadingHTTPServer]
+) -> list[Setting]:
+    """What both roles let an operator change live: the data port's caps and
+    handshake deadline (new connections), the log's rotation size."""
+
+    def deadline(v: float) -> None:
+        for f in frames:
+            f.handshake_timeout_s = v
+        for c in controls:
+            c.deadline_s = v  # type: ignore[attr-defined]
+            c.RequestHandlerClass.timeout = v  # type: ignore[attr-defined]
+
+    def gates(**fields: int) -> Callable[[int], None]:
+        def apply(v: int) -> None:
+            for f in frames:
+                with f.gate.lock:
+                    for name, share in fields.items():
+                        setattr(f.gate, name, max(1, v // share))
+
+        return apply
+
+    def rotate_at(v: int) -> None:
+        for h in logging.getLogger().handlers:
+            if isinstance(h, logging.handlers.RotatingFileHandler):
+                h.maxBytes = v
+
+    def rotating() -> int:
+        sizes = [
+            h.maxBytes
+            for h in logging.getLogger().handlers
+            if isinstance(h, logging.handlers.RotatingFileHandler)
+        ]
+        return sizes[0] if sizes else 0
+
+    gate = frames[0].gate
+    logs = [
+        Setting(
+            "log_max_bytes",
+            int,
+            rotating,
+            rotate_at,
+            1024,
+            1 << 40,
+            "rotate --log-file at this size",
+        )
+    ]
+    return [
+        Setting(
+            "handshake_timeout_s",
+            float,
+            lambda: frames[0].handshake_timeout_s,
+            deadline,
+            0.1,
+            600.0,
+            "seconds a new connection has to authenticate",
+        ),
+        Setting(
+            "max_connections",
+            int,
+            lambda: gate.total,
+            gates(total=1, preauth_total=2),
+            2,
+            1 << 16,
+            "connections at once on the data port (half at most unauthenticated)",
+        ),
+        Setting(
+            "max_preauth_per_peer",
+            int,
+            lambda: gate.preauth_per_peer,
+            gates(preauth_per_peer=1),
+            1,
+            1 << 16,
+            "unauthenticated connections at once from one address",
+        ),
+        *(logs if rotating() else []),  # an agent logging to stderr rotates nothing
+    ]
+
 
 def serve(role: str, args: argparse.Namespace, token: bytes | None, agent: Agent) -> None:
     """Bind both ports on every address, print READY, serve until SIGTERM/SIGINT,
@@ -596,6 +722,7 @@ def serve(role: str, args: argparse.Namespace, token: bytes | None, agent: Agent
     frames: list[FrameServer] = []
     controls: list[ThreadingHTTPServer] = []
     port, control_port = args.port, args.control_port
+    settings = Settings(*agent.live_settings())
     try:
         for host in hosts:  # port 0: the first bind picks it, the others reuse it
             frames.append(
@@ -621,11 +748,13 @@ def serve(role: str, args: argparse.Namespace, token: bytes | None, agent: Agent
                     draining,
                     args.handshake_timeout,
                     trusted,
+                    settings,
                 )
             )
             control_port = controls[-1].server_address[1]
     except OSError as e:
         fail(f"cannot listen on {host}: {e.strerror}")
+    settings.add(*listener_settings(frames, controls))
     for server in frames:
         # A short poll so a SIGTERM closes the listener within a tenth of a second.
         threading.Thread(

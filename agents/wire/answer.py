@@ -130,6 +130,7 @@ class Metrics:
     kv_quant: str | None = None  # None lossless, "int8"
     kv_payload_bytes: int | None = None  # K/V blocks as sent (compressed or not)
     kv_raw_bytes: int | None = None  # K/V blocks expanded
+    kv_inplace_layers: int | None = None  # layers received straight into their caches (0: copied)
     kv_encode_time: float | None = None  # prefill side: shuffle + compress
     kv_quant_time: float | None = None  # prefill side: int8 quantization
     kv_decode_time: float | None = None  # decode side: decompress + unshuffle (+ dequantize)

@@ -6,7 +6,8 @@ token on the wire: challenge-response, as on the KV socket.
     client  GET /status, Authorization: Disagg-HMAC nonce=.., cnonce=.., mac=..
     agent   200 + body, X-Disagg-Proof: HMAC over the answer
 
-mac = HMAC-SHA256(token, side | method | path | nonce | cnonce [| status | sha256(body)]).
+mac = HMAC-SHA256(token, side | method | path | nonce | cnonce [| status | sha256(body)]);
+a request with a body (PUT /settings) adds sha256(its body) to the client's MAC.
 The agent's nonce carries its own issue time and a MAC under a per-process key,
 so the agent keeps no state for unanswered challenges (nobody can fill it); a
 nonce is good for NONCE_TTL_S and once: used ones are remembered only after a
@@ -95,8 +96,11 @@ class ServerAuth:
         age = time.time() - struct.unpack(">d", stamp[:8])[0]
         return 0 <= age <= self.ttl_s
 
-    def check(self, method: str, path: str, authorization: str | None) -> tuple[str, str] | str:
-        """(nonce, cnonce) when the request proves the token; else why not."""
+    def check(
+        self, method: str, path: str, authorization: str | None, body: bytes | None = None
+    ) -> tuple[str, str] | str:
+        """(nonce, cnonce) when the request proves the token (and `body`, where it
+        has one, is the body the client signed); else why not."""
         params = parse_authorization(authorization)
         if params is None:
             return "no credentials"
@@ -109,7 +113,10 @@ class ServerAuth:
             return "incomplete credentials"
         if not self._fresh(nonce):
             return "stale or forged challenge"
-        if not hmac.compare_digest(mac, _mac(self.token, "client", method, path, nonce, cnonce)):
+        signed = () if body is None else (hashlib.sha256(body).hexdigest(),)
+        if not hmac.compare_digest(
+            mac, _mac(self.token, "client", method, path, nonce, cnonce, *signed)
+        ):
             return "wrong token"
         now = time.time()
         with self._lock:
@@ -128,12 +135,20 @@ class ServerAuth:
         )
 
 
-def _get(
-    host: str, port: int, path: str, timeout_s: float, headers: dict[str, str]
+def _call(
+    host: str,
+    port: int,
+    path: str,
+    timeout_s: float,
+    headers: dict[str, str],
+    method: str = "GET",
+    body: bytes | None = None,
 ) -> tuple[int, dict[str, str], bytes]:
     conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
     try:
-        conn.request("GET", path, headers=headers)
+        if body is not None:
+            headers = {**headers, "Content-Type": "application/json"}
+        conn.request(method, path, body=body, headers=headers)
         resp = conn.getresponse()
         body = resp.read(MAX_BODY + 1)
         if len(body) > MAX_BODY:
@@ -148,18 +163,38 @@ def _get(
 def control_get(
     host: str, port: int, path: str, token: bytes | None, timeout_s: float = 5.0
 ) -> bytes:
-    """GET an agent's control endpoint, proving the token without sending it.
+    """GET an agent's control endpoint, proving the token without sending it."""
+    return control_call(host, port, path, token, timeout_s)
+
+
+def control_put(
+    host: str, port: int, path: str, token: bytes | None, body: bytes, timeout_s: float = 5.0
+) -> bytes:
+    """PUT `body` to an agent's control endpoint (PUT /settings), signed with the token."""
+    return control_call(host, port, path, token, timeout_s, "PUT", body)
+
+
+def control_call(
+    host: str,
+    port: int,
+    path: str,
+    token: bytes | None,
+    timeout_s: float = 5.0,
+    method: str = "GET",
+    body: bytes | None = None,
+) -> bytes:
+    """Call an agent's control endpoint, proving the token without sending it.
 
     Holding a token, the answer must carry the agent's proof (no downgrade to an
     agent that asks for nothing). Raises AuthError when either side fails to
     prove itself, ControlError for another HTTP error, OSError when unreachable.
     """
     where = f"{host}:{port}{path}"
-    status, headers, body = _get(host, port, path, timeout_s, {})
+    status, headers, answer = _call(host, port, path, timeout_s, {}, method, body)
     if path in UNAUTHENTICATED and status != 401:
         if status != 200:
-            raise ControlError(status, body, where)
-        return body
+            raise ControlError(status, answer, where)
+        return answer
     if status != 401:
         if token is not None and status == 200:
             raise AuthError(
@@ -167,8 +202,8 @@ def control_get(
                 "belongs to this cluster: refusing its answer; restart it with --token-file"
             )
         if status != 200:
-            raise ControlError(status, body, where)
-        return body
+            raise ControlError(status, answer, where)
+        return answer
     if token is None:
         raise AuthError(f"the agent at {host}:{port} requires the cluster token and none was given")
     challenge = parse_authorization(headers.get("www-authenticate"))
@@ -176,14 +211,17 @@ def control_get(
     if not nonce:
         raise AuthError(f"{where} answered 401 without a {SCHEME} challenge")
     cnonce = secrets.token_hex(16)
-    mac = _mac(token, "client", "GET", path, nonce, cnonce)
+    signed = () if body is None else (hashlib.sha256(body).hexdigest(),)
+    mac = _mac(token, "client", method, path, nonce, cnonce, *signed)
     auth = f'{SCHEME} nonce="{nonce}", cnonce="{cnonce}", mac="{mac}"'
-    status, headers, body = _get(host, port, path, timeout_s, {"Authorization": auth})
+    status, headers, answer = _call(
+        host, port, path, timeout_s, {"Authorization": auth}, method, body
+    )
     if status == 401:
         raise AuthError(f"the agent at {host}:{port} refused our proof: wrong cluster token?")
-    expected = _mac(token, "server", "GET", path, nonce, cnonce, *_answer_digest(status, body))
+    expected = _mac(token, "server", method, path, nonce, cnonce, *_answer_digest(status, answer))
     if not hmac.compare_digest(headers.get(PROOF_HEADER.lower(), ""), expected):
         raise AuthError(f"the agent at {host}:{port} could not prove it holds the cluster token")
     if status != 200:
-        raise ControlError(status, body, where)
-    return body
+        raise ControlError(status, answer, where)
+    return answer

@@ -1,4 +1,4 @@
-"""An agent's HTTP control endpoints (/health, /status, /metrics) as data.
+"""An agent's HTTP control endpoints (/health, /status, /metrics, /settings) as data.
 
 The request itself is `agents.wire.httpauth.control_get`: it proves the cluster token
 by challenge-response, so the token never crosses the wire. Local agents, fleet
@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from agents.wire.httpauth import control_get
+from agents.wire.httpauth import ControlError, control_get, control_put
 from agents.wire.text import printable
 
 
@@ -34,3 +34,34 @@ def control_status(
     """The agent's /status document. Raises OSError (no answer), agents.wire's
     AuthError (token refused) or ValueError (a malformed answer)."""
     return parse_status(control_get(host, control_port, "/status", token, timeout_s))
+
+
+def agent_settings(
+    host: str,
+    control_port: int,
+    token: bytes | None,
+    changes: dict[str, Any] | None = None,
+    timeout_s: float = 5.0,
+) -> dict[str, Any]:
+    """The agent's live settings, after applying `changes` (PUT /settings) when given.
+    Raises ValueError with the agent's one line for a change it refused, OSError /
+    AuthError as control_status does."""
+    try:
+        if changes:
+            raw = control_put(
+                host, control_port, "/settings", token, json.dumps(changes).encode(), timeout_s
+            )
+        else:
+            raw = control_get(host, control_port, "/settings", token, timeout_s)
+    except ControlError as e:
+        if e.status != 400:
+            raise
+        try:
+            why = json.loads(e.body)["error"]
+        except (ValueError, KeyError, TypeError):
+            why = e.body.decode(errors="replace")
+        raise ValueError(printable(why, 300)) from None
+    settings = parse_status(raw).get("settings")
+    if not isinstance(settings, dict):
+        raise ValueError("/settings answer has no settings object")
+    return settings

@@ -21,7 +21,7 @@ from typing import Any
 from agents.runtime import lifeline
 from agents.wire.httpauth import control_get
 from disagg.errors import AgentError, ModelError
-from disagg.serving.control import control_status
+from disagg.serving.control import agent_settings, control_status
 
 
 @dataclass
@@ -51,6 +51,10 @@ class AgentProc:
     def status(self, timeout_s: float = 5.0) -> dict[str, Any]:
         """The agent's /status (device, in flight, counters); OSError or ValueError if not."""
         return control_status(self.host, self.control_port, self.token, timeout_s)
+
+    def settings(self, **changes: Any) -> dict[str, Any]:
+        """The agent's live settings, after `changes` (PUT /settings) if any."""
+        return agent_settings(self.host, self.control_port, self.token, changes)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
