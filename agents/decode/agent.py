@@ -50,12 +50,12 @@ from agents.decode.prefixstore import PendingStore
 from agents.decode.upfront import client_gone, max_token_bytes, too_long
 from agents.models import get_adapter, load_hf_config
 from agents.models.pooling import pooling_config
-from agents.prefix.store import budget_setting, default_max_mb
+from agents.prefix.store import default_max_mb
 from agents.quant import check_supported, weights_identity
 from agents.runtime.blasshare import BlasShare
 from agents.runtime.metrics import Stats
 from agents.runtime.server import common_args, fail, serve, start_agent
-from agents.runtime.settings import Setting
+from agents.runtime.settings import Setting, budget_setting
 from agents.wire.answer import CONTENT, REASONING, Done, Metrics, TokenEvent
 from agents.wire.channel import recv_json, send_error, send_frame, send_json
 from agents.wire.frames import CONTROL_MAX_FRAME, Frame, PeerClosed, ProtocolError, RemoteError

@@ -17,11 +17,11 @@ from agents.prefill.embed import Embedder
 from agents.prefill.engine import PrefillEngine
 from agents.prefill.prefixcache import PrefillPrefix
 from agents.prefill.sender import KV_BUFFER_MB, KV_STALL_S, LayerSender, PeerStalled
-from agents.prefix.store import budget_setting, default_max_mb, prefix_digest
+from agents.prefix.store import default_max_mb, prefix_digest
 from agents.quant import weights_mismatch
 from agents.runtime.metrics import Stats
 from agents.runtime.server import common_args, serve, start_agent
-from agents.runtime.settings import Setting
+from agents.runtime.settings import Setting, budget_setting
 from agents.wire.channel import (
     recv_control,
     recv_json,

@@ -27,8 +27,6 @@ from typing import Any
 
 import numpy as np
 
-from agents.runtime.settings import Setting
-
 BLOCK_TOKENS = 16  # tokens per block: hits are multiples of this
 
 
@@ -299,16 +297,3 @@ class PrefixCache:
         for name, kind, value in rows:
             lines += [f"# TYPE {p}_{name} {kind}", f"{p}_{name}{lab} {value}"]
         return "\n".join(lines) + "\n"
-
-
-def budget_setting(cache: PrefixCache) -> Setting:
-    """The cache's budget as a live setting (PUT /settings): a smaller one evicts."""
-    return Setting(
-        "prefix_cache_mb",
-        float,
-        lambda: round(cache.max_bytes / (1 << 20), 4),
-        lambda mb: cache.set_budget(int(mb * (1 << 20))),
-        0.0,
-        float(1 << 24),
-        "memory for prompt K/V reused across requests (0: off)",
-    )

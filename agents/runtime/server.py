@@ -505,6 +505,48 @@ class ControlServer(ThreadingHTTPServer):
             self.gate.release(client_address[0], authenticated=False, conn=request)
 
 
+UNAUTHORIZED = b'{"error": "unauthorized: answer the Disagg-HMAC challenge (agents.wire.httpauth)"}'
+
+
+def put_settings(handler: Any, auth: ServerAuth | None, settings: Settings | None) -> None:
+    """PUT /settings on the control port: the body is read (bounded) first, since the
+    client's MAC covers it; only an agent with a token takes changes."""
+
+    def error(code: int, why: str) -> None:
+        handler._answer(code, "application/json", json.dumps({"error": why}).encode(), {})
+
+    length = handler.headers.get("Content-Length", "")
+    if not length.isdigit() or int(length) > MAX_SETTINGS_BODY:
+        error(413, f"a PUT needs a Content-Length of at most {MAX_SETTINGS_BODY} bytes")
+        return
+    body = handler.rfile.read(int(length))
+    if handler.path != "/settings" or settings is None:
+        error(404, "no such endpoint")
+        return
+    if auth is None:
+        error(403, "this agent runs without a cluster token: it takes no changes")
+        return
+    checked = auth.check("PUT", handler.path, handler.headers.get("Authorization"), body)
+    if isinstance(checked, str):
+        handler._refuse(auth, checked)
+        return
+    code, raw = change_settings(settings, body, handler.client_address[0])
+    proof = auth.proof("PUT", handler.path, *checked, code, raw)
+    handler._answer(code, "application/json", raw, {PROOF_HEADER: proof})
+
+
+def change_settings(settings: Settings, body: bytes, peer: str) -> tuple[int, bytes]:
+    """A token holder's PUT /settings: (HTTP status, answer); the change is logged."""
+    try:
+        changed = settings.change(json.loads(body))
+    except (ValueError, SettingsError) as e:  # JSON's errors are ValueErrors
+        return 400, json.dumps({"error": printable(e, 300)}).encode()
+    if changed:
+        told = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
+        log.info("settings changed by %s: %s", peer, told)
+    return 200, json.dumps({"settings": settings.values(), "changed": changed}).encode()
+
+
 def start_control(
     host: str,
     port: int,
@@ -554,40 +596,7 @@ def start_control(
             self._answer(code, kind, raw, extra)
 
         def do_PUT(self) -> None:  # noqa: N802 (http.server's naming)
-            """A live settings change: the body is read (bounded) first, since the
-            client's MAC covers it; only an agent with a token takes changes."""
-            length = self.headers.get("Content-Length", "")
-            if not length.isdigit() or int(length) > MAX_SETTINGS_BODY:
-                why = f"a PUT needs a Content-Length of at most {MAX_SETTINGS_BODY} bytes"
-                self._error(413, why)
-                return
-            body = self.rfile.read(int(length))
-            if self.path != "/settings" or settings is None:
-                self._error(404, "no such endpoint")
-                return
-            if auth is None:
-                self._error(403, "this agent runs without a cluster token: it takes no changes")
-                return
-            checked = auth.check("PUT", self.path, self.headers.get("Authorization"), body)
-            if isinstance(checked, str):
-                self._refuse(auth, checked)
-                return
-            peer = self.client_address[0]
-            try:
-                changed = settings.change(json.loads(body))
-            except (ValueError, SettingsError) as e:  # JSON's errors are ValueErrors
-                code, raw = 400, json.dumps({"error": printable(e, 300)}).encode()
-            else:
-                if changed:
-                    told = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
-                    log.info("settings changed by %s: %s", peer, told)
-                code = 200
-                raw = json.dumps({"settings": settings.values(), "changed": changed}).encode()
-            proof = auth.proof("PUT", self.path, *checked, code, raw)
-            self._answer(code, "application/json", raw, {PROOF_HEADER: proof})
-
-        def _error(self, code: int, why: str) -> None:
-            self._answer(code, "application/json", json.dumps({"error": why}).encode(), {})
+            put_settings(self, auth, settings)
 
         def _refuse(self, auth: ServerAuth, why: str) -> None:
             if why != "no credentials":  # a bare request is the protocol's first step
@@ -598,11 +607,9 @@ def start_control(
                     self.client_address[0],
                     why,
                 )
-            raw = (
-                b'{"error": "unauthorized: answer the Disagg-HMAC challenge'
-                b' (agents.wire.httpauth)"}'
+            self._answer(
+                401, "application/json", UNAUTHORIZED, {"WWW-Authenticate": auth.challenge()}
             )
-            self._answer(401, "application/json", raw, {"WWW-Authenticate": auth.challenge()})
 
         def _answer(self, code: int, kind: str, raw: bytes, extra: dict[str, str]) -> None:
             self.send_response(code)

@@ -11,7 +11,10 @@ import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from agents.prefix.store import PrefixCache
 
 MAX_CHANGES = 32  # names in one change; there are fewer settings than this
 MAX_BODY_BYTES = 4096  # a PUT /settings body, at most
@@ -90,3 +93,16 @@ class Settings:
                     self._all[name].apply(value)
                     changed[name] = [old, value]
         return changed
+
+
+def budget_setting(cache: PrefixCache) -> Setting:
+    """A prefix cache's budget as a live setting: a smaller one evicts at once."""
+    return Setting(
+        "prefix_cache_mb",
+        float,
+        lambda: round(cache.max_bytes / (1 << 20), 4),
+        lambda mb: cache.set_budget(int(mb * (1 << 20))),
+        0.0,
+        float(1 << 24),
+        "memory for prompt K/V reused across requests (0: off)",
+    )

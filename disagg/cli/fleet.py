@@ -1,4 +1,4 @@
-"""The fleet commands: deploy, start, stop, restart, status, logs.
+"""The fleet commands: deploy, start, stop, restart, status, logs, tune.
 
 Each command parses, calls the library (disagg.fleet) and renders
 (render_fleet). Exit 1 if any host failed.
@@ -6,6 +6,7 @@ Each command parses, calls the library (disagg.fleet) and renders
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from typing import Annotated, Any
@@ -140,6 +141,42 @@ def logs(
         failed |= line.error
         out.print(log_line(line, width), soft_wrap=True, highlight=False)
     if failed:
+        raise typer.Exit(1)
+
+
+@app.command()
+@friendly
+def tune(
+    hosts: HostsArg = None,
+    inventory: Inventory = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set",
+            help="NAME=VALUE to change on the running agents (repeat); none: show them.",
+            show_default=False,
+        ),
+    ] = None,
+    role: Annotated[
+        str | None, typer.Option("--role", help="Only the prefill or the decode agents.")
+    ] = None,
+    as_json: Json = False,
+) -> None:
+    """Show or change the agents' live settings (connection caps, handshake deadline,
+    prefix-cache budget, ...) without a restart; a restart goes back to the inventory's."""
+    from disagg.cli.render_fleet import tune_table
+    from disagg.fleet.inventory import load
+    from disagg.fleet.tune import parse_changes
+    from disagg.fleet.tune import tune as tune_agents
+
+    changes = parse_changes(set_ or [])
+    inv = load(inventory)
+    rows = tune_agents(inv, hosts, changes, role)
+    if as_json:
+        print(json.dumps([dataclasses.asdict(r) for r in rows]))
+    else:
+        out.print(tune_table(rows, bool(changes)))
+    if any(not r.ok for r in rows):
         raise typer.Exit(1)
 
 

@@ -5,6 +5,7 @@ each status row is rendered on its own: one hostile /status costs its row only."
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +18,7 @@ from disagg.cli.plain import plain, plain_lines
 from disagg.fleet.deploy import HostDeploy
 from disagg.fleet.operations import AgentAction, AgentStatus, LogLine
 from disagg.fleet.ssh import HostResult
+from disagg.fleet.tune import Tuned
 from disagg.units import fmt
 
 STATE_STYLE = {
@@ -243,3 +245,22 @@ def log_line(line: LogLine, width: int) -> Text:
     )
     text.append_text(plain(line.text, None, style="red" if bad else ""))
     return text
+
+
+def tune_table(rows: list[Tuned], changed: bool) -> RenderableType:
+    """Each agent's live settings, one per line, those just set in bold; or its error."""
+    table = Table(
+        title="live settings (changed)" if changed else "live settings", header_style="bold"
+    )
+    for col in ("host", "role", "address", "settings"):
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        if r.error:
+            cell = Text(r.error, style="red")
+        else:
+            cell = Text()
+            for i, (name, value) in enumerate(sorted(r.settings.items())):
+                line = f"{name} = {json.dumps(value)}"
+                cell.append(("\n" if i else "") + line, style="bold" if name in r.changed else "")
+        table.add_row(_plain(r.host), _plain(r.role), _plain(r.address or "-"), cell)
+    return table
