@@ -1,5 +1,6 @@
-"""`disagg bench load` at its quick size, end to end: a real `disagg serve --local`
-and a real mlx_lm.server on the default model, driven over HTTP. The figures must be
+"""`disagg bench load` at its quick size, end to end: a real `disagg serve` (a fleet's
+gateway over the pooled SmolLM2 agents, given to the bench with `url`) and a real
+mlx_lm.server on the default model, driven over HTTP. The figures must be
 well formed (every request sent came back whole, percentiles ordered, counts that
 add up), never fast: no speed is asserted. Plus the pure parts: sizes, text, arrivals."""
 
@@ -7,7 +8,9 @@ from __future__ import annotations
 
 import json
 import random
+import socket
 import statistics
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,23 +27,30 @@ from disagg.bench.load import (
     run_load_bench,
     seeded_text,
 )
-from tests.agentpool import count_start
+from disagg.bench.loadpeers import attach_disagg
+from disagg.errors import AgentError
+from tests.agentpool import AgentPool, AgentSet
+from tests.conftest import Cli
+from tests.gateways import fleet_gateway
 
 SERVERS = ("disagg", "mlx_lm")
 
 
 @pytest.fixture(scope="module")
 def report(
-    default_model: Path, tmp_path_factory: pytest.TempPathFactory, serve_process: Any
-) -> dict[str, Any]:
-    # The bench starts its own `disagg serve --local` (and mlx_lm.server): what it measures.
-    count_start("serve")
-    messages: list[str] = []
-    r = run_load_bench(
-        default_model, QUICK, log_dir=tmp_path_factory.mktemp("load"), say=messages.append
-    )
-    assert messages
-    return r
+    default_model: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    smol_set: AgentSet,
+    agent_pool: AgentPool,
+) -> Iterator[dict[str, Any]]:
+    # The bench measures a `disagg serve` process (over pooled agents) and starts
+    # mlx_lm.server itself.
+    d = tmp_path_factory.mktemp("load")
+    with fleet_gateway(d, smol_set, default_model, agent_pool.token_file, ()) as (url, _):
+        messages: list[str] = []
+        r = run_load_bench(default_model, QUICK, log_dir=d, say=messages.append, url=url)
+    assert messages and r["url"] == url
+    yield r
 
 
 def runs(server: dict[str, Any]) -> list[dict[str, Any]]:
@@ -157,3 +167,12 @@ def test_arrivals_are_poisson_times() -> None:
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     assert statistics.fmean(gaps) == pytest.approx(0.5, rel=0.05)  # 1 / rate
     assert statistics.stdev(gaps) == pytest.approx(0.5, rel=0.1)  # exponential: sd = mean
+
+
+def test_a_url_where_no_gateway_answers_is_one_line(cli: Cli, default_model: Path) -> None:
+    bad = cli("bench", "load", "--url", "ftp://x", "-m", str(default_model))
+    assert bad.returncode == 1 and "--url takes http://HOST:PORT" in bad.stderr
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        port = s.getsockname()[1]  # closed at once: nobody answers there
+    with pytest.raises(AgentError, match=rf"^no disagg gateway answers at http://127.0.0.1:{port}"):
+        attach_disagg(f"http://127.0.0.1:{port}/", default_model, wait_s=2)

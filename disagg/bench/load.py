@@ -33,7 +33,14 @@ import numpy as np
 from rich.table import Table
 
 from disagg.bench.common import Say, Stamp, cell, fitting_prefix, quiet, table
-from disagg.bench.loadpeers import Server, Streamed, start_disagg, start_mlx_server, stream_chat
+from disagg.bench.loadpeers import (
+    Server,
+    Streamed,
+    attach_disagg,
+    start_disagg,
+    start_mlx_server,
+    stream_chat,
+)
 from disagg.errors import AgentError
 
 
@@ -316,9 +323,12 @@ def run_load_bench(
     *,
     log_dir: Path | None = None,
     say: Say = quiet,
+    url: str | None = None,
 ) -> dict[str, Any]:
     """Every level (and the mixed run) on disagg, then on mlx_lm.server; plain data.
-    The servers run one after the other, so neither takes CPU from the other."""
+    The servers run one after the other, so neither takes CPU from the other. With
+    `url`, disagg is the gateway running there (a fleet's `disagg serve`), not a
+    `disagg serve --local` started here."""
     s = settings
     s.check()
     model_dir = Path(model_dir)
@@ -329,7 +339,8 @@ def run_load_bench(
     work = Workload(model_dir, s)
     plan = _plan(work, s)
     servers: dict[str, Any] = {}
-    starters = [("disagg", start_disagg)] + ([("mlx_lm", start_mlx_server)] if s.peer else [])
+    ours = start_disagg if url is None else lambda m, _logs: attach_disagg(url, m)
+    starters = [("disagg", ours)] + ([("mlx_lm", start_mlx_server)] if s.peer else [])
     for key, start in starters:
         say(f"{key}: starting the server")
         try:
@@ -351,11 +362,12 @@ def run_load_bench(
         "settings": {**asdict(s), "concurrency": list(s.concurrency)},
         "method": (
             "client-side: streamed POST /v1/chat/completions (httpx), greedy; disagg through "
-            "its OpenAI gateway (disagg serve --local), mlx_lm.server on the same model dir "
-            "and BLAS; TTFT from the send, TPOT = (last - first chunk) / (tokens - 1)"
+            f"its OpenAI gateway ({url or 'disagg serve --local'}), mlx_lm.server on the same "
+            "model dir and BLAS; TTFT from the send, TPOT = (last - first chunk) / (tokens - 1)"
         ),
         "rubric_tokens": work.count(work.rubric),
         "servers": servers,
+        "url": url,
         "logs": str(logs),
         "load_avg_1m": stamp.load_avg_1m(),
         "elapsed_s": stamp.elapsed_s(),

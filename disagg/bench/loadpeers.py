@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from agents.wire.text import printable
 from disagg.errors import AgentError
 from disagg.serving.localagents import free_port
 
@@ -41,14 +42,14 @@ class Server:
     """A server process and where its OpenAI API answers."""
 
     name: str
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | None  # None: a running server we were given (--url)
     url: str
     model: str
-    log_path: Path
+    log_path: Path | None
     started_s: float = 0.0  # seconds from launch until /v1/models answered
 
     def stop(self, grace_s: float = 20.0) -> None:
-        if self.proc.poll() is None:
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()  # disagg serve stops its agents on SIGTERM
             try:
                 self.proc.wait(grace_s)
@@ -94,6 +95,23 @@ def start_disagg(model_dir: Path, log_dir: Path, wait_s: float = 600.0) -> Serve
     cmd = [sys.executable, "-m", "disagg.cli", "serve", "--local", "-m", str(model_dir)]
     cmd += ["--port", str(free_port())]
     return _launch("disagg", cmd, log_dir / "disagg-serve.log", None, wait_s)
+
+
+def attach_disagg(url: str, model_dir: Path, wait_s: float = 10.0) -> Server:
+    """A running `disagg serve` at `url` (a fleet's gateway): its model named as
+    `model_dir` is, else its only one. AgentError saying what is wrong."""
+    url = url.rstrip("/")
+    try:
+        httpx.get(f"{url}/health", timeout=wait_s).raise_for_status()
+        ids = [m["id"] for m in httpx.get(f"{url}/v1/models", timeout=wait_s).json()["data"]]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+        raise AgentError(f"no disagg gateway answers at {url}: {printable(e, 200)}") from None
+    if model_dir.name in ids:
+        return Server("disagg", None, url, model_dir.name, None)
+    if len(ids) == 1:
+        return Server("disagg", None, url, ids[0], None)
+    shown = ", ".join(printable(i, 80) for i in ids[:8]) or "none"
+    raise AgentError(f"the gateway at {url} serves no model named {model_dir.name!r} ({shown})")
 
 
 def start_mlx_server(model_dir: Path, log_dir: Path, wait_s: float = 600.0) -> Server:

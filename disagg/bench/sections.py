@@ -106,10 +106,10 @@ def load_settings(spec: str) -> Any:
     return parse_sizes(spec)
 
 
-def load(model_dir: Path, say: Say, sizes: str = "small") -> Section:
+def load(model_dir: Path, say: Say, sizes: str = "small", url: str | None = None) -> Section:
     from disagg.bench.load import load_table, run_load_bench
 
-    report = run_load_bench(model_dir, load_settings(sizes), say=say)
+    report = run_load_bench(model_dir, load_settings(sizes), say=say, url=url)
     return Section("load", report, [load_table(report)])
 
 

@@ -154,14 +154,27 @@ def formats(local: Local = False, model: Model = None, as_json: Json = False) ->
 @bench_app.command()
 @friendly
 def load(
-    local: Local = False, model: Model = None, sizes: Sizes = "small", as_json: Json = False
+    local: Local = False,
+    model: Model = None,
+    sizes: Sizes = "small",
+    url: Annotated[
+        str | None,
+        typer.Option(
+            "--url",
+            help="Bench the disagg gateway running there (a fleet's `disagg serve`) "
+            "instead of starting `disagg serve --local`; -m names its model's dir.",
+        ),
+    ] = None,
+    as_json: Json = False,
 ) -> None:
     """The grader's load against mlx_lm.server: TTFT/TPOT p50/p99, gaps, tokens/s.
 
     A shared rubric, different submissions, Poisson arrivals at 1/4/16 concurrent,
     a mixed run; the longest inter-token gap."""
     _check_sizes(sizes)
-    _run("load", local, model, as_json, sizes=sizes)
+    if url is not None and not url.startswith(("http://", "https://")):
+        raise UsageError(f"--url takes http://HOST:PORT, not {url!r}")
+    _run("load", local or url is not None, model, as_json, sizes=sizes, url=url)
 
 
 @bench_app.command()

@@ -152,8 +152,8 @@ def fleet_cli(testbed: TestBed) -> FleetCli:
 
 def fleet_starts(args: tuple[str, ...], proc: subprocess.CompletedProcess[str]) -> int:
     """Agent starts a fleet command made on the test bed's hosts, in agent sets: a
-    whole fleet's start or restart is its two pipelines' sets; one host's, or a
-    deploy that restarted changed agents, one per host (an agent of a set)."""
+    whole fleet's start or restart is its two pipelines' sets; one host's, one (an
+    agent of a set); a deploy's, one per pipeline whose agents it restarted."""
     if proc.returncode != 0 or not args:
         return 0
     command, rest, hosts = args[0], list(args[1:]), []
@@ -167,5 +167,6 @@ def fleet_starts(args: tuple[str, ...], proc: subprocess.CompletedProcess[str]) 
         return len(hosts) if hosts else len(PIPELINES)
     if command == "deploy" and "--json" in args:
         rows = json.loads(proc.stdout)
-        return sum(bool((r.get("result") or {}).get("restarted")) for r in rows)
+        hosts = {r["host"] for r in rows if (r.get("result") or {}).get("restarted")}
+        return sum(any(h in hosts for h in pair) for pair in PIPELINES.values())
     return 0
