@@ -167,6 +167,6 @@ def fleet_starts(args: tuple[str, ...], proc: subprocess.CompletedProcess[str]) 
         return len(hosts) if hosts else len(PIPELINES)
     if command == "deploy" and "--json" in args:
         rows = json.loads(proc.stdout)
-        hosts = {r["host"] for r in rows if (r.get("result") or {}).get("restarted")}
-        return sum(any(h in hosts for h in pair) for pair in PIPELINES.values())
+        restarted = {r["host"] for r in rows if (r.get("result") or {}).get("restarted")}
+        return sum(any(h in restarted for h in pair) for pair in PIPELINES.values())
     return 0
