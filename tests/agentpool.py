@@ -76,7 +76,7 @@ _real_start = localagents.start_local_agents
 def _counted_start(*args: Any, **kw: Any) -> tuple[AgentProc, list[AgentProc]]:
     count_start(
         _KIND.get(),
-        what=f"{Path(args[0]).name} {kw.get('prefill_args', ())} "
+        what=f"{Path(args[0]).name} {kw.get('dtype', 'auto')} {kw.get('prefill_args', ())} "
         f"{kw.get('decode_args', ())} x{kw.get('n_decode', 1)}",
     )
     return _real_start(*args, **kw)
@@ -313,11 +313,11 @@ class AgentPool:
     def fresh(self, key: SetKey, log_dir: Path, token_file: Path | None = None) -> AgentSet:
         """A set of the caller's own (its own token unless given): the caller stops it.
         An idle pooled set of the same configuration is handed over instead of starting
-        one (its token is the pool's): a start now, or maybe one later if it is asked for
-        again, never worse."""
+        one where the caller takes the pool's token (none given, or the pool's): a
+        start now, or maybe one later if it is asked for again, never worse."""
         idle = self.sets.get(key.shared)
         if (
-            token_file is None
+            token_file in (None, self.token_file)
             and idle is not None
             and idle.leases <= 0
             and all(a.alive() for a in idle.agents)

@@ -24,11 +24,12 @@ def slow_prefill(layer_delay_s: float, *args: str) -> dict[str, Any]:
 
 
 # A slow set two modules share (test_deadlines, test_failover): a prefill agent 1.5 s
-# late per layer and two decode agents of one batch slot each. A fresh set asked for
-# with it takes over the idle pooled one instead of starting another.
+# late per layer and four decode agents of one batch slot each (test_deadlines uses
+# two). test_failover's set of its own takes over the idle pooled one instead of
+# starting another.
 SLOW_LAYER_S = 1.5
 SLOW_SET: dict[str, Any] = {
-    "n_decode": 2,
+    "n_decode": 4,
     **slow_prefill(SLOW_LAYER_S),
     "decode_args": ["--max-batch", "1"],
 }

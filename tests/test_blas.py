@@ -356,7 +356,8 @@ def test_a_local_pair_gives_up_blas_threads_while_it_prefills(agent_pair: Any) -
     full, half = os.cpu_count() or 2, max(1, (os.cpu_count() or 2) // 2)
     if "OPENBLAS_NUM_THREADS" in os.environ or half == full:
         pytest.skip("the user fixed OpenBLAS's threads, or one core: nothing to share")
-    prefill, decode = agent_pair(shared_tiny("qwen3"), **slow_prefill(0.4))
+    # test_drain's slow set (two decode agents): one start serves both modules.
+    prefill, decode = agent_pair(shared_tiny("qwen3"), n_decode=2, **slow_prefill(0.4))
     if not decode.status()["blas"].startswith("openblas"):
         pytest.skip("no OpenBLAS bound here: mlx's own BLAS has no thread count")
     assert decode.status()["blas_threads"] == full

@@ -46,7 +46,7 @@ LONG = GenerateRequest(prompt=PROMPT, raw=True, max_tokens=3000, ignore_eos=True
 def cluster(agent_pair: PairFactory) -> tuple[AgentProc, list[AgentProc]]:
     """A slow prefill agent and two decode agents of one batch slot each."""
     agents = agent_pair.set(shared_tiny("gpt_oss"), **SLOW_SET)
-    return agents.prefill, agents.decodes
+    return agents.prefill, agents.decodes[:2]
 
 
 def endpoint(a: AgentProc) -> Endpoint:

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from disagg.serving.localagents import AgentProc
+from tests.agentpool import AgentSet
 from tests.conftest import PairFactory, ask, remote_request
 from tests.slowprefill import slow_prefill
 from tests.tinymodels import shared_tiny
@@ -38,9 +39,21 @@ def _wait_in_flight(agent: AgentProc, limit_s: float = 60.0) -> None:
         time.sleep(0.02)
 
 
-def test_sigterm_drains_a_decode_in_flight(fresh_agents: PairFactory) -> None:
-    prefill, decode = fresh_agents(shared_tiny("qwen3"))
-    req = remote_request(prefill, max_tokens=1500)
+# The KV stream of the 4-layer model is stretched to ~1.6 s so SIGTERM lands inside it.
+SLOW = {"n_decode": 2, **slow_prefill(0.4)}
+
+
+@pytest.fixture(scope="module")
+def drained(agent_pair: PairFactory) -> AgentSet:
+    """One set of this module's own (test_blas's slow set, taken over if idle): the
+    decode test stops its second decode agent, on its own; the prefill test stops the
+    prefill agent, asked by the first. Either may run first."""
+    return agent_pair.set(shared_tiny("qwen3"), fresh=True, **SLOW)
+
+
+def test_sigterm_drains_a_decode_in_flight(drained: AgentSet) -> None:
+    decode = drained.decodes[1]
+    req = {**remote_request(None, max_tokens=1500), "placement": "local"}
     reference = ask(decode, req)
     box: dict[str, Any] = {}
     seen: list[int] = []
@@ -67,9 +80,8 @@ def test_sigterm_drains_a_decode_in_flight(fresh_agents: PairFactory) -> None:
     assert "decode drained and stopped" in log
 
 
-def test_sigterm_drains_a_prefill_in_flight(fresh_agents: PairFactory) -> None:
-    # The KV stream of the 4-layer model is stretched to ~1.6 s so SIGTERM lands inside it.
-    prefill, decode = fresh_agents(shared_tiny("qwen3"), **slow_prefill(0.4))
+def test_sigterm_drains_a_prefill_in_flight(drained: AgentSet) -> None:
+    prefill, decode = drained.pair
     req = remote_request(prefill, ignore_eos=False)
     box: dict[str, Any] = {}
     worker = threading.Thread(target=lambda: box.update(r=ask(decode, req)))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 
 import ollama
@@ -20,7 +19,7 @@ from disagg.serving.embed import cut
 from tests.agentpool import AgentSet
 from tests.conftest import PairFactory
 from tests.gateways import Gateways
-from tests.tinymodels import shared_tiny
+from tests.tinymodels import declare_pooling, shared_tiny
 
 TINY = "tiny-qwen3"
 
@@ -30,17 +29,6 @@ def norm(v: list[float]) -> float:
 
 
 # ---- pooling rules (fast) -----------------------------------------------------------------
-
-
-def declare_pooling(model_dir: Path, **modes: bool) -> None:
-    """Write sentence-transformers' pooling files into `model_dir`."""
-    (model_dir / "modules.json").write_text(
-        json.dumps(
-            [{"idx": 1, "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
-        )
-    )
-    (model_dir / "1_Pooling").mkdir(exist_ok=True)
-    (model_dir / "1_Pooling" / "config.json").write_text(json.dumps(modes))
 
 
 def test_pooling_from_the_checkpoint(tmp_path: Path) -> None:
@@ -72,11 +60,10 @@ def url(
     default_model: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> str:
-    """`disagg serve`'s app in this process over pooled agents: a tiny qwen3 that
-    declares last-token pooling (as Qwen3-Embedding ships) and SmolLM2."""
-    root = tmp_path_factory.mktemp("embed-serve")
-    tiny = shutil.copytree(shared_tiny("qwen3"), root / TINY)
-    declare_pooling(tiny, pooling_mode_lasttoken=True)
+    """`disagg serve`'s app in this process over pooled agents: the shared tiny qwen3,
+    which declares last-token pooling (as Qwen3-Embedding ships), and SmolLM2."""
+    tiny = shared_tiny("qwen3")
+    assert pooling_of(tiny) == "last"
     sets = {TINY: agent_pair.set(tiny), default_model.name: smol_set}
     return gateways.get(sets).url
 

@@ -17,6 +17,7 @@ from agents.wire.request import GenerateRequest
 from disagg.errors import AgentError
 from disagg.serving.localagents import AgentProc
 from disagg.serving.router import Endpoint, Route, Router
+from tests.agentpool import AgentSet
 from tests.conftest import PairFactory, ask, remote_request
 from tests.slowprefill import SLOW_LAYER_S, SLOW_SET
 from tests.tinymodels import PROMPT, shared_tiny
@@ -51,9 +52,19 @@ def endpoint(a: AgentProc) -> Endpoint:
     return Endpoint(a.name, a.host, a.port, a.control_port)
 
 
+@pytest.fixture(scope="module")
+def slow_set(tiny_dir: Path, agent_pair: PairFactory) -> AgentSet:
+    """This module's own set, stopped when it ends (test_deadlines' slow set, taken over
+    if idle): the prefill test kills its prefill agent (with its first decode agent);
+    the decode tests kill decode agents of their own share (the second; the third or
+    fourth), prefilled by the pooled gpt_oss set's agent, so any order holds."""
+    # The pool's token: its decode agents also talk to the pooled prefill agent.
+    return agent_pair.set(tiny_dir, fresh=True, token_file=agent_pair.token_file, **SLOW_SET)
+
+
 @pytest.fixture
-def slow_prefill_pair(tiny_dir: Path, fresh_agents: PairFactory) -> tuple[AgentProc, AgentProc]:
-    return fresh_agents(tiny_dir, **SLOW_SET)
+def slow_prefill_pair(slow_set: AgentSet) -> tuple[AgentProc, AgentProc]:
+    return slow_set.prefill, slow_set.decodes[0]
 
 
 def test_prefill_killed_mid_kv_stream_falls_back_with_the_same_text(
@@ -81,11 +92,14 @@ def test_prefill_killed_mid_kv_stream_falls_back_with_the_same_text(
 
 
 @pytest.fixture(scope="module")
-def killable(tiny_dir: Path, agent_pair: PairFactory) -> tuple[AgentProc, list[AgentProc]]:
-    """A prefill agent and three decode agents of this module's own: each test below
-    kills decode agents of its own share (the first; the other two), in any order."""
-    agents = agent_pair.set(tiny_dir, n_decode=3, fresh=True)
-    return agents.prefill, agents.decodes
+def killable(
+    tiny_dir: Path, slow_set: AgentSet, agent_pair: PairFactory
+) -> tuple[AgentProc, list[AgentProc]]:
+    """The pooled gpt_oss prefill agent (it outlives the prefill test's kill) and three
+    decode agents of this module's own: each test below kills decode agents of its own
+    share (the first; the other two), in any order."""
+    prefill, _ = agent_pair(tiny_dir)
+    return prefill, slow_set.decodes[1:]
 
 
 @pytest.fixture

@@ -125,13 +125,19 @@ def _config(arch: str, vocab: int, eos: int, pad: int) -> Any:
 
 
 def make_tiny(
-    arch: str, out_dir: Path, seed: int = 0, chat: str | None = None, **overrides: Any
+    arch: str,
+    out_dir: Path,
+    seed: int = 0,
+    chat: str | None = None,
+    pooling: str | None = None,
+    **overrides: Any,
 ) -> Path:
     """Build, seed and save a tiny `arch` checkpoint plus tokenizer into `out_dir`.
 
     `chat` gives it a tokenizer speaking a real chat format (tests/chattokenizers:
-    "harmony", "qwen3", "qwen3_coder"). `overrides` set config fields, e.g.
-    rope_parameters={...YaRN...} on qwen3_moe.
+    "harmony", "qwen3", "qwen3_coder"). `pooling` ("lasttoken", "mean_tokens", ...)
+    declares sentence-transformers pooling, as an embedding model ships it.
+    `overrides` set config fields, e.g. rope_parameters={...YaRN...} on qwen3_moe.
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -162,7 +168,20 @@ def make_tiny(
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
+    if pooling is not None:
+        declare_pooling(out_dir, **{f"pooling_mode_{pooling}": True})
     return out_dir
+
+
+def declare_pooling(model_dir: Path, **modes: bool) -> None:
+    """Write sentence-transformers' pooling files into `model_dir`."""
+    (model_dir / "modules.json").write_text(
+        json.dumps(
+            [{"idx": 1, "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+        )
+    )
+    (model_dir / "1_Pooling").mkdir(exist_ok=True)
+    (model_dir / "1_Pooling" / "config.json").write_text(json.dumps(modes))
 
 
 @cache
@@ -201,10 +220,11 @@ def tiny_checkpoint(arch: str, seed: int = 0, **config: Any) -> Path:
 # name -> (architecture, seed, config). llama keeps a plain tokenizer (no chat
 # template, no FIM tokens: the refusal tests want that); qwen3 and gpt_oss speak
 # their real chat formats, so the format tests and the rest share one set each;
-# qwen3_coder's context holds the agent CLIs' ~46k-token prompts.
+# qwen3_coder's context holds the agent CLIs' ~46k-token prompts; qwen3 declares
+# last-token pooling as Qwen3-Embedding ships it (the embedding tests use its set).
 SHARED: dict[str, tuple[str, int, dict[str, Any]]] = {
     "llama": ("llama", 3, {}),
-    "qwen3": ("qwen3", 0, {"chat": "qwen3"}),
+    "qwen3": ("qwen3", 0, {"chat": "qwen3", "pooling": "lasttoken"}),
     "qwen3_moe": ("qwen3_moe", 1, {}),
     "gpt_oss": ("gpt_oss", 0, {"chat": "harmony"}),  # sliding window 8
     "qwen3_coder": ("qwen3", 0, {"chat": "qwen3_coder", "max_position_embeddings": 131072}),
