@@ -62,12 +62,18 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     started = {k: v for k, v in STARTS.items() if k not in NOT_SETS}
     if not started:
         return
-    parts = ", ".join(f"{k} {v}" for k, v in sorted(started.items()))
+    # On this machine, then the test bed's hosts apart (the count, #34, was of
+    # this machine's; the test bed's fleet commands start agents in its namespaces).
+    here = {k: v for k, v in started.items() if k != "fleet"}
+    parts = ", ".join(f"{k} {v}" for k, v in sorted(here.items()))
+    line = f"agent-set starts: {sum(here.values())} on this machine ({parts})"
+    if started.get("fleet"):
+        line += f", {started['fleet']} on the test bed's hosts; {sum(started.values())} in all"
     notes = [f"{STARTS[k]} {k}" for k in ("evicted", "taken over") if STARTS[k]]
     more = f"; pooled sets {', '.join(notes)}" if notes else ""
     if STARTS["refused"]:
         more += f"; {STARTS['refused']} agent starts refused before loading anything"
-    terminalreporter.write_line(f"agent-set starts: {sum(started.values())} ({parts}){more}")
+    terminalreporter.write_line(line + more)
     # Where each came from, for whoever wants the count down: DISAGG_TEST_STARTS=FILE.
     detail = os.environ.get("DISAGG_TEST_STARTS")
     if detail:
