@@ -558,7 +558,7 @@ def cli_local(
 ) -> Iterator[Cli]:
     """`disagg ARGS` in this process, its `--local` agents from the pool: the real
     Client.local (model checks, routes) over pooled sets with the pool's token;
-    closing the client leaves them running (and gives its leases back)."""
+    closing the client leaves them running; each run's leases end with it."""
     import disagg.api
 
     agents = Agents(agent_pool, tmp_path)
@@ -586,16 +586,23 @@ def cli_local(
 
     def close(self: Any) -> None:
         self.agents = []
-        for got in list(agents.leased):  # the run is over: the next may lease them anew
-            agents.give_back(got)
 
     monkeypatch.setattr(disagg.api, "start_local_agents", leased)
     monkeypatch.setattr(
         disagg.api, "make_token_file", lambda _dir: (agent_pool.token_file, agent_pool.token)
     )
     monkeypatch.setattr(disagg.api.Client, "close", close)
+    runner = _runner(monkeypatch, tmp_path)
+
+    def run(*args: str, env: dict[str, str] | None = None) -> CliResult:
+        try:
+            return runner(*args, env=env)
+        finally:  # the run is over, refused or not: the next may lease its sets anew
+            for got in list(agents.leased):
+                agents.give_back(got)
+
     try:
-        yield _runner(monkeypatch, tmp_path)
+        yield run
     finally:
         agents.close()
 
