@@ -55,7 +55,7 @@ from agents.quant import check_supported, weights_identity
 from agents.runtime.blasshare import BlasShare
 from agents.runtime.metrics import Stats
 from agents.runtime.server import common_args, fail, serve, start_agent
-from agents.runtime.settings import Setting, budget_setting
+from agents.runtime.settings import Setting, attr_setting, budget_setting
 from agents.wire.answer import CONTENT, REASONING, Done, Metrics, TokenEvent
 from agents.wire.channel import recv_json, send_error, send_frame, send_json
 from agents.wire.frames import CONTROL_MAX_FRAME, Frame, PeerClosed, ProtocolError, RemoteError
@@ -422,18 +422,18 @@ class DecodeAgent:
         """What PUT /settings may change (agents.runtime.settings), for new requests."""
         return [
             budget_setting(self.prefix.cache),
-            Setting(
+            attr_setting(
+                "allow_mixed",
+                self,
                 "allow_mixed",
                 bool,
-                lambda: self.allow_mixed,
-                lambda v: setattr(self, "allow_mixed", v),
                 help="accept prefill agents whose weights differ from ours",
             ),
-            Setting(
+            attr_setting(
+                "kv_inplace",
+                self,
                 "kv_inplace",
                 bool,
-                lambda: self.kv_inplace,
-                lambda v: setattr(self, "kv_inplace", v),
                 help="receive K/V straight into the caches (false: the copy path)",
             ),
         ]
@@ -656,10 +656,10 @@ class DecodeAgent:
             )
         for f in fills:
             f.result()
-        fetched["kv_inplace_layers"] = 0
-        if alloc is not None:
-            fetched["kv_inplace_layers"] = len(alloc.result().placed)
-            alloc.result().release()  # so decoding updates the caches in place
+        placed = alloc.result() if alloc is not None else None
+        fetched["kv_inplace_layers"] = len(placed.placed) if placed is not None else 0
+        if placed is not None:
+            placed.release()  # so decoding updates the caches in place
         return fetched, logits
 
     def _local_prefill(

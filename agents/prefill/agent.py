@@ -21,7 +21,7 @@ from agents.prefix.store import default_max_mb, prefix_digest
 from agents.quant import weights_mismatch
 from agents.runtime.metrics import Stats
 from agents.runtime.server import common_args, serve, start_agent
-from agents.runtime.settings import Setting, budget_setting
+from agents.runtime.settings import Setting, attr_setting, budget_setting
 from agents.wire.channel import (
     recv_control,
     recv_json,
@@ -77,11 +77,11 @@ class PrefillAgent:
         """What PUT /settings may change (agents.runtime.settings), for new requests."""
         return [
             budget_setting(self.prefix.cache),
-            Setting(
+            attr_setting(
                 "kv_stall_timeout_s",
+                self,
+                "kv_stall_s",
                 float,
-                lambda: self.kv_stall_s,
-                lambda v: setattr(self, "kv_stall_s", v),
                 0.1,
                 86400.0,
                 "cut a peer that takes no K/V bytes for this many seconds",

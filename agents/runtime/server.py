@@ -662,25 +662,23 @@ def listener_settings(
 
         return apply
 
-    def rotate_at(v: int) -> None:
-        for h in logging.getLogger().handlers:
-            if isinstance(h, logging.handlers.RotatingFileHandler):
-                h.maxBytes = v
+    # setup_logging's file handler (--log-file); an agent logging to stderr has none.
+    rotating = [
+        h
+        for h in logging.getLogger().handlers
+        if isinstance(h, logging.handlers.RotatingFileHandler)
+    ]
 
-    def rotating() -> int:
-        sizes = [
-            h.maxBytes
-            for h in logging.getLogger().handlers
-            if isinstance(h, logging.handlers.RotatingFileHandler)
-        ]
-        return sizes[0] if sizes else 0
+    def rotate_at(v: int) -> None:
+        for h in rotating:
+            h.maxBytes = v
 
     gate = frames[0].gate
     logs = [
         Setting(
             "log_max_bytes",
             int,
-            rotating,
+            lambda: rotating[0].maxBytes,
             rotate_at,
             1024,
             1 << 40,
@@ -715,7 +713,7 @@ def listener_settings(
             1 << 16,
             "unauthenticated connections at once from one address",
         ),
-        *(logs if rotating() else []),  # an agent logging to stderr rotates nothing
+        *(logs if rotating else []),
     ]
 
 

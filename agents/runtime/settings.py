@@ -95,6 +95,21 @@ class Settings:
         return changed
 
 
+def attr_setting(
+    name: str,
+    owner: object,
+    attr: str,
+    kind: type,
+    low: float | None = None,
+    high: float | None = None,
+    help: str = "",
+) -> Setting:
+    """A plain attribute of `owner`, read where it is used, as a live setting."""
+    return Setting(
+        name, kind, lambda: getattr(owner, attr), lambda v: setattr(owner, attr, v), low, high, help
+    )
+
+
 def budget_setting(cache: PrefixCache) -> Setting:
     """A prefix cache's budget as a live setting: a smaller one evicts at once."""
     return Setting(

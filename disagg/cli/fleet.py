@@ -181,7 +181,5 @@ def tune(
 
 
 def _plain(result: Any) -> dict[str, Any]:
-    import dataclasses
-
     value = dataclasses.asdict(result.value) if result.value is not None else None
     return {"host": result.host, "ok": result.ok, "error": result.error, "result": value}

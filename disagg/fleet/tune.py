@@ -8,7 +8,7 @@ challenge-response, the change's body signed with it."""
 from __future__ import annotations
 
 import json
-import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,14 +81,7 @@ def tune(
         raise UsageError(f"--role is prefill or decode, not {role!r}")
     chosen = [a for a in inv.agents(inv.select(hosts)) if role in (None, a.role)]
     token = load_token(inv.path)
-    rows: list[Tuned | None] = [None] * len(chosen)
-
-    def one(i: int) -> None:
-        rows[i] = _tune(chosen[i], token, changes or {})
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(chosen))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return [r for r in rows if r is not None]
+    if not chosen:
+        return []
+    with ThreadPoolExecutor(max_workers=min(32, len(chosen))) as pool:
+        return list(pool.map(lambda a: _tune(a, token, changes or {}), chosen))
