@@ -23,8 +23,6 @@ from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
 
-from agents.wire.answer import TokenEvent
-from agents.wire.request import GenerateRequest
 from disagg.errors import DisaggError, UsageError
 from disagg.serving.completion import Chunk, Completion
 from disagg.serving.defaultmodel import Say, resolve_model
@@ -38,6 +36,8 @@ from disagg.serving.metrics import Metrics
 from disagg.serving.request import build_request
 from disagg.serving.router import Endpoint, Route, Router, StopGeneration
 from disagg.serving.stops import StopMatcher
+from disagg_agents.wire.answer import TokenEvent
+from disagg_agents.wire.request import GenerateRequest
 
 
 class Client:

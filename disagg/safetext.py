@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from agents.wire.text import printable
+from disagg_agents.wire.text import printable
 
 # Terminal escape sequences: CSI (colours, cursor, clear screen), OSC (titles,
 # hyperlinks, clipboard) and the two-byte rest; whatever control byte is left is

@@ -87,7 +87,7 @@ def _counted_start(*args: Any, **kw: Any) -> tuple[AgentProc, list[AgentProc]]:
 localagents.start_local_agents = _counted_start
 
 
-# Agent flags that are live settings (agents.runtime.settings): flag -> (name, type);
+# Agent flags that are live settings (disagg_agents.runtime.settings): flag -> (name, type);
 # a flag of type bool takes no value.
 LIVE_FLAGS: dict[str, tuple[str, type]] = {
     "--handshake-timeout": ("handshake_timeout_s", float),

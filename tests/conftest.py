@@ -23,7 +23,7 @@ import pytest
 # First, before anything loads mlx: the mlx references computed in this process run
 # on OpenBLAS as the decode agent does, not on mlx's Linux wheel's reference BLAS
 # (a 1,353-token SmolLM2 reference took 89 s on it).
-import agents.runtime.fastblas  # noqa: F401
+import disagg_agents.runtime.fastblas  # noqa: F401
 import tests.agentpool
 from disagg.serving import wireclient as client
 from disagg.serving.defaultmodel import ensure_default_model
@@ -295,7 +295,7 @@ def _spawner(root: Path) -> tuple[Spawn, Callable[[], None]]:
     def stop() -> None:
         for proc, what in zip(procs, said, strict=True):
             # Exit 1 on its own: the agent refused its start with one line, before
-            # torch or mlx loaded (agents.runtime.server.preflight); no agent came up.
+            # torch or mlx loaded (disagg_agents.runtime.server.preflight); no agent came up.
             count_start("refused" if proc.poll() == 1 else "single", what=what)
             if proc.poll() is None:
                 proc.terminate()

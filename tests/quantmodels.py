@@ -55,15 +55,15 @@ for _e in (32, 128):
 @cache
 def checkpoint_cache() -> Path:
     """$DISAGG_CACHE/test-checkpoints/<digest>: the digest covers what writes the
-    checkpoints (this file, tinymodels.py, the adapters' mlx_config in agents/models)
+    checkpoints (this file, tinymodels.py, the adapters' mlx_config in disagg_agents/models)
     and the versions of mlx-lm and transformers that convert and save them."""
     import mlx_lm
     import transformers
 
-    import agents.models
+    import disagg_agents.models
 
     h = hashlib.sha256(f"{mlx_lm.__version__} {transformers.__version__}".encode())
-    models = Path(agents.models.__file__).parent
+    models = Path(disagg_agents.models.__file__).parent
     for f in [Path(__file__), Path(tinymodels.__file__), *sorted(models.glob("*.py"))]:
         h.update(f.name.encode() + b"\0" + f.read_bytes())
     return cache_root() / "test-checkpoints" / h.hexdigest()[:16]
@@ -72,7 +72,7 @@ def checkpoint_cache() -> Path:
 def tiny_source(name: str) -> Path:
     """A tiny random checkpoint (an architecture, or one of VARIANTS) with the config
     keys mlx-lm needs (as a real HF config has them), so that mlx_lm.convert can read it."""
-    from agents.models import get_adapter
+    from disagg_agents.models import get_adapter
 
     arch, overrides = VARIANTS.get(name, (name, {}))
 

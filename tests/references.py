@@ -82,13 +82,13 @@ class References:
 
     def decode_engine(self, path: str | Path, dtype: str = "auto") -> Any:
         """Our DecodeEngine (mlx-lm with our adapter's config)."""
-        from agents.decode.agent import DecodeEngine
+        from disagg_agents.decode.agent import DecodeEngine
 
         return self._get(("decode", str(path), dtype), lambda: DecodeEngine(str(path), dtype=dtype))
 
     def prefill_engine(self, path: str | Path, dtype: str = "auto") -> Any:
         """Our PrefillEngine on the CPU."""
-        from agents.prefill.agent import PrefillEngine
+        from disagg_agents.prefill.agent import PrefillEngine
 
         return self._get(
             ("prefill", str(path), dtype),

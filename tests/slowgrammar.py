@@ -2,7 +2,7 @@
 up mid-compile. Test-only: the shipped agent has no such flag.
 
 `python -m tests.slowgrammar --compile-delay S <the agent's flags>` runs the real
-decode agent (`agents.decode`) with each compile sleeping S seconds on its pool
+decode agent (`disagg_agents.decode`) with each compile sleeping S seconds on its pool
 thread before llguidance builds the matcher.
 """
 
@@ -17,8 +17,8 @@ FLAG = "--compile-delay"
 
 
 def main() -> None:
-    sys.modules.setdefault("torch", None)  # type: ignore[arg-type]  # as agents.decode's main
-    from agents.decode import agent, grammar
+    sys.modules.setdefault("torch", None)  # type: ignore[arg-type]  # as disagg_agents.decode's main
+    from disagg_agents.decode import agent, grammar
 
     argv = sys.argv[1:]
     at = argv.index(FLAG)

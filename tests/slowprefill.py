@@ -2,7 +2,7 @@
 link, a drain) lands mid-stream. Test-only: the shipped agent has no such flag.
 
 `python -m tests.slowprefill --layer-delay S <the agent's flags>` runs the real
-prefill agent (`agents.prefill`) with an engine that sleeps S seconds after each
+prefill agent (`disagg_agents.prefill`) with an engine that sleeps S seconds after each
 layer's K/V is handed on, but the last; tests start it with `slow_prefill(S)`:
 `start_local_agents(model, **slow_prefill(0.4))`.
 """
@@ -36,8 +36,8 @@ SLOW_SET: dict[str, Any] = {
 
 
 def main() -> None:
-    from agents.prefill import agent
-    from agents.wire.kvcodec import LayerKV
+    from disagg_agents.prefill import agent
+    from disagg_agents.wire.kvcodec import LayerKV
 
     argv = sys.argv[1:]
     at = argv.index(FLAG)

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from agents.decode.grammar import Grammars
-from agents.decode.upfront import client_gone, max_token_bytes, too_long
-from agents.wire.request import GenerateRequest, RequestError
-from agents.wire.schemasize import ENUM_MAX, PROPERTIES_MAX, TOOLS_MAX_CHARS, shape
+from disagg_agents.decode.grammar import Grammars
+from disagg_agents.decode.upfront import client_gone, max_token_bytes, too_long
+from disagg_agents.wire.request import GenerateRequest, RequestError
+from disagg_agents.wire.schemasize import ENUM_MAX, PROPERTIES_MAX, TOOLS_MAX_CHARS, shape
 
 
 def deep(levels: int) -> dict[str, Any]:
@@ -251,7 +251,7 @@ def test_a_tenant_sees_its_own_requests_only() -> None:
 
 
 def test_a_full_reserve_evicts_its_oldest_unauthenticated_connection() -> None:
-    from agents.runtime.server import Gate
+    from disagg_agents.runtime.server import Gate
 
     gate = Gate(8, 2)  # 4 unauthenticated slots for strangers, 4 in loopback's reserve
     pairs = [socket.socketpair() for _ in range(6)]
@@ -272,7 +272,7 @@ def test_a_full_reserve_evicts_its_oldest_unauthenticated_connection() -> None:
 
 
 def test_a_stranger_at_its_own_cap_is_refused_even_when_the_pool_is_full() -> None:
-    from agents.runtime.server import Gate
+    from disagg_agents.runtime.server import Gate
 
     gate = Gate(8, 2)  # 4 unauthenticated slots for strangers, 2 a peer
     pairs = [socket.socketpair() for _ in range(6)]

@@ -59,8 +59,8 @@ def engines(
 ) -> tuple[Any, Any]:
     """(PrefillEngine, DecodeEngine) on the tiny checkpoint of the test's `arch`,
     each loaded once per session."""
-    from agents.decode.agent import DecodeEngine
-    from agents.prefill.engine import PrefillEngine
+    from disagg_agents.decode.agent import DecodeEngine
+    from disagg_agents.prefill.engine import PrefillEngine
 
     arch = request.node.callspec.params["arch"]
     if arch not in loaded:
@@ -123,10 +123,10 @@ def disaggregated(pre: Any, dec: Any, ids: list[int], n: int) -> tuple[list[int]
     the decode agent's own batching loop."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from agents.decode.agent import first_token
-    from agents.decode.kvcaches import fill_layer
-    from agents.decode.loop import DecodeLoop, Seq
-    from agents.wire.kvcodec import Codec, LayerKV, decode_layer, encode_layer
+    from disagg_agents.decode.agent import first_token
+    from disagg_agents.decode.kvcaches import fill_layer
+    from disagg_agents.decode.loop import DecodeLoop, Seq
+    from disagg_agents.wire.kvcodec import Codec, LayerKV, decode_layer, encode_layer
 
     layers: list[LayerKV] = []
     _, logits = pre.prefill(ids, layers.append)
@@ -162,7 +162,7 @@ def assert_same(
 
 @pytest.mark.parametrize("arch", list(VARIANTS))
 def test_fingerprints_match(arch: str, engines: tuple[Any, Any]) -> None:
-    from agents.wire.fingerprint import fingerprint_mismatch
+    from disagg_agents.wire.fingerprint import fingerprint_mismatch
 
     pre, dec = engines
     assert fingerprint_mismatch(pre.fingerprint, dec.fingerprint) == []

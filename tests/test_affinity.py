@@ -11,15 +11,15 @@ from typing import Any
 
 import pytest
 
-from agents.decode.placement import Placement
-from agents.prefix.store import BLOCK_TOKENS as BLOCK
-from agents.wire.answer import TokenEvent
-from agents.wire.request import GenerateRequest
 from disagg.serving import affinity
 from disagg.serving.affinity import AffinityTable, choose, prefix_keys, slack
 from disagg.serving.localagents import AgentProc
 from disagg.serving.router import Endpoint, Route, Router, StopGeneration
 from disagg.serving.wireclient import Result
+from disagg_agents.decode.placement import Placement
+from disagg_agents.prefix.store import BLOCK_TOKENS as BLOCK
+from disagg_agents.wire.answer import TokenEvent
+from disagg_agents.wire.request import GenerateRequest
 from tests.agentpool import AgentSet
 
 FETCH = {

@@ -1,4 +1,4 @@
-"""The answer contract (agents.wire.answer) and the one response_format normalizer.
+"""The answer contract (disagg_agents.wire.answer) and the one response_format normalizer.
 
 TOKEN and DONE frames round-trip through `TokenEvent`, `Done` and `Metrics` on a
 real socket pair, from a fake agent of another release through the wire client,
@@ -17,16 +17,16 @@ from typing import Any
 
 import pytest
 
-from agents.chatformat import Piece, ToolCall
-from agents.decode.agent import send_events, token_events
-from agents.wire.answer import CONTENT, REASONING, Done, Metrics, TokenEvent
-from agents.wire.auth import client_auth, server_auth
-from agents.wire.channel import recv_frame, recv_json, send_json
-from agents.wire.frames import Frame, ProtocolError, decode_json
-from agents.wire.request import GenerateRequest, RequestError
 from disagg.errors import UsageError
 from disagg.serving import wireclient
 from disagg.serving.localagents import AgentProc
+from disagg_agents.chatformat import Piece, ToolCall
+from disagg_agents.decode.agent import send_events, token_events
+from disagg_agents.wire.answer import CONTENT, REASONING, Done, Metrics, TokenEvent
+from disagg_agents.wire.auth import client_auth, server_auth
+from disagg_agents.wire.channel import recv_frame, recv_json, send_json
+from disagg_agents.wire.frames import Frame, ProtocolError, decode_json
+from disagg_agents.wire.request import GenerateRequest, RequestError
 from tests.conftest import PairFactory
 from tests.tinymodels import PROMPT
 
@@ -296,11 +296,11 @@ def test_the_cli_format_flag_goes_through_the_normalizer(tmp_path: Path) -> None
 def test_no_other_module_builds_the_normalized_form() -> None:
     """Only the normalizer writes {"type": "json_schema", "schema": ..., "strict": ...}."""
     found = set()
-    for root in ("agents", "disagg"):
+    for root in ("disagg_agents", "disagg"):
         for path in sorted((REPO / root).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.Dict):
                     keys = {k.value for k in node.keys if isinstance(k, ast.Constant)}
                     if {"type", "schema", "strict"} <= keys:
                         found.add(path.relative_to(REPO).as_posix())
-    assert found == {"agents/wire/request.py"}
+    assert found == {"disagg_agents/wire/request.py"}

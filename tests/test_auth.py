@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from agents.wire.auth import client_auth
-from agents.wire.channel import recv_json, send_json
-from agents.wire.frames import AuthError as WireAuthError
-from agents.wire.frames import Frame, RemoteError
-from agents.wire.httpauth import control_get
 from disagg.errors import AuthError
 from disagg.serving import wireclient as client
 from disagg.serving.localagents import AgentProc, wait_ready
+from disagg_agents.wire.auth import client_auth
+from disagg_agents.wire.channel import recv_json, send_json
+from disagg_agents.wire.frames import AuthError as WireAuthError
+from disagg_agents.wire.frames import Frame, RemoteError
+from disagg_agents.wire.httpauth import control_get
 from tests.conftest import LocalServer, PairFactory, Spawn, ask, log_since, log_size
 from tests.tinymodels import PROMPT, shared_tiny
 

@@ -1,4 +1,4 @@
-"""Preallocated batch rows (agents/decode/rows.py) on the real default model: requests
+"""Preallocated batch rows (disagg_agents/decode/rows.py) on the real default model: requests
 that join and leave a decode batch at staggered times get exactly the greedy tokens
 mlx-lm's own generate_step gives each alone; a departure copies no other row (the
 buffer's address stays); a prompt longer than the batch's window still joins right."""
@@ -30,7 +30,7 @@ def smol(default_model: Path, refs: Any) -> tuple[Any, Any]:
 
 
 def new_loop(model: Any, rows: bool = True) -> Any:
-    from agents.decode.loop import DecodeLoop
+    from disagg_agents.decode.loop import DecodeLoop
 
     return DecodeLoop(model, max_batch=8, rows=rows)
 
@@ -56,7 +56,7 @@ class Streams:
         import numpy as np
         from mlx_lm.models.cache import make_prompt_cache
 
-        from agents.decode.loop import Seq
+        from disagg_agents.decode.loop import Seq
 
         def prefill() -> Seq:
             caches = make_prompt_cache(self.model)
@@ -198,7 +198,7 @@ def test_sliding_layers_keep_mlx_lms_batch_caches_in_the_same_row_order(
     caches; after departures move rows, both kinds still hold each row's own K/V."""
     from mlx_lm.models.cache import BatchRotatingKVCache
 
-    from agents.decode.rows import RowsKVCache
+    from disagg_agents.decode.rows import RowsKVCache
 
     model = refs.decode_engine(tiny_model("gpt_oss", seed=1)).model  # sliding window 8
     words = [7 + (i * 37) % 400 for i in range(200)]

@@ -14,13 +14,13 @@ import pytest
 import torch
 from mlx_lm.models.cache import KVCache
 
-from agents.decode.kvfetch import receive_layers
-from agents.decode.kvslots import allocate
-from agents.wire.channel import recv_json, send_frame
-from agents.wire.frames import Frame, ProtocolError
-from agents.wire.kvcodec import Codec, DType, Kind, LayerKV, encode_layer
-from agents.wire.request import PrefillRequest
 from disagg.bench.handoff import Receiver
+from disagg_agents.decode.kvfetch import receive_layers
+from disagg_agents.decode.kvslots import allocate
+from disagg_agents.wire.channel import recv_json, send_frame
+from disagg_agents.wire.frames import Frame, ProtocolError
+from disagg_agents.wire.kvcodec import Codec, DType, Kind, LayerKV, encode_layer
+from disagg_agents.wire.request import PrefillRequest
 from tests.conftest import socket_pair
 
 LAYERS, HEADS, SEQ, DIM = 5, 3, 37, 16

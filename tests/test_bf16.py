@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agents.wire.kvcodec import DType, LayerKV, decode_layer, encode_layer
 from disagg.serving.localagents import AgentProc
+from disagg_agents.wire.kvcodec import DType, LayerKV, decode_layer, encode_layer
 from tests.conftest import SMOL_BF16, PairFactory, ask, remote_request
 
 from .references import mlx_greedy
@@ -29,9 +29,9 @@ def test_bf16_run_equals_mlx_continued_from_the_same_kv(
 ) -> None:
     from mlx_lm.models.cache import make_prompt_cache
 
-    from agents.decode.agent import DecodeEngine
-    from agents.decode.kvcaches import fill_layer
-    from agents.prefill.engine import PrefillEngine
+    from disagg_agents.decode.agent import DecodeEngine
+    from disagg_agents.decode.kvcaches import fill_layer
+    from disagg_agents.prefill.engine import PrefillEngine
 
     prefill, decode = bf16_agents
     req = remote_request(

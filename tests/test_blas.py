@@ -1,9 +1,9 @@
 """mlx's matmuls run on numpy's OpenBLAS when nothing else is installed: the Linux
 mlx wheel's own reference BLAS makes a batched decode step cost as much as each
-request alone (agents/runtime/fastblas.py).
+request alone (disagg_agents/runtime/fastblas.py).
 
 Each case runs in a fresh Python (the shim binds once per process, before mlx loads):
-it imports agents.runtime.fastblas, then mlx, multiplies non-square, transposed and batched
+it imports disagg_agents.runtime.fastblas, then mlx, multiplies non-square, transposed and batched
 matrices in float32, float64 and complex64 (the shim's sgemm, dgemm and cgemm) and
 reports which BLAS it bound. Results are checked against numpy in float64 within the
 worst-case rounding bound of a length-k dot product, k * 2^-23 * (|A| @ |B|) for float32:
@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PROBE = r"""
 import json, sys
 import numpy as np
-import agents.runtime.fastblas as fastblas
+import disagg_agents.runtime.fastblas as fastblas
 import mlx.core as mx
 from tests.tinymodels import shared_tiny
 
@@ -100,7 +100,7 @@ def _numpy_openblas() -> str:
 def _system_openblas_files(python: PythonProcess) -> list[str]:
     """Every system OpenBLAS file the shim could find, resolved through symlinks."""
     listed = python(
-        "-c", "from agents.runtime import fastblas; print(*fastblas.SYSTEM_PATHS)",
+        "-c", "from disagg_agents.runtime import fastblas; print(*fastblas.SYSTEM_PATHS)",
         env={**os.environ, "DISAGG_BLAS": "bundled"}, check=True, cwd=ROOT, timeout=120,
     ).stdout.split()  # fmt: skip
     ldconfig = shutil.which("ldconfig") or "/sbin/ldconfig"
@@ -263,9 +263,9 @@ def test_status_says_why_blas_runs_on_fewer_threads() -> None:
 def test_local_agents_split_the_cores_unless_the_user_chose() -> None:
     """A local pair shares one machine: the decode agent's OpenBLAS gives up half
     the cores while a prefill runs beside it, and a user's setting wins."""
-    from agents.runtime.blasshare import ENV
-    from agents.runtime.torchshare import ENV as TORCH_ENV
     from disagg.serving.localagents import BLAS_SHARED_ENV, TORCH_SHARED_ENV, thread_share
+    from disagg_agents.runtime.blasshare import ENV
+    from disagg_agents.runtime.torchshare import ENV as TORCH_ENV
 
     half = str(max(1, (os.cpu_count() or 2) // 2))
     assert (BLAS_SHARED_ENV, TORCH_SHARED_ENV) == (ENV, TORCH_ENV)
@@ -280,8 +280,8 @@ def test_local_agents_split_the_cores_unless_the_user_chose() -> None:
 def test_blas_threads_follow_the_prefills(monkeypatch: pytest.MonkeyPatch) -> None:
     """Threads drop to `shared` when the first prefill starts and come back when
     the last ends, set in order through the mlx thread's queue."""
-    from agents.runtime import blasshare
-    from agents.runtime.blasshare import BlasShare
+    from disagg_agents.runtime import blasshare
+    from disagg_agents.runtime.blasshare import BlasShare
 
     posted: list[int] = []
     monkeypatch.setattr(blasshare.fastblas, "set_threads", posted.append)
@@ -299,7 +299,7 @@ def test_blas_threads_follow_the_prefills(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_free_cores_are_what_others_leave_by_the_median_of_a_few_looks() -> None:
-    from agents.runtime.cpubusy import FreeCores, others_running, own_running
+    from disagg_agents.runtime.cpubusy import FreeCores, others_running, own_running
 
     free = FreeCores(cores=2)
     assert free.sample(others=2) == 1  # the first look decides at once
@@ -317,9 +317,9 @@ def test_a_busy_machine_takes_blas_threads_a_quiet_one_gives_them_back(
 ) -> None:
     """Between steps the decode agent uses no more OpenBLAS threads than the
     machine's other work leaves, within the share's cap while a prefill runs."""
-    from agents.runtime import blasshare
-    from agents.runtime.blasshare import BlasShare
-    from agents.runtime.cpubusy import FreeCores
+    from disagg_agents.runtime import blasshare
+    from disagg_agents.runtime.blasshare import BlasShare
+    from disagg_agents.runtime.cpubusy import FreeCores
 
     set_to: list[int] = []
     monkeypatch.setattr(blasshare.fastblas, "set_threads", set_to.append)
@@ -386,7 +386,7 @@ def test_torch_threads_follow_the_requester() -> None:
     torch gets every thread back; with nothing to share, nothing changes."""
     import torch
 
-    from agents.runtime.torchshare import TorchShare
+    from disagg_agents.runtime.torchshare import TorchShare
 
     full = torch.get_num_threads()
     if full < 2:

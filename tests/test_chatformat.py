@@ -13,8 +13,15 @@ from typing import Any
 import pytest
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
 
-from agents.chatformat import ChatFormat, FormatError, detect, open_stream, render_chat, render_fim
-from agents.chatformat.parse import (
+from disagg_agents.chatformat import (
+    ChatFormat,
+    FormatError,
+    detect,
+    open_stream,
+    render_chat,
+    render_fim,
+)
+from disagg_agents.chatformat.parse import (
     Event,
     HarmonyParser,
     Piece,
@@ -23,7 +30,7 @@ from agents.chatformat.parse import (
     parse_qwen_json,
     parse_qwen_xml,
 )
-from agents.wire.request import GenerateRequest, RequestError
+from disagg_agents.wire.request import GenerateRequest, RequestError
 from tests.chattokenizers import build
 from tests.tinymodels import _tokenizer
 

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from agents.wire.answer import TokenEvent
 from disagg.errors import UsageError
+from disagg_agents.wire.answer import TokenEvent
 from tests.chattokenizers import HARMONY_SPECIALS
 from tests.conftest import PairFactory, ask
 from tests.tinymodels import shared_tiny

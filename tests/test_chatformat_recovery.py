@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
 
-from agents.chatformat import detect, open_stream, render_chat
-from agents.chatformat.parse import Event, TagParser, ToolCall, parse_qwen_xml
-from agents.chatformat.qwenxml import convert
+from disagg_agents.chatformat import detect, open_stream, render_chat
+from disagg_agents.chatformat.parse import Event, TagParser, ToolCall, parse_qwen_xml
+from disagg_agents.chatformat.qwenxml import convert
 from tests.chattokenizers import build
 
 WEATHER = {

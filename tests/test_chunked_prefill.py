@@ -89,8 +89,8 @@ def test_the_greedy_first_token_off_the_loop_is_the_loops_own() -> None:
     mlx loop samples (argmax of logprobs); a near tie goes back to the loop."""
     import numpy as np
 
-    from agents.decode.agent import first_token, greedy_first
-    from agents.decode.loop import DecodeLoop
+    from disagg_agents.decode.agent import first_token, greedy_first
+    from disagg_agents.decode.loop import DecodeLoop
 
     loop = DecodeLoop(model=None)
     rng = np.random.default_rng(3)
@@ -109,7 +109,7 @@ def test_a_seeded_row_samples_the_same_whoever_shares_the_batch() -> None:
     import mlx.core as mx
     import numpy as np
 
-    from agents.decode.loop import make_sampler, sample_rows
+    from disagg_agents.decode.loop import make_sampler, sample_rows
 
     x = mx.random.normal((5, 300), key=mx.random.key(0))
     lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
@@ -125,7 +125,7 @@ def test_a_seeded_row_samples_the_same_whoever_shares_the_batch() -> None:
 def test_tokens_queued_behind_a_lagging_client_go_out_together() -> None:
     import queue
 
-    from agents.decode.agent import Item, bursts
+    from disagg_agents.decode.agent import Item, bursts
 
     q: queue.Queue[Item | Exception | None] = queue.Queue()
     for t in (1, 2, 3):

@@ -5,6 +5,7 @@ process (typer's runner), their `--local` agents from the session's pool."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -26,12 +27,20 @@ def one_error_line(proc: Any, *needles: str) -> None:
 
 
 def test_generate_local_json_answers_paris(
-    default_model: Path, disagg_process: DisaggProcess
+    default_model: Path, disagg_process: DisaggProcess, tmp_path: Path
 ) -> None:
+    # A stand-in for another top-level `agents` package (the OpenAI Agents SDK installs
+    # one) first on the path of the CLI and its agents: our package has its own name.
+    standin = tmp_path / "site" / "agents"
+    (standin / "models").mkdir(parents=True)
+    (standin / "__init__.py").write_text("from .models import Model\nclass Agent: ...\n")
+    (standin / "models" / "__init__.py").write_text("class Model: ...\n")
+    path = os.pathsep.join(p for p in (str(tmp_path / "site"), os.environ.get("PYTHONPATH")) if p)
     # A process that starts its own agents and stops them on the way out.
     proc = disagg_process(
-        "generate", "--local", "What is the capital of France?", "--json", agents=1
-    )
+        "generate", "--local", "What is the capital of France?", "--json", agents=1,
+        env={"PYTHONPATH": path},
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)  # exactly one JSON object on stdout
     want = {"text", "reasoning", "tool_calls", "finish_reason", "token_ids", "model", "metrics"}
@@ -43,7 +52,7 @@ def test_generate_local_json_answers_paris(
     m = out["metrics"]
     assert m["method"] == "disaggregated" and m["kv_bytes"] > 0
     assert m["completion_tokens"] == len(out["token_ids"])
-    # The per-request timeline (agents.decode.timeline): seconds on the decode agent's clock.
+    # The per-request timeline (disagg_agents.decode.timeline): seconds on the decode agent's clock.
     t = m["timeline"]
     assert abs(t["at"] - time.time()) < 600
     order = ["prefill_start", "kv_first", "kv_last", "first_token", "done"]

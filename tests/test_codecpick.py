@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agents.decode.codectuner import (
+from disagg_agents.decode.codectuner import (
     MARGIN,
     MIN_LINK_FRAME,
     CodecSpeed,
@@ -18,7 +18,7 @@ from agents.decode.codectuner import (
     pick_codec,
     stream_rate,
 )
-from agents.wire.kvcodec import Codec
+from disagg_agents.wire.kvcodec import Codec
 from tests.conftest import ask
 
 GB = 1e9

@@ -1,4 +1,4 @@
-"""The cost model (agents.models.cost, disagg.bench.costmodel): counts against a
+"""The cost model (disagg_agents.models.cost, disagg.bench.costmodel): counts against a
 small case worked by hand, the placement's prior, and `disagg plan --json`."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from agents.decode.placement import Placement
-from agents.models.cost import (
+from disagg.bench.costmodel import Counts, scenario
+from disagg_agents.decode.placement import Placement
+from disagg_agents.models.cost import (
     DEVICES,
     Prior,
     Shape,
@@ -22,7 +23,6 @@ from agents.models.cost import (
     roofline_s,
     weight_bytes,
 )
-from disagg.bench.costmodel import Counts, scenario
 
 # One MoE layer: hidden 4, 2 query heads and 1 K/V head of 2, 4 experts of width 3,
 # top-2, a vocabulary of 8; experts 4-bit, the rest bf16.

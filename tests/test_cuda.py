@@ -23,7 +23,7 @@ pytestmark = [
 def test_async_host_copy_is_bit_identical(
     tiny_model: Callable[..., Path], arch: str, dtype: str
 ) -> None:
-    from agents.prefill.engine import PrefillEngine
+    from disagg_agents.prefill.engine import PrefillEngine
 
     eng = PrefillEngine(str(tiny_model(arch, seed=5)), device="cuda", dtype=dtype)
     ids = [(i * 37 + 11) % 400 for i in range(300)]

@@ -1,4 +1,4 @@
-"""agents.runtime.daemonpool: a job runs at once on an idle thread or a new one (never
+"""disagg_agents.runtime.daemonpool: a job runs at once on an idle thread or a new one (never
 queued behind another), finished threads wait for the next job, and no more
 than max_idle of them wait."""
 
@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from agents.runtime.daemonpool import DaemonPool
+from disagg_agents.runtime.daemonpool import DaemonPool
 
 
 def test_a_finished_thread_runs_the_next_job() -> None:

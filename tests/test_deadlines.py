@@ -18,16 +18,16 @@ import httpx
 import openai
 import pytest
 
-from agents.wire.answer import TokenEvent
-from agents.wire.auth import client_auth
-from agents.wire.channel import recv_frame, send_json
-from agents.wire.frames import Frame, decode_json
-from agents.wire.request import GenerateRequest
 from disagg.errors import RequestTimeout
 from disagg.frontends.workers import QUEUE_FACTOR, Workers, batch_capacity
 from disagg.serving.control import parse_status
 from disagg.serving.localagents import AgentProc
 from disagg.serving.router import Endpoint, Route, Router
+from disagg_agents.wire.answer import TokenEvent
+from disagg_agents.wire.auth import client_auth
+from disagg_agents.wire.channel import recv_frame, send_json
+from disagg_agents.wire.frames import Frame, decode_json
+from disagg_agents.wire.request import GenerateRequest
 from tests.agentpool import AgentSet
 from tests.conftest import PairFactory
 from tests.gateways import Gateway, Gateways

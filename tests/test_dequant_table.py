@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from agents.quant.dequant import Packed, QSpec
+from disagg_agents.quant.dequant import Packed, QSpec
 from tests.test_quant_units import DTYPES, same_bits, to_torch
 
 

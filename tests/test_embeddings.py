@@ -13,9 +13,9 @@ import openai
 import pytest
 import torch
 
-from agents.models.pooling import pooling_of
-from agents.prefill.embed import pool
 from disagg.serving.embed import cut
+from disagg_agents.models.pooling import pooling_of
+from disagg_agents.prefill.embed import pool
 from tests.agentpool import AgentSet
 from tests.conftest import PairFactory
 from tests.gateways import Gateways

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from agents.wire.request import GenerateRequest
 from disagg.errors import AgentError
 from disagg.serving.localagents import AgentProc
 from disagg.serving.router import Endpoint, Route, Router
+from disagg_agents.wire.request import GenerateRequest
 from tests.agentpool import AgentSet
 from tests.conftest import PairFactory, ask, remote_request
 from tests.slowprefill import SLOW_LAYER_S, SLOW_SET

@@ -283,7 +283,7 @@ def test_run_script_passes_paths_and_log_file_intact(tmp_path: Path) -> None:
     Path(paths.script).write_text(service.run_script(paths, config))
     subprocess.run(["/bin/sh", paths.script], check=True, timeout=30)
     args = (root / "args").read_bytes().decode().split("\0")[:-1]
-    assert args[:2] == ["-m", "agents.prefill"]
+    assert args[:2] == ["-m", "disagg_agents.prefill"]
     assert args[args.index("--model") + 1] == f"{root}/model"
     assert args[args.index("--token-file") + 1] == f"{root}/token"
     assert args[args.index("--log-file") + 1] == paths.log == f"{root}/logs/prefill.log"
@@ -346,7 +346,7 @@ def test_pid_of_the_agent_is_stopped(tmp_path: Path) -> None:
     code = "import time; time.sleep(60)"
     # Looks like the agent: names its module and its root, as the run script's exec does.
     with process(
-        sys.executable, "-c", code, "agents.decode", "--token-file", f"{paths.root}/token"
+        sys.executable, "-c", code, "disagg_agents.decode", "--token-file", f"{paths.root}/token"
     ) as agent:
         Path(paths.pid).write_text(f"{agent.pid}\n")
         res = sh(f"{service.is_running(paths)} && echo $pid")

@@ -19,11 +19,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agents.wire import kvcodec as K
-from agents.wire.auth import client_auth
-from agents.wire.channel import recv_frame, recv_json
-from agents.wire.frames import Frame, ProtocolError, decode_json, pack_header
 from disagg.serving.localagents import AgentProc
+from disagg_agents.wire import kvcodec as K
+from disagg_agents.wire.auth import client_auth
+from disagg_agents.wire.channel import recv_frame, recv_json
+from disagg_agents.wire.frames import Frame, ProtocolError, decode_json, pack_header
 from tests.conftest import PairFactory, ask
 from tests.tinymodels import PROMPT, shared_tiny
 

@@ -20,8 +20,8 @@ import jsonschema
 import numpy as np
 import pytest
 
-from agents.decode.grammar import Grammars, Matcher
-from agents.wire.request import GenerateRequest, RequestError
+from disagg_agents.decode.grammar import Grammars, Matcher
+from disagg_agents.wire.request import GenerateRequest, RequestError
 from tests.tinymodels import shared_tiny
 
 GRADER = {

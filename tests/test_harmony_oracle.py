@@ -2,7 +2,7 @@
 reference renderer and parser, with the real o200k vocabulary (rebuilt offline:
 tests/harmonyvocab.py).
 
-Prompts: each conversation renders (agents.chatformat) to the very token ids
+Prompts: each conversation renders (disagg_agents.chatformat) to the very token ids
 openai-harmony's `render_conversation_for_completion` gives for the same
 conversation, converted to harmony messages here independently (as vLLM does:
 reasoning before the last final answer dropped). Answers: completions encoded
@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
 
-from agents.chatformat import detect, open_stream, render_chat
-from agents.chatformat.harmony import conversation, encode, segments
-from agents.chatformat.parse import Event, HarmonyParser, ToolCall
+from disagg_agents.chatformat import detect, open_stream, render_chat
+from disagg_agents.chatformat.harmony import conversation, encode, segments
+from disagg_agents.chatformat.parse import Event, HarmonyParser, ToolCall
 from tests.chattokenizers import HARMONY_TEMPLATE
 from tests.harmonyvocab import gpt_oss_tokenizer, harmony_encoding, o200k_ranks, tiktoken_text
 

@@ -9,8 +9,8 @@ import gc
 import numpy as np
 import torch
 
-from agents.prefill.engine import to_wire
-from agents.prefill.hostcopy import HostCopies, PinnedPool
+from disagg_agents.prefill.engine import to_wire
+from disagg_agents.prefill.hostcopy import HostCopies, PinnedPool
 
 
 def test_pool_reuses_a_buffer_only_once_every_view_is_gone() -> None:

@@ -19,11 +19,14 @@ from typing import Any
 import pytest
 import zstandard
 
-from agents.wire import httpauth
-from agents.wire import kvcodec as K
-from agents.wire.auth import client_auth, server_auth
-from agents.wire.channel import recv_json, send_error, send_frame, send_json
-from agents.wire.frames import (
+from disagg.errors import ModelError
+from disagg.fleet.operations import _http_status
+from disagg.serving.localagents import AgentProc, make_token_file, wait_ready
+from disagg_agents.wire import httpauth
+from disagg_agents.wire import kvcodec as K
+from disagg_agents.wire.auth import client_auth, server_auth
+from disagg_agents.wire.channel import recv_json, send_error, send_frame, send_json
+from disagg_agents.wire.frames import (
     HEADER,
     PREAUTH_MAX_FRAME,
     AuthError,
@@ -32,9 +35,6 @@ from agents.wire.frames import (
     RemoteError,
     pack_header,
 )
-from disagg.errors import ModelError
-from disagg.fleet.operations import _http_status
-from disagg.serving.localagents import AgentProc, make_token_file, wait_ready
 from tests.conftest import LocalServer, PairFactory, Spawn, ask, log_since, log_size, remote_request
 from tests.test_auth import Recorder
 from tests.tinymodels import shared_tiny

@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 import zstandard
 
-from agents.runtime.server import OneLineFormatter, load_token, start_control
-from agents.wire import httpauth
-from agents.wire import kvcodec as K
-from agents.wire.auth import client_auth, server_auth
-from agents.wire.channel import recv_frame, recv_json, send_frame
-from agents.wire.frames import (
+from disagg_agents.runtime.server import OneLineFormatter, load_token, start_control
+from disagg_agents.wire import httpauth
+from disagg_agents.wire import kvcodec as K
+from disagg_agents.wire.auth import client_auth, server_auth
+from disagg_agents.wire.channel import recv_frame, recv_json, send_frame
+from disagg_agents.wire.frames import (
     RECV_STEP,
     AuthError,
     Deadline,
@@ -34,7 +34,7 @@ from agents.wire.frames import (
     decode_json,
     pack_header,
 )
-from agents.wire.text import printable
+from disagg_agents.wire.text import printable
 from tests.conftest import socket_pair
 
 pytestmark = pytest.mark.fuzz
@@ -330,7 +330,7 @@ def test_http_tricklers_are_cut_and_connections_capped(control: tuple[str, int])
     assert was_cut and cut < 15, cut
     # More than CONTROL_MAX_PER_PEER at once from one address: the rest are closed at once.
     # (A stranger's address: loopback is the local pair's, with slots of its own.)
-    from agents.runtime.server import CONTROL_MAX_PER_PEER
+    from disagg_agents.runtime.server import CONTROL_MAX_PER_PEER
 
     src = ("127.0.0.3", 0)
     held = [

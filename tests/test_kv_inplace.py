@@ -1,4 +1,4 @@
-"""K/V received straight into its mlx caches (agents.decode.kvslots) is bit for bit what
+"""K/V received straight into its mlx caches (disagg_agents.decode.kvslots) is bit for bit what
 the prefill side sent: every dtype, every codec, int8 rows, a prefix hit, a
 sliding layer (left to the copy path), sealed frames. Frames cross a real socket
 from a fake prefill agent that encodes with the real codec; the expected caches
@@ -18,19 +18,19 @@ import pytest
 import torch
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from agents.decode.kvcaches import fill_layer
-from agents.decode.kvfetch import receive_layers
-from agents.decode.kvslots import Slots, allocate
-from agents.decode.prefixcache import DecodePrefix, Hit, Span
-from agents.prefill.engine import to_wire
-from agents.wire import kvcodec as K
-from agents.wire.auth import client_auth, server_auth
-from agents.wire.channel import recv_json, send_buffers, send_frame, send_json
-from agents.wire.frames import Frame, ProtocolError, pack_header
-from agents.wire.request import PrefillRequest
-from agents.wire.seal import _SEALS, IntegrityError, sealed
 from disagg.serving import wireclient as client
 from disagg.serving.localagents import AgentProc
+from disagg_agents.decode.kvcaches import fill_layer
+from disagg_agents.decode.kvfetch import receive_layers
+from disagg_agents.decode.kvslots import Slots, allocate
+from disagg_agents.decode.prefixcache import DecodePrefix, Hit, Span
+from disagg_agents.prefill.engine import to_wire
+from disagg_agents.wire import kvcodec as K
+from disagg_agents.wire.auth import client_auth, server_auth
+from disagg_agents.wire.channel import recv_json, send_buffers, send_frame, send_json
+from disagg_agents.wire.frames import Frame, ProtocolError, pack_header
+from disagg_agents.wire.request import PrefillRequest
+from disagg_agents.wire.seal import _SEALS, IntegrityError, sealed
 from tests.agentpool import AgentSet
 from tests.conftest import ask, remote_request, socket_pair
 

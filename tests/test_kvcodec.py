@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from agents.prefill.engine import to_wire
-from agents.wire import kvcodec as K
-from agents.wire.frames import ProtocolError
+from disagg_agents.prefill.engine import to_wire
+from disagg_agents.wire import kvcodec as K
+from disagg_agents.wire.frames import ProtocolError
 
 
 def join(bufs: list[bytes | memoryview]) -> bytes:
@@ -46,7 +46,7 @@ def test_round_trip_is_bit_exact(dtype: torch.dtype, wire: K.DType, codec: K.Cod
 def test_bf16_bits_survive_into_mlx() -> None:
     import mlx.core as mx
 
-    from agents.decode.kvcaches import to_mx
+    from disagg_agents.decode.kvcaches import to_mx
 
     k, _ = torch_kv(torch.bfloat16)
     kv = K.decode_layer(

@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from agents.wire.auth import client_auth, server_auth
-from agents.wire.channel import recv_json, send_json
-from agents.wire.frames import Frame, ProtocolError, RemoteError
+from disagg_agents.wire.auth import client_auth, server_auth
+from disagg_agents.wire.channel import recv_json, send_json
+from disagg_agents.wire.frames import Frame, ProtocolError, RemoteError
 
 pytestmark = pytest.mark.slow
 
@@ -27,8 +27,8 @@ AGREEMENT_BAR = 0.9
 @pytest.fixture(scope="module")
 def engines(default_model: Path) -> tuple[Any, Any]:
     """(PrefillEngine, DecodeEngine) of the default model, as the agents load it."""
-    from agents.decode.agent import DecodeEngine
-    from agents.prefill.engine import PrefillEngine
+    from disagg_agents.decode.agent import DecodeEngine
+    from disagg_agents.prefill.engine import PrefillEngine
 
     return PrefillEngine(str(default_model), device="cpu"), DecodeEngine(str(default_model))
 
@@ -36,7 +36,7 @@ def engines(default_model: Path) -> tuple[Any, Any]:
 @pytest.fixture(scope="module")
 def prefill_target(engines: tuple[Any, Any]) -> Iterator[dict[str, Any]]:
     """A PrefillAgent in this process, behind a real socket on 127.0.0.1 port 0."""
-    from agents.prefill.agent import PrefillAgent
+    from disagg_agents.prefill.agent import PrefillAgent
 
     agent = PrefillAgent(engines[0], "prefill-kvquant")
     srv = socket.create_server(("127.0.0.1", 0))
@@ -76,9 +76,9 @@ def test_fetch_kv_int8_over_a_socket(
 ) -> None:
     from mlx_lm.models.cache import make_prompt_cache
 
-    from agents.decode.kvfetch import fetch_kv
-    from agents.wire.kvcodec import Codec
-    from agents.wire.request import PrefillRequest, PrefillTarget
+    from disagg_agents.decode.kvfetch import fetch_kv
+    from disagg_agents.wire.kvcodec import Codec
+    from disagg_agents.wire.request import PrefillRequest, PrefillTarget
 
     _, dec = engines
     ids = chat_ids(dec)
@@ -122,7 +122,7 @@ def test_prefill_agent_refuses_an_unknown_kv_quant(
 
 @pytest.fixture(scope="module")
 def decode_agent(engines: tuple[Any, Any]) -> Any:
-    from agents.decode.agent import DecodeAgent
+    from disagg_agents.decode.agent import DecodeAgent
 
     return DecodeAgent(engines[1], "decode-kvquant")
 

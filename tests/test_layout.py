@@ -55,22 +55,22 @@ def violations(package: str, forbidden: str, allowed_under: tuple[str, ...] = ()
 
 
 def test_agents_never_import_disagg() -> None:
-    assert violations("agents", "disagg") == []
+    assert violations("disagg_agents", "disagg") == []
 
 
 def test_only_cli_imports_typer() -> None:
     assert violations("disagg", "typer", ("disagg/cli/",)) == []
-    assert violations("agents", "typer") == []
+    assert violations("disagg_agents", "typer") == []
 
 
 def test_nothing_imports_the_cli() -> None:
     assert violations("disagg", "disagg.cli", ("disagg/cli/",)) == []
-    assert violations("agents", "disagg.cli") == []
+    assert violations("disagg_agents", "disagg.cli") == []
 
 
 def test_rich_only_in_cli_and_bench() -> None:
     assert violations("disagg", "rich", ("disagg/cli/", "disagg/bench/")) == []
-    assert violations("agents", "rich") == []
+    assert violations("disagg_agents", "rich") == []
 
 
 def test_serving_never_imports_the_api_or_front_doors() -> None:
@@ -85,7 +85,7 @@ def test_the_api_never_imports_the_front_doors() -> None:
 
 
 def our_modules() -> dict[str, Path]:
-    return {module_name(p): p for pkg in ("disagg", "agents") for p in modules(pkg)}
+    return {module_name(p): p for pkg in ("disagg", "disagg_agents") for p in modules(pkg)}
 
 
 def imported_modules(path: Path, known: dict[str, Path]) -> set[str]:
@@ -120,7 +120,7 @@ def reachable(
 
 def test_no_bench_module_is_reachable_from_the_serving_path() -> None:
     known = our_modules()
-    starts = ("disagg.frontends", "disagg.serving", "disagg.api", "disagg.fleet", "agents")
+    starts = ("disagg.frontends", "disagg.serving", "disagg.api", "disagg.fleet", "disagg_agents")
     roots = [m for m in known if any(m == s or m.startswith(s + ".") for s in starts)]
     # `disagg serve`'s module. The CLI package's __init__ registers every command,
     # the bench sub-app too, whose commands import the benches only when they run
@@ -203,7 +203,7 @@ def test_the_agents_ship_no_fault_injection() -> None:
     # Tests stretch the K/V stream with their own wrapper (tests/slowprefill.py).
     found = [
         p.relative_to(REPO).as_posix()
-        for p in modules("agents")
+        for p in modules("disagg_agents")
         if "--fault" in p.read_text() or "layer_delay" in p.read_text()
     ]
     assert found == []
@@ -272,12 +272,12 @@ def resolved_imports(path: Path, *, typing_too: bool = False) -> set[str]:
 
 def group_of(module: str) -> str | None:
     parts = module.split(".")
-    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[0] == "agents") else None
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[0] == "disagg_agents") else None
 
 
 def test_agent_groups_import_only_their_allowed_groups() -> None:
     bad = []
-    for path in modules("agents"):
+    for path in modules("disagg_agents"):
         mine = group_of(module_name(path))
         if mine is None:
             continue
@@ -287,14 +287,14 @@ def test_agent_groups_import_only_their_allowed_groups() -> None:
                 bad.append(f"{module_name(path)} imports {name}")
     assert bad == []
     assert set(AGENT_ARROWS) == {
-        p.name for p in (REPO / "agents").iterdir() if (p / "__init__.py").exists()
+        p.name for p in (REPO / "disagg_agents").iterdir() if (p / "__init__.py").exists()
     }, "a new group of agents/ needs its arrows here"
 
 
 def test_the_wire_loads_no_framework() -> None:
     bad = [
         f"{module_name(p)} imports {n}"
-        for p in modules("agents/wire")
+        for p in modules("disagg_agents/wire")
         for n in resolved_imports(p, typing_too=True)
         if n.split(".")[0] in HEAVY
     ]
@@ -366,7 +366,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_import_circles() -> None:
-    assert cycles(import_graph("agents", "disagg")) == []
+    assert cycles(import_graph("disagg_agents", "disagg")) == []
 
 
 def test_the_circle_finder_finds_a_circle() -> None:
@@ -382,7 +382,8 @@ def private_imports(path: Path) -> list[str]:
     aliases: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
-            ours = node.level > 0 or (node.module or "").split(".")[0] in ("agents", "disagg")
+            top = (node.module or "").split(".")[0]
+            ours = node.level > 0 or top in ("disagg_agents", "disagg")
             for a in node.names:
                 if ours and a.name.startswith("_") and not a.name.startswith("__"):
                     out.append(f"{node.module}.{a.name}")
@@ -391,7 +392,7 @@ def private_imports(path: Path) -> list[str]:
                     aliases.add(a.asname or a.name)
         elif isinstance(node, ast.Import):
             for a in node.names:
-                if a.name.split(".")[0] in ("agents", "disagg"):
+                if a.name.split(".")[0] in ("disagg_agents", "disagg"):
                     aliases.add(a.asname or a.name.split(".")[0])
     for node in ast.walk(tree):
         if (
@@ -408,7 +409,7 @@ def private_imports(path: Path) -> list[str]:
 def test_no_private_names_cross_modules() -> None:
     bad = {
         module_name(p): found
-        for package in ("agents", "disagg")
+        for package in ("disagg_agents", "disagg")
         for p in modules(package)
         if (found := private_imports(p))
     }
@@ -418,9 +419,10 @@ def test_no_private_names_cross_modules() -> None:
 def test_the_private_name_reader_sees_both_forms(tmp_path: Path) -> None:
     path = REPO / "tests" / "_layout_probe.py"
     path.write_text(
-        "from agents.wire.frames import _X, Y\nfrom agents.wire import kvcodec\nkvcodec._z\n"
+        "from disagg_agents.wire.frames import _X, Y\n"
+        "from disagg_agents.wire import kvcodec\nkvcodec._z\n"
     )
     try:
-        assert private_imports(path) == ["agents.wire.frames._X", "kvcodec._z"]
+        assert private_imports(path) == ["disagg_agents.wire.frames._X", "kvcodec._z"]
     finally:
         path.unlink()

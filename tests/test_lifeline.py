@@ -1,6 +1,6 @@
 """Local agents never outlive `disagg serve --local`: SIGTERM stops them as Ctrl-C
 does (an agent the gateway restarted too), and a SIGKILLed gateway's agents notice
-and exit (agents/runtime/lifeline.py). A killed agent is logged and restarted."""
+and exit (disagg_agents/runtime/lifeline.py). A killed agent is logged and restarted."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def restart_prefill(proc: subprocess.Popen[bytes], port: int, model: Path, log: 
     [prefill] = [
         p
         for p in psutil.Process(proc.pid).children(recursive=True)
-        if "agents.prefill" in " ".join(p.cmdline())
+        if "disagg_agents.prefill" in " ".join(p.cmdline())
     ]
     prefill.kill()
     deadline = time.monotonic() + 240
@@ -86,7 +86,7 @@ def restart_prefill(proc: subprocess.Popen[bytes], port: int, model: Path, log: 
     [again] = [
         p.pid
         for p in psutil.Process(proc.pid).children(recursive=True)
-        if "agents.prefill" in " ".join(p.cmdline())
+        if "disagg_agents.prefill" in " ".join(p.cmdline())
     ]
     assert again != prefill.pid
     return again

@@ -1,5 +1,5 @@
 """The CLI's help and the control plane's modules never compile or load mlx's BLAS
-shim (agents/runtime/fastblas.py), nor mlx: only what runs mlx imports them; and
+shim (disagg_agents/runtime/fastblas.py), nor mlx: only what runs mlx imports them; and
 the decode agent, which runs mlx, never imports torch. Each in a fresh Python."""
 
 from __future__ import annotations
@@ -16,20 +16,21 @@ for argv in (["--help"], ["status", "--help"], ["deploy", "--help"], ["serve", "
     with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
         main()
 import disagg.api, disagg.fleet.deploy, disagg.fleet.operations, disagg.frontends.app
-print(json.dumps({m: m in sys.modules for m in ("agents.runtime.fastblas", "mlx.core", "torch")}))
+mods = ("disagg_agents.runtime.fastblas", "mlx.core", "torch")
+print(json.dumps({m: m in sys.modules for m in mods}))
 """
 
 
 def test_help_and_control_plane_load_no_blas_shim_nor_mlx(python_process: PythonProcess) -> None:
     done = python_process("-c", PROBE, timeout=120, check=True)
     loaded = json.loads(done.stdout.strip().splitlines()[-1])
-    assert loaded == {"agents.runtime.fastblas": False, "mlx.core": False, "torch": False}
+    assert loaded == {"disagg_agents.runtime.fastblas": False, "mlx.core": False, "torch": False}
 
 
 def test_the_decode_agent_loads_the_shim_before_mlx(python_process: PythonProcess) -> None:
     probe = (
-        "import sys, agents.decode.agent; m = list(sys.modules); "
-        "print(m.index('agents.runtime.fastblas') < m.index('mlx.core'))"
+        "import sys, disagg_agents.decode.agent; m = list(sys.modules); "
+        "print(m.index('disagg_agents.runtime.fastblas') < m.index('mlx.core'))"
     )
     done = python_process("-c", probe, timeout=300, check=True)
     assert done.stdout.strip().splitlines()[-1] == "True"
@@ -37,9 +38,9 @@ def test_the_decode_agent_loads_the_shim_before_mlx(python_process: PythonProces
 
 DECODE_START = """
 import runpy, sys
-sys.argv = ["agents.decode", "--help"]  # every import of a start, then argparse exits
+sys.argv = ["disagg_agents.decode", "--help"]  # every import of a start, then argparse exits
 try:
-    runpy.run_module("agents.decode", run_name="__main__", alter_sys=True)
+    runpy.run_module("disagg_agents.decode", run_name="__main__", alter_sys=True)
 except SystemExit:
     pass
 print(sys.modules.get("torch") is not None, "mlx_lm" in sys.modules)

@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from agents.quant import moe
-from agents.quant.dequant import Packed, QSpec
-from agents.quant.modules import PackedExperts, QuantEmbedding, Weight
 from disagg.bench.opcount import OpCounter, count_prefill, per_call
+from disagg_agents.quant import moe
+from disagg_agents.quant.dequant import Packed, QSpec
+from disagg_agents.quant.modules import PackedExperts, QuantEmbedding, Weight
 
 HIDDEN, INTER = 64, 32
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -185,7 +185,7 @@ ENGINES: dict[tuple[str, float | None], Any] = {}
 def engine(name: str, budget: float | None) -> Any:
     """A prefill engine on tests/quantmodels' `name`: weights kept dequantized (budget
     None: as memory allows) or all packed (budget 0)."""
-    from agents.prefill.engine import PrefillEngine
+    from disagg_agents.prefill.engine import PrefillEngine
     from tests.quantmodels import quant_dir
 
     key = (name, budget)

@@ -12,11 +12,24 @@ from typing import Any
 
 import pytest
 
-from agents.decode.kvfetch import PrefillUnavailable, fetch_kv
-from agents.wire.auth import server_auth
-from agents.wire.channel import recv_control, recv_json, send_error, send_json, send_json_ids
-from agents.wire.frames import IDS_U32, IDS_U32_CAP, Frame, Header, ProtocolError, split_json_ids
-from agents.wire.request import PrefillRequest, PrefillTarget, RequestError, pack_ids, unpack_ids
+from disagg_agents.decode.kvfetch import PrefillUnavailable, fetch_kv
+from disagg_agents.wire.auth import server_auth
+from disagg_agents.wire.channel import recv_control, recv_json, send_error, send_json, send_json_ids
+from disagg_agents.wire.frames import (
+    IDS_U32,
+    IDS_U32_CAP,
+    Frame,
+    Header,
+    ProtocolError,
+    split_json_ids,
+)
+from disagg_agents.wire.request import (
+    PrefillRequest,
+    PrefillTarget,
+    RequestError,
+    pack_ids,
+    unpack_ids,
+)
 
 
 def _roundtrip(obj: dict[str, Any], ids: bytes) -> tuple[Header, bytearray]:

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from agents.decode.placement import Placement
+from disagg_agents.decode.placement import Placement
 from tests.conftest import PairFactory, ask
 from tests.test_auth import Recorder
 from tests.tinymodels import shared_tiny
@@ -46,7 +46,7 @@ def test_tiny_prompts_stay_local_when_local_is_measured_faster() -> None:
 def test_a_local_rate_stands_only_near_the_lengths_it_was_measured_at() -> None:
     """Attention grows with the square of the length: a local rate from 1,000-token
     prompts says nothing of 45,000 (mlx on this CPU: 150 s, torch 8 s)."""
-    from agents.decode.placement import EXTRAPOLATE
+    from disagg_agents.decode.placement import EXTRAPOLATE
 
     p = Placement()
     p.observe_remote("a:1", 1000, 30, {**FETCH, "prefill_time": 2.0, "kv_fetch_time": 2.02})
@@ -59,7 +59,7 @@ def test_a_local_rate_stands_only_near_the_lengths_it_was_measured_at() -> None:
 
 
 def test_an_old_remote_estimate_is_measured_again_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    from agents.decode import placement
+    from disagg_agents.decode import placement
 
     now = [1000.0]
     monkeypatch.setattr(placement.time, "monotonic", lambda: now[0])

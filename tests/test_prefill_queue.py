@@ -14,12 +14,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from agents.prefill.queue import FairQueue, Ticket, pick
-from agents.wire.auth import client_auth
-from agents.wire.channel import recv_frame, recv_json, send_json
-from agents.wire.frames import Frame
-from agents.wire.kvcodec import DTYPE_NAMES, Codec, Kind, LayerKV
 from disagg.serving.localagents import AgentProc
+from disagg_agents.prefill.queue import FairQueue, Ticket, pick
+from disagg_agents.wire.auth import client_auth
+from disagg_agents.wire.channel import recv_frame, recv_json, send_json
+from disagg_agents.wire.frames import Frame
+from disagg_agents.wire.kvcodec import DTYPE_NAMES, Codec, Kind, LayerKV
 from tests.conftest import (
     SMOL_BF16,
     SMOL_STALL_S,
@@ -126,7 +126,7 @@ def unread_pair() -> tuple[socket.socket, socket.socket]:
 
 
 def test_the_sender_drops_a_peer_that_lets_its_buffer_fill() -> None:
-    from agents.prefill.sender import LayerSender, PeerStalled
+    from disagg_agents.prefill.sender import LayerSender, PeerStalled
 
     a, b = unread_pair()
     with a, b:
@@ -141,7 +141,7 @@ def test_the_sender_drops_a_peer_that_lets_its_buffer_fill() -> None:
 
 
 def test_the_sender_cuts_a_peer_that_takes_nothing_for_the_stall_deadline() -> None:
-    from agents.prefill.sender import LayerSender, PeerStalled
+    from disagg_agents.prefill.sender import LayerSender, PeerStalled
 
     a, b = unread_pair()
     with a, b:
@@ -154,7 +154,7 @@ def test_the_sender_cuts_a_peer_that_takes_nothing_for_the_stall_deadline() -> N
 
 
 def test_a_slow_reader_that_keeps_reading_is_not_cut() -> None:
-    from agents.prefill.sender import LayerSender
+    from disagg_agents.prefill.sender import LayerSender
 
     a, b = unread_pair()
     got = 0
@@ -186,8 +186,8 @@ def test_the_sender_frames_a_layer_early_without_reading_its_bytes(codec: Codec)
     a device-to-host copy may have written its bytes: what goes out must be what
     the arrays hold once `wait` returned, for early frames, strided arrays and
     compressing codecs alike."""
-    from agents.prefill.sender import LayerSender
-    from agents.wire.kvcodec import decode_layer
+    from disagg_agents.prefill.sender import LayerSender
+    from disagg_agents.wire.kvcodec import decode_layer
 
     a, b = socket.socketpair()
     rng = np.random.default_rng(5)

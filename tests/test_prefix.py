@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from agents.prefix.store import BLOCK_TOKENS as BLOCK
 from disagg.serving.localagents import AgentProc, wait_ready
 from disagg.serving.wireclient import Result
+from disagg_agents.prefix.store import BLOCK_TOKENS as BLOCK
 from tests.agentpool import AgentSet
 from tests.conftest import PairFactory, Spawn, ask
 from tests.gateways import Gateway, Gateways

@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from agents.prefix.store import Block, PrefixCache, block_keys
 from disagg.serving.localagents import AgentProc
+from disagg_agents.prefix.store import Block, PrefixCache, block_keys
 from tests.conftest import PairFactory, ask
 from tests.references import hf_greedy, mlx_greedy
 from tests.slowprefill import slow_prefill

@@ -1,5 +1,5 @@
 """The decode agent's prefix store takes a prompt's K/V from the request's own
-caches without a copy (agents/decode/prefixstore.py):
+caches without a copy (disagg_agents/decode/prefixstore.py):
 
 - in process, on the real decode loop and a tiny model: the stored blocks are
   views inside the cache buffers the loop released (a lone request at its end,
@@ -25,12 +25,12 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from agents.decode.agent import DecodeEngine
-from agents.decode.loop import DecodeLoop, Seq
-from agents.decode.prefixcache import DecodePrefix, as_numpy
-from agents.decode.prefixstore import PendingStore
-from agents.prefix.store import Block, Owner, PrefixCache, block_keys
 from disagg.serving.localagents import AgentProc
+from disagg_agents.decode.agent import DecodeEngine
+from disagg_agents.decode.loop import DecodeLoop, Seq
+from disagg_agents.decode.prefixcache import DecodePrefix, as_numpy
+from disagg_agents.decode.prefixstore import PendingStore
+from disagg_agents.prefix.store import Block, Owner, PrefixCache, block_keys
 from tests.conftest import PairFactory, ask
 from tests.references import mlx_greedy
 from tests.tinymodels import PROMPT, shared_tiny

@@ -3,8 +3,8 @@ LRU by bytes that evicts a chain's tail before its head."""
 
 from __future__ import annotations
 
-from agents.prefix.store import Block, PrefixCache, block_keys, prefix_digest
 from disagg.cli.render_fleet import _prefix_cache
+from disagg_agents.prefix.store import Block, PrefixCache, block_keys, prefix_digest
 
 
 def blk(nbytes: int = 100) -> Block:

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from agents.chatformat import detect, render_chat, render_fim
-from agents.chatformat.literal import text_encoder
+from disagg_agents.chatformat import detect, render_chat, render_fim
+from disagg_agents.chatformat.literal import text_encoder
 from tests.chattokenizers import build
 
 KINDS = ("harmony", "qwen3", "qwen3_coder", "llama3")
@@ -84,7 +84,7 @@ def test_benign_text_renders_as_the_template_does(kind: str, toks: dict[str, Any
     tok = toks[kind]
     fmt = detect(tok)
     msgs = conversation("What is the weather in Paris?", "Be brief.", "sunny, 22 degrees")
-    from agents.chatformat.render import chat_messages
+    from disagg_agents.chatformat.render import chat_messages
 
     tools = [WEATHER] if fmt.tools else None
     kw = {"tools": tools} if tools else {}

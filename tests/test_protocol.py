@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from agents.wire.channel import (
+from disagg_agents.wire.channel import (
     SPLIT_BYTES,
     recv_frame,
     recv_json,
@@ -16,8 +16,8 @@ from agents.wire.channel import (
     send_frame,
     send_json,
 )
-from agents.wire.fingerprint import fingerprint_mismatch
-from agents.wire.frames import (
+from disagg_agents.wire.fingerprint import fingerprint_mismatch
+from disagg_agents.wire.frames import (
     DEFAULT_MAX_FRAME,
     HEADER,
     MAGIC,

@@ -48,7 +48,7 @@ def request(prefill: AgentProc, n: int = N_NEW) -> dict[str, Any]:
 
 def mlx_counterpart(torch_model: Any, path: str) -> Any:
     """The Packed weight the prefill model holds for mlx-lm's module `path`."""
-    from agents.quant.modules import PackedExperts
+    from disagg_agents.quant.modules import PackedExperts
 
     for store in ("switch_mlp", "experts"):
         for proj in ("gate", "up", "down"):
@@ -68,8 +68,8 @@ def test_packed_weights_are_bit_identical_to_mx_dequantize(name: str) -> None:
     import torch
     from mlx_lm.utils import load_model
 
-    from agents.prefill.engine import PrefillEngine
-    from agents.quant.dequant import Packed
+    from disagg_agents.prefill.engine import PrefillEngine
+    from disagg_agents.quant.dequant import Packed
 
     from .test_quant_units import same_bits, to_torch
 
@@ -133,8 +133,8 @@ def reference_greedy(name: str, ids: list[int], refs: Any) -> list[int]:
 @pytest.mark.parametrize("name", DIRS)
 def test_the_reference_is_chosen_by_what_our_adapter_changes(name: str) -> None:
     """Stock mlx-lm is a fair reference only where the adapter leaves config and RoPE alone."""
-    from agents.models import get_adapter
-    from agents.models.base import hf_rope_parameters, load_hf_config
+    from disagg_agents.models import get_adapter
+    from disagg_agents.models.base import hf_rope_parameters, load_hf_config
 
     cfg = load_hf_config(quant_dir(name))
     untouched = (

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from agents.models import UnsupportedModel
-from agents.quant import check_supported, weights_mismatch
-from agents.quant.dequant import FP_MODES, Packed, QSpec
+from disagg_agents.models import UnsupportedModel
+from disagg_agents.quant import check_supported, weights_mismatch
+from disagg_agents.quant.dequant import FP_MODES, Packed, QSpec
 from tests.quantmodels import mxfp4_quantize
 
 DTYPES = {

@@ -18,13 +18,13 @@ from typing import Any
 
 import pytest
 
-from agents.prefix.store import PrefixCache
-from agents.runtime.server import start_control
-from agents.runtime.settings import MAX_CHANGES, Setting, Settings, SettingsError
-from agents.wire.frames import AuthError
-from agents.wire.httpauth import SCHEME, ControlError, _mac, control_put, parse_authorization
 from disagg.serving.control import agent_settings
 from disagg.serving.localagents import AgentProc
+from disagg_agents.prefix.store import PrefixCache
+from disagg_agents.runtime.server import start_control
+from disagg_agents.runtime.settings import MAX_CHANGES, Setting, Settings, SettingsError
+from disagg_agents.wire.frames import AuthError
+from disagg_agents.wire.httpauth import SCHEME, ControlError, _mac, control_put, parse_authorization
 from tests.conftest import Cli, PairFactory, ask, log_since, log_size, remote_request
 from tests.gateways import fleet_inventory
 from tests.tinymodels import shared_tiny
@@ -89,7 +89,7 @@ def test_a_bad_change_is_one_line_and_changes_nothing(change: Any, says: str) ->
 
 
 def test_a_smaller_prefix_budget_evicts_at_once() -> None:
-    from agents.prefix.store import Block
+    from disagg_agents.prefix.store import Block
 
     cache = PrefixCache(10_000, block=4, share=1)
     for i in range(8):

@@ -21,12 +21,12 @@ from typing import Any
 
 import pytest
 
-from agents.prefix.store import block_keys
-from agents.wire.auth import _mac, client_auth, server_auth
-from agents.wire.channel import recv_json, send_json
-from agents.wire.frames import AuthError, Frame, ProtocolError, RemoteError
 from disagg.errors import ModelError
 from disagg.serving.localagents import AgentProc, wait_ready
+from disagg_agents.prefix.store import block_keys
+from disagg_agents.wire.auth import _mac, client_auth, server_auth
+from disagg_agents.wire.channel import recv_json, send_json
+from disagg_agents.wire.frames import AuthError, Frame, ProtocolError, RemoteError
 from tests.conftest import (
     DisaggProcess,
     LocalServer,
@@ -421,7 +421,7 @@ decode_model = "/m"
 
 
 def test_ipv6_counts_per_64_and_trusted_peers_have_their_own_slots() -> None:
-    from agents.runtime.server import Gate, peer_key, trusted_set
+    from disagg_agents.runtime.server import Gate, peer_key, trusted_set
 
     assert peer_key("2001:db8::1") == peer_key("2001:db8::ffff:1") == "2001:db8::/64"
     assert peer_key("2001:db8:0:1::1") != peer_key("2001:db8::1")

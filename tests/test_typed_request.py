@@ -11,20 +11,20 @@ from typing import Any
 
 import pytest
 
-from agents.wire.auth import client_auth
-from agents.wire.channel import recv_frame, recv_json, send_frame, send_json, send_json_ids
-from agents.wire.frames import Frame, decode_json, error_from, packed_ids_offered
-from agents.wire.request import (
+from disagg.serving import wireclient
+from disagg.serving.localagents import AgentProc
+from disagg.serving.metrics import SEED_NAMES, Metrics
+from disagg.serving.pair import run_remote
+from disagg_agents.wire.auth import client_auth
+from disagg_agents.wire.channel import recv_frame, recv_json, send_frame, send_json, send_json_ids
+from disagg_agents.wire.frames import Frame, decode_json, error_from, packed_ids_offered
+from disagg_agents.wire.request import (
     GenerateRequest,
     PrefillRequest,
     PrefillTarget,
     RequestError,
     pack_ids,
 )
-from disagg.serving import wireclient
-from disagg.serving.localagents import AgentProc
-from disagg.serving.metrics import SEED_NAMES, Metrics
-from disagg.serving.pair import run_remote
 from tests.conftest import PairFactory
 from tests.tinymodels import PROMPT, shared_tiny
 

@@ -11,11 +11,11 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from agents.runtime.metrics import Stats
 from disagg.fleet.inventory import SshSettings
 from disagg.fleet.service import AgentPaths, launchd_plist, systemd_unit
 from disagg.fleet.ssh import _parse_jump, resolve
 from disagg.serving.stops import StopMatcher
+from disagg_agents.runtime.metrics import Stats
 
 
 def run_matcher(pieces: list[str], stops: list[str]) -> tuple[str, str, bool]:

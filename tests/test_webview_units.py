@@ -22,7 +22,6 @@ import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from agents.wire.answer import TokenEvent
 from disagg.api import Client
 from disagg.fleet.crashes import crash_tail_command, last_error_from_tails
 from disagg.fleet.operations import LogLine, log_commands, merge_by_time, pump_lines
@@ -32,6 +31,7 @@ from disagg.frontends.webview import auth, prom
 from disagg.frontends.webview.fleet import last_error_line
 from disagg.frontends.webview.tracker import RequestLog, prompt_of
 from disagg.serving.router import Endpoint, Route, Router
+from disagg_agents.wire.answer import TokenEvent
 from tests.conftest import free_port
 
 RESULT: dict[str, Any] = {
@@ -119,7 +119,7 @@ def test_prometheus_text_parses_and_counts_what_happened() -> None:
 
 
 def test_fallback_kinds_are_the_agents() -> None:
-    from agents.decode.kvfetch import FALLBACK_KINDS
+    from disagg_agents.decode.kvfetch import FALLBACK_KINDS
 
     assert prom.FALLBACK_KINDS == FALLBACK_KINDS
 

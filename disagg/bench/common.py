@@ -20,15 +20,15 @@ from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
-from agents.runtime import fastblas
-from agents.wire.frames import AuthError
 from disagg.serving.defaultmodel import Say
 from disagg.units import fmt
+from disagg_agents.runtime import fastblas
+from disagg_agents.wire.frames import AuthError
 
 if TYPE_CHECKING:
-    from agents.wire.answer import TokenEvent
     from disagg.serving.localagents import AgentProc
     from disagg.serving.wireclient import Result
+    from disagg_agents.wire.answer import TokenEvent
 
 __all__ = ["Say"]
 

@@ -3,8 +3,8 @@
 Per forward of each user model: aten ops and host syncs (counted on this machine
 during `PrefillEngine.prefill` at the models' real layer shapes, layers cut to a
 few and scaled to the real count), FLOPs, weight bytes read, bytes dequantized and
-K/V bytes (agents.models.cost, from the shapes). From published device figures
-(agents.models.cost.DEVICES, LINKS: each with its source) it predicts prefill
+K/V bytes (disagg_agents.models.cost, from the shapes). From published device figures
+(disagg_agents.models.cost.DEVICES, LINKS: each with its source) it predicts prefill
 time, TTFT and per-token decode time on the grader's load, the Spark prefilling
 for the Mac (disaggregated) against the Mac alone, and the prompt length from
 which the split wins.
@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from agents.models.cost import (
+from disagg_agents.models.cost import (
     DEVICES,
     HANDSHAKE_S,
     LINKS,
@@ -80,9 +80,9 @@ def count(model: str, layers: int = 2, mode: str | None = None) -> Counts:
     """Count a prefill of COUNT_TOKENS tokens on `model` at its real layer shapes,
     `layers` layers (disagg.bench.synthmodels), weights kept or packed (default: as
     the Spark would hold them)."""
-    from agents.prefill.engine import PrefillEngine
     from disagg.bench.opcount import count_prefill, per_call
     from disagg.bench.synthmodels import VOCAB, synthetic_dir
+    from disagg_agents.prefill.engine import PrefillEngine
 
     mode = mode or spark_mode(MODELS[model], DEVICES["gb10"])
     d = synthetic_dir(model, layers)
@@ -98,7 +98,7 @@ def count(model: str, layers: int = 2, mode: str | None = None) -> Counts:
 
 
 def forward_cost(s: Shape, tokens: int, context: int, mode: str) -> dict[str, float]:
-    """FLOPs and bytes of one prefill forward (agents.models.cost)."""
+    """FLOPs and bytes of one prefill forward (disagg_agents.models.cost)."""
     w = weight_bytes(s, tokens, mode)
     return {
         "flops": prefill_flops(s, tokens, context),

@@ -1,5 +1,5 @@
 """Prefill on an accelerator: load time, prefill tokens/s and device memory for one
-dir, with the weights in full precision or kept packed (agents.quant).
+dir, with the weights in full precision or kept packed (disagg_agents.quant).
 
 The agents' own engine (PrefillEngine), timed the way the prefill agent runs it:
 each layer's K/V is handed to a callback as it is computed (here copied to host
@@ -23,7 +23,7 @@ from disagg.bench.quant_weights import checkpoint_bytes
 def probe(model_dir: Path, device: str, dtype: str, tokens: int, repeats: int) -> dict[str, Any]:
     import torch
 
-    from agents.prefill.engine import PrefillEngine
+    from disagg_agents.prefill.engine import PrefillEngine
 
     cuda = device.startswith("cuda")
     t0 = time.perf_counter()

@@ -31,10 +31,10 @@ from typing import Any
 
 import numpy as np
 
-from agents.wire.channel import recv_control, recv_exact
-from agents.wire.frames import Frame, split_json_ids
-from agents.wire.kvcodec import Codec, LayerKV
-from agents.wire.request import PrefillRequest
+from disagg_agents.wire.channel import recv_control, recv_exact
+from disagg_agents.wire.frames import Frame, split_json_ids
+from disagg_agents.wire.kvcodec import Codec, LayerKV
+from disagg_agents.wire.request import PrefillRequest
 
 ACK = b"k"
 # The LOGITS frame receive_layers waits for before PREFILL_DONE (any length).
@@ -226,7 +226,7 @@ def _send_layers(
 ) -> Any:
     """The layers, then `frames`, through the prefill agent's own LayerSender;
     it, for its byte count."""
-    from agents.prefill.sender import LayerSender  # imports torch: only in the sender
+    from disagg_agents.prefill.sender import LayerSender  # imports torch: only in the sender
 
     sender = LayerSender(sock, codec)
     for kv in layers:

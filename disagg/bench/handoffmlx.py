@@ -4,7 +4,7 @@ Two modes, run in the receiving process (`handoffrecv.main`):
   - inplace: the mlx thread allocates the request's caches before the clock
     starts (the agent posts that before it dials, so it overlaps the prefill),
     then `kvfetch.receive_layers` with `kvinplace` slots writes every layer
-    straight into them, and the slots are released, as `agents.decode` does;
+    straight into them, and the slots are released, as `disagg_agents.decode` does;
   - mlx_copy: the copy path (DISAGG_KV_INPLACE=0): each layer decoded into the
     reader's buffer, copied, and put into its cache by `fill_layer` on the mlx
     thread.
@@ -25,12 +25,12 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from agents.decode.kvcaches import fill_layer
-from agents.decode.kvfetch import receive_layers
-from agents.decode.kvslots import Slots, allocate
-from agents.wire.kvcodec import LayerKV
-from agents.wire.request import PrefillRequest
 from disagg.bench.handoff import Spec
+from disagg_agents.decode.kvcaches import fill_layer
+from disagg_agents.decode.kvfetch import receive_layers
+from disagg_agents.decode.kvslots import Slots, allocate
+from disagg_agents.wire.kvcodec import LayerKV
+from disagg_agents.wire.request import PrefillRequest
 
 MODES = ("inplace", "mlx_copy")
 

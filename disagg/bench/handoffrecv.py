@@ -16,16 +16,16 @@ from typing import Any
 
 import numpy as np
 
-from agents.wire.channel import FrameReader
-from agents.wire.frames import Frame
-from agents.wire.kvcodec import WIRE_NUMPY, DType, Kind, LayerKV, decode_layer
-from agents.wire.request import PrefillRequest
 from disagg.bench.handoff import ACK, Spec, kv_digest
+from disagg_agents.wire.channel import FrameReader
+from disagg_agents.wire.frames import Frame
+from disagg_agents.wire.kvcodec import WIRE_NUMPY, DType, Kind, LayerKV, decode_layer
+from disagg_agents.wire.request import PrefillRequest
 
 
 def _recv_ours(sock: socket.socket, verify: bool) -> str | None:
     h = hashlib.sha256() if verify else None
-    reader = FrameReader(sock)  # as agents.decode.kvfetch receives
+    reader = FrameReader(sock)  # as disagg_agents.decode.kvfetch receives
     while True:
         header, payload = reader.read()
         if header.type == Frame.PREFILL_DONE:
@@ -113,7 +113,7 @@ def main() -> None:
         else:
             buf = bytearray(total) if mode in ("bare", "bare_asked") else bytearray()
             if mode == "bare_asked":  # as handoffmlx's, made before the clock
-                from agents.decode.kvfetch import send_prefill  # mlx: only in the receiver
+                from disagg_agents.decode.kvfetch import send_prefill  # mlx: only in the receiver
 
                 request = PrefillRequest(list(range(Spec(**job[3]).tokens)))
             answer("ready")

@@ -1,8 +1,8 @@
-"""What sealing the frames (agents.wire INTEGRITY "mac") costs a K/V handoff.
+"""What sealing the frames (disagg_agents.wire INTEGRITY "mac") costs a K/V handoff.
 
 The same KV_LAYER frames through a real loopback TCP connection, authenticated
 both ways, once bare ("none") and once sealed ("mac"): the receiver reads each
-frame as agents.decode.kvfetch does (FrameReader; sealed, the tag is checked before the
+frame as disagg_agents.decode.kvfetch does (FrameReader; sealed, the tag is checked before the
 payload is handed on). The figure that decides (sealing may add at most 5 % at
 10 Gbit/s) is the receiver's check on the critical path: the tag rate measured
 here against the time the same bytes take on a 10 Gbit/s wire.
@@ -25,10 +25,10 @@ from typing import Any
 
 from rich.table import Table
 
-from agents.wire.auth import client_auth, server_auth
-from agents.wire.channel import FrameReader, send_frame
-from agents.wire.frames import Frame
 from disagg.bench.common import num, table
+from disagg_agents.wire.auth import client_auth, server_auth
+from disagg_agents.wire.channel import FrameReader, send_frame
+from disagg_agents.wire.frames import Frame
 
 LINK_BYTES_PER_S = 10e9 / 8  # 10 Gbit/s
 

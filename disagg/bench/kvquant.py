@@ -1,9 +1,10 @@
 """Lossy int8 KV on the wire (`kv_quant: "int8"`): what it saves, what it costs.
 
-Per prompt, on a real model, in this process: `agents.prefill.PrefillEngine`
+Per prompt, on a real model, in this process: `disagg_agents.prefill.PrefillEngine`
 computes the prompt's K/V and last-position logits; every layer goes through
 `kvcodec` twice, lossless and int8, into two sets of mlx caches of
-`agents.decode.DecodeEngine`'s model (`agents.decode.kvcaches.fill_layer`), and mlx-lm's
+`disagg_agents.decode.DecodeEngine`'s model
+(`disagg_agents.decode.kvcaches.fill_layer`), and mlx-lm's
 `generate_step` decodes greedily on from each. Measured:
 
 * bytes: the KV_LAYER frames of each, raw and with shuffle+zstd, and the ratio;
@@ -35,9 +36,16 @@ from typing import Any
 import numpy as np
 from rich.table import Table
 
-from agents.wire.frames import HEADER
-from agents.wire.kvcodec import Codec, LayerKV, QuantKV, decode_layer, encode_layer, quantize_layer
 from disagg.bench.common import Say, long_text, quiet, table
+from disagg_agents.wire.frames import HEADER
+from disagg_agents.wire.kvcodec import (
+    Codec,
+    LayerKV,
+    QuantKV,
+    decode_layer,
+    encode_layer,
+    quantize_layer,
+)
 
 # ints: a deterministic inventory of about that many tokens (chat template on);
 # strings: that user message as is.
@@ -100,7 +108,7 @@ def through_wire(
 def fill_caches(model: Any, layers: list[LayerKV], prompt_len: int) -> list[Any]:
     from mlx_lm.models.cache import make_prompt_cache
 
-    from agents.decode.kvcaches import fill_layer
+    from disagg_agents.decode.kvcaches import fill_layer
 
     caches = make_prompt_cache(model)
     for kv in layers:
@@ -216,8 +224,8 @@ def run_kvquant_bench(
     say: Say = quiet,
 ) -> dict[str, Any]:
     """int8 vs lossless KV on `model_dir` for each prompt; plain data."""
-    from agents.decode.agent import DecodeEngine
-    from agents.prefill.engine import PrefillEngine
+    from disagg_agents.decode.agent import DecodeEngine
+    from disagg_agents.prefill.engine import PrefillEngine
 
     if tokens < 2 or not prompts:
         raise ValueError("tokens >= 2 and at least one prompt")

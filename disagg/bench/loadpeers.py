@@ -3,7 +3,7 @@
 Both are real processes on 127.0.0.1 that speak OpenAI's streaming chat API:
 `disagg serve --local` (its gateway over a local prefill + decode agent pair) and
 `mlx_lm.server` (continuous batching and a prompt cache, the peer a Mac user would
-pick). mlx_lm.server runs with the same BLAS as the decode agent (`agents.runtime.fastblas`):
+pick). mlx_lm.server runs with the same BLAS as the decode agent (`disagg_agents.runtime.fastblas`):
 mlx's Linux wheel bundles a reference BLAS that a Mac never uses.
 
 `stream_chat` sends one streamed request with httpx and stamps each SSE chunk that
@@ -24,13 +24,13 @@ from typing import Any
 
 import httpx
 
-from agents.wire.text import printable
 from disagg.errors import AgentError
 from disagg.serving.localagents import free_port
+from disagg_agents.wire.text import printable
 
 MLX_SERVER = (
     "import sys\n"
-    "import agents.runtime.fastblas  # the decode agent's BLAS, before mlx loads\n"
+    "import disagg_agents.runtime.fastblas  # the decode agent's BLAS, before mlx loads\n"
     "from mlx_lm.server import main\n"
     "sys.argv[0] = 'mlx_lm.server'\n"
     "main()\n"

@@ -25,9 +25,9 @@ from typing import Any
 PROBE = """
 import json, statistics, sys, time
 try:
-    from agents.prefill.engine import PrefillEngine
+    from disagg_agents.prefill.engine import PrefillEngine
 except ImportError:  # a tree from before agents/ was grouped by process
-    from agents.prefill import PrefillEngine
+    from disagg_agents.prefill import PrefillEngine
 model, lengths, repeats = sys.argv[1], [int(n) for n in sys.argv[2].split(",")], int(sys.argv[3])
 eng = PrefillEngine(model, device="cpu")
 vocab = int(eng.cfg["vocab_size"])

@@ -70,10 +70,10 @@ def run_prefix_bench(
 ) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from agents.wire.request import GenerateRequest
     from disagg.serving import wireclient as client
     from disagg.serving.localagents import start_local_pair, stop_agents
     from disagg.serving.pair import run_remote
+    from disagg_agents.wire.request import GenerateRequest
 
     model_dir = Path(model_dir)
     date = datetime.now(timezone.utc).isoformat(timespec="seconds")

@@ -53,9 +53,9 @@ def _idle_engine_rss(model_dir: str) -> tuple[int, int]:
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
-    from agents.models import load_hf_config
-    from agents.prefill.engine import TORCH_DTYPES, pick_dtype
-    from agents.quant.loader import hf_config
+    from disagg_agents.models import load_hf_config
+    from disagg_agents.prefill.engine import TORCH_DTYPES, pick_dtype
+    from disagg_agents.quant.loader import hf_config
 
     start = _rss()
     cfg = load_hf_config(model_dir)
@@ -73,9 +73,9 @@ def _probe(model_dir: str, mode: str, tokens: int, repeats: int) -> dict[str, An
 
     import torch
 
-    from agents.prefill.engine import PrefillEngine
-    from agents.quant.dequant import Packed
-    from agents.quant.modules import materialize
+    from disagg_agents.prefill.engine import PrefillEngine
+    from disagg_agents.quant.dequant import Packed
+    from disagg_agents.quant.modules import materialize
 
     start, idle = _idle_engine_rss(model_dir)
     t0 = time.perf_counter()
@@ -143,8 +143,8 @@ def agents_part(
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    from agents.decode.agent import DecodeEngine
     from disagg.serving import wireclient
+    from disagg_agents.decode.agent import DecodeEngine
 
     eng = DecodeEngine(str(model_dir))
     long_prompt, short_prompt = (

@@ -76,9 +76,9 @@ def kvquant(model_dir: Path, say: Say) -> Section:
 def quant_weights(model_dir: Path, say: Say) -> Section:
     """On `model_dir` if it is quantized, else on the default model quantized to 4
     bits (by mlx_lm.convert, once)."""
-    from agents.models import load_hf_config
-    from agents.quant import is_quantized
     from disagg.bench.quant_weights import quant_weights_table, run_quant_weights_bench
+    from disagg_agents.models import load_hf_config
+    from disagg_agents.quant import is_quantized
 
     qdir = model_dir if is_quantized(load_hf_config(model_dir)) else None
     report = run_quant_weights_bench(qdir, say=say)

@@ -402,7 +402,7 @@ def concurrency_row(n: int, results: list[Stamped | BaseException], wall: float)
 
 MLX_CHILD = """
 import json, sys, time
-import agents.runtime.fastblas  # the same BLAS as the decode agent
+import disagg_agents.runtime.fastblas  # the same BLAS as the decode agent
 import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.generate import generate_step

@@ -24,7 +24,6 @@ from typing import Any
 
 from rich.table import Table
 
-from agents.wire.answer import TokenEvent
 from disagg.bench.common import (
     DECODE_PROMPT,
     Say,
@@ -39,6 +38,7 @@ from disagg.bench.common import (
 )
 from disagg.serving import wireclient as client
 from disagg.serving.localagents import AgentProc
+from disagg_agents.wire.answer import TokenEvent
 
 STALL_BAR = 0.15  # longest gap during the prefill / the prefill's time
 

@@ -24,10 +24,10 @@
   Gbit/s, by arithmetic on those measured times (no `tc` here): per layer,
   compress -> wire -> decompress run as a 3-stage pipeline (the sender thread,
   the link, the receiver), completion time by the flow-shop recurrence; the
-  serial sum is shown beside it. `agents.decode.codectuner.pick_codec` then picks a
+  serial sum is shown beside it. `disagg_agents.decode.codectuner.pick_codec` then picks a
   codec per rate from the measured speeds: that is the "adaptive" row.
 
-The real KV comes from `agents.prefill.PrefillEngine` run in this process on a
+The real KV comes from `disagg_agents.prefill.PrefillEngine` run in this process on a
 deterministic prompt (fp32 and bf16). `run_wire_bench` returns plain data;
 `wire_tables` renders it. The receiving process and the three senders are in
 `handoff.py` and `handoffrecv.py`.
@@ -45,11 +45,11 @@ from typing import Any
 import numpy as np
 from rich.table import Table
 
-from agents.decode.codectuner import CodecSpeed, pick_codec, stream_rate
-from agents.wire.frames import HEADER
-from agents.wire.kvcodec import Codec, LayerKV, decode_layer, encode_layer
 from disagg.bench.common import Say, Stamp, long_text, median, quiet, table, verdict
 from disagg.bench.handoff import Receiver, kv_digest, raw_size
+from disagg_agents.decode.codectuner import CodecSpeed, pick_codec, stream_rate
+from disagg_agents.wire.frames import HEADER
+from disagg_agents.wire.kvcodec import Codec, LayerKV, decode_layer, encode_layer
 
 HANDOFF_BARE_BAR = 0.85  # ours / bare socket, at least
 HANDOFF_INPLACE_BAR = 0.95  # ours into mlx caches in place / bare socket, at least
@@ -83,7 +83,7 @@ def real_kv(model_dir: Path, tokens: int, dtype: str) -> list[LayerKV]:
     agent computes and sends it (wire dtype: float32, or bf16 as uint16 words)."""
     from transformers import AutoTokenizer
 
-    from agents.prefill.engine import PrefillEngine
+    from disagg_agents.prefill.engine import PrefillEngine
 
     tok: Any = AutoTokenizer.from_pretrained(str(model_dir))
     text = long_text(lambda s: len(tok.encode(s)), tokens)

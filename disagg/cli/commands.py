@@ -265,7 +265,7 @@ _FORMAT_KINDS = ("text", "json_object", "json_schema", "lark", "grammar")
 
 def _response_format(value: str) -> dict[str, Any] | None:
     """--format: "json", or a JSON Schema file, through the request's one normalizer."""
-    from agents.wire.request import JSON_TYPES, GenerateRequest, RequestError
+    from disagg_agents.wire.request import JSON_TYPES, GenerateRequest, RequestError
 
     raw: Any = value
     if value != "json":

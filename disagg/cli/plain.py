@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from agents.wire.text import printable
 from disagg.safetext import strip_escapes
+from disagg_agents.wire.text import printable
 
 LIMIT = 300  # characters of one remote value in a table cell
 

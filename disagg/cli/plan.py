@@ -32,9 +32,9 @@ def plan(
 ) -> None:
     """Predict prefill, TTFT and decode of the user's models on Spark -> Mac vs the Mac
     alone: a roofline model from published device figures, with ops counted here."""
-    from agents.models.cost import LINKS
     from disagg.bench.costmodel import MODELS, Counts, count
     from disagg.bench.costmodel import plan as build
+    from disagg_agents.models.cost import LINKS
 
     if link not in LINKS:
         raise UsageError(f"unknown link {link!r}: use one of {', '.join(LINKS)}")

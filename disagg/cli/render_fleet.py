@@ -13,13 +13,13 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from agents.wire.text import printable
 from disagg.cli.plain import plain, plain_lines
 from disagg.fleet.deploy import HostDeploy
 from disagg.fleet.operations import AgentAction, AgentStatus, LogLine
 from disagg.fleet.ssh import HostResult
 from disagg.fleet.tune import Tuned
 from disagg.units import fmt
+from disagg_agents.wire.text import printable
 
 STATE_STYLE = {
     "healthy": "green",
@@ -180,10 +180,10 @@ def _backend(st: dict[str, Any]) -> str:
         return "-"
     text = f"{st['backend']}/{st.get('device')}"
     # Which BLAS an mlx CPU runs its matmuls on ("openblas (numpy): PATH" -> "openblas (numpy)"):
-    # mlx's bundled one is several times slower (agents/runtime/fastblas.py).
+    # mlx's bundled one is several times slower (disagg_agents/runtime/fastblas.py).
     if isinstance(st.get("blas"), str) and "cpu" in str(st.get("device")):
         text += f", {st['blas'].split(':')[0]}" + (" BLAS" if st["blas"] == "bundled" else "")
-    # Fewer BLAS threads than it started with, and why (agents/runtime/blasshare.py).
+    # Fewer BLAS threads than it started with, and why (disagg_agents/runtime/blasshare.py).
     why, threads = st.get("blas_limited_by"), st.get("blas_threads")
     if isinstance(why, str) and isinstance(threads, int):
         text += f", {threads} BLAS thread{'s' if threads > 1 else ''} ({why})"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import shlex
 
-from agents.wire.text import printable
+from disagg_agents.wire.text import printable
 
 
 def last_error_in(lines: list[str]) -> str | None:

@@ -1,6 +1,6 @@
 """`disagg deploy`: put the agents on each host and install them as services.
 
-Per host, over one SSH session: detect the platform, upload agents/ (only files
+Per host, over one SSH session: detect the platform, upload disagg_agents/ (only files
 whose content hash differs), check or prepare the role's Python, write each
 agent's config, run script and auth token, and restart an agent that is running
 with an older config. `dry_run` reports all that and changes nothing.
@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import agents
+import disagg_agents
 from disagg.errors import AgentError, AuthError, ModelError
 from disagg.fleet import service
 from disagg.fleet.inventory import Agent, Host, Inventory
@@ -65,7 +65,7 @@ class HostDeploy:
 
 def local_manifest() -> dict[str, str]:
     """sha256 of every file of the agents package, by path relative to agents/."""
-    root = Path(agents.__file__).parent
+    root = Path(disagg_agents.__file__).parent
     out = {}
     for p in sorted(root.rglob("*")):
         if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc":
@@ -111,20 +111,20 @@ def _upload_agents(
     """Upload the agent files whose hash differs; returns the manifest's own hash."""
     local = local_manifest()
     root = remote_root(host, info)
-    res = session.run(f"{q(info.python3 or py)} -c {q(HASH_SCRIPT)} {q(root + '/agents')}")
+    res = session.run(f"{q(info.python3 or py)} -c {q(HASH_SCRIPT)} {q(root + '/disagg_agents')}")
     remote: dict[str, str] = json.loads(res.out) if res.rc == 0 else {}
     changed = [p for p, h in local.items() if remote.get(p) != h]
     stale = [p for p in remote if p not in local]
     result.unchanged = len(local) - len(changed)
     result.uploaded, result.removed = changed, stale
     if not dry and (changed or stale):
-        src = Path(agents.__file__).parent
-        dirs = sorted({str(Path(root, "agents", p).parent) for p in changed})
+        src = Path(disagg_agents.__file__).parent
+        dirs = sorted({str(Path(root, "disagg_agents", p).parent) for p in changed})
         session.check(f"mkdir -p {' '.join(q(d) for d in dirs) or q(root)}")
         for p in changed:
-            session.sftp.putfo(io.BytesIO((src / p).read_bytes()), f"{root}/agents/{p}")
+            session.sftp.putfo(io.BytesIO((src / p).read_bytes()), f"{root}/disagg_agents/{p}")
         if stale:
-            session.check("rm -f " + " ".join(q(f"{root}/agents/{p}") for p in stale))
+            session.check("rm -f " + " ".join(q(f"{root}/disagg_agents/{p}") for p in stale))
     return hashlib.sha256(json.dumps(local, sort_keys=True).encode()).hexdigest()
 
 

@@ -24,7 +24,7 @@ else:  # pragma: no cover
 ROLES = ("prefill", "decode")
 SERVICES = ("auto", "systemd", "launchd", "nohup")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-INTEGRITY = ("mac", "none")  # agents.wire.INTEGRITY, default first
+INTEGRITY = ("mac", "none")  # disagg_agents.wire.INTEGRITY, default first
 # The seeds' ports: prefill 8000, decode 8001; control endpoints beside them.
 DEFAULT_PORTS = {"prefill": (8000, 8010), "decode": (8001, 8011)}
 DEFAULT_TIMEOUTS_S = {"prefill": 60.0, "decode": 180.0}

@@ -16,8 +16,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents.wire.frames import AuthError as ProtocolAuthError
-from agents.wire.text import printable
 from disagg.errors import AgentError, DisaggError, ModelError
 from disagg.fleet import service
 from disagg.fleet.crashes import crash_tail_command, last_error_from_tails
@@ -27,6 +25,8 @@ from disagg.fleet.ssh import HostResult, Session, connect_host, on_hosts, q
 from disagg.fleet.token import load_token
 from disagg.safetext import strip_escapes
 from disagg.serving.control import control_status, parse_status
+from disagg_agents.wire.frames import AuthError as ProtocolAuthError
+from disagg_agents.wire.text import printable
 
 LOAD_TIMEOUT_S = 600.0  # a 120B model can take minutes to load
 HTTP_TIMEOUT_S = 1.5
@@ -176,7 +176,8 @@ def _http_status(
 # Run on the host itself with the agents' code there: it proves the token it reads
 # there by challenge-response, so the token never travels, not even over loopback.
 FETCH_SCRIPT = (
-    "import sys; sys.path.insert(0, sys.argv[3]); from agents.wire.httpauth import control_get; "
+    "import sys; sys.path.insert(0, sys.argv[3]); "
+    "from disagg_agents.wire.httpauth import control_get; "
     "t = open(sys.argv[2], 'rb').read().strip(); "
     "sys.stdout.write(control_get('127.0.0.1', int(sys.argv[1]), '/status', t, 3).decode())"
 )

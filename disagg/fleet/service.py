@@ -3,7 +3,7 @@ launchd on macOS, else nohup + pidfile. Everything here is shell text for the
 remote POSIX shell; the run script itself is the same for every kind.
 
 Remote layout under the host's remote_dir (ROOT):
-  agents/            the uploaded agent package
+  disagg_agents/     the uploaded agent package
   ROLE.json          the agent's config;  ROLE.sh  its run script;  ROLE.hash
   token              auth token, 0600
   logs/ROLE.log      the agent's log, rotated by size (--log-file);  logs/ROLE.stderr  the rest
@@ -95,7 +95,7 @@ def run_script(paths: AgentPaths, config: dict[str, Any]) -> str:
         *pin,
         config["python"],
         "-m",
-        f"agents.{paths.role}",
+        f"disagg_agents.{paths.role}",
         "--model",
         config["model"],
         "--host",
@@ -174,7 +174,8 @@ def _agent_pid(paths: AgentPaths) -> str:
     its command line names the agent's module and ROOT (or is its run script, which
     becomes the agent by exec). Else the pidfile is stale (the pid died or was reused
     by another process): removed, so nothing ever signals a stranger."""
-    module, root, sh = q(f"agents.{paths.role}"), q(f"{paths.root}/"), q(f"/bin/sh {paths.script}")
+    module = q(f"disagg_agents.{paths.role}")
+    root, sh = q(f"{paths.root}/"), q(f"/bin/sh {paths.script}")
     return (
         f"pid=$(cat {q(paths.pid)} 2>/dev/null); "
         'case "$pid" in ""|*[!0-9]*) pid="";; *) '

@@ -13,8 +13,8 @@ import os
 import secrets
 from pathlib import Path
 
-from agents.wire.auth import TOKEN_MIN_CHARS
 from disagg.errors import AuthError
+from disagg_agents.wire.auth import TOKEN_MIN_CHARS
 
 
 def token_path(inventory_path: Path) -> Path:

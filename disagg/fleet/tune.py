@@ -12,12 +12,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents.wire.frames import AuthError
-from agents.wire.text import printable
 from disagg.errors import UsageError
 from disagg.fleet.inventory import Agent, Inventory
 from disagg.fleet.token import load_token
 from disagg.serving.control import agent_settings
+from disagg_agents.wire.frames import AuthError
+from disagg_agents.wire.text import printable
 
 HTTP_TIMEOUT_S = 5.0
 

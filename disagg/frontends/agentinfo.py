@@ -8,9 +8,9 @@ import threading
 import time
 from typing import Any
 
-from agents.wire.frames import AuthError
 from disagg.api import Client
 from disagg.serving.control import control_status
+from disagg_agents.wire.frames import AuthError
 
 INFO_TTL_S = 30.0
 

@@ -10,10 +10,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from agents.wire.request import GenerateRequest
 from disagg.api import Client, Completion
 from disagg.errors import DisaggError, UsageError
 from disagg.serving.request import build_request
+from disagg_agents.wire.request import GenerateRequest
 
 # A line holds a request's fields, plus which model runs it and an id for the results.
 REQUEST_KEYS = {f.name for f in fields(GenerateRequest)} - {"prefill"} | {"model", "id"}

@@ -25,11 +25,11 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any, ParamSpec, TypeVar
 
-from agents.wire.frames import AuthError
 from disagg.errors import Overloaded
 from disagg.frontends import tenancy
 from disagg.serving.control import control_status
 from disagg.serving.router import Router
+from disagg_agents.wire.frames import AuthError
 
 DEFAULT_BATCH = 32  # a decode agent's --max-batch default, for one that does not answer
 QUEUE_FACTOR = 2  # admitted requests per worker by default: a burst waits, a flood is refused

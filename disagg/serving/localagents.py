@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agents.runtime import lifeline
-from agents.wire.httpauth import control_get
 from disagg.errors import AgentError, ModelError
 from disagg.serving.control import agent_settings, control_status
+from disagg_agents.runtime import lifeline
+from disagg_agents.wire.httpauth import control_get
 
 
 @dataclass
@@ -45,7 +45,7 @@ class AgentProc:
 
     def control(self, path: str, timeout_s: float = 5.0) -> bytes:
         """GET a control endpoint (/health, /status, /metrics), proving our token by
-        challenge-response (agents.wire.httpauth): the token never crosses the wire."""
+        challenge-response (disagg_agents.wire.httpauth): the token never crosses the wire."""
         return control_get(self.host, self.control_port, path, self.token, timeout_s)
 
     def status(self, timeout_s: float = 5.0) -> dict[str, Any]:
@@ -113,7 +113,7 @@ def spawn_agent(
         *prefix,
         sys.executable,
         "-m",
-        module or f"agents.{role}",
+        module or f"disagg_agents.{role}",
         "--model",
         str(model_dir),
         "--host",
@@ -129,7 +129,7 @@ def spawn_agent(
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.update(thread_share(role, env))
     if not prefix:
-        # Our child: it dies with this process, even a SIGKILLed one (agents/runtime/lifeline.py).
+        # Our child: it dies with this process, even a SIGKILLed one (runtime/lifeline.py).
         env[lifeline.ENV] = str(os.getpid())
         if threading.current_thread() is threading.main_thread():
             env[lifeline.ENV_PDEATHSIG] = "1"
@@ -155,8 +155,8 @@ def free_port() -> int:
     raise AgentError("no free TCP port on 127.0.0.1 below the ephemeral range")
 
 
-# agents.runtime.blasshare.ENV and agents.runtime.torchshare.ENV (not imported:
-# agents.runtime.fastblas binds a BLAS on import, agents.runtime.torchshare imports torch).
+# disagg_agents.runtime.blasshare.ENV and .torchshare.ENV (not imported: runtime.fastblas
+# binds a BLAS on import, runtime.torchshare imports torch).
 BLAS_SHARED_ENV = "DISAGG_BLAS_SHARED"
 TORCH_SHARED_ENV = "DISAGG_TORCH_SHARED"
 
@@ -164,8 +164,8 @@ TORCH_SHARED_ENV = "DISAGG_TORCH_SHARED"
 def thread_share(role: str, env: dict[str, str]) -> dict[str, str]:
     """Agents started here share this machine's cores, each giving up half of them
     while the other works: the decode agent's OpenBLAS while a prefill for it runs
-    (agents/runtime/blasshare.py), the prefill agent's torch while its requester decodes
-    (agents/runtime/torchshare.py); all of them otherwise. A user's OPENBLAS_NUM_THREADS or
+    (disagg_agents/runtime/blasshare.py), the prefill agent's torch while its requester decodes
+    (disagg_agents/runtime/torchshare.py); all of them otherwise. A user's OPENBLAS_NUM_THREADS or
     OMP_NUM_THREADS fixes that agent's count instead. With every core always, each
     stalled the other (16 grader streams on 2 cores: 4x slower decode beside a
     two-thread gemm, TTFT p50 6.6 s and TPOT 0.48 s beside a two-thread prefill

@@ -1,12 +1,12 @@
 """A result's metrics as the control plane shows them. The type itself
 (`Metrics`, each field documented once) is the wire's, shared with the decode
-agent: `agents.wire.answer`."""
+agent: `disagg_agents.wire.answer`."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from agents.wire.answer import NAMES, SEED_NAMES, Metrics
+from disagg_agents.wire.answer import NAMES, SEED_NAMES, Metrics
 
 # What says where the fleet is and how it failed: agents' names and addresses,
 # fallback reasons, reroutes. Gateways leave these out unless a keyed caller asks.

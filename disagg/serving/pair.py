@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from agents.wire.answer import TokenEvent
-from agents.wire.request import GenerateRequest
 from disagg.errors import AgentError
 from disagg.serving import wireclient
 from disagg.serving.completion import Completion
 from disagg.serving.localagents import AgentProc
 from disagg.serving.router import Endpoint
+from disagg_agents.wire.answer import TokenEvent
+from disagg_agents.wire.request import GenerateRequest
 
 
 def run_remote(

@@ -9,9 +9,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-# agents.chatformat.detect's, read here from the files (the control plane imports no chatformat)
+# disagg_agents.chatformat.detect's, read here from the files
+# (the control plane imports no chatformat)
 HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>")
-# agents.decode.grammar.JSON_OPTIONS: the schema compiled as the decode agent compiles it
+# disagg_agents.decode.grammar.JSON_OPTIONS: the schema compiled as the decode agent compiles it
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 

@@ -1,4 +1,4 @@
-"""The one request type (`agents.wire.request.GenerateRequest`) as the control plane
+"""The one request type (`disagg_agents.wire.request.GenerateRequest`) as the control plane
 builds it: input errors become `UsageError`s naming the field, so bad input never
 costs an agent start."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from agents.wire.request import GenerateRequest, RequestError
 from disagg.errors import UsageError
+from disagg_agents.wire.request import GenerateRequest, RequestError
 
 
 def build_request(**fields: Any) -> GenerateRequest:

@@ -18,8 +18,6 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from agents.wire.answer import TokenEvent
-from agents.wire.request import GenerateRequest, PrefillTarget
 from disagg.errors import (
     AgentError,
     AuthError,
@@ -32,6 +30,8 @@ from disagg.serving import affinity
 from disagg.serving import wireclient as client
 from disagg.serving.completion import Completion
 from disagg.serving.metrics import Metrics
+from disagg_agents.wire.answer import TokenEvent
+from disagg_agents.wire.request import GenerateRequest, PrefillTarget
 
 DOWN_FOR_S = 5.0  # a failed agent is skipped this long before it is probed again
 HEALTH_TTL_S = 2.0
@@ -69,7 +69,7 @@ class Route:
     # An idle deadline: a decode agent that sends no frame (token or PROGRESS) for
     # this long failed. A stream that keeps producing tokens runs as long as it needs.
     decode_timeout_s: float = 180.0
-    integrity: str = "mac"  # frames between its agents: see agents.wire.INTEGRITY
+    integrity: str = "mac"  # frames between its agents: see disagg_agents.wire.INTEGRITY
 
 
 def _timed_out(e: BaseException) -> bool:
@@ -92,7 +92,7 @@ def cut_short(
     early: Metrics | None, t_sent: float, t_first: float | None, tokens: int, reason: str
 ) -> Metrics:
     """A request's metrics when its client stopped reading before the agent's DONE:
-    the prompt's side from the first TOKEN frame (`early`, agents.decode.agent's
+    the prompt's side from the first TOKEN frame (`early`, disagg_agents.decode.agent's
     first_metrics), the decode side timed here."""
     now = time.perf_counter()
     m = Metrics.from_json(early.to_json()) if early is not None else Metrics()  # a copy
@@ -126,7 +126,7 @@ class Relay:
         self.seen = 0
         self.t_sent = time.perf_counter()
         self.t_first: float | None = None
-        self.early: Metrics | None = None  # the first TOKEN's (agents.decode first_metrics)
+        self.early: Metrics | None = None  # the first TOKEN's (disagg_agents.decode first_metrics)
 
     def cut(self, reason: str) -> Metrics:
         """The metrics of a request ended early (cut_short), as far as it went."""

@@ -10,12 +10,6 @@ from typing import Any
 
 import numpy as np
 
-from agents.wire.answer import Done, TokenEvent
-from agents.wire.auth import client_auth
-from agents.wire.channel import recv_frame, send_json
-from agents.wire.frames import AuthError as WireAuthError
-from agents.wire.frames import Frame, Header, ProtocolError, RemoteError, decode_json
-from agents.wire.request import GenerateRequest
 from disagg.errors import (
     AgentError,
     AuthError,
@@ -26,6 +20,12 @@ from disagg.errors import (
     UsageError,
 )
 from disagg.serving.completion import Completion
+from disagg_agents.wire.answer import Done, TokenEvent
+from disagg_agents.wire.auth import client_auth
+from disagg_agents.wire.channel import recv_frame, send_json
+from disagg_agents.wire.frames import AuthError as WireAuthError
+from disagg_agents.wire.frames import Frame, Header, ProtocolError, RemoteError, decode_json
+from disagg_agents.wire.request import GenerateRequest
 
 # The name earlier releases gave the wire client's result: the one answer type.
 Result = Completion
@@ -56,7 +56,7 @@ def stream(
     deadline_s: float | None = None,
 ) -> Generator[Event, None, None]:
     """Yield ("token", TokenEvent) per TOKEN frame, ("logprobs", array) and finally
-    ("done", Done): the answer as typed in agents.wire.answer.
+    ("done", Done): the answer as typed in disagg_agents.wire.answer.
 
     `timeout_s` is an idle deadline: the agent failed when it sent no frame for that
     long (it sends PROGRESS while it queues or prefills, so only a dead or hung one

@@ -24,13 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from agents.runtime.server import HANDSHAKE_TIMEOUT_S
-from agents.wire.channel import recv_json
-from agents.wire.frames import Frame
-from agents.wire.httpauth import control_get
 from disagg.api import Client, Completion
 from disagg.errors import DisaggError
 from disagg.fleet.routing import router_from_inventory
+from disagg_agents.runtime.server import HANDSHAKE_TIMEOUT_S
+from disagg_agents.wire.channel import recv_json
+from disagg_agents.wire.frames import Frame
+from disagg_agents.wire.httpauth import control_get
 from tests.testbed.bed import BY_NAME, SWITCH, TestBed, in_ns, sh
 from tests.testbed.conftest import PIPELINES, FleetCli
 

@@ -506,7 +506,7 @@ def test_remote_dir_with_spaces_and_percent_deploys_and_starts(
     try:
         started = fleet_cli("start", "dgx-spark-1", "-i", str(inv), timeout=400)
         assert started.returncode == 0 and "started" in started.stdout, started.stdout
-        assert (root / "agents").is_dir() and (root / "token").is_file()
+        assert (root / "disagg_agents").is_dir() and (root / "token").is_file()
         pid = (root / "run" / "prefill.pid").read_text().strip()
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         assert f"{root}/logs/prefill.log".encode() in cmdline, cmdline

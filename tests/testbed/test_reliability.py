@@ -33,13 +33,13 @@ from typing import Any
 
 import pytest
 
-from agents.runtime.server import HANDSHAKE_TIMEOUT_S
-from agents.wire.request import GenerateRequest
 from disagg.api import Completion
 from disagg.errors import DisaggError, UsageError
 from disagg.frontends.batch import BatchItem, run_batch
 from disagg.serving import wireclient as wire
 from disagg.serving.request import build_request
+from disagg_agents.runtime.server import HANDSHAKE_TIMEOUT_S
+from disagg_agents.wire.request import GenerateRequest
 from tests.testbed.bed import BY_NAME, TestBed
 from tests.testbed.conftest import FleetCli
 from tests.testbed.rig import (

@@ -15,7 +15,6 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from agents.wire.request import GenerateRequest
 from disagg.api import Chunk, Client, Completion
 from disagg.errors import DisaggError
 from disagg.frontends.agentinfo import ModelInfo
@@ -28,6 +27,7 @@ from disagg.frontends.anthropic.types import (
 from disagg.frontends.guard import cache_salt
 from disagg.frontends.openai import routes as oai
 from disagg.frontends.openai.types import OpenAIError
+from disagg_agents.wire.request import GenerateRequest
 
 
 def from_openai(e: OpenAIError) -> AnthropicError:

@@ -3,7 +3,7 @@ libraries, Open WebUI, editor plugins) use the cluster unchanged.
 
 GET /api/tags, /api/ps, /api/version; POST /api/show, /api/generate, /api/chat
 (NDJSON streaming by default, one object with `"stream": false`). Requests map
-into the one request type (`agents.wire.request`) through `Client.generate`; the
+into the one request type (`disagg_agents.wire.request`) through `Client.generate`; the
 response's durations (ns) and counts come from the agents' metrics.
 """
 
@@ -20,7 +20,6 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
-from agents.wire.request import GenerateRequest
 from disagg.api import Chunk, Client, Completion
 from disagg.errors import DisaggError, Overloaded, UsageError
 from disagg.frontends.agentinfo import ModelInfo
@@ -43,6 +42,7 @@ from disagg.frontends.ollama.types import (
     ShowBody,
 )
 from disagg.serving.request import build_request
+from disagg_agents.wire.request import GenerateRequest
 
 VERSION = "0.12.0"  # the Ollama API version whose shapes these are
 UNLIMITED = 1 << 20  # num_predict < 0: until EOS; the decode agent caps it by the context

@@ -17,7 +17,6 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from agents.wire.request import GenerateRequest
 from disagg.api import Chunk, Client, Completion
 from disagg.errors import AgentError, DisaggError, ModelMismatch, Overloaded, UsageError
 from disagg.frontends.guard import cache_salt, unless_gone, wants_internals
@@ -29,6 +28,7 @@ from disagg.frontends.openai.types import (
 )
 from disagg.serving.metrics import public_metrics
 from disagg.serving.request import build_request
+from disagg_agents.wire.request import GenerateRequest
 
 
 def from_disagg(e: DisaggError) -> OpenAIError:

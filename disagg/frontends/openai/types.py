@@ -61,7 +61,7 @@ class StreamOptions(BaseModel):
 
 class CommonFields(BaseModel):
     model: str
-    # Limits are checked once, by agents.wire.request (a 400 naming the field).
+    # Limits are checked once, by disagg_agents.wire.request (a 400 naming the field).
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0

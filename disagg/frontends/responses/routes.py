@@ -16,13 +16,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from agents.wire.request import GenerateRequest
 from disagg.api import Chunk, Client, Completion
 from disagg.errors import DisaggError, UsageError
 from disagg.frontends.guard import cache_salt
 from disagg.frontends.openai import routes as oai
 from disagg.frontends.responses.types import ResponsesRequest, as_chat, forced_custom, grammar_of
 from disagg.serving.request import with_fields
+from disagg_agents.wire.request import GenerateRequest
 
 
 def _id(prefix: str) -> str:

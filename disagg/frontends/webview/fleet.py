@@ -13,11 +13,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from agents.wire.frames import AuthError
-from agents.wire.text import printable
 from disagg.fleet.crashes import last_error_in
 from disagg.frontends.webview.tracker import RequestLog
 from disagg.serving.control import control_status
+from disagg_agents.wire.frames import AuthError
+from disagg_agents.wire.text import printable
 
 POLL_EVERY_S = 1.0
 CRASH_EVERY_S = 30.0  # a down fleet agent's last error is read over SSH at most this often
@@ -205,7 +205,7 @@ class FleetWatch:
                             "decode": dec.name,
                             "requests": len(ms),
                             "bytes_per_s": rate,
-                            # "link": timed on the wire (large frames, agents.decode.codectuner);
+                            # "link": timed on the wire (large frames, decode.codectuner);
                             # "stream": K/V bytes over first-to-last layer, paced by compute
                             "rate_kind": "link" if link_s > 0 else "stream",
                             "kv_bytes_last": ms[-1].get("kv_bytes") if ms else None,

@@ -13,12 +13,12 @@ import threading
 from collections import Counter
 from typing import Any
 
-from agents.runtime.metrics import Histogram
+from disagg_agents.runtime.metrics import Histogram
 
 P = "disagg_gateway"
 SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BYTES = tuple(float(1 << s) for s in range(10, 34, 2))  # 1 KiB .. 8 GiB, x4 apart
-# Why a decode agent prefilled locally: agents.decode.kvfetch.FALLBACK_KINDS
+# Why a decode agent prefilled locally: disagg_agents.decode.kvfetch.FALLBACK_KINDS
 # (a test holds them equal).
 FALLBACK_KINDS = ("unreachable", "timeout", "stream", "prefill_error")
 # How a request ended, in every place that says it: the APIs' finish reasons, these

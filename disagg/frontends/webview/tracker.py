@@ -17,10 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents.wire.answer import TokenEvent
-from agents.wire.text import printable
 from disagg.frontends import tenancy
 from disagg.frontends.webview.prom import GatewayMetrics
+from disagg_agents.wire.answer import TokenEvent
+from disagg_agents.wire.text import printable
 
 access = logging.getLogger("disagg.requests")  # `disagg serve` shows it on stderr
 KEEP = 300  # finished requests kept for the view's list and charts

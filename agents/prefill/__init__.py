@@ -1,2 +1,0 @@
-"""The prefill agent (torch): its engine, the layer sender, and the fair queue.
-Run: `python -m agents.prefill`."""

@@ -1,5 +1,0 @@
-"""Prompt-prefix reuse: the block store both roles share (chained block keys, LRU
-by bytes). Each role's cache over it lives with its process:
-`agents.prefill.prefixcache` (torch K/V: computes only a suffix) and
-`agents.decode.prefixcache` (received or computed K/V: asks only for a suffix).
-"""

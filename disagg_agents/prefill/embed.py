@@ -1,0 +1,102 @@
+"""Embeddings on the prefill agent: the prompt's forward pass without any K/V
+transfer, its last hidden states pooled into one L2-normalized vector per text.
+
+Pooling comes from the checkpoint (disagg_agents/models/pooling.py): sentence-transformers'
+pooling config where it has one, mean over the tokens otherwise. A client asks with
+a HELLO of role "embed" (no fingerprint: nothing it receives depends on another
+agent's cache layout), then EMBED frames.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import torch
+
+from disagg_agents.models.pooling import pooling_of
+from disagg_agents.wire.channel import recv_json, send_error, send_json
+from disagg_agents.wire.frames import Frame, ProtocolError, RemoteError
+
+INPUTS_MAX = 512  # texts per EMBED
+TEXT_MAX_CHARS = 1 << 20
+
+
+def pool(hidden: torch.Tensor, how: str) -> torch.Tensor:
+    """[S, H] hidden states -> [H] float32, L2-normalized."""
+    h = hidden.float()
+    if how == "last":
+        v = h[-1]
+    elif how == "cls":
+        v = h[0]
+    elif how == "max":
+        v = h.max(dim=0).values
+    else:
+        v = h.mean(dim=0)
+    return torch.nn.functional.normalize(v, dim=0)
+
+
+class Embedder:
+    """One engine's embeddings: its tokenizer (loaded on first use) and pooling."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.pooling = pooling_of(engine.model_dir)
+        self._tok: Any = None
+        cfg = engine.cfg
+        self.context = int(cfg.get("max_position_embeddings") or 4096)
+
+    def tokenizer(self) -> Any:
+        if self._tok is None:
+            from transformers import AutoTokenizer
+
+            self._tok = AutoTokenizer.from_pretrained(self.engine.model_dir)
+        return self._tok
+
+    def ids(self, text: str, truncate: bool, limit: int) -> list[int]:
+        ids = list(self.tokenizer()(text, add_special_tokens=True)["input_ids"]) or [0]
+        if len(ids) > limit:
+            if not truncate:
+                raise ValueError(
+                    f"an input has {len(ids)} tokens, over the context of {limit}; "
+                    "send truncate: true to cut it"
+                )
+            ids = ids[:limit]
+        return ids
+
+    @torch.inference_mode()
+    def vector(self, ids: list[int]) -> list[float]:
+        x = torch.tensor([ids], device=self.engine.device)
+        with self.engine.slots.slot(len(ids)):  # behind other prompts' forward passes
+            out = self.engine.body(input_ids=x, use_cache=False)
+        return [float(f) for f in pool(out.last_hidden_state[0], self.pooling).cpu()]
+
+    def answer(self, req: dict[str, Any]) -> dict[str, Any]:
+        texts = req.get("input")
+        if not isinstance(texts, list) or not 0 < len(texts) <= INPUTS_MAX:
+            raise ValueError(f"input must be a list of 1 to {INPUTS_MAX} texts")
+        if not all(isinstance(t, str) and len(t) <= TEXT_MAX_CHARS for t in texts):
+            raise ValueError(f"each input must be text of at most {TEXT_MAX_CHARS} characters")
+        asked = req.get("max_tokens")
+        limit = min(asked, self.context) if isinstance(asked, int) and asked > 0 else self.context
+        ids = [self.ids(t, req.get("truncate") is not False, limit) for t in texts]
+        return {
+            "embeddings": [self.vector(i) for i in ids],
+            "prompt_tokens": sum(len(i) for i in ids),
+            "pooling": self.pooling,
+        }
+
+    def serve(self, sock: socket.socket, max_bytes: int) -> None:
+        """EMBED frames until the client hangs up; a bad one gets an ERROR and the
+        connection stays usable."""
+        while True:
+            try:
+                _, req = recv_json(sock, Frame.EMBED, max_bytes)
+            except (ProtocolError, RemoteError, OSError):
+                return
+            try:
+                reply = self.answer(req)
+            except ValueError as e:
+                send_error(sock, "bad_request", str(e))
+                continue
+            send_json(sock, Frame.EMBEDDING, reply)

@@ -1,0 +1,5 @@
+"""Prompt-prefix reuse: the block store both roles share (chained block keys, LRU
+by bytes). Each role's cache over it lives with its process:
+`disagg_agents.prefill.prefixcache` (torch K/V: computes only a suffix) and
+`disagg_agents.decode.prefixcache` (received or computed K/V: asks only for a suffix).
+"""
