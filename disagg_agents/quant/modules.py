@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import moe
+from . import moe, moe_triton
 from .dequant import Packed
 
 # A dequantized chunk of a big matrix (the LM head) stays under this many elements,
@@ -122,6 +122,19 @@ class PackedExperts(nn.Module):
         self.biases = biases
         self.act = act
         self.alpha, self.limit = alpha, limit
+        self._triton: moe_triton.Experts | bool | None = None  # made on first use
+
+    def _fused(self, device: torch.device) -> moe_triton.Experts | None:
+        """The layer as the Triton kernels read it (made once), or None where they
+        cannot run or do not read these weights' form."""
+        if not moe_triton.available(device):
+            return None
+        if self._triton is None:
+            weights = (self.gate, self.up, self.down)
+            self._triton = moe_triton.prepare(
+                self.kind, weights, self.biases, self.act, self.alpha, self.limit
+            ) or False
+        return self._triton or None
 
     def _glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if self.kind == "gpt_oss":  # GptOssExperts._apply_gate
@@ -134,9 +147,13 @@ class PackedExperts(nn.Module):
         self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         r = moe.route(top_k_index, self.num_experts)
-        x = hidden.index_select(0, r.tokens)  # [S, hidden], rows grouped by expert
         kept = all(_kept(w) for w in (self.gate, self.up, self.down))
-        gemm, block = moe.pick_gemm(x, self.dtype, kept, r)
+        fused = self._fused(hidden.device)
+        gemm, block = moe.pick_gemm(hidden, self.dtype, kept, r, fused is not None)
+        if gemm == "triton":
+            assert fused is not None
+            return moe_triton.forward(fused, hidden, r, top_k_weights).to(hidden.dtype)
+        x = hidden.index_select(0, r.tokens)  # [S, hidden], rows grouped by expert
         layout = moe.blocked_layout(r, block) if gemm == "blocked" else None
 
         def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
@@ -186,6 +203,7 @@ def materialize(model: nn.Module) -> int:
                 p = getattr(mod, attr)
                 if isinstance(p, Packed):
                     setattr(mod, attr, full(p))
+            mod._triton = None  # the kernels' view of the weights, made anew
         elif isinstance(mod.__dict__.get("packed"), Packed):  # a hooked router
             w = full(mod.__dict__.pop("packed"))
             mod._forward_pre_hooks.clear()

@@ -5,7 +5,9 @@ the pairs are sorted by expert, each expert's end offset is found on the device,
 and the expert GEMMs run as one grouped GEMM over the sorted rows. Every shape
 is fixed by tokens x top-k and the number of experts, never by the routing.
 
-Two ways to run the grouped GEMM:
+Three ways to run the grouped GEMM:
+- `triton` (moe_triton): fused Triton kernels that read packed weights as stored
+  and dequantize in registers; the default on CUDA, any arch.
 - `torch.nn.functional.grouped_mm`: one aten op. Its CPU kernel takes fp32,
   bf16 and fp16; on CUDA its fast kernel is bf16 on sm90/sm100 only, and other
   cases fall back to a loop that copies the offsets to the host (a sync).
@@ -26,8 +28,9 @@ import torch
 import torch.nn.functional as F
 
 BLOCK = 64  # rows per block of the blocked GEMM (padding is at most BLOCK-1 rows per expert)
-# Which grouped GEMM runs ("grouped" | "blocked" | "auto"): for measuring both on a device.
+# Which grouped GEMM runs: for measuring each on a device, and for tests.
 GEMM_ENV = "DISAGG_MOE_GEMM"
+GEMMS = ("auto", "triton", "grouped", "blocked")
 
 # Gives the weights [n, out, in] of the experts `idx` [n] (dequantized if packed).
 Take = Callable[[torch.Tensor], torch.Tensor]
@@ -74,16 +77,32 @@ def grouped_mm_fits(device: torch.device, dtype: torch.dtype) -> bool:
     return False
 
 
-def pick_gemm(x: torch.Tensor, w_dtype: torch.dtype, kept: bool, r: Routing) -> tuple[str, int]:
-    """("grouped", 0) or ("blocked", block) for these shapes; never reads the routing.
+def pick_gemm(
+    x: torch.Tensor, w_dtype: torch.dtype, kept: bool, r: Routing, triton_ok: bool = False
+) -> tuple[str, int]:
+    """("triton", 0), ("grouped", 0) or ("blocked", block) for these shapes; never
+    reads the routing.
 
-    Packed weights with fewer pairs than experts: per-pair blocks (only the routed
-    experts are dequantized); else grouped_mm where it is sync-free; else blocks.
+    On CUDA the Triton kernels (`triton_ok`: they read these weights) unless the
+    weights are kept and grouped_mm's fast kernel runs. Elsewhere: packed weights
+    with fewer pairs than experts take per-pair blocks (only the routed experts are
+    dequantized); else grouped_mm where it is sync-free; else blocks.
     """
     want = os.environ.get(GEMM_ENV, "auto")
+    if want not in GEMMS:
+        raise ValueError(f"{GEMM_ENV}={want!r}: expected one of {', '.join(GEMMS)}")
+    fits = x.dtype == w_dtype and grouped_mm_fits(x.device, w_dtype)
+    if want == "triton":
+        if not triton_ok:
+            raise RuntimeError(
+                f"{GEMM_ENV}=triton: the Triton MoE kernels need CUDA (or TRITON_INTERPRET=1 "
+                "on a CPU, for tests) and weights in bf16/fp32, MLX affine 2/4/8-bit or MXFP4"
+            )
+        return "triton", 0
+    if want == "auto" and triton_ok and x.device.type == "cuda" and not (kept and fits):
+        return "triton", 0
     if not kept and r.pairs < r.num_experts and want == "auto":
         return "blocked", 1
-    fits = x.dtype == w_dtype and grouped_mm_fits(x.device, w_dtype)
     if want == "grouped" or (want == "auto" and fits):
         return "grouped", 0
     return "blocked", BLOCK

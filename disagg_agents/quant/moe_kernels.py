@@ -1,0 +1,149 @@
+"""The Triton kernels of the fused MoE GEMM (imported only by `moe_triton`).
+
+One program computes one (row block, output tile) of one expert: rows are the
+(token, slot) pairs sorted by expert, a block holds rows of a single expert, and
+the expert's weight tile is read in its stored form and dequantized in registers
+(MLX affine 2/4/8-bit with group scales and biases, OpenAI MXFP4 with E8M0
+scales, or plain). Nothing is copied per block and no host sync is needed: empty
+blocks (the grid is sized by the shapes, not the routing) return at once.
+
+`triton.jit` reads TRITON_INTERPRET when this module is imported: under it the
+same kernels run on CPU tensors (numpy underneath), which is how CI tests them.
+The interpreter computes bf16 arithmetic wrongly, so every load is widened to
+fp32 and `DOT_F32` keeps the dot's operands in fp32 there.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+FORM_PLAIN, FORM_AFFINE, FORM_MXFP4 = 0, 1, 2
+GLU_NONE, GLU_SWIGLU, GLU_GPT_OSS = 0, 1, 2
+
+
+@triton.jit
+def _weight_tile(
+    w_ptr, s_ptr, b_ptr, e, ns, ks, nmask, kmask,
+    stride_we, stride_wn, stride_se, stride_sn,
+    FORM: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+):  # fmt: skip
+    """[BN, BK] fp32: rows `ns`, inputs `ks` of expert `e`'s weight, dequantized."""
+    m = nmask[:, None] & kmask[None, :]
+    row = w_ptr + e.to(tl.int64) * stride_we + ns[:, None].to(tl.int64) * stride_wn
+    if FORM == 0:
+        w = tl.load(row + ks[None, :], mask=m, other=0.0).to(tl.float32)
+    else:
+        srow = e.to(tl.int64) * stride_se + ns[:, None].to(tl.int64) * stride_sn
+        grp = ks[None, :] // GROUP
+        if FORM == 1:
+            # MLX affine: element k at bits k*BITS.. of the row's little-endian bytes.
+            byte = tl.load(row + (ks[None, :] * BITS) // 8, mask=m, other=0).to(tl.int32)
+            q = (byte >> ((ks[None, :] * BITS) % 8)) & ((1 << BITS) - 1)
+            sc = tl.load(s_ptr + srow + grp, mask=m, other=0.0).to(tl.float32)
+            bi = tl.load(b_ptr + srow + grp, mask=m, other=0.0).to(tl.float32)
+            # Two rounded ops in the scales' dtype, as mx.dequantize computes them.
+            prod = (q.to(tl.float32) * sc).to(s_ptr.dtype.element_ty).to(tl.float32)
+            w = prod + bi
+        else:
+            # MXFP4: E2M1 nibbles, low nibble first; scale 2^(s-127) per group of 32.
+            byte = tl.load(row + ks[None, :] // 2, mask=m, other=0).to(tl.int32)
+            nib = (byte >> ((ks[None, :] % 2) * 4)) & 15
+            ex = (nib >> 1) & 3
+            man = (nib & 1).to(tl.float32)
+            # Powers of two built from bits, not exp2 (an approximation on GPUs).
+            pow2 = (1 << tl.maximum(ex - 1, 0)).to(tl.float32)
+            mag = tl.where(ex == 0, man * 0.5, (1.0 + man * 0.5) * pow2)
+            val = tl.where(nib >= 8, -mag, mag)
+            s = tl.load(s_ptr + srow + grp, mask=m, other=127).to(tl.int32)
+            scale = (s << 23).to(tl.float32, bitcast=True)
+            scale = tl.where(s == 0, 5.877471754111438e-39, scale)  # E8M0 0 is 2^-127
+            w = val * scale
+    return w
+
+
+@triton.jit
+def moe_gemm_kernel(
+    x_ptr, tok_ptr, stride_xm,
+    wa_ptr, sa_ptr, ba_ptr, wb_ptr, sb_ptr, bb_ptr,
+    bias_a_ptr, bias_b_ptr, stride_bias,
+    rw_ptr, out_row_ptr, y_ptr, stride_ym,
+    blk_expert_ptr, blk_start_ptr, blk_end_ptr,
+    N, K,
+    stride_we, stride_wn, stride_se, stride_sn,
+    alpha, limit,
+    FORM: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+    GATHER: tl.constexpr, FUSED: tl.constexpr, GLU: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RW: tl.constexpr, SCATTER: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    """y[rows, n-tile] for one block of one expert.
+
+    GATHER: row r reads x[tok[r]] (the first projection reads the hidden states in
+    token order); else x[r]. FUSED: a second weight (up) is accumulated beside the
+    first (gate) and the GLU applied before the store. HAS_RW: each row scaled by
+    its routing weight; SCATTER: row r is stored at out_row[r] (the pair's place in
+    token order), so the caller only sums over the slots.
+    """
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(blk_expert_ptr + pid_b)
+    start = tl.load(blk_start_ptr + pid_b)
+    end = tl.load(blk_end_ptr + pid_b)
+    if start >= end:
+        return
+    rows = start + tl.arange(0, BM)
+    rmask = rows < end
+    if GATHER:  # noqa: SIM108 (a constexpr branch, resolved when the kernel compiles)
+        src = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    else:
+        src = rows.to(tl.int64)
+    ns = pid_n * BN + tl.arange(0, BN)
+    nmask = ns < N
+    acc_a = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_b = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        ks = k0 + tl.arange(0, BK)
+        kmask = ks < K
+        a = tl.load(
+            x_ptr + src[:, None] * stride_xm + ks[None, :],
+            mask=rmask[:, None] & kmask[None, :], other=0.0,
+        )  # fmt: skip
+        wa = _weight_tile(
+            wa_ptr, sa_ptr, ba_ptr, e, ns, ks, nmask, kmask,
+            stride_we, stride_wn, stride_se, stride_sn, FORM, BITS, GROUP,
+        ).to(a.dtype)  # fmt: skip
+        if DOT_F32:
+            acc_a += tl.dot(a.to(tl.float32), tl.trans(wa.to(tl.float32)))
+        else:
+            acc_a += tl.dot(a, tl.trans(wa))
+        if FUSED:
+            wb = _weight_tile(
+                wb_ptr, sb_ptr, bb_ptr, e, ns, ks, nmask, kmask,
+                stride_we, stride_wn, stride_se, stride_sn, FORM, BITS, GROUP,
+            ).to(a.dtype)  # fmt: skip
+            if DOT_F32:
+                acc_b += tl.dot(a.to(tl.float32), tl.trans(wb.to(tl.float32)))
+            else:
+                acc_b += tl.dot(a, tl.trans(wb))
+    if HAS_BIAS:
+        bias_row = e.to(tl.int64) * stride_bias + ns
+        acc_a += tl.load(bias_a_ptr + bias_row, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        if FUSED:
+            acc_b += tl.load(bias_b_ptr + bias_row, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    y = acc_a
+    if GLU == 1:  # qwen3_moe: silu(gate) * up
+        y = acc_a * tl.sigmoid(acc_a) * acc_b
+    elif GLU == 2:  # gpt_oss: clamped, (up + 1) * gate * sigmoid(alpha * gate)
+        g = tl.minimum(acc_a, limit)
+        u = tl.minimum(tl.maximum(acc_b, -limit), limit)
+        y = (u + 1.0) * (g * tl.sigmoid(g * alpha))
+    if HAS_RW:
+        y = y * tl.load(rw_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
+    if SCATTER:
+        dst = tl.load(out_row_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    else:
+        dst = rows.to(tl.int64)
+    ptrs = y_ptr + dst[:, None] * stride_ym + ns[None, :]
+    tl.store(ptrs, y.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
