@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
-# The checks a lent NVIDIA machine runs (docs/performance.md, "On an NVIDIA GPU"): the prefill
-# agent on CUDA, the decode agent on mlx (CPU there), parity against monolithic
-# references and the speed figures. Nothing there reaches a package index or a hub,
-# so the caller carries:
-#   .whl/    mlx, mlx-cpu, mlx-lm, zstandard wheels for its Python (3.12)
-#   .devkit/ the embedded default's tokenizer files (the weights are made there)
-# Run from the repo root: OUT=dir bash scripts/device-cuda.sh
+# The checks a lent NVIDIA machine runs (docs/performance-prefill.md, "On a GPU"):
+# the Triton MoE kernels on CUDA against the reference, one MoE layer at the user's
+# models' real shapes per kernel path, and a dense prefill timed with no host sync
+# in its forward. Nothing there reaches a package index or a hub: first run
+# scripts/device-pack.sh here, then carry .whl and .devkit.
+# Run from the repo root: OUT=dir bash scripts/device-cuda.sh   (~4 min on an H100)
 set -u -o pipefail
 OUT=${OUT:-/tmp/device-out}
 mkdir -p "$OUT"
@@ -14,34 +13,39 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DISAGG_CACHE=/tmp/dcache \
   TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 {
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  nproc
-  python3 -c "import torch, transformers, numpy, mlx.core as mx, mlx_lm; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__, 'numpy', numpy.__version__, 'mlx', mx.__version__, mx.default_device(), 'mlx-lm', mlx_lm.__version__)"
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'capability', torch.cuda.get_device_capability())"
 } 2>&1 | tee "$OUT/machine.txt"
 
-echo "== parity: prefill agent on CUDA against monolithic transformers and mlx-lm"
-timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="-ra --durations=8" \
-  tests/test_cuda.py tests/test_agents_tiny.py tests/test_chatformat_agents.py tests/test_load_batch.py \
-  tests/test_quant_models.py -k "not smol and not memory" 2>&1 | tee "$OUT/pytest.log" | tail -25
+echo "== the kernels on CUDA against dequantize-then-matmul (tests/test_moe_triton.py, unit part)"
+timeout 150 python3 -m pytest -q -p no:cacheprovider --noconftest -o addopts="" \
+  -m "not slow" tests/test_moe_triton.py 2>&1 | tee "$OUT/pytest.log" | tail -8
 
-echo "== a random SmolLM2-360M-shaped checkpoint, and mlx_lm.convert's 4-bit of it"
-python3 -m disagg.bench.randommodel /tmp/r360 --tokenizer .devkit >/dev/null 2>&1 || exit 1
-python3 -m mlx_lm convert --hf-path /tmp/r360 --mlx-path /tmp/r360-q4 -q >/dev/null 2>&1 || exit 1
-
-echo "== prefill on CUDA: fp32, bf16, packed 4-bit (2000 tokens)"
-{
-  timeout 60 python3 -m disagg.bench.gpuprefill /tmp/r360 /tmp/r360-q4
-  timeout 40 python3 -m disagg.bench.gpuprefill /tmp/r360 --dtype bfloat16
-} 2>"$OUT/gpuprefill.err" | tee "$OUT/gpuprefill.jsonl"
-
-echo "== disagg bench: TTFT against transformers on the same GPU, decode against mlx-lm"
-timeout 170 python3 -m disagg.cli bench --local --model /tmp/r360 --json \
-  >"$OUT/core-r360.json" 2>"$OUT/core-r360.err"
-echo "bench rc=$?"; tail -3 "$OUT/core-r360.err"
-python3 - "$OUT/core-r360.json" <<'PY'
+echo "== one MoE layer at the real shapes, per path (sync debug mode: error)"
+timeout 200 python3 -m disagg.bench.moelayer --json >"$OUT/moelayer.jsonl" 2>"$OUT/moelayer.err"
+echo "moelayer rc=$?"; tail -3 "$OUT/moelayer.err"
+python3 - "$OUT/moelayer.jsonl" <<'PY'
 import json, sys
-d = json.load(open(sys.argv[1]))
-print({k: d["machine"].get(k) for k in ("prefill_device", "decode_device", "decode_blas")})
-for part in ("decode", "ttft"):
-    print(part, {k: v for k, v in d[part].items() if not isinstance(v, (list, dict))})
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if "path" not in r:
+        print(r); continue
+    if r["error"]:
+        print(f"{r['shape']:18} {r['path']:8} {r['tokens']:6} {r['error']}"); continue
+    err = f" err {r['rel_err']:.1e}" if r["rel_err"] is not None else ""
+    print(f"{r['shape']:18} {r['path']:8} {r['tokens']:6} {r['ms']:9.2f} ms {r['tok_s']:9.0f} tok/s "
+          f"{r['tflops']:6.1f} TFLOP/s {r['gb_s']:6.0f} GB/s{err}")
 PY
+
+echo "== a dense prefill (random SmolLM2-360M shape), bf16, 2000 tokens, forward under sync error mode"
+python3 -m disagg.bench.randommodel /tmp/r360 --tokenizer .devkit >/dev/null 2>"$OUT/randommodel.err" || tail -3 "$OUT/randommodel.err"
+timeout 60 python3 -m disagg.bench.gpuprefill /tmp/r360 --dtype bfloat16 --sync-check \
+  2>"$OUT/gpuprefill.err" | tee "$OUT/gpuprefill.jsonl"
+tail -2 "$OUT/gpuprefill.err"
+
+echo "== triton tile sizes at 8192 tokens (bm,bn,bk,warps,stages)"
+for tiles in 64,128,64,8,3 128,128,64,8,3 64,64,128,4,3; do
+  DISAGG_MOE_TILES=$tiles timeout 60 python3 -m disagg.bench.moelayer --paths triton \
+    --tokens 8192 --shapes qwen3-coder-4bit gpt-oss-mxfp4 --json 2>>"$OUT/tiles.err" \
+    | sed "s/^/$tiles /" | tee -a "$OUT/tiles.txt" | grep -o '"shape".*"gb_s": [0-9.]*'
+done

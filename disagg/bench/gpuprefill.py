@@ -20,7 +20,26 @@ from typing import Any
 from disagg.bench.quant_weights import checkpoint_bytes
 
 
-def probe(model_dir: Path, device: str, dtype: str, tokens: int, repeats: int) -> dict[str, Any]:
+def sync_check(eng: Any, ids: list[int]) -> str:
+    """One forward of the model's body (no head, no copy to the host) under
+    torch.cuda.set_sync_debug_mode("error"): "none", or the first host sync's error."""
+    import torch
+
+    from disagg.bench.moelayer import sync_errors
+
+    t = torch.tensor([ids], device=eng.device)
+    try:
+        with torch.inference_mode(), sync_errors():
+            eng.body(input_ids=t)
+        torch.cuda.synchronize()
+    except RuntimeError as exc:
+        return str(exc).splitlines()[0][:300]
+    return "none"
+
+
+def probe(
+    model_dir: Path, device: str, dtype: str, tokens: int, repeats: int, check: bool = False
+) -> dict[str, Any]:
     import torch
 
     from disagg_agents.prefill.engine import PrefillEngine
@@ -49,7 +68,9 @@ def probe(model_dir: Path, device: str, dtype: str, tokens: int, repeats: int) -
         eng.prefill(ids, on_layer)
         times.append(time.perf_counter() - t)
     prefill_s = statistics.median(times[1:])
+    syncs = sync_check(eng, ids) if check and cuda else None
     return {
+        "host_syncs_in_forward": syncs,
         "model": str(model_dir),
         "device": eng.device,
         "dtype": eng.dtype,
@@ -73,9 +94,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--sync-check", action="store_true", help="a forward under sync error mode")
     args = ap.parse_args()
     for d in args.dirs:
-        print(json.dumps(probe(d, args.device, args.dtype, args.tokens, args.repeats)), flush=True)
+        r = probe(d, args.device, args.dtype, args.tokens, args.repeats, args.sync_check)
+        print(json.dumps(r), flush=True)
 
 
 if __name__ == "__main__":

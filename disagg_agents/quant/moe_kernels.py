@@ -10,7 +10,8 @@ blocks (the grid is sized by the shapes, not the routing) return at once.
 `triton.jit` reads TRITON_INTERPRET when this module is imported: under it the
 same kernels run on CPU tensors (numpy underneath), which is how CI tests them.
 The interpreter computes bf16 arithmetic wrongly, so every load is widened to
-fp32 and `DOT_F32` keeps the dot's operands in fp32 there.
+fp32 and `DOT_F32` keeps the dot's operands in fp32 there (and for fp32 models:
+"ieee", not the TF32 a GPU would use by default).
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ def moe_gemm_kernel(
             stride_we, stride_wn, stride_se, stride_sn, FORM, BITS, GROUP,
         ).to(a.dtype)  # fmt: skip
         if DOT_F32:
-            acc_a += tl.dot(a.to(tl.float32), tl.trans(wa.to(tl.float32)))
+            acc_a += tl.dot(a.to(tl.float32), tl.trans(wa.to(tl.float32)), input_precision="ieee")
         else:
             acc_a += tl.dot(a, tl.trans(wa))
         if FUSED:
@@ -124,7 +125,9 @@ def moe_gemm_kernel(
                 stride_we, stride_wn, stride_se, stride_sn, FORM, BITS, GROUP,
             ).to(a.dtype)  # fmt: skip
             if DOT_F32:
-                acc_b += tl.dot(a.to(tl.float32), tl.trans(wb.to(tl.float32)))
+                acc_b += tl.dot(
+                    a.to(tl.float32), tl.trans(wb.to(tl.float32)), input_precision="ieee"
+                )
             else:
                 acc_b += tl.dot(a, tl.trans(wb))
     if HAS_BIAS:

@@ -24,6 +24,7 @@ from .dequant import Packed
 from .moe import Routing
 
 INTERPRET_ENV = "TRITON_INTERPRET"
+TILES_ENV = "DISAGG_MOE_TILES"
 
 
 def interpreted() -> bool:
@@ -107,6 +108,10 @@ def tiles(device: torch.device, pairs: int, experts: int) -> Tiles:
     many pairs), few big programs in the interpreter (each program is numpy calls)."""
     if device.type != "cuda":
         return Tiles(32, 32, 32, 1, 1)
+    forced = os.environ.get(TILES_ENV)  # "bm,bn,bk,warps,stages": for sweeps on a device
+    if forced:
+        bm, bn, bk, warps, stages = (int(v) for v in forced.split(","))
+        return Tiles(bm, bn, bk, warps, stages)
     bm = 64 if pairs >= 64 * experts else (32 if pairs >= 16 * experts else 16)
     return Tiles(bm, 128 if bm == 64 else 64, 64, 4, 3)
 
