@@ -132,11 +132,12 @@ def test_affine_dequantization_in_the_kernel_is_mlx_exact(monkeypatch: pytest.Mo
     for form in ("affine4", "affine8", "mxfp4"):
         w = weight(form, INTER, HIDDEN, torch.float32, g)
         assert isinstance(w, Packed)
+        w = w.to(DEVICE)
         fused = moe_triton.prepare("qwen3_moe", (w, w, w), None, F.silu, 1.0, 7.0)
         assert fused is not None
-        x = torch.zeros(1, HIDDEN)
+        x = torch.zeros(1, HIDDEN, device=DEVICE)
         x[0, 7] = 1.0
-        r = moe.route(torch.tensor([[2]]), EXPERTS)
+        r = moe.route(torch.tensor([[2]], device=DEVICE), EXPERTS)
         y = x.new_empty(1, INTER)
         t = moe_triton.tiles(x.device, 1, EXPERTS)
         moe_triton._launch(

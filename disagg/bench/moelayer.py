@@ -67,7 +67,7 @@ def sync_errors() -> Iterator[None]:
 def make_layer(spec: dict[str, Any], device: str) -> Any:
     import torch
 
-    from disagg_agents.quant.dequant import Packed, QSpec
+    from disagg_agents.quant.dequant import Packed, QSpec, e2m1_pairs
     from disagg_agents.quant.modules import PackedExperts
 
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -87,6 +87,8 @@ def make_layer(spec: dict[str, Any], device: str) -> Any:
         return Packed(packed, scales, -scales * 7.5, QSpec("affine", 4, gs), n_in, bf16).to(device)
 
     gate, up, down = weight(i, h), weight(i, h), weight(h, i)
+    # The E2M1 table is copied to the device once per process (a sync), not per forward.
+    e2m1_pairs(torch.device(device), bf16)
     biases = None
     if spec["kind"] == "gpt_oss":
         biases = tuple((torch.randn(e, n, generator=g) * 0.01).to(bf16).to(device)

@@ -25,41 +25,56 @@ GLU_NONE, GLU_SWIGLU, GLU_GPT_OSS = 0, 1, 2
 
 @triton.jit
 def _weight_tile(
-    w_ptr, s_ptr, b_ptr, e, ns, ks, nmask, kmask,
+    w_ptr, s_ptr, b_ptr, e, ns, k0, nmask,
     stride_we, stride_wn, stride_se, stride_sn,
     FORM: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
-    """[BN, BK] fp32: rows `ns`, inputs `ks` of expert `e`'s weight, dequantized."""
-    m = nmask[:, None] & kmask[None, :]
+    """[BN, BK] fp32: rows `ns`, inputs k0..k0+BK of expert `e`'s weight, dequantized.
+
+    K is a multiple of BK, and BK and GROUP divide one another (powers of two): the
+    packed bytes are read once each ([BN, BK*BITS/8]) and split into codes, and
+    each row's scales are read once per group, then broadcast over the group.
+    """
+    m = nmask[:, None]
     row = w_ptr + e.to(tl.int64) * stride_we + ns[:, None].to(tl.int64) * stride_wn
     if FORM == 0:
-        w = tl.load(row + ks[None, :], mask=m, other=0.0).to(tl.float32)
+        w = tl.load(row + k0 + tl.arange(0, BK)[None, :], mask=m, other=0.0).to(tl.float32)
     else:
-        srow = e.to(tl.int64) * stride_se + ns[:, None].to(tl.int64) * stride_sn
-        grp = ks[None, :] // GROUP
-        if FORM == 1:
-            # MLX affine: element k at bits k*BITS.. of the row's little-endian bytes.
-            byte = tl.load(row + (ks[None, :] * BITS) // 8, mask=m, other=0).to(tl.int32)
-            q = (byte >> ((ks[None, :] * BITS) % 8)) & ((1 << BITS) - 1)
-            sc = tl.load(s_ptr + srow + grp, mask=m, other=0.0).to(tl.float32)
-            bi = tl.load(b_ptr + srow + grp, mask=m, other=0.0).to(tl.float32)
-            # Two rounded ops in the scales' dtype, as mx.dequantize computes them.
-            prod = (q.to(tl.float32) * sc).to(s_ptr.dtype.element_ty).to(tl.float32)
-            w = prod + bi
-        else:
-            # MXFP4: E2M1 nibbles, low nibble first; scale 2^(s-127) per group of 32.
-            byte = tl.load(row + ks[None, :] // 2, mask=m, other=0).to(tl.int32)
-            nib = (byte >> ((ks[None, :] % 2) * 4)) & 15
-            ex = (nib >> 1) & 3
-            man = (nib & 1).to(tl.float32)
-            # Powers of two built from bits, not exp2 (an approximation on GPUs).
+        if BITS == 8:
+            q = tl.load(row + k0 + tl.arange(0, BK)[None, :], mask=m, other=0).to(tl.int32)
+        else:  # 4 bits: two codes per byte, low nibble first
+            kb = k0 // 2 + tl.arange(0, BK // 2)
+            byte = tl.load(row + kb[None, :], mask=m, other=0).to(tl.int32)
+            q = tl.reshape(tl.join(byte & 15, (byte >> 4) & 15), (BN, BK))
+        if FORM == 1:  # MLX affine: q * scale + bias per group, in the scales' dtype
+            v = q.to(tl.float32)
+        else:  # MXFP4: E2M1 codes; powers of two built from bits, not exp2 (approximate)
+            ex = (q >> 1) & 3
+            man = (q & 1).to(tl.float32)
             pow2 = (1 << tl.maximum(ex - 1, 0)).to(tl.float32)
             mag = tl.where(ex == 0, man * 0.5, (1.0 + man * 0.5) * pow2)
-            val = tl.where(nib >= 8, -mag, mag)
-            s = tl.load(s_ptr + srow + grp, mask=m, other=127).to(tl.int32)
+            v = tl.where(q >= 8, -mag, mag)
+        srow = s_ptr + e.to(tl.int64) * stride_se + ns.to(tl.int64) * stride_sn
+        brow = b_ptr + e.to(tl.int64) * stride_se + ns.to(tl.int64) * stride_sn
+        if GROUP >= BK:  # one group per row in this tile
+            sc = tl.load(srow + k0 // GROUP, mask=nmask, other=0)[:, None]
+            bi = tl.load(brow + k0 // GROUP, mask=nmask, other=0)[:, None]
+        else:  # BK // GROUP groups per row, broadcast over [BN, groups, GROUP]
+            gs = k0 // GROUP + tl.arange(0, BK // GROUP)
+            sc = tl.load(srow[:, None] + gs[None, :], mask=m, other=0)[:, :, None]
+            bi = tl.load(brow[:, None] + gs[None, :], mask=m, other=0)[:, :, None]
+            v = tl.reshape(v, (BN, BK // GROUP, GROUP))
+        if FORM == 1:
+            # Two rounded ops in the scales' dtype, as mx.dequantize computes them.
+            prod = (v * sc.to(tl.float32)).to(s_ptr.dtype.element_ty).to(tl.float32)
+            w = prod + bi.to(tl.float32)
+        else:
+            s = sc.to(tl.int32)
             scale = (s << 23).to(tl.float32, bitcast=True)
             scale = tl.where(s == 0, 5.877471754111438e-39, scale)  # E8M0 0 is 2^-127
-            w = val * scale
+            w = v * scale
+        w = tl.reshape(w, (BN, BK))
     return w
 
 
@@ -106,14 +121,10 @@ def moe_gemm_kernel(
     acc_b = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
         ks = k0 + tl.arange(0, BK)
-        kmask = ks < K
-        a = tl.load(
-            x_ptr + src[:, None] * stride_xm + ks[None, :],
-            mask=rmask[:, None] & kmask[None, :], other=0.0,
-        )  # fmt: skip
+        a = tl.load(x_ptr + src[:, None] * stride_xm + ks[None, :], mask=rmask[:, None], other=0.0)
         wa = _weight_tile(
-            wa_ptr, sa_ptr, ba_ptr, e, ns, ks, nmask, kmask,
-            stride_we, stride_wn, stride_se, stride_sn, FORM, BITS, GROUP,
+            wa_ptr, sa_ptr, ba_ptr, e, ns, k0, nmask,
+            stride_we, stride_wn, stride_se, stride_sn, FORM, BITS, GROUP, BN, BK,
         ).to(a.dtype)  # fmt: skip
         if DOT_F32:
             acc_a += tl.dot(a.to(tl.float32), tl.trans(wa.to(tl.float32)), input_precision="ieee")
@@ -121,8 +132,8 @@ def moe_gemm_kernel(
             acc_a += tl.dot(a, tl.trans(wa))
         if FUSED:
             wb = _weight_tile(
-                wb_ptr, sb_ptr, bb_ptr, e, ns, ks, nmask, kmask,
-                stride_we, stride_wn, stride_se, stride_sn, FORM, BITS, GROUP,
+                wb_ptr, sb_ptr, bb_ptr, e, ns, k0, nmask,
+                stride_we, stride_wn, stride_se, stride_sn, FORM, BITS, GROUP, BN, BK,
             ).to(a.dtype)  # fmt: skip
             if DOT_F32:
                 acc_b += tl.dot(

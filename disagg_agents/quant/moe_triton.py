@@ -58,16 +58,21 @@ class Stored:
 
 
 def stored(w: Packed | torch.Tensor) -> Stored | None:
-    """`w` as the kernel reads it, or None for a form it does not read (3/5/6-bit
-    affine, mxfp8, nvfp4: those keep the blocked path)."""
+    """`w` as the kernel reads it, or None for a form it does not read (2/3/5/6-bit
+    affine, mxfp8, nvfp4, inputs not a multiple of 16: those keep the other paths)."""
     from . import moe_kernels as k
 
     if isinstance(w, torch.Tensor) or w.kept is not None:
         plain = w if isinstance(w, torch.Tensor) else w.kept
         assert plain is not None
+        if plain.shape[-1] % 16:
+            return None
         return Stored(plain.contiguous(), plain, plain, k.FORM_PLAIN, 16, 1)
     spec = w.spec
-    if spec.mode == "affine" and spec.bits in (2, 4, 8):
+    pow2 = spec.group_size & (spec.group_size - 1) == 0
+    if w.n_in % 16 or not pow2:
+        return None
+    if spec.mode == "affine" and spec.bits in (4, 8):
         assert w.biases is not None
         return Stored(w.packed, w.scales, w.biases, k.FORM_AFFINE, spec.bits, spec.group_size)
     if spec.mode == "mxfp4":
@@ -112,8 +117,11 @@ def tiles(device: torch.device, pairs: int, experts: int) -> Tiles:
     if forced:
         bm, bn, bk, warps, stages = (int(v) for v in forced.split(","))
         return Tiles(bm, bn, bk, warps, stages)
-    bm = 64 if pairs >= 64 * experts else (32 if pairs >= 16 * experts else 16)
-    return Tiles(bm, 128 if bm == 64 else 64, 64, 4, 3)
+    # The in-register dequantization is paid once per row block: big blocks pay off
+    # (H200, 8k tokens: 128 rows 1.8x faster than 64 for Qwen3-Coder's 4-bit experts).
+    per = pairs // max(experts, 1)
+    bm = 128 if per >= 128 else (64 if per >= 48 else (32 if per >= 16 else 16))
+    return Tiles(bm, 128 if bm >= 64 else 64, 64, 8 if bm == 128 else 4, 3)
 
 
 def _glu_code(kind: str, act: Any) -> int | None:
@@ -180,6 +188,7 @@ def _launch(
     from . import moe_kernels as k
 
     n, kdim = a.n, x.shape[1]
+    bk = next(b for b in (t.bk, 32, 16) if kdim % b == 0)  # K is a multiple of 16
     second = b if b is not None else a
     bias_a = bias[0] if bias is not None else y
     bias_b = bias[1] if bias is not None and bias[1] is not None else bias_a
@@ -200,7 +209,7 @@ def _launch(
         GATHER=tokens is not None, FUSED=b is not None, GLU=glu,
         HAS_BIAS=bias is not None, HAS_RW=row_weights is not None, SCATTER=out_rows is not None,
         DOT_F32=dot_f32,
-        BM=t.bm, BN=t.bn, BK=t.bk, num_warps=t.warps, num_stages=t.stages,
+        BM=t.bm, BN=t.bn, BK=bk, num_warps=t.warps, num_stages=t.stages,
     )  # fmt: skip
 
 
