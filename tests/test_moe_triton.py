@@ -144,7 +144,12 @@ def test_affine_dequantization_in_the_kernel_is_mlx_exact(monkeypatch: pytest.Mo
             x, fused.gate, None, y, moe_triton.blocks(r, t.bm), t, tokens=r.tokens, glu=0,
             bias=None, row_weights=None, out_rows=None, alpha=1.0, limit=7.0,
         )  # fmt: skip
-        assert torch.equal(y[0], w.expert(2)[:, 7]), form
+        want = w.expert(2)[:, 7]
+        # The interpreter computes as written. A GPU compiler may contract q*scale + bias
+        # into one fma in fp32 (one rounding, not two): a last-bit difference there.
+        ulps = 0 if not CUDA else 2
+        diff = (y[0] - want).abs().max().item()
+        assert diff <= ulps * 2**-23 * want.abs().max().item(), (form, diff)
 
 
 @pytest.mark.parametrize("bm", [1, 16, 64])
