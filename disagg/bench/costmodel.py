@@ -339,7 +339,8 @@ def plan(
         }
     return {
         "note": "a model calibrated to published measurements, not a measurement",
-        "mac": {"name": mac, **asdict(DEVICES[mac])},
+        "mac": {"key": mac, **asdict(DEVICES[mac])},
+        "moe_path": auto_path("gb10") if path == "auto" else path,
         "spark": asdict(DEVICES["gb10"]),
         "link": {"name": link, "bytes_per_s": LINKS[link][0], "source": LINKS[link][1]},
         "efficiency": {k: asdict(v) for k, v in EFFICIENCY.items()},

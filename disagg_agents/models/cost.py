@@ -320,8 +320,9 @@ def score_elements(s: Shape, tokens: int, context: int = 0) -> float:
     return attention_flops(s, tokens, context) / (4.0 * s.head_dim)
 
 
-# The MoE paths our prefill can take on a CUDA device, and the Macs' mlx.
+# The MoE paths our prefill can take on a CUDA device; the Macs run mlx's.
 MOE_PATHS = ("triton", "grouped", "blocked")
+MACS = ("m3-ultra", "m4-max")
 BLOCK_ROWS = 64  # disagg_agents.quant.moe.BLOCK: rows per expert block
 # Bytes per weight dequantized by today's torch path: int32 codes and bf16 values,
 # each written and read back once (issue 44's reading of disagg_agents/quant).
@@ -339,7 +340,7 @@ def moe_blocks(s: Shape, tokens: int) -> float:
 def auto_path(device: str) -> str:
     """The path our prefill takes on `device` once the fused kernel exists: grouped_mm
     where torch's fast kernel runs, else the Triton kernel. Macs run mlx."""
-    if device not in ("gb10", "h100-sxm"):
+    if device in MACS:
         return "mlx"
     return "grouped" if DEVICES[device].grouped_mm_fast else "triton"
 
