@@ -12,7 +12,7 @@ split wins. A model, not a measurement: nothing here ran on a Spark or a Mac.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from disagg_agents.models.cost import (
@@ -36,33 +36,36 @@ from disagg_agents.models.cost import (
 # Shapes from each model's config.json. Bits per weight count scales: MLX affine 4-bit
 # group 64 carries a bf16 scale and bias per 64 weights (4.5); MXFP4 an E8M0 scale per
 # 32 (4.25; attention and embeddings stay bf16); GGUF Q8_0 a fp16 scale per 32 (8.5).
-_QWEN3_MOE = dict(layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128, vocab=151936,
-                  experts=128, top_k=8, inter=768)  # fmt: skip
-_GPT_OSS = dict(hidden=2880, heads=64, kv_heads=8, head_dim=64, vocab=201088, top_k=4,
-                inter=2880, sliding_window=128)  # fmt: skip
-_LLAMA8B = dict(layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, vocab=128256,
-                inter=14336)  # fmt: skip
-_QWEN25_7B = dict(layers=28, hidden=3584, heads=28, kv_heads=4, head_dim=128, vocab=152064,
-                  inter=18944)  # fmt: skip
+_QWEN3_MOE = Shape(layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128, vocab=151936,
+                   experts=128, top_k=8, inter=768)  # fmt: skip
+_GPT_OSS_120B = Shape(layers=36, hidden=2880, heads=64, kv_heads=8, head_dim=64, vocab=201088,
+                      experts=128, top_k=4, inter=2880, sliding_window=128,
+                      sliding_layers=18)  # fmt: skip
+_LLAMA8B = Shape(layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, vocab=128256,
+                 inter=14336)  # fmt: skip
+_QWEN25_7B = Shape(layers=28, hidden=3584, heads=28, kv_heads=4, head_dim=128, vocab=152064,
+                   inter=18944)  # fmt: skip
 
 
-def _bits(b: float, rest: float | None = None) -> dict[str, float]:
-    """Experts at `b` bits, attention and embeddings at `rest` (default: `b` too)."""
+def _bits(s: Shape, b: float, rest: float | None = None) -> Shape:
+    """`s` with experts at `b` bits, attention and embeddings at `rest` (default `b`)."""
     rest = b if rest is None else rest
-    return {"expert_bits": b, "attn_bits": rest, "embed_bits": rest}
+    return replace(s, expert_bits=b, attn_bits=rest, embed_bits=rest)
 
 
 SHAPES = {
     # The user's two models.
-    "qwen3-coder-30b-a3b": Shape(**_QWEN3_MOE, **_bits(4.5)),
-    "gpt-oss-120b": Shape(layers=36, experts=128, sliding_layers=18, **_GPT_OSS, **_bits(4.25, 16)),
+    "qwen3-coder-30b-a3b": _bits(_QWEN3_MOE, 4.5),
+    "gpt-oss-120b": _bits(_GPT_OSS_120B, 4.25, 16),
     # The shapes of the published measurements.
-    "qwen3-moe-q8": Shape(**_QWEN3_MOE, **_bits(8.5)),
-    "gpt-oss-120b-q8": Shape(layers=36, experts=128, sliding_layers=18, **_GPT_OSS, **_bits(8.5)),
-    "gpt-oss-20b-4bit": Shape(layers=24, experts=32, sliding_layers=12, **_GPT_OSS, **_bits(4.5)),
-    "llama-3.1-8b-fp16": Shape(**_LLAMA8B),
-    "llama-3.1-8b-4bit": Shape(**_LLAMA8B, **_bits(4.5)),
-    "qwen2.5-7b-q8": Shape(**_QWEN25_7B, **_bits(8.5)),
+    "qwen3-moe-q8": _bits(_QWEN3_MOE, 8.5),
+    "gpt-oss-120b-q8": _bits(_GPT_OSS_120B, 8.5),
+    "gpt-oss-20b-4bit": _bits(
+        replace(_GPT_OSS_120B, layers=24, experts=32, sliding_layers=12), 4.5
+    ),
+    "llama-3.1-8b-fp16": _LLAMA8B,
+    "llama-3.1-8b-4bit": _bits(_LLAMA8B, 4.5),
+    "qwen2.5-7b-q8": _bits(_QWEN25_7B, 8.5),
 }
 USER_MODELS = {
     "qwen3-coder-30b-a3b": "Qwen3-Coder-30B-A3B, MLX affine 4-bit",

@@ -100,10 +100,11 @@ EFFICIENCY = {
         score_ps=8.72,
         decode_dense=0.806,
         decode_moe=0.902,
-        source="moe, score_ps: llama.cpp pp2048 at depths 0-32k, gpt-oss-120b MXFP4 and "
-        "Qwen3-Coder-30B-A3B Q8_0 (ggml-org/llama.cpp benches/dgx-spark.md, build "
-        "2f68ce7cf); dense: EXO's Spark prefill of Llama-3.1-8B FP16 at 8k, 1.47 s; "
-        "decode: the same llama.cpp file's tg32 (Qwen2.5-Coder-7B Q8_0; the MoE pair)",
+        source="MoE prefill, attention: llama.cpp pp2048 at depths 0-32k, gpt-oss-120b "
+        "MXFP4 and Qwen3-Coder-30B-A3B Q8_0 (ggml-org/llama.cpp benches/dgx-spark.md, "
+        "build 2f68ce7cf); dense prefill: EXO's Spark prefill of Llama-3.1-8B FP16 at "
+        "8k, 1.47 s; decode: the same llama.cpp file's tg32 (Qwen2.5-Coder-7B Q8_0; "
+        "the MoE pair)",
     ),
     "m3-ultra": Efficiency(
         dense=0.886,
@@ -111,10 +112,10 @@ EFFICIENCY = {
         score_ps=17.7,
         decode_dense=0.615,
         decode_moe=0.4,
-        source="moe, score_ps: gpt-oss-120b 8-bit prefill times at 4.3k-25k tokens "
-        "(ml-explore/mlx-lm issue 432, mlx-lm 0.27); dense: EXO's M3 Ultra prefill of "
-        "Llama-3.1-8B FP16 at 8k, 5.57 s; decode: 60 tok/s in issue 432 (MoE), "
-        "Llama-3.1-8B 4-bit 119 tok/s (raullenchai/Rapid-MLX PR 586, mlx 0.31)",
+        source="MoE prefill, attention: gpt-oss-120b 8-bit prefill times at 4.3k-25k "
+        "tokens (ml-explore/mlx-lm issue 432, mlx-lm 0.27); dense prefill: EXO's M3 "
+        "Ultra prefill of Llama-3.1-8B FP16 at 8k, 5.57 s; decode: 60 tok/s in issue "
+        "432 (MoE), Llama-3.1-8B 4-bit 119 tok/s (raullenchai/Rapid-MLX PR 586, mlx 0.31)",
     ),
     "m4-max": Efficiency(
         dense=0.886,
@@ -122,9 +123,10 @@ EFFICIENCY = {
         score_ps=25.0,
         decode_dense=0.615,
         decode_moe=0.4,
-        source="moe: mlx-lm pp2048, Qwen3-30B-A3B 4-bit 1,732 and GPT-OSS-20B 4-bit 1,589 "
-        "tok/s (ml-explore/mlx-lm PR 406, M4 Max); dense, decode: the M3 Ultra's "
-        "(no published M4 Max figure found); score_ps: the M3 Ultra's x 26/18.4",
+        source="MoE prefill: mlx-lm pp2048, Qwen3-30B-A3B 4-bit 1,732 and GPT-OSS-20B "
+        "4-bit 1,589 tok/s (ml-explore/mlx-lm PR 406, M4 Max); dense prefill, decode: "
+        "the M3 Ultra's (no published M4 Max figure found); attention: the M3 Ultra's "
+        "x 26/18.4",
     ),
 }
 # Link rates in bytes/s as measured (TCP goodput), not line rate.
