@@ -136,7 +136,7 @@ def test_moe_paths_on_the_spark() -> None:
     # GPT-OSS packed: every block dequantizes its own expert copy (~8 TB at 8k).
     g = SHAPES["gpt-oss-120b"]
     packed = prefill_terms(g, 8192, "gb10", "blocked")["extra_s"] * DEVICES["gb10"].bandwidth
-    assert 6e12 < packed < 10e12
+    assert 6e12 < packed < 8e12  # 7.2 TB
     # Eager attention at 32k: two [64, 32k, 32k] bf16 tensors do not fit 128 GB.
     assert prefill_terms(g, 32768, "gb10", "triton", eager=True)["fits"] == 0
     assert prefill_terms(g, 8192, "gb10", "triton", eager=True)["fits"] == 1
