@@ -201,3 +201,15 @@ def test_plan_speaks_the_users_words_whole_at_80_columns(
         assert "…" not in done.stdout  # rich's mark for text cut short
         assert max(len(line) for line in done.stdout.splitlines()) <= 80
         assert "--count-layers" in done.stdout or "split wins" in done.stdout
+
+
+def test_counted_launches_add_to_the_spark_prefill() -> None:
+    """With --count-layers, the ops and syncs counted here (per layer, scaled to the
+    real layer count) add their launch and sync costs to the Spark's prefill."""
+    counts = costmodel.Counts(104, 1, 34, 0, 63, 0, 2, "kept")
+    plain = costmodel.scenario("qwen3-coder-30b-a3b", 8192, "m3-ultra", "10gbe")
+    counted = costmodel.scenario("qwen3-coder-30b-a3b", 8192, "m3-ultra", "10gbe", counts=counts)
+    d = DEVICES["gb10"]
+    added = (48 * 104 + 63) * d.launch_s + 48 * 1 * d.sync_s
+    assert counted["spark_prefill_s"] - plain["spark_prefill_s"] == pytest.approx(added)
+    assert costmodel.plan(counts={"gpt-oss-120b": counts})["models"]["gpt-oss-120b"]["counts"]
