@@ -1,24 +1,30 @@
 """The cost model (disagg_agents.models.cost, disagg.bench.costmodel): counts against a
-small case worked by hand, the placement's prior, and `disagg plan --json`."""
+small case worked by hand; the efficiencies refitted from the published points and
+each point reproduced; EXO's published split; each MoE path's terms; the
+placement's prior; `disagg plan` quick by default, whole at 80 columns."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+from typing import Any
 
 import pytest
 
-from disagg.bench.costmodel import Counts, scenario
+from disagg.bench import costmodel
+from disagg.bench.costmodel import POINTS, SHAPES, exo_check, fit, predicted_tokens_per_s
 from disagg_agents.decode.placement import Placement
 from disagg_agents.models.cost import (
     DEVICES,
+    EFFICIENCY,
     Prior,
     Shape,
     attention_flops,
+    auto_path,
     experts_hit,
     kv_bytes,
+    moe_blocks,
     prefill_flops,
+    prefill_terms,
     prior,
     roofline_s,
     weight_bytes,
@@ -73,15 +79,67 @@ def test_roofline_adds_launches_and_syncs() -> None:
     )
 
 
-def test_syncs_and_launches_cost_the_spark_prefill() -> None:
-    """The per-expert loop's launches and syncs (measured at commit 48f74c2) put
-    seconds on a Qwen3-Coder prefill the grouped path does not pay."""
-    from disagg.bench.costmodel import MODELS
+def test_the_fit_gives_the_efficiencies_in_the_code() -> None:
+    """EFFICIENCY holds the fit's output rounded: refitting the published points
+    gives it back, so a changed point or shape cannot leave a stale constant."""
+    fitted = fit()
+    assert set(fitted) == {"gb10", "m3-ultra", "m4-max"}
+    for device, values in fitted.items():
+        for field, value in values.items():
+            assert getattr(EFFICIENCY[device], field) == pytest.approx(value, rel=0.01), (
+                device,
+                field,
+            )
 
-    counts = Counts(104, 0, 34, 0, 63, 0, 2, "kept")
-    sc = scenario(MODELS["qwen3-coder-30b-a3b"], 3300, 0, counts)
-    assert sc["spark_prefill_loop_s"] - sc["spark_prefill_s"] > 1.0
-    assert sc["ttft_disaggregated_s"] > sc["spark_prefill_s"]
+
+@pytest.mark.parametrize("p", POINTS, ids=lambda p: f"{p.device}-{p.model}-{p.kind}-{p.context}")
+def test_the_model_reproduces_each_published_point(p: costmodel.Point) -> None:
+    """Prefill points within 10 % (two parameters per device fit 4-10 points); decode
+    within 30 %: one bandwidth share for both MoE models on the Spark, whose llama.cpp
+    tg32 figures differ by 25 % (GGUF's non-expert tensors are not counted bit-exact)."""
+    assert p.source
+    tolerance = 0.10 if p.kind == "prefill" else 0.30
+    assert predicted_tokens_per_s(p) == pytest.approx(p.tokens_per_s, rel=tolerance)
+
+
+def test_exo_published_split_within_30_percent() -> None:
+    """EXO: Llama-3.1-8B FP16, 8k prompt, 32 tokens, Spark + M3 Ultra over 10 GbE: 2.8x
+    the Mac alone. Both dense prefill rates were fitted to EXO's own table, so what
+    this checks is the rest: K/V streamed per layer over 1.1 GB/s, and decode."""
+    check = exo_check()
+    assert check["speedup"] == pytest.approx(2.8, rel=0.30)
+    # With the Spark's dense rate from llama.cpp's Q8_0 kernels it is not within: an
+    # engine at ~30 % of the Spark's FP16 peak, where EXO's ran near it (docs say so).
+    assert check["speedup_llamacpp_spark"] < 2.8 * 0.7
+
+
+def test_moe_paths_on_the_spark() -> None:
+    """Issue 44's reading of the blocked path at 8k on Qwen3-Coder: ~1,150 blocks of
+    64 rows, one bf16 expert copy written and read per block: ~11 GB a layer, seconds
+    per prefill; the fused kernel adds no such bytes; grouped_mm's fallback syncs."""
+    s = SHAPES["qwen3-coder-30b-a3b"]
+    assert moe_blocks(s, 8192) == (65536 + 128 * 63) / 64 == 1150
+    blocked = prefill_terms(s, 8192, "gb10", "blocked")
+    per_layer = blocked["extra_s"] * DEVICES["gb10"].bandwidth / s.layers
+    assert per_layer == pytest.approx(1150 * 3 * 2048 * 768 * 2 * 2, rel=1e-9)  # 10.9 GB
+    assert blocked["extra_s"] > 1.0
+    triton = prefill_terms(s, 8192, "gb10", "triton")
+    assert triton["extra_s"] == 0 and triton["overhead_s"] == 0
+    assert blocked["total_s"] > triton["total_s"]
+    grouped = prefill_terms(s, 8192, "gb10", "grouped")  # sm_121: torch's host loop
+    assert grouped["overhead_s"] >= 3 * s.layers * DEVICES["gb10"].sync_s
+    assert (auto_path("gb10"), auto_path("h100-sxm"), auto_path("m4-max")) == (
+        "triton",
+        "grouped",  # torch's fast kernel runs on sm90
+        "mlx",
+    )
+    # GPT-OSS packed: every block dequantizes its own expert copy (~8 TB at 8k).
+    g = SHAPES["gpt-oss-120b"]
+    packed = prefill_terms(g, 8192, "gb10", "blocked")["extra_s"] * DEVICES["gb10"].bandwidth
+    assert 6e12 < packed < 8e12  # 7.2 TB
+    # Eager attention at 32k: two [64, 32k, 32k] bf16 tensors do not fit 128 GB.
+    assert prefill_terms(g, 32768, "gb10", "triton", eager=True)["fits"] == 0
+    assert prefill_terms(g, 8192, "gb10", "triton", eager=True)["fits"] == 1
 
 
 def test_placement_uses_the_prior_until_it_has_measured() -> None:
@@ -104,23 +162,54 @@ def test_prior_from_a_config_favours_the_spark_for_long_prompts() -> None:
     assert pr.layer_bytes_per_token == 2 * 4 * 128 * 2
 
 
-@pytest.mark.slow
-def test_plan_json_has_every_model_and_load() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "disagg.cli", "plan", "--json", "--count-layers", "0"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
+def test_plan_is_quick_by_default(cli: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No model is built unless --count-layers asks: the default answers from the
+    model alone, with both user models at 2k-64k and where the split starts to win."""
+
+    def no_counting(*_: Any, **__: Any) -> Any:
+        raise AssertionError("plan built a model without --count-layers")
+
+    monkeypatch.setattr(costmodel, "count", no_counting)
+    done = cli("plan", "--json")
+    assert done.returncode == 0, done.stderr
     data = json.loads(done.stdout)
     assert "not a measurement" in data["note"]
     assert set(data["models"]) == {"qwen3-coder-30b-a3b", "gpt-oss-120b"}
     for m in data["models"].values():
-        assert set(m["scenarios"]) == {
-            "rubric + submission",
-            "rubric cached, submission",
-            "8k prompt",
-        }
-        assert m["forward_2048"]["flops"] > 0 and m["forward_2048"]["aten_ops"] is None
-    assert all(d["source"] for d in data["devices"].values())
+        assert [p["tokens"] for p in m["prompts"]] == [2048, 8192, 32768, 65536]
+        assert m["crossover_tokens"] and all(p["speedup"] > 0 for p in m["prompts"])
+    assert data["exo_check"]["published"] == 2.8
+    table = cli("plan", "--mac", "m4-max", "--link", "tb5")
+    assert table.returncode == 0, table.stderr
+    assert "M4 Max" in table.stdout and "65,536" in table.stdout
+    assert "The split wins from" in table.stdout
+    bad = cli("plan", "--mac", "m2-ultra")
+    assert bad.returncode == 1 and "m3-ultra, m4-max" in bad.stderr
+
+
+def test_plan_speaks_the_users_words_whole_at_80_columns(
+    cli: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from disagg.cli import common
+
+    monkeypatch.setattr(common.out, "_width", 80)  # as an 80-column terminal
+    for args in (["plan", "--help"], ["plan"]):
+        done = cli(*args, env={"COLUMNS": "80"})
+        assert done.returncode == 0, done.stderr
+        text = done.stdout.lower()
+        assert "grader" not in text and "rubric" not in text
+        assert "…" not in done.stdout  # rich's mark for text cut short
+        assert max(len(line) for line in done.stdout.splitlines()) <= 80
+        assert "--count-layers" in done.stdout or "split wins" in done.stdout
+
+
+def test_counted_launches_add_to_the_spark_prefill() -> None:
+    """With --count-layers, the ops and syncs counted here (per layer, scaled to the
+    real layer count) add their launch and sync costs to the Spark's prefill."""
+    counts = costmodel.Counts(104, 1, 34, 0, 63, 0, 2, "kept")
+    plain = costmodel.scenario("qwen3-coder-30b-a3b", 8192, "m3-ultra", "10gbe")
+    counted = costmodel.scenario("qwen3-coder-30b-a3b", 8192, "m3-ultra", "10gbe", counts=counts)
+    d = DEVICES["gb10"]
+    added = (48 * 104 + 63) * d.launch_s + 48 * 1 * d.sync_s
+    assert counted["spark_prefill_s"] - plain["spark_prefill_s"] == pytest.approx(added)
+    assert costmodel.plan(counts={"gpt-oss-120b": counts})["models"]["gpt-oss-120b"]["counts"]

@@ -1,4 +1,5 @@
-"""`disagg plan`: the cost model of the user's cluster (disagg.bench.costmodel)."""
+"""`disagg plan`: what a Spark prefilling for a Mac should give on the user's models
+(disagg.bench.costmodel: a model calibrated to published measurements)."""
 
 from __future__ import annotations
 
@@ -6,140 +7,124 @@ import json
 from typing import Annotated, Any
 
 import typer
+from rich.console import RenderableType
 from rich.table import Table
+from rich.text import Text
 
 from disagg.cli.common import Json, app, friendly, out, say
 from disagg.errors import UsageError
+
+MACS = ("m3-ultra", "m4-max")
 
 
 @app.command()
 @friendly
 def plan(
     as_json: Json = False,
+    mac: Annotated[
+        str, typer.Option("--mac", help="The Mac that decodes: m3-ultra or m4-max.")
+    ] = "m3-ultra",
+    link: Annotated[
+        str, typer.Option("--link", help="The Spark-to-Mac link: 10gbe, tb5 or cx7-200g.")
+    ] = "10gbe",
+    moe_path: Annotated[
+        str,
+        typer.Option(
+            "--moe-path",
+            help="How the Spark runs the experts: triton (the fused kernel), grouped "
+            "or blocked (today's fallback).",
+        ),
+    ] = "triton",
     count_layers: Annotated[
         int,
         typer.Option(
             "--count-layers",
-            help="Layers of each model built at its real shapes to count aten ops and host "
-            "syncs on this machine (written once into the cache: ~1 and ~3.4 GB at 2 layers; "
-            "~8 GB of memory while counting GPT-OSS). 0: no counting pass, launch costs "
-            "left out.",
+            help="Also build each model at its real layer shapes with this many layers "
+            "and count kernel launches on this machine (minutes; ~4 GB of disk and "
+            "~8 GB of memory). 0, the default: skip it.",
         ),
-    ] = 2,
-    link: Annotated[
-        str, typer.Option("--link", help="Spark -> Mac link: 10gbe or cx7-200g.")
-    ] = "10gbe",
+    ] = 0,
 ) -> None:
-    """Predict prefill, TTFT and decode of the user's models on Spark -> Mac vs the Mac
-    alone: a roofline model from published device figures, with ops counted here."""
-    from disagg.bench.costmodel import MODELS, Counts, count
+    """Predict time to first token and decode speed of Qwen3-Coder-30B-A3B and
+    GPT-OSS-120B at 2k to 64k prompt tokens: a DGX Spark prefilling for a Mac against
+    the Mac alone. The model is fitted to published figures (llama.cpp on the Spark,
+    mlx-lm on the Macs) and checked against EXO's published Spark + M3 Ultra run."""
+    from disagg.bench.costmodel import USER_MODELS, Counts, count
     from disagg.bench.costmodel import plan as build
-    from disagg_agents.models.cost import LINKS
+    from disagg_agents.models.cost import LINKS, MOE_PATHS
 
-    if link not in LINKS:
-        raise UsageError(f"unknown link {link!r}: use one of {', '.join(LINKS)}")
-    counts: dict[str, Counts | None] = {}
-    for name in MODELS:
-        if count_layers <= 0:
-            counts[name] = None
-            continue
+    for flag, value, allowed in (
+        ("--mac", mac, MACS),
+        ("--link", link, tuple(LINKS)),
+        ("--moe-path", moe_path, MOE_PATHS),
+    ):
+        if value not in allowed:
+            raise UsageError(f"unknown {flag} {value!r}: use one of {', '.join(allowed)}")
+    counts: dict[str, Counts] = {}
+    for name in USER_MODELS if count_layers > 0 else ():
         say(f"counting {name} at its real layer shapes, {count_layers} layers ...")
         counts[name] = count(name, count_layers)
-    data = build(counts, link)
+    data = build(mac, link, moe_path, counts)
     if as_json:
         print(json.dumps(data, indent=2))
         return
-    for table in plan_tables(data):
-        out.print(table)
+    for shown in plan_tables(data):
+        out.print(shown)
 
 
-def _g(x: float | None, unit: str = "") -> str:
+def _s(x: float | None) -> str:
     if x is None:
-        return "-"
-    for div, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(x) >= div:
-            return f"{x / div:.2f} {prefix}{unit}"
-    return f"{x:.0f} {unit}".strip()
+        return "no memory"
+    return f"{x:.2f} s" if x < 10 else f"{x:.1f} s"
 
 
-def _s(x: float) -> str:
-    return f"{x * 1e3:,.0f} ms" if x < 10 else f"{x:,.1f} s"
-
-
-def plan_tables(data: dict[str, Any]) -> list[Table]:
-    """A per-forward table and a per-scenario table (a model: labelled so)."""
-    fwd = Table(title="One prefill forward of 2,048 tokens on the Spark (model)")
-    for col in (
-        "model",
-        "weights",
-        "aten ops",
-        "host syncs",
-        "FLOPs",
-        "weights read",
-        "dequantized",
-        "K/V",
-    ):
-        fwd.add_column(col, justify="left" if col in ("model", "weights") else "right")
-    times = Table(
-        title=f"Predicted on the grader's load: Spark -> Mac over {data['link']['name']} "
-        "vs the Mac alone (roofline model)"
-    )
-    cols = (
-        "model",
-        "load",
-        "Spark prefill",
-        "TTFT split",
-        "TTFT Mac",
-        "split speedup",
-        "decode/token",
-        "loop prefill",
-        "fused-kernel prefill",
-    )
-    for col in cols:
-        times.add_column(col, justify="left" if col in ("model", "load") else "right")
+def plan_tables(data: dict[str, Any]) -> list[RenderableType]:
+    """One table per model, the check against EXO, the efficiencies and their sources."""
+    shown: list[RenderableType] = [
+        Text(
+            f"DGX Spark -> {data['mac']['name']} over {data['link']['name']}, against the "
+            "Mac alone: a model fitted to published figures, not a measurement. Spark: "
+            f"prefill with the {data['moe_path']} MoE path; today: the blocked path (and "
+            "eager attention for GPT-OSS). Decode runs on the Mac either way."
+        )
+    ]
     for m in data["models"].values():
-        f = m["forward_2048"]
-        fwd.add_row(
-            m["label"],
-            m["spark_weights"],
-            _g(f["aten_ops"]),
-            _g(f["host_syncs"]),
-            _g(f["flops"]),
-            _g(f["weight_bytes_read"], "B"),
-            _g(f["bytes_dequantized"], "B"),
-            _g(f["kv_bytes"], "B"),
-        )
-        for label, sc in m["scenarios"].items():
-            loop = sc.get("spark_prefill_loop_s")
-            times.add_row(
-                m["label"],
-                f"{label} ({sc['tokens']:,} new, {sc['context']:,} cached)",
+        t = Table(title=m["label"])
+        for col in ("prompt", "Spark", "today", "K/V", "TTFT split", "TTFT Mac", "split"):
+            t.add_column(col, justify="right")
+        for sc in m["prompts"]:
+            t.add_row(
+                f"{sc['tokens']:,}",
                 _s(sc["spark_prefill_s"]),
-                _s(sc["ttft_disaggregated_s"]),
+                _s(sc["spark_today_s"]),
+                f"{sc['kv_bytes'] / 1e9:.2f} GB",
+                _s(sc["ttft_split_s"]),
                 _s(sc["ttft_mac_alone_s"]),
-                f"{sc['speedup_ttft']:.2f}x",
-                _s(sc["decode_s_per_token"]),
-                _s(loop) if loop is not None else "-",
-                _s(sc["spark_prefill_fused_s"]),
+                f"{sc['speedup']:.2f}x",
             )
-        cross, cached = m["crossover_tokens"], m["crossover_tokens_after_3000_cached"]
-        times.add_row(
-            m["label"],
-            "the split wins from",
-            f"{cross:,} tokens" if cross else "never",
-            f"{cached:,} new after 3,000 cached" if cached else "never after 3,000 cached",
-            end_section=True,
+        cross = m["crossover_tokens"]
+        step = m["prompts"][0]["decode_s_per_token"]
+        t.caption = (
+            f"The split wins from {cross:,} prompt tokens" if cross else "The split never wins"
+        ) + f"; decode {1 / step:.0f} tok/s at 2k."
+        shown.append(t)
+    exo = data["exo_check"]
+    shown.append(
+        Text(
+            f"Checked against EXO's published split (Llama-3.1-8B FP16, 8k prompt, one "
+            f"Spark + one M3 Ultra over 10 GbE): published {exo['published']:.1f}x, this "
+            f"model {exo['speedup']:.2f}x; {exo['speedup_llamacpp_spark']:.2f}x with the "
+            "Spark's dense rate taken from llama.cpp instead of EXO's own prefill time."
         )
-    src = Table(title="Figures the model uses (sources)")
-    src.add_column("device")
-    src.add_column("GB/s", justify="right")
-    src.add_column("TFLOP/s", justify="right")
-    src.add_column("source")
-    for d in data["devices"].values():
-        src.add_row(
-            d["name"], f"{d['bandwidth'] / 1e9:,.0f}", f"{d['flops'] / 1e12:,.0f}", d["source"]
-        )
-    src.add_row(
-        data["link"]["name"], f"{data['link']['bytes_per_s'] / 1e9:.2f}", "", data["link"]["source"]
     )
-    return [fwd, times, src]
+    src = Table(title="Fitted efficiencies (share of nominal FLOP/s and bandwidth)")
+    for col in ("device", "MoE prefill", "dense prefill", "MoE decode", "dense decode"):
+        src.add_column(col, justify="left" if col == "device" else "right")
+    for name, e in data["efficiency"].items():
+        effs = (e["moe"], e["dense"], e["decode_moe"], e["decode_dense"])
+        src.add_row(name, *(f"{x:.0%}" for x in effs))
+    shown.append(src)
+    lines = [f"{name}: {e['source']}" for name, e in data["efficiency"].items()]
+    lines.append(f"{data['link']['name']}: {data['link']['source']}")
+    shown.append(Text("Sources. " + "\n".join(lines)))
+    return shown

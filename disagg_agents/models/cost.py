@@ -1,10 +1,13 @@
 """What a forward pass costs, from a model's shape and a device's published figures:
-a roofline model (time = the larger of FLOPs / throughput and bytes / bandwidth,
-plus kernel launches and host syncs), not a measurement.
+FLOPs, bytes and K/V from the shapes; time from each device's nominal peak times an
+efficiency fitted to published whole-model measurements (EFFICIENCY: llama.cpp on
+the DGX Spark, mlx-lm on the Macs, EXO's fp16 runs), the larger of compute and
+memory, plus what each MoE path adds (copies, dequantization, launches, syncs). A
+model, not a measurement.
 
 Pure Python (no torch, no mlx): the decode agent's placement uses `prior` as its
-guess before it has measured any rate, and `disagg plan` builds its cost model of
-the user's cluster on the same functions.
+guess before it has measured any rate, and `disagg plan` (disagg.bench.costmodel:
+the published points and the fit) builds its table on the same functions.
 """
 
 from __future__ import annotations
@@ -17,11 +20,12 @@ from typing import Any
 class Device:
     name: str
     bandwidth: float  # bytes/s of the memory weights are read from
-    flops: float  # dense bf16/fp16 matmul FLOP/s
+    flops: float  # dense bf16/fp16 matmul FLOP/s (nominal: the fitted efficiencies scale it)
     launch_s: float  # per kernel launch (an aten op on the GPU)
     sync_s: float  # per host sync: the queue drains, the host wakes, the next launch waits
     memory: float  # bytes
     source: str
+    grouped_mm_fast: bool = False  # torch's fast grouped_mm kernel runs here (sm90 / sm100)
 
 
 # Every figure with its source. A GPU kernel launch costs a few microseconds (NVIDIA,
@@ -35,10 +39,9 @@ DEVICES = {
         4e-6,
         20e-6,
         128e9,
-        "128 GB, 273 GB/s LPDDR5x: NVIDIA DGX Spark spec. 100 TFLOP/s FP16: EXO Labs' figure "
-        "(blog.exolabs.net/nvidia-dgx-spark), matching their measured 1.47 s prefill of "
-        "Llama-3.1-8B FP16 at 8k; NVIDIA publishes 1 PFLOP FP4 with sparsity, which "
-        "(/2 dense, /4 FP4->BF16) bounds dense BF16 at 125 TFLOP/s",
+        "128 GB, 273 GB/s LPDDR5x: NVIDIA DGX Spark spec. 100 TFLOP/s FP16: EXO Labs' "
+        "figure (blog.exolabs.net/nvidia-dgx-spark). Compute capability 12.1: torch's "
+        "fast grouped_mm kernel (sm90/sm100) does not run",
     ),
     "m3-ultra": Device(
         "Mac Studio (M3 Ultra)",
@@ -48,8 +51,18 @@ DEVICES = {
         20e-6,
         256e9,
         "256 GB (as EXO's), 819 GB/s: Apple Mac Studio spec. ~26 TFLOP/s FP16 GPU: "
-        "EXO Labs' figure (Apple publishes none), matching their measured 5.57 s "
-        "prefill of Llama-3.1-8B FP16 at 8k",
+        "EXO Labs' figure (Apple publishes none)",
+    ),
+    "m4-max": Device(
+        "Mac Studio (M4 Max)",
+        546e9,
+        18.4e12,
+        4e-6,
+        20e-6,
+        128e9,
+        "128 GB, 546 GB/s: Apple Mac Studio (M4 Max, 40-core GPU) spec. ~18.4 TFLOP/s: "
+        "40 cores x 128 ALUs x 2 FLOP x 1.8 GHz (Apple publishes none; the fitted "
+        "efficiencies absorb the choice)",
     ),
     "h100-sxm": Device(
         "H100 SXM",
@@ -60,12 +73,79 @@ DEVICES = {
         80e9,
         "80 GB, 3.35 TB/s HBM3, 989 TFLOP/s dense BF16 (1,979 with sparsity): "
         "NVIDIA H100 SXM datasheet",
+        grouped_mm_fast=True,
     ),
 }
-# Link rates in bytes/s (line rate; the model takes no protocol overhead off).
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """How much of a device's nominal figures the engine that runs there reaches, by
+    model class, fitted to published whole-model measurements (the points and the fit:
+    disagg.bench.costmodel; tests/test_costmodel.py refits them and checks these)."""
+
+    dense: float  # of peak FLOP/s: a dense model's prefill matmuls
+    moe: float  # of peak FLOP/s: an MoE model's prefill matmuls (experts, router, projections)
+    score_ps: float  # picoseconds per attention score (one head x one query x one key)
+    decode_dense: float  # of bandwidth: one decode step of a dense model
+    decode_moe: float
+    source: str
+
+
+# Fitted by disagg.bench.costmodel.fit() (rounded); each field's points in `source`.
+EFFICIENCY = {
+    "gb10": Efficiency(
+        dense=0.977,
+        moe=0.176,
+        score_ps=8.72,
+        decode_dense=0.806,
+        decode_moe=0.902,
+        source="MoE prefill, attention: llama.cpp pp2048 at depths 0-32k, gpt-oss-120b "
+        "MXFP4 and Qwen3-Coder-30B-A3B Q8_0 (ggml-org/llama.cpp benches/dgx-spark.md, "
+        "build 2f68ce7cf); dense prefill: EXO's Spark prefill of Llama-3.1-8B FP16 at "
+        "8k, 1.47 s; decode: the same llama.cpp file's tg32 (Qwen2.5-Coder-7B Q8_0; "
+        "the MoE pair)",
+    ),
+    "m3-ultra": Efficiency(
+        dense=0.886,
+        moe=0.377,
+        score_ps=17.7,
+        decode_dense=0.615,
+        decode_moe=0.4,
+        source="MoE prefill, attention: gpt-oss-120b 8-bit prefill times at 4.3k-25k "
+        "tokens (ml-explore/mlx-lm issue 432, mlx-lm 0.27); dense prefill: EXO's M3 "
+        "Ultra prefill of Llama-3.1-8B FP16 at 8k, 5.57 s; decode: 60 tok/s in issue "
+        "432 (MoE), Llama-3.1-8B 4-bit 119 tok/s (raullenchai/Rapid-MLX PR 586, mlx 0.31)",
+    ),
+    "m4-max": Efficiency(
+        dense=0.886,
+        moe=0.547,
+        score_ps=25.0,
+        decode_dense=0.615,
+        decode_moe=0.4,
+        source="MoE prefill: mlx-lm pp2048, Qwen3-30B-A3B 4-bit 1,732 and GPT-OSS-20B "
+        "4-bit 1,589 tok/s (ml-explore/mlx-lm PR 406, M4 Max); dense prefill, decode: "
+        "the M3 Ultra's (no published M4 Max figure found); attention: the M3 Ultra's "
+        "x 26/18.4",
+    ),
+}
+# Link rates in bytes/s as measured (TCP goodput), not line rate.
 LINKS = {
-    "10gbe": (10e9 / 8, "10 Gb/s Ethernet: the Mac Studio's port (Apple spec), EXO's setup"),
-    "cx7-200g": (200e9 / 8, "ConnectX-7 200 Gb/s: the DGX Spark's QSFP ports (NVIDIA spec)"),
+    "10gbe": (
+        1.1e9,
+        "10 GbE: ~9.4 Gb/s TCP goodput at MTU 1500 (~1.1 GB/s, issue 44's measured "
+        "figure); the Spark's and the Mac Studio's RJ45 ports, EXO's setup",
+    ),
+    "tb5": (
+        5.0e9,
+        "Thunderbolt 5 IP link: 80 Gb/s per direction (USB4 v2); taken at half the line "
+        "rate as Thunderbolt networking measures (16.4 Gb/s TCP on a 20/40 Gb/s "
+        "USB4 link, jiribrejcha.net); no Spark-to-Mac measurement published",
+    ),
+    "cx7-200g": (
+        200e9 / 8,
+        "ConnectX-7 200 Gb/s: the DGX Spark's QSFP ports (NVIDIA spec), line rate",
+    ),
 }
 HANDSHAKE_S = 2e-3  # a prefill request's round trips on a LAN (a model guess)
 
@@ -233,13 +313,115 @@ def kv_bytes(s: Shape, tokens: int, context: int = 0) -> float:
 
 
 def roofline_s(flops: float, nbytes: float, d: Device, ops: float = 0, syncs: float = 0) -> float:
-    """max(compute, memory) + launches + syncs, in seconds."""
+    """max(compute, memory) + launches + syncs, in seconds, at nominal peak."""
     return max(flops / d.flops, nbytes / d.bandwidth) + ops * d.launch_s + syncs * d.sync_s
 
 
-def decode_step_s(s: Shape, context: int, d: Device) -> float:
-    """One decode token: the routed weights read packed (mlx reads packed weights in
-    its quantized matmuls) plus the K/V read, at the device's bandwidth."""
+def score_elements(s: Shape, tokens: int, context: int = 0) -> float:
+    """Attention scores (head x query x key) of `tokens` new tokens after `context`."""
+    return attention_flops(s, tokens, context) / (4.0 * s.head_dim)
+
+
+# The MoE paths our prefill can take on a CUDA device; the Macs run mlx's.
+MOE_PATHS = ("triton", "grouped", "blocked")
+MACS = ("m3-ultra", "m4-max")
+BLOCK_ROWS = 64  # disagg_agents.quant.moe.BLOCK: rows per expert block
+# Bytes per weight dequantized by today's torch path: int32 codes and bf16 values,
+# each written and read back once (issue 44's reading of disagg_agents/quant).
+DEQUANT_BYTES = 12.0
+EAGER_PASSES = 4  # eager attention: scores written, read by softmax, written, read by PV
+
+
+def moe_blocks(s: Shape, tokens: int) -> float:
+    """Row blocks of one MoE layer: the upper bound the blocked layout sizes to
+    (pairs + experts x (block - 1)) / block; the Triton kernel's program rows too."""
+    pairs = tokens * s.top_k
+    return float(-(-(pairs + s.experts * (BLOCK_ROWS - 1)) // BLOCK_ROWS))
+
+
+def auto_path(device: str) -> str:
+    """The path our prefill takes on `device` once the fused kernel exists: grouped_mm
+    where torch's fast kernel runs, else the Triton kernel. Macs run mlx."""
+    if device in MACS:
+        return "mlx"
+    return "grouped" if DEVICES[device].grouped_mm_fast else "triton"
+
+
+def _expert_bytes(s: Shape, bits: float) -> float:
+    return s.expert_params * bits / 8
+
+
+def _moe_traffic(s: Shape, tokens: int, device: str, path: str) -> dict[str, float]:
+    """Per forward: expert bytes read by the GEMMs (overlap compute), bytes moved by
+    kernels that compute nothing (copies, dequantization: add), host syncs, launches,
+    and the FLOP factor of padded rows."""
+    d, hit, blocks = DEVICES[device], experts_hit(s, tokens), moe_blocks(s, tokens)
+    kept = spark_mode(s, d) == "kept" or s.expert_bits >= 16
+    packed, bf16 = _expert_bytes(s, s.expert_bits), _expert_bytes(s, 16.0)
+    out = {"read": 0.0, "extra": 0.0, "syncs": 0.0, "launches": 0.0, "pad": 1.0}
+    if path in ("mlx", "triton"):
+        # Weights read in their stored form; Triton re-reads an expert per row block.
+        out["read"] = s.layers * packed * (blocks if path == "triton" else hit)
+    elif path == "grouped":
+        out["read"] = s.layers * hit * bf16
+        if not kept:  # every expert dequantized per forward, one batched op a layer
+            out["extra"] = s.layers * s.experts * s.expert_params * DEQUANT_BYTES
+        if not d.grouped_mm_fast:  # torch's fallback: offsets to the host, a GEMM per group
+            out["syncs"] = 3.0 * s.layers
+            out["launches"] = 3.0 * s.layers * s.experts
+    elif path == "blocked":
+        # take(block_expert) writes one expert copy per block, which the bmm reads back.
+        per_block = 2 * bf16 if kept else s.expert_params * (s.expert_bits / 8 + DEQUANT_BYTES)
+        out["extra"] = s.layers * blocks * per_block
+        out["pad"] = blocks * BLOCK_ROWS / (tokens * s.top_k)
+    else:
+        raise ValueError(f"unknown MoE path {path!r}: one of {', '.join(MOE_PATHS)} or mlx")
+    return out
+
+
+def prefill_terms(
+    s: Shape, tokens: int, device: str, path: str = "auto", context: int = 0, eager: bool = False
+) -> dict[str, float]:
+    """A prefill's time by term, in seconds, with the device's fitted efficiencies:
+    matmuls (FLOPs / (peak x efficiency)) and flash attention (scores x seconds per
+    score) against the weights' and K/V's bytes at the bandwidth, whichever is longer;
+    plus bytes of kernels that compute nothing, launches and syncs. `eager`: the
+    score matrix materialized (today's gpt-oss attention); `fits` 0 when it cannot."""
+    d, e = DEVICES[device], EFFICIENCY[device]
+    path = auto_path(device) if path == "auto" else path
+    moe = _moe_traffic(s, tokens, device, path) if s.experts else None
+    experts = s.top_k if s.experts else 1
+    expert_flops = 2.0 * s.layers * experts * s.expert_params * tokens
+    flops = prefill_flops(s, tokens, context) - attention_flops(s, tokens, context)
+    flops += expert_flops * ((moe["pad"] if moe else 1.0) - 1.0)
+    matmul = flops / (d.flops * (e.moe if s.experts else e.dense))
+    scores = score_elements(s, tokens, context)
+    attention = scores * e.score_ps * 1e-12
+    other = weight_bytes(s, tokens, "fused")["weights_read"]
+    if moe:  # the experts' part as the path reads it
+        other += moe["read"] - s.layers * experts_hit(s, tokens) * _expert_bytes(s, s.expert_bits)
+    memory = (other + kv_bytes(s, tokens, context)) / d.bandwidth
+    extra = moe["extra"] if moe else 0.0
+    fits = 1.0
+    if eager:  # every layer materializes [heads, n, context + n] (sliding ones masked)
+        square = s.heads * tokens * (context + tokens) * s.act_bytes
+        extra += EAGER_PASSES * s.layers * square
+        fits = float(2 * square + model_bytes(s, kept=False) <= d.memory)
+    overhead = (moe["launches"] * d.launch_s + moe["syncs"] * d.sync_s) if moe else 0.0
+    total = max(matmul + attention, memory) + extra / d.bandwidth + overhead
+    return {
+        "matmul_s": matmul,
+        "attention_s": attention,
+        "memory_s": memory,
+        "extra_s": extra / d.bandwidth,
+        "overhead_s": overhead,
+        "total_s": total,
+        "fits": fits,
+    }
+
+
+def decode_bytes(s: Shape, context: int) -> float:
+    """Bytes one decode step reads: the routed weights as stored, the K/V so far."""
     experts = s.top_k if s.experts else 1
     per_layer = (
         s.attn_params * s.attn_bits / 8
@@ -247,8 +429,14 @@ def decode_step_s(s: Shape, context: int, d: Device) -> float:
         + experts * s.expert_params * s.expert_bits / 8
     )
     weights = s.layers * per_layer + s.hidden * s.vocab * s.embed_bits / 8
-    kv = kv_bytes(s, context) if context else 0.0
-    return roofline_s(2 * weights, weights + kv, d)
+    return weights + (kv_bytes(s, context) if context else 0.0)
+
+
+def decode_step_s(s: Shape, context: int, device: str) -> float:
+    """One decode token at the bandwidth the device's engine reaches on this model class."""
+    d, e = DEVICES[device], EFFICIENCY[device]
+    eff = e.decode_moe if s.experts else e.decode_dense
+    return decode_bytes(s, context) / (d.bandwidth * eff)
 
 
 @dataclass(frozen=True)
@@ -269,10 +457,9 @@ def spark_mode(s: Shape, d: Device) -> str:
     return "kept" if model_bytes(s, kept=True) <= 0.75 * d.memory else "packed"
 
 
-def prefill_tokens_per_s(s: Shape, d: Device, mode: str, tokens: int = 2048) -> float:
-    """Roofline prefill rate of a `tokens`-token prompt on `d`."""
-    nbytes = weight_bytes(s, tokens, mode)["read"] + kv_bytes(s, tokens)
-    return tokens / roofline_s(prefill_flops(s, tokens), nbytes, d)
+def prefill_tokens_per_s(s: Shape, device: str, tokens: int = 2048, path: str = "auto") -> float:
+    """Calibrated prefill rate of a `tokens`-token prompt on `device`."""
+    return tokens / prefill_terms(s, tokens, device, path)["total_s"]
 
 
 def prior(
@@ -284,8 +471,6 @@ def prior(
 ) -> Prior:
     """The placement's prior for a model config (HF config.json as a dict)."""
     s = Shape.from_config(cfg, bits)
-    remote_dev = DEVICES[prefill_device]
-    remote = prefill_tokens_per_s(s, remote_dev, spark_mode(s, remote_dev))
-    # The decode host prefills with mlx, reading packed weights in its quantized matmuls.
-    local = prefill_tokens_per_s(s, DEVICES[decode_device], "fused")
+    remote = prefill_tokens_per_s(s, prefill_device)
+    local = prefill_tokens_per_s(s, decode_device)  # mlx, packed weights
     return Prior(remote, local, kv_bytes(s, 1) / s.layers, LINKS[link][0])
