@@ -236,3 +236,26 @@ def test_prefill_with_the_kernels_gives_the_default_paths_greedy_tokens(
     assert any(isinstance(m, PackedExperts) and m._triton for m in eng.model.modules())
     assert torch.equal(got, want), (got != want).nonzero().reshape(-1).tolist()
     assert got_logits.argmax() == want_logits.argmax()
+
+
+@pytest.mark.slow  # a tiny full-precision checkpoint, prefilled twice (the kernels interpreted)
+def test_a_full_precision_qwen3_moe_runs_the_kernels_over_transformers_own_tensors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An unquantized checkpoint loads through transformers; where the kernels run,
+    its experts become PackedExperts over views of the same tensors (no copy)."""
+    from disagg_agents.prefill.engine import PrefillEngine
+    from tests.tinymodels import shared_tiny
+
+    path = str(shared_tiny("qwen3_moe"))
+    monkeypatch.setenv(moe.GEMM_ENV, "blocked" if CUDA else "auto")
+    want = greedy_per_position(PrefillEngine(path, device=str(DEVICE)))
+    monkeypatch.setenv(moe.GEMM_ENV, "triton")
+    eng = PrefillEngine(path, device=str(DEVICE))
+    swapped = [m for m in eng.model.modules() if isinstance(m, PackedExperts)]
+    assert swapped and all(isinstance(m.gate, torch.Tensor) for m in swapped)
+    storage = [w.untyped_storage().data_ptr() for w in (swapped[0].gate, swapped[0].up)]
+    assert storage[0] == storage[1]  # both views of transformers' gate_up_proj
+    got = greedy_per_position(eng)
+    assert all(m._triton for m in swapped)
+    assert torch.equal(got, want), (got != want).nonzero().reshape(-1).tolist()

@@ -18,7 +18,10 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-AGENT_BASE = ("numpy", "zstandard")  # what agents/ imports beyond the stdlib, either role
+AGENT_BASE = ("numpy", "zstandard")  # what the agents import beyond the stdlib, either role
+# Installed where pip's markers say (triton: Linux), used where present: a host without
+# it (a Mac prefilling on MPS) still runs the role, so its check does not ask for it.
+OPTIONAL_MODULES = ("triton",)
 _EXTRA = re.compile(r"""\s*(?:and\s+)?extra\s*==\s*["']([\w.-]+)["']\s*(?:and\s+)?""")
 
 
@@ -65,5 +68,7 @@ def role_requirements(role: str) -> list[str]:
 
 
 def role_modules(role: str) -> list[str]:
-    """The import names the role's requirements provide (mlx-lm -> mlx_lm)."""
-    return sorted({_name(r).replace("-", "_") for r in role_requirements(role)})
+    """The import names the role's requirements provide (mlx-lm -> mlx_lm), less the
+    optional ones."""
+    names = {_name(r).replace("-", "_") for r in role_requirements(role)}
+    return sorted(names - set(OPTIONAL_MODULES))

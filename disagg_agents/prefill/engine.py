@@ -70,6 +70,7 @@ class PrefillEngine:
         from disagg_agents.quant.budget import dequant_budget
         from disagg_agents.quant.formats import weight_files
         from disagg_agents.quant.loader import load_packed_model, needs_packed_loader
+        from disagg_agents.quant.modules import plain_experts
 
         self.model_dir = model_dir
         check_supported(model_dir)
@@ -96,6 +97,9 @@ class PrefillEngine:
                 model_dir, dtype=TORCH_DTYPES[self.dtype], **extra
             )
             model = loaded.to(self.device)
+            if moe:  # the Triton kernels where transformers' grouped_mm would loop
+                kind, dev = self.cfg["model_type"], torch.device(self.device)
+                plain_experts(model, kind, dev, TORCH_DTYPES[self.dtype])
         self.model = model.eval()
         # The decoder stack without the LM head: prefill never needs logits.
         self.body = getattr(self.model, self.model.base_model_prefix)

@@ -170,6 +170,35 @@ class PackedExperts(nn.Module):
         return moe.combine(y, r, top_k_weights, hidden.dtype)
 
 
+def plain_experts(model: nn.Module, kind: str, device: torch.device, dtype: torch.dtype) -> int:
+    """For a full-precision checkpoint: transformers' qwen3_moe experts replaced by
+    PackedExperts over the same tensors (views, no copy) where the Triton kernels
+    would run (CUDA without torch's fast grouped_mm, e.g. the Spark's sm_121, where
+    transformers' grouped_mm falls back to a host loop; or DISAGG_MOE_GEMM=triton).
+    Returns the layers replaced."""
+    import os
+
+    want = os.environ.get(moe.GEMM_ENV, "auto")
+    if kind != "qwen3_moe" or not moe_triton.available(device):
+        return 0
+    if want != "triton" and (want != "auto" or moe.grouped_mm_fits(device, dtype)):
+        return 0
+    swapped = 0
+    for name, mod in list(model.named_modules()):
+        if type(mod).__name__ != "Qwen3MoeExperts":
+            continue
+        inter = mod.down_proj.shape[-1]
+        gate_up = mod.gate_up_proj.detach()
+        new = PackedExperts(
+            kind, gate_up[:, :inter], gate_up[:, inter:], mod.down_proj.detach(),
+            mod.num_experts, dtype, None, act=mod.act_fn,
+        )  # fmt: skip
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, new)
+        swapped += 1
+    return swapped
+
+
 def materialize(model: nn.Module) -> int:
     """Dequantize every packed weight of `model` in place, for good (what loading
     a dequantized copy would give). For comparisons: packed vs dequantized at load.

@@ -12,6 +12,7 @@ TRITON_INTERPRET=1 (slowly), which is how CI checks them against the reference.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -31,10 +32,15 @@ def interpreted() -> bool:
     return os.environ.get(INTERPRET_ENV) == "1"
 
 
+@functools.cache
+def _installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def available(device: torch.device) -> bool:
     """Whether the kernels can run on tensors of `device`: CUDA with Triton, or a
     CPU under TRITON_INTERPRET=1 (the tests' way)."""
-    if importlib.util.find_spec("triton") is None:
+    if not _installed():
         return False
     if device.type == "cuda":
         return not interpreted()
@@ -67,7 +73,9 @@ def stored(w: Packed | torch.Tensor) -> Stored | None:
         assert plain is not None
         if plain.shape[-1] % 16:
             return None
-        return Stored(plain.contiguous(), plain, plain, k.FORM_PLAIN, 16, 1)
+        if plain.stride(-1) != 1:  # strided rows (a view of gate_up) are read in place
+            plain = plain.contiguous()
+        return Stored(plain, plain, plain, k.FORM_PLAIN, 16, 1)
     spec = w.spec
     pow2 = spec.group_size & (spec.group_size - 1) == 0
     if w.n_in % 16 or not pow2:
