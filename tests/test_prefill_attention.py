@@ -141,7 +141,8 @@ def test_memory_linear_in_prompt(layer_type: str) -> None:
 
 def test_counter_sees_eager_quadratic() -> None:
     # The counter is not blind: eager's scores grow 4x per doubling of the prompt.
-    small, large = _biggest("full_attention", "eager", 256), _biggest("full_attention", "eager", 512)
+    small = _biggest("full_attention", "eager", 256)
+    large = _biggest("full_attention", "eager", 512)
     assert large / small >= 3.5, (small, large)
 
 
