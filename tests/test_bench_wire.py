@@ -45,9 +45,10 @@ def test_wire_bench_runs(default_model: Path) -> None:
         assert p["inplace_bit_exact"] and p["mlx_copy_bit_exact"]
         assert positive(p["inplace_vs_bare"]) and positive(p["mlx_copy_vs_bare"])
         assert positive(p["inplace_vs_bare_asked"])
-        # one repetition: HANDOFF_PAIRS bare / bare asked / in-place triples, a ratio each
+        # one repetition: HANDOFF_PAIRS bare / bare asked / ours / in-place runs, a ratio each
         assert len(p["inplace_vs_bare_runs"]) == HANDOFF_PAIRS and p["inplace_bar"] == 0.95
         assert len(p["inplace_vs_bare_asked_runs"]) == HANDOFF_PAIRS
+        assert len(p["ours_vs_bare_runs"]) == HANDOFF_PAIRS  # ours in the same pairs
         assert p["ok_inplace"] == (p["inplace_vs_bare"] >= 0.95)
         assert positive(p["inplace_request_s"]) and positive(p["inplace_alloc_s"])
         assert p["inplace_request_s"] < p["median_s"]["ours_inplace"]
@@ -55,7 +56,7 @@ def test_wire_bench_runs(default_model: Path) -> None:
         keys = ("ours", "bare", "bare_asked", "json", "ours_zstd", "ours_shuffle_zstd")
         for key in (*keys, "ours_inplace", "ours_mlx_copy"):
             assert positive(p["gb_s"][key]), key
-            paired = key in ("bare", "bare_asked", "ours_inplace")
+            paired = key in ("bare", "bare_asked", "ours", "ours_inplace")
             assert len(p["seconds"][key]) == (HANDOFF_PAIRS if paired else 1), key
         assert p["wire_bytes"]["bare"] == p["wire_bytes"]["bare_asked"] == p["raw_bytes"]
         assert p["wire_bytes"]["ours"] > p["raw_bytes"]  # headers

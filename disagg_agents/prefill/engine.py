@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from disagg_agents.models import get_adapter, layer_kinds_from_hf, load_hf_config
+from disagg_agents.prefill.attention import use_chunked_attention
 from disagg_agents.prefill.hostcopy import HostCopies
 from disagg_agents.prefill.prefixcache import PrefillPrefix
 from disagg_agents.prefill.queue import FairQueue
@@ -101,6 +102,9 @@ class PrefillEngine:
                 kind, dev = self.cfg["model_type"], torch.device(self.device)
                 plain_experts(model, kind, dev, TORCH_DTYPES[self.dtype])
         self.model = model.eval()
+        if self.adapter.chunked_attention:
+            # Eager attention holds [heads, n, n] scores: ~8.6 GB per layer at 8k tokens.
+            use_chunked_attention(self.model)
         # The decoder stack without the LM head: prefill never needs logits.
         self.body = getattr(self.model, self.model.base_model_prefix)
         self.head = self.model.get_output_embeddings()
