@@ -49,3 +49,7 @@ for tiles in 64,128,64,8,3 128,128,64,8,3 64,64,128,4,3; do
     --tokens 8192 --shapes qwen3-coder-4bit gpt-oss-mxfp4 --json 2>>"$OUT/tiles.err" \
     | sed "s/^/$tiles /" | tee -a "$OUT/tiles.txt" | grep -o '"shape".*"gb_s": [0-9.]*'
 done
+
+echo "== gpt-oss attention: chunked SDPA vs eager, time and memory per layer"
+timeout 120 python3 -m disagg.bench.attention 2>"$OUT/attention.err" | tee "$OUT/attention.jsonl"
+tail -2 "$OUT/attention.err"

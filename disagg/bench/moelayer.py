@@ -88,11 +88,11 @@ def make_layer(spec: dict[str, Any], device: str) -> Any:
 
     gate, up, down = weight(i, h), weight(i, h), weight(h, i)
     # The E2M1 table is copied to the device once per process (a sync), not per forward.
-    e2m1_pairs(torch.device(device), bf16)
+    e2m1_pairs(torch.device(device, 0) if device == "cuda" else torch.device(device), bf16)
     biases = None
     if spec["kind"] == "gpt_oss":
-        biases = tuple((torch.randn(e, n, generator=g) * 0.01).to(bf16).to(device)
-                       for n in (i, i, h))  # fmt: skip
+        b = [(torch.randn(e, n, generator=g) * 0.01).to(bf16).to(device) for n in (i, i, h)]
+        biases = (b[0], b[1], b[2])
     return PackedExperts(spec["kind"], gate, up, down, e, bf16, biases, act=torch.nn.SiLU())
 
 

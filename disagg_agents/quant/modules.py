@@ -134,7 +134,7 @@ class PackedExperts(nn.Module):
             self._triton = moe_triton.prepare(
                 self.kind, weights, self.biases, self.act, self.alpha, self.limit
             ) or False
-        return self._triton or None
+        return self._triton if isinstance(self._triton, moe_triton.Experts) else None
 
     def _glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if self.kind == "gpt_oss":  # GptOssExperts._apply_gate
