@@ -254,7 +254,9 @@ def test_a_full_precision_qwen3_moe_runs_the_kernels_over_transformers_own_tenso
     eng = PrefillEngine(path, device=str(DEVICE))
     swapped = [m for m in eng.model.modules() if isinstance(m, PackedExperts)]
     assert swapped and all(isinstance(m.gate, torch.Tensor) for m in swapped)
-    storage = [w.untyped_storage().data_ptr() for w in (swapped[0].gate, swapped[0].up)]
+    gate, up = swapped[0].gate, swapped[0].up
+    assert isinstance(gate, torch.Tensor) and isinstance(up, torch.Tensor)
+    storage = [w.untyped_storage().data_ptr() for w in (gate, up)]
     assert storage[0] == storage[1]  # both views of transformers' gate_up_proj
     got = greedy_per_position(eng)
     assert all(m._triton for m in swapped)
