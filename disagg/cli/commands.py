@@ -146,7 +146,7 @@ def generate(
         typer.Option(
             "--kv-quant",
             help="int8: lossy 8-bit KV on the wire (about 4x fewer bytes; text may differ "
-            "from a lossless run, see README). Off by default.",
+            "from a lossless run: docs/performance.md, Lossy int8 K/V). Off by default.",
         ),
     ] = None,
     batch: Annotated[
