@@ -198,3 +198,18 @@ def use_transformers_yarn(model: Any, model_dir: str | Path) -> int:
             rope._freqs, rope.mscale = freqs, float(factor)
             n += 1
     return n
+
+
+def hf_embedding(model_dir: str | Path, text: str, pooling: str) -> tuple[list[float], int]:
+    """A plain transformers forward (AutoModel, float32, the tokenizer's own special
+    tokens) pooled as the checkpoint declares ("last", "mean" or "cls") and
+    L2-normalized; with the number of tokens it read."""
+    from transformers import AutoModel, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    ids = [int(i) for i in tok(text)["input_ids"]]
+    model = AutoModel.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        h = model(torch.tensor([ids])).last_hidden_state[0]  # [tokens, hidden]
+    v = {"last": h[-1], "mean": h.mean(0), "cls": h[0]}[pooling]
+    return (v / v.norm()).tolist(), len(ids)
