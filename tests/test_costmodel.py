@@ -123,4 +123,30 @@ def test_plan_json_has_every_model_and_load() -> None:
             "8k prompt",
         }
         assert m["forward_2048"]["flops"] > 0 and m["forward_2048"]["aten_ops"] is None
+        for sc in m["scenarios"].values():  # the figures hang together
+            assert sc["speedup_ttft"] == pytest.approx(
+                sc["ttft_mac_alone_s"] / sc["ttft_disaggregated_s"]
+            )
+            assert sc["ttft_disaggregated_s"] > sc["spark_prefill_s"]  # plus the link
     assert all(d["source"] for d in data["devices"].values())
+    # Qwen3-Coder's 2048-token forward, worked by hand from its config.json's shape:
+    # per layer q, k, v, o; 8 of 128 experts' gate, up and down; the router; causal
+    # attention (QK^T and AV, 2 FLOPs per MAC); the LM head on the last position.
+    layers, hidden, heads, kv_heads, head_dim, vocab = 48, 2048, 32, 4, 128, 151936
+    experts, top_k, inter, tokens = 128, 8, 768, 2048
+    per_token = layers * (
+        2 * hidden * heads * head_dim
+        + 2 * hidden * kv_heads * head_dim
+        + top_k * 3 * hidden * inter
+        + hidden * experts
+    )
+    attention = 4 * heads * head_dim * layers * tokens * (tokens + 1) / 2
+    flops = 2 * tokens * per_token + attention + 2 * hidden * vocab
+    coder = data["models"]["qwen3-coder-30b-a3b"]
+    assert coder["forward_2048"]["flops"] == flops
+    # A roofline never beats its compute bound: 8k tokens on the Spark and on the Mac.
+    at_8k = coder["scenarios"]["8k prompt"]
+    tokens = at_8k["tokens"]
+    flops_8k = 2 * tokens * per_token + 4 * heads * head_dim * layers * tokens * (tokens + 1) / 2
+    assert at_8k["spark_prefill_s"] >= flops_8k / data["devices"]["gb10"]["flops"]
+    assert at_8k["mac_prefill_s"] >= flops_8k / data["devices"]["m3-ultra"]["flops"]
