@@ -64,7 +64,7 @@ def near_tie_misses(
     logits = logits.astype(mx.float32)
     top = mx.max(logits, axis=-1)
     mine = mx.take_along_axis(logits, mx.array(got)[:, None], axis=-1)[:, 0]
-    gaps = (top - mine).tolist()
+    gaps: Any = (top - mine).tolist()  # [tokens] floats
     return [(k, float(g)) for k, g in enumerate(gaps) if g > 0]
 
 

@@ -14,7 +14,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from openai.types.responses import ResponseTextDeltaEvent
+from openai.types.responses import ResponseFunctionCallArgumentsDoneEvent, ResponseTextDeltaEvent
 
 from tests.agentpool import AgentSet
 from tests.conftest import PairFactory
@@ -145,7 +145,7 @@ def test_messages_forced_tool_use_and_its_result(claude: anthropic.Anthropic) ->
         use = next(b for b in final.content if b.type == "tool_use")
         assert use.name == "get_weather"
         partial = [
-            e.delta.partial_json  # type: ignore[union-attr]
+            e.delta.partial_json
             for e in events
             if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
         ]
@@ -351,13 +351,11 @@ def test_responses_forced_function_call_and_its_output(
             stream=True,
         )
     )
-    deltas = [e for e in events if e.type == "response.function_call_arguments.delta"]
+    deltas: list[Any] = [e for e in events if e.type == "response.function_call_arguments.delta"]
     [done] = [e for e in events if e.type == "response.function_call_arguments.done"]
-    streamed = next(
-        i
-        for i in events[-1].response.output
-        if i.type == "function_call"  # type: ignore[union-attr]
-    )
+    assert isinstance(done, ResponseFunctionCallArgumentsDoneEvent)
+    last: Any = events[-1]  # response.completed: the whole response
+    streamed = next(i for i in last.response.output if i.type == "function_call")
     assert deltas and "".join(d.delta for d in deltas) == done.arguments == streamed.arguments
     assert {d.item_id for d in deltas} == {done.item_id} == {streamed.id}
     assert isinstance(json.loads(streamed.arguments)["city"], str)

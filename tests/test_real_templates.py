@@ -20,7 +20,7 @@ from tests.chattokenizers import build
 from tests.test_chatformat import WEATHER, run_stream
 
 ROOT = Path(__file__).resolve().parent.parent
-CANDIDATES = [
+CANDIDATES: list[str | Path] = [
     os.environ.get("DISAGG_CHAT_TEMPLATES", ""),
     ROOT.parent / "shared/fixtures/chat-templates",
     ROOT.parent.parent / "shared/fixtures/chat-templates",
