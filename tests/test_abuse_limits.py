@@ -56,12 +56,10 @@ def test_shape_counts_without_recursion() -> None:
 def test_oversized_schemas_are_request_errors(
     fields: dict[str, Any], field: str, words: str
 ) -> None:
-    t0 = time.perf_counter()
     with pytest.raises(RequestError, match=words) as err:
         GenerateRequest.from_dict({"prompt": "x", **fields})
     assert err.value.field == field
     assert "\n" not in str(err.value)
-    assert time.perf_counter() - t0 < 2.0
 
 
 def test_a_schema_within_the_limits_passes() -> None:
@@ -107,12 +105,15 @@ def test_the_compilers_own_failure_is_a_request_error(grammars: Grammars) -> Non
 LARK = 'start: "yes" | "no"'
 
 
-def slow(seconds: float, text: str = LARK) -> Any:
+def slow(seconds: float, text: str = LARK, done: threading.Event | None = None) -> Any:
     def build() -> str:
         time.sleep(seconds)
         import llguidance as llg
 
-        return str(llg.LLMatcher.grammar_from_lark(text))
+        out = str(llg.LLMatcher.grammar_from_lark(text))
+        if done is not None:
+            done.set()
+        return out
 
     return build
 
@@ -133,10 +134,10 @@ def test_compiles_at_the_same_time_run_once(grammars: Grammars) -> None:
 
 
 def test_a_hung_up_clients_compile_is_abandoned_and_not_cached(grammars: Grammars) -> None:
-    t0 = time.perf_counter()
+    built = threading.Event()
     with pytest.raises(RequestError, match="went away"):
-        grammars.compile("gone", slow(1.5), "tools", gone=lambda: True)
-    assert time.perf_counter() - t0 < 1.2  # did not wait for it
+        grammars.compile("gone", slow(3.0, done=built), "tools", gone=lambda: True)
+    assert not built.is_set()  # it answered before the compile ended: it did not wait for it
     deadline = time.monotonic() + 30
     while grammars._jobs and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -176,9 +177,7 @@ class Vocab:
 def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing() -> None:
     assert max_token_bytes(Vocab()) == len("<|im_start|>")
     big = GenerateRequest(prompt="x" * 3_900_000)
-    t0 = time.perf_counter()
-    why = too_long(big, 8192, 12)
-    assert time.perf_counter() - t0 < 0.5
+    why = too_long(big, 8192, 12)  # takes no tokenizer: it cannot have tokenized
     assert why and "context is 8192" in why
     # 8191 tokens' worth at the longest token: it might fit, so it is not refused here.
     assert too_long(GenerateRequest(prompt="x" * (8191 * 12)), 8192, 12) is None
@@ -186,20 +185,30 @@ def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing() -> None:
     assert too_long(chat, 8192, 12)  # bytes, not characters
 
 
-def test_a_client_that_hung_up_is_seen_without_blocking() -> None:
+@pytest.mark.parametrize("timeout", [None, 30.0])
+def test_a_client_that_hung_up_is_seen_without_blocking(timeout: float | None) -> None:
+    # Blocking, or with a timeout Python polls for before a recv: a check that waited
+    # would not return while b is silent and open.
     a, b = socket.socketpair()
-    a.settimeout(30)  # a timeout must not make the check wait
+    a.settimeout(timeout)
+    seen: list[bool] = []
+
+    def look() -> None:
+        seen.append(client_gone(a))
+
     try:
-        t0 = time.perf_counter()
-        assert not client_gone(a)
+        t = threading.Thread(target=look, daemon=True)
+        t.start()
+        t.join(25)  # a hang guard, under the 30 s timeout: the check reads only what is there
+        assert seen == [False], "the check blocked on a silent, open peer"
         b.sendall(b"next request")
         assert not client_gone(a)  # data is not a hang-up
         a.recv(100)
         b.close()
         assert client_gone(a)
-        assert time.perf_counter() - t0 < 0.5
     finally:
         a.close()
+        b.close()
 
 
 # -- tenants: admission shares and what each sees ------------------------------------

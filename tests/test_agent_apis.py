@@ -14,7 +14,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from openai.types.responses import ResponseTextDeltaEvent
+from openai.types.responses import ResponseFunctionCallArgumentsDoneEvent, ResponseTextDeltaEvent
 
 from tests.agentpool import AgentSet
 from tests.conftest import PairFactory
@@ -56,6 +56,11 @@ def claude(serve: tuple[str, str]) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=serve[0], api_key=KEY, max_retries=0, timeout=300)
 
 
+def ended(out_tokens: int, cap: int, capped: str, natural: str) -> str:
+    """The status an answer of `out_tokens` under a cap of `cap` must report."""
+    return capped if out_tokens >= cap else natural
+
+
 @pytest.fixture(scope="module")
 def oai(serve: tuple[str, str]) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{serve[0]}/v1", api_key=KEY, max_retries=0, timeout=300)
@@ -70,11 +75,8 @@ def test_messages_plain_and_streamed(claude: anthropic.Anthropic, serve: tuple[s
     r = claude.messages.create(
         model=smol, max_tokens=24, messages=ask, extra_body={"temperature": 0}
     )
-    assert (
-        r.type == "message"
-        and r.role == "assistant"
-        and r.stop_reason in ("end_turn", "max_tokens")
-    )
+    assert r.type == "message" and r.role == "assistant"
+    assert r.stop_reason == ended(r.usage.output_tokens, 24, "max_tokens", "end_turn"), r
     assert r.content[0].type == "text" and "Paris" in r.content[0].text
     assert r.usage.input_tokens > 0 and r.usage.output_tokens > 0
     with claude.messages.stream(
@@ -123,7 +125,12 @@ def test_messages_forced_tool_use_and_its_result(claude: anthropic.Anthropic) ->
             },
         ]
         again = claude.messages.create(model=model, max_tokens=16, messages=turn, tools=tools)
-        assert again.stop_reason in ("end_turn", "max_tokens", "tool_use")
+        # The stop reason the answer itself implies: a call, the cap reached, or its end.
+        if any(b.type == "tool_use" for b in again.content):
+            assert again.stop_reason == "tool_use", again
+        else:
+            n = again.usage.output_tokens
+            assert again.stop_reason == ended(n, 16, "max_tokens", "end_turn"), again
         # Streamed, the tool_use arrives whole as input_json_delta.
         with claude.messages.stream(
             model=model,
@@ -132,9 +139,17 @@ def test_messages_forced_tool_use_and_its_result(claude: anthropic.Anthropic) ->
             tools=tools,
             tool_choice={"type": "any"},
         ) as s:
+            events = list(s)
             final = s.get_final_message()
         assert final.stop_reason == "tool_use"
-        assert any(b.type == "tool_use" and b.name == "get_weather" for b in final.content)
+        use = next(b for b in final.content if b.type == "tool_use")
+        assert use.name == "get_weather"
+        partial = [
+            e.delta.partial_json
+            for e in events
+            if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
+        ]
+        assert partial and json.loads("".join(partial)) == use.input, (partial, use.input)
 
 
 def test_messages_thinking_blocks_from_harmony(claude: anthropic.Anthropic) -> None:
@@ -264,8 +279,8 @@ def test_responses_plain_and_streamed(
         max_output_tokens=24,
         temperature=0,
     )
-    assert r.status in ("completed", "incomplete") and r.output
     assert r.usage is not None and r.usage.input_tokens > 0 and r.usage.output_tokens > 0
+    assert r.output and r.status == ended(r.usage.output_tokens, 24, "incomplete", "completed")
     assert "<|" not in r.output_text
     if name == "smol":
         assert "Paris" in r.output_text
@@ -279,7 +294,7 @@ def test_responses_plain_and_streamed(
     events = list(stream)
     kinds = [e.type for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"]
-    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert kinds[-1] == f"response.{events[-1].response.status}"  # type: ignore[union-attr]
     assert [e.sequence_number for e in events] == list(range(len(events)))
     text = "".join(e.delta for e in events if isinstance(e, ResponseTextDeltaEvent))
     final = events[-1].response  # type: ignore[union-attr]
@@ -322,7 +337,28 @@ def test_responses_forced_function_call_and_its_output(
     # SmolLM2's template takes no tools: only a forced call may name them.
     tools: Any = [WEATHER_FN] if name != "smol" else openai.NOT_GIVEN
     again = oai.responses.create(model=model, input=history, tools=tools, max_output_tokens=16)
-    assert again.status in ("completed", "incomplete") and again.output
+    assert again.output and again.usage is not None
+    assert again.status == ended(again.usage.output_tokens, 16, "incomplete", "completed")
+    # Streamed: the arguments as function_call_arguments deltas, whole at .done and in
+    # the final item.
+    events = list(
+        oai.responses.create(
+            model=model,
+            input=ask,
+            tools=[WEATHER_FN],
+            tool_choice={"type": "function", "name": "get_weather"},
+            max_output_tokens=200,
+            stream=True,
+        )
+    )
+    deltas: list[Any] = [e for e in events if e.type == "response.function_call_arguments.delta"]
+    [done] = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert isinstance(done, ResponseFunctionCallArgumentsDoneEvent)
+    last: Any = events[-1]  # response.completed: the whole response
+    streamed = next(i for i in last.response.output if i.type == "function_call")
+    assert deltas and "".join(d.delta for d in deltas) == done.arguments == streamed.arguments
+    assert {d.item_id for d in deltas} == {done.item_id} == {streamed.id}
+    assert isinstance(json.loads(streamed.arguments)["city"], str)
 
 
 @pytest.mark.parametrize("name", RESPONSE_MODELS)
@@ -431,4 +467,5 @@ def test_responses_bad_input_is_one_clear_400(oai: openai.OpenAI, serve: tuple[s
             oai.responses.create(model=smol, max_output_tokens=4, **extra)
         assert words in bad.value.message, bad.value.message
     ok = oai.responses.create(model=smol, input="hi", max_output_tokens=2)
-    assert ok.status in ("completed", "incomplete")
+    assert ok.usage is not None
+    assert ok.status == ended(ok.usage.output_tokens, 2, "incomplete", "completed"), ok

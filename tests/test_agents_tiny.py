@@ -13,7 +13,7 @@ from disagg.serving.localagents import AgentProc
 from tests.conftest import PairFactory, ask, remote_request
 from tests.tinymodels import PROMPT, shared_tiny
 
-from .references import hf_greedy, mlx_greedy
+from .references import TIE, hf_greedy, mlx_greedy, near_tie_misses
 
 pytestmark = pytest.mark.slow
 
@@ -47,7 +47,7 @@ def test_tiny_agents_match_both_monolithic_references(
     if arch == "gpt_oss":
         assert len(ids) >= 4 * WINDOW
     assert res.token_ids == hf_greedy(refs.hf(path), ids, N_NEW)
-    assert res.token_ids == mlx_greedy(refs.decode_engine(path).model, ids, N_NEW)
+    assert res.token_ids == mlx_greedy(refs.mlx_own(path), ids, N_NEW)  # mlx-lm's own model
 
 
 def test_mismatched_models_fail_naming_both(
@@ -134,11 +134,16 @@ def test_concurrent_requests_decode_in_one_batch_and_match_mlx_alone(
     # Shared steps: fewer steps than rows decoded (alone, each token after the first is a step).
     rows = sum(n - 1 for n in lengths)
     assert steps < rows
-    model = refs.decode_engine(path).model
-    agree = total = 0
+    # Against mlx-lm's own model alone: token-identical, or (the one named cause) a
+    # batched float sum flipped a near-tie, every such token within TIE of the top.
+    model = refs.mlx_own(path)
+    same = 0
     for res, n in zip(results, lengths, strict=True):
         assert len(res.token_ids) == n
-        alone = mlx_greedy(model, res.prompt_ids or [], n)
-        agree += sum(a == b for a, b in zip(res.token_ids, alone, strict=True))
-        total += n
-    assert agree / total >= 0.99, f"{agree}/{total} tokens agree with mlx-lm alone"
+        ids = res.prompt_ids or []
+        if res.token_ids == mlx_greedy(model, ids, n):
+            same += 1
+            continue
+        misses = near_tie_misses(model, ids, res.token_ids)
+        assert misses and all(gap <= TIE for _, gap in misses), misses
+    print(f"{arch}: {same}/6 rows token-identical to mlx-lm alone, the rest near-ties")

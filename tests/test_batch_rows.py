@@ -199,8 +199,11 @@ def test_sliding_layers_keep_mlx_lms_batch_caches_in_the_same_row_order(
     from mlx_lm.models.cache import BatchRotatingKVCache
 
     from disagg_agents.decode.rows import RowsKVCache
+    from tests.references import TIE, near_tie_misses
 
-    model = refs.decode_engine(tiny_model("gpt_oss", seed=1)).model  # sliding window 8
+    # mlx-lm's own model (no adapter of ours), sliding window 8: the loop under test
+    # runs on it, and mlx-lm's generation alone on it is the reference.
+    model = refs.mlx_own(tiny_model("gpt_oss", seed=1))
     words = [7 + (i * 37) % 400 for i in range(200)]
     prompts = [words[i * 11 : i * 11 + 9 + 6 * i] for i in range(5)]
     lengths = [40, 6, 30, 12, 25]
@@ -214,10 +217,16 @@ def test_sliding_layers_keep_mlx_lms_batch_caches_in_the_same_row_order(
     kinds = loop.call(lambda: {type(c) for c in loop.caches})
     got = s.finish()
     assert kinds == {RowsKVCache, BatchRotatingKVCache}
-    agree = total = 0
+    # Token-identical, or (the one named cause) batched float sums flipped a near-tie
+    # of the tiny random weights: every such token within TIE of the top logit.
+    same = 0
     for i in range(5):
-        alone = reference(model, prompts[i], lengths[i])
-        agree += sum(a == b for a, b in zip(got[str(i)], alone, strict=True))
-        total += lengths[i]
-    # Tiny random weights have near-ties that batched float sums may flip.
-    assert agree / total >= 0.99, f"{agree}/{total} tokens agree with mlx-lm alone"
+        if got[str(i)] == reference(model, prompts[i], lengths[i]):
+            same += 1
+            continue
+        misses = near_tie_misses(model, prompts[i], got[str(i)])
+        assert misses and all(gap <= TIE for _, gap in misses), (i, misses)
+    print(f"{same}/5 rows token-identical to mlx-lm alone, the rest near-ties")
+    # The check can fail: one token changed is far from any tie.
+    wrong = [*got["0"][:5], got["0"][5] + 1, *got["0"][6:]]
+    assert any(gap > TIE for _, gap in near_tie_misses(model, prompts[0], wrong))

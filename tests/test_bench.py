@@ -4,7 +4,9 @@ the references, time parts inside the whole), never the speed bars or their verd
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from rich.console import Console
@@ -67,3 +69,53 @@ def test_bad_settings(default_model: Path) -> None:
         run_core_bench(default_model, repeats=0)
     with pytest.raises(ValueError):
         run_core_bench(default_model, decode_tokens=1)
+
+
+def test_formats_bench_runs(
+    default_model: Path, pooled_bench_pairs: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`disagg bench formats` beyond --help: every constrained answer valid, the
+    figures consistent with each other (the speed itself is not judged here). Its
+    long-reason schemas shortened, so 24 tokens finish each answer on a small box."""
+    import disagg.bench.formats as formats
+    from disagg.bench.formats import formats_table, run_formats_bench
+
+    def short_schema(i: int) -> dict[str, Any]:
+        s = json.loads(json.dumps(formats.GRADER))
+        s["properties"]["reason"] = {"type": "string", "maxLength": 4}
+        s["properties"]["score"]["maximum"] = 10 + i
+        return s
+
+    monkeypatch.setattr(formats, "long_schema", short_schema)
+    report, _ = run_section(run_formats_bench, default_model, new_tokens=24, repeats=1)
+    assert report["settings"] == {"new_tokens": 24, "repeats": 1}
+    assert positive(report["compile_cold_ms"]) and report["compile_hit_ms"] >= 0
+    assert report["batches"], report
+    for size, b in report["batches"].items():
+        assert b["all_valid"] is True, size  # every JSON answer met its schema
+        assert b["ratio"] == pytest.approx(b["json_tok_s"] / b["free_tok_s"])
+        assert 0 < b["json_tokens_mean"] <= 24, b
+        assert positive(b["free_total_tok_s"]) and positive(b["json_total_tok_s"])
+    console = Console(width=200, record=True, color_system=None)
+    console.print(formats_table(report))
+    assert "compile" in console.export_text().lower()
+
+
+def test_stall_bench_runs(default_model: Path, pooled_bench_pairs: None) -> None:
+    """`disagg bench stall` beyond --help: the prompt it prefilled was the size asked,
+    the longest gap is a gap the stream had, and the batch rows add up."""
+    from disagg.bench.stall import run_stall_bench, stall_table
+
+    report, _ = run_section(run_stall_bench, default_model, prompt_tokens=300)
+    s = report["stall"]
+    assert abs(s["prompt_tokens"] - 300) <= 9, s
+    assert positive(s["prefill_s"]) and positive(s["longest_gap_s"])
+    assert s["gap_vs_prefill"] == pytest.approx(s["longest_gap_s"] / s["prefill_s"])
+    assert s["tokens_during_prefill"] >= 0
+    one, sixteen = report["batch"]
+    assert report["batch_16_vs_1"] == pytest.approx(
+        sixteen["aggregate_tok_s"] / one["aggregate_tok_s"]
+    )
+    console = Console(width=200, record=True, color_system=None)
+    console.print(stall_table(report))
+    assert console.export_text().strip()

@@ -4,12 +4,12 @@ bf16 KV torch computed; so its tokens equal mlx continuing from that KV."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from disagg.serving.localagents import AgentProc
-from disagg_agents.wire.kvcodec import DType, LayerKV, decode_layer, encode_layer
 from tests.conftest import SMOL_BF16, PairFactory, ask, remote_request
 
 from .references import mlx_greedy
@@ -24,14 +24,26 @@ def bf16_agents(default_model: Path, agent_pair: PairFactory) -> tuple[AgentProc
     return agent_pair(default_model, **SMOL_BF16)
 
 
+def _to_mlx(t: Any) -> Any:
+    """A torch bf16 tensor as an mlx bf16 array, bit for bit (numpy has no bfloat16:
+    the raw 16-bit words travel)."""
+    import mlx.core as mx
+    import torch
+
+    return mx.array(t.contiguous().view(torch.int16).numpy().view(np.uint16)).view(mx.bfloat16)
+
+
 def test_bf16_run_equals_mlx_continued_from_the_same_kv(
     bf16_agents: tuple[AgentProc, AgentProc], default_model: Path
 ) -> None:
+    """The references are transformers' and mlx-lm's own: transformers' bf16 forward
+    makes the K/V (its DynamicCache) and the first token; mlx-lm's own model in bf16
+    continues from that K/V in its own KVCache. None of our engines or codec."""
+    import mlx.core as mx
+    import torch
+    from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
-
-    from disagg_agents.decode.agent import DecodeEngine
-    from disagg_agents.decode.kvcaches import fill_layer
-    from disagg_agents.prefill.engine import PrefillEngine
+    from transformers import AutoModelForCausalLM
 
     prefill, decode = bf16_agents
     req = remote_request(
@@ -43,15 +55,17 @@ def test_bf16_run_equals_mlx_continued_from_the_same_kv(
     # bf16 on the wire: 2 bytes per element, 30 layers x K and V x 3 heads x 64 dims.
     assert res.metrics["kv_bytes"] >= 30 * 2 * 3 * 64 * 2 * len(ids)
 
-    pre = PrefillEngine(str(default_model), device="cpu", dtype="bfloat16")
-    dec = DecodeEngine(str(default_model), dtype="bfloat16")
-    layers: list[LayerKV] = []
-    _, logits = pre.prefill(ids, layers.append)
-    assert {kv.dtype for kv in layers} == {DType.BFLOAT16}
-    cache = make_prompt_cache(dec.model)
-    for kv in layers:
-        wire = decode_layer(b"".join(bytes(b) for b in encode_layer(kv)))
-        fill_layer(cache[kv.layer], wire, len(ids))
-    # mlx continues from the same bf16 KV, after the first token torch's logits chose.
-    first = int(np.argmax(logits))
-    assert res.token_ids == [first, *mlx_greedy(dec.model, [first], N_NEW - 1, cache=cache)]
+    hf = AutoModelForCausalLM.from_pretrained(str(default_model), dtype=torch.bfloat16).eval()
+    with torch.inference_mode():
+        out = hf(torch.tensor([ids]), use_cache=True)
+    kv = out.past_key_values
+    first = int(out.logits[0, -1].float().argmax())
+    model = load(str(default_model))[0]
+    model.set_dtype(mx.bfloat16)
+    cache = make_prompt_cache(model)
+    assert len(cache) == len(kv.layers) == 30
+    for c, layer in zip(cache, kv.layers, strict=True):
+        assert layer.keys.dtype == torch.bfloat16 and layer.keys.shape[-2] == len(ids)
+        c.update_and_fetch(_to_mlx(layer.keys), _to_mlx(layer.values))
+    # mlx continues from the same bf16 K/V, after the first token transformers chose.
+    assert res.token_ids == [first, *mlx_greedy(model, [first], N_NEW - 1, cache=cache)]

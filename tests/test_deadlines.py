@@ -177,8 +177,8 @@ def test_a_silent_agent_is_failed_over_within_the_timeout(
     stopped_at = time.monotonic()
     os.kill(victim.proc.pid, signal.SIGSTOP)  # alive, connected, and silent
     try:
-        while victim.name not in r.down_until:
-            assert time.monotonic() - stopped_at < TIMEOUT_S + 3, "not failed over in time"
+        while victim.name not in r.down_until:  # the bound is read back below
+            assert time.monotonic() - stopped_at < TIMEOUT_S + 120, "never"  # hang guard
             time.sleep(0.02)
         worker.join(120)
     finally:
@@ -195,9 +195,13 @@ def test_a_total_deadline_only_where_the_caller_sets_one(
     prefill, decodes = cluster
     r = router(prefill, decodes)
     t0 = time.monotonic()
+    times: list[float] = []
     with pytest.raises(RequestTimeout, match="deadline of 1.5s"):
-        r.run("tiny", LONG, on_token=slow_reader([]), deadline_s=1.5)
-    assert time.monotonic() - t0 < 1.5 + TIMEOUT_S  # bounded by the caller's deadline
+        r.run("tiny", LONG, on_token=slow_reader(times), deadline_s=1.5)
+    # Ended by the caller's deadline: not before it, and before the stream's end (3000
+    # tokens at >= 2 ms each outlast it on any machine): an ordering, not a speed.
+    assert time.monotonic() - t0 >= 1.5
+    assert len(times) < LONG.max_tokens, len(times)
     assert not r.down_until  # the agent was working: it is not marked down
 
 

@@ -19,6 +19,7 @@ from disagg_agents.prefill.embed import pool
 from tests.agentpool import AgentSet
 from tests.conftest import PairFactory
 from tests.gateways import Gateways
+from tests.references import hf_embedding
 from tests.tinymodels import declare_pooling, shared_tiny
 
 TINY = "tiny-qwen3"
@@ -71,10 +72,17 @@ def url(
 @pytest.mark.slow
 def test_ollama_embed(url: str, default_model: Path) -> None:
     c = ollama.Client(host=url, timeout=300)
-    for model in (TINY, default_model.name):
-        r = c.embed(model=model, input=["The capital of France is Paris.", "def add(a, b):"])
+    for model, path in ((TINY, shared_tiny("qwen3")), (default_model.name, default_model)):
+        texts = ["The capital of France is Paris.", "def add(a, b):"]
+        r = c.embed(model=model, input=texts)
         assert len(r.embeddings) == 2 and len(r.embeddings[0]) == len(r.embeddings[1]) > 8
         assert all(abs(norm(list(v)) - 1) < 1e-4 for v in r.embeddings)
+        # The values: a plain transformers forward, pooled as the checkpoint declares.
+        refs = [hf_embedding(path, t, pooling_of(path)) for t in texts]
+        for got, (want, _) in zip(r.embeddings, refs, strict=True):
+            assert len(got) == len(want)
+            assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-4, model
+        assert r.prompt_eval_count == sum(n for _, n in refs)
         assert r.embeddings[0] != r.embeddings[1] and (r.prompt_eval_count or 0) > 4
         same = c.embed(model=model, input="The capital of France is Paris.")
         assert list(same.embeddings[0]) == list(r.embeddings[0])  # same text, same vector

@@ -69,19 +69,21 @@ def in_flight(agent: AgentProc) -> int:
 def test_silent_clients_are_dropped_and_do_not_block(agents: tuple[AgentProc, AgentProc]) -> None:
     prefill, decode = agents
     reference = ask(decode, remote_request(prefill))
+    connected = time.monotonic()
     silent = [
         socket.create_connection((a.host, a.port), timeout=30) for a in agents for _ in range(10)
     ]
     # Twenty idle connections do not stop real work.
     res = ask(decode, remote_request(prefill))
     assert res.token_ids == reference.token_ids
-    t0 = time.monotonic()
     for s in silent:
-        s.settimeout(HANDSHAKE_TIMEOUT_S + 10)
+        s.settimeout(HANDSHAKE_TIMEOUT_S + 60)  # a hang guard: TimeoutError past it
         recv_json(s, Frame.CHALLENGE)  # the agent spoke first, then waited...
         assert s.recv(1) == b""  # ...and hung up on a client that never answered
         s.close()
-    assert time.monotonic() - t0 < HANDSHAKE_TIMEOUT_S + 10
+    # Not before the handshake deadline the agents enforce (counted from their accept,
+    # after `connected`).
+    assert time.monotonic() - connected >= HANDSHAKE_TIMEOUT_S
 
 
 def test_client_gone_mid_stream_stops_the_decode(agents: tuple[AgentProc, AgentProc]) -> None:

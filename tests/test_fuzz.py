@@ -229,7 +229,7 @@ def test_a_thousand_hostile_frames_at_each_live_agent(
         print(agent.role, seen)
         assert seen["error"] + seen["closed"] >= 900, seen
         assert agent.alive(), agent.role
-    assert time.monotonic() - t0 < 600
+    assert time.monotonic() - t0 < 600  # hang guard
     after = ask(decode, good)
     assert after.token_ids == before.token_ids and after.metrics["method"] == "disaggregated"
     for agent in agents:

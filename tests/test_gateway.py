@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -13,6 +14,7 @@ import pytest
 
 from tests.agentpool import AgentSet
 from tests.gateways import Gateway, Gateways
+from tests.references import hf_greedy, tokenizer_ids
 
 pytestmark = pytest.mark.slow
 
@@ -87,7 +89,10 @@ def test_stream_first_chunk_arrives_while_decoding_goes_on(
         time.sleep(0.2)
 
 
-def test_stream_carries_every_token_and_the_usage(oai: openai.OpenAI, model_id: str) -> None:
+def test_stream_carries_every_token_and_the_usage(
+    oai: openai.OpenAI, model_id: str, refs: Any, default_model: Path
+) -> None:
+    story = "Tell me a short story about a cat."
     pieces: list[str] = []
     finish = usage = None
     stream = oai.chat.completions.create(
@@ -96,7 +101,7 @@ def test_stream_carries_every_token_and_the_usage(oai: openai.OpenAI, model_id: 
         max_tokens=24,
         stream=True,
         stream_options={"include_usage": True},
-        messages=[{"role": "user", "content": "Tell me a short story about a cat."}],
+        messages=[{"role": "user", "content": story}],
     )
     for chunk in stream:
         if chunk.usage is not None:
@@ -107,6 +112,15 @@ def test_stream_carries_every_token_and_the_usage(oai: openai.OpenAI, model_id: 
             finish = choice.finish_reason or finish
     assert finish == "length" and usage is not None and usage.completion_tokens == 24
     assert len(pieces) >= 10  # text in pieces as it was made, not one block
+    # Every token: the pieces are transformers' own greedy continuation of the prompt
+    # its tokenizer's chat template makes, nothing dropped, doubled or reordered.
+    from transformers import AutoTokenizer
+
+    ids = tokenizer_ids(default_model, story)
+    ref = hf_greedy(refs.hf(default_model), ids, 24)
+    tok = AutoTokenizer.from_pretrained(str(default_model))
+    assert usage.prompt_tokens == len(ids)
+    assert "".join(pieces) == tok.decode(ref, skip_special_tokens=True), pieces
 
 
 def test_same_text_streamed_or_not(oai: openai.OpenAI, model_id: str) -> None:

@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.fault, pytest.mark.slow]
 
 KEY_A = "tenant-a-" + "a" * 24
 KEY_B = "tenant-b-" + "b" * 24
-PROBERS = [f"tenant-{c}-" + c * 24 for c in "cde"]  # one fresh probe each
+PROBERS = [f"tenant-{c}-" + c * 24 for c in "cdefg"]  # one fresh probe each: five rounds
 HEADER_TIMEOUT_S = 4.0
 PER_ADDRESS = 16
 SECRET = " ".join(["Note to self: the staging database password is hunter2-Q7."] * 5)
@@ -89,16 +89,18 @@ def test_another_tenant_cannot_probe_a_prompt(gateway: tuple[str, Path]) -> None
     complete(base, KEY_A, SECRET)
     own = complete(base, KEY_A, SECRET)
     assert cached(own) >= 48, own["usage"]  # the cache works, for its owner
-    ttft: dict[str, list[float]] = {"right guess": [], "wrong guess": []}
+    ttft: dict[str, list[float]] = {"right guess": [], "wrong guess": [], "owner's hit": []}
     for i, key in enumerate(PROBERS):  # each tenant's first look: its own cache is empty
         # Differs in the first block, same token count (75): a prompt of another
         # length runs at other shapes, whose first run is slower for its own reasons.
         wrong = SECRET.replace("hunter2-Q7", f"hunter{3 + i}-Q7")
-        for name, prompt in (("right guess", SECRET), ("wrong guess", wrong)):
+        pair = [("right guess", SECRET), ("wrong guess", wrong)]
+        for name, prompt in pair if i % 2 else pair[::-1]:  # alternated: no order bias
             r = complete(base, key, prompt)
             assert cached(r) == 0, (name, r["usage"])
             assert r["disagg_metrics"].get("prefill_cached_tokens") in (0, None)
             ttft[name].append(r["disagg_metrics"]["ttft"])
+        ttft["owner's hit"].append(complete(base, KEY_A, SECRET)["disagg_metrics"]["ttft"])
     # Ollama's durations come from the same cache.
     ollama = httpx.post(
         f"{base}/api/generate",
@@ -113,12 +115,20 @@ def test_another_tenant_cannot_probe_a_prompt(gateway: tuple[str, Path]) -> None
         timeout=120,
     ).json()
     med = {k: statistics.median(v) for k, v in ttft.items()}
-    print(
-        f"tenants C, D, E: ttft median right guess {med['right guess'] * 1e3:.0f} ms, wrong "
-        f"{med['wrong guess'] * 1e3:.0f} ms; owner's hit {own['disagg_metrics']['ttft'] * 1e3:.0f}"
-        f" ms; B's right guess by Ollama: prompt_eval_duration "
-        f"{ollama['prompt_eval_duration'] / 1e6:.0f} ms"
+    # The side channel, in rounds measured side by side (each round's load is shared):
+    # a hit saves `gain`; a right guess from another tenant saves less than half of it.
+    hit = med["owner's hit"]
+    gain = med["wrong guess"] - hit
+    saved = statistics.median(
+        w - r for r, w in zip(ttft["right guess"], ttft["wrong guess"], strict=True)
     )
+    print(
+        f"tenants C-G: ttft median right guess {med['right guess'] * 1e3:.0f} ms, wrong "
+        f"{med['wrong guess'] * 1e3:.0f} ms (saved {saved * 1e3:.0f} ms); owner's hit "
+        f"{hit * 1e3:.0f} ms (gain {gain * 1e3:.0f} ms); B's right guess by "
+        f"Ollama: prompt_eval_duration {ollama['prompt_eval_duration'] / 1e6:.0f} ms"
+    )
+    assert gain <= 0 or saved < gain / 2, (saved, gain, ttft)
     # A salt passed on purpose is shared, whoever's key (vLLM's cache_salt).
     complete(base, KEY_A, GUESS, cache_salt="team-shared-salt")
     shared = complete(base, KEY_B, GUESS, cache_salt="team-shared-salt")
@@ -210,7 +220,9 @@ def test_silent_sockets_do_not_stop_a_keyed_request(gateway: tuple[str, Path]) -
         f"left open after {HEADER_TIMEOUT_S + 1:.0f} s; a completion after in {generated:.1f} s;"
         f" {logged} log lines"
     )
-    assert models.status_code == 200 and took < 2.0, (models.status_code, took)
+    # Answered while the silent sockets it did not refuse were still held (an ordering,
+    # not a speed: `took` is a figure).
+    assert models.status_code == 200 and refused < 200, (models.status_code, refused)
     assert refused >= 200 - 4 * PER_ADDRESS and over_cap
     assert cut_at is not None and cut_at < HEADER_TIMEOUT_S + 2.0
     assert still_open == 0
@@ -222,7 +234,19 @@ def test_silent_sockets_do_not_stop_a_keyed_request(gateway: tuple[str, Path]) -
 
 
 def test_a_body_in_one_byte_pieces_costs_linear_time() -> None:
-    n = 1 << 20
+    # Three sizes, each 2x the last: linear CPU doubles per step, a quadratic reader
+    # quadruples (40.8 s at 1 MiB). Thread CPU time, not wall time: another process's
+    # load does not count; the ratio, not a bar, decides.
+    cpu = {n: _one_byte_pieces(n) for n in (1 << 18, 1 << 19, 1 << 20)}
+    print(
+        "1-byte pieces, event-loop CPU: "
+        + ", ".join(f"{n >> 10} KiB {s:.2f} s" for n, s in cpu.items())
+        + " (quadratic reader: 40.8 s at 1 MiB)"
+    )
+    assert cpu[1 << 20] < 8 * cpu[1 << 18], cpu  # linear: ~4x; quadratic: ~16x
+
+
+def _one_byte_pieces(n: int) -> float:
     seen: list[int] = []
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
@@ -248,9 +272,8 @@ def test_a_body_in_one_byte_pieces_costs_linear_time() -> None:
         return time.thread_time() - t
 
     cpu = asyncio.run(run())
-    print(f"1 MiB in 1-byte pieces: {cpu:.2f} s of event-loop CPU (quadratic reader: 40.8 s)")
     assert seen == [n]
-    assert cpu < 4.0
+    return cpu
 
 
 def test_a_chunked_body_of_tiny_chunks_is_answered(gateway: tuple[str, Path]) -> None:

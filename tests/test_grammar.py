@@ -397,12 +397,14 @@ def test_sixteen_schemas_in_one_batch(tiny_pair: Any, refs: Any) -> None:
     for i, res in enumerate(results[:16]):
         jsonschema.validate(json.loads(res.text), variant(i))
     free = results[16]
-    from .references import mlx_greedy
+    from .references import TIE, mlx_greedy, near_tie_misses
 
-    model = refs.decode_engine(decode.status()["model"]).model
-    alone = mlx_greedy(model, free.prompt_ids or [], 24)
-    agree = sum(a == b for a, b in zip(free.token_ids, alone, strict=True))
-    assert agree >= 23, f"{agree}/24 tokens of the unconstrained row agree with mlx-lm alone"
+    # mlx-lm's own model alone: token-identical, or a near-tie flipped by the batch.
+    model = refs.mlx_own(decode.status()["model"])
+    ids = free.prompt_ids or []
+    if free.token_ids != mlx_greedy(model, ids, 24):
+        misses = near_tie_misses(model, ids, free.token_ids)
+        assert misses and all(gap <= TIE for _, gap in misses), misses
 
 
 @pytest.mark.slow

@@ -76,10 +76,20 @@ def test_a_trickling_peer_is_cut_at_the_handshake_deadline() -> None:
     with pytest.raises(DeadlineExceeded):
         server_auth(b, TOKEN, Deadline(1.0))
     took = time.monotonic() - t0
-    # Cut by the deadline: not before it, and long before the ~41 s trickle would end
-    # (the ceiling only guards against a hang; a busy box may add seconds).
-    assert t.is_alive() and 0.9 < took < 20, took
+    # Cut by the deadline: not before it (the bound the code enforces), and before the
+    # ~41 s trickle ended (an ordering: the trickler is still sending).
+    assert t.is_alive() and took >= 1.0, took
     stop.set()
+
+
+def _closed_now(s: socket.socket) -> bool:
+    s.setblocking(False)
+    try:
+        return s.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:
+        return True
 
 
 def test_pre_auth_frames_are_small_and_cost_only_what_arrived() -> None:
@@ -325,9 +335,9 @@ def test_http_tricklers_are_cut_and_connections_capped(control: tuple[str, int])
             break
     cut = time.monotonic() - t0
     s.close()
-    # The server hung up (1 s request deadline) while bytes kept coming; the ceiling,
-    # far under the trickle's 30 s, only guards against a hang on a busy box.
-    assert was_cut and cut < 15, cut
+    # The server hung up while bytes kept coming (before the 30 s trickle ended), not
+    # before its 1 s request deadline.
+    assert was_cut and cut >= 1.0, cut
     # More than CONTROL_MAX_PER_PEER at once from one address: the rest are closed at once.
     # (A stranger's address: loopback is the local pair's, with slots of its own.)
     from disagg_agents.runtime.server import CONTROL_MAX_PER_PEER
@@ -338,17 +348,16 @@ def test_http_tricklers_are_cut_and_connections_capped(control: tuple[str, int])
         for _ in range(CONTROL_MAX_PER_PEER)
     ]
     time.sleep(0.2)
-    t0 = time.monotonic()
-    extra = socket.create_connection((host, port), timeout=5, source_address=src)
+    extra = socket.create_connection((host, port), timeout=30, source_address=src)
     # Closed before it sent a byte, so not by the 1 s request deadline: that needs a
-    # request under way. The ceiling stays under the deadline (the box may be busy).
+    # request under way; and while the silent ones it is over the cap of stay open
+    # (an ordering: no deadline of theirs closed it).
     try:
-        extra.sendall(b"GET /health HTTP/1.0\r\n\r\n")
         answer = extra.recv(64)
     except ConnectionResetError:
         answer = b""
     assert answer == b"", "a connection over the per-peer cap was served"
-    assert time.monotonic() - t0 < 5
+    assert not any(_closed_now(h) for h in held), "the held connections were closed too"
     # Another address is still served meanwhile.
     with socket.create_connection((host, port), 5, source_address=("127.0.0.2", 0)) as other:
         other.sendall(b"GET /health HTTP/1.0\r\n\r\n")

@@ -1,6 +1,6 @@
 """A client that hangs up while its grammar compiles, on a real decode agent
-(run from tests/slowgrammar.py: each compile 4 s late): the request ends within a
-poll of the hang-up, counted cancelled; the abandoned compile is not cached; the
+(run from tests/slowgrammar.py: each compile 6 s late): the request ends while the
+compile still runs, counted cancelled; the abandoned compile is not cached; the
 agent answers the next requests, the same schema included."""
 
 from __future__ import annotations
@@ -12,13 +12,14 @@ from typing import Any
 
 import pytest
 
+from disagg.errors import RequestTimeout
 from disagg.serving import wireclient as client
 from disagg.serving.localagents import AgentProc, make_token_file, wait_ready
 from tests.conftest import Spawn
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
 
-DELAY_S = 4.0
+DELAY_S = 6.0
 SCHEMA = {
     "type": "object",
     "properties": {"colour": {"type": "string", "enum": ["red", "green", "blue"]}},
@@ -50,24 +51,23 @@ def constrained() -> dict[str, Any]:
     return request(response_format={"type": "json_schema", "schema": SCHEMA, "strict": True})
 
 
-def wait(what: Any, seconds: float) -> float:
-    t0 = time.monotonic()
-    while not what():
-        assert time.monotonic() - t0 < seconds, "timed out"
+def wait(what: Any, seconds: float) -> Any:
+    """The first truthy value of what(); a hang guard past `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not (got := what()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"not seen in {seconds} s")
         time.sleep(0.05)
-    return time.monotonic() - t0
+    return got
 
 
 def test_a_hung_up_compile_ends_its_request_and_is_not_cached(decode: AgentProc) -> None:
     before = decode.status()
-    t0 = time.monotonic()
-    with pytest.raises(Exception):  # noqa: B017, PT011  # the client's own timeout: it hangs up
+    with pytest.raises(RequestTimeout, match="deadline of 0.8s"):  # the client hangs up
         client.generate(decode.host, decode.port, constrained(), token=decode.token, deadline_s=0.8)
-    hung_up = time.monotonic() - t0
-    assert hung_up < DELAY_S - 1, "the client did not hang up before the compile ended"
-    # The agent stops waiting within a poll or two, long before the compile would end.
-    took = wait(lambda: decode.status()["in_flight"] == 0, DELAY_S)
-    assert hung_up + took < DELAY_S - 1, (hung_up, took)
+    # Orderings, not times: the request ended while its compile still ran.
+    ended = wait(lambda: (s := decode.status())["in_flight"] == 0 and s, 60)
+    assert ended["grammars"]["compiling"] == 1, "the agent waited for the compile to end"
     after = decode.status()
     assert after["cancelled"] == before["cancelled"] + 1 and after["errors"] == before["errors"]
     # The compile itself runs out on its pool thread; nobody waits, so it is dropped.

@@ -117,8 +117,10 @@ def test_a_stop_ended_request_keeps_its_metrics_in_both_apis(base: str) -> None:
     assert after.get("error", 0) == before.get("error", 0)
 
 
-def test_a_cancelled_stream_is_cancelled_everywhere(base: str) -> None:
+def test_a_cancelled_stream_is_cancelled_everywhere(base: str, smol_set: AgentSet) -> None:
     before = _outcomes(base)
+    # The decode agents' own counters too (deltas: the pooled agents are shared).
+    agent_before = sum(int(d.status()["cancelled"]) for d in smol_set.decodes)
     body = {
         "model": "SmolLM2-135M-Instruct",
         "prompt": "Tell me a long story about a lighthouse keeper.",
@@ -139,6 +141,16 @@ def test_a_cancelled_stream_is_cancelled_everywhere(base: str) -> None:
     row = cancelled[0]
     assert row["tokens"] >= 4 and row["ttft"] is not None and row["prompt_tokens"], row
     assert row["timeline"] and row["timeline"]["done"] > row["timeline"]["first_token"], row
+    # At the decode agent: counted cancelled, and no longer decoding its 2000 tokens.
+    deadline = time.monotonic() + 120
+    while True:
+        states = [d.status() for d in smol_set.decodes]
+        if sum(int(s["cancelled"]) for s in states) > agent_before and not any(
+            s["in_flight"] for s in states
+        ):
+            break
+        assert time.monotonic() < deadline, ("the decode agent never stopped", states)
+        time.sleep(0.2)
 
 
 def _ask(base: str) -> dict[str, Any]:

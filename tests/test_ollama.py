@@ -105,6 +105,15 @@ def test_seeded_sampling_is_reproducible(oc: ollama.Client, model: str) -> None:
     assert first == again and first
     greedy = [oc.generate(model=model, prompt=story, options=GREEDY).response for _ in range(2)]
     assert greedy[0] == greedy[1]
+    # Honoured, not ignored: other seeds sample other texts, and sampling at 1.0 is not
+    # the greedy text (a server that ignored the seed or the temperature gives one text;
+    # seeded, every run of this test gets the same four).
+    others = [
+        oc.generate(model=model, prompt=story, options={**opts, "seed": seed}).response
+        for seed in (1, 2, 3)
+    ]
+    assert len({first, *others}) > 1, others
+    assert any(text != greedy[0] for text in [first, *others]), greedy[0]
 
 
 def test_num_predict_and_stop_are_honoured(oc: ollama.Client, model: str) -> None:

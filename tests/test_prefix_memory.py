@@ -161,7 +161,7 @@ def test_prefill_dying_mid_stream_after_a_prefix_hit_falls_back_to_mlx_tokens(
     # The decode agent held a hit on that prefill agent's K/V (the local lookup
     # that followed missed: nothing was prefilled here yet).
     assert cache_status(decode)["hits"] == hits0 + 1
-    mlx = mlx_greedy(refs.decode_engine(model).model, res.prompt_ids or [], N_NEW)
+    mlx = mlx_greedy(refs.mlx_own(model), res.prompt_ids or [], N_NEW)
     assert res.token_ids == mlx
 
 
@@ -200,7 +200,7 @@ def test_gpt_oss_local_prefill_hits_and_matches(
     assert len(ids) >= 4 * WINDOW and n > 0
     assert off.metrics["cached_tokens"] == 0
     assert hit.metrics["cached_tokens"] == n  # every layer skipped the prefix
-    assert hit.token_ids == mlx_greedy(refs.decode_engine(model).model, ids, N_NEW)
+    assert hit.token_ids == mlx_greedy(refs.mlx_own(model), ids, N_NEW)
 
 
 def test_gpt_oss_prefill_agent_hits_and_matches(

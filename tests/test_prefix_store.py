@@ -321,7 +321,7 @@ def test_hits_after_zero_copy_stores_match_cache_off_and_mlx(
     assert hit.metrics["cached_tokens"] > 0
     assert hit.token_ids == off.token_ids
     ids = hit.prompt_ids or []
-    assert hit.token_ids == mlx_greedy(refs.decode_engine(model).model, ids, N_NEW)
+    assert hit.token_ids == mlx_greedy(refs.mlx_own(model), ids, N_NEW)
 
 
 def test_a_second_request_hits_while_the_first_still_decodes(

@@ -43,10 +43,12 @@ def _streaming(base: str, got: list[str]) -> threading.Thread:
     return t
 
 
-def _serve_with_a_stream(tmp: Path) -> tuple[subprocess.Popen[bytes], str, list[int], list[str]]:
+def _serve_with_a_stream(
+    tmp: Path, drain_s: float = DRAIN_S
+) -> tuple[subprocess.Popen[bytes], str, list[int], list[str]]:
     log = tmp.parent / f"{tmp.name}-serve.log"
     proc, port = start_serve(
-        "--drain-timeout", str(DRAIN_S), log_path=log, env={"TMPDIR": str(tmp)}
+        "--drain-timeout", str(drain_s), log_path=log, env={"TMPDIR": str(tmp)}
     )
     base = f"http://127.0.0.1:{port}"
     agents = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
@@ -77,32 +79,37 @@ def test_first_ctrl_c_drains_then_exits(default_model: Path, tmp_path: Path) -> 
     proc, base, agents, got = _serve_with_a_stream(tmp_path)
     t0 = time.monotonic()
     proc.send_signal(signal.SIGINT)
+    at_signal = len(got)
     time.sleep(1.5)
     with pytest.raises(httpx.HTTPError):  # no new requests
         httpx.get(base + "/health", timeout=3)
-    rc = proc.wait(120)
+    rc = proc.wait(DRAIN_S + 120)  # a hang guard: TimeoutExpired past it
     took = time.monotonic() - t0
     said = (tmp_path.parent / f"{tmp_path.name}-serve.log").read_text()
+    print(f"drained and exited {took:.1f} s after Ctrl-C (drain deadline {DRAIN_S} s)")
     assert rc == 130, said
     assert "draining 1 request" in said and "Traceback" not in said, said
-    # The deadline, plus stopping the agents on a loaded 2-core box.
-    assert took < DRAIN_S + 60, took
+    # It drained: the stream went on after the signal, and the process did not exit
+    # before the drain deadline it enforces (a 4000-token stream outlasts it).
+    assert len(got) > at_signal + 1, (at_signal, got[-3:])
+    assert took >= DRAIN_S, took
     assert _left_behind(tmp_path, agents) == ([], [])
     last = json.loads(next(g for g in reversed(got) if g.startswith("{")))
     assert last["done"] is True and last["done_reason"] == "cancelled", got[-3:]
 
 
 def test_second_ctrl_c_stops_at_once(default_model: Path, tmp_path: Path) -> None:
-    proc, _, agents, _ = _serve_with_a_stream(tmp_path)
+    # A drain deadline far past the wait below: only the second Ctrl-C can end it there.
+    proc, _, agents, _ = _serve_with_a_stream(tmp_path, drain_s=600)
     proc.send_signal(signal.SIGINT)
     time.sleep(0.5)
     t0 = time.monotonic()
     proc.send_signal(signal.SIGINT)
-    rc = proc.wait(60)
+    rc = proc.wait(120)  # TimeoutExpired if it waited for the drain
     took = time.monotonic() - t0
+    print(f"second Ctrl-C: exited {took:.1f} s after it (drain deadline 600 s)")
     said = (tmp_path.parent / f"{tmp_path.name}-serve.log").read_text()
     assert rc == 130 and "Traceback" not in said, said
     after_drain = said.split("Ctrl-C again to stop now)", 1)[1].strip()
     assert after_drain.startswith("stopped at once") and after_drain.count("\n") == 0, said
-    assert took < 15, took
     assert _left_behind(tmp_path, agents) == ([], [])
