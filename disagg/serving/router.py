@@ -70,6 +70,8 @@ class Route:
     # this long failed. A stream that keeps producing tokens runs as long as it needs.
     decode_timeout_s: float = 180.0
     integrity: str = "mac"  # frames between its agents: see disagg_agents.wire.INTEGRITY
+    # Times one request may move to another decode agent mid-answer (migration).
+    max_migrations: int = 2
 
 
 def _timed_out(e: BaseException) -> bool:
@@ -112,9 +114,10 @@ def cut_short(
 
 
 class Relay:
-    """One decode agent's try at a request, as its token callback: it passes on what
-    earlier tries did not deliver (a rerouted run must match what they did), notes
-    its first token's time and metrics, and stops at Router.cut_all."""
+    """One decode agent's try at a request, as its token callback: it passes every
+    event on (a migrated try sends only what comes after the tokens it was given),
+    keeps the answer's token ids for the next try, notes its first token's time and
+    metrics, and stops at Router.cut_all."""
 
     def __init__(
         self,
@@ -123,7 +126,6 @@ class Relay:
         cutting: threading.Event,
     ) -> None:
         self.delivered, self.on_token, self.cutting = delivered, on_token, cutting
-        self.seen = 0
         self.t_sent = time.perf_counter()
         self.t_first: float | None = None
         self.early: Metrics | None = None  # the first TOKEN's (disagg_agents.decode first_metrics)
@@ -136,16 +138,27 @@ class Relay:
     def __call__(self, tok: TokenEvent) -> None:
         if self.cutting.is_set():
             raise StopGeneration("cancelled")
-        self.seen += 1
         if self.t_first is None and tok.id is not None:
             self.t_first, self.early = time.perf_counter(), tok.metrics
-        if self.seen <= len(self.delivered):
-            if self.delivered[self.seen - 1].id != tok.id:
-                raise AgentError("the rerouted run diverged from the text already sent")
-            return
         self.delivered.append(tok)
         if self.on_token:
             self.on_token(tok)
+
+
+def sent_ids(delivered: list[TokenEvent]) -> list[int]:
+    """The answer's token ids the client has seen (a migration's resume_ids)."""
+    return [t.id for t in delivered if t.id is not None]
+
+
+def from_events(delivered: list[TokenEvent], metrics: Metrics) -> Completion:
+    """An answer whose every token was sent before its agent died (nothing left
+    to migrate): put together from what the client saw."""
+    text = "".join(t.text for t in delivered if t.text and not t.is_reasoning)
+    reasoning = "".join(t.text for t in delivered if t.text and t.is_reasoning)
+    calls = [t.tool_call for t in delivered if t.tool_call is not None]
+    ids = sent_ids(delivered)
+    metrics.completion_tokens, metrics.finish_reason = len(ids), "length"
+    return Completion(text, ids, metrics, "length", reasoning=reasoning, tool_calls=calls)
 
 
 class Router:
@@ -256,12 +269,15 @@ class Router:
         on_token: Callable[[TokenEvent], None] | None = None,
         deadline_s: float | None = None,
     ) -> Completion:
-        """Run one request, rerouting to another decode agent if one fails (sent
-        nothing for the pipeline's decode_timeout_s). `deadline_s` bounds the whole
-        request, reroutes included (RequestTimeout); None: no bound.
+        """Run one request, moving it to another decode agent if one fails (sent
+        nothing for the pipeline's decode_timeout_s, or died). `deadline_s` bounds
+        the whole request, moves included (RequestTimeout); None: no bound.
 
-        A rerouted stream does not repeat text already delivered: the new run's
-        tokens are skipped until it is past what `on_token` saw.
+        An agent that dies mid-answer is migrated, not replayed: the next agent
+        takes the prompt plus the tokens already sent as its prompt
+        (`resume_ids`) and decodes only the rest, so `on_token` sees each token
+        once, and a seeded sampled request keeps its text. At most the pipeline's
+        `max_migrations` moves per request.
         """
         pipe = self.pipeline(model)
         req = request
@@ -271,6 +287,9 @@ class Router:
         deadline = None if deadline_s is None else time.monotonic() + deadline_s
         delivered: list[TokenEvent] = []
         failures: list[str] = []
+        migrations = 0
+        relays: list[Relay] = []
+        failed_at = time.perf_counter()  # when the last try failed
         keys = affinity.prefix_keys(pipe.name, req)
         endpoints, choice = self.decode_order(pipe.decode, keys)
         for ep in endpoints:
@@ -280,14 +299,24 @@ class Router:
                     f"the request did not finish within its deadline of {deadline_s:g}s"
                     + (f" ({'; '.join(failures)})" if failures else "")
                 )
+            sent = sent_ids(delivered)
+            try_req = req
+            if sent:  # a migration: the answer so far becomes prompt
+                if migrations >= pipe.max_migrations:
+                    break
+                migrations += 1
+                if len(sent) >= req.max_tokens:  # every token was out: nothing to decode
+                    return self._finished(pipe, delivered, failures, migrations, choice)
+                try_req = req.replace(resume_ids=sent, max_tokens=req.max_tokens - len(sent))
             forward = Relay(delivered, on_token, self.cutting)
+            relays.append(forward)
             with self.lock:
                 self.busy[ep.name] += 1
             try:
                 result = client.generate(
                     ep.host,
                     ep.port,
-                    req,
+                    try_req,
                     on_token=forward,
                     timeout_s=pipe.decode_timeout_s,
                     token=self.token,
@@ -298,6 +327,8 @@ class Router:
                 result.metrics.route = choice.to_dict()
                 self.affinity.remember(keys, ep.name)  # it now holds this prompt's K/V
                 result.metrics.rerouted_from = failures or None
+                if sent:
+                    migrated(result, sent, migrations, relays[0], forward, failed_at)
                 return result
             except RequestTimeout as e:  # no fault of the agent: not marked down
                 raise RequestTimeout(
@@ -307,10 +338,12 @@ class Router:
                 e.metrics = forward.cut(e.reason)
                 e.metrics.decode_server = e.metrics.decode_server or ep.name
                 e.metrics.route = choice.to_dict()
+                e.metrics.migrations = migrations or None
                 raise
             except (UsageError, ModelMismatch, AuthError):
                 raise
             except (ConnectError, AgentError) as e:
+                failed_at = time.perf_counter()
                 self._mark_down(ep)
                 failures.append(f"{ep.name}: {e}")
             finally:
@@ -319,6 +352,45 @@ class Router:
         if not failures:
             raise AgentError(f"pipeline {pipe.name} has no decode agent")
         raise AgentError(
-            f"no decode agent of pipeline {pipe.name} could serve the request: "
+            f"no decode agent of pipeline {pipe.name} could serve the request"
+            + (f" (after {migrations} migrations, the most allowed)" if migrations else "")
+            + ": "
             + "; ".join(failures)
         )
+
+    def _finished(
+        self,
+        pipe: Route,
+        delivered: list[TokenEvent],
+        failures: list[str],
+        migrations: int,
+        choice: affinity.Choice,
+    ) -> Completion:
+        first = next((t.metrics for t in delivered if t.metrics is not None), None)
+        m = Metrics.from_json(first.to_json()) if first is not None else Metrics()
+        m.update(rerouted_from=failures or None, migrations=migrations, route=choice.to_dict())
+        done = from_events(delivered, m)
+        done.model = pipe.name
+        return done
+
+
+def migrated(
+    result: Completion,
+    sent: list[int],
+    migrations: int,
+    first: Relay,
+    last: Relay,
+    failed_at: float,
+) -> None:
+    """A migrated answer as one: the tokens sent before the last agent took over
+    come first (its text already holds them: it parsed them as the answer's start).
+    ttft is the client's first token (from the first agent); resume_time the gap
+    from noticing the failure to the last agent's first token."""
+    m = result.metrics
+    result.token_ids = sent + result.token_ids
+    m.migrations = migrations
+    m.completion_tokens = len(result.token_ids)
+    if first.t_first is not None:
+        m.ttft = first.t_first - first.t_sent
+    if last.t_first is not None:
+        m.resume_time = last.t_first - failed_at

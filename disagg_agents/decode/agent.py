@@ -341,6 +341,16 @@ def corked(sock: socket.socket, on: bool) -> Iterator[None]:
             sock.setsockopt(socket.IPPROTO_TCP, cork, 0)
 
 
+def skip_draws(sampler: Sampler, n: int) -> None:
+    """Advance a sampler past `n` draws, as if it had sampled `n` tokens: a migrated
+    seeded request then draws at each position what the seed gives there. mlx thread."""
+    key = sampler.key
+    for _ in range(n):
+        key, _sub = mx.random.split(key)
+    mx.eval(key)
+    sampler.key = key
+
+
 def first_token(
     logits: np.ndarray | mx.array,
     sampler: Sampler | None,
@@ -782,14 +792,20 @@ class DecodeAgent:
         come, then DONE. Returns the metrics DONE carried."""
         eng = self.engine
         t0, at = time.perf_counter(), time.time()
-        ids = eng.encode(req)
+        prompt_ids = eng.encode(req)
+        # A migrated request: the answer so far is prompt here (never sent again).
+        resumed = list(req.resume_ids or [])
+        ids = prompt_ids + resumed
         max_tokens = self._max_tokens(req, ids)
         t_grammar = time.perf_counter()
-        matcher = self._matcher(req, ids, sock)
+        matcher = self._matcher(req, prompt_ids, sock)
         grammar_ms = (time.perf_counter() - t_grammar) * 1000 if matcher is not None else None
+        for tid in resumed if matcher is not None else []:
+            matcher.consume(tid)
         allowed = eng.grammars.masks([matcher])[0] if matcher is not None else None
         metrics = Metrics(
-            prompt_tokens=len(ids),
+            prompt_tokens=len(prompt_ids),
+            resumed_tokens=len(resumed) or None,
             kv_bytes=0,
             kv_transfer_time=0.0,
             decode_server=self.name,
@@ -807,11 +823,15 @@ class DecodeAgent:
             logits = self._local_prefill(ids, prefilled.caches, req, metrics, hits)
         t_prefilled = time.perf_counter()
         sampler = make_sampler(req.temperature, req.top_p, req.seed)
+        if sampler is not None and resumed:
+            self.loop.call(skip_draws, sampler, len(resumed))  # position len(resumed) draws next
         first = self._first_token(logits, sampler, req.logprobs, allowed)
         t_first = time.perf_counter()
         if metrics.method != "disaggregated":
             metrics.prefill_time = t_first - t_local
-        chat = eng.stream(req, ids)
+        chat = eng.stream(req, prompt_ids)
+        for tid in resumed:
+            chat.add(tid)  # sent by the agent that died: parsed, not sent again
         # The prompt's blocks are taken from the caches without a copy once
         # decoding stops writing them (disagg_agents.decode.prefixstore), pending from before
         # the first token goes out: a request that follows it finds them.
@@ -831,7 +851,9 @@ class DecodeAgent:
         metrics.timeline = timeline(at, t0, marks, metrics, local_span, t_first, joined, t_end)
         batch_wait = seq.joined_at - seq.posted_at if seq and seq.joined_at else 0.0
         metrics.queue_time = (metrics.prefill_queue_time or 0.0) + batch_wait
-        self._done(sock, progress, chat, out, metrics, ids if req.return_prompt_ids else None)
+        self._done(
+            sock, progress, chat, out, metrics, prompt_ids if req.return_prompt_ids else None
+        )
         return metrics
 
     def _first_token(
