@@ -55,7 +55,7 @@ from disagg_agents.quant import check_supported, weights_identity
 from disagg_agents.runtime.blasshare import BlasShare
 from disagg_agents.runtime.metrics import Stats
 from disagg_agents.runtime.server import common_args, fail, serve, start_agent
-from disagg_agents.runtime.settings import Setting, attr_setting, budget_setting
+from disagg_agents.runtime.settings import Setting, attr_setting, budget_setting, disk_setting
 from disagg_agents.wire.answer import CONTENT, REASONING, Done, Metrics, TokenEvent
 from disagg_agents.wire.channel import recv_json, send_error, send_frame, send_json
 from disagg_agents.wire.frames import (
@@ -71,6 +71,7 @@ from disagg_agents.wire.text import printable
 
 log = logging.getLogger("disagg.decode")
 
+DEFAULT_DISK_MB = 8192  # the --prefix-disk tier's default budget
 PREFILL_STEP = 2048  # mlx-lm's generate_step default: same chunks, same numerics
 
 
@@ -235,6 +236,7 @@ FIRST_METRICS = (
     "prompt_tokens",
     "cached_tokens",
     "prefill_cached_tokens",
+    "disk_cached_tokens",
     "method",
     "prefill_server",
     "decode_server",
@@ -410,6 +412,8 @@ class DecodeAgent:
         max_request_bytes: int = CONTROL_MAX_FRAME,
         allow_mixed: bool = False,
         prefix_cache_mb: float | None = None,
+        prefix_disk: str | None = None,
+        prefix_disk_mb: float | None = None,
     ) -> None:
         self.engine = engine
         # Accept a prefill agent on other weights (results then say weights: "mixed").
@@ -433,10 +437,18 @@ class DecodeAgent:
         mb = default_max_mb() if prefix_cache_mb is None else prefix_cache_mb
         self.prefix = DecodePrefix(int(mb * (1 << 20)), engine.fingerprint["layers"], engine.dtype)
         self.stats.extra.append(lambda: self.prefix.cache.prometheus("decode"))
+        if prefix_disk:  # the disk tier: blocks kept across restarts
+            mb = DEFAULT_DISK_MB if prefix_disk_mb is None else prefix_disk_mb
+            self.prefix.enable_disk(prefix_disk, int(mb * (1 << 20)), engine.fingerprint)
+            disk = self.prefix.disk
+            assert disk is not None
+            self.stats.extra.append(lambda: disk.prometheus("decode"))
 
     def live_settings(self) -> list[Setting]:
         """What PUT /settings may change (disagg_agents.runtime.settings), for new requests."""
+        disk = [disk_setting(self.prefix.disk)] if self.prefix.disk is not None else []
         return [
+            *disk,
             budget_setting(self.prefix.cache),
             attr_setting(
                 "allow_mixed",
@@ -473,6 +485,7 @@ class DecodeAgent:
             **batch,
             **self.stats.snapshot(),
             "prefix_cache": self.prefix.cache.snapshot(),
+            "prefix_disk": self.prefix.disk.snapshot() if self.prefix.disk is not None else None,
             "grammars": self.engine.grammars.snapshot(),
             "chat": self.engine.chat_info(),  # for /api/show: capabilities, template, stops
         }
@@ -562,6 +575,7 @@ class DecodeAgent:
         if tuner is not None:
             tuner.observe_fetch(fetched)
         metrics.update(fetched, method="disaggregated", cached_tokens=hit.tokens if hit.used else 0)
+        metrics.disk_cached_tokens = hit.disk_tokens if hit.used else None
         hits.append(hit)
         return Prefilled(caches, logits, marks)
 
@@ -703,6 +717,7 @@ class DecodeAgent:
                 done = hit.tokens
             if metrics is not None:
                 metrics.cached_tokens = hit.tokens
+                metrics.disk_cached_tokens = hit.disk_tokens or None
 
         def chunk(a: int, b: int) -> None:
             model(mx.array(ids[a:b])[None], cache=caches)
@@ -1011,6 +1026,20 @@ def main() -> None:
         help="accept prefill agents whose weights differ from ours (metrics say so)",
     )
 
+    parser.add_argument(
+        "--prefix-disk",
+        default=None,
+        metavar="DIR",
+        help="also keep prefix-cache blocks in DIR on local disk, read back after a restart "
+        "(default: off)",
+    )
+    parser.add_argument(
+        "--prefix-disk-mb",
+        type=float,
+        default=None,
+        help=f"most disk the --prefix-disk tier takes (default {DEFAULT_DISK_MB} MB; 0: off)",
+    )
+
     def load(args: Any) -> DecodeEngine:
         if args.max_batch < 1:
             fail("--max-batch must be at least 1")
@@ -1025,5 +1054,7 @@ def main() -> None:
         max_request_bytes=args.max_request_bytes,
         allow_mixed=args.allow_mixed,
         prefix_cache_mb=args.prefix_cache_mb,
+        prefix_disk=args.prefix_disk,
+        prefix_disk_mb=args.prefix_disk_mb,
     )
     serve("decode", args, token, agent)
