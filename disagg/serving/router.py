@@ -285,92 +285,116 @@ class Router:
         if target and req.prefill is None:
             req = req.replace(prefill=target)
         deadline = None if deadline_s is None else time.monotonic() + deadline_s
-        delivered: list[TokenEvent] = []
-        failures: list[str] = []
-        migrations = 0
-        relays: list[Relay] = []
-        failed_at = time.perf_counter()  # when the last try failed
         keys = affinity.prefix_keys(pipe.name, req)
         endpoints, choice = self.decode_order(pipe.decode, keys)
+        j = Journey(pipe, req, on_token, deadline_s, keys, choice)
         for ep in endpoints:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise RequestTimeout(
                     f"the request did not finish within its deadline of {deadline_s:g}s"
-                    + (f" ({'; '.join(failures)})" if failures else "")
+                    + (f" ({'; '.join(j.failures)})" if j.failures else "")
                 )
-            sent = sent_ids(delivered)
-            try_req = req
-            if sent:  # a migration: the answer so far becomes prompt
-                if migrations >= pipe.max_migrations:
-                    break
-                migrations += 1
-                if len(sent) >= req.max_tokens:  # every token was out: nothing to decode
-                    return self._finished(pipe, delivered, failures, migrations, choice)
-                try_req = req.replace(resume_ids=sent, max_tokens=req.max_tokens - len(sent))
-            forward = Relay(delivered, on_token, self.cutting)
-            relays.append(forward)
-            with self.lock:
-                self.busy[ep.name] += 1
-            try:
-                result = client.generate(
-                    ep.host,
-                    ep.port,
-                    try_req,
-                    on_token=forward,
-                    timeout_s=pipe.decode_timeout_s,
-                    token=self.token,
-                    deadline_s=left,
-                )
-                result.model = pipe.name
-                result.metrics.decode_server = result.metrics.decode_server or ep.name
-                result.metrics.route = choice.to_dict()
-                self.affinity.remember(keys, ep.name)  # it now holds this prompt's K/V
-                result.metrics.rerouted_from = failures or None
-                if sent:
-                    migrated(result, sent, migrations, relays[0], forward, failed_at)
+            sent = sent_ids(j.delivered)
+            if sent and j.migrations >= pipe.max_migrations:
+                break
+            if sent and len(sent) >= req.max_tokens:  # every token was out: none to decode
+                j.migrations += 1
+                return j.finished()
+            result = self._try(j, ep, sent, left)
+            if result is not None:
                 return result
-            except RequestTimeout as e:  # no fault of the agent: not marked down
-                raise RequestTimeout(
-                    f"the request did not finish within its deadline of {deadline_s:g}s: {e}"
-                ) from None
-            except StopGeneration as e:
-                e.metrics = forward.cut(e.reason)
-                e.metrics.decode_server = e.metrics.decode_server or ep.name
-                e.metrics.route = choice.to_dict()
-                e.metrics.migrations = migrations or None
-                raise
-            except (UsageError, ModelMismatch, AuthError):
-                raise
-            except (ConnectError, AgentError) as e:
-                failed_at = time.perf_counter()
-                self._mark_down(ep)
-                failures.append(f"{ep.name}: {e}")
-            finally:
-                with self.lock:
-                    self.busy[ep.name] -= 1
-        if not failures:
+        if not j.failures:
             raise AgentError(f"pipeline {pipe.name} has no decode agent")
         raise AgentError(
             f"no decode agent of pipeline {pipe.name} could serve the request"
-            + (f" (after {migrations} migrations, the most allowed)" if migrations else "")
+            + (f" (after {j.migrations} migrations, the most allowed)" if j.migrations else "")
             + ": "
-            + "; ".join(failures)
+            + "; ".join(j.failures)
         )
 
-    def _finished(
-        self,
-        pipe: Route,
-        delivered: list[TokenEvent],
-        failures: list[str],
-        migrations: int,
-        choice: affinity.Choice,
-    ) -> Completion:
-        first = next((t.metrics for t in delivered if t.metrics is not None), None)
+    def _try(
+        self, j: Journey, ep: Endpoint, sent: list[int], left: float | None
+    ) -> Completion | None:
+        """One decode agent's try: its result, or None when it failed (marked down,
+        the failure noted in `j`). With `sent`, a migration: the answer so far is
+        prompt there."""
+        req = j.req
+        if sent:
+            j.migrations += 1
+            req = req.replace(resume_ids=sent, max_tokens=req.max_tokens - len(sent))
+        forward = Relay(j.delivered, j.on_token, self.cutting)
+        j.relays.append(forward)
+        with self.lock:
+            self.busy[ep.name] += 1
+        try:
+            result = client.generate(
+                ep.host,
+                ep.port,
+                req,
+                on_token=forward,
+                timeout_s=j.pipe.decode_timeout_s,
+                token=self.token,
+                deadline_s=left,
+            )
+            result.model = j.pipe.name
+            m = result.metrics
+            m.decode_server = m.decode_server or ep.name
+            m.route = j.choice.to_dict()
+            self.affinity.remember(j.keys, ep.name)  # it now holds this prompt's K/V
+            m.rerouted_from = j.failures or None
+            if sent:
+                migrated(result, sent, j.migrations, j.relays[0], forward, j.failed_at)
+            return result
+        except RequestTimeout as e:  # no fault of the agent: not marked down
+            raise RequestTimeout(
+                f"the request did not finish within its deadline of {j.deadline_s:g}s: {e}"
+            ) from None
+        except StopGeneration as e:
+            e.metrics = forward.cut(e.reason)
+            e.metrics.decode_server = e.metrics.decode_server or ep.name
+            e.metrics.route = j.choice.to_dict()
+            e.metrics.migrations = j.migrations or None
+            raise
+        except (UsageError, ModelMismatch, AuthError):
+            raise
+        except (ConnectError, AgentError) as e:
+            j.failed_at = time.perf_counter()
+            self._mark_down(ep)
+            j.failures.append(f"{ep.name}: {e}")
+            return None
+        finally:
+            with self.lock:
+                self.busy[ep.name] -= 1
+
+
+@dataclass
+class Journey:
+    """One request on its way through a pipeline's decode agents."""
+
+    pipe: Route
+    req: GenerateRequest
+    on_token: Callable[[TokenEvent], None] | None
+    deadline_s: float | None
+    keys: list[affinity.PrefixKey]
+    choice: affinity.Choice
+    delivered: list[TokenEvent] = field(default_factory=list)  # what the client saw
+    failures: list[str] = field(default_factory=list)
+    migrations: int = 0
+    relays: list[Relay] = field(default_factory=list)  # one per try
+    failed_at: float = field(default_factory=time.perf_counter)  # the last failure
+
+    def finished(self) -> Completion:
+        """Every token was sent before the agent died: the answer from what was seen."""
+        first = next((t.metrics for t in self.delivered if t.metrics is not None), None)
         m = Metrics.from_json(first.to_json()) if first is not None else Metrics()
-        m.update(rerouted_from=failures or None, migrations=migrations, route=choice.to_dict())
-        done = from_events(delivered, m)
-        done.model = pipe.name
+        m.update(
+            rerouted_from=self.failures or None,
+            migrations=self.migrations,
+            route=self.choice.to_dict(),
+        )
+        done = from_events(self.delivered, m)
+        done.model = self.pipe.name
         return done
 
 
