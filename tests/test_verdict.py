@@ -24,16 +24,17 @@ PLACE = {"remote": "remote", "local": "local", "fallback": "remote"}
 
 
 def test_verdict_fields_from_metrics() -> None:
-    m = Metrics(method="local-fallback", cached_tokens=48, prefill_cached_tokens=16)
+    m = Metrics(method="disaggregated", cached_tokens=48, prefill_cached_tokens=64)
     m.disk_cached_tokens, m.migrations = 16, 1
     assert verdict(m) == {
-        "path": "local-after-failure",
-        "cached_tokens": 48,
-        "from_memory": 16,
+        "path": "remote",
+        "cached_tokens": 64,
+        "from_memory": 32,
         "from_disk": 16,
-        "from_prefill_agent": 16,
+        "from_prefill_agent": 16,  # what the prefill agent's cache held past ours
         "migrations": 1,
     }
+    m.method = "local-fallback"
     assert "migrations" not in verdict(m, final=False)  # a stream's header: not known yet
     assert parse(header_value(m))["path"] == "local-after-failure"
     assert parse(header_value(Metrics(method="disaggregated")))["cached_tokens"] == "0"

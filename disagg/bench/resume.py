@@ -1,10 +1,11 @@
 """What the disk tier and migration buy, timed on real local agents
 (`python -m disagg.bench.resume --model DIR`; the numbers in docs/performance.md).
 
-1. TTFT of one long raw prompt: cold (`prefix_cache: false`: every position
-   computed and sent), from the decode agent's memory tier (the same prompt again),
-   after a decode agent restart from its disk tier (`--prefix-disk`), and after a
-   restart without it (the prefill agent's own cache still warm).
+1. TTFT of one long raw prompt, prefilled remotely and locally: cold
+   (`prefix_cache: false`: every position computed and sent), from the decode
+   agent's memory tier (the same prompt again), after a decode agent restart from
+   its disk tier (`--prefix-disk`), and after a restart without it (the prefill
+   agent's own cache still warm).
 2. A migrated stream: two decode agents, the serving one SIGKILLed after
    `--kill-at` tokens; the result's `resume_time` (failure noticed to the next
    agent's first token) against the request's TTFT.
@@ -85,12 +86,14 @@ def ask(decode: AgentProc, prefill: AgentProc, req: GenerateRequest) -> dict[str
     }
 
 
-def ttft_rows(model: Path, n_words: int, disk: Path) -> dict[str, Any]:
+def ttft_rows(model: Path, n_words: int, disk: Path, placement: str) -> dict[str, Any]:
     args = ["--prefix-disk", str(disk), "--prefix-disk-mb", "4096"]
     prefill, (decode,) = start_local_agents(model, n_decode=1, decode_args=args)
     agents = [prefill, decode]
     try:
-        req = GenerateRequest(prompt=prompt_of(n_words), raw=True, max_tokens=4, placement="remote")
+        req = GenerateRequest(
+            prompt=prompt_of(n_words), raw=True, max_tokens=4, placement=placement
+        )
         rows: dict[str, Any] = {"cold": ask(decode, prefill, req.replace(prefix_cache=False))}
         ask(decode, prefill, req)  # fills the memory tier (and writes the disk tier)
         rows["memory"] = ask(decode, prefill, req)
@@ -155,8 +158,10 @@ def main() -> None:
     )
     ap.add_argument("--kill-at", type=int, default=32)
     a = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="disagg-disk-bench-") as d:
-        out = {"ttft": ttft_rows(a.model, a.words, Path(d))}
+    out: dict[str, Any] = {}
+    for placement in ("remote", "local"):
+        with tempfile.TemporaryDirectory(prefix="disagg-disk-bench-") as d:
+            out[f"ttft_{placement}"] = ttft_rows(a.model, a.words, Path(d), placement)
     out["migration"] = migration_row(a.model, a.words, a.kill_at)
     out["migration_short"] = migration_row(a.model, 200, a.kill_at)
     print(json.dumps(out, indent=2))

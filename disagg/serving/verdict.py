@@ -39,13 +39,16 @@ PATHS = {
 def verdict(m: Metrics, final: bool = True) -> dict[str, Any]:
     """The verdict's fields from a result's metrics (`final`: the whole answer's,
     so migrations are known)."""
-    cached = int(m.cached_tokens or 0)
-    by_prefill = int(m.prefill_cached_tokens or 0)
-    disk = int(m.disk_cached_tokens or 0)
+    # cached_tokens: the decode agent's hit (memory and disk); the prefill agent's
+    # own hit may cover more of the prompt (a decode agent restarted without a disk
+    # tier), and only what it adds past the decode agent's counts for it.
+    here = int(m.cached_tokens or 0)
+    disk = min(here, int(m.disk_cached_tokens or 0))
+    by_prefill = max(0, int(m.prefill_cached_tokens or 0) - here)
     out: dict[str, Any] = {
         "path": PATHS.get(str(m.method), m.method or "unknown"),
-        "cached_tokens": cached,
-        "from_memory": max(0, cached - by_prefill - disk),
+        "cached_tokens": here + by_prefill,
+        "from_memory": here - disk,
         "from_disk": disk,
         "from_prefill_agent": by_prefill,
     }
