@@ -815,8 +815,9 @@ class DecodeAgent:
         t_grammar = time.perf_counter()
         matcher = self._matcher(req, prompt_ids, sock)
         grammar_ms = (time.perf_counter() - t_grammar) * 1000 if matcher is not None else None
-        for tid in resumed if matcher is not None else []:
-            matcher.consume(tid)
+        if matcher is not None:
+            for tid in resumed:
+                matcher.consume(tid)  # the grammar's state after the answer so far
         allowed = eng.grammars.masks([matcher])[0] if matcher is not None else None
         metrics = Metrics(
             prompt_tokens=len(prompt_ids),
