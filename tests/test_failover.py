@@ -194,3 +194,35 @@ def test_decode_killed_mid_answer_migrates_the_rest(
     assert decoded_here == req.max_tokens - sent_first <= req.max_tokens - KILL_AT + 1
     # The pair is whole again for the next test (the set stops it at the module's end).
     decodes[2 + victim_i] = restart_agent(pair[victim_i])
+
+
+def test_a_request_past_its_migration_bound_fails_clearly(
+    killable: tuple[AgentProc, list[AgentProc]],
+) -> None:
+    """max_migrations 0: the serving agent's death mid-answer is the request's end,
+    one clear error; the sibling is never asked."""
+    prefill, decodes = killable
+    pair = decodes[2:]
+    eps = [endpoint(d) for d in pair]
+    router = Router(
+        [Route("tiny", [endpoint(prefill)], eps, max_migrations=0)], token=prefill.token
+    )
+    made = {d.name: int(d.status()["requests"]) for d in pair}
+    serving: list[str] = []
+    count = [0]
+
+    def on_token(t: TokenEvent) -> None:
+        if t.metrics is not None and not serving:
+            serving.append(str(t.metrics.decode_server))
+        count[0] += t.id is not None
+        if count[0] == KILL_AT:
+            victim = next(d for d in pair if d.name == serving[0])
+            os.kill(victim.proc.pid, signal.SIGKILL)
+            victim.proc.wait()
+
+    with pytest.raises(AgentError, match=r"max_migrations \(0\) reached"):
+        router.run("tiny", LONG_DECODE.replace(max_tokens=240), on_token=on_token)
+    victim_i = next(i for i, d in enumerate(pair) if d.name == serving[0])
+    sibling = pair[1 - victim_i]
+    assert int(sibling.status()["requests"]) == made[sibling.name]
+    decodes[2 + victim_i] = restart_agent(pair[victim_i])

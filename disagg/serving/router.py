@@ -297,6 +297,7 @@ class Router:
                 )
             sent = sent_ids(j.delivered)
             if sent and j.migrations >= pipe.max_migrations:
+                j.failures.append(f"max_migrations ({pipe.max_migrations}) reached")
                 break
             if sent and len(sent) >= req.max_tokens:  # every token was out: none to decode
                 j.migrations += 1
@@ -307,9 +308,7 @@ class Router:
         if not j.failures:
             raise AgentError(f"pipeline {pipe.name} has no decode agent")
         raise AgentError(
-            f"no decode agent of pipeline {pipe.name} could serve the request"
-            + (f" (after {j.migrations} migrations, the most allowed)" if j.migrations else "")
-            + ": "
+            f"no decode agent of pipeline {pipe.name} could serve the request: "
             + "; ".join(j.failures)
         )
 
