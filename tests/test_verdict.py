@@ -86,7 +86,10 @@ def calls(model: str, stream: bool) -> list[tuple[str, dict[str, Any]]]:
 def test_every_api_says_which_path_ran(gateway: Gateway, model: str, stream: bool) -> None:
     for path, body in calls(model, stream):
         with httpx.Client(base_url=gateway.url, timeout=120) as http:
-            r = http.post(path, json={**body, "stream": stream})
+            extra: dict[str, Any] = {"stream": stream}
+            if stream and path == "/v1/chat/completions":
+                extra["stream_options"] = {"include_usage": True}
+            r = http.post(path, json={**body, **extra})
             assert r.status_code == 200, (path, r.text)
             said = parse(r.headers[HEADER])
             assert said["path"] == RUNS[model], (path, said)
@@ -95,6 +98,15 @@ def test_every_api_says_which_path_ran(gateway: Gateway, model: str, stream: boo
             if path == "/v1/chat/completions" and not stream:
                 # true: what the decode agent reported
                 assert PATHS[r.json()["disagg_metrics"]["method"]] == said["path"]
+            if path != "/api/chat" and not stream:  # the APIs with a usage object
+                in_body = {k: str(v) for k, v in r.json()["usage"]["disagg_verdict"].items()}
+                assert in_body == said
+            if stream and path == "/v1/chat/completions":
+                # The last usage chunk: the whole answer's verdict, migrations included.
+                events = [json.loads(x[6:]) for x in r.text.split("\n") if x[6:7] == "{"]
+                last = next(e["usage"] for e in reversed(events) if e.get("usage"))
+                assert last["disagg_verdict"]["path"] == said["path"]
+                assert last["disagg_verdict"]["migrations"] == 0
             if stream:
                 assert r.text  # the whole stream came after the held-back start
             else:

@@ -35,7 +35,7 @@ def from_openai(e: OpenAIError) -> AnthropicError:
     return AnthropicError(status, e.message, e.headers)
 
 
-def usage(c: Completion) -> dict[str, int]:
+def usage(c: Completion) -> dict[str, Any]:
     """Anthropic counts cache reads apart from the input tokens it processed."""
     prompt = int(c.metrics.get("prompt_tokens") or 0)
     cached = int(c.metrics.get("cached_tokens") or 0)
@@ -44,6 +44,7 @@ def usage(c: Completion) -> dict[str, int]:
         "output_tokens": int(c.metrics.get("completion_tokens") or 0),
         "cache_read_input_tokens": cached,
         "cache_creation_input_tokens": 0,
+        "disagg_verdict": verdict.verdict(c.metrics),  # which path ran (the header's)
     }
 
 

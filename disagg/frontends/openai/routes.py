@@ -53,6 +53,7 @@ def _usage(c: Completion) -> dict[str, Any]:
         "total_tokens": prompt + completion,
         # OpenAI's field: prompt tokens whose K/V came from the prefix cache.
         "prompt_tokens_details": {"cached_tokens": int(c.metrics.get("cached_tokens") or 0)},
+        "disagg_verdict": verdict.verdict(c.metrics),  # which path ran (the header's)
     }
 
 

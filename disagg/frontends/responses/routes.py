@@ -132,6 +132,7 @@ class Answer:
             "output_tokens": made,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt + made,
+            "disagg_verdict": verdict.verdict(c.metrics),  # which path ran (the header's)
         }
         if c.finish_reason == "length":
             return self.envelope(
