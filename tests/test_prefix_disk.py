@@ -187,3 +187,14 @@ def test_a_restarted_decode_agent_serves_a_2k_prompt_from_disk(
         assert not [p for p in os.listdir(root) if p.endswith(".kv")]
     finally:
         third.stop()
+
+
+def test_disagg_status_shows_the_disk_tier() -> None:
+    from disagg.cli.render_fleet import _prefix_cache
+
+    pc = {"hit_rate": 0.5, "queries": 4, "bytes": 1 << 20, "max_bytes": 1 << 30}
+    disk = {"hits": 12, "bytes": 5 << 20, "max_bytes": 8 << 30}
+    assert "disk 12 hits, 5 MiB / 8,192 MiB" in _prefix_cache(
+        {"prefix_cache": pc, "prefix_disk": disk}
+    )
+    assert "disk" not in _prefix_cache({"prefix_cache": pc})  # an agent without the tier
