@@ -4,15 +4,16 @@ streamed, and true for remote, local and fallback runs of real agents."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
 import pytest
 
+from disagg.serving.completion import Chunk
 from disagg.serving.localagents import free_port
 from disagg.serving.router import Endpoint, Route, Router
-from disagg.serving.verdict import HEADER, PATHS, header_value, parse, verdict
+from disagg.serving.verdict import HEADER, PATHS, header_value, parse, streamed, verdict
 from disagg_agents.wire.answer import Metrics
 from disagg_agents.wire.request import GenerateRequest
 from tests.agentpool import AgentSet
@@ -111,3 +112,57 @@ def test_every_api_says_which_path_ran(gateway: Gateway, model: str, stream: boo
                 assert r.text  # the whole stream came after the held-back start
             else:
                 json.loads(r.text)
+
+
+def streamed_app(chunks: list[Chunk | Exception]) -> Any:
+    """An app whose one route streams `chunks` (an exception: raised there) as text
+    lines, the way a door renders them, catching a failure into its last line."""
+    from fastapi import FastAPI
+
+    app = FastAPI()
+
+    async def source() -> AsyncIterator[Chunk]:
+        for c in chunks:
+            if isinstance(c, Exception):
+                raise c
+            yield c
+
+    async def render(seen: AsyncIterator[Chunk]) -> AsyncIterator[str]:
+        yield "start\n"  # what a door sends before any chunk (OpenAI's role delta)
+        try:
+            async for c in seen:
+                yield f"text {c.text}\n"
+        except RuntimeError as e:
+            yield f"error {e}\n"
+
+    @app.get("/s")
+    async def s() -> Any:
+        return streamed(render, source(), media_type="text/plain")
+
+    return app
+
+
+def test_a_stream_holds_its_start_for_the_first_tokens_metrics() -> None:
+    from fastapi.testclient import TestClient
+
+    first = Chunk("", metrics=Metrics(method="local-fallback", cached_tokens=32))
+    chunks: list[Chunk | Exception] = [first, Chunk("Paris"), Chunk(".")]
+    with TestClient(streamed_app(chunks)) as http:
+        r = http.get("/s")
+    assert parse(r.headers[HEADER]) == {
+        "path": "local-after-failure",
+        "cached_tokens": "32",
+        "from_memory": "32",
+        "from_disk": "0",
+        "from_prefill_agent": "0",
+    }
+    assert r.text == "start\ntext \ntext Paris\ntext .\n"  # every byte, in order
+
+
+def test_a_stream_that_fails_before_any_token_still_answers() -> None:
+    from fastapi.testclient import TestClient
+
+    with TestClient(streamed_app([RuntimeError("no decode agent")])) as http:
+        r = http.get("/s")
+    assert r.status_code == 200 and HEADER not in r.headers  # nothing ran: no verdict
+    assert r.text == "start\nerror no decode agent\n"
