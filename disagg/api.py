@@ -191,6 +191,8 @@ class Client:
             if cancel is not None and cancel.is_set():
                 raise StopGeneration("cancelled")
             count += tok.id is not None
+            if tok.metrics is not None:
+                emit(Chunk("", metrics=tok.metrics))  # which path ran (a verdict header)
             if tok.is_reasoning:
                 if tok.text:
                     reasoning.append(tok.text)

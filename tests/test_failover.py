@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 
 from disagg.errors import AgentError
-from disagg.serving.localagents import AgentProc
+from disagg.serving.localagents import AgentProc, restart_agent
 from disagg.serving.router import Endpoint, Route, Router
+from disagg_agents.wire.answer import TokenEvent
 from disagg_agents.wire.request import GenerateRequest
 from tests.agentpool import AgentSet
 from tests.conftest import PairFactory, ask, remote_request
@@ -95,23 +96,18 @@ def test_prefill_killed_mid_kv_stream_falls_back_with_the_same_text(
 def killable(
     tiny_dir: Path, slow_set: AgentSet, agent_pair: PairFactory
 ) -> tuple[AgentProc, list[AgentProc]]:
-    """The pooled gpt_oss prefill agent (it outlives the prefill test's kill) and three
-    decode agents of this module's own: each test below kills decode agents of its own
-    share (the first; the other two), in any order."""
+    """The pooled gpt_oss prefill agent (it outlives the prefill test's kill) and this
+    module's decode agents (the set's own list: an agent restarted in it is stopped
+    with the set): each test below kills decode agents of its own share (the second;
+    the third or fourth), in any order."""
     prefill, _ = agent_pair(tiny_dir)
-    return prefill, slow_set.decodes[1:]
+    return prefill, slow_set.decodes
 
 
 @pytest.fixture
 def lone_decode(killable: tuple[AgentProc, list[AgentProc]]) -> tuple[AgentProc, AgentProc]:
     prefill, decodes = killable
-    return prefill, decodes[0]
-
-
-@pytest.fixture
-def decoders(killable: tuple[AgentProc, list[AgentProc]]) -> tuple[AgentProc, list[AgentProc]]:
-    prefill, decodes = killable
-    return prefill, decodes[1:]
+    return prefill, decodes[1]
 
 
 LONG_DECODE = GenerateRequest(
@@ -148,33 +144,85 @@ def test_decode_killed_alone_is_a_clear_error_within_the_timeout(
     assert decode.name in message
 
 
-def test_decode_killed_with_a_sibling_is_rerouted_and_completes(
-    decoders: tuple[AgentProc, list[AgentProc]],
+KILL_AT = 40  # answer tokens the client has when the serving agent is killed
+
+
+@pytest.mark.parametrize(
+    "sampling", [{}, {"temperature": 0.8, "seed": 7}], ids=["greedy", "seeded"]
+)
+def test_decode_killed_mid_answer_migrates_the_rest(
+    killable: tuple[AgentProc, list[AgentProc]], sampling: dict[str, Any]
 ) -> None:
-    prefill, decodes = decoders
+    """The serving agent is SIGKILLed after KILL_AT tokens: its sibling takes the prompt
+    plus the tokens sent as its prompt and decodes only the rest; the client sees each
+    token once, and the same text as an undisturbed run."""
+    prefill, decodes = killable
+    pair = decodes[2:]
     router = Router(
-        [Route("tiny", [endpoint(prefill)], [endpoint(d) for d in decodes])], token=prefill.token
+        [Route("tiny", [endpoint(prefill)], [endpoint(d) for d in pair])], token=prefill.token
     )
-    req = LONG_DECODE.replace(max_tokens=1500)
+    req = LONG_DECODE.replace(max_tokens=240, **sampling)
     undisturbed = router.run("tiny", req)
+    assert len(undisturbed.token_ids) == req.max_tokens
+    made = {d.name: int(d.status()["completion_tokens"]) for d in pair}
     seen: list[int] = []
-    box: dict[str, Any] = {}
-    worker = threading.Thread(
-        target=lambda: box.update(
-            r=router.run(
-                "tiny",
-                req,
-                on_token=lambda t: seen.append(t.id) if t.id is not None else None,
-            )
-        )
+    serving: list[str] = []
+
+    def on_token(t: TokenEvent) -> None:
+        if t.metrics is not None and not serving:
+            serving.append(str(t.metrics.decode_server))
+        if t.id is None:
+            return
+        seen.append(t.id)
+        if len(seen) == KILL_AT:
+            victim = next(d for d in pair if d.name == serving[0])
+            os.kill(victim.proc.pid, signal.SIGKILL)
+            victim.proc.wait()
+
+    res = router.run("tiny", req, on_token=on_token)
+    victim_i = next(i for i, d in enumerate(pair) if d.name == serving[0])
+    survivor = pair[1 - victim_i]
+    assert len(seen) == req.max_tokens  # exactly max_tokens, each once
+    assert seen == res.token_ids == undisturbed.token_ids  # no repeat, no gap, same text
+    assert res.text == undisturbed.text
+    assert res.metrics["migrations"] == 1
+    assert res.metrics["rerouted_from"] and serving[0] in res.metrics["rerouted_from"][0]
+    assert res.metrics["decode_server"] == survivor.name
+    sent_first = res.metrics["resumed_tokens"]
+    assert sent_first >= KILL_AT
+    decoded_here = int(survivor.status()["completion_tokens"]) - made[survivor.name]
+    assert decoded_here == req.max_tokens - sent_first <= req.max_tokens - KILL_AT + 1
+    # The pair is whole again for the next test (the set stops it at the module's end).
+    decodes[2 + victim_i] = restart_agent(pair[victim_i])
+
+
+def test_a_request_past_its_migration_bound_fails_clearly(
+    killable: tuple[AgentProc, list[AgentProc]],
+) -> None:
+    """max_migrations 0: the serving agent's death mid-answer is the request's end,
+    one clear error; the sibling is never asked."""
+    prefill, decodes = killable
+    pair = decodes[2:]
+    eps = [endpoint(d) for d in pair]
+    router = Router(
+        [Route("tiny", [endpoint(prefill)], eps, max_migrations=0)], token=prefill.token
     )
-    worker.start()
-    victim = wait_busy(decodes)
-    time.sleep(0.3)
-    os.kill(victim.proc.pid, signal.SIGKILL)
-    worker.join(120)
-    res = box["r"]
-    assert res.metrics["rerouted_from"] and victim.name in res.metrics["rerouted_from"][0]
-    assert res.metrics["decode_server"] != victim.name
-    assert res.token_ids == undisturbed.token_ids
-    assert seen == undisturbed.token_ids  # the stream resumed without repeats or gaps
+    made = {d.name: int(d.status()["requests"]) for d in pair}
+    serving: list[str] = []
+    count = [0]
+
+    def on_token(t: TokenEvent) -> None:
+        if t.metrics is not None and not serving:
+            serving.append(str(t.metrics.decode_server))
+        count[0] += t.id is not None
+        if count[0] == KILL_AT:
+            victim = next(d for d in pair if d.name == serving[0])
+            os.kill(victim.proc.pid, signal.SIGKILL)
+            victim.proc.wait()
+
+    with pytest.raises(AgentError, match=r"max_migrations \(0\) reached"):
+        router.run("tiny", LONG_DECODE.replace(max_tokens=240), on_token=on_token)
+    victim_i = next(i for i, d in enumerate(pair) if d.name == serving[0])
+    sibling = pair[1 - victim_i]
+    assert int(sibling.status()["requests"]) == made[sibling.name]
+    decodes[2 + victim_i] = restart_agent(pair[victim_i])

@@ -153,6 +153,10 @@ def _prefix_cache(st: dict[str, Any]) -> str:
     rate = pc.get("hit_rate")
     hits = "-" if rate is None else f"{100 * rate:.0f}%"
     size = f"{_mem(pc.get('bytes'))} / {_mem(pc.get('max_bytes'))}"
+    disk = st.get("prefix_disk")  # a decode agent run with --prefix-disk
+    if isinstance(disk, dict):
+        size += f"; disk {fmt(disk.get('hits'))} hits, "
+        size += f"{_mem(disk.get('bytes'))} / {_mem(disk.get('max_bytes'))}"
     return f"hit {hits} of {fmt(pc.get('queries'))}, {size}"
 
 

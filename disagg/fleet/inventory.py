@@ -54,6 +54,7 @@ PIPELINE_KEYS = {
     "decode_model",
     "prefill_timeout",
     "decode_timeout",
+    "max_migrations",
     "dtype",
     "aliases",
     "mixed_weights",
@@ -112,6 +113,8 @@ class Pipeline:
     # Frames between agents after the handshake: "mac" tags each one (altered K/V
     # is refused before it is placed or cached), "none" trusts the link (docs/threat-model.md).
     integrity: str = "mac"
+    # Times one request may move to another decode agent mid-answer (0: never).
+    max_migrations: int = 2
 
 
 @dataclass(frozen=True)
@@ -293,6 +296,12 @@ class _Checker:
             raise self.fail(f"{key}.{name}", f"not a positive number: {val!r}", "give seconds > 0")
         return float(val)
 
+    def count(self, raw: dict[str, Any], key: str, name: str, default: int) -> int:
+        val = raw.get(name, default)
+        if not isinstance(val, int) or isinstance(val, bool) or not 0 <= val <= 64:
+            raise self.fail(f"{key}.{name}", f"not a count: {val!r}", "give a whole number 0-64")
+        return val
+
     def cpu_list(self, raw: dict[str, Any], key: str, name: str) -> str | None:
         val = raw.get(name)
         if val is None:
@@ -414,6 +423,7 @@ def _pipeline(c: _Checker, name: str, raw: Any, hosts: dict[str, Host]) -> Pipel
         aliases=c.strings(raw, key, "aliases"),
         mixed_weights=c.flag(raw, key, "mixed_weights"),
         integrity=c.choice(raw, key, "integrity", INTEGRITY),
+        max_migrations=c.count(raw, key, "max_migrations", 2),
     )
 
 

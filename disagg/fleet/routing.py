@@ -35,7 +35,15 @@ def router_from_inventory(inventory: str | Path | Inventory | None = None) -> Ro
         decode = [_endpoint(inv.hosts[h], "decode") for h in p.decode]
         for name in (p.name, *p.aliases):
             pipelines.append(
-                Route(name, prefill, decode, p.prefill_timeout, p.decode_timeout, p.integrity)
+                Route(
+                    name,
+                    prefill,
+                    decode,
+                    p.prefill_timeout,
+                    p.decode_timeout,
+                    p.integrity,
+                    p.max_migrations,
+                )
             )
     return Router(pipelines, token=load_token(inv.path))
 

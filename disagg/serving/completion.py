@@ -57,3 +57,6 @@ class Chunk:
     done: bool = False  # the last chunk: `completion` holds the whole answer
     completion: Completion | None = None
     reasoning: str = ""  # reasoning text since the previous chunk, apart from the answer
+    # The first token's metrics (the prompt's side: which path ran), on a chunk of
+    # their own before its text: what a gateway's verdict header says for a stream.
+    metrics: Metrics | None = None

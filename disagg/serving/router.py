@@ -70,6 +70,8 @@ class Route:
     # this long failed. A stream that keeps producing tokens runs as long as it needs.
     decode_timeout_s: float = 180.0
     integrity: str = "mac"  # frames between its agents: see disagg_agents.wire.INTEGRITY
+    # Times one request may move to another decode agent mid-answer (migration).
+    max_migrations: int = 2
 
 
 def _timed_out(e: BaseException) -> bool:
@@ -112,9 +114,10 @@ def cut_short(
 
 
 class Relay:
-    """One decode agent's try at a request, as its token callback: it passes on what
-    earlier tries did not deliver (a rerouted run must match what they did), notes
-    its first token's time and metrics, and stops at Router.cut_all."""
+    """One decode agent's try at a request, as its token callback: it passes every
+    event on (a migrated try sends only what comes after the tokens it was given),
+    keeps the answer's token ids for the next try, notes its first token's time and
+    metrics, and stops at Router.cut_all."""
 
     def __init__(
         self,
@@ -123,7 +126,6 @@ class Relay:
         cutting: threading.Event,
     ) -> None:
         self.delivered, self.on_token, self.cutting = delivered, on_token, cutting
-        self.seen = 0
         self.t_sent = time.perf_counter()
         self.t_first: float | None = None
         self.early: Metrics | None = None  # the first TOKEN's (disagg_agents.decode first_metrics)
@@ -136,16 +138,27 @@ class Relay:
     def __call__(self, tok: TokenEvent) -> None:
         if self.cutting.is_set():
             raise StopGeneration("cancelled")
-        self.seen += 1
         if self.t_first is None and tok.id is not None:
             self.t_first, self.early = time.perf_counter(), tok.metrics
-        if self.seen <= len(self.delivered):
-            if self.delivered[self.seen - 1].id != tok.id:
-                raise AgentError("the rerouted run diverged from the text already sent")
-            return
         self.delivered.append(tok)
         if self.on_token:
             self.on_token(tok)
+
+
+def sent_ids(delivered: list[TokenEvent]) -> list[int]:
+    """The answer's token ids the client has seen (a migration's resume_ids)."""
+    return [t.id for t in delivered if t.id is not None]
+
+
+def from_events(delivered: list[TokenEvent], metrics: Metrics) -> Completion:
+    """An answer whose every token was sent before its agent died (nothing left
+    to migrate): put together from what the client saw."""
+    text = "".join(t.text for t in delivered if t.text and not t.is_reasoning)
+    reasoning = "".join(t.text for t in delivered if t.text and t.is_reasoning)
+    calls = [t.tool_call for t in delivered if t.tool_call is not None]
+    ids = sent_ids(delivered)
+    metrics.completion_tokens, metrics.finish_reason = len(ids), "length"
+    return Completion(text, ids, metrics, "length", reasoning=reasoning, tool_calls=calls)
 
 
 class Router:
@@ -256,12 +269,15 @@ class Router:
         on_token: Callable[[TokenEvent], None] | None = None,
         deadline_s: float | None = None,
     ) -> Completion:
-        """Run one request, rerouting to another decode agent if one fails (sent
-        nothing for the pipeline's decode_timeout_s). `deadline_s` bounds the whole
-        request, reroutes included (RequestTimeout); None: no bound.
+        """Run one request, moving it to another decode agent if one fails (sent
+        nothing for the pipeline's decode_timeout_s, or died). `deadline_s` bounds
+        the whole request, moves included (RequestTimeout); None: no bound.
 
-        A rerouted stream does not repeat text already delivered: the new run's
-        tokens are skipped until it is past what `on_token` saw.
+        An agent that dies mid-answer is migrated, not replayed: the next agent
+        takes the prompt plus the tokens already sent as its prompt
+        (`resume_ids`) and decodes only the rest, so `on_token` sees each token
+        once, and a seeded sampled request keeps its text. At most the pipeline's
+        `max_migrations` moves per request.
         """
         pipe = self.pipeline(model)
         req = request
@@ -269,56 +285,135 @@ class Router:
         if target and req.prefill is None:
             req = req.replace(prefill=target)
         deadline = None if deadline_s is None else time.monotonic() + deadline_s
-        delivered: list[TokenEvent] = []
-        failures: list[str] = []
         keys = affinity.prefix_keys(pipe.name, req)
         endpoints, choice = self.decode_order(pipe.decode, keys)
+        j = Journey(pipe, req, on_token, deadline_s, keys, choice)
         for ep in endpoints:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise RequestTimeout(
                     f"the request did not finish within its deadline of {deadline_s:g}s"
-                    + (f" ({'; '.join(failures)})" if failures else "")
+                    + (f" ({'; '.join(j.failures)})" if j.failures else "")
                 )
-            forward = Relay(delivered, on_token, self.cutting)
-            with self.lock:
-                self.busy[ep.name] += 1
-            try:
-                result = client.generate(
-                    ep.host,
-                    ep.port,
-                    req,
-                    on_token=forward,
-                    timeout_s=pipe.decode_timeout_s,
-                    token=self.token,
-                    deadline_s=left,
-                )
-                result.model = pipe.name
-                result.metrics.decode_server = result.metrics.decode_server or ep.name
-                result.metrics.route = choice.to_dict()
-                self.affinity.remember(keys, ep.name)  # it now holds this prompt's K/V
-                result.metrics.rerouted_from = failures or None
+            sent = sent_ids(j.delivered)
+            if sent and j.migrations >= pipe.max_migrations:
+                j.failures.append(f"max_migrations ({pipe.max_migrations}) reached")
+                break
+            if sent and len(sent) >= req.max_tokens:  # every token was out: none to decode
+                j.migrations += 1
+                return j.finished()
+            result = self._try(j, ep, sent, left)
+            if result is not None:
                 return result
-            except RequestTimeout as e:  # no fault of the agent: not marked down
-                raise RequestTimeout(
-                    f"the request did not finish within its deadline of {deadline_s:g}s: {e}"
-                ) from None
-            except StopGeneration as e:
-                e.metrics = forward.cut(e.reason)
-                e.metrics.decode_server = e.metrics.decode_server or ep.name
-                e.metrics.route = choice.to_dict()
-                raise
-            except (UsageError, ModelMismatch, AuthError):
-                raise
-            except (ConnectError, AgentError) as e:
-                self._mark_down(ep)
-                failures.append(f"{ep.name}: {e}")
-            finally:
-                with self.lock:
-                    self.busy[ep.name] -= 1
-        if not failures:
+        if not j.failures:
             raise AgentError(f"pipeline {pipe.name} has no decode agent")
         raise AgentError(
             f"no decode agent of pipeline {pipe.name} could serve the request: "
-            + "; ".join(failures)
+            + "; ".join(j.failures)
         )
+
+    def _try(
+        self, j: Journey, ep: Endpoint, sent: list[int], left: float | None
+    ) -> Completion | None:
+        """One decode agent's try: its result, or None when it failed (marked down,
+        the failure noted in `j`). With `sent`, a migration: the answer so far is
+        prompt there."""
+        req = j.req
+        if sent:
+            j.migrations += 1
+            req = req.replace(resume_ids=sent, max_tokens=req.max_tokens - len(sent))
+        forward = Relay(j.delivered, j.on_token, self.cutting)
+        j.relays.append(forward)
+        with self.lock:
+            self.busy[ep.name] += 1
+        try:
+            result = client.generate(
+                ep.host,
+                ep.port,
+                req,
+                on_token=forward,
+                timeout_s=j.pipe.decode_timeout_s,
+                token=self.token,
+                deadline_s=left,
+            )
+            result.model = j.pipe.name
+            m = result.metrics
+            m.decode_server = m.decode_server or ep.name
+            m.route = j.choice.to_dict()
+            self.affinity.remember(j.keys, ep.name)  # it now holds this prompt's K/V
+            m.rerouted_from = j.failures or None
+            if sent:
+                migrated(result, sent, j.migrations, j.relays[0], forward, j.failed_at)
+            return result
+        except RequestTimeout as e:  # no fault of the agent: not marked down
+            raise RequestTimeout(
+                f"the request did not finish within its deadline of {j.deadline_s:g}s: {e}"
+            ) from None
+        except StopGeneration as e:
+            e.metrics = forward.cut(e.reason)
+            e.metrics.decode_server = e.metrics.decode_server or ep.name
+            e.metrics.route = j.choice.to_dict()
+            e.metrics.migrations = j.migrations or None
+            raise
+        except (UsageError, ModelMismatch, AuthError):
+            raise
+        except (ConnectError, AgentError) as e:
+            j.failed_at = time.perf_counter()
+            self._mark_down(ep)
+            j.failures.append(f"{ep.name}: {e}")
+            return None
+        finally:
+            with self.lock:
+                self.busy[ep.name] -= 1
+
+
+@dataclass
+class Journey:
+    """One request on its way through a pipeline's decode agents."""
+
+    pipe: Route
+    req: GenerateRequest
+    on_token: Callable[[TokenEvent], None] | None
+    deadline_s: float | None
+    keys: list[affinity.PrefixKey]
+    choice: affinity.Choice
+    delivered: list[TokenEvent] = field(default_factory=list)  # what the client saw
+    failures: list[str] = field(default_factory=list)
+    migrations: int = 0
+    relays: list[Relay] = field(default_factory=list)  # one per try
+    failed_at: float = field(default_factory=time.perf_counter)  # the last failure
+
+    def finished(self) -> Completion:
+        """Every token was sent before the agent died: the answer from what was seen."""
+        first = next((t.metrics for t in self.delivered if t.metrics is not None), None)
+        m = Metrics.from_json(first.to_json()) if first is not None else Metrics()
+        m.update(
+            rerouted_from=self.failures or None,
+            migrations=self.migrations,
+            route=self.choice.to_dict(),
+        )
+        done = from_events(self.delivered, m)
+        done.model = self.pipe.name
+        return done
+
+
+def migrated(
+    result: Completion,
+    sent: list[int],
+    migrations: int,
+    first: Relay,
+    last: Relay,
+    failed_at: float,
+) -> None:
+    """A migrated answer as one: the tokens sent before the last agent took over
+    come first (its text already holds them: it parsed them as the answer's start).
+    ttft is the client's first token (from the first agent); resume_time the gap
+    from noticing the failure to the last agent's first token."""
+    m = result.metrics
+    result.token_ids = sent + result.token_ids
+    m.migrations = migrations
+    m.completion_tokens = len(result.token_ids)
+    if first.t_first is not None:
+        m.ttft = first.t_first - first.t_sent
+    if last.t_first is not None:
+        m.resume_time = last.t_first - failed_at

@@ -55,7 +55,7 @@ from disagg_agents.quant import check_supported, weights_identity
 from disagg_agents.runtime.blasshare import BlasShare
 from disagg_agents.runtime.metrics import Stats
 from disagg_agents.runtime.server import common_args, fail, serve, start_agent
-from disagg_agents.runtime.settings import Setting, attr_setting, budget_setting
+from disagg_agents.runtime.settings import Setting, attr_setting, budget_setting, disk_setting
 from disagg_agents.wire.answer import CONTENT, REASONING, Done, Metrics, TokenEvent
 from disagg_agents.wire.channel import recv_json, send_error, send_frame, send_json
 from disagg_agents.wire.frames import (
@@ -71,6 +71,7 @@ from disagg_agents.wire.text import printable
 
 log = logging.getLogger("disagg.decode")
 
+DEFAULT_DISK_MB = 8192  # the --prefix-disk tier's default budget
 PREFILL_STEP = 2048  # mlx-lm's generate_step default: same chunks, same numerics
 
 
@@ -235,6 +236,7 @@ FIRST_METRICS = (
     "prompt_tokens",
     "cached_tokens",
     "prefill_cached_tokens",
+    "disk_cached_tokens",
     "method",
     "prefill_server",
     "decode_server",
@@ -341,6 +343,16 @@ def corked(sock: socket.socket, on: bool) -> Iterator[None]:
             sock.setsockopt(socket.IPPROTO_TCP, cork, 0)
 
 
+def skip_draws(sampler: Sampler, n: int) -> None:
+    """Advance a sampler past `n` draws, as if it had sampled `n` tokens: a migrated
+    seeded request then draws at each position what the seed gives there. mlx thread."""
+    key = sampler.key
+    for _ in range(n):
+        key, _sub = mx.random.split(key)
+    mx.eval(key)
+    sampler.key = key
+
+
 def first_token(
     logits: np.ndarray | mx.array,
     sampler: Sampler | None,
@@ -400,6 +412,8 @@ class DecodeAgent:
         max_request_bytes: int = CONTROL_MAX_FRAME,
         allow_mixed: bool = False,
         prefix_cache_mb: float | None = None,
+        prefix_disk: str | None = None,
+        prefix_disk_mb: float | None = None,
     ) -> None:
         self.engine = engine
         # Accept a prefill agent on other weights (results then say weights: "mixed").
@@ -423,10 +437,18 @@ class DecodeAgent:
         mb = default_max_mb() if prefix_cache_mb is None else prefix_cache_mb
         self.prefix = DecodePrefix(int(mb * (1 << 20)), engine.fingerprint["layers"], engine.dtype)
         self.stats.extra.append(lambda: self.prefix.cache.prometheus("decode"))
+        if prefix_disk:  # the disk tier: blocks kept across restarts
+            mb = DEFAULT_DISK_MB if prefix_disk_mb is None else prefix_disk_mb
+            self.prefix.enable_disk(prefix_disk, int(mb * (1 << 20)), engine.fingerprint)
+            disk = self.prefix.disk
+            assert disk is not None
+            self.stats.extra.append(lambda: disk.prometheus("decode"))
 
     def live_settings(self) -> list[Setting]:
         """What PUT /settings may change (disagg_agents.runtime.settings), for new requests."""
+        disk = [disk_setting(self.prefix.disk)] if self.prefix.disk is not None else []
         return [
+            *disk,
             budget_setting(self.prefix.cache),
             attr_setting(
                 "allow_mixed",
@@ -463,6 +485,7 @@ class DecodeAgent:
             **batch,
             **self.stats.snapshot(),
             "prefix_cache": self.prefix.cache.snapshot(),
+            "prefix_disk": self.prefix.disk.snapshot() if self.prefix.disk is not None else None,
             "grammars": self.engine.grammars.snapshot(),
             "chat": self.engine.chat_info(),  # for /api/show: capabilities, template, stops
         }
@@ -552,6 +575,7 @@ class DecodeAgent:
         if tuner is not None:
             tuner.observe_fetch(fetched)
         metrics.update(fetched, method="disaggregated", cached_tokens=hit.tokens if hit.used else 0)
+        metrics.disk_cached_tokens = hit.disk_tokens if hit.used else None
         hits.append(hit)
         return Prefilled(caches, logits, marks)
 
@@ -693,6 +717,7 @@ class DecodeAgent:
                 done = hit.tokens
             if metrics is not None:
                 metrics.cached_tokens = hit.tokens
+                metrics.disk_cached_tokens = hit.disk_tokens or None
 
         def chunk(a: int, b: int) -> None:
             model(mx.array(ids[a:b])[None], cache=caches)
@@ -782,14 +807,21 @@ class DecodeAgent:
         come, then DONE. Returns the metrics DONE carried."""
         eng = self.engine
         t0, at = time.perf_counter(), time.time()
-        ids = eng.encode(req)
+        prompt_ids = eng.encode(req)
+        # A migrated request: the answer so far is prompt here (never sent again).
+        resumed = list(req.resume_ids or [])
+        ids = prompt_ids + resumed
         max_tokens = self._max_tokens(req, ids)
         t_grammar = time.perf_counter()
-        matcher = self._matcher(req, ids, sock)
+        matcher = self._matcher(req, prompt_ids, sock)
         grammar_ms = (time.perf_counter() - t_grammar) * 1000 if matcher is not None else None
+        if matcher is not None:
+            for tid in resumed:
+                matcher.consume(tid)  # the grammar's state after the answer so far
         allowed = eng.grammars.masks([matcher])[0] if matcher is not None else None
         metrics = Metrics(
-            prompt_tokens=len(ids),
+            prompt_tokens=len(prompt_ids),
+            resumed_tokens=len(resumed) or None,
             kv_bytes=0,
             kv_transfer_time=0.0,
             decode_server=self.name,
@@ -807,11 +839,15 @@ class DecodeAgent:
             logits = self._local_prefill(ids, prefilled.caches, req, metrics, hits)
         t_prefilled = time.perf_counter()
         sampler = make_sampler(req.temperature, req.top_p, req.seed)
+        if sampler is not None and resumed:
+            self.loop.call(skip_draws, sampler, len(resumed))  # position len(resumed) draws next
         first = self._first_token(logits, sampler, req.logprobs, allowed)
         t_first = time.perf_counter()
         if metrics.method != "disaggregated":
             metrics.prefill_time = t_first - t_local
-        chat = eng.stream(req, ids)
+        chat = eng.stream(req, prompt_ids)
+        for tid in resumed:
+            chat.add(tid)  # sent by the agent that died: parsed, not sent again
         # The prompt's blocks are taken from the caches without a copy once
         # decoding stops writing them (disagg_agents.decode.prefixstore), pending from before
         # the first token goes out: a request that follows it finds them.
@@ -831,7 +867,9 @@ class DecodeAgent:
         metrics.timeline = timeline(at, t0, marks, metrics, local_span, t_first, joined, t_end)
         batch_wait = seq.joined_at - seq.posted_at if seq and seq.joined_at else 0.0
         metrics.queue_time = (metrics.prefill_queue_time or 0.0) + batch_wait
-        self._done(sock, progress, chat, out, metrics, ids if req.return_prompt_ids else None)
+        self._done(
+            sock, progress, chat, out, metrics, prompt_ids if req.return_prompt_ids else None
+        )
         return metrics
 
     def _first_token(
@@ -989,6 +1027,20 @@ def main() -> None:
         help="accept prefill agents whose weights differ from ours (metrics say so)",
     )
 
+    parser.add_argument(
+        "--prefix-disk",
+        default=None,
+        metavar="DIR",
+        help="also keep prefix-cache blocks in DIR on local disk, read back after a restart "
+        "(default: off)",
+    )
+    parser.add_argument(
+        "--prefix-disk-mb",
+        type=float,
+        default=None,
+        help=f"most disk the --prefix-disk tier takes (default {DEFAULT_DISK_MB} MB; 0: off)",
+    )
+
     def load(args: Any) -> DecodeEngine:
         if args.max_batch < 1:
             fail("--max-batch must be at least 1")
@@ -1003,5 +1055,7 @@ def main() -> None:
         max_request_bytes=args.max_request_bytes,
         allow_mixed=args.allow_mixed,
         prefix_cache_mb=args.prefix_cache_mb,
+        prefix_disk=args.prefix_disk,
+        prefix_disk_mb=args.prefix_disk_mb,
     )
     serve("decode", args, token, agent)

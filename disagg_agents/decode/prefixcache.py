@@ -34,6 +34,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+from disagg_agents.prefix.disk import DiskTier, fingerprint_digest
 from disagg_agents.prefix.store import Block, Owner, Prefix, PrefixCache, block_keys, prefix_digest
 from disagg_agents.wire.kvcodec import DTYPE_NAMES, Kind, LayerKV
 
@@ -79,9 +80,14 @@ class Hit:
     block: int
     tokens: int = 0  # cached prompt positions the request reuses
     used: bool = False  # a layer was extended with them (an older prefill agent sends all)
+    disk_blocks: int = 0  # of `blocks`, the last ones: read back from the disk tier
 
     def __post_init__(self) -> None:
         self.tokens = len(self.blocks) * self.block
+
+    @property
+    def disk_tokens(self) -> int:
+        return self.disk_blocks * self.block
 
 
 class Recording(RotatingKVCache):
@@ -117,6 +123,11 @@ class DecodePrefix:
         # Stores waiting for their request's caches (disagg_agents.decode.prefixstore).
         self.pending: list[Any] = []
         self.pending_lock = threading.Lock()
+        self.disk: DiskTier | None = None  # blocks kept across restarts (enable_disk)
+
+    def enable_disk(self, root: str, max_bytes: int, fingerprint: dict[str, Any]) -> None:
+        """Keep blocks in `root` too (at most `max_bytes`), for this model only."""
+        self.disk = DiskTier(root, max_bytes, fingerprint_digest(fingerprint))
 
     def pending_add(self, store: Any) -> None:
         with self.pending_lock:
@@ -151,9 +162,34 @@ class DecodePrefix:
             blocks = self.cache.longest(keys, cap // b)  # a request still decoding had more
         if blocks and local and any(blocks[0].layers[i] is None for i in range(len(self.full))):
             blocks = []  # not every layer kept: cannot seed a local prefill
-        hit = Hit(namespace, keys, blocks, b)
+        n_memory = len(blocks)
+        if cap > 0:
+            blocks += self._from_disk(keys, n_memory, cap // b, local)
+        hit = Hit(namespace, keys, blocks, b, disk_blocks=len(blocks) - n_memory)
         self.cache.record(len(ids), hit.tokens)
+        if self.disk is not None and hit.disk_blocks:
+            self.disk.count_hit(hit.disk_tokens)
         return hit
+
+    def _from_disk(self, keys: list[bytes], have: int, most: int, local: bool) -> list[Block]:
+        """The blocks after the `have` in memory that the disk tier holds, in order
+        until one is missing or unusable (a hole would strand the rest); they go
+        into memory too, so the next turn finds them there."""
+        if self.disk is None or not self.disk.max_bytes or have >= most:
+            return []
+        need = [f or local for f in self.full]
+        found: list[Block] = []
+        for k in keys[have:most]:
+            blk = self.disk.get(k)
+            if blk is None or len(blk.layers) != len(need):
+                break
+            if any(n and layer is None for n, layer in zip(need, blk.layers, strict=True)):
+                break
+            found.append(blk)
+        if found and self.cache.max_bytes:
+            by_index = {have + i: blk for i, blk in enumerate(found)}
+            self.cache.add(keys[: have + len(found)], lambda i: by_index.get(i))
+        return found
 
     def prefix_layer(self, hit: Hit, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """[H, n, D] keys and values of a layer at the hit's end: every cached
@@ -238,7 +274,10 @@ class DecodePrefix:
                     pair = (pair[0].copy(), pair[1].copy())
                 size += pair[0].nbytes + pair[1].nbytes
                 layers.append(pair)
-            return Block(tuple(layers), size, owner)
+            blk = Block(tuple(layers), size, owner)
+            if self.disk is not None:
+                self.disk.put(hit.keys[i], blk)  # written later, on the tier's thread
+            return blk
 
         return self.cache.add(hit.keys, make)
 

@@ -112,6 +112,7 @@ class Stats:
         self.kv_request = Histogram(BUCKETS_BYTES)  # K/V bytes per request that moved any
         self.fallbacks: Counter[str] = Counter()  # by disagg_agents.decode.kvfetch.FALLBACK_KINDS
         self.kv_bytes = 0
+        self.completion_tokens = 0  # tokens this agent generated (a migrated stream: its part)
         self.recent_ttft: list[float] = []
         # More Prometheus text from the agent's other parts (e.g. its prefix cache).
         self.extra: list[Callable[[], str]] = []
@@ -144,6 +145,7 @@ class Stats:
             if m.get("fallback_kind"):
                 self.fallbacks[str(m["fallback_kind"])] += 1
             self.kv_bytes += int(m.get("kv_bytes") or 0)
+            self.completion_tokens += int(m.get("completion_tokens") or 0)
 
     def snapshot(self) -> dict[str, Any]:
         with self.lock:
@@ -152,12 +154,14 @@ class Stats:
             errors = sum(n for (_, o), n in self.outcomes.items() if o not in FINE)
             cancelled = sum(n for (_, o), n in self.outcomes.items() if o == "cancelled")
             in_flight = self.in_flight
+            generated = self.completion_tokens
         return {
             "uptime_s": round(time.time() - self.started, 3),
             "requests": total + in_flight,
             "errors": errors,
             "cancelled": cancelled,
             "in_flight": in_flight,
+            "completion_tokens": generated,
             "ttft_p50_s": percentile(recent, 0.50),
             "ttft_p95_s": percentile(recent, 0.95),
             "ttft_p99_s": percentile(recent, 0.99),

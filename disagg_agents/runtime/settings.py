@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from disagg_agents.prefix.disk import DiskTier
     from disagg_agents.prefix.store import PrefixCache
 
 MAX_CHANGES = 32  # names in one change; there are fewer settings than this
@@ -120,4 +121,18 @@ def budget_setting(cache: PrefixCache) -> Setting:
         0.0,
         float(1 << 24),
         "memory for prompt K/V reused across requests (0: off)",
+    )
+
+
+def disk_setting(disk: DiskTier) -> Setting:
+    """The prefix cache's disk tier budget as a live setting: a smaller one evicts
+    at once; 0 empties the directory and turns the tier off (`disagg tune` clears it)."""
+    return Setting(
+        "prefix_disk_mb",
+        float,
+        lambda: round(disk.max_bytes / (1 << 20), 4),
+        lambda mb: disk.set_budget(int(mb * (1 << 20))),
+        0.0,
+        float(1 << 24),
+        "disk for prompt K/V kept across restarts (0: empty it, off)",
     )

@@ -115,6 +115,12 @@ class Metrics:
     placement_reason: str | None = None
     fallback_reason: str | None = None  # why a remote prefill fell back to a local one
     rerouted_from: list[str] | None = None  # decode agents that failed this request first
+    migrations: int | None = None  # times the stream moved to another decode agent mid-answer
+    # Answer tokens a migrated request's last agent took as prompt (sent before it).
+    resumed_tokens: int | None = None
+    resume_time: float | None = None  # a migration: failure noticed to the next agent's first token
+    # Of cached_tokens: positions read back from the decode agent's disk tier.
+    disk_cached_tokens: int | None = None
     # The router's pick of decode agent (disagg.serving.affinity): agent, affine agent,
     # hit_chars of its remembered prefix, busy (in flight per healthy agent), reason.
     route: dict[str, Any] | None = None

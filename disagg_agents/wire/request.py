@@ -133,6 +133,11 @@ class GenerateRequest:
     # due (the wire client sets it from its idle deadline); None: it sends none, as
     # to a client of a release that knows no such frame.
     progress_s: float | None = None
+    # A migrated request (disagg.serving.router): the answer's tokens that a decode
+    # agent which died already sent. They are prefilled after the prompt, fed to the
+    # answer's parser and grammar, never sent again; a seeded sampler skips as many
+    # draws, so the text stays what the seed gives at each position.
+    resume_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         check(self)
@@ -315,6 +320,11 @@ def check(r: GenerateRequest) -> None:
     check_cache_salt(r.cache_salt)
     if r.progress_s is not None and (not is_num(r.progress_s) or r.progress_s <= 0):
         raise RequestError("progress_s", f"progress_s must be > 0 seconds, got {r.progress_s!r}")
+    ids = r.resume_ids
+    if ids is not None and (
+        not isinstance(ids, list) or not all(_is_int(t) and 0 <= t < 1 << 31 for t in ids)
+    ):
+        raise RequestError("resume_ids", "resume_ids must be a list of token ids")
 
 
 CACHE_SALT_MAX = 256  # characters

@@ -13,7 +13,6 @@ from concurrent.futures import Executor
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from disagg.api import Chunk, Client, Completion
 from disagg.errors import DisaggError
@@ -27,6 +26,7 @@ from disagg.frontends.anthropic.types import (
 from disagg.frontends.guard import cache_salt
 from disagg.frontends.openai import routes as oai
 from disagg.frontends.openai.types import OpenAIError
+from disagg.serving import verdict
 from disagg_agents.wire.request import GenerateRequest
 
 
@@ -35,7 +35,7 @@ def from_openai(e: OpenAIError) -> AnthropicError:
     return AnthropicError(status, e.message, e.headers)
 
 
-def usage(c: Completion) -> dict[str, int]:
+def usage(c: Completion) -> dict[str, Any]:
     """Anthropic counts cache reads apart from the input tokens it processed."""
     prompt = int(c.metrics.get("prompt_tokens") or 0)
     cached = int(c.metrics.get("cached_tokens") or 0)
@@ -44,6 +44,7 @@ def usage(c: Completion) -> dict[str, int]:
         "output_tokens": int(c.metrics.get("completion_tokens") or 0),
         "cache_read_input_tokens": cached,
         "cache_creation_input_tokens": 0,
+        "disagg_verdict": verdict.verdict(c.metrics),  # which path ran (the header's)
     }
 
 
@@ -135,10 +136,12 @@ def routes(client: Client, workers: Executor | None = None) -> APIRouter:
         except DisaggError as e:
             raise from_openai(oai.from_disagg(e)) from None
         if isinstance(result, Completion):
-            return full(rid, result)
+            return verdict.whole(full(rid, result), result)
         chunks, cancel = result
-        return StreamingResponse(
-            events(rid, body.model, chunks, cancel), media_type="text/event-stream"
+        return verdict.streamed(
+            lambda seen: events(rid, body.model, seen, cancel),
+            chunks,
+            media_type="text/event-stream",
         )
 
     @api.post("/v1/messages/count_tokens")

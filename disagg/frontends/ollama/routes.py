@@ -18,7 +18,7 @@ from concurrent.futures import Executor
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response
 
 from disagg.api import Chunk, Client, Completion
 from disagg.errors import DisaggError, Overloaded, UsageError
@@ -41,6 +41,7 @@ from disagg.frontends.ollama.types import (
     Options,
     ShowBody,
 )
+from disagg.serving import verdict
 from disagg.serving.request import build_request
 from disagg_agents.wire.request import GenerateRequest
 
@@ -209,7 +210,7 @@ async def answer(
             )
             if body.think is False:  # as Ollama: no thinking when it was turned off
                 c.reasoning = ""
-            return _final(head, kind, c, t0, whole=True)
+            return verdict.whole(_final(head, kind, c, t0, whole=True), c)
         cancel = threading.Event()
         chunks = await client.agenerate(
             req, model=name, stream=True, cancel=cancel, executor=workers
@@ -221,8 +222,9 @@ async def answer(
     except DisaggError as e:
         raise OllamaError(500, str(e)) from None
     assert not isinstance(chunks, Completion)
-    return StreamingResponse(
-        _ndjson(head, kind, chunks, t0, cancel, body.think is not False),
+    return verdict.streamed(
+        lambda seen: _ndjson(head, kind, seen, t0, cancel, body.think is not False),
+        chunks,
         media_type=NDJSON,
         status_code=200,
     )

@@ -15,7 +15,6 @@ from concurrent.futures import Executor
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from disagg.api import Chunk, Client, Completion
 from disagg.errors import AgentError, DisaggError, ModelMismatch, Overloaded, UsageError
@@ -26,6 +25,7 @@ from disagg.frontends.openai.types import (
     CompletionRequest,
     OpenAIError,
 )
+from disagg.serving import verdict
 from disagg.serving.metrics import public_metrics
 from disagg.serving.request import build_request
 from disagg_agents.wire.request import GenerateRequest
@@ -53,6 +53,7 @@ def _usage(c: Completion) -> dict[str, Any]:
         "total_tokens": prompt + completion,
         # OpenAI's field: prompt tokens whose K/V came from the prefix cache.
         "prompt_tokens_details": {"cached_tokens": int(c.metrics.get("cached_tokens") or 0)},
+        "disagg_verdict": verdict.verdict(c.metrics),  # which path ran (the header's)
     }
 
 
@@ -193,11 +194,12 @@ async def answer(
     except DisaggError as e:
         raise from_disagg(e) from None
     if isinstance(result, Completion):
-        return _full(kind, rid, created, result, internals)
+        return verdict.whole(_full(kind, rid, created, result, internals), result)
     chunks, cancel = result
     usage = bool(body.stream_options and body.stream_options.include_usage)
-    return StreamingResponse(
-        _sse(kind, rid, created, body.model, chunks, usage, cancel),
+    return verdict.streamed(
+        lambda seen: _sse(kind, rid, created, body.model, seen, usage, cancel),
+        chunks,
         media_type="text/event-stream",
     )
 

@@ -14,13 +14,13 @@ from concurrent.futures import Executor
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from disagg.api import Chunk, Client, Completion
 from disagg.errors import DisaggError, UsageError
 from disagg.frontends.guard import cache_salt
 from disagg.frontends.openai import routes as oai
 from disagg.frontends.responses.types import ResponsesRequest, as_chat, forced_custom, grammar_of
+from disagg.serving import verdict
 from disagg.serving.request import with_fields
 from disagg_agents.wire.request import GenerateRequest
 
@@ -132,6 +132,7 @@ class Answer:
             "output_tokens": made,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt + made,
+            "disagg_verdict": verdict.verdict(c.metrics),  # which path ran (the header's)
         }
         if c.finish_reason == "length":
             return self.envelope(
@@ -178,9 +179,11 @@ def routes(client: Client, workers: Executor | None = None) -> APIRouter:
         except DisaggError as e:
             raise oai.from_disagg(e) from None
         if isinstance(result, Completion):
-            return full(a, result)
+            return verdict.whole(full(a, result), result)
         chunks, cancel = result
-        return StreamingResponse(events(a, chunks, cancel), media_type="text/event-stream")
+        return verdict.streamed(
+            lambda seen: events(a, seen, cancel), chunks, media_type="text/event-stream"
+        )
 
     return api
 

@@ -149,6 +149,8 @@ class FleetWatch:
             uptime_s=st.get("uptime_s"),
             rss_bytes=st.get("rss_bytes"),
             prefix_hit_rate=pc.get("hit_rate"),
+            prefix_memory_tokens=pc.get("cached_tokens"),  # every tier: disk hits included
+            prefix_disk=_disk(st.get("prefix_disk")),
             ttft_p50_s=st.get("ttft_p50_s"),
         )
         reported = st.get("last_error")
@@ -212,3 +214,11 @@ class FleetWatch:
                         }
                     )
         return out
+
+
+def _disk(d: Any) -> dict[str, Any] | None:
+    """A decode agent's disk tier as a card shows it: hits, tokens, bytes of budget."""
+    if not isinstance(d, dict):
+        return None
+    keep = ("hits", "cached_tokens", "bytes", "max_bytes", "corrupt")
+    return {k: d.get(k) for k in keep}

@@ -19,7 +19,8 @@ from typing import Any
 
 from disagg.frontends import tenancy
 from disagg.frontends.webview.prom import GatewayMetrics
-from disagg_agents.wire.answer import TokenEvent
+from disagg.serving.verdict import header_value, verdict
+from disagg_agents.wire.answer import Metrics, TokenEvent
 from disagg_agents.wire.text import printable
 
 access = logging.getLogger("disagg.requests")  # `disagg serve` shows it on stderr
@@ -52,6 +53,8 @@ def access_line(t: Tracked) -> str:
         f"{int(m.get('completion_tokens') or t.tokens)} tokens, ttft {secs(m.get('ttft'))}, "
         f"{secs(t.ended_s)} in all"
     )
+    if m.get("method"):
+        line += f" [{header_value(Metrics.from_json(m))}]"  # the answer's verdict header
     return line + (f"; {t.error[:200]}" if t.error else "")
 
 
@@ -112,6 +115,7 @@ class Tracked:
             "cached_tokens": m.get("cached_tokens"),
             "timeline": m.get("timeline"),
             "queue_time": m.get("queue_time"),
+            "verdict": verdict(Metrics.from_json(m)) if m.get("method") else None,
         }
         if fleet:
             row["tenant"] = tenancy.label(self.tenant)

@@ -127,6 +127,8 @@ function agentCard(a) {
     ["tokens/s", a.live_rate !== undefined ? `${a.live_rate.toFixed(1)} (decoding now)` : a.tokens_per_s],
     ["memory (RSS)", a.rss_bytes ? fmtB(a.rss_bytes) : null],
     ["prefix cache hit rate", a.prefix_hit_rate !== undefined && a.prefix_hit_rate !== null ? fmtPct(a.prefix_hit_rate) : null],
+    ["prefix tokens reused (all tiers)", a.prefix_memory_tokens ?? null],
+    ["prefix disk tier", a.prefix_disk ? `${a.prefix_disk.hits} hits, ${a.prefix_disk.cached_tokens} tokens, ${fmtB(a.prefix_disk.bytes)} / ${fmtB(a.prefix_disk.max_bytes)}` : null],
     ["requests", a.requests !== undefined && a.requests !== null ? `${a.requests} (${a.errors ?? 0} failed, ${a.cancelled ?? 0} cancelled)` : null],
     ["uptime", a.uptime_s ? fmtS(a.uptime_s) : null],
   ].filter(([, v]) => v !== null && v !== undefined && v !== "");

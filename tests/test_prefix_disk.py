@@ -1,0 +1,200 @@
+"""The prefix cache's disk tier (disagg_agents.prefix.disk): block files that are
+atomic, checksummed and keyed by model and tenant, held to a budget; and a real
+decode agent restarted over its directory serving a 2k-token prompt from it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from disagg.serving.localagents import AgentProc, restart_agent
+from disagg_agents.prefix.disk import DiskTier, block_file, fingerprint_digest
+from disagg_agents.prefix.store import Block, block_keys
+from tests.conftest import PairFactory, ask, remote_request
+from tests.tinymodels import CORPUS, shared_tiny
+
+FP = fingerprint_digest({"architecture": "llama", "layers": 2})
+
+
+def block(seed: int, layers: int = 2) -> Block:
+    rng = np.random.default_rng(seed)
+    kv = [(rng.standard_normal((2, 16, 8), np.float32),) * 2 for _ in range(layers)]
+    pairs = tuple(None if i == 1 else (k[0], k[0] + 1) for i, k in enumerate(kv))
+    return Block(pairs, sum(p[0].nbytes * 2 for p in pairs if p is not None))
+
+
+def same(a: Block, b: Block) -> bool:
+    return all(
+        (x is None and y is None)
+        or (
+            x is not None
+            and y is not None
+            and all(np.array_equal(u, v) for u, v in zip(x, y, strict=True))
+        )
+        for x, y in zip(a.layers, b.layers, strict=True)
+    )
+
+
+def test_blocks_round_trip_and_survive_a_restart(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path, 1 << 20, FP)
+    keys = [bytes([i]) * 16 for i in range(3)]
+    for i, k in enumerate(keys):
+        disk.put(k, block(i))
+    disk.flush()
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # renamed into place
+    again = DiskTier(tmp_path, 1 << 20, FP)  # a restarted agent's
+    for i, k in enumerate(keys):
+        got = again.get(k)
+        assert got is not None and same(got, block(i))
+    assert again.get(b"\x09" * 16) is None
+    assert DiskTier(tmp_path, 1 << 20, fingerprint_digest({"other": 1})).get(keys[0]) is None
+
+
+def test_a_flipped_byte_is_a_miss_and_its_file_goes(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path, 1 << 20, FP)
+    key = b"k" * 16
+    disk.put(key, block(0))
+    disk.flush()
+    path = tmp_path / disk.name(key)
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x01  # one bit of K/V
+    path.write_bytes(bytes(data))
+    assert disk.get(key) is None
+    assert disk.snapshot()["corrupt"] == 1 and not path.exists()
+
+
+def test_a_foreign_block_under_the_right_name_is_dropped(tmp_path: Path) -> None:
+    """Another model's file copied under this model's name: its header says whose."""
+    ours, theirs = DiskTier(tmp_path / "a", 1 << 20, FP), DiskTier(tmp_path / "b", 1 << 20, "x")
+    key = b"k" * 16
+    theirs.put(key, block(0))
+    theirs.flush()
+    (tmp_path / "a" / ours.name(key)).write_bytes((tmp_path / "b" / theirs.name(key)).read_bytes())
+    ours = DiskTier(tmp_path / "a", 1 << 20, FP)  # finds the file at start
+    assert ours.get(key) is None and ours.snapshot()["corrupt"] == 1
+
+
+def test_the_budget_evicts_least_recently_used_and_zero_empties(tmp_path: Path) -> None:
+    one = len(json.dumps({})) + block(0).nbytes  # about one block file
+    disk = DiskTier(tmp_path, int(2.5 * one), FP)
+    keys = [bytes([i]) * 16 for i in range(4)]
+    for i, k in enumerate(keys[:2]):
+        disk.put(k, block(i))
+    disk.flush()
+    assert disk.get(keys[0]) is not None  # now the most recently used
+    disk.put(keys[2], block(2))
+    disk.flush()
+    s = disk.snapshot()
+    assert s["bytes"] <= s["max_bytes"] and s["evictions"] >= 1
+    assert disk.get(keys[1]) is None and disk.get(keys[0]) is not None
+    disk.set_budget(0)
+    assert disk.snapshot()["blocks"] == 0 and not list(tmp_path.iterdir())
+    disk.put(keys[3], block(3))  # off: nothing written, nothing fails
+    disk.flush()
+    assert not list(tmp_path.iterdir())
+
+
+# ---- a real decode agent, restarted -------------------------------------------------
+
+
+def long_prompt(n_words: int = 1560) -> str:
+    words = " ".join(CORPUS).split()
+    return " ".join(words[i % len(words)] for i in range(n_words))
+
+
+def with_disk(template: AgentProc, root: Path, mb: float = 64) -> AgentProc:
+    """A decode agent started as `template` was, plus the disk tier in `root`: what a
+    restart of an agent run with --prefix-disk gives."""
+    extra = [*template.spawn.get("extra_args", ()), "--prefix-disk", str(root)]
+    extra += ["--prefix-disk-mb", str(mb)]
+    return restart_agent(
+        dataclasses.replace(template, spawn={**template.spawn, "extra_args": extra})
+    )
+
+
+def settled(agent: AgentProc) -> dict[str, Any]:
+    """The agent's disk tier once its queued writes are done (they are async)."""
+    deadline = time.monotonic() + 60
+    while True:
+        s = agent.status()["prefix_disk"]
+        if not s["queued_writes"] or time.monotonic() > deadline:
+            time.sleep(0.2)  # the last one dequeued may still be writing
+            return dict(agent.status()["prefix_disk"])
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_a_restarted_decode_agent_serves_a_2k_prompt_from_disk(
+    agent_pair: PairFactory, tmp_path: Path
+) -> None:
+    prefill, pooled = agent_pair(shared_tiny("llama"))
+    root = tmp_path / "prefix-disk"
+    req = remote_request(prefill, long_prompt(), max_tokens=16, return_prompt_ids=True)
+    first = with_disk(pooled, root)
+    try:
+        cold = ask(first, {**req, "prefix_cache": False})  # the answer without any cache
+        ids = cold.prompt_ids
+        assert ids is not None and len(ids) >= 2000
+        stored = ask(first, req)
+        assert stored.token_ids == cold.token_ids
+        blocks = (len(ids) - 1) // 16
+        assert settled(first)["blocks"] >= blocks
+    finally:
+        first.stop()
+
+    second = with_disk(pooled, root)
+    try:
+        warm = ask(second, req)
+        m = warm.metrics
+        assert (
+            m["disk_cached_tokens"] >= 0.9 * len(ids)
+            and m["cached_tokens"] >= m["disk_cached_tokens"]
+        )
+        assert warm.token_ids == cold.token_ids
+        status = second.status()
+        assert status["prefix_disk"]["cached_tokens"] == m["disk_cached_tokens"]
+        fp = fingerprint_digest(status["fingerprint"])
+    finally:
+        second.stop()
+
+    # One flipped byte in block 10's file: that block is a miss, the answer the same.
+    keys = block_keys(ids, f"remote:{prefill.host}:{prefill.port}", 16)
+    path = root / block_file(fp, keys[10])
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+    third = with_disk(pooled, root)
+    try:
+        hurt = ask(third, req)
+        assert hurt.metrics["disk_cached_tokens"] == 10 * 16  # the chain stops at the bad block
+        assert hurt.token_ids == cold.token_ids
+        assert third.status()["prefix_disk"]["corrupt"] == 1
+        # A full budget evicts and never fails a request; 0 empties the directory.
+        third.settings(prefix_disk_mb=0.1)
+        other = ask(third, remote_request(prefill, long_prompt(600)[::-1], max_tokens=4))
+        assert len(other.token_ids) == 4
+        s = settled(third)  # whatever it wrote stays within the budget
+        assert s["bytes"] <= s["max_bytes"] and s["evictions"] > 0
+        third.settings(prefix_disk_mb=0)
+        assert third.status()["prefix_disk"]["blocks"] == 0
+        assert not [p for p in os.listdir(root) if p.endswith(".kv")]
+    finally:
+        third.stop()
+
+
+def test_disagg_status_shows_the_disk_tier() -> None:
+    from disagg.cli.render_fleet import _prefix_cache
+
+    pc = {"hit_rate": 0.5, "queries": 4, "bytes": 1 << 20, "max_bytes": 1 << 30}
+    disk = {"hits": 12, "bytes": 5 << 20, "max_bytes": 8 << 30}
+    assert "disk 12 hits, 5 MiB / 8,192 MiB" in _prefix_cache(
+        {"prefix_cache": pc, "prefix_disk": disk}
+    )
+    assert "disk" not in _prefix_cache({"prefix_cache": pc})  # an agent without the tier
