@@ -79,6 +79,14 @@ def _weight_tile(
 
 
 @triton.jit
+def _dot(acc, a, w, DOT_F32: tl.constexpr):
+    """acc + a @ w.T; fp32 operands exact ("ieee", not a GPU's default TF32)."""
+    if DOT_F32:
+        return acc + tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+    return acc + tl.dot(a, tl.trans(w))
+
+
+@triton.jit
 def moe_gemm_kernel(
     x_ptr, tok_ptr, stride_xm,
     wa_ptr, sa_ptr, ba_ptr, wb_ptr, sb_ptr, bb_ptr,
@@ -126,21 +134,13 @@ def moe_gemm_kernel(
             wa_ptr, sa_ptr, ba_ptr, e, ns, k0, nmask,
             stride_we, stride_wn, stride_se, stride_sn, FORM, BITS, GROUP, BN, BK,
         ).to(a.dtype)  # fmt: skip
-        if DOT_F32:
-            acc_a += tl.dot(a.to(tl.float32), tl.trans(wa.to(tl.float32)), input_precision="ieee")
-        else:
-            acc_a += tl.dot(a, tl.trans(wa))
+        acc_a = _dot(acc_a, a, wa, DOT_F32)
         if FUSED:
             wb = _weight_tile(
                 wb_ptr, sb_ptr, bb_ptr, e, ns, k0, nmask,
                 stride_we, stride_wn, stride_se, stride_sn, FORM, BITS, GROUP, BN, BK,
             ).to(a.dtype)  # fmt: skip
-            if DOT_F32:
-                acc_b += tl.dot(
-                    a.to(tl.float32), tl.trans(wb.to(tl.float32)), input_precision="ieee"
-                )
-            else:
-                acc_b += tl.dot(a, tl.trans(wb))
+            acc_b = _dot(acc_b, a, wb, DOT_F32)
     if HAS_BIAS:
         bias_row = e.to(tl.int64) * stride_bias + ns
         acc_a += tl.load(bias_a_ptr + bias_row, mask=nmask, other=0.0).to(tl.float32)[None, :]
