@@ -253,13 +253,13 @@ def _without_json(text: str) -> str:
 def check_lark(text: str, field: str, what: str) -> None:
     """Raise SchemaTooBig when a Lark grammar is over a limit a compile could not survive."""
     rules, alternatives, depth = lark_shape(text)
+    if depth > LARK_DEPTH_MAX:
+        raise SchemaTooBig(
+            field, f"{what}: rules reference each other {depth} deep; at most {LARK_DEPTH_MAX}"
+        )
     if rules > LARK_RULES_MAX:
         raise SchemaTooBig(field, f"{what}: {rules} rules; at most {LARK_RULES_MAX}")
     if alternatives > LARK_ALTERNATIVES_MAX:
         raise SchemaTooBig(
             field, f"{what}: {alternatives} alternatives; at most {LARK_ALTERNATIVES_MAX}"
-        )
-    if depth > LARK_DEPTH_MAX:
-        raise SchemaTooBig(
-            field, f"{what}: rules reference each other {depth} deep; at most {LARK_DEPTH_MAX}"
         )

@@ -1,0 +1,319 @@
+"""Hostile clients, round five: the requests that crashed or froze the gateway or an
+agent through the newer doors. Units (the shape checks that run before any compile;
+the Responses tools' size caps) in the fast tier; the compile children and a real
+`disagg serve` (a fleet's gateway over the pooled SmolLM2 agents, three keys) in
+the slow one. Figures are printed for docs/reliability.md."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from disagg.frontends.openai.types import OpenAIError
+from disagg.frontends.responses import types as rt
+from disagg_agents.wire.request import GenerateRequest, RequestError
+from disagg_agents.wire.schemasize import (
+    LARK_DEPTH_MAX,
+    REF_CHAIN_MAX,
+    lark_shape,
+    ref_chain,
+)
+from tests.agentpool import AgentPool, AgentSet
+from tests.conftest import PythonProcess
+from tests.gateways import fleet_gateway
+
+OPERATOR = "operator-" + "o" * 24
+KEY_A = "tenant-a-" + "a" * 24
+KEY_B = "tenant-b-" + "b" * 24
+
+
+def chain_lark(rules: int) -> str:
+    """The issue's grammar: rule i names rule i+1 (3,000: 48,804 characters)."""
+    body = [f'r{i}: "a" r{i + 1}' for i in range(rules)]
+    return "\n".join(["start: r0", *body, f'r{rules}: "z"'])
+
+
+def chain_schema(hops: int) -> dict[str, Any]:
+    """The issue's schema: $defs referring one to the next, 4 levels of JSON deep."""
+    defs: dict[str, Any] = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(hops)}
+    defs[f"d{hops}"] = {"type": "string"}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+def custom_tool(name: str, grammar: str) -> dict[str, Any]:
+    fmt = {"type": "grammar", "syntax": "lark", "definition": grammar}
+    return {"type": "custom", "name": name, "format": fmt}
+
+
+# -- before any compile (fast) ----------------------------------------------------
+
+
+def test_lark_shape_reads_rules_alternatives_and_reference_depth() -> None:
+    assert lark_shape(chain_lark(3000)) == (3002, 3002, 3002)
+    # Recursion is one component: expr and term count 2, start 1.
+    assert (
+        lark_shape('start: expr\nexpr: expr "+" term | term\nterm: /[0-9]+/ | "(" expr ")"\n')[2]
+        == 3
+    )
+    # An inline %json body is not read as rules, and a literal naming a rule is no reference.
+    assert lark_shape('start: "r1" a\na: %json {"x": "}\\nb: c"}\n') == (2, 2, 2)
+
+
+def test_ref_chains_count_hops_and_cycles() -> None:
+    assert ref_chain(chain_schema(1100)) == 1101
+    tree = {
+        "$defs": {"node": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
+        "$ref": "#/$defs/node",
+    }
+    assert ref_chain(tree) == 1  # a recursive type is fine
+    loop = {"$defs": {f"d{i}": {"$ref": f"#/$defs/d{(i + 1) % 100}"} for i in range(100)}}
+    assert ref_chain(loop) == 100  # a cycle counts every member
+
+
+@pytest.mark.parametrize(
+    ("format_", "words"),
+    [
+        ({"type": "grammar", "syntax": "lark", "definition": chain_lark(3000)}, "3002 deep"),
+        ({"type": "json_schema", "json_schema": {"schema": chain_schema(1100)}}, "1101 def"),
+    ],
+)
+def test_the_issues_crashers_are_request_errors_on_every_door(
+    format_: dict[str, Any], words: str
+) -> None:
+    # Every door builds this one request (and the decode agent checks it again).
+    rf = GenerateRequest.normalize_format(format_)
+    with pytest.raises(RequestError) as e:
+        GenerateRequest.from_dict({"prompt": "hi", "response_format": rf})
+    assert e.value.field == "response_format" and words in str(e.value)
+
+
+def test_deep_but_allowed_shapes_still_pass() -> None:
+    rf = {"type": "lark", "grammar": chain_lark(LARK_DEPTH_MAX - 3)}
+    GenerateRequest.from_dict({"prompt": "hi", "response_format": rf})
+    schema = {"type": "json_schema", "schema": chain_schema(REF_CHAIN_MAX - 1), "strict": True}
+    GenerateRequest.from_dict({"prompt": "hi", "response_format": schema})
+
+
+def test_unforced_custom_grammars_are_capped_at_once() -> None:
+    # The issue's 4.17 MB body: three unforced 1.2 MB grammars (24 s of event loop).
+    big = 'start: "a" ' + " ".join(['"b"'] * 300_000)
+    body = rt.ResponsesRequest.model_validate(
+        {"model": "m", "input": "hi", "tools": [custom_tool(f"t{i}", big) for i in range(3)]}
+    )
+    t0 = time.perf_counter()
+    with pytest.raises(OpenAIError) as e:
+        rt.as_chat(body)
+    print(f"three 1.2 MB unforced grammars refused in {time.perf_counter() - t0:.3f}s")
+    assert e.value.status == 400 and "at most 65536" in e.value.message
+    # Each under the cap, together over it.
+    each = 'start: "a"\n' + "\n".join(f'x{i}: "{i:020d}"' for i in range(2000))
+    many = [custom_tool(f"t{i}", each) for i in range(4)]
+    body = rt.ResponsesRequest.model_validate({"model": "m", "input": "hi", "tools": many})
+    with pytest.raises(OpenAIError) as e:
+        rt.as_chat(body)
+    assert e.value.status == 400 and "in all" in e.value.message
+
+
+def test_an_unforced_chain_grammar_is_refused_before_compile() -> None:
+    body = rt.ResponsesRequest.model_validate(
+        {"model": "m", "input": "hi", "tools": [custom_tool("chain", chain_lark(3000))]}
+    )
+    with pytest.raises(OpenAIError) as e:
+        rt.as_chat(body)
+    assert e.value.status == 400 and "deep" in e.value.message
+
+
+# -- the compile children (slow: they are processes) -------------------------------
+
+
+@pytest.mark.slow
+def test_a_grammar_that_crashes_the_compiler_kills_only_its_child() -> None:
+    from disagg_agents.decode.grammarcheck import CompileCheck
+
+    check = CompileCheck(workers=1)
+    try:
+        crasher = json.dumps({"grammars": [{"lark_grammar": chain_lark(3000)}]})
+        error = check.check(crasher)
+        assert error is not None and "SIGSEGV" in error and check.crashes == 1
+        ok = json.dumps({"grammars": [{"lark_grammar": 'start: "yes" | "no"'}]})
+        assert check.check(ok) is None  # a fresh child serves the next one
+        bad = json.dumps({"grammars": [{"lark_grammar": "start: ("}]})
+        assert check.check(bad)
+        assert check.crashes == 1
+    finally:
+        check.close()
+
+
+@pytest.mark.slow
+def test_the_decode_agents_compile_survives_a_crasher(default_model: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from disagg_agents.decode.grammar import Grammars
+
+    hf = AutoTokenizer.from_pretrained(default_model)
+    grammars = Grammars(hf, len(hf), [hf.eos_token_id])
+    # Past the shape checks (they run on the wire request; here the compile alone).
+    with pytest.raises(RequestError) as e:
+        grammars.matcher({"type": "lark", "grammar": chain_lark(3000)})
+    assert "crashed the grammar compiler" in str(e.value)
+    with pytest.raises(RequestError):
+        grammars.matcher({"type": "json_schema", "schema": chain_schema(3000), "strict": True})
+    assert grammars.matcher({"type": "lark", "grammar": 'start: "yes" | "no"'}) is not None
+
+
+# -- at a real gateway ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gateway(
+    tmp_path_factory: pytest.TempPathFactory,
+    python_process: PythonProcess,
+    smol_set: AgentSet,
+    agent_pool: AgentPool,
+    default_model: Path,
+) -> Iterator[tuple[str, AgentSet]]:
+    d = tmp_path_factory.mktemp("gw5")
+    keys = d / "keys"
+    keys.write_text(f"# the first key is the operator's\n{OPERATOR}\n{KEY_A}\n{KEY_B}\n")
+    keys.chmod(0o600)
+    with fleet_gateway(
+        d, smol_set, default_model, agent_pool.token_file, ["--api-key-file", str(keys)]
+    ) as (base, _):
+        yield base, smol_set
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def model_of(base: str) -> str:
+    r = httpx.get(f"{base}/v1/models", headers=auth(OPERATOR), timeout=30)
+    return str(r.json()["data"][0]["id"])
+
+
+def b_chat(base: str, model: str) -> httpx.Response:
+    body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    return httpx.post(
+        f"{base}/v1/chat/completions",
+        json={**body, "temperature": 0},
+        headers=auth(KEY_B),
+        timeout=120,
+    )
+
+
+def crashers(model: str) -> list[tuple[str, dict[str, Any]]]:
+    """Each of the issue's crashing requests, on each door that takes it."""
+    chain = chain_lark(3000)
+    grammar = {"type": "grammar", "syntax": "lark", "definition": chain}
+    user = [{"role": "user", "content": "Hi"}]
+    schema = chain_schema(1100)
+    return [
+        ("/v1/responses", {"model": model, "input": "Hi", "tools": [custom_tool("c", chain)]}),
+        (
+            "/v1/responses",
+            {
+                "model": model,
+                "input": "Hi",
+                "tools": [custom_tool("c", chain)],
+                "tool_choice": {"type": "custom", "name": "c"},
+            },
+        ),
+        ("/v1/chat/completions", {"model": model, "messages": user, "response_format": grammar}),
+        ("/api/chat", {"model": model, "messages": user, "format": grammar, "stream": False}),
+        (
+            "/v1/messages",
+            {
+                "model": model,
+                "messages": user,
+                "max_tokens": 4,
+                "output_config": {"format": {"type": "json_schema", "schema": schema}},
+            },
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "model": model,
+                "messages": user,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": schema},
+                },
+            },
+        ),
+        ("/api/chat", {"model": model, "messages": user, "format": schema, "stream": False}),
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.fault
+def test_each_crasher_is_a_4xx_on_every_door_and_everyone_is_served_next(
+    gateway: tuple[str, AgentSet],
+) -> None:
+    base, agents = gateway
+    model = model_of(base)
+    pids = [a.proc.pid for a in agents.agents]
+    for path, body in crashers(model):
+        t0 = time.perf_counter()
+        r = httpx.post(f"{base}{path}", json=body, headers=auth(KEY_A), timeout=120)
+        took = time.perf_counter() - t0
+        print(f"{path}: {r.status_code} in {took:.2f}s: {r.text[:160]}")
+        assert 400 <= r.status_code < 500, (path, r.status_code, r.text[:300])
+        assert "Traceback" not in r.text
+        nxt = b_chat(base, model)
+        assert nxt.status_code == 200, nxt.text
+    assert all(a.proc.poll() is None for a in agents.agents)
+    assert [a.proc.pid for a in agents.agents] == pids  # none restarted
+
+
+@pytest.mark.slow
+@pytest.mark.fault
+def test_a_grammar_that_fails_to_compile_is_a_400_from_the_child(
+    gateway: tuple[str, AgentSet],
+) -> None:
+    base, agents = gateway
+    model = model_of(base)
+    # Past the shape checks, refused by the compile (an undefined rule).
+    body = {"model": model, "input": "Hi", "tools": [custom_tool("c", "start: nowhere")]}
+    r = httpx.post(f"{base}/v1/responses", json=body, headers=auth(KEY_A), timeout=120)
+    assert r.status_code == 400 and "does not compile" in r.json()["error"]["message"], r.text
+    assert b_chat(base, model).status_code == 200
+
+
+@pytest.mark.slow
+@pytest.mark.fault
+def test_health_answers_while_the_largest_allowed_grammars_compile(
+    gateway: tuple[str, AgentSet],
+) -> None:
+    base, _ = gateway
+    model = model_of(base)
+    # Allowed: under the size cap, 2,000 rules, each alternative a distinct word.
+    rules = "\n".join(f'w{i}: "{i:05d}" | "x{i:05d}"' for i in range(1500))
+    grammar = "start: " + " | ".join(f"w{i}" for i in range(1500)) + "\n" + rules
+    tools = [custom_tool(f"t{i}", grammar + f'\nextra{i}: "{i}"') for i in range(2)]
+    body = {"model": model, "input": "Hi", "tools": tools, "max_output_tokens": 1}
+    results: list[int] = []
+
+    def send() -> None:
+        r = httpx.post(f"{base}/v1/responses", json=body, headers=auth(KEY_A), timeout=300)
+        results.append(r.status_code)
+
+    senders = [threading.Thread(target=send) for _ in range(3)]
+    for t in senders:
+        t.start()
+    worst = 0.0
+    while any(t.is_alive() for t in senders):
+        t0 = time.perf_counter()
+        assert httpx.get(f"{base}/health", timeout=30).status_code == 200
+        worst = max(worst, time.perf_counter() - t0)
+        time.sleep(0.05)
+    for t in senders:
+        t.join()
+    print(f"/health during 3 requests of 2 max-size grammars each: worst {worst:.3f}s; {results}")
+    assert len(results) == 3 and all(s in (200, 400) for s in results), results
