@@ -374,3 +374,92 @@ def test_health_answers_while_the_largest_allowed_grammars_compile(
     # The grammars compiled (SmolLM2's template then refuses tools: a 400 past them).
     assert len(results) == 3 and all(s in (200, 400) for s in results), results
     assert not any("grammar" in t for t in texts), texts
+
+
+# -- fair shares (fast: threads only) ------------------------------------------------
+
+
+def _as(tenant: bytes, fn: Any) -> Any:
+    from disagg.frontends import tenancy
+
+    mark = tenancy.enter(tenant)
+    try:
+        return fn()
+    finally:
+        tenancy.leave(mark)
+
+
+def test_at_the_defaults_b_is_admitted_before_as_33rd() -> None:
+    from disagg.errors import Overloaded
+    from disagg.frontends.workers import QUEUE_FACTOR, Workers, key_share
+
+    size = 32  # one decode agent's default batch
+    pool = Workers(size, QUEUE_FACTOR * size, key_share(size, QUEUE_FACTOR * size))
+    assert pool.per_key < size  # below the threads and the batch rows
+    gate = threading.Event()
+    a, b = b"a" * 32, b"b" * 32
+    order: list[str] = []
+    try:
+        held, refused = [], 0
+        for i in range(50):
+            try:
+                held.append(
+                    _as(a, lambda i=i: pool.submit(lambda: (order.append(f"a{i}"), gate.wait(30))))
+                )
+            except Overloaded:
+                refused += 1
+        got = _as(b, lambda: pool.submit(lambda: order.append("b")))
+        got.result(10)  # B runs while A's streams hold their share
+        assert len(held) == pool.per_key and refused == 50 - pool.per_key
+        assert "b" in order and "a32" not in order
+        print(f"A: {len(held)} admitted, {refused} refused (share {pool.per_key} of {size}); B ran")
+    finally:
+        gate.set()
+        pool.shutdown()
+
+
+def test_a_waiting_key_goes_before_a_key_already_running() -> None:
+    from disagg.frontends.workers import Workers
+
+    pool = Workers(2, limit=8, per_key=6)
+    gates = [threading.Event() for _ in range(4)]
+    a, c = b"a" * 32, b"c" * 32
+    started: list[str] = []
+    try:
+        futures = [
+            _as(a, lambda i=i: pool.submit(lambda: (started.append(f"a{i}"), gates[i].wait(30))))
+            for i in range(4)
+        ]  # a0, a1 run; a2, a3 wait
+        late = _as(c, lambda: pool.submit(lambda: started.append("c")))  # waits, after a2, a3
+        assert started == ["a0", "a1"]
+        gates[0].set()
+        late.result(10)
+        assert started[2] == "c"  # C runs nothing: it goes first, though A's waited longer
+        for g in gates:
+            g.set()
+        for f in futures:
+            f.result(10)
+        assert pool.admitted == 0 and not pool.held and not pool.running
+    finally:
+        for g in gates:
+            g.set()
+        pool.shutdown()
+
+
+def test_a_request_given_up_while_waiting_returns_its_share() -> None:
+    from disagg.frontends.workers import Workers
+
+    pool = Workers(1, limit=4, per_key=2)
+    gate = threading.Event()
+    a = b"a" * 32
+    try:
+        first = _as(a, lambda: pool.submit(gate.wait, 30))
+        second = _as(a, lambda: pool.submit(lambda: "never"))
+        assert second.cancel()
+        assert pool.held[a] == 1 and pool.admitted == 1  # at once, not when a thread frees
+        gate.set()
+        first.result(10)
+        assert pool.admitted == 0
+    finally:
+        gate.set()
+        pool.shutdown()
