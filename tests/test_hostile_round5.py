@@ -463,3 +463,135 @@ def test_a_request_given_up_while_waiting_returns_its_share() -> None:
     finally:
         gate.set()
         pool.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.fault
+def test_b_is_served_while_a_opens_fifty_streams(gateway: tuple[str, AgentSet]) -> None:
+    base, _ = gateway
+    model = model_of(base)
+    quiet = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        assert b_chat(base, model).status_code == 200
+        quiet.append(time.perf_counter() - t0)
+    stop = threading.Event()
+    codes: list[int] = []
+    streaming = threading.Semaphore(0)
+
+    def stream(i: int) -> None:
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": f"Write a long story, number {i}."}],
+            "max_tokens": 400,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        with (
+            httpx.Client(timeout=300) as c,
+            c.stream("POST", f"{base}/v1/chat/completions", json=body, headers=auth(KEY_A)) as r,
+        ):
+            codes.append(r.status_code)
+            streaming.release()
+            if r.status_code != 200:
+                return
+            for _ in r.iter_lines():
+                if stop.is_set():
+                    return
+
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(50)]
+    for t in threads:
+        t.start()
+    for _ in threads:
+        assert streaming.acquire(timeout=300)  # every one of A's 50 answered (or refused)
+    t0 = time.perf_counter()
+    during = b_chat(base, model)
+    busy = time.perf_counter() - t0
+    stop.set()
+    admitted = codes.count(200)
+    print(
+        f"B's 4-token chat: quiet {min(quiet):.2f}s, during A's 50 streams {busy:.2f}s "
+        f"(A: {admitted} admitted, {codes.count(429)} refused)"
+    )
+    assert during.status_code == 200
+    assert 0 < admitted < 50 and codes.count(429) == 50 - admitted
+    for t in threads:
+        t.join(120)
+
+
+# -- embeddings: bounded, and stopped when the client leaves ----------------------------
+
+
+class _Words:
+    """A tokenizer of whitespace words (the bound is on counts, not on a vocab)."""
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        return {"input_ids": [1] * len(text.split())}
+
+
+def _embedder() -> Any:
+    from disagg_agents.prefill.embed import Embedder
+
+    class Counted(Embedder):
+        def __init__(self) -> None:  # no engine: the loop's logic alone
+            self.pooling, self._tok, self.context, self.computed = "mean", _Words(), 4096, 0
+
+        def vector(self, ids: list[int]) -> list[float]:
+            self.computed += 1
+            return [1.0]
+
+    return Counted()
+
+
+def test_an_embedding_request_stops_within_one_input_when_its_client_left() -> None:
+    from disagg_agents.prefill.embed import Gone
+
+    e = _embedder()
+    asked = 0
+
+    def gone() -> bool:
+        nonlocal asked
+        asked += 1
+        return asked > 1  # the client hangs up during the first input
+
+    with pytest.raises(Gone):
+        e.answer({"input": ["word " * 1200] * 48}, gone)
+    assert e.computed == 1
+
+
+def test_an_embedding_request_is_bounded_in_tokens() -> None:
+    from disagg_agents.prefill.embed import TOKENS_MAX
+
+    e = _embedder()
+    with pytest.raises(ValueError, match=f"over {TOKENS_MAX} tokens"):
+        e.answer({"input": ["word " * 4000] * 512})
+    assert e.computed == 0
+    assert e.answer({"input": ["a few words"] * 3})["prompt_tokens"] == 9
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / 100  # utime + stime, in clock ticks
+
+
+@pytest.mark.slow
+@pytest.mark.fault
+def test_a_hung_up_embedding_request_stops_the_prefill_agent(
+    gateway: tuple[str, AgentSet],
+) -> None:
+    base, agents = gateway
+    model = model_of(base)
+    pid = agents.prefill.proc.pid
+    body = {"model": model, "input": ["word " * 1200] * 48}  # ~58k tokens, within the bound
+    with pytest.raises(httpx.ReadTimeout):  # the client hangs up after 3 s
+        httpx.post(f"{base}/v1/embeddings", json=body, headers=auth(KEY_A), timeout=3)
+    time.sleep(4)  # the gateway notices (0.25 s), the agent ends the input it is on
+    before = _cpu_s(pid)
+    time.sleep(3)
+    spent = _cpu_s(pid) - before
+    print(f"prefill agent CPU in the 3 s after a hung-up 48-input embedding: {spent:.2f}s")
+    assert spent < 1.0  # idle: not the ~45 inputs left (a core each second)
+    r = httpx.post(
+        f"{base}/v1/embeddings", json={"model": model, "input": "hi"}, headers=auth(KEY_B)
+    )
+    assert r.status_code == 200
