@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 
 from disagg.api import Client
 from disagg.frontends import webview
@@ -100,12 +101,23 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
-        first = e.errors()[0] if e.errors() else {}
-        loc = [str(p) for p in first.get("loc", []) if p != "body"]
-        msg = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
-        if request.url.path.startswith("/v1/messages"):
-            return JSONResponse(anthropic_error_body(400, msg), status_code=400)
-        if not request.url.path.startswith("/v1"):
-            return JSONResponse({"error": msg}, status_code=400)
-        err = OpenAIError(400, msg, "invalid_request_error", ".".join(loc) or None)
-        return JSONResponse(err.body(), status_code=400)
+        return _invalid_fields(request, list(e.errors()))
+
+    # A field of the wrong type found while mapping a body onto chat (a tool result's
+    # `tool_use_id: 5`): the caller's error, not a 500 with a traceback.
+    @app.exception_handler(ValidationError)
+    async def _invalid_inner(request: Request, e: ValidationError) -> JSONResponse:
+        return _invalid_fields(request, list(e.errors()))
+
+
+def _invalid_fields(request: Request, errors: list[Any]) -> JSONResponse:
+    """A 400 in the door's shape, naming the first field that failed validation."""
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", []) if p != "body"]
+    msg = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
+    if request.url.path.startswith("/v1/messages"):
+        return JSONResponse(anthropic_error_body(400, msg), status_code=400)
+    if not request.url.path.startswith("/v1"):
+        return JSONResponse({"error": msg}, status_code=400)
+    err = OpenAIError(400, msg, "invalid_request_error", ".".join(loc) or None)
+    return JSONResponse(err.body(), status_code=400)

@@ -154,6 +154,8 @@ def compile_error(custom: dict[str, dict[str, Any]]) -> OpenAIError | None:
 def text_format(body: ResponsesRequest) -> dict[str, Any] | None:
     """`text.format` as chat's response_format."""
     fmt = (body.text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise bad("text.format must be an object: {type: text | json_object | json_schema}", "text")
     if fmt is None or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_object":
@@ -167,6 +169,8 @@ def text_format(body: ResponsesRequest) -> dict[str, Any] | None:
 def _parts_text(content: Any, where: str) -> str:
     if isinstance(content, str) or content is None:
         return content or ""
+    if not isinstance(content, list):
+        raise bad(f"{where}: content must be text or a list of content parts", "input")
     out = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
