@@ -598,3 +598,54 @@ def test_a_hung_up_embedding_request_stops_the_prefill_agent(
         f"{base}/v1/embeddings", json={"model": model, "input": "hi"}, headers=auth(KEY_B)
     )
     assert r.status_code == 200
+
+
+@pytest.mark.slow
+@pytest.mark.fault
+def test_type_confused_fields_are_400s_naming_them(gateway: tuple[str, AgentSet]) -> None:
+    base, _ = gateway
+    model = model_of(base)
+    user = [{"role": "user", "content": "Hi"}]
+    result = {"type": "tool_result", "tool_use_id": 5, "content": "r"}
+    call = {"type": "tool_use", "id": "t1", "name": "f", "input": {}}
+    cases = [
+        (
+            "/v1/responses",
+            {"input": "Hi", "tools": [{"type": "custom", "name": "c", "format": "text"}]},
+            "format",
+        ),
+        (
+            "/v1/responses",
+            {"input": [{"type": "message", "role": "user", "content": 5}]},
+            "content",
+        ),
+        (
+            "/v1/responses",
+            {"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]},
+            "content",
+        ),
+        ("/v1/responses", {"input": "Hi", "text": {"format": "json"}}, "text.format"),
+        (
+            "/v1/responses",
+            {"input": "Hi", "tools": [{"type": "function", "name": "f", "parameters": 5}]},
+            "parameters",
+        ),
+        (
+            "/v1/messages",
+            {
+                "max_tokens": 4,
+                "messages": [
+                    *user,
+                    {"role": "assistant", "content": [call]},
+                    {"role": "user", "content": [result]},
+                ],
+            },
+            "tool_call_id",
+        ),
+    ]
+    for path, body, words in cases:
+        r = httpx.post(
+            f"{base}{path}", json={"model": model, **body}, headers=auth(KEY_A), timeout=60
+        )
+        print(f"{path}: {r.status_code} {r.text[:160]}")
+        assert r.status_code == 400 and words in r.text and "Traceback" not in r.text, r.text
