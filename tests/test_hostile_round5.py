@@ -649,3 +649,33 @@ def test_type_confused_fields_are_400s_naming_them(gateway: tuple[str, AgentSet]
         )
         print(f"{path}: {r.status_code} {r.text[:160]}")
         assert r.status_code == 400 and words in r.text and "Traceback" not in r.text, r.text
+
+
+# -- live settings: every value bounded, a 400-digit number refused in one line -------
+
+
+def test_settings_refuse_huge_numbers_and_a_cache_larger_than_the_machine() -> None:
+    from types import SimpleNamespace
+
+    from disagg_agents.runtime.settings import (
+        Settings,
+        SettingsError,
+        attr_setting,
+        budget_setting,
+        memory_mb,
+    )
+
+    cache = SimpleNamespace(max_bytes=64 << 20, set_budget=lambda b: setattr(cache, "max_bytes", b))
+    owner = SimpleNamespace(stall=5.0, cap=8)
+    settings = Settings(
+        budget_setting(cache),  # type: ignore[arg-type]
+        attr_setting("stall_s", owner, "stall", float, 0.1, 86400.0),
+        attr_setting("cap", owner, "cap", int, 1, 1 << 16),
+    )
+    for name in ("prefix_cache_mb", "stall_s", "cap"):
+        with pytest.raises(SettingsError, match="must lie in"):
+            settings.change({name: int("9" * 400)})
+    with pytest.raises(SettingsError, match="must lie in"):
+        settings.change({"prefix_cache_mb": 16777216})
+    assert settings.change({"prefix_cache_mb": min(128, memory_mb())})
+    assert cache.max_bytes == min(128, memory_mb()) << 20
