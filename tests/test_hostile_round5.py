@@ -679,3 +679,47 @@ def test_settings_refuse_huge_numbers_and_a_cache_larger_than_the_machine() -> N
         settings.change({"prefix_cache_mb": 16777216})
     assert settings.change({"prefix_cache_mb": min(128, memory_mb())})
     assert cache.max_bytes == min(128, memory_mb()) << 20
+
+
+# -- what a tenant may see ------------------------------------------------------------
+
+
+def test_refusals_do_not_flush_the_views_history() -> None:
+    from disagg.frontends.webview.tracker import KEEP, REFUSED_KEEP, RequestLog
+
+    log = RequestLog(["m"])
+    t = log.begin("m", GenerateRequest(prompt="a real request"))
+    log.end(t, {"completion_tokens": 3}, None)
+    for _ in range(300):  # GETs without a key
+        log.refused("GET", "/v1/models", 401)
+    rows = log.snapshot()
+    assert any(r["prompt"] == "a real request" for r in rows)
+    assert sum(r["state"] == "refused" for r in rows) == REFUSED_KEEP < KEEP
+
+
+def test_a_tenant_sees_no_agent_address_and_no_token_counters() -> None:
+    from disagg.frontends import tenancy
+    from disagg.frontends.guard import for_caller
+    from disagg.frontends.webview.tracker import RequestLog
+
+    log = RequestLog(["m"])
+    mark = tenancy.enter(b"a" * 32)
+    try:
+        t = log.begin("m", GenerateRequest(prompt="hi"))
+    finally:
+        tenancy.leave(mark)
+    error = "decode agent 127.0.0.1:41385: connection closed"
+    log.end(t, None, error)
+    mine = log.snapshot(b"a" * 32, everyone=False)[0]
+    assert "127.0.0.1" not in str(mine["error"]) and "connection closed" in str(mine["error"])
+    assert log.snapshot()[0]["error"] == error  # the operator's view keeps it
+
+    class Req:
+        def __init__(self, operator: bool) -> None:
+            self.scope = {"state": {tenancy.OPERATOR: operator}}
+
+    assert "41385" not in for_caller(Req(False), error)
+    assert for_caller(Req(True), error) == error
+    text = log.metrics.text(fleet=False)
+    assert "prompt_tokens_total" not in text and "kv_bytes" not in text
+    assert "requests_total" in text and "prompt_tokens_total" in log.metrics.text()

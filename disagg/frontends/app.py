@@ -18,7 +18,7 @@ from disagg.frontends import webview
 from disagg.frontends.anthropic import routes as anthropic_routes
 from disagg.frontends.anthropic.types import AnthropicError
 from disagg.frontends.embeddings import routes as embedding_routes
-from disagg.frontends.guard import MAX_BODY_BYTES, Guard, anthropic_error_body
+from disagg.frontends.guard import MAX_BODY_BYTES, Guard, anthropic_error_body, for_caller
 from disagg.frontends.ollama import routes as ollama_routes
 from disagg.frontends.ollama.types import OllamaError
 from disagg.frontends.openai import routes as openai_routes
@@ -87,17 +87,23 @@ class ListRefusals:
 def add_error_handlers(app: FastAPI) -> None:
     """Each API's errors in its own shape; a body that fails validation too."""
 
+    # A server error's text may name agents: their addresses go to the operator only.
     @app.exception_handler(OpenAIError)
-    async def _openai_error(_: Request, e: OpenAIError) -> JSONResponse:
+    async def _openai_error(request: Request, e: OpenAIError) -> JSONResponse:
+        if e.status >= 500:
+            e.message = for_caller(request, e.message)
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(AnthropicError)
-    async def _anthropic_error(_: Request, e: AnthropicError) -> JSONResponse:
+    async def _anthropic_error(request: Request, e: AnthropicError) -> JSONResponse:
+        if e.status >= 500:
+            e.message = for_caller(request, e.message)
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(OllamaError)
-    async def _ollama_error(_: Request, e: OllamaError) -> JSONResponse:
-        return JSONResponse({"error": e.message}, status_code=e.status, headers=e.headers)
+    async def _ollama_error(request: Request, e: OllamaError) -> JSONResponse:
+        message = for_caller(request, e.message) if e.status >= 500 else e.message
+        return JSONResponse({"error": message}, status_code=e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:

@@ -9,6 +9,7 @@ in with the web view's cookie, which only the operator holds).
 
 from __future__ import annotations
 
+import re
 from contextvars import ContextVar
 from typing import Any
 
@@ -54,3 +55,15 @@ def tenant_of(request: Any) -> bytes | None:
 def label(tenant: bytes | None) -> str | None:
     """A short name for a tenant the operator may see (never the key)."""
     return None if tenant is None else "key-" + tenant.hex()[:8]
+
+
+# An agent's address in an error's text: an IPv4 or [IPv6] address, or host:port.
+ADDRESS = re.compile(
+    r"\b\d{1,3}(?:\.\d{1,3}){3}(?::\d{1,5})?\b|\[[0-9A-Fa-f:.]+\](?::\d{1,5})?"
+    r"|\b[\w.-]*[A-Za-z][\w.-]*:\d{2,5}\b"
+)
+
+
+def hide_addresses(text: str) -> str:
+    """`text` without agents' addresses, for a tenant who is not the operator."""
+    return ADDRESS.sub("(an agent)", text)
