@@ -723,3 +723,14 @@ def test_a_tenant_sees_no_agent_address_and_no_token_counters() -> None:
     text = log.metrics.text(fleet=False)
     assert "prompt_tokens_total" not in text and "kv_bytes" not in text
     assert "requests_total" in text and "prompt_tokens_total" in log.metrics.text()
+
+
+def test_esc_bytes_from_a_schema_never_reach_a_log_line() -> None:
+    from disagg.frontends.webview.tracker import RequestLog, access_line
+    from disagg_agents.decode.grammar import _short
+
+    log = RequestLog(["m"])
+    t = log.begin("m", GenerateRequest(prompt="hi"))
+    log.end(t, None, "response_format: bad pattern \x1b[2J\x1b]0;owned\x07")
+    assert "\x1b" not in access_line(t) and "\\x1b" in access_line(t)
+    assert "\x1b" not in _short("regex error at \x1b[31m\nline two")

@@ -34,6 +34,7 @@ import numpy as np
 from disagg_agents.decode.grammarcheck import CompileCheck, limits
 from disagg_agents.decode.schemas import closed
 from disagg_agents.wire.request import RequestError
+from disagg_agents.wire.text import printable
 
 try:
     import llguidance as llg
@@ -494,4 +495,4 @@ def _short(error: str) -> str:
     line = " ".join(x.strip() for x in error.strip().splitlines() if x.strip()) or "invalid"
     if line.startswith("Unimplemented keys"):
         line = f"JSON Schema keywords not supported by constrained decoding: {line[20:].strip()}"
-    return line[:300]
+    return printable(line, 300)  # a schema's `pattern` may carry ESC bytes into our logs

@@ -55,7 +55,7 @@ def access_line(t: Tracked) -> str:
         f"{int(m.get('completion_tokens') or t.tokens)} tokens, ttft {secs(m.get('ttft'))}, "
         f"{secs(t.ended_s)} in all"
     )
-    return line + (f"; {t.error[:200]}" if t.error else "")
+    return line + (f"; {printable(t.error, 200)}" if t.error else "")  # ESC from a schema
 
 
 def _as_dict(m: Any) -> dict[str, Any]:
