@@ -734,3 +734,18 @@ def test_esc_bytes_from_a_schema_never_reach_a_log_line() -> None:
     log.end(t, None, "response_format: bad pattern \x1b[2J\x1b]0;owned\x07")
     assert "\x1b" not in access_line(t) and "\\x1b" in access_line(t)
     assert "\x1b" not in _short("regex error at \x1b[31m\nline two")
+
+
+def test_a_dead_gateways_token_folder_is_swept(tmp_path: Path) -> None:
+    import os
+
+    from disagg.api import LOCAL_PREFIX, OWNER_FILE, sweep_orphans
+
+    dead, alive, foreign = (tmp_path / f"{LOCAL_PREFIX}{n}" for n in ("dead", "alive", "x"))
+    for d in (dead, alive, foreign):
+        d.mkdir()
+    (dead / OWNER_FILE).write_text("2147483646")  # no such process
+    (alive / OWNER_FILE).write_text(str(os.getpid()))
+    (dead / "token").write_text("secret")
+    assert sweep_orphans(tmp_path) == [dead]
+    assert not dead.exists() and alive.exists() and foreign.exists()
