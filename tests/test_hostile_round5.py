@@ -749,3 +749,32 @@ def test_a_dead_gateways_token_folder_is_swept(tmp_path: Path) -> None:
     (dead / "token").write_text("secret")
     assert sweep_orphans(tmp_path) == [dead]
     assert not dead.exists() and alive.exists() and foreign.exists()
+
+
+# -- the prefix cache: one tenant's prompts cannot evict another's ------------------------
+
+
+def test_a_tenants_prompts_cannot_flush_anothers_prefix() -> None:
+    import numpy as np
+
+    from disagg_agents.prefix.store import Block, PrefixCache, block_keys
+
+    block_bytes = 1000
+    cache = PrefixCache(20 * block_bytes, block=4, share=1)
+
+    def add(salt: str, seed: int, blocks: int) -> list[bytes]:
+        ids = [seed * 1000 + i for i in range(4 * blocks)]
+        keys = block_keys(ids, "ns", 4, salt)
+        cache.add(keys, lambda i: Block((None,), block_bytes))
+        return list(keys)
+
+    alone = add("tenant-a", 0, 20)
+    assert all(k in cache.blocks for k in alone)  # a tenant alone may use it all
+    b_keys = add("tenant-b", 1, 6)
+    assert all(k in cache.blocks for k in b_keys)
+    for seed in range(2, 12):  # A's stream of long prompts
+        add("tenant-a", seed, 8)
+    assert all(k in cache.blocks for k in b_keys)  # B's prefix survives
+    assert cache.tenant_bytes["tenant-a"] <= 10 * block_bytes
+    assert cache.bytes <= cache.max_bytes
+    np.testing.assert_equal(sum(cache.tenant_bytes.values()), cache.bytes)
