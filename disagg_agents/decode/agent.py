@@ -55,7 +55,12 @@ from disagg_agents.quant import check_supported, weights_identity
 from disagg_agents.runtime.blasshare import BlasShare
 from disagg_agents.runtime.metrics import Stats
 from disagg_agents.runtime.server import common_args, fail, serve, start_agent
-from disagg_agents.runtime.settings import Setting, attr_setting, budget_setting
+from disagg_agents.runtime.settings import (
+    Setting,
+    attr_setting,
+    budget_setting,
+    tenant_share_setting,
+)
 from disagg_agents.wire.answer import CONTENT, REASONING, Done, Metrics, TokenEvent
 from disagg_agents.wire.channel import recv_json, send_error, send_frame, send_json
 from disagg_agents.wire.frames import (
@@ -428,6 +433,7 @@ class DecodeAgent:
         """What PUT /settings may change (disagg_agents.runtime.settings), for new requests."""
         return [
             budget_setting(self.prefix.cache),
+            tenant_share_setting(self.prefix.cache),
             attr_setting(
                 "allow_mixed",
                 self,

@@ -130,6 +130,19 @@ def budget_setting(cache: PrefixCache) -> Setting:
     )
 
 
+def tenant_share_setting(cache: PrefixCache) -> Setting:
+    """What one tenant's prompts may hold of a prefix cache while another's are cached."""
+    return Setting(
+        "prefix_tenant_share",
+        float,
+        lambda: cache.tenant_share,
+        lambda share: setattr(cache, "tenant_share", share),
+        0.05,
+        1.0,
+        "of the prefix cache, what one API key's prompts may hold while another's are cached",
+    )
+
+
 def memory_mb() -> int:
     """The machine's memory in MB (a prefix cache larger than it is a typo); 1 TB
     when the system does not say."""
