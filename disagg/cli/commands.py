@@ -437,7 +437,8 @@ MaxRequestsPerKey = Annotated[
     int | None,
     typer.Option(
         "--max-requests-per-key",
-        help="Of those, what one API key may hold (default: half, with two keys or more).",
+        help="Of those, what one API key may hold (default, with two keys or more: half "
+        "of the workers, i.e. of the batch rows).",
     ),
 ]
 DrainTimeout = Annotated[
