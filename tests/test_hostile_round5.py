@@ -142,13 +142,14 @@ BIG = "word " * 700_000  # 3.5 MB
 )
 def test_every_part_of_a_prompt_counts_before_tokenizing(where: str) -> None:
     user = {"role": "user", "content": "hi"}
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    function: dict[str, Any] = {"name": "f", "parameters": {"type": "object"}}
+    tool: dict[str, Any] = {"type": "function", "function": function}
     messages: list[dict[str, Any]] = [user]
     tools = None
     if where == "user text":
         messages = [{"role": "user", "content": BIG}]
     elif where == "tool description":
-        tools = [{**tool, "function": {**tool["function"], "description": BIG}}]
+        tools = [{**tool, "function": {**function, "description": BIG}}]
     elif where == "thinking":
         messages = [user, {"role": "assistant", "content": "ok", "reasoning": BIG}, user]
     elif where == "tool arguments":
@@ -389,6 +390,11 @@ def _as(tenant: bytes, fn: Any) -> Any:
         tenancy.leave(mark)
 
 
+def _hold(log: list[str], name: str, gate: threading.Event) -> None:
+    log.append(name)
+    gate.wait(30)
+
+
 def test_at_the_defaults_b_is_admitted_before_as_33rd() -> None:
     from disagg.errors import Overloaded
     from disagg.frontends.workers import QUEUE_FACTOR, Workers, key_share
@@ -403,9 +409,7 @@ def test_at_the_defaults_b_is_admitted_before_as_33rd() -> None:
         held, refused = [], 0
         for i in range(50):
             try:
-                held.append(
-                    _as(a, lambda i=i: pool.submit(lambda: (order.append(f"a{i}"), gate.wait(30))))
-                )
+                held.append(_as(a, lambda i=i: pool.submit(_hold, order, f"a{i}", gate)))
             except Overloaded:
                 refused += 1
         got = _as(b, lambda: pool.submit(lambda: order.append("b")))
@@ -427,8 +431,7 @@ def test_a_waiting_key_goes_before_a_key_already_running() -> None:
     started: list[str] = []
     try:
         futures = [
-            _as(a, lambda i=i: pool.submit(lambda: (started.append(f"a{i}"), gates[i].wait(30))))
-            for i in range(4)
+            _as(a, lambda i=i: pool.submit(_hold, started, f"a{i}", gates[i])) for i in range(4)
         ]  # a0, a1 run; a2, a3 wait
         late = _as(c, lambda: pool.submit(lambda: started.append("c")))  # waits, after a2, a3
         assert started == ["a0", "a1"]
@@ -644,6 +647,7 @@ def test_type_confused_fields_are_400s_naming_them(gateway: tuple[str, AgentSet]
         ),
     ]
     for path, body, words in cases:
+        assert isinstance(body, dict)
         r = httpx.post(
             f"{base}{path}", json={"model": model, **body}, headers=auth(KEY_A), timeout=60
         )
@@ -665,7 +669,8 @@ def test_settings_refuse_huge_numbers_and_a_cache_larger_than_the_machine() -> N
         memory_mb,
     )
 
-    cache = SimpleNamespace(max_bytes=64 << 20, set_budget=lambda b: setattr(cache, "max_bytes", b))
+    cache = SimpleNamespace(max_bytes=64 << 20)
+    cache.set_budget = lambda b: setattr(cache, "max_bytes", b)
     owner = SimpleNamespace(stall=5.0, cap=8)
     settings = Settings(
         budget_setting(cache),  # type: ignore[arg-type]

@@ -28,7 +28,11 @@ CHECK_WORKERS = 2  # children checking at once, per process; other checks queue
 CHECK_TIMEOUT_S = 10.0
 # llguidance's own limits, below its defaults (500k symbols, 2,000 items a row),
 # and errors without the parser state (it echoes the caller's text, escapes and all).
-LIMITS = {"max_grammar_size": 200_000, "max_items_in_row": 2000, "verbose_errors": False}
+LIMITS: dict[str, Any] = {
+    "max_grammar_size": 200_000,
+    "max_items_in_row": 2000,
+    "verbose_errors": False,
+}
 
 
 def limits() -> Any:
