@@ -783,3 +783,20 @@ def test_a_tenants_prompts_cannot_flush_anothers_prefix() -> None:
     assert cache.tenant_bytes["tenant-a"] <= 10 * block_bytes
     assert cache.bytes <= cache.max_bytes
     np.testing.assert_equal(sum(cache.tenant_bytes.values()), cache.bytes)
+
+
+def test_an_agents_address_in_an_error_is_the_operators_only() -> None:
+    from disagg.errors import AgentError, RequestTimeout
+    from disagg.frontends import tenancy
+    from disagg.frontends.openai.routes import from_disagg
+
+    error = AgentError("decode agent 127.0.0.1:41385: connection closed")
+    mark = tenancy.enter(b"a" * 32, operator=False)  # a tenant's request (streams too)
+    try:
+        seen = from_disagg(error)
+        late = from_disagg(RequestTimeout("agent mac2.local:7001 took over 5s"))
+    finally:
+        tenancy.leave(mark)
+    assert seen.status == 503 and "41385" not in seen.message and "closed" in seen.message
+    assert "mac2" not in late.message
+    assert "127.0.0.1:41385" in from_disagg(error).message  # the operator's (or no guard's)

@@ -204,7 +204,7 @@ class Guard:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()  # later: http.disconnect when the client leaves
 
-        mark = tenancy.enter(scope["state"].get(TENANT))
+        mark = tenancy.enter(scope["state"].get(TENANT), scope["state"].get(OPERATOR) is True)
         try:
             await self.app(scope, replay, send)
         finally:

@@ -18,6 +18,8 @@ TENANT = "disagg_tenant"
 OPERATOR = "disagg_operator"
 
 _current: ContextVar[bytes | None] = ContextVar("disagg_tenant", default=None)
+# Whether the request running here is the operator's (outside the guard: yes).
+_operator: ContextVar[bool] = ContextVar("disagg_operator", default=True)
 
 
 def current() -> bytes | None:
@@ -25,13 +27,21 @@ def current() -> bytes | None:
     return _current.get()
 
 
-def enter(tenant: bytes | None) -> object:
-    """Set the tenant for the rest of this context; `leave` undoes it."""
-    return _current.set(tenant)
+def enter(tenant: bytes | None, operator: bool = True) -> object:
+    """Set the tenant (and whether it is the operator) for the rest of this context;
+    `leave` undoes it."""
+    return _current.set(tenant), _operator.set(operator)
 
 
 def leave(token: object) -> None:
-    _current.reset(token)  # type: ignore[arg-type]
+    tenant, operator = token  # type: ignore[misc]
+    _operator.reset(operator)
+    _current.reset(tenant)
+
+
+def operator_now() -> bool:
+    """Whether the request running here is the operator's (see is_operator)."""
+    return _operator.get()
 
 
 def _state(request: Any) -> dict[str, Any]:
