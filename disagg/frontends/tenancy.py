@@ -10,7 +10,7 @@ in with the web view's cookie, which only the operator holds).
 from __future__ import annotations
 
 import re
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 from typing import Any
 
 # Where the guard leaves what it found, in the request's scope["state"].
@@ -34,9 +34,9 @@ def enter(tenant: bytes | None, operator: bool = True) -> object:
 
 
 def leave(token: object) -> None:
-    tenant, operator = token  # type: ignore[misc]
-    _operator.reset(operator)
-    _current.reset(tenant)
+    marks: tuple[Token[bytes | None], Token[bool]] = token  # type: ignore[assignment]
+    _operator.reset(marks[1])
+    _current.reset(marks[0])
 
 
 def operator_now() -> bool:
