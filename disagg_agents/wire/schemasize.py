@@ -139,10 +139,8 @@ def ref_chain(schema: Any) -> int:
         if isinstance(table, Mapping):
             defs.update({f"#/{key}/{name}": value for name, value in table.items()})
     edges = {name: [r for r in _refs(body) if r in defs] for name, body in defs.items()}
-    roots = [
-        r for r in _refs({k: v for k, v in schema.items() if k not in ("$defs", "definitions")})
-    ]
-    return longest_path(edges, [r for r in roots if r in defs] or list(edges))
+    # Every definition a root: one the schema never names may still be compiled.
+    return longest_path(edges, list(edges))
 
 
 def longest_path(edges: Mapping[str, list[str]], roots: Iterable[str]) -> int:
