@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import select
 import signal
 import subprocess
@@ -26,6 +27,7 @@ from typing import Any
 
 CHECK_WORKERS = 2  # children checking at once, per process; other checks queue
 CHECK_TIMEOUT_S = 10.0
+CHILD_MAX_BYTES = 4 << 30  # a checking child's address space
 # llguidance's own limits, below its defaults (500k symbols, 2,000 items a row),
 # and errors without the parser state (it echoes the caller's text, escapes and all).
 LIMITS: dict[str, Any] = {
@@ -56,7 +58,10 @@ def _validate(grammar: str) -> str | None:
 
 
 def main() -> None:
-    """The child: one {"grammar": llguidance JSON} line in, one {"error": ...} line out."""
+    """The child: one {"grammar": llguidance JSON} line in, one {"error": ...} line out.
+    Its memory is capped: a grammar that blows up kills the child, not the machine."""
+    with contextlib.suppress(ValueError, OSError):  # not enforced everywhere (macOS)
+        resource.setrlimit(resource.RLIMIT_AS, (CHILD_MAX_BYTES, CHILD_MAX_BYTES))
     for line in sys.stdin:
         grammar = json.loads(line)["grammar"]
         sys.stdout.write(json.dumps({"error": _validate(grammar)}) + "\n")
