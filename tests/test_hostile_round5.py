@@ -800,3 +800,21 @@ def test_an_agents_address_in_an_error_is_the_operators_only() -> None:
     assert seen.status == 503 and "41385" not in seen.message and "closed" in seen.message
     assert "mac2" not in late.message
     assert "127.0.0.1:41385" in from_disagg(error).message  # the operator's (or no guard's)
+
+
+def test_a_full_batchs_free_row_goes_to_the_tenant_holding_fewest() -> None:
+    from types import SimpleNamespace
+
+    from disagg_agents.decode.loop import DecodeLoop
+
+    def seqs(*tenants: str) -> list[Any]:
+        return [SimpleNamespace(tenant=t) for t in tenants]
+
+    # A holds 3 rows and waits with 2 more; B's one waits behind them.
+    loop = SimpleNamespace(seqs=seqs("a", "a", "a"), waiting=seqs("a", "a", "b"))
+    assert DecodeLoop._fairest(loop, []) == 2  # type: ignore[arg-type]
+    # B got a row this turn already (joining): the next goes by fewest, then by age.
+    loop = SimpleNamespace(seqs=seqs("a"), waiting=seqs("a", "b", "c"))
+    assert DecodeLoop._fairest(loop, seqs("b")) == 2  # type: ignore[arg-type]
+    loop = SimpleNamespace(seqs=[], waiting=seqs("a", "a"))  # one tenant: in order
+    assert DecodeLoop._fairest(loop, []) == 0  # type: ignore[arg-type]

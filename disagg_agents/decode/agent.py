@@ -895,6 +895,7 @@ class DecodeAgent:
                 emit(*first)
             return out, None
         seq = Seq(caches, first[0], sampler, max_tokens, eos, req.logprobs, matcher=matcher)
+        seq.tenant = req.cache_salt  # a full batch's free rows go fairly among tenants
         for store in stores:
             store.attach(seq)
         self.loop.join(seq)
