@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import os
 import queue
 import shutil
 import subprocess
@@ -86,7 +87,9 @@ class Client:
         pipelines, agents = [], []
         # One cluster: every local agent shares one fresh token. Its dir and the
         # agents' log dirs go when the client closes.
-        temp_dirs = [Path(tempfile.mkdtemp(prefix="disagg-local-"))]
+        sweep_orphans()
+        temp_dirs = [Path(tempfile.mkdtemp(prefix=LOCAL_PREFIX))]
+        (temp_dirs[0] / OWNER_FILE).write_text(str(os.getpid()))
         token_file, token = make_token_file(temp_dirs[0])
         try:
             for name, path in dirs.items():
@@ -308,6 +311,33 @@ class Client:
         else:
             executor.submit(work)
         return _drain(chunks, cancelled)
+
+
+LOCAL_PREFIX = "disagg-local-"  # a local cluster's token folder, in the temp dir
+OWNER_FILE = "owner.pid"
+
+
+def sweep_orphans(root: Path | None = None) -> list[Path]:
+    """Remove the token folders of local clusters whose process is gone (a gateway
+    killed by a signal cleans nothing up): ours only, their owner's pid dead."""
+    removed = []
+    for d in Path(root or tempfile.gettempdir()).glob(LOCAL_PREFIX + "*"):
+        try:
+            if d.stat().st_uid != os.getuid():
+                continue
+            pid = int((d / OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            continue  # not ours, or one being made right now
+        try:
+            os.kill(pid, 0)
+            continue  # alive (or another user's: PermissionError below)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed
 
 
 def _remove(dirs: list[Path]) -> None:

@@ -26,9 +26,9 @@ def main() -> None:
     sys.argv = [sys.argv[0], *argv[:at], *argv[at + 2 :]]
     build = grammar.Grammars._build
 
-    def slow(tok: Any, write: Callable[[], str], field: str) -> tuple[Any, int]:
+    def slow(tok: Any, write: Callable[[], str], *rest: Any) -> tuple[Any, int]:
         time.sleep(delay_s)
-        return build(tok, write, field)
+        return build(tok, write, *rest)  # the field, the compile check, the budget
 
     grammar.Grammars._build = staticmethod(slow)  # type: ignore[method-assign,assignment]
     agent.main()

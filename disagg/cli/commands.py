@@ -58,8 +58,14 @@ def _log_to_stderr(*names: str) -> None:
     import logging
     import sys
 
+    from disagg_agents.wire.text import printable
+
+    class Printable(logging.Formatter):  # a caller's ESC bytes never reach the terminal
+        def format(self, record: logging.LogRecord) -> str:
+            return printable(super().format(record), None)
+
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+    handler.setFormatter(Printable("%(asctime)s %(message)s", "%H:%M:%S"))
     for name in names:
         logger = logging.getLogger(name)
         logger.addHandler(handler)
@@ -431,7 +437,8 @@ MaxRequestsPerKey = Annotated[
     int | None,
     typer.Option(
         "--max-requests-per-key",
-        help="Of those, what one API key may hold (default: half, with two keys or more).",
+        help="Of those, what one API key may hold (default, with two keys or more: half "
+        "of the workers, i.e. of the batch rows).",
     ),
 ]
 DrainTimeout = Annotated[

@@ -11,13 +11,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 
 from disagg.api import Client
 from disagg.frontends import webview
 from disagg.frontends.anthropic import routes as anthropic_routes
 from disagg.frontends.anthropic.types import AnthropicError
 from disagg.frontends.embeddings import routes as embedding_routes
-from disagg.frontends.guard import MAX_BODY_BYTES, Guard, anthropic_error_body
+from disagg.frontends.guard import MAX_BODY_BYTES, Guard, anthropic_error_body, for_caller
 from disagg.frontends.ollama import routes as ollama_routes
 from disagg.frontends.ollama.types import OllamaError
 from disagg.frontends.openai import routes as openai_routes
@@ -86,26 +87,43 @@ class ListRefusals:
 def add_error_handlers(app: FastAPI) -> None:
     """Each API's errors in its own shape; a body that fails validation too."""
 
+    # A server error's text may name agents: their addresses go to the operator only.
     @app.exception_handler(OpenAIError)
-    async def _openai_error(_: Request, e: OpenAIError) -> JSONResponse:
+    async def _openai_error(request: Request, e: OpenAIError) -> JSONResponse:
+        if e.status >= 500:
+            e.message = for_caller(request, e.message)
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(AnthropicError)
-    async def _anthropic_error(_: Request, e: AnthropicError) -> JSONResponse:
+    async def _anthropic_error(request: Request, e: AnthropicError) -> JSONResponse:
+        if e.status >= 500:
+            e.message = for_caller(request, e.message)
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(OllamaError)
-    async def _ollama_error(_: Request, e: OllamaError) -> JSONResponse:
-        return JSONResponse({"error": e.message}, status_code=e.status, headers=e.headers)
+    async def _ollama_error(request: Request, e: OllamaError) -> JSONResponse:
+        message = for_caller(request, e.message) if e.status >= 500 else e.message
+        return JSONResponse({"error": message}, status_code=e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
-        first = e.errors()[0] if e.errors() else {}
-        loc = [str(p) for p in first.get("loc", []) if p != "body"]
-        msg = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
-        if request.url.path.startswith("/v1/messages"):
-            return JSONResponse(anthropic_error_body(400, msg), status_code=400)
-        if not request.url.path.startswith("/v1"):
-            return JSONResponse({"error": msg}, status_code=400)
-        err = OpenAIError(400, msg, "invalid_request_error", ".".join(loc) or None)
-        return JSONResponse(err.body(), status_code=400)
+        return _invalid_fields(request, list(e.errors()))
+
+    # A field of the wrong type found while mapping a body onto chat (a tool result's
+    # `tool_use_id: 5`): the caller's error, not a 500 with a traceback.
+    @app.exception_handler(ValidationError)
+    async def _invalid_inner(request: Request, e: ValidationError) -> JSONResponse:
+        return _invalid_fields(request, list(e.errors()))
+
+
+def _invalid_fields(request: Request, errors: list[Any]) -> JSONResponse:
+    """A 400 in the door's shape, naming the first field that failed validation."""
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", []) if p != "body"]
+    msg = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
+    if request.url.path.startswith("/v1/messages"):
+        return JSONResponse(anthropic_error_body(400, msg), status_code=400)
+    if not request.url.path.startswith("/v1"):
+        return JSONResponse({"error": msg}, status_code=400)
+    err = OpenAIError(400, msg, "invalid_request_error", ".".join(loc) or None)
+    return JSONResponse(err.body(), status_code=400)

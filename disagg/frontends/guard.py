@@ -204,7 +204,7 @@ class Guard:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()  # later: http.disconnect when the client leaves
 
-        mark = tenancy.enter(scope["state"].get(TENANT))
+        mark = tenancy.enter(scope["state"].get(TENANT), scope["state"].get(OPERATOR) is True)
         try:
             await self.app(scope, replay, send)
         finally:
@@ -245,3 +245,9 @@ async def unless_gone(request: Request, run: Callable[[threading.Event], Awaitab
                 return await task
     finally:
         cancel.set()
+
+
+def for_caller(request: Any, message: str) -> str:
+    """`message` as this caller may read it: agents' addresses only for the operator
+    (a tenant's 503 once read `decode agent 127.0.0.1:41385: connection closed`)."""
+    return message if tenancy.is_operator(request) else tenancy.hide_addresses(message)

@@ -9,7 +9,8 @@ in with the web view's cookie, which only the operator holds).
 
 from __future__ import annotations
 
-from contextvars import ContextVar
+import re
+from contextvars import ContextVar, Token
 from typing import Any
 
 # Where the guard leaves what it found, in the request's scope["state"].
@@ -17,6 +18,8 @@ TENANT = "disagg_tenant"
 OPERATOR = "disagg_operator"
 
 _current: ContextVar[bytes | None] = ContextVar("disagg_tenant", default=None)
+# Whether the request running here is the operator's (outside the guard: yes).
+_operator: ContextVar[bool] = ContextVar("disagg_operator", default=True)
 
 
 def current() -> bytes | None:
@@ -24,13 +27,21 @@ def current() -> bytes | None:
     return _current.get()
 
 
-def enter(tenant: bytes | None) -> object:
-    """Set the tenant for the rest of this context; `leave` undoes it."""
-    return _current.set(tenant)
+def enter(tenant: bytes | None, operator: bool = True) -> object:
+    """Set the tenant (and whether it is the operator) for the rest of this context;
+    `leave` undoes it."""
+    return _current.set(tenant), _operator.set(operator)
 
 
 def leave(token: object) -> None:
-    _current.reset(token)  # type: ignore[arg-type]
+    marks: tuple[Token[bytes | None], Token[bool]] = token  # type: ignore[assignment]
+    _operator.reset(marks[1])
+    _current.reset(marks[0])
+
+
+def operator_now() -> bool:
+    """Whether the request running here is the operator's (see is_operator)."""
+    return _operator.get()
 
 
 def _state(request: Any) -> dict[str, Any]:
@@ -54,3 +65,15 @@ def tenant_of(request: Any) -> bytes | None:
 def label(tenant: bytes | None) -> str | None:
     """A short name for a tenant the operator may see (never the key)."""
     return None if tenant is None else "key-" + tenant.hex()[:8]
+
+
+# An agent's address in an error's text: an IPv4 or [IPv6] address, or host:port.
+ADDRESS = re.compile(
+    r"\b\d{1,3}(?:\.\d{1,3}){3}(?::\d{1,5})?\b|\[[0-9A-Fa-f:.]+\](?::\d{1,5})?"
+    r"|\b[\w.-]*[A-Za-z][\w.-]*:\d{2,5}\b"
+)
+
+
+def hide_addresses(text: str) -> str:
+    """`text` without agents' addresses, for a tenant who is not the operator."""
+    return ADDRESS.sub("(an agent)", text)

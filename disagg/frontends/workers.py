@@ -8,10 +8,15 @@ most `limit` requests are admitted at once (running, or waiting for a thread);
 one more is refused at once with Overloaded, which the gateway answers 429
 (OpenAI) or 503 (Ollama) with Retry-After, instead of queueing without end.
 
-With two keys or more, each key (tenant) may hold at most `per_key` of those
-(default half, KEY_SHARE): two streams of one tenant once held a limit of 2 and
-every other tenant got 429. The tenant comes from the guard (disagg.frontends.
-tenancy), and rides along onto the worker thread with the request's context.
+With two keys or more, each key (tenant) may hold at most `per_key` of those:
+by default KEY_SHARE of the worker threads (which are the cluster's batch rows),
+or of the admission limit if that is smaller. Derived from the threads, not the
+limit: at the defaults both the limit's half and the pool were 32, so one key
+with 50 streams held every thread and every batch row, and another key's 4-token
+chat waited 21 s. A request waiting for a thread is started fairly: the waiting
+request of the key that runs the fewest goes first, not the oldest. The tenant
+comes from the guard (disagg.frontends.tenancy), and rides along onto the worker
+thread with the request's context.
 """
 
 from __future__ import annotations
@@ -21,8 +26,11 @@ import functools
 import logging
 import math
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 
 from disagg.errors import Overloaded
@@ -34,7 +42,7 @@ from disagg_agents.wire.frames import AuthError
 DEFAULT_BATCH = 32  # a decode agent's --max-batch default, for one that does not answer
 QUEUE_FACTOR = 2  # admitted requests per worker by default: a burst waits, a flood is refused
 RETRY_AFTER_S = 1
-KEY_SHARE = 0.5  # of the admission limit one key may hold, when there are two keys or more
+KEY_SHARE = 0.5  # of the workers (batch rows) one key may hold, with two keys or more
 
 log = logging.getLogger("disagg.gateway")
 
@@ -59,6 +67,11 @@ def batch_capacity(router: Router, timeout_s: float = 2.0) -> int:
     return max(total, 1)
 
 
+def key_share(size: int, limit: int, share: float = KEY_SHARE) -> int:
+    """One key's default share: `share` of the threads (or of the limit, if fewer)."""
+    return max(1, math.floor(min(size, limit) * share))
+
+
 class Workers(Executor):
     """`size` threads; `submit` raises Overloaded when `limit` requests are in, or
     when the caller's tenant holds `per_key` of them already."""
@@ -77,6 +90,8 @@ class Workers(Executor):
         self.lock = threading.Lock()
         self.admitted = 0  # running or waiting for a thread
         self.held: dict[bytes | None, int] = {}  # admitted, per tenant
+        self.running: dict[bytes | None, int] = {}  # on a thread now, per tenant
+        self.waiting: dict[bytes | None, deque[_Waiting]] = {}  # for a thread, per tenant
         self.refused = 0
 
     @classmethod
@@ -92,7 +107,7 @@ class Workers(Executor):
         is KEY_SHARE of the limit."""
         size = size or batch_capacity(router)
         if per_key is None and keys >= 2:
-            per_key = max(1, math.floor((limit or QUEUE_FACTOR * size) * KEY_SHARE))
+            per_key = key_share(size, limit or QUEUE_FACTOR * size)
         workers = cls(size, limit, per_key)
         log.info(
             "%d workers, at most %d requests admitted, %d per key",
@@ -121,23 +136,92 @@ class Workers(Executor):
             self.held[tenant] = held + 1
         # The request's context (its tenant) goes with it onto the worker thread.
         context = contextvars.copy_context()
-        release = functools.partial(self._release, tenant)
-        try:
-            fut = self.pool.submit(context.run, functools.partial(fn, *args, **kwargs))
-        except BaseException:
-            release()
-            raise
-        fut.add_done_callback(release)
-        return fut
+        job = _Waiting(Future(), functools.partial(context.run, fn, *args, **kwargs))
+        with self.lock:
+            self.waiting.setdefault(tenant, deque()).append(job)
+            start = self._next()
+        job.future.add_done_callback(
+            lambda f: self._cancelled(tenant, job) if f.cancelled() else None
+        )
+        self._start(start)
+        return job.future
 
-    def _release(self, tenant: bytes | None, _: Any = None) -> None:
+    def _next(self) -> tuple[bytes | None, _Waiting] | None:
+        """Under the lock: the waiting request to start on a free thread, if one is
+        free: the one of the key running the fewest (then the longest waiting)."""
+        if sum(self.running.values()) >= self.size or not self.waiting:
+            return None
+        tenant = min(self.waiting, key=lambda t: (self.running.get(t, 0), self.waiting[t][0].at))
+        queue = self.waiting[tenant]
+        job = queue.popleft()
+        if not queue:
+            del self.waiting[tenant]
+        self.running[tenant] = self.running.get(tenant, 0) + 1
+        return tenant, job
+
+    def _start(self, start: tuple[bytes | None, _Waiting] | None) -> None:
+        while start is not None:
+            tenant, job = start
+            if not job.future.set_running_or_notify_cancel():  # cancelled while it waited
+                start = self._finished(tenant)
+                continue
+            try:
+                self.pool.submit(self._run, tenant, job)
+                return
+            except BaseException as e:  # the pool shut down
+                job.future.set_exception(e)
+                start = self._finished(tenant)
+
+    def _run(self, tenant: bytes | None, job: _Waiting) -> None:
+        try:
+            result, error = job.call(), None
+        except BaseException as e:
+            result, error = None, e
+        # The share comes back before the caller hears: it may send its next at once.
+        self._start(self._finished(tenant))
+        if error is not None:
+            job.future.set_exception(error)
+        else:
+            job.future.set_result(result)
+
+    def _cancelled(self, tenant: bytes | None, job: _Waiting) -> None:
+        """A waiting request given up (its client left): its share back now."""
+        with self.lock:
+            queue = self.waiting.get(tenant)
+            if queue is None or job not in queue:
+                return  # already taken off the queue: _start releases it
+            queue.remove(job)
+            if not queue:
+                del self.waiting[tenant]
+            self.running[tenant] = self.running.get(tenant, 0) + 1  # as _finished expects
+        self._start(self._finished(tenant))
+
+    def _finished(self, tenant: bytes | None) -> tuple[bytes | None, _Waiting] | None:
+        """A request left its thread (or never got one): its share back, and the next."""
         with self.lock:
             self.admitted -= 1
-            left = self.held.get(tenant, 0) - 1
-            if left > 0:
-                self.held[tenant] = left
-            else:
-                self.held.pop(tenant, None)
+            for table in (self.held, self.running):
+                left = table.get(tenant, 0) - 1
+                if left > 0:
+                    table[tenant] = left
+                else:
+                    table.pop(tenant, None)
+            return self._next()
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        if cancel_futures:
+            with self.lock:
+                waiting, self.waiting = self.waiting, {}
+            for queue in waiting.values():
+                for job in queue:
+                    job.future.cancel()
         self.pool.shutdown(wait, cancel_futures=cancel_futures)
+
+
+@dataclass(eq=False)
+class _Waiting:
+    """An admitted request waiting for a thread: its future and its call."""
+
+    future: Future[Any]
+    call: Callable[[], Any]
+    at: float = field(default_factory=time.monotonic)

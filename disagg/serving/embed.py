@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import select
 import socket
+import threading
+import time
 from dataclasses import dataclass
 
 from disagg.errors import AgentError, UsageError
@@ -15,6 +18,7 @@ from disagg_agents.wire.channel import recv_json, send_json
 from disagg_agents.wire.frames import Frame, ProtocolError, RemoteError
 
 EMBED_TIMEOUT_S = 300.0
+CANCEL_POLL_S = 0.25
 
 
 @dataclass
@@ -32,10 +36,12 @@ def embed(
     truncate: bool = True,
     max_tokens: int | None = None,
     dimensions: int | None = None,
+    cancel: threading.Event | None = None,
 ) -> Embeddings:
     """`texts` embedded by `model`'s prefill agent. `truncate` False: a text over
     the context (or `max_tokens`) is a UsageError; `dimensions` keeps the first
-    that many components, re-normalized."""
+    that many components, re-normalized. `cancel` set (the client left): the
+    connection closes, and the agent stops before its next input."""
     pipe = router.pipeline(model)
     endpoints = router.order(pipe.prefill)
     if not endpoints:
@@ -49,6 +55,7 @@ def embed(
             send_json(s, Frame.HELLO, {"role": "embed"})
             recv_json(s, Frame.HELLO_OK)
             send_json(s, Frame.EMBED, request)
+            _wait_readable(s, cancel)
             _, reply = recv_json(s, Frame.EMBEDDING, 1 << 30)
     except RemoteError as e:
         if e.code == "bad_request":
@@ -58,6 +65,16 @@ def embed(
         raise AgentError(f"prefill agent {ep.name} at {ep.host}:{ep.port}: {e}") from None
     vectors = [cut(v, dimensions) for v in reply["embeddings"]]
     return Embeddings(vectors, int(reply.get("prompt_tokens") or 0), str(reply.get("pooling")))
+
+
+def _wait_readable(s: socket.socket, cancel: threading.Event | None) -> None:
+    """Until the reply starts (the agent sends it whole), or `cancel` is set."""
+    deadline = time.monotonic() + EMBED_TIMEOUT_S
+    while not select.select([s], [], [], CANCEL_POLL_S)[0]:
+        if cancel is not None and cancel.is_set():
+            raise UsageError("the client went away; the embeddings were stopped")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no answer within {EMBED_TIMEOUT_S:g}s")
 
 
 def cut(v: list[float], dimensions: int | None) -> list[float]:

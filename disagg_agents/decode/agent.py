@@ -55,7 +55,13 @@ from disagg_agents.quant import check_supported, weights_identity
 from disagg_agents.runtime.blasshare import BlasShare
 from disagg_agents.runtime.metrics import Stats
 from disagg_agents.runtime.server import common_args, fail, serve, start_agent
-from disagg_agents.runtime.settings import Setting, attr_setting, budget_setting, disk_setting
+from disagg_agents.runtime.settings import (
+    Setting,
+    attr_setting,
+    budget_setting,
+    disk_setting,
+    tenant_share_setting,
+)
 from disagg_agents.wire.answer import CONTENT, REASONING, Done, Metrics, TokenEvent
 from disagg_agents.wire.channel import recv_json, send_error, send_frame, send_json
 from disagg_agents.wire.frames import (
@@ -450,6 +456,7 @@ class DecodeAgent:
         return [
             *disk,
             budget_setting(self.prefix.cache),
+            tenant_share_setting(self.prefix.cache),
             attr_setting(
                 "allow_mixed",
                 self,
@@ -927,6 +934,7 @@ class DecodeAgent:
                 emit(*first)
             return out, None
         seq = Seq(caches, first[0], sampler, max_tokens, eos, req.logprobs, matcher=matcher)
+        seq.tenant = req.cache_salt  # a full batch's free rows go fairly among tenants
         for store in stores:
             store.attach(seq)
         self.loop.join(seq)

@@ -31,8 +31,10 @@ from typing import Any
 
 import numpy as np
 
+from disagg_agents.decode.grammarcheck import CompileCheck, limits
 from disagg_agents.decode.schemas import closed
 from disagg_agents.wire.request import RequestError
+from disagg_agents.wire.text import printable
 
 try:
     import llguidance as llg
@@ -54,6 +56,10 @@ ANALYSIS_MAX_TOKENS = 512  # harmony: the reasoning's budget under a constraint
 # Compact but readable JSON, as json.dumps writes it: no free whitespace, so a
 # model cannot spend its max_tokens on blanks.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+# The checking children, shared by every model of the process (grammarcheck).
+CHECK = CompileCheck()
 
 
 class ClientGone(RequestError):
@@ -127,7 +133,15 @@ class Grammars:
     """Per model: its llguidance tokenizer (built once, ~0.5 s, in the background),
     the compiled-grammar cache, and the batch mask buffers."""
 
-    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos: Iterable[int]) -> None:
+    def __init__(
+        self,
+        hf_tokenizer: Any,
+        vocab_size: int,
+        eos: Iterable[int],
+        check: CompileCheck | None = CHECK,
+    ) -> None:
+        """check: the children that compile each grammar first (None: in-process
+        only, for unit tests that start no process)."""
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32  # int32 words per mask row
         self.eos = frozenset(int(t) for t in eos)
@@ -147,6 +161,7 @@ class Grammars:
         self._pool = ThreadPoolExecutor(COMPILE_WORKERS, thread_name_prefix="grammar")
         self.hits = self.misses = 0
         self._executor: Any = None
+        self.check = check
 
     def snapshot(self) -> dict[str, int]:
         """For the agent's /status: compiles running or queued, and the cache."""
@@ -162,6 +177,8 @@ class Grammars:
     def warm(self) -> None:
         """Build the tokenizer now, off the request path."""
         threading.Thread(target=self._tokenizer, daemon=True, name="grammar-tok").start()
+        if self.check is not None:
+            threading.Thread(target=self.check.warm, daemon=True, name="grammar-check").start()
 
     def _tokenizer(self) -> Any:
         with self._lock:
@@ -205,7 +222,8 @@ class Grammars:
             job = self._jobs.get(digest)
             new = job is None
             if job is None:
-                job = self._jobs[digest] = _Job(self._pool.submit(self._build, tok, build, field))
+                work = self._pool.submit(self._build, tok, build, field, self.check, self.budget_s)
+                job = self._jobs[digest] = _Job(work)
             job.waiting += 1
         if new:  # outside the lock: a job done already runs its callback right here
             job.future.add_done_callback(lambda f: self._done(digest, job, f))
@@ -235,13 +253,19 @@ class Grammars:
                 )
 
     @staticmethod
-    def _build(tok: Any, build: Callable[[], str], field: str) -> tuple[Any, int]:
-        """(matcher, its estimated bytes) on a pool thread; llguidance drops the GIL."""
+    def _build(
+        tok: Any, build: Callable[[], str], field: str, check: CompileCheck | None, budget_s: float
+    ) -> tuple[Any, int]:
+        """(matcher, its estimated bytes) on a pool thread; llguidance drops the GIL.
+        Compiled in a child first: a grammar that crashes the compiler kills only it."""
         try:
             text = build()
-            m = llg.LLMatcher(tok, text, log_level=0)
+            crashed = check.check(text, budget_s) if check is not None else None
+            if crashed is not None:
+                raise RequestError(field, f"{field}: {_short(crashed)}")
+            m = llg.LLMatcher(tok, text, log_level=0, limits=limits())
         except BaseException as e:  # ValueError, and llguidance's PanicException (a BaseException)
-            if isinstance(e, KeyboardInterrupt | SystemExit):
+            if isinstance(e, KeyboardInterrupt | SystemExit | RequestError):
                 raise
             raise RequestError(field, f"{field}: {_short(str(e) or type(e).__name__)}") from None
         if m.is_error():
@@ -471,4 +495,4 @@ def _short(error: str) -> str:
     line = " ".join(x.strip() for x in error.strip().splitlines() if x.strip()) or "invalid"
     if line.startswith("Unimplemented keys"):
         line = f"JSON Schema keywords not supported by constrained decoding: {line[20:].strip()}"
-    return line[:300]
+    return printable(line, 300)  # a schema's `pattern` may carry ESC bytes into our logs

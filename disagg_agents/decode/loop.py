@@ -22,7 +22,7 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -136,6 +136,9 @@ class Seq:
     # Set by a store that waits for them: its plain caches, once the loop stops
     # writing them (merged into the batch, or the request ended); never if it failed.
     released: Future[list[Any]] | None = None
+    # Whose request (its cache salt: one per API key): a full batch's next free row
+    # goes to the waiting request of the tenant holding the fewest rows.
+    tenant: str | None = None
 
 
 @dataclass
@@ -300,12 +303,20 @@ class DecodeLoop:
     def _admit(self, seq: Seq) -> None:
         self.waiting.append(seq)  # admitted with every other join of this turn
 
+    def _fairest(self, group: list[Seq]) -> int:
+        """The waiting request to admit next: of the tenant holding the fewest rows
+        (those joining now counted), the longest waiting first."""
+        if len({seq.tenant for seq in self.waiting}) < 2:
+            return 0
+        rows = Counter(seq.tenant for seq in (*self.seqs, *group))
+        return min(range(len(self.waiting)), key=lambda i: (rows[self.waiting[i].tenant], i))
+
     def _admit_waiting(self) -> None:
         """Waiting requests into free slots, all in one extend of the batch caches:
         a burst of n joins copies the batch once, not n times."""
         group: list[Seq] = []
         while self.waiting and len(self.seqs) + len(group) < self.max_batch:
-            seq = self.waiting.pop(0)
+            seq = self.waiting.pop(self._fairest(group))
             if seq.done:
                 self._release(seq, seq.caches)
                 seq.out.put(None)

@@ -21,7 +21,12 @@ from disagg_agents.prefix.store import default_max_mb, prefix_digest
 from disagg_agents.quant import weights_mismatch
 from disagg_agents.runtime.metrics import Stats
 from disagg_agents.runtime.server import common_args, serve, start_agent
-from disagg_agents.runtime.settings import Setting, attr_setting, budget_setting
+from disagg_agents.runtime.settings import (
+    Setting,
+    attr_setting,
+    budget_setting,
+    tenant_share_setting,
+)
 from disagg_agents.wire.channel import (
     recv_control,
     recv_json,
@@ -77,6 +82,7 @@ class PrefillAgent:
         """What PUT /settings may change (disagg_agents.runtime.settings), for new requests."""
         return [
             budget_setting(self.prefix.cache),
+            tenant_share_setting(self.prefix.cache),
             attr_setting(
                 "kv_stall_timeout_s",
                 self,

@@ -10,16 +10,25 @@ agent's cache layout), then EMBED frames.
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from disagg_agents.decode.upfront import client_gone
 from disagg_agents.models.pooling import pooling_of
 from disagg_agents.wire.channel import recv_json, send_error, send_json
 from disagg_agents.wire.frames import Frame, ProtocolError, RemoteError
 
 INPUTS_MAX = 512  # texts per EMBED
 TEXT_MAX_CHARS = 1 << 20
+# Tokens per EMBED, all inputs together: 512 inputs at a full context were ~35
+# minutes of one CPU's prefill for one ~3 MB request.
+TOKENS_MAX = 65536
+
+
+class Gone(Exception):
+    """The client hung up: the inputs left are not computed."""
 
 
 def pool(hidden: torch.Tensor, how: str) -> torch.Tensor:
@@ -71,7 +80,11 @@ class Embedder:
             out = self.engine.body(input_ids=x, use_cache=False)
         return [float(f) for f in pool(out.last_hidden_state[0], self.pooling).cpu()]
 
-    def answer(self, req: dict[str, Any]) -> dict[str, Any]:
+    def answer(
+        self, req: dict[str, Any], gone: Callable[[], bool] = lambda: False
+    ) -> dict[str, Any]:
+        """The vectors of req's inputs, within TOKENS_MAX in all; `gone()` is asked
+        before each input's forward pass (Gone: the client left, stop there)."""
         texts = req.get("input")
         if not isinstance(texts, list) or not 0 < len(texts) <= INPUTS_MAX:
             raise ValueError(f"input must be a list of 1 to {INPUTS_MAX} texts")
@@ -79,12 +92,20 @@ class Embedder:
             raise ValueError(f"each input must be text of at most {TEXT_MAX_CHARS} characters")
         asked = req.get("max_tokens")
         limit = min(asked, self.context) if isinstance(asked, int) and asked > 0 else self.context
-        ids = [self.ids(t, req.get("truncate") is not False, limit) for t in texts]
-        return {
-            "embeddings": [self.vector(i) for i in ids],
-            "prompt_tokens": sum(len(i) for i in ids),
-            "pooling": self.pooling,
-        }
+        ids, total = [], 0
+        for text in texts:  # stops tokenizing once over: the work is bounded too
+            ids.append(self.ids(text, req.get("truncate") is not False, limit))
+            total += len(ids[-1])
+            if total > TOKENS_MAX:
+                raise ValueError(
+                    f"the inputs are over {TOKENS_MAX} tokens in all; send fewer or shorter ones"
+                )
+        vectors = []
+        for one in ids:
+            if gone():
+                raise Gone
+            vectors.append(self.vector(one))
+        return {"embeddings": vectors, "prompt_tokens": total, "pooling": self.pooling}
 
     def serve(self, sock: socket.socket, max_bytes: int) -> None:
         """EMBED frames until the client hangs up; a bad one gets an ERROR and the
@@ -95,7 +116,9 @@ class Embedder:
             except (ProtocolError, RemoteError, OSError):
                 return
             try:
-                reply = self.answer(req)
+                reply = self.answer(req, lambda: client_gone(sock))
+            except Gone:
+                return
             except ValueError as e:
                 send_error(sock, "bad_request", str(e))
                 continue

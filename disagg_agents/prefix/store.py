@@ -28,6 +28,16 @@ from typing import Any
 import numpy as np
 
 BLOCK_TOKENS = 16  # tokens per block: hits are multiples of this
+# Of the budget, what one tenant's blocks may hold while another's are cached too:
+# one tenant's stream of long prompts evicted another's prefix (a tenant alone
+# may use it all).
+TENANT_SHARE = 0.5
+
+
+class ChainKeys(list[bytes]):
+    """A prompt's block keys, and the tenant (its cache salt) they belong to."""
+
+    tenant: str | None = None
 
 
 def default_max_mb() -> int:
@@ -49,7 +59,8 @@ def block_keys(
     arr = np.asarray(ids, dtype="<i8")
     seed = namespace.encode() if salt is None else namespace.encode() + b"\0salt\0" + salt.encode()
     h = hashlib.blake2b(seed, digest_size=16).digest()
-    out: list[bytes] = []
+    out = ChainKeys()
+    out.tenant = salt
     for i in range(len(ids) // block):
         h = hashlib.blake2b(h + arr[i * block : (i + 1) * block].tobytes(), digest_size=16).digest()
         out.append(h)
@@ -117,6 +128,9 @@ class PrefixCache:
         self.capped = 0  # adds stopped by the per-request cap
         self.owned = 0  # of `bytes`: owners' memory (blocks held as views)
         self.compactions = 0  # owners whose surviving blocks were copied out
+        self.tenant_share = TENANT_SHARE
+        self.tenant_of: dict[bytes, str] = {}  # a salted block's tenant
+        self.tenant_bytes: dict[str, int] = {}  # its blocks' own bytes, per tenant
 
     def _charge(self, b: Block) -> int:
         """What adding `b` adds to `bytes`: an owner's memory with its first block."""
@@ -124,8 +138,11 @@ class PrefixCache:
             return b.nbytes
         return 0 if b.owner.keys else b.owner.nbytes
 
-    def _insert(self, key: bytes, b: Block) -> None:
+    def _insert(self, key: bytes, b: Block, tenant: str | None = None) -> None:
         charge = self._charge(b)
+        if tenant is not None:
+            self.tenant_of[key] = tenant
+            self.tenant_bytes[tenant] = self.tenant_bytes.get(tenant, 0) + b.nbytes
         self.blocks[key] = b
         self.bytes += charge
         if b.owner is not None:
@@ -136,6 +153,13 @@ class PrefixCache:
     def _evict(self, key: bytes) -> None:
         old = self.blocks.pop(key)
         self.evictions += 1
+        tenant = self.tenant_of.pop(key, None)
+        if tenant is not None:
+            left = self.tenant_bytes[tenant] - old.nbytes
+            if left > 0:
+                self.tenant_bytes[tenant] = left
+            else:
+                del self.tenant_bytes[tenant]
         owner = old.owner
         if owner is None:
             self.bytes -= old.nbytes
@@ -208,10 +232,26 @@ class PrefixCache:
             self._evict(key)
         return self.bytes + nbytes <= self.max_bytes
 
+    def _within_share(self, tenant: str | None, nbytes: int, ours: set[bytes]) -> bool:
+        """Under the lock: room for `nbytes` more of `tenant`'s blocks within its
+        share, made by evicting its own least recently used blocks (never another
+        tenant's); no limit for unsalted blocks or a tenant alone in the cache."""
+        if tenant is None or not set(self.tenant_bytes) - {tenant}:
+            return True
+        cap = int(self.max_bytes * self.tenant_share)
+        while self.tenant_bytes.get(tenant, 0) + nbytes > cap:
+            victim = next((k for k in self.blocks if self.tenant_of.get(k) == tenant), None)
+            if victim is None or victim in ours:
+                return False
+            self._evict(victim)
+        return True
+
     def add(self, keys: Sequence[bytes], make: Callable[[int], Block | None]) -> int:
         """Store block i (made by `make(i)`; None: it cannot be made) for each key
         not cached yet, in order, until one cannot be stored: a later block could
-        only be found through it. Returns the bytes added."""
+        only be found through it. Returns the bytes added. Keys from block_keys
+        with a salt are that tenant's: within its share (TENANT_SHARE)."""
+        tenant = getattr(keys, "tenant", None)
         added = 0
         ours: set[bytes] = set()
         owners: set[Owner] = set()
@@ -233,12 +273,14 @@ class PrefixCache:
                     self.capped += 1
                     break
                 if k not in self.blocks:
+                    if not self._within_share(tenant, b.nbytes, ours):
+                        break
                     if not self._make_room(charge, ours):
                         break
                     charge = self._charge(b)  # making room may have compacted its owner
                     if self.bytes + charge > self.max_bytes:
                         break
-                    self._insert(k, b)
+                    self._insert(k, b, tenant)
                     added += charge
                     if b.owner is not None:
                         owners.add(b.owner)
@@ -257,6 +299,8 @@ class PrefixCache:
                     b.owner.keys.clear()
                     b.owner.live_bytes = 0
             self.blocks.clear()
+            self.tenant_of.clear()
+            self.tenant_bytes.clear()
             self.bytes = self.owned = 0
 
     def snapshot(self) -> dict[str, Any]:

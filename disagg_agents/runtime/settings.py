@@ -8,6 +8,7 @@ and one line says what was wrong."""
 from __future__ import annotations
 
 import math
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,6 +46,8 @@ class Setting:
             return value
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise SettingsError(f"{self.name} takes a number, not {value!r}"[:200])
+        if isinstance(value, int) and abs(value) > 1 << 53:  # 400 digits: float() overflows
+            raise SettingsError(f"{self.name} must lie in {self.bounds()}")
         if self.kind is int and not float(value).is_integer():
             raise SettingsError(f"{self.name} takes a whole number, not {value!r}")
         if not math.isfinite(value):
@@ -52,8 +55,12 @@ class Setting:
         if (self.low is not None and value < self.low) or (
             self.high is not None and value > self.high
         ):
-            raise SettingsError(f"{self.name} must lie in [{self.low:g}, {self.high:g}]: {value!r}")
+            raise SettingsError(f"{self.name} must lie in {self.bounds()}: {value!r}")
         return int(value) if self.kind is int else float(value)
+
+    def bounds(self) -> str:
+        low = "-inf" if self.low is None else f"{self.low:g}"
+        return f"[{low}, {'inf' if self.high is None else f'{self.high:g}'}]"
 
 
 class Settings:
@@ -119,7 +126,7 @@ def budget_setting(cache: PrefixCache) -> Setting:
         lambda: round(cache.max_bytes / (1 << 20), 4),
         lambda mb: cache.set_budget(int(mb * (1 << 20))),
         0.0,
-        float(1 << 24),
+        float(memory_mb()),
         "memory for prompt K/V reused across requests (0: off)",
     )
 
@@ -136,3 +143,25 @@ def disk_setting(disk: DiskTier) -> Setting:
         float(1 << 24),
         "disk for prompt K/V kept across restarts (0: empty it, off)",
     )
+
+
+def tenant_share_setting(cache: PrefixCache) -> Setting:
+    """What one tenant's prompts may hold of a prefix cache while another's are cached."""
+    return Setting(
+        "prefix_tenant_share",
+        float,
+        lambda: cache.tenant_share,
+        lambda share: setattr(cache, "tenant_share", share),
+        0.05,
+        1.0,
+        "of the prefix cache, what one API key's prompts may hold while another's are cached",
+    )
+
+
+def memory_mb() -> int:
+    """The machine's memory in MB (a prefix cache larger than it is a typo); 1 TB
+    when the system does not say."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) >> 20
+    except (ValueError, OSError, AttributeError):
+        return 1 << 20

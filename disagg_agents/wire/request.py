@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field, fields
 from dataclasses import replace as _replace
 from typing import Any
 
-from disagg_agents.wire.schemasize import SchemaTooBig, check_schemas
+from disagg_agents.wire.schemasize import SchemaTooBig, check_lark, check_schemas
 
 # Limits, in one place. OpenAI and Ollama both take temperature up to 2.
 TEMPERATURE_MAX = 2.0
@@ -315,6 +315,11 @@ def check(r: GenerateRequest) -> None:
             "response_format",
             f"the grammar is {len(grammar)} characters; at most {GRAMMAR_MAX_CHARS}",
         )
+    if isinstance(grammar, str):
+        try:
+            check_lark(grammar, "response_format", "the grammar")
+        except SchemaTooBig as e:
+            raise RequestError(e.field, str(e)) from None
     _check_chat_fields(r)
     _check_schema_sizes(r)
     check_cache_salt(r.cache_salt)

@@ -11,6 +11,7 @@ members, each refused with one line naming the limit. Stdlib only.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -19,6 +20,12 @@ TOOLS_MAX_CHARS = 131072  # all tools' parameters together, as JSON
 SCHEMA_MAX_DEPTH = 48  # nested JSON objects/arrays in one schema (the compiler's limit is ~120)
 PROPERTIES_MAX = 2048  # property names across all of a request's schemas
 ENUM_MAX = 2048  # enum members across all of a request's schemas
+# The compiler recurses along references: a chain of 3,000 Lark rules or of ~2,000
+# `$ref`s overflows its stack (SIGSEGV, the whole process). Bounds far below that.
+REF_CHAIN_MAX = 64  # `$ref` hops one after another (a cycle counts every member)
+LARK_DEPTH_MAX = 200  # Lark rules (and terminals) each naming the next
+LARK_RULES_MAX = 2048  # rules and terminals in one grammar
+LARK_ALTERNATIVES_MAX = 8192  # `|` alternatives in one grammar
 
 
 class SchemaTooBig(ValueError):
@@ -76,6 +83,11 @@ def check_schemas(response_schema: Any, tools: Iterable[tuple[str, Any]]) -> Non
             raise SchemaTooBig(
                 field, f"{what}: {depth} levels of nesting; at most {SCHEMA_MAX_DEPTH}"
             )
+        chain = ref_chain(schema)
+        if chain > REF_CHAIN_MAX:
+            raise SchemaTooBig(
+                field, f"{what}: $ref chains {chain} definitions deep; at most {REF_CHAIN_MAX}"
+            )
         chars = _chars(schema, field)
         if chars > SCHEMA_MAX_CHARS:
             raise SchemaTooBig(
@@ -97,3 +109,155 @@ def check_schemas(response_schema: Any, tools: Iterable[tuple[str, Any]]) -> Non
             raise SchemaTooBig(
                 field, f"the request's schemas list over {ENUM_MAX} enum members in all"
             )
+
+
+def _refs(node: Any) -> set[str]:
+    """The local `$ref`s ("#/...") anywhere inside `node`, without recursion."""
+    out: set[str] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, Mapping):
+            ref = n.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#"):
+                out.add(ref)
+            stack.extend(v for v in n.values() if isinstance(v, Mapping | list))
+        elif isinstance(n, list):
+            stack.extend(v for v in n if isinstance(v, Mapping | list))
+    return out
+
+
+def ref_chain(schema: Any) -> int:
+    """The longest run of `$ref` hops through `schema`'s definitions ($defs,
+    definitions): each definition a node, an edge to every definition it refers
+    to; a cycle's members all count (a conservative bound, never recursion)."""
+    if not isinstance(schema, Mapping):
+        return 0
+    defs: dict[str, Any] = {}
+    for key in ("$defs", "definitions"):
+        table = schema.get(key)
+        if isinstance(table, Mapping):
+            defs.update({f"#/{key}/{name}": value for name, value in table.items()})
+    edges = {name: [r for r in _refs(body) if r in defs] for name, body in defs.items()}
+    # Every definition a root: one the schema never names may still be compiled.
+    return longest_path(edges, list(edges))
+
+
+def longest_path(edges: Mapping[str, list[str]], roots: Iterable[str]) -> int:
+    """Nodes on the longest path from `roots`, each strongly connected component
+    weighing its size (Tarjan's, iterative: the graph may be thousands deep)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    comp: dict[str, int] = {}
+    sizes: list[int] = []
+    best: list[int] = []  # per component: nodes on its longest path onward
+    on_stack: list[str] = []
+    for root in roots:
+        if root in index:
+            continue
+        work: list[tuple[str, int]] = [(root, 0)]
+        while work:
+            node, i = work.pop()
+            if i == 0:
+                index[node] = low[node] = len(index)
+                on_stack.append(node)
+            nexts = edges.get(node, [])
+            if i < len(nexts):
+                work.append((node, i + 1))
+                nxt = nexts[i]
+                if nxt not in index:
+                    work.append((nxt, 0))
+                elif nxt not in comp:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            for nxt in nexts:
+                if nxt in comp or nxt not in index:
+                    continue
+                low[node] = min(low[node], low[nxt])
+            if low[node] == index[node]:  # a component closes: its members, then its depth
+                members = []
+                while True:
+                    m = on_stack.pop()
+                    comp[m] = len(sizes)
+                    members.append(m)
+                    if m == node:
+                        break
+                onward = [
+                    best[comp[n]]
+                    for m in members
+                    for n in edges.get(m, [])
+                    if comp.get(n, -1) != len(sizes) and n in comp
+                ]
+                sizes.append(len(members))
+                best.append(len(members) + max(onward, default=0))
+    return max(best, default=0)
+
+
+_LARK_SKIP = re.compile(
+    r'"(?:\\.|[^"\\])*"i?'  # string literals
+    r"|/(?:\\.|[^/\\\n])+/[imsx]*"  # regexes
+    r"|//[^\n]*"  # comments
+    r"|<\|[^|>]*\|>|<\[[^\]]*\]>"  # special tokens by name or id
+    r"|\[[^\]]*\]"  # [max_tokens=N] and the like
+)
+_LARK_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_LARK_RULE = re.compile(r"^\s*[?!]?([A-Za-z_][A-Za-z0-9_]*)(?:\.-?\d+)?\s*(?:\{[^}]*\})?\s*:", re.M)
+
+
+def lark_shape(text: str) -> tuple[int, int, int]:
+    """(rules and terminals, `|` alternatives, longest chain of references) of a
+    Lark grammar, read without compiling it. Inline `%json {...}` bodies are
+    skipped; their `$ref`s are the compile check's to catch."""
+    body = _without_json(text)
+    heads = list(_LARK_RULE.finditer(body))
+    edges: dict[str, list[str]] = {}
+    alternatives = 0
+    for k, head in enumerate(heads):
+        end = heads[k + 1].start() if k + 1 < len(heads) else len(body)
+        rhs = _LARK_SKIP.sub(" ", body[head.end() : end])
+        alternatives += rhs.count("|") + 1
+        edges.setdefault(head.group(1), []).extend(_LARK_NAME.findall(rhs))
+    edges = {n: [m for m in dict.fromkeys(refs) if m in edges] for n, refs in edges.items()}
+    return len(edges), alternatives, longest_path(edges, list(edges))
+
+
+def _without_json(text: str) -> str:
+    """`text` with each `%json {...}` body blanked (balanced braces, strings aware)."""
+    out, i = [], 0
+    while (at := text.find("%json", i)) >= 0:
+        out.append(text[i:at])
+        j = text.find("{", at)
+        if j < 0:
+            return "".join(out) + text[at:]
+        depth, quoted, k = 0, False, j
+        while k < len(text):
+            c = text[k]
+            if quoted:
+                k += 1 if c == "\\" else 0
+                quoted = c != '"'
+            elif c == '"':
+                quoted = True
+            elif c == "{":
+                depth += 1
+            elif c == "}":
+                depth -= 1
+                if depth == 0:
+                    break
+            k += 1
+        i = k + 1
+    return "".join(out) + text[i:]
+
+
+def check_lark(text: str, field: str, what: str) -> None:
+    """Raise SchemaTooBig when a Lark grammar is over a limit a compile could not survive."""
+    rules, alternatives, depth = lark_shape(text)
+    if depth > LARK_DEPTH_MAX:
+        raise SchemaTooBig(
+            field, f"{what}: rules reference each other {depth} deep; at most {LARK_DEPTH_MAX}"
+        )
+    if rules > LARK_RULES_MAX:
+        raise SchemaTooBig(field, f"{what}: {rules} rules; at most {LARK_RULES_MAX}")
+    if alternatives > LARK_ALTERNATIVES_MAX:
+        raise SchemaTooBig(
+            field, f"{what}: {alternatives} alternatives; at most {LARK_ALTERNATIVES_MAX}"
+        )

@@ -7,15 +7,17 @@ import asyncio
 import base64
 import functools
 import struct
+import threading
 import time
 from concurrent.futures import Executor
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
 from disagg.api import Client
 from disagg.errors import DisaggError
 from disagg.frontends.embeddings.types import OllamaEmbed, OllamaEmbeddings, OpenAIEmbeddings
+from disagg.frontends.guard import unless_gone
 from disagg.frontends.ollama.types import OllamaError
 from disagg.frontends.openai import routes as oai
 from disagg.frontends.openai.types import OpenAIError
@@ -23,10 +25,23 @@ from disagg.serving.embed import Embeddings, embed
 
 
 async def _embed(
-    client: Client, workers: Executor | None, model: str, texts: list[str], **kw: Any
+    client: Client,
+    workers: Executor | None,
+    request: Request,
+    model: str,
+    texts: list[str],
+    **kw: Any,
 ) -> Embeddings:
-    run = functools.partial(embed, client.router, model, texts, **kw)
-    return await asyncio.get_running_loop().run_in_executor(workers, run)
+    """The vectors, computed on a worker; a client that hangs up stops the prefill
+    agent before its next input (64 long texts hung up after 5 s once kept it busy
+    for over a minute)."""
+
+    async def run(cancel: threading.Event) -> Embeddings:
+        work = functools.partial(embed, client.router, model, texts, cancel=cancel, **kw)
+        return await asyncio.get_running_loop().run_in_executor(workers, work)
+
+    result: Embeddings = await unless_gone(request, run)
+    return result
 
 
 def _ollama(e: DisaggError) -> OllamaError:
@@ -38,7 +53,7 @@ def routes(client: Client, workers: Executor | None = None) -> APIRouter:
     api = APIRouter()
 
     @api.post("/api/embed")
-    async def ollama_embed(body: OllamaEmbed) -> dict[str, Any]:
+    async def ollama_embed(request: Request, body: OllamaEmbed) -> dict[str, Any]:
         t0 = time.perf_counter_ns()
         if body.model.removesuffix(":latest") not in client.models():
             raise OllamaError(404, f"model '{body.model}' not found")
@@ -46,6 +61,7 @@ def routes(client: Client, workers: Executor | None = None) -> APIRouter:
             e = await _embed(
                 client,
                 workers,
+                request,
                 body.model.removesuffix(":latest"),
                 body.texts(),
                 truncate=body.truncate,
@@ -63,17 +79,18 @@ def routes(client: Client, workers: Executor | None = None) -> APIRouter:
         }
 
     @api.post("/api/embeddings")
-    async def ollama_embeddings(body: OllamaEmbeddings) -> dict[str, Any]:
+    async def ollama_embeddings(request: Request, body: OllamaEmbeddings) -> dict[str, Any]:
         if body.model.removesuffix(":latest") not in client.models():
             raise OllamaError(404, f"model '{body.model}' not found")
         try:
-            e = await _embed(client, workers, body.model.removesuffix(":latest"), [body.prompt])
+            model = body.model.removesuffix(":latest")
+            e = await _embed(client, workers, request, model, [body.prompt])
         except DisaggError as err:
             raise _ollama(err) from None
         return {"embedding": e.vectors[0]}
 
     @api.post("/v1/embeddings")
-    async def openai_embeddings(body: OpenAIEmbeddings) -> dict[str, Any]:
+    async def openai_embeddings(request: Request, body: OpenAIEmbeddings) -> dict[str, Any]:
         oai.check_model(client, body.model)
         texts = [body.input] if isinstance(body.input, str) else body.input
         if not texts or not all(isinstance(t, str) for t in texts):
@@ -81,7 +98,12 @@ def routes(client: Client, workers: Executor | None = None) -> APIRouter:
             raise OpenAIError(400, msg, "invalid_request_error", "input")
         try:
             e = await _embed(
-                client, workers, body.model, [str(t) for t in texts], dimensions=body.dimensions
+                client,
+                workers,
+                request,
+                body.model,
+                [str(t) for t in texts],
+                dimensions=body.dimensions,
             )
         except DisaggError as err:
             raise oai.from_disagg(err) from None

@@ -22,6 +22,7 @@ from fastapi.responses import PlainTextResponse, Response
 
 from disagg.api import Chunk, Client, Completion
 from disagg.errors import DisaggError, Overloaded, UsageError
+from disagg.frontends import tenancy
 from disagg.frontends.agentinfo import ModelInfo
 from disagg.frontends.guard import cache_salt, unless_gone
 from disagg.frontends.ollama.modelinfo import (
@@ -293,6 +294,7 @@ async def _ndjson(
                     yield line({**head, "created_at": timestamp(), **calls, "done": False})
                 yield line(_final(head, kind, c, t0, whole=False))
     except DisaggError as e:
-        yield line({"error": str(e)})  # the ollama client raises ResponseError on it
+        text = str(e) if tenancy.operator_now() else tenancy.hide_addresses(str(e))
+        yield line({"error": text})  # the ollama client raises ResponseError on it
     finally:
         cancel.set()  # a client that left mid-stream stops the decoding

@@ -18,6 +18,7 @@ from fastapi import APIRouter, Request
 
 from disagg.api import Chunk, Client, Completion
 from disagg.errors import AgentError, DisaggError, ModelMismatch, Overloaded, UsageError
+from disagg.frontends import tenancy
 from disagg.frontends.guard import cache_salt, unless_gone, wants_internals
 from disagg.frontends.openai.types import (
     ChatRequest,
@@ -32,6 +33,9 @@ from disagg_agents.wire.request import GenerateRequest
 
 
 def from_disagg(e: DisaggError) -> OpenAIError:
+    if isinstance(e, AgentError) and not tenancy.operator_now():
+        # Agents' addresses are the operator's to see (a stream's error event too).
+        e = type(e)(tenancy.hide_addresses(str(e)))
     if isinstance(e, Overloaded):  # OpenAI's clients retry a 429 after Retry-After
         retry = {"Retry-After": str(e.retry_after_s)}
         return OpenAIError(429, str(e), "requests", code="rate_limit_exceeded", headers=retry)

@@ -5,6 +5,7 @@ input follows its Lark grammar, through the grammar engine on the decode agent."
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -19,7 +20,13 @@ from disagg.api import Chunk, Client, Completion
 from disagg.errors import DisaggError, UsageError
 from disagg.frontends.guard import cache_salt
 from disagg.frontends.openai import routes as oai
-from disagg.frontends.responses.types import ResponsesRequest, as_chat, forced_custom, grammar_of
+from disagg.frontends.responses.types import (
+    ResponsesRequest,
+    as_chat,
+    compile_error,
+    forced_custom,
+    grammar_of,
+)
 from disagg.serving import verdict
 from disagg.serving.request import with_fields
 from disagg_agents.wire.request import GenerateRequest
@@ -173,6 +180,8 @@ def routes(client: Client, workers: Executor | None = None) -> APIRouter:
     async def responses(request: Request, body: ResponsesRequest) -> Any:
         oai.check_model(client, body.model)
         a = Answer(body)
+        if any(grammar_of(t) for t in a.custom.values()):
+            await compiles(workers, a)
         req = a.request(request)
         try:
             result = await oai.start(client, workers, request, body.model, req, body.stream)
@@ -186,6 +195,17 @@ def routes(client: Client, workers: Executor | None = None) -> APIRouter:
         )
 
     return api
+
+
+async def compiles(workers: Executor | None, a: Answer) -> None:
+    """The custom tools' grammars compiled in a child, on an admitted worker thread
+    (the key's share counts it; the event loop goes on): a 400 if one does not."""
+    try:
+        error = await asyncio.get_running_loop().run_in_executor(workers, compile_error, a.custom)
+    except DisaggError as e:  # Overloaded: this key holds its share
+        raise oai.from_disagg(e) from None
+    if error is not None:
+        raise error
 
 
 class _Stream:

@@ -15,10 +15,16 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from disagg.frontends.openai.types import ChatRequest, Message, OpenAIError
+from disagg_agents.decode.grammarcheck import CompileCheck
+from disagg_agents.wire.request import GRAMMAR_MAX_CHARS
+from disagg_agents.wire.schemasize import TOOLS_MAX_CHARS, SchemaTooBig, check_lark
 
 IGNORED_TOOLS = ("web_search", "web_search_preview", "mcp", "namespace")
 EFFORTS = {"none": "low", "minimal": "low", "low": "low", "medium": "medium", "high": "high"}
 EFFORTS |= {"xhigh": "high"}
+GRAMMARS_MAX_CHARS = TOOLS_MAX_CHARS  # all custom tools' grammars together
+# The gateway's own grammar-checking children (a crash there is one request's 400).
+GRAMMAR_CHECK = CompileCheck()
 # A custom (freeform) tool, shown to the model as a function of one string.
 CUSTOM_PARAMETERS = {
     "type": "object",
@@ -66,8 +72,10 @@ class ResponsesRequest(BaseModel):
 
 def tools_of(body: ResponsesRequest) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
     """The function tools (custom ones as functions of one string) and the custom
-    tools by name."""
+    tools by name. Every custom tool's grammar is measured here, forced or not:
+    three unforced 1.2 MB grammars once held the gateway's event loop 24 s."""
     functions, custom = [], {}
+    grammar_chars = 0
     for i, tool in enumerate(body.tools or []):
         kind = tool.get("type")
         name = tool.get("name")
@@ -76,45 +84,78 @@ def tools_of(body: ResponsesRequest) -> tuple[list[dict[str, Any]], dict[str, di
         if kind not in ("function", "custom") or not isinstance(name, str):
             raise bad(f"tools[{i}]: type {kind!r} is not served (function and custom are)", "tools")
         fn: dict[str, Any] = {"name": name}
-        if tool.get("description"):
-            fn["description"] = tool["description"]
+        description = tool.get("description")
+        if description is not None and not isinstance(description, str):
+            raise bad(f"tools[{i}].description must be text", "tools")
+        if description:
+            fn["description"] = description
         if kind == "custom":
             custom[name] = tool
             fn["parameters"] = CUSTOM_PARAMETERS
+            grammar = grammar_of(tool)
+            grammar_chars += len(grammar["grammar"]) if grammar else 0
+            if grammar_chars > GRAMMARS_MAX_CHARS:
+                raise bad(
+                    f"the custom tools' grammars are over {GRAMMARS_MAX_CHARS} characters in all",
+                    "tools",
+                )
         else:
-            fn["parameters"] = tool.get("parameters") or {"type": "object", "properties": {}}
+            params = tool.get("parameters")
+            if params is not None and not isinstance(params, dict):
+                raise bad(f"tools[{i}].parameters must be a JSON Schema object", "tools")
+            fn["parameters"] = params or {"type": "object", "properties": {}}
         functions.append({"type": "function", "function": fn})
     return functions, custom
 
 
 def grammar_of(tool: dict[str, Any]) -> dict[str, Any] | None:
-    """A custom tool's `format` as a response_format: its Lark grammar, or None (free text)."""
+    """A custom tool's `format` as a response_format: its Lark grammar, or None (free
+    text). Its size and shape are checked here, without compiling it (a compile
+    is `compile_error`'s, in a child process)."""
+    name = tool.get("name")
     fmt = tool.get("format") or {"type": "text"}
+    if not isinstance(fmt, dict):
+        raise bad(f"tool {name}: format must be an object ({{type: text | grammar}})", "tools")
     if fmt.get("type") == "text":
         return None
     if fmt.get("type") != "grammar" or fmt.get("syntax", "lark") != "lark":
-        raise bad(f"tool {tool.get('name')}: format must be text or a Lark grammar", "tools")
+        raise bad(f"tool {name}: format must be text or a Lark grammar", "tools")
     definition = fmt.get("definition")
     if not isinstance(definition, str) or not definition.strip():
-        raise bad(f"tool {tool.get('name')}: a grammar format needs its definition", "tools")
-    _check_lark(definition, str(tool.get("name")))
+        raise bad(f"tool {name}: a grammar format needs its definition", "tools")
+    if len(definition) > GRAMMAR_MAX_CHARS:
+        raise bad(
+            f"tool {name}: its grammar is {len(definition)} characters; at most "
+            f"{GRAMMAR_MAX_CHARS}",
+            "tools",
+        )
+    try:
+        check_lark(definition, "tools", f"tool {name}'s grammar")
+    except SchemaTooBig as e:
+        raise bad(str(e), "tools") from None
     return {"type": "lark", "grammar": definition}  # the request's response_format
 
 
-def _check_lark(definition: str, name: str) -> None:
-    """A grammar that does not compile is the caller's error, told before any agent runs."""
-    try:
-        import llguidance as llg
-    except ImportError:
-        return  # the decode agent checks it
-    error = llg.LLMatcher.validate_grammar(llg.LLMatcher.grammar_from_lark(definition))
-    if error:
-        raise bad(f"tool {name}: its Lark grammar does not compile: {error.strip()}", "tools")
+def compile_error(custom: dict[str, dict[str, Any]]) -> OpenAIError | None:
+    """The 400 for the first custom tool whose grammar does not compile, or None.
+    Blocking (a child process compiles each): call it off the event loop."""
+    for name, tool in custom.items():
+        grammar = grammar_of(tool)
+        if grammar is None:
+            continue
+        error = GRAMMAR_CHECK.check(
+            json.dumps({"grammars": [{"lark_grammar": grammar["grammar"]}]})
+        )
+        if error:
+            return bad(f"tool {name}: its Lark grammar does not compile: {error.strip()}", "tools")
+    return None
 
 
 def text_format(body: ResponsesRequest) -> dict[str, Any] | None:
     """`text.format` as chat's response_format."""
     fmt = (body.text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise bad("text.format must be an object: {type: text | json_object | json_schema}", "text")
     if fmt is None or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_object":
@@ -128,6 +169,8 @@ def text_format(body: ResponsesRequest) -> dict[str, Any] | None:
 def _parts_text(content: Any, where: str) -> str:
     if isinstance(content, str) or content is None:
         return content or ""
+    if not isinstance(content, list):
+        raise bad(f"{where}: content must be text or a list of content parts", "input")
     out = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
@@ -229,9 +272,7 @@ def as_chat(body: ResponsesRequest) -> tuple[ChatRequest, dict[str, dict[str, An
             "send the whole conversation in input",
             "previous_response_id",
         )
-    tools, custom = tools_of(body)
-    for tool in custom.values():
-        grammar_of(tool)  # a grammar that does not compile: a 400 now
+    tools, custom = tools_of(body)  # every grammar's size and shape: a 400 now
     effort = body.reasoning.effort if body.reasoning else None
     if effort is not None and effort not in EFFORTS:
         raise bad(f"reasoning.effort {effort!r}: low, medium or high", "reasoning.effort")

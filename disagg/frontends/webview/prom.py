@@ -48,6 +48,15 @@ GAUGES = {
     "agent_up": "1 when the agent's /status answers, else 0 (polled while someone looks).",
 }
 METRICS = [f"{P}_{n}" for n in (*HISTOGRAMS, *COUNTERS, *GAUGES)]
+# Series that measure prompts (tokens, K/V bytes, cache hits): summed over tenants,
+# a quiet moment's delta is another tenant's request exactly. The operator's only.
+OPERATOR_ONLY = (
+    "kv_bytes",
+    "prefix_hits_total",
+    "cached_tokens_total",
+    "prompt_tokens_total",
+    "completion_tokens_total",
+)
 
 
 def _labels(pairs: tuple[tuple[str, str], ...]) -> str:
@@ -118,12 +127,14 @@ class GatewayMetrics:
             self.agents_up[(name, role, model)] = int(up)
 
     def text(self, fleet: bool = True) -> str:
-        """Prometheus text exposition format 0.0.4; `fleet` False leaves out the
-        agents (their names are the operator's to see). No series carries prompt
-        text or a tenant: counts are the gateway's, summed over tenants."""
+        """Prometheus text exposition format 0.0.4; `fleet` False (a tenant) leaves
+        out the agents (their names are the operator's to see) and OPERATOR_ONLY.
+        No series carries prompt text or a tenant: counts are summed over tenants."""
         out: list[str] = []
         with self.lock:
             for name, (_, _, help_) in HISTOGRAMS.items():
+                if not fleet and name in OPERATOR_ONLY:
+                    continue
                 out += [f"# HELP {P}_{name} {help_}", f"# TYPE {P}_{name} histogram"]
                 for (n, model), h in sorted(self.hists.items()):
                     if n != name:
@@ -137,6 +148,8 @@ class GatewayMetrics:
                     out.append(f"{P}_{name}_sum{_labels(lab)} {h.sum}")
                     out.append(f"{P}_{name}_count{_labels(lab)} {h.total}")
             for name, help_ in COUNTERS.items():
+                if not fleet and name in OPERATOR_ONLY:
+                    continue
                 out += [f"# HELP {P}_{name} {help_}", f"# TYPE {P}_{name} counter"]
                 for (n, pairs), v in sorted(self.counts.items()):
                     if n == name:

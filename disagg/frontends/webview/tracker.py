@@ -25,6 +25,9 @@ from disagg_agents.wire.text import printable
 
 access = logging.getLogger("disagg.requests")  # `disagg serve` shows it on stderr
 KEEP = 300  # finished requests kept for the view's list and charts
+# Requests refused before they ran (401s, 404s, bad bodies), kept apart: 300 GETs
+# without a key once pushed every real request out of the view's history.
+REFUSED_KEEP = 50
 PROMPT_CHARS = 120  # of a prompt shown in the list
 
 
@@ -55,7 +58,7 @@ def access_line(t: Tracked) -> str:
     )
     if m.get("method"):
         line += f" [{header_value(Metrics.from_json(m))}]"  # the answer's verdict header
-    return line + (f"; {t.error[:200]}" if t.error else "")
+    return line + (f"; {printable(t.error, 200)}" if t.error else "")  # ESC from a schema
 
 
 def _as_dict(m: Any) -> dict[str, Any]:
@@ -120,7 +123,8 @@ class Tracked:
         if fleet:
             row["tenant"] = tenancy.label(self.tenant)
         else:
-            row.update(why=None, prefill_server=None, decode_server=None)
+            error = tenancy.hide_addresses(self.error) if self.error else None
+            row.update(why=None, prefill_server=None, decode_server=None, error=error)
         return row
 
 
@@ -132,6 +136,7 @@ class RequestLog:
         self.ids = itertools.count(1)
         self.running: dict[int, Tracked] = {}
         self.done: deque[Tracked] = deque(maxlen=KEEP)
+        self.refusals: deque[Tracked] = deque(maxlen=REFUSED_KEEP)
         self.metrics = GatewayMetrics(models)
 
     def wrap(self, run: Callable[..., Any]) -> Callable[..., Any]:
@@ -182,7 +187,7 @@ class RequestLog:
         t = Tracked(next(self.ids), "", what, time.time(), error=f"HTTP {status}")
         t.ended_s, t.outcome = 0.0, "refused"
         with self.lock:
-            self.done.append(t)
+            self.refusals.append(t)
 
     def begin(self, model: str, request: Any) -> Tracked:
         t = Tracked(next(self.ids), model, prompt_of(request), time.time())
@@ -215,7 +220,8 @@ class RequestLog:
         operator (`everyone`), else `tenant`'s own only, without the fleet's names."""
         now = time.monotonic()
         with self.lock:
-            items = list(self.running.values())[::-1] + list(self.done)[::-1]
+            ended = sorted([*self.done, *self.refusals], key=lambda t: t.id, reverse=True)
+            items = list(self.running.values())[::-1] + ended
         if not everyone:
             items = [t for t in items if t.tenant is not None and t.tenant == tenant]
         return [t.view(now, fleet=everyone) for t in items]
