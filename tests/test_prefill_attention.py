@@ -66,11 +66,9 @@ def eager(
 
 
 @pytest.mark.parametrize("sinks", [True, False])
-@pytest.mark.parametrize("window", [None, 8, 128])
+@pytest.mark.parametrize("window", [None, 8, 128, 256])  # 256: a window past the prompt
 @pytest.mark.parametrize(("q_len", "kv_len", "chunk"), [(150, 150, 64), (45, 150, 16), (1, 150, 8)])
-def test_equals_eager(
-    sinks: bool, window: int | None, q_len: int, kv_len: int, chunk: int
-) -> None:
+def test_equals_eager(sinks: bool, window: int | None, q_len: int, kv_len: int, chunk: int) -> None:
     # q_len < kv_len: a cached prefix (or a decode step); chunks not dividing q_len.
     g = torch.Generator().manual_seed(q_len * 1000 + (window or 0))
     h, hkv, d = 8, 2, 16

@@ -69,7 +69,7 @@ def chunked_attention(
     # A whole prompt on a full layer needs no mask: the fused causal kernel, once.
     # With a sink (key 0), one dummy query ahead keeps causality aligned:
     # query i + 1 sees keys 0..i + 1, the sink and positions 0..i.
-    whole = not window and q_len == kv_len
+    whole = q_len == kv_len and (not window or window >= kv_len)  # short: no window
     lead = 0
     if sinks is not None:
         query, key, value = _with_sink(query, key, value, scale, sinks, dummy=whole)
