@@ -241,7 +241,7 @@ def _send_layers(
     return sender
 
 
-def _finish(sender: Any, ack: bytes) -> None:
+def _finish(sender: Any, ack: bytes | bytearray) -> None:
     """Close the sender; raise its error, or a bad ack's."""
     sender.close()
     if sender.error is not None:
