@@ -50,6 +50,10 @@ for tiles in 64,128,64,8,3 128,128,64,8,3 64,64,128,4,3; do
     | sed "s/^/$tiles /" | tee -a "$OUT/tiles.txt" | grep -o '"shape".*"gb_s": [0-9.]*'
 done
 
+echo "== gpt-oss attention on CUDA: equal to eager, peak memory linear (tests/test_prefill_attention.py)"
+timeout 90 python3 -m pytest -q -p no:cacheprovider --noconftest -o addopts="" -k cuda \
+  tests/test_prefill_attention.py 2>&1 | tee "$OUT/pytest-attention.log" | tail -3
+
 echo "== gpt-oss attention: chunked SDPA vs eager, time and memory per layer"
 timeout 120 python3 -m disagg.bench.attention 2>"$OUT/attention.err" | tee "$OUT/attention.jsonl"
 tail -2 "$OUT/attention.err"
