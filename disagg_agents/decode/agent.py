@@ -33,12 +33,14 @@ from disagg_agents.chatformat import (
     Piece,
     ToolCall,
     detect,
+    generic,
     open_stream,
     render_chat,
     render_fim,
 )
 from disagg_agents.decode.codectuner import CodecTuner
 from disagg_agents.decode.grammar import ANALYSIS_MAX_TOKENS, ClientGone, Grammars, Matcher
+from disagg_agents.decode.grammarformats import generic_lark
 from disagg_agents.decode.keepalive import Keepalive, progress_interval
 from disagg_agents.decode.kvcaches import MX_DTYPES, cache_kinds, fill_layer
 from disagg_agents.decode.kvfetch import PrefillUnavailable, fetch_kv
@@ -176,6 +178,7 @@ class DecodeEngine:
                 tools=_tools(req),
                 think=req.think,
                 forced=forced,
+                structured=req.response_format is not None,
             )
         except FormatError as e:
             raise BadRequest(str(e)) from None
@@ -732,11 +735,17 @@ class DecodeAgent:
         # <think> itself comes first unless the prompt opened it.
         thinks = eng.chat.reasoning and eng.chat.kind != "harmony" and req.think is not False
         opener = eng.think_start if thinks and ids[-1:] != [eng.think_start] else None
+        response_format, tool_choice = req.response_format, req.tool_choice
+        forced = tool_choice not in (None, "auto", "none")
+        tools = _tools(req)
+        if eng.is_chat(req) and generic.applies(eng.chat, tools, forced, bool(response_format)):
+            # A template without tools: the answer is the generic format's JSON.
+            response_format = {"type": "lark", "grammar": generic_lark(tools or [])}
         return eng.grammars.matcher(
-            req.response_format,
+            response_format,
             kind=eng.format_kind,
             tools=req.tools,
-            tool_choice=req.tool_choice,
+            tool_choice=tool_choice,
             trigger=eng.think_end if thinks else None,
             analysis_max_tokens=min(ANALYSIS_MAX_TOKENS, req.max_tokens // 2),
             opener=opener,
