@@ -22,11 +22,11 @@ from .parse import Event, Piece, ToolCall
 RESPONSE_HEAD = '{"response": "'
 CALL_HEAD = '{"tool_call": '
 INSTRUCTIONS = (
-    "Answer with exactly one JSON object: either\n"
-    '{"tool_call": {"name": "<tool name>", "arguments": {<the arguments>}}}\n'
-    "to call one of the tools (you will get its result, then answer again), or\n"
-    '{"response": "<your answer>"}\n'
-    "to answer the user."
+    "Answer with exactly one JSON object. To reply to the user:\n"
+    '{"response": "<your reply>"}\n'
+    "Only when you need a tool's result first, call one tool:\n"
+    '{"tool_call": {"name": "<tool name>", "arguments": {<its arguments>}}}\n'
+    "You will then get its result and answer again."
 )
 
 

@@ -19,6 +19,7 @@ from fastapi.responses import StreamingResponse
 
 from disagg.api import Chunk, Client, Completion
 from disagg.errors import AgentError, DisaggError, ModelMismatch, Overloaded, UsageError
+from disagg.frontends import maxtokens
 from disagg.frontends.guard import cache_salt, unless_gone, wants_internals
 from disagg.frontends.openai.types import (
     ChatRequest,
@@ -60,7 +61,7 @@ def _request(body: CommonFields, inputs: dict[str, Any]) -> GenerateRequest:
     asked = [getattr(body, "max_completion_tokens", None), body.max_tokens]
     try:
         return build_request(
-            max_tokens=next((n for n in asked if n is not None), 256),
+            max_tokens=maxtokens.resolve(next((n for n in asked if n is not None), None)),
             temperature=body.temperature,
             top_p=body.top_p,
             stop=body.stop,
