@@ -42,6 +42,7 @@ from disagg.frontends.ollama.types import (
     Options,
     ShowBody,
 )
+from disagg.frontends.streamstart import opened
 from disagg.serving.request import build_request
 from disagg_agents.wire.request import GenerateRequest
 
@@ -217,6 +218,8 @@ async def answer(
         chunks = await client.agenerate(
             req, model=name, stream=True, cancel=cancel, executor=workers
         )
+        assert not isinstance(chunks, Completion)
+        chunks = await opened(chunks)  # a refusal is raised before the stream opens
     except UsageError as e:
         raise OllamaError(400, str(e)) from None
     except Overloaded as e:  # Ollama answers 503 when its queue is full

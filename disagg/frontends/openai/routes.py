@@ -27,6 +27,7 @@ from disagg.frontends.openai.types import (
     CompletionRequest,
     OpenAIError,
 )
+from disagg.frontends.streamstart import opened
 from disagg.serving.metrics import public_metrics
 from disagg.serving.request import build_request
 from disagg_agents.wire.request import GenerateRequest
@@ -172,7 +173,11 @@ async def start(
     cancel = threading.Event()
     chunks = await client.agenerate(req, model=model, stream=True, cancel=cancel, executor=workers)
     assert not isinstance(chunks, Completion)
-    return chunks, cancel
+    try:
+        return await opened(chunks), cancel  # a refusal is raised before the stream opens
+    except BaseException:
+        cancel.set()
+        raise
 
 
 async def answer(
