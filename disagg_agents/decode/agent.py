@@ -735,17 +735,25 @@ class DecodeAgent:
         # <think> itself comes first unless the prompt opened it.
         thinks = eng.chat.reasoning and eng.chat.kind != "harmony" and req.think is not False
         opener = eng.think_start if thinks and ids[-1:] != [eng.think_start] else None
-        response_format, tool_choice = req.response_format, req.tool_choice
-        forced = tool_choice not in (None, "auto", "none")
+        forced = req.tool_choice not in (None, "auto", "none")
         tools = _tools(req)
-        if eng.is_chat(req) and generic.applies(eng.chat, tools, forced, bool(response_format)):
+        if eng.is_chat(req) and generic.applies(eng.chat, tools, forced, bool(req.response_format)):
             # A template without tools: the answer is the generic format's JSON.
-            response_format = {"type": "lark", "grammar": generic_lark(tools or [])}
+            try:
+                return eng.grammars.matcher(
+                    {"type": "lark", "grammar": generic_lark(tools or [])},
+                    gone=None if sock is None else lambda: client_gone(sock),
+                )
+            except ClientGone:
+                raise
+            except RequestError as e:  # a tool's schema: say so, not our grammar's text
+                why = str(e).removeprefix("response_format: ").split(" 1 | ")[0]
+                raise RequestError("tools", f"tools: a tool's parameters: {why}") from None
         return eng.grammars.matcher(
-            response_format,
+            req.response_format,
             kind=eng.format_kind,
             tools=req.tools,
-            tool_choice=tool_choice,
+            tool_choice=req.tool_choice,
             trigger=eng.think_end if thinks else None,
             analysis_max_tokens=min(ANALYSIS_MAX_TOKENS, req.max_tokens // 2),
             opener=opener,
