@@ -99,7 +99,9 @@ def test_detect_reads_vocab_and_template(toks: dict[str, Any]) -> None:
     assert (c.kind, c.reasoning) == ("qwen_xml", False)
     assert c.fim == (cv["<|fim_prefix|>"], cv["<|fim_suffix|>"], cv["<|fim_middle|>"])
     assert c.capabilities == ["completion", "tools", "insert"]
-    assert (p.kind, p.capabilities) == ("plain", ["completion"])
+    # No tool markup: tools go through the generic format (chatformat.generic).
+    assert (p.kind, p.capabilities, p.tool_format) == ("plain", ["completion", "tools"], "generic")
+    assert (h.tool_format, c.tool_format) == ("harmony", "template")
     assert c.template == toks["qwen3_coder"].chat_template
 
 

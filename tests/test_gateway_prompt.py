@@ -52,7 +52,9 @@ def test_show_is_right_on_the_first_request(base: str) -> None:
     r.raise_for_status()
     shown = r.json()
     assert "<|im_start|>" in shown["template"]  # the model's own chat template
-    assert shown["capabilities"] == ["completion"]  # no tool markup, no think tags
+    # no tool markup (tools in the generic format), no think tags
+    assert shown["capabilities"] == ["completion", "tools"]
+    assert shown["model_info"]["disagg.tool_format"] == "generic"
 
 
 def test_openai_forced_call_is_a_tool_call(base: str) -> None:
