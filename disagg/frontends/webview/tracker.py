@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import re
 import threading
 import time
 from collections import deque
@@ -25,6 +26,8 @@ from disagg_agents.wire.text import printable
 access = logging.getLogger("disagg.requests")  # `disagg serve` shows it on stderr
 KEEP = 300  # finished requests kept for the view's list and charts
 PROMPT_CHARS = 120  # of a prompt shown in the list
+# What agent CLIs wrap around the user's words (Claude Code's reminders): not the words.
+WRAPPERS = re.compile(r"<system-reminder>.*?(</system-reminder>|$)", re.S)
 
 
 def prompt_of(request: Any) -> str:
@@ -35,7 +38,9 @@ def prompt_of(request: Any) -> str:
     if text is None:
         users = [m for m in get("messages") or [] if m.get("role") == "user"]
         text = users[-1].get("content") if users else ""
-    text = " ".join(str(text or "").split())
+    if isinstance(text, list):  # content parts: their text
+        text = " ".join(str(p.get("text") or "") for p in text if isinstance(p, dict))
+    text = " ".join(WRAPPERS.sub(" ", str(text or "")).split())
     return text if len(text) <= PROMPT_CHARS else text[: PROMPT_CHARS - 1] + "…"
 
 
@@ -82,6 +87,7 @@ class Tracked:
     outcome: str | None = None  # once ended: one of prom.OUTCOMES
     metrics: dict[str, Any] = field(default_factory=dict)
     tenant: bytes | None = None  # whose request: its key's digest (tenancy)
+    reason: str | None = None  # a refused request's error message, as its client got it
 
     def view(self, now: float, fleet: bool = True) -> dict[str, Any]:
         """The list's row; without `fleet` (a tenant's own view) no agent names
@@ -117,6 +123,8 @@ class Tracked:
             row["tenant"] = tenancy.label(self.tenant)
         else:
             row.update(why=None, prefill_server=None, decode_server=None)
+        if self.outcome == "refused":
+            row["why"] = self.reason  # the client's own error message: anyone may see it
         return row
 
 
@@ -171,11 +179,12 @@ class RequestLog:
 
         return tracked
 
-    def refused(self, method: str, path: str, status: int) -> None:
+    def refused(self, method: str, path: str, status: int, reason: str | None = None) -> None:
         """A request answered with an error before it ran (a 404, a 401, a bad body):
-        listed in the view, not counted as a request."""
+        listed in the view with the error's message, not counted as a request."""
         what = printable(f"{method} {path}", PROMPT_CHARS)
         t = Tracked(next(self.ids), "", what, time.time(), error=f"HTTP {status}")
+        t.reason = printable(reason, 300) if reason else None
         t.ended_s, t.outcome = 0.0, "refused"
         with self.lock:
             self.done.append(t)
