@@ -476,9 +476,11 @@ def serve(
     drain_timeout: DrainTimeout = 30.0,
     max_tokens: MaxTokensOpt = None,
 ) -> None:
-    """One port for four APIs: OpenAI's (/v1/chat/completions, /v1/completions,
-    /v1/embeddings), OpenAI's Responses (/v1/responses: Codex), Anthropic's Messages
-    (/v1/messages: Claude Code) and Ollama's (/api/...)."""
+    """The gateway: OpenAI, Responses, Anthropic and Ollama APIs on one port.
+
+    OpenAI's (/v1/chat/completions, /v1/completions, /v1/embeddings), OpenAI's
+    Responses (/v1/responses: Codex), Anthropic's Messages (/v1/messages: Claude
+    Code) and Ollama's (/api/...); the web view at /ui."""
     import signal
     import sys
 

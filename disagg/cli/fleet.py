@@ -168,8 +168,9 @@ def logs(
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Follow new lines.")] = False,
     lines: Annotated[int, typer.Option("-n", "--lines", help="Lines per agent.")] = 50,
 ) -> None:
-    """The agents' logs, each line prefixed by host/role, hosts interleaved; lines from
-    an agent's stderr (a crash's traceback) are marked ! and shown in red."""
+    """The agents' logs, all hosts interleaved, each line prefixed by host/role.
+
+    Lines from an agent's stderr (a crash's traceback) are marked ! and shown in red."""
     from disagg.cli.render_fleet import log_line
     from disagg.fleet import operations as fleet
     from disagg.fleet.inventory import load
@@ -203,8 +204,10 @@ def tune(
     ] = None,
     as_json: Json = False,
 ) -> None:
-    """Show or change the agents' live settings (connection caps, handshake deadline,
-    prefix-cache budget, ...) without a restart; a restart goes back to the inventory's."""
+    """Show or change the agents' live settings, without a restart.
+
+    Connection caps, handshake deadline, prefix-cache budget, ...; a restart goes
+    back to the inventory's."""
     from disagg.cli.render_fleet import tune_table
     from disagg.fleet.inventory import load
     from disagg.fleet.tune import parse_changes
