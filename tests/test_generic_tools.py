@@ -120,7 +120,7 @@ def test_smollm2_gets_the_tools_in_its_system_prompt_and_history_as_json(
     tok = load_tokenizer(default_model)
     fmt = detect(tok)
     assert not fmt.tools  # the premise: SmolLM2's template takes no tools
-    history = [
+    history: list[dict[str, Any]] = [
         {"role": "user", "content": "Weather in Paris?"},
         {
             "role": "assistant",
@@ -176,12 +176,13 @@ def test_smollm2_answers_or_calls_a_tool_through_chat_completions(
 @pytest.mark.slow
 def test_smollm2_streams_a_responses_turn_with_tools(oai: tuple[openai.OpenAI, str]) -> None:
     client, model = oai
-    events = list(
+    tools: Any = [{"type": "function", "name": "shell", **SHELL["function"]}]
+    events: list[Any] = list(
         client.responses.create(
             model=model,
             input="Say hello.",
             instructions="You are a coding agent.",
-            tools=[{"type": "function", "name": "shell", **SHELL["function"]}],
+            tools=tools,
             stream=True,
         )
     )

@@ -20,7 +20,7 @@ from disagg.frontends.responses.types import ResponsesRequest, as_chat
 from tests.agentpool import AgentSet
 from tests.gateways import Gateways
 
-HI = [{"role": "user", "content": "Hi"}]
+HI: Any = [{"role": "user", "content": "Hi"}]
 # A schema whose one answer is longer than 256 tokens: the grammar then ends it, so
 # the model stops by itself past where the old default cut it.
 LONG_ANSWER: Any = {
