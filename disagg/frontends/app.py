@@ -1,5 +1,5 @@
-"""The gateway app (FastAPI): OpenAI's API under /v1 and Ollama's under /api on one
-port, behind one guard (`disagg.frontends.guard`: API keys, body caps), with the
+"""The gateway app (FastAPI): four APIs on one port (OpenAI's Chat Completions and
+Responses, and Anthropic's Messages under /v1; Ollama's under /api), behind one guard (`disagg.frontends.guard`: API keys, body caps), with the
 web view at /ui and generation on a bounded pool (`disagg.frontends.workers`).
 """
 
