@@ -1,6 +1,7 @@
 """The gateway app (FastAPI): four APIs on one port (OpenAI's Chat Completions and
-Responses, and Anthropic's Messages under /v1; Ollama's under /api), behind one guard (`disagg.frontends.guard`: API keys, body caps), with the
-web view at /ui and generation on a bounded pool (`disagg.frontends.workers`).
+Responses, and Anthropic's Messages under /v1; Ollama's under /api), behind one
+guard (`disagg.frontends.guard`: API keys, body caps), with the web view at /ui and
+generation on a bounded pool (`disagg.frontends.workers`).
 """
 
 from __future__ import annotations
