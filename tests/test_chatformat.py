@@ -99,7 +99,9 @@ def test_detect_reads_vocab_and_template(toks: dict[str, Any]) -> None:
     assert (c.kind, c.reasoning) == ("qwen_xml", False)
     assert c.fim == (cv["<|fim_prefix|>"], cv["<|fim_suffix|>"], cv["<|fim_middle|>"])
     assert c.capabilities == ["completion", "tools", "insert"]
-    assert (p.kind, p.capabilities) == ("plain", ["completion"])
+    # No tool markup: tools go through the generic format (chatformat.generic).
+    assert (p.kind, p.capabilities, p.tool_format) == ("plain", ["completion", "tools"], "generic")
+    assert (h.tool_format, c.tool_format) == ("harmony", "template")
     assert c.template == toks["qwen3_coder"].chat_template
 
 
@@ -486,8 +488,12 @@ def test_think_settings(toks: dict[str, Any]) -> None:
     with pytest.raises(FormatError, match="think"):
         render_chat(plain, detect(plain), user, think=True)
     render_chat(plain, detect(plain), user, think=False)  # false is always fine
+    # No tools in the template: the generic format puts them in the system prompt,
+    # unless an output grammar already decides the answer.
+    generic = plain.decode(render_chat(plain, detect(plain), user, tools=[WEATHER]))
+    assert '"tool_call"' in generic and "get_weather" in generic
     with pytest.raises(FormatError, match="tools"):
-        render_chat(plain, detect(plain), user, tools=[WEATHER])
+        render_chat(plain, detect(plain), user, tools=[WEATHER], structured=True)
     # A call forced by constrained decoding needs no tools in the template.
     forced = render_chat(plain, detect(plain), user, tools=[WEATHER], forced=True)
     assert forced == render_chat(plain, detect(plain), user)

@@ -52,7 +52,9 @@ def test_show_is_right_on_the_first_request(base: str) -> None:
     r.raise_for_status()
     shown = r.json()
     assert "<|im_start|>" in shown["template"]  # the model's own chat template
-    assert shown["capabilities"] == ["completion"]  # no tool markup, no think tags
+    # no tool markup (tools in the generic format), no think tags
+    assert shown["capabilities"] == ["completion", "tools"]
+    assert shown["model_info"]["disagg.tool_format"] == "generic"
 
 
 def test_openai_forced_call_is_a_tool_call(base: str) -> None:
@@ -90,15 +92,17 @@ def test_openai_forced_call_is_a_tool_call(base: str) -> None:
     assert "city" in json.loads(args)
 
 
-def test_ollama_refusal_names_what_ollamas_api_can_do(base: str) -> None:
+def test_ollama_tools_on_a_template_without_tool_markup(base: str) -> None:
+    """Ollama itself refuses tools here ("does not support tools"); the generic format
+    (tools in the system prompt, the answer a grammar-held JSON call or reply) serves them."""
     oc = ollama.Client(host=base, timeout=300)
-    with pytest.raises(ollama.ResponseError) as err:
-        oc.chat(model=MODEL, messages=ASK, tools=[WEATHER])
-    assert err.value.status_code == 400
-    text = str(err.value.error)
-    assert "does not support tools" in text and '"format"' in text
-    assert "tool_choice" not in text  # Ollama's API has none
-    # What it names works: the arguments as JSON, by their schema.
+    r = oc.chat(model=MODEL, messages=ASK, tools=[WEATHER], options={"seed": 0})
+    if r.message.tool_calls:
+        call = r.message.tool_calls[0].function
+        assert call.name == "get_weather" and isinstance(call.arguments["city"], str), call
+    else:
+        assert (r.message.content or "").strip() and r.done_reason == "stop", r
+    # The arguments as JSON by their schema, as before.
     params = WEATHER["function"]["parameters"]
     r = oc.chat(model=MODEL, messages=ASK, format=params, options={"num_predict": 60, "seed": 0})
     assert isinstance(json.loads(r.message.content or "")["city"], str)

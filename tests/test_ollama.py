@@ -62,7 +62,8 @@ def test_show_gives_architecture_and_context(oc: ollama.Client, model: str) -> N
     assert shown.modelinfo is not None
     assert shown.modelinfo["general.architecture"] == "llama"
     assert shown.modelinfo["llama.context_length"] == 8192
-    assert shown.capabilities == ["completion"]
+    assert shown.capabilities == ["completion", "tools"]  # tools in the generic format
+    assert shown.modelinfo["disagg.tool_format"] == "generic"
     # Ollama's implicit tag resolves to the served name.
     assert oc.show(f"{model}:latest").modelinfo == shown.modelinfo
 

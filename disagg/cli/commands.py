@@ -441,6 +441,14 @@ MaxRequestsPerKey = Annotated[
         "of the workers, i.e. of the batch rows).",
     ),
 ]
+MaxTokensOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--max-tokens",
+        help="Answer length for requests that set no limit (default: until the model "
+        "stops or its context is full, as OpenAI and Ollama do).",
+    ),
+]
 DrainTimeout = Annotated[
     float,
     typer.Option(
@@ -473,11 +481,17 @@ def serve(
     max_requests: MaxRequests = None,
     max_requests_per_key: MaxRequestsPerKey = None,
     drain_timeout: DrainTimeout = 30.0,
+    max_tokens: MaxTokensOpt = None,
 ) -> None:
-    """OpenAI- and Ollama-compatible gateway: /v1/... and /api/... on one port."""
+    """The gateway: OpenAI, Responses, Anthropic and Ollama APIs on one port.
+
+    OpenAI's (/v1/chat/completions, /v1/completions, /v1/embeddings), OpenAI's
+    Responses (/v1/responses: Codex), Anthropic's Messages (/v1/messages: Claude
+    Code) and Ollama's (/api/...); the web view at /ui."""
     import signal
     import sys
 
+    from disagg.frontends import maxtokens
     from disagg.frontends.app import create_app
     from disagg.frontends.limits import Limits, raise_nofile
     from disagg.frontends.limits import serve as serve_app
@@ -489,6 +503,7 @@ def serve(
 
     _at_least_one(
         ("--decode-agents", decode_agents),
+        ("--max-tokens", max_tokens),
         ("--workers", workers),
         ("--max-requests", max_requests),
         ("--max-requests-per-key", max_requests_per_key),
@@ -503,9 +518,18 @@ def serve(
     ) as client:
         err.print(
             f"serving {', '.join(client.models())} on http://{host}:{port} "
-            f"(OpenAI: /v1, Ollama: /api){', API key required' if key else ''}"
+            f"(OpenAI: /v1, Responses: /v1/responses, Anthropic: /v1/messages, "
+            f"Ollama: /api){', API key required' if key else ''}",
+            soft_wrap=True,
         )
         err.print(f"web view: http://{host}:{port}/ui{'?key=KEY' if key else ''}")
+        maxtokens.set_default(max_tokens)
+        cap = (
+            f"at most {max_tokens} tokens"
+            if max_tokens
+            else "until the model stops or the context is full"
+        )
+        err.print(f"answers without a client limit run {cap} (--max-tokens)", soft_wrap=True)
         limits = Limits(header_timeout, max_connections, max_per_address, first_byte_timeout)
         pool = Workers.for_router(
             client.router, workers, max_requests, max_requests_per_key, keys=len(keys)

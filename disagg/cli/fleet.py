@@ -96,11 +96,23 @@ def status(
     as_json: Json = False,
     watch: Annotated[bool, typer.Option("--watch", "-w", help="Refresh until Ctrl-C.")] = False,
     interval: Annotated[float, typer.Option("--interval", help="Seconds between polls.")] = 2.0,
+    url: Annotated[
+        str | None,
+        typer.Option(
+            "--url",
+            help="A running gateway's agents instead (disagg serve --local: "
+            "http://127.0.0.1:8080); the operator's key from DISAGG_API_KEY.",
+        ),
+    ] = None,
 ) -> None:
     """Health of every agent: a table, or --json. Exit 1 if any is not healthy."""
     from disagg.cli.render_fleet import status_json, status_table
     from disagg.fleet import operations as fleet
     from disagg.fleet.inventory import load
+
+    if url is not None:
+        _gateway_status(url, as_json)
+        return
 
     inv = load(inventory)
     if watch and not as_json:
@@ -119,6 +131,35 @@ def status(
         raise typer.Exit(1)
 
 
+def _gateway_status(url: str, as_json: bool) -> None:
+    import os
+
+    from rich.table import Table
+
+    from disagg.serving.gatewaystatus import gateway_agents
+
+    rows = gateway_agents(url, os.environ.get("DISAGG_API_KEY"))
+    if as_json:
+        print(json.dumps(rows))
+    else:
+        table = Table(title=f"agents behind {url}", header_style="bold")
+        for col in ("agent", "role", "model", "state", "device", "requests", "ttft p50"):
+            table.add_column(col, overflow="fold")
+        for r in rows:
+            state = "up" if r.get("up") else f"[red]down: {r.get('error') or '?'}[/]"
+            p50 = r.get("ttft_p50_s")
+            table.add_row(
+                *(str(r.get(k) or "-") for k in ("name", "role", "model")),
+                state,
+                str(r.get("device") or "-"),
+                str(r.get("requests") if r.get("requests") is not None else "-"),
+                f"{p50 * 1000:.0f} ms" if isinstance(p50, int | float) else "-",
+            )
+        out.print(table)
+    if any(not r.get("up") for r in rows):
+        raise typer.Exit(1)
+
+
 @app.command()
 @friendly
 def logs(
@@ -127,8 +168,9 @@ def logs(
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Follow new lines.")] = False,
     lines: Annotated[int, typer.Option("-n", "--lines", help="Lines per agent.")] = 50,
 ) -> None:
-    """The agents' logs, each line prefixed by host/role, hosts interleaved; lines from
-    an agent's stderr (a crash's traceback) are marked ! and shown in red."""
+    """The agents' logs, all hosts interleaved, each line prefixed by host/role.
+
+    Lines from an agent's stderr (a crash's traceback) are marked ! and shown in red."""
     from disagg.cli.render_fleet import log_line
     from disagg.fleet import operations as fleet
     from disagg.fleet.inventory import load
@@ -162,8 +204,10 @@ def tune(
     ] = None,
     as_json: Json = False,
 ) -> None:
-    """Show or change the agents' live settings (connection caps, handshake deadline,
-    prefix-cache budget, ...) without a restart; a restart goes back to the inventory's."""
+    """Show or change the agents' live settings, without a restart.
+
+    Connection caps, handshake deadline, prefix-cache budget, ...; a restart goes
+    back to the inventory's."""
     from disagg.cli.render_fleet import tune_table
     from disagg.fleet.inventory import load
     from disagg.fleet.tune import parse_changes

@@ -1,10 +1,12 @@
-"""The gateway app (FastAPI): OpenAI's API under /v1 and Ollama's under /api on one
-port, behind one guard (`disagg.frontends.guard`: API keys, body caps), with the
-web view at /ui and generation on a bounded pool (`disagg.frontends.workers`).
+"""The gateway app (FastAPI): four APIs on one port (OpenAI's Chat Completions and
+Responses, and Anthropic's Messages under /v1; Ollama's under /api), behind one
+guard (`disagg.frontends.guard`: API keys, body caps), with the web view at /ui and
+generation on a bounded pool (`disagg.frontends.workers`).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -76,12 +78,35 @@ class ListRefusals:
             await self.app(scope, receive, send)
             return
 
+        status, body = 0, b""
+
         async def watch(message: Any) -> None:
+            nonlocal status, body
             if message["type"] == "http.response.start" and 400 <= message["status"] < 500:
-                self.log.refused(scope.get("method", "?"), path, message["status"])
+                status = message["status"]
+            elif message["type"] == "http.response.body" and status:
+                body = (body + message.get("body", b""))[:8192]
+                if not message.get("more_body"):
+                    self.log.refused(scope.get("method", "?"), path, status, error_message(body))
+                    status = 0
             await send(message)
 
         await self.app(scope, receive, watch)
+
+
+def error_message(body: bytes) -> str | None:
+    """The message of an error body in any of the APIs' shapes: OpenAI's and
+    Anthropic's {"error": {"message"}}, Ollama's {"error": "..."}, FastAPI's detail."""
+    try:
+        got = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(got, dict):
+        return None
+    err = got.get("error", got.get("detail"))
+    if isinstance(err, dict):
+        err = err.get("message")
+    return err if isinstance(err, str) else None
 
 
 def add_error_handlers(app: FastAPI) -> None:

@@ -35,10 +35,22 @@ class ChatFormat:
     template: str  # the chat template's text ("" without one), for /api/show
 
     @property
+    def tool_format(self) -> str:
+        """How tools reach the model: its template's own ("template", "harmony"),
+        the generic format (chatformat.generic: a template without tools), or "none"."""
+        if self.kind == "harmony":
+            return "harmony"
+        if self.tools:
+            return "template"
+        return (
+            "generic" if self.kind == "plain" and not self.reasoning and self.template else "none"
+        )
+
+    @property
     def capabilities(self) -> list[str]:
         """Ollama's /api/show `capabilities` for this model."""
         caps = ["completion"]
-        if self.tools:
+        if self.tool_format != "none":
             caps.append("tools")
         if self.reasoning:
             caps.append("thinking")
@@ -52,6 +64,7 @@ class ChatFormat:
             "kind": self.kind,
             "reasoning": self.reasoning,
             "tools": self.tools,
+            "tool_format": self.tool_format,
             "fim": self.fim is not None,
             "capabilities": self.capabilities,
         }

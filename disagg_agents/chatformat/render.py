@@ -9,7 +9,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from . import harmony
+from . import generic, harmony
 from .detect import ChatFormat
 from .literal import text_encoder
 
@@ -106,6 +106,7 @@ def render_chat(
     tools: list[dict[str, Any]] | None = None,
     think: bool | str | None = None,
     forced: bool = False,
+    structured: bool = False,
 ) -> list[int]:
     """The conversation through the tokenizer's chat template (harmony: as
     openai-harmony renders it), ending where the assistant speaks next; every
@@ -114,6 +115,9 @@ def render_chat(
 
     forced: a tool call is forced by constrained decoding (tool_choice
     "required" or a named function), so a template without tools is no refusal.
+    structured: an output grammar (response_format) constrains the answer.
+    A template without tools otherwise gets them in the generic format
+    (`generic`): described in the system prompt, the answer a JSON call or reply.
     """
     if fmt.kind == "harmony":
         try:
@@ -126,11 +130,14 @@ def render_chat(
     kwargs = template_kwargs(fmt, think)
     if tools and fmt.tools:
         kwargs["tools"] = tools
+    elif generic.applies(fmt, tools, forced, structured):
+        assert tools is not None
+        messages, system = generic.messages(messages, system, tools)
     elif tools and not forced:
         raise FormatError(
-            "tools: this model's chat template does not take tools, so it cannot call "
-            "them; send the request without tools, or force a call (OpenAI's API: "
-            'tool_choice) or ask for the arguments as JSON (Ollama\'s API: "format")'
+            "tools: this model's chat template does not take tools, and its answer is "
+            "already constrained (response_format) or it reasons apart, so it cannot "
+            "call them; send the request without tools or without response_format"
         )
     msgs = chat_messages(messages, system, fmt)
     enc = text_encoder(tokenizer)

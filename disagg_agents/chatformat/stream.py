@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import generic
 from .detect import ChatFormat
 from .parse import (
     CallParser,
@@ -115,6 +116,8 @@ def open_stream(
         markup = {i: n for n, i in fmt.special_ids.items()}
         harmony = _harmony_after(prompt_ids, markup, tokenizer)
         return ChatStream(detok, harmony, markup, hidden - set(markup))
+    if chat and generic.applies(fmt, tools, forced, structured):
+        return ChatStream(detok, generic.GenericParser(), {}, hidden)
     if chat and forced and tools and fmt.kind == "plain" and not fmt.reasoning:
         return ChatStream(detok, CallParser(), {}, hidden)
     if not chat or (fmt.kind == "plain" and not fmt.reasoning):

@@ -33,12 +33,14 @@ from disagg_agents.chatformat import (
     Piece,
     ToolCall,
     detect,
+    generic,
     open_stream,
     render_chat,
     render_fim,
 )
 from disagg_agents.decode.codectuner import CodecTuner
 from disagg_agents.decode.grammar import ANALYSIS_MAX_TOKENS, ClientGone, Grammars, Matcher
+from disagg_agents.decode.grammarformats import generic_lark
 from disagg_agents.decode.keepalive import Keepalive, progress_interval
 from disagg_agents.decode.kvcaches import MX_DTYPES, cache_kinds, fill_layer
 from disagg_agents.decode.kvfetch import PrefillUnavailable, fetch_kv
@@ -183,6 +185,7 @@ class DecodeEngine:
                 tools=_tools(req),
                 think=req.think,
                 forced=forced,
+                structured=req.response_format is not None,
             )
         except FormatError as e:
             raise BadRequest(str(e)) from None
@@ -764,6 +767,20 @@ class DecodeAgent:
         # <think> itself comes first unless the prompt opened it.
         thinks = eng.chat.reasoning and eng.chat.kind != "harmony" and req.think is not False
         opener = eng.think_start if thinks and ids[-1:] != [eng.think_start] else None
+        forced = req.tool_choice not in (None, "auto", "none")
+        tools = _tools(req)
+        if eng.is_chat(req) and generic.applies(eng.chat, tools, forced, bool(req.response_format)):
+            # A template without tools: the answer is the generic format's JSON.
+            try:
+                return eng.grammars.matcher(
+                    {"type": "lark", "grammar": generic_lark(tools or [])},
+                    gone=None if sock is None else lambda: client_gone(sock),
+                )
+            except ClientGone:
+                raise
+            except RequestError as e:  # a tool's schema: say so, not our grammar's text
+                why = str(e).removeprefix("response_format: ").split(" 1 | ")[0]
+                raise RequestError("tools", f"tools: a tool's parameters: {why}") from None
         return eng.grammars.matcher(
             req.response_format,
             kind=eng.format_kind,

@@ -161,3 +161,23 @@ def _qwen_xml_call(name: str, params: dict[str, Any]) -> str:
         parts.append(part if arg in required else f"({part})?")
     parts.append(lark_str("</function>"))
     return " ".join(parts)
+
+
+def generic_lark(tools: Sequence[Any]) -> str:
+    """The generic tool format's answer (disagg_agents.chatformat.generic): one
+    JSON object, a call of one of `tools` with arguments valid for its schema, or
+    a response to the user."""
+    calls = []
+    for i, (name, params) in enumerate(function_of(t) for t in tools):
+        call = {
+            "type": "object",
+            "properties": {"name": {"const": name}, "arguments": params},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        calls.append(f"call{i}: {inline(call)}")
+    names = " | ".join(f"call{i}" for i in range(len(calls)))
+    return (
+        f'start: "{{\\"tool_call\\": " ({names}) "}}" | "{{\\"response\\": " answer "}}"\n'
+        f"answer: {inline({'type': 'string'})}\n" + "\n".join(calls) + "\n"
+    )

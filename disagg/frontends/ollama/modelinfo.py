@@ -8,6 +8,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from disagg.api import Client
+from disagg.frontends import maxtokens
 from disagg.frontends.ollama.types import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, OllamaError
 
 
@@ -79,7 +80,11 @@ def show_model(name: str, about: dict[str, Any]) -> dict[str, Any]:
             model_info[f"{arch}.{key}"] = value
     chat = about.get("chat")
     chat = chat if isinstance(chat, dict) else {}
+    if isinstance(chat.get("tool_format"), str):  # template, harmony, generic or none
+        model_info["disagg.tool_format"] = chat["tool_format"]
     params = [f"temperature {DEFAULT_TEMPERATURE}", f"top_p {DEFAULT_TOP_P}"]
+    if maxtokens.default() is not None:  # the operator's default answer length
+        params.append(f"num_predict {maxtokens.default()}")
     if _context(about):
         params.insert(0, f"num_ctx {_context(about)}")
     params += [f"stop {json.dumps(s)}" for s in chat.get("stop") or [] if isinstance(s, str)]

@@ -22,7 +22,7 @@ from fastapi.responses import PlainTextResponse, Response
 
 from disagg.api import Chunk, Client, Completion
 from disagg.errors import DisaggError, Overloaded, UsageError
-from disagg.frontends import tenancy
+from disagg.frontends import maxtokens, tenancy
 from disagg.frontends.agentinfo import ModelInfo
 from disagg.frontends.guard import cache_salt, unless_gone
 from disagg.frontends.ollama.modelinfo import (
@@ -42,12 +42,12 @@ from disagg.frontends.ollama.types import (
     Options,
     ShowBody,
 )
+from disagg.frontends.streamstart import opened
 from disagg.serving import verdict
 from disagg.serving.request import build_request
 from disagg_agents.wire.request import GenerateRequest
 
 VERSION = "0.12.0"  # the Ollama API version whose shapes these are
-UNLIMITED = 1 << 20  # num_predict < 0: until EOS; the decode agent caps it by the context
 NDJSON = "application/x-ndjson"
 
 
@@ -63,7 +63,10 @@ def _sampling(body: CommonFields) -> dict[str, Any]:
         "top_p": DEFAULT_TOP_P if o.top_p is None else o.top_p,
         "seed": o.seed,
         "stop": o.stop,
-        "max_tokens": UNLIMITED if num_predict is None or num_predict < 0 else num_predict,
+        # num_predict < 0: until EOS (the decode agent caps it by the context)
+        "max_tokens": maxtokens.UNLIMITED
+        if num_predict is not None and num_predict < 0
+        else maxtokens.resolve(num_predict),
         # As sent: the request's one normalizer (GenerateRequest.normalize_format)
         # reads Ollama's "", "json" or schema; a schema is strict, as Ollama's grammar.
         "response_format": body.format,
@@ -216,6 +219,8 @@ async def answer(
         chunks = await client.agenerate(
             req, model=name, stream=True, cancel=cancel, executor=workers
         )
+        assert not isinstance(chunks, Completion)
+        chunks = await opened(chunks)  # a refusal is raised before the stream opens
     except UsageError as e:
         raise OllamaError(400, str(e)) from None
     except Overloaded as e:  # Ollama answers 503 when its queue is full

@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request
 
 from disagg.api import Chunk, Client, Completion
 from disagg.errors import AgentError, DisaggError, ModelMismatch, Overloaded, UsageError
-from disagg.frontends import tenancy
+from disagg.frontends import maxtokens, tenancy
 from disagg.frontends.guard import cache_salt, unless_gone, wants_internals
 from disagg.frontends.openai.types import (
     ChatRequest,
@@ -26,6 +26,7 @@ from disagg.frontends.openai.types import (
     CompletionRequest,
     OpenAIError,
 )
+from disagg.frontends.streamstart import opened
 from disagg.serving import verdict
 from disagg.serving.metrics import public_metrics
 from disagg.serving.request import build_request
@@ -65,7 +66,7 @@ def _request(body: CommonFields, inputs: dict[str, Any]) -> GenerateRequest:
     asked = [getattr(body, "max_completion_tokens", None), body.max_tokens]
     try:
         return build_request(
-            max_tokens=next((n for n in asked if n is not None), 256),
+            max_tokens=maxtokens.resolve(next((n for n in asked if n is not None), None)),
             temperature=body.temperature,
             top_p=body.top_p,
             stop=body.stop,
@@ -176,7 +177,11 @@ async def start(
     cancel = threading.Event()
     chunks = await client.agenerate(req, model=model, stream=True, cancel=cancel, executor=workers)
     assert not isinstance(chunks, Completion)
-    return chunks, cancel
+    try:
+        return await opened(chunks), cancel  # a refusal is raised before the stream opens
+    except BaseException:
+        cancel.set()
+        raise
 
 
 async def answer(

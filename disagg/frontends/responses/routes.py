@@ -20,6 +20,7 @@ from disagg.api import Chunk, Client, Completion
 from disagg.errors import DisaggError, UsageError
 from disagg.frontends.guard import cache_salt
 from disagg.frontends.openai import routes as oai
+from disagg.frontends.openai.types import OpenAIError
 from disagg.frontends.responses.types import (
     ResponsesRequest,
     as_chat,
@@ -319,9 +320,14 @@ async def events(
                 yield s.event(f"response.{final['status']}", response=final)
     except DisaggError as e:
         err = oai.from_disagg(e)
-        failed = a.envelope(
-            "failed", s.output, error={"code": err.code or "server_error", "message": err.message}
-        )
+        failed = a.envelope("failed", s.output, error={"code": _code(err), "message": err.message})
         yield s.event("response.failed", response=failed)
     finally:
         cancel.set()  # a client that left mid-stream stops the decoding
+
+
+def _code(err: OpenAIError) -> str:
+    """response.failed's error code: the client's mistake is no server_error."""
+    if err.code:
+        return err.code
+    return "invalid_prompt" if err.status < 500 else "server_error"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import re
 import threading
 import time
 from collections import deque
@@ -29,6 +30,8 @@ KEEP = 300  # finished requests kept for the view's list and charts
 # without a key once pushed every real request out of the view's history.
 REFUSED_KEEP = 50
 PROMPT_CHARS = 120  # of a prompt shown in the list
+# What agent CLIs wrap around the user's words (Claude Code's reminders): not the words.
+WRAPPERS = re.compile(r"<system-reminder>.*?(</system-reminder>|$)", re.S)
 
 
 def prompt_of(request: Any) -> str:
@@ -39,7 +42,9 @@ def prompt_of(request: Any) -> str:
     if text is None:
         users = [m for m in get("messages") or [] if m.get("role") == "user"]
         text = users[-1].get("content") if users else ""
-    text = " ".join(str(text or "").split())
+    if isinstance(text, list):  # content parts: their text
+        text = " ".join(str(p.get("text") or "") for p in text if isinstance(p, dict))
+    text = " ".join(WRAPPERS.sub(" ", str(text or "")).split())
     return text if len(text) <= PROMPT_CHARS else text[: PROMPT_CHARS - 1] + "…"
 
 
@@ -88,6 +93,7 @@ class Tracked:
     outcome: str | None = None  # once ended: one of prom.OUTCOMES
     metrics: dict[str, Any] = field(default_factory=dict)
     tenant: bytes | None = None  # whose request: its key's digest (tenancy)
+    reason: str | None = None  # a refused request's error message, as its client got it
 
     def view(self, now: float, fleet: bool = True) -> dict[str, Any]:
         """The list's row; without `fleet` (a tenant's own view) no agent names
@@ -125,6 +131,9 @@ class Tracked:
         else:
             error = tenancy.hide_addresses(self.error) if self.error else None
             row.update(why=None, prefill_server=None, decode_server=None, error=error)
+        if self.outcome == "refused":  # the client's own error message, addresses hidden
+            why = self.reason
+            row["why"] = why if fleet or not why else tenancy.hide_addresses(why)
         return row
 
 
@@ -180,11 +189,12 @@ class RequestLog:
 
         return tracked
 
-    def refused(self, method: str, path: str, status: int) -> None:
+    def refused(self, method: str, path: str, status: int, reason: str | None = None) -> None:
         """A request answered with an error before it ran (a 404, a 401, a bad body):
-        listed in the view, not counted as a request."""
+        listed in the view with the error's message, not counted as a request."""
         what = printable(f"{method} {path}", PROMPT_CHARS)
         t = Tracked(next(self.ids), "", what, time.time(), error=f"HTTP {status}")
+        t.reason = printable(reason, 300) if reason else None
         t.ended_s, t.outcome = 0.0, "refused"
         with self.lock:
             self.refusals.append(t)

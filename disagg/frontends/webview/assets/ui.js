@@ -219,7 +219,7 @@ function requestRow(r, win) {
     : r.state === "running"
       ? [h("div", {}, fmtS(r.elapsed)), h("div", { class: "muted" }, `${r.tokens} tok${rate ? ` · ${rate.toFixed(1)} tok/s` : ""}`)]
       : [h("div", {}, `ttft ${fmtS(r.ttft)}`), h("div", { class: "muted" }, `${r.tokens} tok · ${fmtS(r.elapsed)}`)];
-  const why = r.state === "refused" ? null : r.error || r.why;
+  const why = r.state === "refused" ? r.why : r.error || r.why;
   return h("div", { class: "req", "data-req": String(r.id), "data-state": r.state, "data-outcome": outcome },
     h("div", { class: "id" }, `#${r.id}`),
     h("div", { class: "what" },
@@ -227,7 +227,7 @@ function requestRow(r, win) {
       h("div", { class: "meta" }, h("span", { class: `m ${outcome}` }, label), [r.method, r.model, servers].filter(Boolean).join(" · "))),
     segments(r, win),
     h("div", { class: "nums" }, nums),
-    why ? h("div", { class: `why${r.error ? " failed" : ""}` }, `${r.error ? "failed" : "why"}: ${why}`) : null);
+    why ? h("div", { class: `why${r.error ? " failed" : ""}` }, `${r.state === "refused" ? "refused" : r.error ? "failed" : "why"}: ${why}`) : null);
 }
 
 // ---- charts ----------------------------------------------------------------------

@@ -1,0 +1,70 @@
+"""No hidden cap on an answer's length: a request without a limit runs until the
+model stops or its context is full (as OpenAI's and Ollama's servers do); an
+operator's `serve --max-tokens` default applies only where the client set none."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from disagg.frontends import maxtokens
+from disagg.frontends.ollama.routes import chat_request as ollama_chat
+from disagg.frontends.ollama.types import ChatBody
+from disagg.frontends.openai.routes import chat_request
+from disagg.frontends.openai.types import ChatRequest
+from disagg.frontends.responses.types import ResponsesRequest, as_chat
+from tests.agentpool import AgentSet
+from tests.gateways import Gateways
+
+HI: Any = [{"role": "user", "content": "Hi"}]
+# A schema whose one answer is longer than 256 tokens: the grammar then ends it, so
+# the model stops by itself past where the old default cut it.
+LONG_ANSWER: Any = {
+    "type": "object",
+    "properties": {"story": {"type": "string", "minLength": 1500, "maxLength": 1600}},
+    "required": ["story"],
+}
+
+
+@pytest.fixture
+def operator_default() -> Iterator[None]:
+    yield
+    maxtokens.set_default(None)
+
+
+def test_without_a_limit_the_request_runs_to_the_context(operator_default: None) -> None:
+    assert chat_request(ChatRequest(model="m", messages=HI)).max_tokens == maxtokens.UNLIMITED
+    chat, _ = as_chat(ResponsesRequest(model="m", input="Hi"))
+    assert chat_request(chat).max_tokens == maxtokens.UNLIMITED
+    assert ollama_chat(ChatBody(model="m", messages=HI)).max_tokens == maxtokens.UNLIMITED  # type: ignore[union-attr]
+
+
+def test_the_operators_default_applies_only_without_a_client_limit(operator_default: None) -> None:
+    maxtokens.set_default(100)
+    assert chat_request(ChatRequest(model="m", messages=HI)).max_tokens == 100
+    assert chat_request(ChatRequest(model="m", messages=HI, max_tokens=7)).max_tokens == 7
+    assert ollama_chat(ChatBody(model="m", messages=HI)).max_tokens == 100  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="max-tokens"):
+        maxtokens.set_default(0)
+
+
+@pytest.mark.slow
+def test_an_answer_past_256_tokens_is_not_cut(
+    smol_set: AgentSet, gateways: Gateways, default_model: Path
+) -> None:
+    url = gateways.get({default_model.name: smol_set}).url
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    r = client.chat.completions.create(
+        model=default_model.name,
+        messages=[{"role": "user", "content": "Tell me a long story."}],
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "story", "schema": LONG_ANSWER},
+        },
+    )
+    assert r.usage is not None and r.usage.completion_tokens > 256, r.usage
+    assert r.choices[0].finish_reason == "stop"  # it ended itself, not on a limit
