@@ -132,8 +132,8 @@ class Tracked:
             error = tenancy.hide_addresses(self.error) if self.error else None
             row.update(why=None, prefill_server=None, decode_server=None, error=error)
         if self.outcome == "refused":  # the client's own error message, addresses hidden
-            why = self.reason
-            row["why"] = why if fleet or not why else tenancy.hide_addresses(why)
+            reason = self.reason
+            row["why"] = reason if fleet or not reason else tenancy.hide_addresses(reason)
         return row
 
 
