@@ -71,7 +71,8 @@ USER_MODELS = {
     "qwen3-coder-30b-a3b": "Qwen3-Coder-30B-A3B, MLX affine 4-bit",
     "gpt-oss-120b": "GPT-OSS-120B, MXFP4",
 }
-# Which user models still run eager attention today (gpt-oss: sinks; issue 44 item 2).
+# Which user models ran eager attention before the chunked attention (gpt-oss: sinks):
+# the "before" column, with the blocked MoE path.
 EAGER_TODAY = {"gpt-oss-120b"}
 PROMPTS = (2048, 8192, 32768, 65536)
 LLAMA_CPP = "ggml-org/llama.cpp benches/dgx-spark.md (llama-bench, build 2f68ce7cf)"

@@ -32,7 +32,7 @@ def plan(
         typer.Option(
             "--moe-path",
             help="How the Spark runs the experts: triton (the fused kernel), grouped "
-            "or blocked (today's fallback).",
+            "or blocked (the path before the fused kernel).",
         ),
     ] = "triton",
     count_layers: Annotated[
@@ -45,10 +45,11 @@ def plan(
         ),
     ] = 0,
 ) -> None:
-    """Predict time to first token and decode speed of Qwen3-Coder-30B-A3B and
-    GPT-OSS-120B at 2k to 64k prompt tokens: a DGX Spark prefilling for a Mac against
-    the Mac alone. The model is fitted to published figures (llama.cpp on the Spark,
-    mlx-lm on the Macs) and checked against EXO's published Spark + M3 Ultra run."""
+    """Predict TTFT and decode speed of a DGX Spark prefilling for a Mac.
+
+    Qwen3-Coder-30B-A3B and GPT-OSS-120B at 2k to 64k prompt tokens, against the Mac
+    alone. The model is fitted to published figures (llama.cpp on the Spark, mlx-lm on
+    the Macs) and checked against EXO's published Spark + M3 Ultra run."""
     from disagg.bench.costmodel import USER_MODELS, Counts, count
     from disagg.bench.costmodel import plan as build
     from disagg_agents.models.cost import LINKS, MOE_PATHS
@@ -84,13 +85,13 @@ def plan_tables(data: dict[str, Any]) -> list[RenderableType]:
         Text(
             f"DGX Spark -> {data['mac']['name']} over {data['link']['name']}, against the "
             "Mac alone: a model fitted to published figures, not a measurement. Spark: "
-            f"prefill with the {data['moe_path']} MoE path; today: the blocked path (and "
-            "eager attention for GPT-OSS). Decode runs on the Mac either way."
+            f"prefill with the {data['moe_path']} MoE path (the default on CUDA: triton) "
+            "and attention without the n x n matrix. Decode runs on the Mac either way."
         )
     ]
     for m in data["models"].values():
         t = Table(title=m["label"])
-        for col in ("prompt", "Spark", "today", "K/V", "TTFT split", "TTFT Mac", "split"):
+        for col in ("prompt", "Spark", "before", "K/V", "TTFT split", "TTFT Mac", "split"):
             t.add_column(col, justify="right")
         for sc in m["prompts"]:
             t.add_row(
