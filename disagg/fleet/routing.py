@@ -43,6 +43,7 @@ def router_from_inventory(inventory: str | Path | Inventory | None = None) -> Ro
                     p.decode_timeout,
                     p.integrity,
                     p.max_migrations,
+                    embedding_only=p.embedding,
                 )
             )
     return Router(pipelines, token=load_token(inv.path))
