@@ -48,6 +48,8 @@ prefill = ["a"]
 embedding_model = "~/models/Qwen3-Embedding-0.6B"
 """
 
+CHAT = '[pipelines.chat]\nprefill = ["HOST"]\ndecode = ["b"]\nprefill_model = "m"\ndecode_model = "m"\n'
+
 
 def write(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "inv.toml"
@@ -56,7 +58,7 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 def test_embedding_pipeline_runs_prefill_agents_only(tmp_path: Path) -> None:
-    chat = '[pipelines.chat]\nprefill = ["b"]\ndecode = ["b"]\nprefill_model = "m"\ndecode_model = "m"\n'
+    chat = CHAT.replace("HOST", "b")
     inv = load(write(tmp_path, EMBED + chat))
     p = inv.pipelines["embed"]
     assert p.embedding and p.decode == () and p.prefill == ("a",)
@@ -100,7 +102,7 @@ def test_embedding_pipeline_wants_prefill_hosts(tmp_path: Path) -> None:
     with pytest.raises(InventoryError, match="host 'a' has no prefill role"):
         load(path)
     # One prefill agent per host: a chat pipeline there must load the same model.
-    other = '[pipelines.chat]\nprefill = ["a"]\ndecode = ["b"]\nprefill_model = "m"\ndecode_model = "m"\n'
+    other = CHAT.replace("HOST", "a")
     with pytest.raises(InventoryError, match="already runs prefill for pipeline 'embed'"):
         load(write(tmp_path, EMBED + other))
 

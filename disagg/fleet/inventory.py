@@ -416,7 +416,9 @@ def _members(
     return members
 
 
-def _embedding_pipeline(c: _Checker, name: str, raw: dict[str, Any], hosts: dict[str, Host]) -> Pipeline:
+def _embedding_pipeline(
+    c: _Checker, name: str, raw: dict[str, Any], hosts: dict[str, Host]
+) -> Pipeline:
     """`embedding_model` + `prefill` hosts: prefill agents only, nothing to decode."""
     key = f"pipelines.{name}"
     for k in (*DECODE_ONLY_KEYS, "prefill_model"):
