@@ -48,7 +48,13 @@ prefill = ["a"]
 embedding_model = "~/models/Qwen3-Embedding-0.6B"
 """
 
-CHAT = '[pipelines.chat]\nprefill = ["HOST"]\ndecode = ["b"]\nprefill_model = "m"\ndecode_model = "m"\n'
+CHAT = """
+[pipelines.chat]
+prefill = ["HOST"]
+decode = ["b"]
+prefill_model = "m"
+decode_model = "m"
+"""
 
 
 def write(tmp_path: Path, text: str) -> Path:
