@@ -59,7 +59,10 @@ PIPELINE_KEYS = {
     "aliases",
     "mixed_weights",
     "integrity",
+    "embedding_model",
 }
+# An embedding pipeline runs prefill agents only: these keys belong to a decode side.
+DECODE_ONLY_KEYS = ("decode", "decode_model", "decode_timeout", "max_migrations", "mixed_weights")
 SSH_KEYS = {"config", "known_hosts", "connect_timeout"}
 
 
@@ -115,6 +118,9 @@ class Pipeline:
     integrity: str = "mac"
     # Times one request may move to another decode agent mid-answer (0: never).
     max_migrations: int = 2
+    # An embedding model with no decode side (`embedding_model = ...`): its prefill
+    # agents answer /api/embed and /v1/embeddings; chat and generate are refused.
+    embedding: bool = False
 
 
 @dataclass(frozen=True)
@@ -387,30 +393,66 @@ def _remote_dir(c: _Checker, raw: Any, key: str) -> str:
     return path
 
 
+def _members(
+    c: _Checker, raw: dict[str, Any], key: str, role: str, hosts: dict[str, Host]
+) -> tuple[str, ...]:
+    members = c.strings(raw, key, role)
+    if not members:
+        raise c.fail(f"{key}.{role}", "missing", f'add {role} = ["HOST"] naming a [hosts.HOST]')
+    for h in members:
+        if h not in hosts:
+            known = ", ".join(hosts)
+            raise c.fail(
+                f"{key}.{role}",
+                f"unknown host {h!r}",
+                f"add [hosts.{h}] or use one of: {known}",
+            )
+        if role not in hosts[h].roles:
+            raise c.fail(
+                f"{key}.{role}",
+                f"host {h!r} has no {role} role",
+                f'add "{role}" to hosts.{h}.roles',
+            )
+    return members
+
+
+def _embedding_pipeline(
+    c: _Checker, name: str, raw: dict[str, Any], hosts: dict[str, Host]
+) -> Pipeline:
+    """`embedding_model` + `prefill` hosts: prefill agents only, nothing to decode."""
+    key = f"pipelines.{name}"
+    for k in (*DECODE_ONLY_KEYS, "prefill_model"):
+        if k in raw:
+            raise c.fail(
+                f"{key}.{k}",
+                "an embedding pipeline has no decode side and one model",
+                f"remove {k} (or embedding_model, for a chat pipeline)",
+            )
+    model = c.text(raw, key, "embedding_model", required=True) or ""
+    return Pipeline(
+        name=name,
+        prefill=_members(c, raw, key, "prefill", hosts),
+        decode=(),
+        prefill_model=model,
+        decode_model="",
+        prefill_timeout=c.seconds(raw, key, "prefill_timeout", DEFAULT_TIMEOUTS_S["prefill"]),
+        dtype=c.choice(raw, key, "dtype", DTYPES),
+        aliases=c.strings(raw, key, "aliases"),
+        integrity=c.choice(raw, key, "integrity", INTEGRITY),
+        max_migrations=0,
+        embedding=True,
+    )
+
+
 def _pipeline(c: _Checker, name: str, raw: Any, hosts: dict[str, Host]) -> Pipeline:
     key = f"pipelines.{name}"
     raw = c.table(raw, key)
     c.known(raw, key, PIPELINE_KEYS)
+    if "embedding_model" in raw:
+        return _embedding_pipeline(c, name, raw, hosts)
     sides: dict[str, tuple[str, ...]] = {}
     for role in ROLES:
-        members = c.strings(raw, key, role)
-        if not members:
-            raise c.fail(f"{key}.{role}", "missing", f'add {role} = ["HOST"] naming a [hosts.HOST]')
-        for h in members:
-            if h not in hosts:
-                known = ", ".join(hosts)
-                raise c.fail(
-                    f"{key}.{role}",
-                    f"unknown host {h!r}",
-                    f"add [hosts.{h}] or use one of: {known}",
-                )
-            if role not in hosts[h].roles:
-                raise c.fail(
-                    f"{key}.{role}",
-                    f"host {h!r} has no {role} role",
-                    f'add "{role}" to hosts.{h}.roles',
-                )
-        sides[role] = members
+        sides[role] = _members(c, raw, key, role, hosts)
     return Pipeline(
         name=name,
         prefill=sides["prefill"],

@@ -31,7 +31,8 @@ def router_from_inventory(inventory: str | Path | Inventory | None = None) -> Ro
     inv = inventory if isinstance(inventory, Inventory) else load(inventory)
     pipelines = []
     for p in inv.pipelines.values():
-        prefill = [_endpoint(inv.hosts[h], "prefill") for h in p.prefill]
+        # An embedding pipeline's prefill agents are dialled from here, as decode agents are.
+        prefill = [_endpoint(inv.hosts[h], "prefill", p.embedding) for h in p.prefill]
         decode = [_endpoint(inv.hosts[h], "decode") for h in p.decode]
         for name in (p.name, *p.aliases):
             pipelines.append(
@@ -43,14 +44,15 @@ def router_from_inventory(inventory: str | Path | Inventory | None = None) -> Ro
                     p.decode_timeout,
                     p.integrity,
                     p.max_migrations,
+                    embedding_only=p.embedding,
                 )
             )
     return Router(pipelines, token=load_token(inv.path))
 
 
-def _endpoint(host: Host, role: str) -> Endpoint:
+def _endpoint(host: Host, role: str, dialled_here: bool = False) -> Endpoint:
     ports = host.roles[role]
     addrs = host.addresses() or [host.ssh]
     # Decode agents are dialled from here: use the first address that answers now.
-    here = reachable_here(addrs, ports.port) if role == "decode" else None
+    here = reachable_here(addrs, ports.port) if role == "decode" or dialled_here else None
     return Endpoint(f"{role}@{host.name}", here or addrs[0], ports.port, ports.control_port, addrs)

@@ -32,7 +32,9 @@ class ModelInfo:
             return hit[1]
         info: dict[str, Any] = {}
         router = self.client.router
-        for ep in router.pipeline(name).decode:
+        pipe = router.pipeline(name)
+        # An embedding pipeline has no decode side: its prefill agents say it.
+        for ep in pipe.decode or pipe.prefill:
             if ep.control_port is None:
                 continue
             try:
@@ -40,7 +42,10 @@ class ModelInfo:
                 break
             except (OSError, ValueError, AuthError):
                 continue
-        if info:  # a failed fetch is never kept: the next request asks again
+        if pipe.embedding_only:  # /api/show's capabilities, fetched or not
+            info = {**info, "embedding_only": True}
+        if info and (len(info) > 1 or not pipe.embedding_only):
+            # a failed fetch is never kept: the next request asks again
             with self.lock:
                 self.cache[name] = (now, info)
         return info

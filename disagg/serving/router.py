@@ -72,6 +72,8 @@ class Route:
     integrity: str = "mac"  # frames between its agents: see disagg_agents.wire.INTEGRITY
     # Times one request may move to another decode agent mid-answer (migration).
     max_migrations: int = 2
+    # An embedding model with prefill agents only: chat and generate are refused.
+    embedding_only: bool = False
 
 
 def _timed_out(e: BaseException) -> bool:
@@ -280,6 +282,12 @@ class Router:
         `max_migrations` moves per request.
         """
         pipe = self.pipeline(model)
+        if pipe.embedding_only:
+            raise UsageError(
+                f"model {pipe.name}: this model serves embeddings only "
+                "(/api/embed, /v1/embeddings); chat and generate need a chat pipeline",
+                param="model",
+            )
         req = request
         target = self.prefill_target(pipe)
         if target and req.prefill is None:

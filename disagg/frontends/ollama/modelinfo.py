@@ -89,6 +89,8 @@ def show_model(name: str, about: dict[str, Any]) -> dict[str, Any]:
         params.insert(0, f"num_ctx {_context(about)}")
     params += [f"stop {json.dumps(s)}" for s in chat.get("stop") or [] if isinstance(s, str)]
     caps = chat.get("capabilities")
+    if about.get("embedding_only"):  # an embedding pipeline: no chat, no generate
+        caps = ["embedding"]
     return {
         "modelfile": f"# served by disagg: pipeline {name}\n",
         "parameters": "\n".join(params),
