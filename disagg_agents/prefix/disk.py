@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from disagg_agents.prefix.store import Block
+from disagg_agents.prefix.store import Block, prom_series
 
 log = logging.getLogger("disagg.prefix")
 
@@ -266,8 +266,7 @@ class DiskTier:
 
     def prometheus(self, role: str) -> str:
         s = self.snapshot()
-        p, lab = "disagg_prefix_disk", f'{{role="{role}"}}'
-        rows = [
+        return prom_series("disagg_prefix_disk", role, [
             ("hits_total", "counter", s["hits"]),
             ("cached_tokens_total", "counter", s["cached_tokens"]),
             ("writes_total", "counter", s["writes"]),
@@ -275,8 +274,4 @@ class DiskTier:
             ("evictions_total", "counter", s["evictions"]),
             ("bytes", "gauge", s["bytes"]),
             ("max_bytes", "gauge", s["max_bytes"]),
-        ]
-        lines: list[str] = []
-        for name, kind, value in rows:
-            lines += [f"# TYPE {p}_{name} {kind}", f"{p}_{name}{lab} {value}"]
-        return "\n".join(lines) + "\n"
+        ])

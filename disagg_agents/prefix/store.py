@@ -328,16 +328,20 @@ class PrefixCache:
 
     def prometheus(self, role: str) -> str:
         s = self.snapshot()
-        p, lab = "disagg_prefix_cache", f'{{role="{role}"}}'
-        rows = [
+        return prom_series("disagg_prefix_cache", role, [
             ("queries_total", "counter", s["queries"]),
             ("hits_total", "counter", s["hits"]),
             ("cached_tokens_total", "counter", s["cached_tokens"]),
             ("evictions_total", "counter", s["evictions"]),
             ("bytes", "gauge", s["bytes"]),
             ("max_bytes", "gauge", s["max_bytes"]),
-        ]
-        lines: list[str] = []
-        for name, kind, value in rows:
-            lines += [f"# TYPE {p}_{name} {kind}", f"{p}_{name}{lab} {value}"]
-        return "\n".join(lines) + "\n"
+        ])
+
+
+def prom_series(prefix: str, role: str, rows: list[tuple[str, str, Any]]) -> str:
+    """Prometheus text for (name, counter|gauge, value) rows, each labelled by role."""
+    lab = f'{{role="{role}"}}'
+    lines: list[str] = []
+    for name, kind, value in rows:
+        lines += [f"# TYPE {prefix}_{name} {kind}", f"{prefix}_{name}{lab} {value}"]
+    return "\n".join(lines) + "\n"
