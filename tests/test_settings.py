@@ -21,7 +21,7 @@ import pytest
 from disagg.serving.control import agent_settings
 from disagg.serving.localagents import AgentProc
 from disagg_agents.prefix.store import PrefixCache
-from disagg_agents.runtime.server import start_control
+from disagg_agents.runtime.control import start_control
 from disagg_agents.runtime.settings import MAX_CHANGES, Setting, Settings, SettingsError
 from disagg_agents.wire.frames import AuthError
 from disagg_agents.wire.httpauth import SCHEME, ControlError, _mac, control_put, parse_authorization
