@@ -29,6 +29,9 @@ IDLE_TIMEOUT_S = 600.0  # an open connection with no request for this long is cl
 
 
 class FrameServer(socketserver.ThreadingTCPServer):
+    """The data port: a connection the gate admits has the handshake deadline to prove
+    the token, then `handle` (the agent's) has its socket and the peer's name."""
+
     daemon_threads = True
     allow_reuse_address = True
     request_queue_size = 128  # socketserver's 5 overflows when dozens of clients connect at once
@@ -44,48 +47,58 @@ class FrameServer(socketserver.ThreadingTCPServer):
         max_preauth_per_peer: int = MAX_PREAUTH_PER_PEER,
         trusted: frozenset[str] = frozenset(),
     ) -> None:
-        self.gate = gate = Gate(max_connections, max_preauth_per_peer, trusted=trusted)
+        self.gate = Gate(max_connections, max_preauth_per_peer, trusted=trusted)
         self.handshake_timeout_s = handshake_timeout_s  # a live setting: read per connection
-        server = self
-
-        class _Handler(socketserver.BaseRequestHandler):
-            def handle(inner) -> None:
-                sock: socket.socket = inner.request
-                addr = inner.client_address[0]
-                peer = f"{addr}:{inner.client_address[1]}"
-                authed = False
-                try:
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    deadline = Deadline(server.handshake_timeout_s)
-                    sock.settimeout(server.handshake_timeout_s)
-                    server_auth(sock, token, deadline)
-                    sock.settimeout(IDLE_TIMEOUT_S)
-                    if not gate.authenticated(addr, sock):
-                        return  # evicted as it authenticated: its slot is gone
-                    authed = True
-                except AuthError as e:
-                    log.warning("refused %s: %s", peer, printable(e))
-                    return
-                except (OSError, ProtocolError) as e:
-                    log.info("dropped %s before it authenticated: %s", peer, printable(e))
-                    return
-                finally:
-                    if not authed:
-                        gate.release(addr, authenticated=False, conn=sock)
-                try:
-                    handle(sock, peer)
-                except Exception:  # a bad connection must never take the agent down
-                    log.exception("connection from %s failed", peer)
-                finally:
-                    gate.release(addr, authenticated=True, conn=sock)
-
-        super().__init__((host, port), _Handler)
+        self.token = token
+        self.agent_handle = handle
+        super().__init__((host, port), FrameHandler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if self.gate.admit(client_address[0], request) is not None:
             self.shutdown_request(request)
             return
         super().process_request(request, client_address)
+
+
+class FrameHandler(socketserver.BaseRequestHandler):
+    """One data connection: the handshake, then the agent's own handling."""
+
+    server: FrameServer
+
+    def handle(self) -> None:
+        sock: socket.socket = self.request
+        addr = self.client_address[0]
+        peer = f"{addr}:{self.client_address[1]}"
+        if not self.authenticate(sock, addr, peer):
+            return
+        try:
+            self.server.agent_handle(sock, peer)
+        except Exception:  # a bad connection must never take the agent down
+            log.exception("connection from %s failed", peer)
+        finally:
+            self.server.gate.release(addr, authenticated=True, conn=sock)
+
+    def authenticate(self, sock: socket.socket, addr: str, peer: str) -> bool:
+        """The token proven within the handshake deadline; False: the connection is
+        done, its slot given back."""
+        server, authed = self.server, False
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            deadline = Deadline(server.handshake_timeout_s)
+            sock.settimeout(server.handshake_timeout_s)
+            server_auth(sock, server.token, deadline)
+            sock.settimeout(IDLE_TIMEOUT_S)
+            if not server.gate.authenticated(addr, sock):
+                return False  # evicted as it authenticated: its slot is gone
+            authed = True
+        except AuthError as e:
+            log.warning("refused %s: %s", peer, printable(e))
+        except (OSError, ProtocolError) as e:
+            log.info("dropped %s before it authenticated: %s", peer, printable(e))
+        finally:
+            if not authed:
+                server.gate.release(addr, authenticated=False, conn=sock)
+        return authed
 
 
 class Reaper:
