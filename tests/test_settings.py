@@ -205,7 +205,7 @@ def test_a_live_handshake_deadline_bounds_the_next_control_request_too() -> None
         live = Settings(*listener_settings([frames], [control]))
         live.change({"handshake_timeout_s": 0.5})
         assert frames.handshake_timeout_s == 0.5
-        with socket.create_connection(control.server_address[:2], timeout=10) as s:
+        with socket.create_connection(("127.0.0.1", control.server_address[1]), timeout=10) as s:
             t0 = time.monotonic()
             s.sendall(b"GET /status HTTP/1.1\r\n")  # and nothing more
             with contextlib.suppress(ConnectionResetError):
