@@ -341,7 +341,7 @@ def _spawner(root: Path) -> tuple[Spawn, Callable[[], None]]:
     def stop() -> None:
         for proc, what in zip(procs, said, strict=True):
             # Exit 1 on its own: the agent refused its start with one line, before
-            # torch or mlx loaded (disagg_agents.runtime.server.preflight); no agent came up.
+            # torch or mlx loaded (disagg_agents.runtime.args.preflight); no agent came up.
             count_start("refused" if proc.poll() == 1 else "single", what=what)
             if proc.poll() is None:
                 proc.terminate()

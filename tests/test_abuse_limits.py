@@ -260,7 +260,7 @@ def test_a_tenant_sees_its_own_requests_only() -> None:
 
 
 def test_a_full_reserve_evicts_its_oldest_unauthenticated_connection() -> None:
-    from disagg_agents.runtime.server import Gate
+    from disagg_agents.runtime.gate import Gate
 
     gate = Gate(8, 2)  # 4 unauthenticated slots for strangers, 4 in loopback's reserve
     pairs = [socket.socketpair() for _ in range(6)]
@@ -281,7 +281,7 @@ def test_a_full_reserve_evicts_its_oldest_unauthenticated_connection() -> None:
 
 
 def test_a_stranger_at_its_own_cap_is_refused_even_when_the_pool_is_full() -> None:
-    from disagg_agents.runtime.server import Gate
+    from disagg_agents.runtime.gate import Gate
 
     gate = Gate(8, 2)  # 4 unauthenticated slots for strangers, 2 a peer
     pairs = [socket.socketpair() for _ in range(6)]

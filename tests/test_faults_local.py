@@ -16,7 +16,7 @@ import pytest
 from disagg.errors import UsageError
 from disagg.serving import wireclient as client
 from disagg.serving.localagents import AgentProc
-from disagg_agents.runtime.server import HANDSHAKE_TIMEOUT_S
+from disagg_agents.runtime.gate import HANDSHAKE_TIMEOUT_S
 from disagg_agents.wire.channel import recv_json
 from disagg_agents.wire.frames import Frame
 from tests.conftest import PairFactory, ask, log_since, log_size, remote_request

@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 import zstandard
 
-from disagg_agents.runtime.server import OneLineFormatter, load_token, start_control
+from disagg_agents.runtime.args import load_token
+from disagg_agents.runtime.control import start_control
+from disagg_agents.runtime.logs import OneLineFormatter
 from disagg_agents.wire import httpauth
 from disagg_agents.wire import kvcodec as K
 from disagg_agents.wire.auth import client_auth, server_auth
@@ -340,7 +342,7 @@ def test_http_tricklers_are_cut_and_connections_capped(control: tuple[str, int])
     assert was_cut and cut >= 1.0, cut
     # More than CONTROL_MAX_PER_PEER at once from one address: the rest are closed at once.
     # (A stranger's address: loopback is the local pair's, with slots of its own.)
-    from disagg_agents.runtime.server import CONTROL_MAX_PER_PEER
+    from disagg_agents.runtime.control import CONTROL_MAX_PER_PEER
 
     src = ("127.0.0.3", 0)
     held = [

@@ -21,7 +21,8 @@ import pytest
 from disagg.serving.control import agent_settings
 from disagg.serving.localagents import AgentProc
 from disagg_agents.prefix.store import PrefixCache
-from disagg_agents.runtime.server import start_control
+from disagg_agents.runtime.control import listener_settings, start_control
+from disagg_agents.runtime.listener import FrameServer
 from disagg_agents.runtime.settings import MAX_CHANGES, Setting, Settings, SettingsError
 from disagg_agents.wire.frames import AuthError
 from disagg_agents.wire.httpauth import SCHEME, ControlError, _mac, control_put, parse_authorization
@@ -193,6 +194,28 @@ def test_an_agent_without_a_token_takes_no_changes() -> None:
         server.shutdown()
         server.server_close()
     assert status == 403 and b"without a cluster token" in answer and knobs.limit == 8
+
+
+def test_a_live_handshake_deadline_bounds_the_next_control_request_too() -> None:
+    """handshake_timeout_s is both ports' deadline: a control port started with 30 s
+    cuts a silent HTTP client at the new 0.5 s (read per connection)."""
+    frames = FrameServer("127.0.0.1", 0, lambda sock, peer: None, TOKEN, 30.0)
+    control = start_control("127.0.0.1", 0, dict, str, TOKEN, threading.Event(), 30.0)
+    try:
+        live = Settings(*listener_settings([frames], [control]))
+        live.change({"handshake_timeout_s": 0.5})
+        assert frames.handshake_timeout_s == 0.5
+        with socket.create_connection(("127.0.0.1", control.server_address[1]), timeout=10) as s:
+            t0 = time.monotonic()
+            s.sendall(b"GET /status HTTP/1.1\r\n")  # and nothing more
+            with contextlib.suppress(ConnectionResetError):
+                while s.recv(4096):
+                    pass
+            assert 0.4 <= time.monotonic() - t0 < 5  # the recv's 10 s would raise first
+    finally:
+        control.shutdown()
+        control.server_close()
+        frames.server_close()
 
 
 # ---- real agents --------------------------------------------------------------------------------

@@ -421,7 +421,7 @@ decode_model = "/m"
 
 
 def test_ipv6_counts_per_64_and_trusted_peers_have_their_own_slots() -> None:
-    from disagg_agents.runtime.server import Gate, peer_key, trusted_set
+    from disagg_agents.runtime.gate import Gate, peer_key, trusted_set
 
     assert peer_key("2001:db8::1") == peer_key("2001:db8::ffff:1") == "2001:db8::/64"
     assert peer_key("2001:db8:0:1::1") != peer_key("2001:db8::1")

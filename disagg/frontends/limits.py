@@ -27,7 +27,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from disagg.frontends.shutdown import Drain, DrainingServer
-from disagg_agents.runtime.server import peer_key
+from disagg_agents.runtime.gate import peer_key
 
 HEADER_TIMEOUT_S = 10.0  # from connect (or the last response) to a request's full headers
 FIRST_BYTE_TIMEOUT_S = 5.0  # from connect to its first byte (shorter: a silent socket goes first)

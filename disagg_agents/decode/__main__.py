@@ -9,7 +9,7 @@ import sys
 sys.modules.setdefault("torch", None)  # type: ignore[arg-type]
 
 from disagg_agents.quant import check_supported  # noqa: E402
-from disagg_agents.runtime.server import preflight  # noqa: E402
+from disagg_agents.runtime.args import preflight  # noqa: E402
 
 # A bad token file or checkpoint: one line before mlx loads.
 preflight("decode", check_supported)

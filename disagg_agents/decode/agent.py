@@ -54,9 +54,10 @@ from disagg_agents.models import get_adapter, load_hf_config
 from disagg_agents.models.pooling import pooling_config
 from disagg_agents.prefix.store import default_max_mb
 from disagg_agents.quant import check_supported, weights_identity
+from disagg_agents.runtime.args import common_args, fail
 from disagg_agents.runtime.blasshare import BlasShare
 from disagg_agents.runtime.metrics import Stats
-from disagg_agents.runtime.server import common_args, fail, serve, start_agent
+from disagg_agents.runtime.serve import serve, start_agent
 from disagg_agents.runtime.settings import (
     Setting,
     attr_setting,

@@ -19,8 +19,9 @@ from disagg_agents.prefill.prefixcache import PrefillPrefix
 from disagg_agents.prefill.sender import KV_BUFFER_MB, KV_STALL_S, LayerSender, PeerStalled
 from disagg_agents.prefix.store import default_max_mb, prefix_digest
 from disagg_agents.quant import weights_mismatch
+from disagg_agents.runtime.args import common_args
 from disagg_agents.runtime.metrics import Stats
-from disagg_agents.runtime.server import common_args, serve, start_agent
+from disagg_agents.runtime.serve import serve, start_agent
 from disagg_agents.runtime.settings import (
     Setting,
     attr_setting,

@@ -66,7 +66,7 @@ class LastError(logging.Handler):
         self.last = {"at": record.created, "message": text[:500]}
 
 
-# installed on the root logger by disagg_agents.runtime.server.setup_logging
+# installed on the root logger by disagg_agents.runtime.logs.setup_logging
 LAST_ERROR = LastError()
 
 

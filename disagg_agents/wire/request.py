@@ -254,6 +254,17 @@ def is_num(v: Any) -> bool:
 
 def check(r: GenerateRequest) -> None:
     """Every limit of a request; the message names the field and the fix."""
+    _check_input(r)
+    _check_sampling(r)
+    _check_transport(r)
+    _check_format(r)
+    _check_chat_fields(r)
+    _check_schema_sizes(r)
+    _check_session(r)
+
+
+def _check_input(r: GenerateRequest) -> None:
+    """A prompt or messages (not both), and the system text."""
     if r.messages is not None:
         if r.prompt is not None:
             raise RequestError("messages", "give a prompt or messages, not both")
@@ -274,6 +285,10 @@ def check(r: GenerateRequest) -> None:
         raise RequestError("prompt", "the prompt is empty: give some text")
     if r.system is not None and not isinstance(r.system, str):
         raise RequestError("system", "system must be text")
+
+
+def _check_sampling(r: GenerateRequest) -> None:
+    """The switches, how many tokens, how they are drawn, and where they stop."""
     for name in ("raw", "logprobs", "ignore_eos", "return_prompt_ids", "prefix_cache"):
         if not isinstance(getattr(r, name), bool):
             raise RequestError(name, f"{name} must be true or false")
@@ -295,6 +310,10 @@ def check(r: GenerateRequest) -> None:
             "stop",
             f"at most {STOP_MAX_COUNT} stop strings of at most {STOP_MAX_CHARS} characters",
         )
+
+
+def _check_transport(r: GenerateRequest) -> None:
+    """Where the prompt is prefilled and how its K/V travels."""
     if r.placement not in PLACEMENTS:
         raise RequestError(
             "placement", f"placement must be one of {', '.join(PLACEMENTS)}, got {r.placement!r}"
@@ -306,6 +325,10 @@ def check(r: GenerateRequest) -> None:
         )
     if r.prefill is not None and not isinstance(r.prefill, PrefillTarget):
         raise RequestError("prefill", "prefill must be a PrefillTarget")
+
+
+def _check_format(r: GenerateRequest) -> None:
+    """A response_format already normalized, and a grammar small enough to compile."""
     rf = r.response_format
     if rf is not None and GenerateRequest.normalize_format(rf) != rf:
         raise RequestError("response_format", "response_format must be normalized")
@@ -320,8 +343,11 @@ def check(r: GenerateRequest) -> None:
             check_lark(grammar, "response_format", "the grammar")
         except SchemaTooBig as e:
             raise RequestError(e.field, str(e)) from None
-    _check_chat_fields(r)
-    _check_schema_sizes(r)
+
+
+def _check_session(r: GenerateRequest) -> None:
+    """What ties the request to others and to time: the prefix cache's salt, progress
+    events, a resumed answer's token ids."""
     check_cache_salt(r.cache_salt)
     if r.progress_s is not None and (not is_num(r.progress_s) or r.progress_s <= 0):
         raise RequestError("progress_s", f"progress_s must be > 0 seconds, got {r.progress_s!r}")

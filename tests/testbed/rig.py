@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 from disagg.api import Client, Completion
 from disagg.errors import DisaggError
 from disagg.fleet.routing import router_from_inventory
-from disagg_agents.runtime.server import HANDSHAKE_TIMEOUT_S
+from disagg_agents.runtime.gate import HANDSHAKE_TIMEOUT_S
 from disagg_agents.wire.channel import recv_json
 from disagg_agents.wire.frames import Frame
 from disagg_agents.wire.httpauth import control_get

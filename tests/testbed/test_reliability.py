@@ -38,7 +38,7 @@ from disagg.errors import DisaggError, UsageError
 from disagg.frontends.batch import BatchItem, run_batch
 from disagg.serving import wireclient as wire
 from disagg.serving.request import build_request
-from disagg_agents.runtime.server import HANDSHAKE_TIMEOUT_S
+from disagg_agents.runtime.gate import HANDSHAKE_TIMEOUT_S
 from disagg_agents.wire.request import GenerateRequest
 from tests.testbed.bed import BY_NAME, TestBed
 from tests.testbed.conftest import FleetCli
