@@ -136,7 +136,7 @@ def test_a_huge_tool_schema_is_refused_and_an_ordinary_request_beside_it_is_answ
     gateway: str,
 ) -> None:
     # The times are figures (docs/reliability.md), not a verdict: the refusal is checked
-    # in units (tests/test_abuse_limits.py), the request beside it here.
+    # in units (tests/hostile/test_request_limits.py), the request beside it here.
     base = gateway
     chat(base, KEY_B, "Warm up")
     baseline = min(timed(chat, base, KEY_B, "What is two plus two?")[1] for _ in range(2))
