@@ -29,7 +29,7 @@ from disagg.serving import wireclient as client
 from disagg.serving.defaultmodel import ensure_default_model
 from disagg.serving.localagents import AgentProc, free_port, spawn_agent, stop_agents
 from tests.agentpool import STARTED, STARTS, AgentPool, AgentSet, count_start, key_for
-from tests.gateways import Gateways
+from tests.gateways import Gateway, Gateways, GatewaySpec, ServeGateway, module_gateway
 from tests.tinymodels import PROMPT, tiny_checkpoint
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -521,6 +521,24 @@ def gateways(agent_pool: AgentPool) -> Iterator[Gateways]:
         yield started
     finally:
         started.close()
+
+
+@pytest.fixture(scope="module")
+def gateway(
+    request: pytest.FixtureRequest,
+    gateways: Gateways,
+    smol_set: AgentSet,
+    agent_pool: AgentPool,
+    default_model: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Gateway | ServeGateway]:
+    """The module's gateway over the pooled SmolLM2 set, as its `GATEWAY` (a
+    tests.gateways.GatewaySpec) says: the session's shared in-process one unless it
+    asks for one of its own or for a `disagg serve` process."""
+    spec = getattr(request.module, "GATEWAY", GatewaySpec())
+    d = tmp_path_factory.mktemp("gateway")
+    with module_gateway(spec, gateways, smol_set, agent_pool.token_file, default_model, d) as gw:
+        yield gw
 
 
 @pytest.fixture(scope="session")
