@@ -1,4 +1,4 @@
-"""A security review's findings at live agents (tiny model, token, 127.0.0.0/8):
+"""Tenants and strangers at live agents (tiny model, token, 127.0.0.0/8):
 prefix-cache tenants kept apart by the salt on both agents; a bit flipped on the path
 in a K/V frame (a relay between the agents) refused before anything is placed or
 cached; strangers filling the unauthenticated pool while the cluster's own connections

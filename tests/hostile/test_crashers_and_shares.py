@@ -1,8 +1,9 @@
-"""Hostile clients, round five: the requests that crashed or froze the gateway or an
-agent through the newer doors. Units (the shape checks that run before any compile;
-the Responses tools' size caps) in the fast tier; the compile children and a real
-`disagg serve` (a fleet's gateway over the pooled SmolLM2 agents, three keys) in
-the slow one. Figures are printed for docs/reliability.md."""
+"""Requests built to crash or freeze the gateway or an agent through its newer doors
+(custom-tool grammars, schemas, embeddings, settings), and the tenants' fair shares.
+Units (the shape checks that run before any compile; the Responses tools' size caps)
+in the fast tier; the compile children and a real `disagg serve` (a fleet's gateway
+over the pooled SmolLM2 agents, three keys) in the slow one. Figures are printed for
+docs/reliability.md."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 37 at a real gateway: `disagg serve` as a process (a fleet's, over pooled
+"""A gateway's limits, at a real one: `disagg serve` as a process (a fleet's, over pooled
 agents an inventory names) with three API keys (the operator's first, then tenants
 A and B), real agents, loopback only.
 What each tenant sees, bad and oversized schemas, a prompt that cannot fit, a

@@ -1,6 +1,6 @@
-"""A security review's findings at a real gateway: `disagg serve` as a process (the
+"""Tenants, sockets and keys at a real gateway: `disagg serve` as a process (the
 process itself is under test; a fleet's, over pooled agents an inventory names),
-started under a 64-file soft limit as the review's was, with two API keys (two
+started under a 64-file soft limit, with two API keys (two
 tenants). Cross-tenant prefix-cache probes, metrics internals, 200 silent sockets
 and a header trickler, a body in 1-byte pieces, and the key checks. Figures are
 printed for docs/reliability.md."""
