@@ -108,8 +108,8 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     started = {k: v for k, v in STARTS.items() if k not in NOT_SETS}
     if not started:
         return
-    # On this machine, then the test bed's hosts apart (the count, #34, was of
-    # this machine's; the test bed's fleet commands start agents in its namespaces).
+    # On this machine, then the test bed's hosts apart (its fleet commands start
+    # agents in its namespaces, not here).
     here = {k: v for k, v in started.items() if k != "fleet"}
     parts = ", ".join(f"{k} {v}" for k, v in sorted(here.items()))
     line = f"agent-set starts: {sum(here.values())} on this machine ({parts})"
