@@ -29,7 +29,7 @@ from disagg.serving import wireclient as client
 from disagg.serving.defaultmodel import ensure_default_model
 from disagg.serving.localagents import AgentProc, free_port, spawn_agent, stop_agents
 from tests.agentpool import STARTED, STARTS, AgentPool, AgentSet, count_start, key_for
-from tests.gateways import Gateways
+from tests.gateways import Gateway, Gateways, GatewaySpec, ServeGateway, module_gateway
 from tests.tinymodels import PROMPT, tiny_checkpoint
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -108,8 +108,8 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     started = {k: v for k, v in STARTS.items() if k not in NOT_SETS}
     if not started:
         return
-    # On this machine, then the test bed's hosts apart (the issue's count, #34, was of
-    # this machine's; the test bed's fleet commands start agents in its namespaces).
+    # On this machine, then the test bed's hosts apart (its fleet commands start
+    # agents in its namespaces, not here).
     here = {k: v for k, v in started.items() if k != "fleet"}
     parts = ", ".join(f"{k} {v}" for k, v in sorted(here.items()))
     line = f"agent-set starts: {sum(here.values())} on this machine ({parts})"
@@ -521,6 +521,24 @@ def gateways(agent_pool: AgentPool) -> Iterator[Gateways]:
         yield started
     finally:
         started.close()
+
+
+@pytest.fixture(scope="module")
+def gateway(
+    request: pytest.FixtureRequest,
+    gateways: Gateways,
+    smol_set: AgentSet,
+    agent_pool: AgentPool,
+    default_model: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Gateway | ServeGateway]:
+    """The module's gateway over the pooled SmolLM2 set, as its `GATEWAY` (a
+    tests.gateways.GatewaySpec) says: the session's shared in-process one unless it
+    asks for one of its own or for a `disagg serve` process."""
+    spec = getattr(request.module, "GATEWAY", GatewaySpec())
+    d = tmp_path_factory.mktemp("gateway")
+    with module_gateway(spec, gateways, smol_set, agent_pool.token_file, default_model, d) as gw:
+        yield gw
 
 
 @pytest.fixture(scope="session")

@@ -286,3 +286,78 @@ def fleet_gateway(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+# ---- the `gateway` fixture (tests/conftest.py): one per module, as its GATEWAY says ----
+
+SMOL = "SmolLM2-135M-Instruct"  # the pooled default model's served name
+
+
+@dataclass(frozen=True)
+class ServeSpec:
+    """`disagg serve` as a process of the module's own (a fleet's gateway over the
+    pooled SmolLM2 set): for tests of the process itself, its limits and floods."""
+
+    keys: tuple[str, ...]  # written to an --api-key-file, one a line
+    args: tuple[str, ...] = ()  # after `--api-key-file FILE`
+    preexec: Callable[[], None] | None = None  # in the child, before it runs
+    before: Callable[[], None] | None = None  # in this process, before the start
+
+
+@dataclass(frozen=True)
+class GatewaySpec:
+    """What a module's `gateway` serves over the pooled SmolLM2 set. By default the
+    session's shared in-process gateway of these settings (`Gateways.get`); `own`
+    starts one for the module alone (its metrics, rows and log are its requests');
+    `serve` a `disagg serve` process (`ServeGateway`)."""
+
+    n_decode: int = 1
+    workers: int | None = None
+    max_requests: int | None = None
+    own: bool = False
+    serve: ServeSpec | None = None
+
+
+@dataclass(frozen=True)
+class ServeGateway:
+    """A `disagg serve` process: its base URL, its log, the agents it serves."""
+
+    url: str
+    log: Path
+    agents: AgentSet
+
+
+@contextmanager
+def module_gateway(
+    spec: GatewaySpec, gateways: Gateways, smol: AgentSet, token_file: Path, model: Path, d: Path
+) -> Iterator[Gateway | ServeGateway]:
+    """The gateway `spec` asks for; `d` is the module's own folder."""
+    if spec.serve is not None:
+        serve = spec.serve
+        if serve.before is not None:
+            serve.before()
+        keys = d / "keys"
+        lines = "".join(f"{k}\n" for k in serve.keys)
+        keys.write_text(f"# one key a line, the first the operator's\n{lines}")
+        keys.chmod(0o600)
+        args = ["--api-key-file", str(keys), *serve.args]
+        with fleet_gateway(d, smol, model, token_file, args, serve.preexec) as (url, log):
+            yield ServeGateway(url, log, smol)
+    elif spec.own:
+        gw = start_gateway(
+            client_over({SMOL: smol}, gateways.token, spec.n_decode),
+            workers=spec.workers,
+            max_requests=spec.max_requests,
+        )
+        gw.sets = {SMOL: smol}
+        try:
+            yield gw
+        finally:
+            gw.stop()
+    else:
+        yield gateways.get(
+            {SMOL: smol},
+            n_decode=spec.n_decode,
+            workers=spec.workers,
+            max_requests=spec.max_requests,
+        )

@@ -28,9 +28,8 @@ from disagg_agents.wire.auth import client_auth
 from disagg_agents.wire.channel import recv_frame, send_json
 from disagg_agents.wire.frames import Frame, decode_json
 from disagg_agents.wire.request import GenerateRequest
-from tests.agentpool import AgentSet
 from tests.conftest import PairFactory
-from tests.gateways import Gateway, Gateways
+from tests.gateways import Gateway, GatewaySpec
 from tests.slowprefill import SLOW_LAYER_S, SLOW_SET
 from tests.tinymodels import PROMPT, shared_tiny
 
@@ -224,10 +223,8 @@ def test_the_worker_pool_is_the_clusters_batch_capacity(
 STORY: Any = [{"role": "user", "content": "Write a very long story about the sea."}]
 
 
-@pytest.fixture(scope="module")
-def gateway(gateways: Gateways, smol_set: AgentSet) -> Gateway:
-    """As `disagg serve --local --workers 1 --max-requests 1`."""
-    return gateways.get({"SmolLM2-135M-Instruct": smol_set}, workers=1, max_requests=1)
+# As `disagg serve --local --workers 1 --max-requests 1`.
+GATEWAY = GatewaySpec(workers=1, max_requests=1)
 
 
 def base(gw: Gateway) -> str:

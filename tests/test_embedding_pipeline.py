@@ -137,7 +137,7 @@ class Listener:
 
 
 @pytest.fixture(scope="module")
-def gateway() -> Iterator[tuple[str, Listener]]:
+def embedding_gateway() -> Iterator[tuple[str, Listener]]:
     agent = Listener()
     prefill = [Endpoint("prefill@a", "127.0.0.1", agent.port, None)]
     routes = [Route("embed", prefill, [], embedding_only=True)]
@@ -188,16 +188,16 @@ MESSAGES = [{"role": "user", "content": "hi"}]
     ],
 )
 def test_chat_and_generate_are_a_400(
-    gateway: tuple[str, Listener], path: str, body: dict[str, Any]
+    embedding_gateway: tuple[str, Listener], path: str, body: dict[str, Any]
 ) -> None:
-    url, _ = gateway
+    url, _ = embedding_gateway
     status, text = post(url + path, {"model": "embed", **body})
     assert status == 400, text
     assert "this model serves embeddings only" in text, text
 
 
-def test_embeddings_go_to_the_prefill_agent(gateway: tuple[str, Listener]) -> None:
-    url, agent = gateway
+def test_embeddings_go_to_the_prefill_agent(embedding_gateway: tuple[str, Listener]) -> None:
+    url, agent = embedding_gateway
     for path, body in (
         ("/api/embed", {"input": "hi"}),
         ("/v1/embeddings", {"input": ["hi"]}),
@@ -209,8 +209,8 @@ def test_embeddings_go_to_the_prefill_agent(gateway: tuple[str, Listener]) -> No
         assert agent.accepted == before + 1
 
 
-def test_show_says_embedding(gateway: tuple[str, Listener]) -> None:
-    url, _ = gateway
+def test_show_says_embedding(embedding_gateway: tuple[str, Listener]) -> None:
+    url, _ = embedding_gateway
     status, text = post(url + "/api/show", {"model": "embed"})
     assert status == 200, text
     assert json.loads(text)["capabilities"] == ["embedding"]

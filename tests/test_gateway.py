@@ -12,8 +12,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.agentpool import AgentSet
-from tests.gateways import Gateway, Gateways
+from tests.gateways import Gateway, GatewaySpec
 from tests.references import hf_greedy, tokenizer_ids
 
 pytestmark = pytest.mark.slow
@@ -21,10 +20,7 @@ pytestmark = pytest.mark.slow
 QUESTION: Any = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
-def gateway(gateways: Gateways, smol_set: AgentSet) -> Gateway:
-    # As `disagg serve --local --decode-agents 2`.
-    return gateways.get({"SmolLM2-135M-Instruct": smol_set}, n_decode=2)
+GATEWAY = GatewaySpec(n_decode=2)  # as `disagg serve --local --decode-agents 2`
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,8 @@ import pytest
 from disagg.serving.localagents import AgentProc, wait_ready
 from disagg.serving.wireclient import Result
 from disagg_agents.prefix.store import BLOCK_TOKENS as BLOCK
-from tests.agentpool import AgentSet
 from tests.conftest import PairFactory, Spawn, ask
-from tests.gateways import Gateway, Gateways
+from tests.gateways import Gateway, GatewaySpec
 from tests.tinymodels import PROMPT, shared_tiny
 
 pytestmark = pytest.mark.slow
@@ -185,10 +184,7 @@ def test_restarted_prefill_agent_answers_identically(
     assert hit.token_ids == off.token_ids
 
 
-@pytest.fixture(scope="module")
-def gateway(gateways: Gateways, smol_set: AgentSet) -> Gateway:
-    """As `disagg serve --local`, one decode agent."""
-    return gateways.get({"SmolLM2-135M-Instruct": smol_set})
+GATEWAY = GatewaySpec()  # as `disagg serve --local`, one decode agent
 
 
 def test_chat_of_three_turns_through_the_gateway_hits(gateway: Gateway) -> None:

@@ -51,7 +51,7 @@ class Forcing(Router):
 
 
 @pytest.fixture(scope="module")
-def gateway(smol_set: AgentSet) -> Iterator[Gateway]:
+def forcing_gateway(smol_set: AgentSet) -> Iterator[Gateway]:
     p, d = smol_set.prefill, smol_set.decodes[0]
     live = Endpoint(p.name, p.host, p.port, p.control_port)
     dead = Endpoint("gone", "127.0.0.1", free_port())  # nothing listens: a fallback
@@ -84,9 +84,9 @@ def calls(model: str, stream: bool) -> list[tuple[str, dict[str, Any]]]:
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize("model", list(RUNS))
-def test_every_api_says_which_path_ran(gateway: Gateway, model: str, stream: bool) -> None:
+def test_every_api_says_which_path_ran(forcing_gateway: Gateway, model: str, stream: bool) -> None:
     for path, body in calls(model, stream):
-        with httpx.Client(base_url=gateway.url, timeout=120) as http:
+        with httpx.Client(base_url=forcing_gateway.url, timeout=120) as http:
             extra: dict[str, Any] = {"stream": stream}
             if stream and path == "/v1/chat/completions":
                 extra["stream_options"] = {"include_usage": True}

@@ -227,7 +227,7 @@ KEY = "sesame-" + "k" * 20
 
 
 @pytest.fixture(scope="module")
-def gateway() -> Iterator[str]:
+def dead_gateway() -> Iterator[str]:
     """The gateway with an API key over one pipeline whose agents are not running."""
     dead = free_port()
     prefill = [Endpoint("prefill@dead", "127.0.0.1", dead, dead)]
@@ -266,52 +266,52 @@ def get(
         return e.code, dict(e.headers), e.read().decode()
 
 
-def test_key_in_the_address_sets_a_strict_cookie_and_leaves(gateway: str) -> None:
-    status, headers, body = get(f"{gateway}/ui")
+def test_key_in_the_address_sets_a_strict_cookie_and_leaves(dead_gateway: str) -> None:
+    status, headers, body = get(f"{dead_gateway}/ui")
     assert status == 200 and 'name="key"' in body and "prefill@dead" not in body
-    assert get(f"{gateway}/ui/api/state")[0] == 401
-    status, headers, _ = get(f"{gateway}/ui?key={KEY}")
+    assert get(f"{dead_gateway}/ui/api/state")[0] == 401
+    status, headers, _ = get(f"{dead_gateway}/ui?key={KEY}")
     assert status == 303 and headers["location"] == "/ui"  # the key leaves the address bar
     cookie = headers["set-cookie"]
     attrs = {a.strip().split("=")[0].lower() for a in cookie.split(";")[1:]}
     assert attrs == {"path", "httponly", "samesite"} and "SameSite=Strict" in cookie
     assert "Path=/ui" in cookie and KEY not in cookie  # no Domain: this host only
     jar = cookie.split(";")[0]
-    status, _, raw = get(f"{gateway}/ui/api/state", {"Cookie": jar})
+    status, _, raw = get(f"{dead_gateway}/ui/api/state", {"Cookie": jar})
     state = json.loads(raw)
     assert status == 200 and state["models"] == ["m"]  # the alias is not a second pipeline
     (agent,) = state["agents"]
     assert agent["name"] == "prefill@dead" and agent["up"] is False and agent["error"]
     # Polled every second: gzip when the browser takes it, the same JSON inside.
     req = urllib.request.Request(
-        f"{gateway}/ui/api/state", headers={"Cookie": jar, "Accept-Encoding": "gzip"}
+        f"{dead_gateway}/ui/api/state", headers={"Cookie": jar, "Accept-Encoding": "gzip"}
     )
     with urllib.request.urlopen(req, timeout=30) as r:
         assert r.headers["Content-Encoding"] == "gzip"
         assert json.loads(gzip.decompress(r.read()))["models"] == ["m"]
     # The cookie opens the view's data, never the model APIs or the metrics.
-    assert get(f"{gateway}/v1/models", {"Cookie": jar})[0] == 401
-    assert get(f"{gateway}/metrics", {"Cookie": jar})[0] == 401
-    assert get(f"{gateway}/metrics", {"Authorization": f"Bearer {KEY}"})[0] == 200
+    assert get(f"{dead_gateway}/v1/models", {"Cookie": jar})[0] == 401
+    assert get(f"{dead_gateway}/metrics", {"Cookie": jar})[0] == 401
+    assert get(f"{dead_gateway}/metrics", {"Authorization": f"Bearer {KEY}"})[0] == 200
     # A forged or stale cookie is refused.
-    assert get(f"{gateway}/ui/api/state", {"Cookie": f"{auth.COOKIE}=00"})[0] == 401
+    assert get(f"{dead_gateway}/ui/api/state", {"Cookie": f"{auth.COOKIE}=00"})[0] == 401
 
 
-def test_key_form_posts_and_a_wrong_key_is_told(gateway: str) -> None:
-    status, _, body = get(f"{gateway}/ui/login", data=b"key=wrong")
+def test_key_form_posts_and_a_wrong_key_is_told(dead_gateway: str) -> None:
+    status, _, body = get(f"{dead_gateway}/ui/login", data=b"key=wrong")
     assert status == 401 and "not the gateway" in body and "prefill@dead" not in body
-    status, headers, _ = get(f"{gateway}/ui/login", data=f"key={KEY}".encode())
+    status, headers, _ = get(f"{dead_gateway}/ui/login", data=f"key={KEY}".encode())
     assert status == 303 and headers["set-cookie"].startswith(f"{auth.COOKIE}=")
 
 
-def test_page_and_assets_are_local_and_locked_down(gateway: str) -> None:
-    status, headers, _ = get(f"{gateway}/ui?key={KEY}")
+def test_page_and_assets_are_local_and_locked_down(dead_gateway: str) -> None:
+    status, headers, _ = get(f"{dead_gateway}/ui?key={KEY}")
     jar = headers["set-cookie"].split(";")[0]
-    status, headers, page = get(f"{gateway}/ui", {"Cookie": jar})
+    status, headers, page = get(f"{dead_gateway}/ui", {"Cookie": jar})
     assert status == 200 and "/ui/assets/ui.js" in page
     assert "default-src 'self'" in headers["content-security-policy"]
     assert "http://" not in page and "https://" not in page  # nothing from elsewhere
     for name in ("ui.js", "ui.css", "favicon.svg"):
-        status, _, text = get(f"{gateway}/ui/assets/{name}")
+        status, _, text = get(f"{dead_gateway}/ui/assets/{name}")
         assert status == 200 and "https://" not in text.replace("http://www.w3.org/2000/svg", "")
-    assert get(f"{gateway}/ui/assets/..%2Fauth.py")[0] == 404
+    assert get(f"{dead_gateway}/ui/assets/..%2Fauth.py")[0] == 404

@@ -20,13 +20,16 @@ import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
+from disagg.serving.defaultmodel import Say
 from disagg.units import fmt
 
-Say = Callable[[str], None]
+if TYPE_CHECKING:
+    from disagg.serving.localagents import AgentProc
+    from disagg.serving.wireclient import Result
 
 TTFT_BAR = 0.25  # mean TTFT with the cache / without, at most
 BYTES_BAR = 1.1  # K/V bytes with the cache / the suffixes' share, at most
@@ -68,50 +71,16 @@ def run_prefix_bench(
     new_tokens: int = 128,
     say: Say = lambda _msg: None,
 ) -> dict[str, Any]:
-    from transformers import AutoTokenizer
-
-    from disagg.serving import wireclient as client
     from disagg.serving.localagents import start_local_pair, stop_agents
-    from disagg.serving.pair import run_remote
-    from disagg_agents.wire.request import GenerateRequest
 
     model_dir = Path(model_dir)
     date = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    tok = AutoTokenizer.from_pretrained(model_dir)
-
-    def count(s: str) -> int:
-        return len(tok.encode(s))
-
-    rubric = "You grade submissions against this rubric.\n" + fit(count, rubric_line, prefix_tokens)
-    subs = [fit(count, submission_line(i), suffix_tokens) for i in range(requests)]
+    rubric, subs = _workload(model_dir, prefix_tokens, suffix_tokens, requests)
     say(f"starting prefill and decode agents ({model_dir.name})")
     prefill, decode = start_local_pair(model_dir)
     t0 = time.perf_counter()
     try:
-
-        def ask(user: str, cache: bool) -> client.Result:
-            req = GenerateRequest(
-                messages=[
-                    {"role": "system", "content": rubric},
-                    {"role": "user", "content": user},
-                ],
-                max_tokens=new_tokens,
-                ignore_eos=True,
-                return_prompt_ids=True,
-                prefix_cache=cache,
-            )
-            return run_remote(prefill, decode, req)
-
-        runs: dict[str, list[client.Result]] = {}
-        primer_ids: list[int] = []
-        for name, cache in (("off", False), ("on", True)):
-            say(f"cache {name}: priming with the rubric, then {requests} submissions")
-            primer = ask("Reply OK when ready.", cache)
-            primer_ids = primer.prompt_ids or []
-            runs[name] = []
-            for i, sub in enumerate(subs):
-                runs[name].append(ask(sub, cache))
-                say(f"cache {name}: {i + 1}/{requests}, ttft {runs[name][-1].metrics['ttft']:.3f}s")
+        runs, primer_ids = _cache_off_then_on(prefill, decode, rubric, subs, new_tokens, say)
     finally:
         stop_agents([decode, prefill])
 
@@ -128,6 +97,54 @@ def run_prefix_bench(
         **summary,
         "elapsed_s": time.perf_counter() - t0,
     }
+
+
+def _workload(
+    model_dir: Path, prefix_tokens: int, suffix_tokens: int, requests: int
+) -> tuple[str, list[str]]:
+    """The rubric (the shared prefix) and the submissions, sized in this model's tokens."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+
+    def count(s: str) -> int:
+        return len(tok.encode(s))
+
+    rubric = "You grade submissions against this rubric.\n" + fit(count, rubric_line, prefix_tokens)
+    return rubric, [fit(count, submission_line(i), suffix_tokens) for i in range(requests)]
+
+
+def _cache_off_then_on(
+    prefill: AgentProc, decode: AgentProc, rubric: str, subs: list[str], new_tokens: int, say: Say
+) -> tuple[dict[str, list[Result]], list[int]]:
+    """Each run primed, then every submission: the results by run, the primer's ids."""
+    from disagg.serving.pair import run_remote
+    from disagg_agents.wire.request import GenerateRequest
+
+    def ask(user: str, cache: bool) -> Result:
+        req = GenerateRequest(
+            messages=[
+                {"role": "system", "content": rubric},
+                {"role": "user", "content": user},
+            ],
+            max_tokens=new_tokens,
+            ignore_eos=True,
+            return_prompt_ids=True,
+            prefix_cache=cache,
+        )
+        return run_remote(prefill, decode, req)
+
+    runs: dict[str, list[Result]] = {}
+    primer_ids: list[int] = []
+    for name, cache in (("off", False), ("on", True)):
+        say(f"cache {name}: priming with the rubric, then {len(subs)} submissions")
+        primer = ask("Reply OK when ready.", cache)
+        primer_ids = primer.prompt_ids or []
+        runs[name] = []
+        for i, sub in enumerate(subs):
+            runs[name].append(ask(sub, cache))
+            say(f"cache {name}: {i + 1}/{len(subs)}, ttft {runs[name][-1].metrics['ttft']:.3f}s")
+    return runs, primer_ids
 
 
 def _summary(off: list[Any], on: list[Any], primer_ids: list[int]) -> dict[str, Any]:

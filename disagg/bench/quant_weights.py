@@ -24,7 +24,16 @@ from typing import Any
 
 from rich.table import Table
 
-from disagg.bench.common import Say, Stamp, disaggregated, local_pair, long_text, quiet, table
+from disagg.bench.common import (
+    Say,
+    Stamp,
+    disaggregated,
+    local_pair,
+    long_text,
+    quiet,
+    table,
+    verdict,
+)
 from disagg.errors import AgentError
 
 PROBE_CODE = "from disagg.bench.quant_weights import _probe_main; _probe_main()"
@@ -233,10 +242,8 @@ def run_quant_weights_bench(
 
 
 def quant_weights_table(report: dict[str, Any]) -> Table:
-    from disagg.bench.common import verdict
-
     mb = 1e6
-    mem, ag = report["memory"], report["agents"]
+    ag = report["agents"]
     t = table(
         f"quantized checkpoint, packed prefill: {Path(report['model']).name}",
         ("measure", "ours", "against", "ratio", "bar", "verdict"),
@@ -247,6 +254,15 @@ def quant_weights_table(report: dict[str, Any]) -> Table:
             "tokens · RSS is anonymous memory over an idle agent with torch ready"
         ),
     )
+    _memory_rows(t, report)
+    _speed_rows(t, report)
+    return t
+
+
+def _memory_rows(t: Table, report: dict[str, Any]) -> None:
+    """Prefill memory, packed against the budget and against dequantized at load."""
+    mb = 1e6
+    mem = report["memory"]
     p, d = mem["packed"], mem["dequantized"]
     t.add_row(
         "prefill RSS after load",
@@ -265,6 +281,11 @@ def quant_weights_table(report: dict[str, Any]) -> Table:
         "",
         "",
     )
+
+
+def _speed_rows(t: Table, report: dict[str, Any]) -> None:
+    """Prefill speed, TTFT against transformers and mlx-lm, and greedy agreement."""
+    ag = report["agents"]
     speed = report["packed_vs_dequantized_tok_s"]
     t.add_row(
         "prefill tok/s",
@@ -299,4 +320,3 @@ def quant_weights_table(report: dict[str, Any]) -> Table:
         "",
         "",
     )
-    return t

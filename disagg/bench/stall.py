@@ -96,6 +96,11 @@ def prefill_stall(
     finally:
         stop.set()
         streamer.join(timeout_s)
+    return _gaps(arrivals, res)
+
+
+def _gaps(arrivals: list[float], res: client.Result) -> dict[str, Any]:
+    """The stream's token arrivals against the prefill's window on the agent's timeline."""
     t = res.metrics["timeline"]
     begin, end = t["at"] + t["prefill_start"], t["at"] + t["prefill_end"]
     gaps = [(a, b) for a, b in zip(arrivals, arrivals[1:], strict=False) if b > begin and a < end]

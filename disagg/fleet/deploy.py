@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,13 +18,11 @@ import disagg_agents
 from disagg.errors import AgentError, AuthError, ModelError
 from disagg.fleet import service
 from disagg.fleet.inventory import Agent, Host, Inventory
-from disagg.fleet.operations import start_agent
+from disagg.fleet.operations import HostSay, start_agent
 from disagg.fleet.requirements import role_modules, role_requirements
 from disagg.fleet.service import HostInfo, host_python, probe, remote_root, service_kind
 from disagg.fleet.ssh import HostResult, Session, on_hosts, q
 from disagg.fleet.token import load_token
-
-Say = Callable[[str, str], None]  # (host, message)
 
 HASH_SCRIPT = """
 import hashlib, json, os, sys
@@ -74,7 +71,7 @@ def local_manifest() -> dict[str, str]:
 
 
 def _ensure_python(
-    host: Host, session: Session, info: HostInfo, roles: list[str], dry: bool, say: Say
+    host: Host, session: Session, info: HostInfo, roles: list[str], dry: bool, say: HostSay
 ) -> str:
     py = host_python(host, info)
     mods = sorted({m for r in roles for m in role_modules(r)})
@@ -187,7 +184,7 @@ def _write(session: Session, path: str, text: str) -> None:
 
 
 def deploy_host(
-    inv: Inventory, host: Host, session: Session, dry: bool, say: Say, token: bytes
+    inv: Inventory, host: Host, session: Session, dry: bool, say: HostSay, token: bytes
 ) -> HostDeploy:
     result = HostDeploy(host.name, dry_run=dry)
     info = probe(session)
@@ -200,14 +197,7 @@ def deploy_host(
         return result
     _check_cpus(inv, host, session, info)
     root = remote_root(host, info)
-    for a in mine:
-        model = info.expand(a.model)
-        if session.run(f"test -r {q(model + '/config.json')}").rc != 0:
-            key = f"pipelines.{a.pipelines[0]}.{a.role}_model"
-            raise ModelError(
-                f"{host.name}: model dir {model} not found (no config.json); fix: copy the "
-                f"model there or correct {key} in {inv.path}"
-            )
+    _check_models(inv, host, session, info, mine)
     py = result.python = _ensure_python(host, session, info, [a.role for a in mine], dry, say)
     code_hash = _upload_agents(host, session, info, result, dry, py)
     if result.uploaded or result.removed:
@@ -216,44 +206,79 @@ def deploy_host(
     else:
         say(host.name, f"agents unchanged ({result.unchanged} files), nothing uploaded")
     if not dry:
-        if not token:
-            raise AuthError("no cluster token to deploy; fix: run disagg deploy without --dry-run")
-        # The cluster's one token, so agents of different hosts accept each other.
-        session.check(
-            f"mkdir -p {q(root)}/logs {q(root)}/run && umask 077 && "
-            f"cat > {q(root)}/token && chmod 600 {q(root)}/token",
-            stdin=token.decode(),
-        )
+        _install_token(session, root, token)
     for a in mine:
-        paths = service.AgentPaths(root, a.role)
-        cfg = agent_config(a, info, py, root, inventory_addresses(inv))
-        script = service.run_script(paths, cfg)
-        unit = service.unit_file(kind, paths, info.home)
-        # The token's hash, not the token: a new token restarts the agents.
-        token_hash = hashlib.sha256(token).hexdigest()
-        blob = json.dumps([cfg, script, unit, code_hash, token_hash], sort_keys=True)
-        new_hash = hashlib.sha256(blob.encode()).hexdigest()
-        old_hash = session.run(f"cat {q(paths.hash)} 2>/dev/null").out.strip()
-        if new_hash == old_hash:
-            continue
-        result.configs_changed.append(a.role)
-        if dry:
-            say(host.name, f"would write {a.role} config")
-            continue
-        _write(session, paths.config, service.config_json(cfg))
-        _write(session, paths.script, script)
-        if unit:
-            _write(session, *unit)
-            session.check(service.after_install(kind))
-        _write(session, paths.hash, new_hash + "\n")
-        running = session.run(service.is_running(paths)).rc == 0
-        started = session.run(f"cat {q(paths.started)} 2>/dev/null").out.strip()
-        if running and started != new_hash:
-            say(host.name, f"{a.role} config changed: restarting")
-            session.check(service.stop(kind, paths))
-            start_agent(session, paths, kind, info.home)
-            result.restarted.append(a.role)
+        _configure_agent(inv, a, session, info, root, code_hash, token, say, result)
     return result
+
+
+def _check_models(
+    inv: Inventory, host: Host, session: Session, info: HostInfo, agents: list[Agent]
+) -> None:
+    """Every agent's model dir is there (a config.json), or one line that says where."""
+    for a in agents:
+        model = info.expand(a.model)
+        if session.run(f"test -r {q(model + '/config.json')}").rc != 0:
+            key = f"pipelines.{a.pipelines[0]}.{a.role}_model"
+            raise ModelError(
+                f"{host.name}: model dir {model} not found (no config.json); fix: copy the "
+                f"model there or correct {key} in {inv.path}"
+            )
+
+
+def _install_token(session: Session, root: str, token: bytes) -> None:
+    if not token:
+        raise AuthError("no cluster token to deploy; fix: run disagg deploy without --dry-run")
+    # The cluster's one token, so agents of different hosts accept each other.
+    session.check(
+        f"mkdir -p {q(root)}/logs {q(root)}/run && umask 077 && "
+        f"cat > {q(root)}/token && chmod 600 {q(root)}/token",
+        stdin=token.decode(),
+    )
+
+
+def _configure_agent(
+    inv: Inventory,
+    a: Agent,
+    session: Session,
+    info: HostInfo,
+    root: str,
+    code_hash: str,
+    token: bytes,
+    say: HostSay,
+    result: HostDeploy,
+) -> None:
+    """Writes one agent's config, script and unit where any of them (or the code, or
+    the token) changed, and restarts it if it runs on the old ones."""
+    kind, py = result.service, result.python
+    paths = service.AgentPaths(root, a.role)
+    cfg = agent_config(a, info, py, root, inventory_addresses(inv))
+    script = service.run_script(paths, cfg)
+    unit = service.unit_file(kind, paths, info.home)
+    # The token's hash, not the token: a new token restarts the agents.
+    token_hash = hashlib.sha256(token).hexdigest()
+    blob = json.dumps([cfg, script, unit, code_hash, token_hash], sort_keys=True)
+    new_hash = hashlib.sha256(blob.encode()).hexdigest()
+    old_hash = session.run(f"cat {q(paths.hash)} 2>/dev/null").out.strip()
+    if new_hash == old_hash:
+        return
+    result.configs_changed.append(a.role)
+    if result.dry_run:
+        say(result.host, f"would write {a.role} config")
+        return
+    _write(session, paths.config, service.config_json(cfg))
+    _write(session, paths.script, script)
+    if unit:
+        _write(session, *unit)
+        session.check(service.after_install(kind))
+    _write(session, paths.hash, new_hash + "\n")
+    running = session.run(service.is_running(paths)).rc == 0
+    started = session.run(f"cat {q(paths.started)} 2>/dev/null").out.strip()
+    if running and started != new_hash:
+        say(result.host, f"{a.role} config changed: restarting")
+        session.check(service.stop(kind, paths))
+        start_agent(session, paths, kind, info.home)
+        result.restarted.append(a.role)
 
 
 def deploy(
@@ -261,7 +286,7 @@ def deploy(
     hosts: list[str] | None = None,
     *,
     dry_run: bool = False,
-    say: Say = lambda _h, _m: None,
+    say: HostSay = lambda _h, _m: None,
 ) -> list[HostResult[HostDeploy]]:
     """Deploy to the named hosts (all when None), in parallel; one result per host."""
     chosen = inv.select(hosts)

@@ -31,7 +31,7 @@ from disagg_agents.wire.text import printable
 LOAD_TIMEOUT_S = 600.0  # a 120B model can take minutes to load
 HTTP_TIMEOUT_S = 1.5
 
-Say = Callable[[str, str], None]
+HostSay = Callable[[str, str], None]  # (host, message): progress, one host at a time
 
 
 @dataclass
@@ -81,7 +81,7 @@ def start_agent(
 
 
 def _lifecycle(
-    inv: Inventory, hosts: list[str] | None, op: str, say: Say
+    inv: Inventory, hosts: list[str] | None, op: str, say: HostSay
 ) -> list[HostResult[list[AgentAction]]]:
     def run(host: Host, session: Session) -> list[AgentAction]:
         info = probe(session)
@@ -118,20 +118,20 @@ def _lifecycle(
 
 
 def start(
-    inv: Inventory, hosts: list[str] | None = None, say: Say = lambda _h, _m: None
+    inv: Inventory, hosts: list[str] | None = None, say: HostSay = lambda _h, _m: None
 ) -> list[HostResult[list[AgentAction]]]:
     """Start the deployed agents that are not running; waits until each is READY."""
     return _lifecycle(inv, hosts, "start", say)
 
 
 def stop(
-    inv: Inventory, hosts: list[str] | None = None, say: Say = lambda _h, _m: None
+    inv: Inventory, hosts: list[str] | None = None, say: HostSay = lambda _h, _m: None
 ) -> list[HostResult[list[AgentAction]]]:
     return _lifecycle(inv, hosts, "stop", say)
 
 
 def restart(
-    inv: Inventory, hosts: list[str] | None = None, say: Say = lambda _h, _m: None
+    inv: Inventory, hosts: list[str] | None = None, say: HostSay = lambda _h, _m: None
 ) -> list[HostResult[list[AgentAction]]]:
     return _lifecycle(inv, hosts, "restart", say)
 

@@ -210,13 +210,7 @@ def _open(
     client = paramiko.SSHClient()
     known.add_to(client.get_host_keys(), entry)
     client.set_missing_host_key_policy(_AcceptNew(name, known, known_file))
-    missing = [k for k in t.key_files if not Path(k).is_file()]
-    if missing and len(missing) == len(t.key_files):
-        raise ConnectError(
-            f"{name}: ssh key {missing[0]} not found; fix: create it (ssh-keygen -t ed25519) "
-            "or point the inventory's key at an existing one"
-        )
-    keys = [k for k in t.key_files if k not in missing]
+    keys = _present_keys(name, t)
     try:
         client.connect(
             t.hostname,
@@ -233,15 +227,7 @@ def _open(
         )
     except paramiko.BadHostKeyException as e:
         client.close()
-        revoked = known.revoked_key(e.key)
-        if revoked is not None:
-            raise ConnectError(_revoked_message(name, entry, revoked)) from None
-        held = known.lookup(entry)
-        where = held[0].path if held else str(known_file)
-        raise ConnectError(
-            f"{name}: host key of {t.hostname} CHANGED (not the one in {where}); if the host "
-            f"was reinstalled, remove the old key: ssh-keygen -R {q(entry)} -f {q(where)}"
-        ) from None
+        raise _bad_host_key(name, t, entry, known, known_file, e.key) from None
     except DisaggError:  # from the policy: a revoked key
         client.close()
         raise
@@ -267,6 +253,37 @@ def _open(
             "that sshd runs there"
         ) from None
     return client
+
+
+def _present_keys(name: str, t: SshTarget) -> list[str]:
+    """The target's key files that exist; none of several found is one line."""
+    missing = [k for k in t.key_files if not Path(k).is_file()]
+    if missing and len(missing) == len(t.key_files):
+        raise ConnectError(
+            f"{name}: ssh key {missing[0]} not found; fix: create it (ssh-keygen -t ed25519) "
+            "or point the inventory's key at an existing one"
+        )
+    return [k for k in t.key_files if k not in missing]
+
+
+def _bad_host_key(
+    name: str,
+    t: SshTarget,
+    entry: str,
+    known: knownhosts.KnownHosts,
+    known_file: Path,
+    key: paramiko.PKey,
+) -> ConnectError:
+    """A host key other than the one held: revoked, or changed (and how to clear it)."""
+    revoked = known.revoked_key(key)
+    if revoked is not None:
+        return ConnectError(_revoked_message(name, entry, revoked))
+    held = known.lookup(entry)
+    where = held[0].path if held else str(known_file)
+    return ConnectError(
+        f"{name}: host key of {t.hostname} CHANGED (not the one in {where}); if the host "
+        f"was reinstalled, remove the old key: ssh-keygen -R {q(entry)} -f {q(where)}"
+    )
 
 
 def connect(name: str, target: SshTarget, settings: SshSettings) -> Session:

@@ -9,14 +9,13 @@ import json
 import subprocess
 import time
 import urllib.request
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.agentpool import AgentPool, AgentSet
-from tests.gateways import Gateway, client_over, start_gateway
+from tests.agentpool import AgentSet
+from tests.gateways import Gateway, GatewaySpec
 
 pytestmark = pytest.mark.slow
 
@@ -24,15 +23,9 @@ MODEL = "SmolLM2-135M-Instruct"
 QUESTION = "What is the capital of France?"
 
 
-@pytest.fixture(scope="module")
-def gateway(smol_set: AgentSet, agent_pool: AgentPool) -> Iterator[Gateway]:
-    """`disagg serve`'s app in this process, this module's own (its metrics, web
-    view rows and log are its requests'), over the pooled SmolLM2 agents."""
-    gw = start_gateway(client_over({MODEL: smol_set}, agent_pool.token))
-    try:
-        yield gw
-    finally:
-        gw.stop()
+# `disagg serve`'s app in this process, this module's own (its metrics, web view
+# rows and log are its requests'), over the pooled SmolLM2 agents.
+GATEWAY = GatewaySpec(own=True)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
-"""A security review's findings at a real gateway: `disagg serve` as a process (the
+"""Tenants, sockets and keys at a real gateway: `disagg serve` as a process (the
 process itself is under test; a fleet's, over pooled agents an inventory names),
-started under a 64-file soft limit as the review's was, with two API keys (two
+started under a 64-file soft limit, with two API keys (two
 tenants). Cross-tenant prefix-cache probes, metrics internals, 200 silent sockets
 and a header trickler, a body in 1-byte pieces, and the key checks. Figures are
 printed for docs/reliability.md."""
@@ -12,7 +12,6 @@ import resource
 import socket
 import statistics
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +19,8 @@ import httpx
 import pytest
 
 from disagg.frontends.guard import Guard
-from tests.agentpool import AgentPool, AgentSet
-from tests.conftest import Cli, DisaggProcess, PythonProcess
-from tests.gateways import fleet_gateway
+from tests.conftest import Cli, DisaggProcess
+from tests.gateways import GatewaySpec, ServeGateway, ServeSpec
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
 
@@ -35,32 +33,19 @@ SECRET = " ".join(["Note to self: the staging database password is hunter2-Q7."]
 GUESS = SECRET.replace("hunter2-Q7", "letmein-X1")
 
 
-@pytest.fixture(scope="module")
-def gateway(
-    tmp_path_factory: pytest.TempPathFactory,
-    python_process: PythonProcess,
-    smol_set: AgentSet,
-    agent_pool: AgentPool,
-    default_model: Path,
-) -> Iterator[tuple[str, Path]]:
-    # A process of its own (its open-files limit is under test), a fleet's gateway
-    # over the pooled SmolLM2 agents as over an inventory's.
-    d = tmp_path_factory.mktemp("gw")
-    keys = d / "keys"
-    keys.write_text("# one key per tenant\n" + "".join(f"{k}\n" for k in [KEY_A, KEY_B, *PROBERS]))
-    keys.chmod(0o600)
-    args = [
-        "--api-key-file", str(keys), "--header-timeout", str(HEADER_TIMEOUT_S),
-        "--max-per-address", str(PER_ADDRESS),
-    ]  # fmt: skip
-    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+def few_files() -> None:  # the review's setting: 64 open files (the gateway may raise it)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 
-    def few_files() -> None:  # the review's setting: 64 open files (the gateway may raise it)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
 
-    token = agent_pool.token_file
-    with fleet_gateway(d, smol_set, default_model, token, args, few_files) as served:
-        yield served
+# A process of its own (its open-files limit is under test), a fleet's gateway over
+# the pooled SmolLM2 agents as over an inventory's; one key per tenant.
+GATEWAY = GatewaySpec(
+    serve=ServeSpec(
+        keys=(KEY_A, KEY_B, *PROBERS),
+        args=("--header-timeout", str(HEADER_TIMEOUT_S), "--max-per-address", str(PER_ADDRESS)),
+        preexec=few_files,
+    )
+)
 
 
 def complete(base: str, key: str, prompt: str, **extra: Any) -> dict[str, Any]:
@@ -84,8 +69,8 @@ def cached(answer: dict[str, Any]) -> int:
 # -- 1. tenants -------------------------------------------------------------------
 
 
-def test_another_tenant_cannot_probe_a_prompt(gateway: tuple[str, Path]) -> None:
-    base, _ = gateway
+def test_another_tenant_cannot_probe_a_prompt(gateway: ServeGateway) -> None:
+    base = gateway.url
     complete(base, KEY_A, SECRET)
     own = complete(base, KEY_A, SECRET)
     assert cached(own) >= 48, own["usage"]  # the cache works, for its owner
@@ -135,8 +120,8 @@ def test_another_tenant_cannot_probe_a_prompt(gateway: tuple[str, Path]) -> None
     assert cached(shared) >= 48, shared["usage"]
 
 
-def test_metrics_internals_only_for_a_keyed_caller_who_asks(gateway: tuple[str, Path]) -> None:
-    base, _ = gateway
+def test_metrics_internals_only_for_a_keyed_caller_who_asks(gateway: ServeGateway) -> None:
+    base = gateway.url
     public = complete(base, KEY_A, "Hello there")["disagg_metrics"]
     assert public["decode_server"] is None and public["prefill_server"] is None
     for internal in ("prefill_address", "fallback_reason", "rerouted_from", "path_failures"):
@@ -168,8 +153,8 @@ def _closed_soon(s: socket.socket, within: float) -> bool:
         return False
 
 
-def test_silent_sockets_do_not_stop_a_keyed_request(gateway: tuple[str, Path]) -> None:
-    base, log = gateway
+def test_silent_sockets_do_not_stop_a_keyed_request(gateway: ServeGateway) -> None:
+    base, log = gateway.url, gateway.log
     port = int(base.rsplit(":", 1)[1])
     auth = {"Authorization": f"Bearer {KEY_A}"}
     lines_before = len(log.read_text().splitlines())
@@ -276,8 +261,8 @@ def _one_byte_pieces(n: int) -> float:
     return cpu
 
 
-def test_a_chunked_body_of_tiny_chunks_is_answered(gateway: tuple[str, Path]) -> None:
-    base, _ = gateway
+def test_a_chunked_body_of_tiny_chunks_is_answered(gateway: ServeGateway) -> None:
+    base = gateway.url
     port = int(base.rsplit(":", 1)[1])
     chunks = b"1\r\n \r\n" * (256 << 10) + b"0\r\n\r\n"  # 256 KiB of 1-byte chunks
     head = (

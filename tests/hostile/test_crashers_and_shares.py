@@ -1,15 +1,15 @@
-"""Hostile clients, round five: the requests that crashed or froze the gateway or an
-agent through the newer doors. Units (the shape checks that run before any compile;
-the Responses tools' size caps) in the fast tier; the compile children and a real
-`disagg serve` (a fleet's gateway over the pooled SmolLM2 agents, three keys) in
-the slow one. Figures are printed for docs/reliability.md."""
+"""Requests built to crash or freeze the gateway or an agent through its newer doors
+(custom-tool grammars, schemas, embeddings, settings), and the tenants' fair shares.
+Units (the shape checks that run before any compile; the Responses tools' size caps)
+in the fast tier; the compile children and a real `disagg serve` (a fleet's gateway
+over the pooled SmolLM2 agents, three keys) in the slow one. Figures are printed for
+docs/reliability.md."""
 
 from __future__ import annotations
 
 import json
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +26,7 @@ from disagg_agents.wire.schemasize import (
     lark_shape,
     ref_chain,
 )
-from tests.agentpool import AgentPool, AgentSet
-from tests.conftest import PythonProcess
-from tests.gateways import fleet_gateway
+from tests.gateways import GatewaySpec, ServeGateway, ServeSpec
 
 OPERATOR = "operator-" + "o" * 24
 KEY_A = "tenant-a-" + "a" * 24
@@ -225,22 +223,7 @@ def test_the_decode_agents_compile_survives_a_crasher(default_model: Path) -> No
 # -- at a real gateway ----------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def gateway(
-    tmp_path_factory: pytest.TempPathFactory,
-    python_process: PythonProcess,
-    smol_set: AgentSet,
-    agent_pool: AgentPool,
-    default_model: Path,
-) -> Iterator[tuple[str, AgentSet]]:
-    d = tmp_path_factory.mktemp("gw5")
-    keys = d / "keys"
-    keys.write_text(f"# the first key is the operator's\n{OPERATOR}\n{KEY_A}\n{KEY_B}\n")
-    keys.chmod(0o600)
-    with fleet_gateway(
-        d, smol_set, default_model, agent_pool.token_file, ["--api-key-file", str(keys)]
-    ) as (base, _):
-        yield base, smol_set
+GATEWAY = GatewaySpec(serve=ServeSpec(keys=(OPERATOR, KEY_A, KEY_B)))
 
 
 def auth(key: str) -> dict[str, str]:
@@ -308,9 +291,9 @@ def crashers(model: str) -> list[tuple[str, dict[str, Any]]]:
 @pytest.mark.slow
 @pytest.mark.fault
 def test_each_crasher_is_a_4xx_on_every_door_and_everyone_is_served_next(
-    gateway: tuple[str, AgentSet],
+    gateway: ServeGateway,
 ) -> None:
-    base, agents = gateway
+    base, agents = gateway.url, gateway.agents
     model = model_of(base)
     pids = [a.proc.pid for a in agents.agents]
     for path, body in crashers(model):
@@ -329,9 +312,9 @@ def test_each_crasher_is_a_4xx_on_every_door_and_everyone_is_served_next(
 @pytest.mark.slow
 @pytest.mark.fault
 def test_a_grammar_that_fails_to_compile_is_a_400_from_the_child(
-    gateway: tuple[str, AgentSet],
+    gateway: ServeGateway,
 ) -> None:
-    base, agents = gateway
+    base = gateway.url
     model = model_of(base)
     # Past the shape checks, refused by the compile (an undefined rule).
     body = {"model": model, "input": "Hi", "tools": [custom_tool("c", "start: nowhere")]}
@@ -343,9 +326,9 @@ def test_a_grammar_that_fails_to_compile_is_a_400_from_the_child(
 @pytest.mark.slow
 @pytest.mark.fault
 def test_health_answers_while_the_largest_allowed_grammars_compile(
-    gateway: tuple[str, AgentSet],
+    gateway: ServeGateway,
 ) -> None:
-    base, _ = gateway
+    base = gateway.url
     model = model_of(base)
     # Allowed: under the size cap, 2,000 rules, each alternative a distinct word.
     rules = "\n".join(f'w{i}: "{i:05d}" | "x{i:05d}"' for i in range(1500))
@@ -470,8 +453,8 @@ def test_a_request_given_up_while_waiting_returns_its_share() -> None:
 
 @pytest.mark.slow
 @pytest.mark.fault
-def test_b_is_served_while_a_opens_fifty_streams(gateway: tuple[str, AgentSet]) -> None:
-    base, _ = gateway
+def test_b_is_served_while_a_opens_fifty_streams(gateway: ServeGateway) -> None:
+    base = gateway.url
     model = model_of(base)
     quiet = []
     for _ in range(2):
@@ -580,9 +563,9 @@ def _cpu_s(pid: int) -> float:
 @pytest.mark.slow
 @pytest.mark.fault
 def test_a_hung_up_embedding_request_stops_the_prefill_agent(
-    gateway: tuple[str, AgentSet],
+    gateway: ServeGateway,
 ) -> None:
-    base, agents = gateway
+    base, agents = gateway.url, gateway.agents
     model = model_of(base)
     pid = agents.prefill.proc.pid
     body = {"model": model, "input": ["word " * 1200] * 48}  # ~58k tokens, within the bound
@@ -611,8 +594,8 @@ def test_a_hung_up_embedding_request_stops_the_prefill_agent(
 
 @pytest.mark.slow
 @pytest.mark.fault
-def test_type_confused_fields_are_400s_naming_them(gateway: tuple[str, AgentSet]) -> None:
-    base, _ = gateway
+def test_type_confused_fields_are_400s_naming_them(gateway: ServeGateway) -> None:
+    base = gateway.url
     model = model_of(base)
     user = [{"role": "user", "content": "Hi"}]
     result = {"type": "tool_result", "tool_use_id": 5, "content": "r"}

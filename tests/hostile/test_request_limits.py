@@ -1,4 +1,4 @@
-"""Issue 37, the units: schema size limits, the grammar pool (a bad grammar a
+"""A request's limits, as units: schema size limits, the grammar pool (a bad grammar a
 request error, compiles once, abandoned when the client leaves, the cache
 bounded in bytes), the prompt-length check before tokenizing, and a hung-up
 client seen without blocking."""

@@ -19,7 +19,7 @@ from disagg.fleet.operations import AgentAction, AgentStatus, LogLine
 from disagg.fleet.ssh import HostResult
 from disagg.serving.metrics import Metrics
 from tests.conftest import Cli
-from tests.test_hostile_fleet import FakeAgent, inventory
+from tests.hostile.test_fleet_answers import FakeAgent, inventory
 
 EVIL = "\x1b[2J\x1b]0;pwned\x07[link=http://evil.example]click[/link] [/] [bold red]x"
 

@@ -1,4 +1,4 @@
-"""Issue 37 at a real gateway: `disagg serve` as a process (a fleet's, over pooled
+"""A gateway's limits, at a real one: `disagg serve` as a process (a fleet's, over pooled
 agents an inventory names) with three API keys (the operator's first, then tenants
 A and B), real agents, loopback only.
 What each tenant sees, bad and oversized schemas, a prompt that cannot fit, a
@@ -13,16 +13,12 @@ import resource
 import socket
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.agentpool import AgentPool, AgentSet
-from tests.conftest import PythonProcess
-from tests.gateways import fleet_gateway
+from tests.gateways import GatewaySpec, ServeGateway, ServeSpec
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
 
@@ -33,30 +29,31 @@ MAX_CONNECTIONS = 160
 SECRET_B = "B's launch codes are tango-7-foxtrot"
 
 
-@pytest.fixture(scope="module")
-def gateway(
-    tmp_path_factory: pytest.TempPathFactory,
-    python_process: PythonProcess,
-    smol_set: AgentSet,
-    agent_pool: AgentPool,
-    default_model: Path,
-) -> Iterator[str]:
-    # A process of its own (its connection limits and floods are under test): a
-    # fleet's gateway over the pooled SmolLM2 agents, named in an inventory.
+def many_files() -> None:
+    """Room for our floods in this process."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
-        resource.setrlimit(resource.RLIMIT_NOFILE, (min(8192, hard), hard))  # our floods
-    d = tmp_path_factory.mktemp("gw4")
-    keys = d / "keys"
-    keys.write_text(f"# the first key is the operator's\n{OPERATOR}\n{KEY_A}\n{KEY_B}\n")
-    keys.chmod(0o600)
-    args = [
-        "--api-key-file", str(keys), "--max-requests", "2",
-        "--max-connections", str(MAX_CONNECTIONS), "--first-byte-timeout", "3",
-        "--header-timeout", "6",
-    ]  # fmt: skip
-    with fleet_gateway(d, smol_set, default_model, agent_pool.token_file, args) as (base, _):
-        yield base
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(8192, hard), hard))
+
+
+# A process of its own (its connection limits and floods are under test): a fleet's
+# gateway over the pooled SmolLM2 agents, named in an inventory.
+GATEWAY = GatewaySpec(
+    serve=ServeSpec(
+        keys=(OPERATOR, KEY_A, KEY_B),
+        args=(
+            "--max-requests",
+            "2",
+            "--max-connections",
+            str(MAX_CONNECTIONS),
+            "--first-byte-timeout",
+            "3",
+            "--header-timeout",
+            "6",
+        ),  # fmt: skip
+        before=many_files,
+    )
+)
 
 
 def auth(key: str) -> dict[str, str]:
@@ -101,8 +98,8 @@ def deep(levels: int) -> dict[str, Any]:
 # -- 6. a bad schema: a 400, and every agent stays up ----------------------------------
 
 
-def test_a_400_deep_schema_is_a_400_and_no_agent_goes_down(gateway: str) -> None:
-    base = gateway
+def test_a_400_deep_schema_is_a_400_and_no_agent_goes_down(gateway: ServeGateway) -> None:
+    base = gateway.url
     assert chat(base, KEY_A, "Hello").status_code == 200
     rf = {"type": "json_schema", "json_schema": {"name": "deep", "schema": deep(400)}}
     r = chat(base, KEY_A, "Fill this in", response_format=rf)
@@ -133,11 +130,11 @@ def test_a_400_deep_schema_is_a_400_and_no_agent_goes_down(gateway: str) -> None
 
 
 def test_a_huge_tool_schema_is_refused_and_an_ordinary_request_beside_it_is_answered(
-    gateway: str,
+    gateway: ServeGateway,
 ) -> None:
     # The times are figures (docs/reliability.md), not a verdict: the refusal is checked
-    # in units (tests/test_abuse_limits.py), the request beside it here.
-    base = gateway
+    # in units (tests/hostile/test_request_limits.py), the request beside it here.
+    base = gateway.url
     chat(base, KEY_B, "Warm up")
     baseline = min(timed(chat, base, KEY_B, "What is two plus two?")[1] for _ in range(2))
     props = {f"field_{i:05d}": {"type": "string", "description": "x"} for i in range(4500)}
@@ -165,8 +162,8 @@ def test_a_huge_tool_schema_is_refused_and_an_ordinary_request_beside_it_is_answ
 # -- 7. a prompt that cannot fit ----------------------------------------------------
 
 
-def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(gateway: str) -> None:
-    base = gateway
+def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(gateway: ServeGateway) -> None:
+    base = gateway.url
     prompt = "lorem ipsum " * 325_000  # 3.9 MB, under the 4 MiB body cap
     body = {"model": model(base), "prompt": prompt, "max_tokens": 1}
     url = f"{base}/v1/completions"
@@ -193,8 +190,8 @@ def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(gateway: str) -> 
 # -- 1. tenants see their own ---------------------------------------------------------
 
 
-def test_a_tenant_sees_none_of_anothers_prompts(gateway: str) -> None:
-    base = gateway
+def test_a_tenant_sees_none_of_anothers_prompts(gateway: ServeGateway) -> None:
+    base = gateway.url
     assert chat(base, KEY_B, SECRET_B).status_code == 200
     assert chat(base, KEY_A, "A's own question").status_code == 200
     state = httpx.get(f"{base}/ui/api/state", headers=auth(KEY_A), timeout=30)
@@ -216,8 +213,8 @@ def test_a_tenant_sees_none_of_anothers_prompts(gateway: str) -> None:
 # -- 5. a tenant's share of the slots --------------------------------------------------
 
 
-def test_tenant_b_is_served_while_a_holds_its_share(gateway: str) -> None:
-    base = gateway
+def test_tenant_b_is_served_while_a_holds_its_share(gateway: ServeGateway) -> None:
+    base = gateway.url
     # At least 300 numbers before the grammar lets it end: A's stream holds its slot.
     long = {"type": "array", "items": {"type": "integer"}, "minItems": 300}
     body = {
@@ -252,8 +249,10 @@ def test_tenant_b_is_served_while_a_holds_its_share(gateway: str) -> None:
 # -- 3. silent connections at the gateway, from many networks ------------------------
 
 
-def test_a_silent_flood_from_many_networks_leaves_a_keyed_request_answered(gateway: str) -> None:
-    base = gateway
+def test_a_silent_flood_from_many_networks_leaves_a_keyed_request_answered(
+    gateway: ServeGateway,
+) -> None:
+    base = gateway.url
     port = int(base.rsplit(":", 1)[1])
     silent: list[socket.socket] = []
     for i in range(2 * MAX_CONNECTIONS):  # 8 /24s, 40 each: the total cap, twice over
@@ -304,8 +303,10 @@ def _flood(host: str, port: int, n: int, stop: threading.Event, held: list[int])
             s.close()
 
 
-def test_silent_sockets_at_the_agents_data_ports_leave_requests_answered(gateway: str) -> None:
-    base = gateway
+def test_silent_sockets_at_the_agents_data_ports_leave_requests_answered(
+    gateway: ServeGateway,
+) -> None:
+    base = gateway.url
     addresses = [a["address"] for a in agents_view(base)]
     assert addresses
     stop = threading.Event()

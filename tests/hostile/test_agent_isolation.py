@@ -1,4 +1,4 @@
-"""A security review's findings at live agents (tiny model, token, 127.0.0.0/8):
+"""Tenants and strangers at live agents (tiny model, token, 127.0.0.0/8):
 prefix-cache tenants kept apart by the salt on both agents; a bit flipped on the path
 in a K/V frame (a relay between the agents) refused before anything is placed or
 cached; strangers filling the unauthenticated pool while the cluster's own connections
@@ -439,7 +439,7 @@ def test_deploy_passes_the_inventorys_addresses_as_trusted_peers(tmp_path: Path)
     from disagg.fleet.deploy import inventory_addresses
     from disagg.fleet.inventory import load
 
-    inv = load(Path(__file__).resolve().parent.parent / "inventory.toml")
+    inv = load(Path(__file__).resolve().parents[2] / "inventory.toml")
     addresses = inventory_addresses(inv)
     assert "169.254.150.101" in addresses and "10.176.26.7" in addresses
     paths = service.AgentPaths(str(tmp_path), "decode")

@@ -1,0 +1,1 @@
+"""Hostile input, by what it attacks: the gateway, the agents, the wire, the fleet."""
