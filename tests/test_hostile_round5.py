@@ -19,6 +19,7 @@ import pytest
 from disagg.frontends.openai.types import OpenAIError
 from disagg.frontends.responses import types as rt
 from disagg_agents.decode.upfront import too_long
+from disagg_agents.wire.answer import Metrics
 from disagg_agents.wire.request import GenerateRequest, RequestError
 from disagg_agents.wire.schemasize import (
     LARK_DEPTH_MAX,
@@ -700,7 +701,7 @@ def test_refusals_do_not_flush_the_views_history() -> None:
 
     log = RequestLog(["m"])
     t = log.begin("m", GenerateRequest(prompt="a real request"))
-    log.end(t, {"completion_tokens": 3}, None)
+    log.end(t, Metrics(completion_tokens=3), None)
     for _ in range(300):  # GETs without a key
         log.refused("GET", "/v1/models", 401)
     rows = log.snapshot()

@@ -24,7 +24,7 @@ from typing import Any
 
 from rich.table import Table
 
-from disagg.bench.common import Say, Stamp, disaggregated, local_pair, long_text, quiet, table
+from disagg.bench.common import Say, Stamp, disaggregated, local_pair, long_text, need, quiet, table
 from disagg.errors import AgentError
 
 PROBE_CODE = "from disagg.bench.quant_weights import _probe_main; _probe_main()"
@@ -161,7 +161,7 @@ def agents_part(
                 else:
                     req.update(placement="local", prefix_cache=False)
                     res = wireclient.generate(decode.host, decode.port, req, token=decode.token)
-                times.append(float(res.metrics["ttft"]))
+                times.append(float(need(res.metrics.ttft)))
             return statistics.median(times[warm:])
 
         say(f"quant weights: TTFT disaggregated at {tokens} and {mlx_tokens} tokens")
@@ -184,7 +184,7 @@ def agents_part(
         "greedy_tokens": len(alone),
         "greedy_agreement": sum(a == b for a, b in pairs) / max(1, len(alone)),
         "greedy_identical_prefix": first,
-        "weights": res.metrics.get("weights"),
+        "weights": res.metrics.weights,
     }
 
 

@@ -37,11 +37,11 @@ def from_openai(e: OpenAIError) -> AnthropicError:
 
 def usage(c: Completion) -> dict[str, Any]:
     """Anthropic counts cache reads apart from the input tokens it processed."""
-    prompt = int(c.metrics.get("prompt_tokens") or 0)
-    cached = int(c.metrics.get("cached_tokens") or 0)
+    prompt = int(c.metrics.prompt_tokens or 0)
+    cached = int(c.metrics.cached_tokens or 0)
     return {
         "input_tokens": prompt - cached,
-        "output_tokens": int(c.metrics.get("completion_tokens") or 0),
+        "output_tokens": int(c.metrics.completion_tokens or 0),
         "cache_read_input_tokens": cached,
         "cache_creation_input_tokens": 0,
         "disagg_verdict": verdict.verdict(c.metrics),  # which path ran (the header's)
@@ -61,8 +61,8 @@ def tool_uses(c: Completion) -> list[dict[str, Any]]:
         {
             "type": "tool_use",
             "id": f"toolu_{uuid.uuid4().hex[:24]}",
-            "name": call["name"],
-            "input": call.get("arguments") or {},
+            "name": call.name,
+            "input": call.arguments,
         }
         for call in c.tool_calls
     ]
@@ -156,7 +156,7 @@ def routes(client: Client, workers: Executor | None = None) -> APIRouter:
         except DisaggError as e:
             raise from_openai(oai.from_disagg(e)) from None
         assert isinstance(result, Completion)
-        return {"input_tokens": int(result.metrics.get("prompt_tokens") or 0)}
+        return {"input_tokens": int(result.metrics.prompt_tokens or 0)}
 
     return api
 

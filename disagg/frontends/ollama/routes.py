@@ -45,6 +45,7 @@ from disagg.frontends.ollama.types import (
 from disagg.frontends.streamstart import opened
 from disagg.serving import verdict
 from disagg.serving.request import build_request
+from disagg_agents.wire.answer import ToolCall
 from disagg_agents.wire.request import GenerateRequest
 
 VERSION = "0.12.0"  # the Ollama API version whose shapes these are
@@ -125,10 +126,10 @@ def _durations(c: Completion, t0: float) -> dict[str, Any]:
     return {
         "total_duration": _ns(time.perf_counter() - t0),
         "load_duration": 0,  # agents keep their model loaded
-        "prompt_eval_count": int(m.get("prompt_tokens") or 0),
-        "prompt_eval_duration": _ns(m.get("ttft")),
-        "eval_count": int(m.get("completion_tokens") or 0),
-        "eval_duration": _ns(m.get("decode_time")),
+        "prompt_eval_count": int(m.prompt_tokens or 0),
+        "prompt_eval_duration": _ns(m.ttft),
+        "eval_count": int(m.completion_tokens or 0),
+        "eval_duration": _ns(m.decode_time),
     }
 
 
@@ -236,15 +237,13 @@ async def answer(
     )
 
 
-def _msg(
-    text: str, thinking: str = "", calls: list[dict[str, Any]] | None = None
-) -> dict[str, Any]:
+def _msg(text: str, thinking: str = "", calls: list[ToolCall] | None = None) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if thinking:
         message["thinking"] = thinking
     if calls:  # Ollama's shape: arguments as an object
         message["tool_calls"] = [
-            {"function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls
+            {"function": {"name": c.name, "arguments": c.arguments}} for c in calls
         ]
     return {"message": message}
 

@@ -50,14 +50,14 @@ def from_disagg(e: DisaggError) -> OpenAIError:
 
 
 def _usage(c: Completion) -> dict[str, Any]:
-    prompt = int(c.metrics.get("prompt_tokens") or 0)
-    completion = int(c.metrics.get("completion_tokens") or 0)
+    prompt = int(c.metrics.prompt_tokens or 0)
+    completion = int(c.metrics.completion_tokens or 0)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         # OpenAI's field: prompt tokens whose K/V came from the prefix cache.
-        "prompt_tokens_details": {"cached_tokens": int(c.metrics.get("cached_tokens") or 0)},
+        "prompt_tokens_details": {"cached_tokens": int(c.metrics.cached_tokens or 0)},
         "disagg_verdict": verdict.verdict(c.metrics),  # which path ran (the header's)
     }
 
@@ -110,15 +110,10 @@ def tool_calls(c: Completion) -> list[dict[str, Any]]:
             "id": f"call_{uuid.uuid4().hex[:24]}",
             "type": "function",
             # as the model wrote them where it wrote JSON: sent back, they render byte-exact
-            "function": {"name": call["name"], "arguments": _arguments(call)},
+            "function": {"name": call.name, "arguments": call.arguments_json},
         }
         for call in c.tool_calls
     ]
-
-
-def _arguments(call: dict[str, Any]) -> str:
-    text = call.get("arguments_text")
-    return text if isinstance(text, str) else json.dumps(call["arguments"])
 
 
 def routes(client: Client, workers: Executor | None = None) -> APIRouter:
@@ -233,7 +228,7 @@ def _full(kind: str, rid: str, created: int, c: Completion, internals: bool) -> 
         "model": c.model,
         "choices": [choice],
         "usage": _usage(c),
-        "disagg_metrics": c.metrics.to_dict() if internals else public_metrics(c.metrics),
+        "disagg_metrics": c.metrics.to_json() if internals else public_metrics(c.metrics),
     }
 
 

@@ -102,19 +102,16 @@ class Answer:
             return [self.custom_call(self.forced, c.text)]
         out = []
         for call in c.tool_calls:
-            if call["name"] in self.custom:
-                args = call.get("arguments") or {}
-                out.append(self.custom_call(call["name"], str(args.get("input", ""))))
+            if call.name in self.custom:
+                out.append(self.custom_call(call.name, str(call.arguments.get("input", ""))))
                 continue
-            text = call.get("arguments_text")
-            args_text = text if isinstance(text, str) else json.dumps(call.get("arguments") or {})
             out.append(
                 {
                     "type": "function_call",
                     "id": _id("fc"),
                     "call_id": _id("call"),
-                    "name": call["name"],
-                    "arguments": args_text,
+                    "name": call.name,
+                    "arguments": call.arguments_json,
                     "status": "completed",
                 }
             )
@@ -132,11 +129,11 @@ class Answer:
 
     def done(self, c: Completion, output: list[dict[str, Any]]) -> dict[str, Any]:
         """The final response: completed, or incomplete at max_output_tokens."""
-        prompt = int(c.metrics.get("prompt_tokens") or 0)
-        made = int(c.metrics.get("completion_tokens") or 0)
+        prompt = int(c.metrics.prompt_tokens or 0)
+        made = int(c.metrics.completion_tokens or 0)
         usage = {
             "input_tokens": prompt,
-            "input_tokens_details": {"cached_tokens": int(c.metrics.get("cached_tokens") or 0)},
+            "input_tokens_details": {"cached_tokens": int(c.metrics.cached_tokens or 0)},
             "output_tokens": made,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt + made,

@@ -176,10 +176,12 @@ class FleetWatch:
     def _add_rates(self, rows: list[dict[str, Any]]) -> None:
         recent = self.log.finished_since(RATE_WINDOW_S)
         for r in rows:
-            side = "decode_server" if r["role"] == "decode" else "prefill_server"
-            key = "completion_tokens" if r["role"] == "decode" else "prompt_tokens"
-            mine = [m for m in recent if m.get(side) == r["name"]]
-            r["tokens_per_s"] = round(sum(int(m.get(key) or 0) for m in mine) / RATE_WINDOW_S, 2)
+            decode = r["role"] == "decode"
+            mine = [
+                m for m in recent if (m.decode_server if decode else m.prefill_server) == r["name"]
+            ]
+            made = sum(int((m.completion_tokens if decode else m.prompt_tokens) or 0) for m in mine)
+            r["tokens_per_s"] = round(made / RATE_WINDOW_S, 2)
 
     def links(self) -> list[dict[str, Any]]:
         """Each pipeline's prefill -> decode pairs, with what their K/V streams measured."""
@@ -191,14 +193,14 @@ class FleetWatch:
                     ms = [
                         m
                         for m in recent
-                        if m.get("prefill_server") == pre.name
-                        and m.get("decode_server") == dec.name
-                        and m.get("method") == "disaggregated"
+                        if m.prefill_server == pre.name
+                        and m.decode_server == dec.name
+                        and m.method == "disaggregated"
                     ]
-                    link_b = sum(float(m.get("kv_link_bytes") or 0) for m in ms)
-                    link_s = sum(float(m.get("kv_link_time") or 0) for m in ms)
-                    kv_b = sum(float(m.get("kv_bytes") or 0) for m in ms)
-                    kv_s = sum(float(m.get("kv_transfer_time") or 0) for m in ms)
+                    link_b = sum(float(m.kv_link_bytes or 0) for m in ms)
+                    link_s = sum(float(m.kv_link_time or 0) for m in ms)
+                    kv_b = sum(float(m.kv_bytes or 0) for m in ms)
+                    kv_s = sum(float(m.kv_transfer_time or 0) for m in ms)
                     rate = link_b / link_s if link_s > 0 else (kv_b / kv_s if kv_s > 0 else None)
                     out.append(
                         {
@@ -210,7 +212,7 @@ class FleetWatch:
                             # "link": timed on the wire (large frames, decode.codectuner);
                             # "stream": K/V bytes over first-to-last layer, paced by compute
                             "rate_kind": "link" if link_s > 0 else "stream",
-                            "kv_bytes_last": ms[-1].get("kv_bytes") if ms else None,
+                            "kv_bytes_last": ms[-1].kv_bytes if ms else None,
                         }
                     )
         return out
