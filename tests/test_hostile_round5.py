@@ -169,7 +169,7 @@ def test_every_part_of_a_prompt_counts_before_tokenizing(where: str) -> None:
 
 def test_anthropic_thinking_blocks_count_too() -> None:
     from disagg.frontends.anthropic.types import MessagesRequest, as_chat
-    from disagg.frontends.openai.routes import chat_request
+    from disagg.frontends.chat import chat_request
 
     body = MessagesRequest.model_validate(
         {
@@ -795,7 +795,7 @@ def test_a_tenants_prompts_cannot_flush_anothers_prefix() -> None:
 def test_an_agents_address_in_an_error_is_the_operators_only() -> None:
     from disagg.errors import AgentError, RequestTimeout
     from disagg.frontends import tenancy
-    from disagg.frontends.openai.routes import from_disagg
+    from disagg.frontends.core import from_disagg
 
     error = AgentError("decode agent 127.0.0.1:41385: connection closed")
     mark = tenancy.enter(b"a" * 32, operator=False)  # a tenant's request (streams too)

@@ -22,9 +22,9 @@ from fastapi.responses import PlainTextResponse, Response
 
 from disagg.api import Chunk, Client, Completion
 from disagg.errors import DisaggError, Overloaded, UsageError
-from disagg.frontends import maxtokens, tenancy
+from disagg.frontends import core, maxtokens, tenancy
 from disagg.frontends.agentinfo import ModelInfo
-from disagg.frontends.guard import cache_salt, unless_gone
+from disagg.frontends.guard import cache_salt
 from disagg.frontends.ollama.modelinfo import (
     listed,
     resolve,
@@ -42,7 +42,6 @@ from disagg.frontends.ollama.types import (
     Options,
     ShowBody,
 )
-from disagg.frontends.streamstart import opened
 from disagg.serving import verdict
 from disagg.serving.request import build_request
 from disagg_agents.wire.answer import ToolCall
@@ -208,27 +207,18 @@ async def answer(
         }
         return {**head, **({"response": ""} if kind == "generate" else _msg("")), **done}
     try:
-        if not body.stream:
-            c = await unless_gone(
-                request,
-                lambda cancel: client.agenerate(req, model=name, cancel=cancel, executor=workers),
-            )
-            if body.think is False:  # as Ollama: no thinking when it was turned off
-                c.reasoning = ""
-            return verdict.whole(_final(head, kind, c, t0, whole=True), c)
-        cancel = threading.Event()
-        chunks = await client.agenerate(
-            req, model=name, stream=True, cancel=cancel, executor=workers
-        )
-        assert not isinstance(chunks, Completion)
-        chunks = await opened(chunks)  # a refusal is raised before the stream opens
+        result = await core.start(client, workers, request, name, req, body.stream)
     except UsageError as e:
         raise OllamaError(400, str(e)) from None
     except Overloaded as e:  # Ollama answers 503 when its queue is full
         raise OllamaError(503, str(e), {"Retry-After": str(e.retry_after_s)}) from None
     except DisaggError as e:
         raise OllamaError(500, str(e)) from None
-    assert not isinstance(chunks, Completion)
+    if isinstance(result, Completion):
+        if body.think is False:  # as Ollama: no thinking when it was turned off
+            result.reasoning = ""
+        return verdict.whole(_final(head, kind, result, t0, whole=True), result)
+    chunks, cancel = result
     return verdict.streamed(
         lambda seen: _ndjson(head, kind, seen, t0, cancel, body.think is not False),
         chunks,
