@@ -49,8 +49,39 @@ def _ollama(e: DisaggError) -> PlainError:
 
 
 def routes(client: Client, workers: Executor | None = None) -> APIRouter:
+    """Ollama's two embedding endpoints and OpenAI's, for the app to mount."""
     api = APIRouter()
+    _ollama_routes(api, client, workers)
 
+    @api.post("/v1/embeddings")
+    async def openai_embeddings(request: Request, body: OpenAIEmbeddings) -> dict[str, Any]:
+        core.check_model(client, body.model)
+        texts = [body.input] if isinstance(body.input, str) else body.input
+        if not texts or not all(isinstance(t, str) for t in texts):
+            msg = "input must be text or a list of texts (token ids are not taken)"
+            raise ApiError(400, msg, "invalid_request_error", "input")
+        try:
+            e = await _embed(
+                client,
+                workers,
+                request,
+                body.model,
+                [str(t) for t in texts],
+                dimensions=body.dimensions,
+            )
+        except DisaggError as err:
+            raise core.from_disagg(err) from None
+        data = [
+            {"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
+            for i, v in enumerate(e.vectors)
+        ]
+        usage = {"prompt_tokens": e.prompt_tokens, "total_tokens": e.prompt_tokens}
+        return {"object": "list", "data": data, "model": body.model, "usage": usage}
+
+    return api
+
+
+def _ollama_routes(api: APIRouter, client: Client, workers: Executor | None) -> None:
     @api.post("/api/embed")
     async def ollama_embed(request: Request, body: OllamaEmbed) -> dict[str, Any]:
         t0 = time.perf_counter_ns()
@@ -87,33 +118,6 @@ def routes(client: Client, workers: Executor | None = None) -> APIRouter:
         except DisaggError as err:
             raise _ollama(err) from None
         return {"embedding": e.vectors[0]}
-
-    @api.post("/v1/embeddings")
-    async def openai_embeddings(request: Request, body: OpenAIEmbeddings) -> dict[str, Any]:
-        core.check_model(client, body.model)
-        texts = [body.input] if isinstance(body.input, str) else body.input
-        if not texts or not all(isinstance(t, str) for t in texts):
-            msg = "input must be text or a list of texts (token ids are not taken)"
-            raise ApiError(400, msg, "invalid_request_error", "input")
-        try:
-            e = await _embed(
-                client,
-                workers,
-                request,
-                body.model,
-                [str(t) for t in texts],
-                dimensions=body.dimensions,
-            )
-        except DisaggError as err:
-            raise core.from_disagg(err) from None
-        data = [
-            {"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
-            for i, v in enumerate(e.vectors)
-        ]
-        usage = {"prompt_tokens": e.prompt_tokens, "total_tokens": e.prompt_tokens}
-        return {"object": "list", "data": data, "model": body.model, "usage": usage}
-
-    return api
 
 
 def _encoded(v: list[float], fmt: str) -> list[float] | str:

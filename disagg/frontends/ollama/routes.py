@@ -23,7 +23,7 @@ from fastapi.responses import PlainTextResponse, Response
 from disagg.api import Chunk, Client, Completion
 from disagg.errors import DisaggError, Overloaded, UsageError
 from disagg.frontends import core, maxtokens, tenancy
-from disagg.frontends.agentinfo import ModelInfo
+from disagg.frontends.agentinfo import About, ModelInfo
 from disagg.frontends.guard import cache_salt
 from disagg.frontends.ollama.modelinfo import (
     listed,
@@ -106,11 +106,10 @@ def chat_request(body: ChatBody) -> GenerateRequest | None:
     return _request(body, inputs)
 
 
-def refuse_tools(model: str, about: dict[str, Any]) -> None:
+def refuse_tools(model: str, about: About) -> None:
     """Ollama refuses `tools` for a model whose template has no tool markup; so do
     we, naming what Ollama's API can do instead (it has no tool_choice)."""
-    chat = about.get("chat")
-    caps = chat.get("capabilities") if isinstance(chat, dict) else None
+    caps = (about.status.chat or {}).get("capabilities")
     if isinstance(caps, list) and "tools" not in caps:
         raise OllamaError(
             400,
@@ -138,7 +137,7 @@ def routes(client: Client, workers: Executor | None = None) -> APIRouter:
     api = APIRouter()
     info = ModelInfo(client)
 
-    async def describe(name: str) -> dict[str, Any]:
+    async def describe(name: str) -> About:
         return await asyncio.to_thread(info.get, name)
 
     @api.get("/", response_class=PlainTextResponse)

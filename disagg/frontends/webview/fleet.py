@@ -15,8 +15,9 @@ from typing import Any
 
 from disagg.fleet.crashes import last_error_in
 from disagg.frontends.webview.tracker import RequestLog
-from disagg.serving.control import control_status
+from disagg.serving.control import agent_status
 from disagg_agents.wire.frames import AuthError
+from disagg_agents.wire.status import AgentStatus
 from disagg_agents.wire.text import printable
 
 POLL_EVERY_S = 1.0
@@ -38,14 +39,14 @@ def last_error_line(log_path: Path, max_bytes: int = 64 << 10) -> str | None:
     return last_error_in(lines)
 
 
-def _device(st: dict[str, Any]) -> str | None:
+def _device(st: AgentStatus) -> str | None:
     """`cpu`, `cuda`, `gpu` …: mlx writes its device as `Device(cpu, 0)`."""
-    d = st.get("device")
+    d = st.device
     return str(d).removeprefix("Device(").split(",")[0].rstrip(")") if d else None
 
 
-def _weights(st: dict[str, Any]) -> str | None:
-    fp = st.get("fingerprint") or {}
+def _weights(st: AgentStatus) -> str | None:
+    fp = st.fingerprint
     q = (fp.get("weights") or {}).get("quantization")
     kind = f"{q.get('bits')}-bit {q.get('mode')}" if q else None
     return " ".join(x for x in (kind, fp.get("dtype")) if x) or None
@@ -124,7 +125,7 @@ class FleetWatch:
             row["error"] = "no control port"
             return row
         try:
-            st = control_status(ep.host, ep.control_port, self.client.router.token, POLL_TIMEOUT_S)
+            st = agent_status(ep.host, ep.control_port, self.client.router.token, POLL_TIMEOUT_S)
         except (OSError, ValueError, AuthError) as e:
             row["error"] = printable(e, 200)
             if local is not None:
@@ -132,28 +133,28 @@ class FleetWatch:
             else:
                 row["last_error"] = self._fleet_crash(ep.name)
             return row
-        pc = st.get("prefix_cache") or {}
+        pc = st.prefix_cache
         row.update(
             up=True,
             device=_device(st),
-            backend=st.get("backend"),
-            model_dir=Path(str(st.get("model") or "")).name or None,
+            backend=st.backend,
+            model_dir=Path(st.model or "").name or None,
             weights=_weights(st),
-            in_flight=st.get("in_flight"),
-            queued=st.get("queued"),
-            batch=st.get("batch"),
-            max_batch=st.get("max_batch"),
-            requests=st.get("requests"),
-            errors=st.get("errors"),
-            cancelled=st.get("cancelled"),
-            uptime_s=st.get("uptime_s"),
-            rss_bytes=st.get("rss_bytes"),
+            in_flight=st.in_flight,
+            queued=st.queued,
+            batch=st.batch,
+            max_batch=st.max_batch,
+            requests=st.requests,
+            errors=st.errors,
+            cancelled=st.cancelled,
+            uptime_s=st.uptime_s,
+            rss_bytes=st.rss_bytes,
             prefix_hit_rate=pc.get("hit_rate"),
             prefix_memory_tokens=pc.get("cached_tokens"),  # every tier: disk hits included
-            prefix_disk=_disk(st.get("prefix_disk")),
-            ttft_p50_s=st.get("ttft_p50_s"),
+            prefix_disk=_disk(st.prefix_disk),
+            ttft_p50_s=st.ttft_p50_s,
         )
-        reported = st.get("last_error")
+        reported = st.last_error
         if isinstance(reported, dict) and reported.get("message"):
             row["last_error"] = printable(reported["message"], 300)
         elif local is not None:
