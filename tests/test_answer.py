@@ -28,6 +28,7 @@ from disagg_agents.wire.auth import client_auth, server_auth
 from disagg_agents.wire.channel import recv_frame, recv_json, send_json
 from disagg_agents.wire.frames import Frame, ProtocolError, decode_json
 from disagg_agents.wire.request import GenerateRequest, RequestError
+from disagg_agents.wire.status import STATUS_FIELDS, AgentStatus
 from tests.conftest import PairFactory
 from tests.tinymodels import PROMPT
 
@@ -328,3 +329,23 @@ def test_no_other_module_builds_the_normalized_form() -> None:
                     if {"type", "schema", "strict"} <= keys:
                         found.add(path.relative_to(REPO).as_posix())
     assert found == {"disagg_agents/wire/request.py"}
+
+
+def test_an_agents_status_is_read_typed_and_a_mistyped_field_costs_itself() -> None:
+    doc = {
+        "role": "decode",
+        "max_batch": 8,
+        "in_flight": "lots",  # another release's (or a hostile agent's) type
+        "uptime_s": 12.5,
+        "context": True,  # a bool is no count
+        "fingerprint": {"architecture": "llama", "dtype": "bfloat16"},
+        "chat": {"reasoning": False},
+        "prefix_cache": ["not", "an", "object"],
+        "from_the_future": 1,
+    }
+    st = AgentStatus.from_json(doc)
+    assert (st.max_batch, st.in_flight, st.uptime_s, st.context) == (8, None, 12.5, None)
+    assert st.fingerprint["architecture"] == "llama" and st.chat == {"reasoning": False}
+    assert st.prefix_cache == {} and st.prefix_disk is None and st.doc == doc
+    assert AgentStatus.from_json({}).chat is None  # an older agent: no chat facts
+    assert "max_batch" in STATUS_FIELDS and "doc" not in STATUS_FIELDS
