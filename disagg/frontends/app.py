@@ -25,6 +25,7 @@ from disagg.frontends.ollama import routes as ollama_routes
 from disagg.frontends.ollama.types import OllamaError
 from disagg.frontends.openai import routes as openai_routes
 from disagg.frontends.openai.types import OpenAIError
+from disagg.frontends.refusal import ApiError
 from disagg.frontends.responses import routes as responses_routes
 from disagg.frontends.webview import auth as webauth
 from disagg.frontends.webview.tracker import RequestLog
@@ -69,12 +70,13 @@ def create_app(
 
 def error_body(path: str, status: int, message: str, code: str) -> dict[str, Any]:
     """The error in the shape of the API the path belongs to: Anthropic's under
-    /v1/messages, OpenAI's elsewhere under /v1, Ollama's `{"error": "..."}` elsewhere."""
+    /v1/messages, OpenAI's elsewhere under /v1, Ollama's `{"error": "..."}` elsewhere
+    (the guard's 401, 408 and 413 answer in it)."""
     if path.startswith("/v1/messages"):
         return anthropic_error_body(status, message)
     if path.startswith("/v1"):
         kind = "invalid_request_error" if status < 500 else "server_error"
-        return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+        return ApiError(status, message, kind, None, code).body()
     return {"error": message}
 
 
