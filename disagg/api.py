@@ -104,16 +104,7 @@ class Client:
                     decode_args=["--allow-mixed"] if allow_mixed else [],
                 )
                 agents += [prefill, *decodes]
-                pipelines.append(
-                    Route(
-                        name,
-                        [Endpoint(prefill.name, prefill.host, prefill.port, prefill.control_port)],
-                        [Endpoint(d.name, d.host, d.port, d.control_port) for d in decodes],
-                        # Both ends on this machine's loopback: no path to protect the
-                        # K/V on, so no tags to pay for (a fleet pipeline's default: mac).
-                        integrity="none",
-                    )
-                )
+                pipelines.append(_local_route(name, prefill, decodes))
         except BaseException:
             stop_agents(agents)
             _remove(temp_dirs)
@@ -374,3 +365,15 @@ async def _drain(
 
 
 __all__ = ["Chunk", "Client", "Completion", "DisaggError", "GenerateRequest", "Metrics"]
+
+
+def _local_route(name: str, prefill: AgentProc, decodes: list[AgentProc]) -> Route:
+    """One pipeline of agents on this machine."""
+    return Route(
+        name,
+        [Endpoint(prefill.name, prefill.host, prefill.port, prefill.control_port)],
+        [Endpoint(d.name, d.host, d.port, d.control_port) for d in decodes],
+        # Both ends on this machine's loopback: no path to protect the K/V on, so
+        # no tags to pay for (a fleet pipeline's default: mac).
+        integrity="none",
+    )

@@ -208,8 +208,8 @@ def test_a_chats_later_turns_stay_on_its_busier_agent_and_hit_its_cache(
 
     messages: list[dict[str, Any]] = [{"role": "user", "content": TURNS[0]}]
     first = router.run("smol", turn(messages))
-    assert first.metrics["decode_server"] == a.name  # both idle: the first listed
-    assert first.metrics["cached_tokens"] == 0
+    assert first.metrics.decode_server == a.name  # both idle: the first listed
+    assert first.metrics.cached_tokens == 0
 
     # Another stream, no remembered prefix: both idle again, so it lands on a too.
     stop = threading.Event()
@@ -247,15 +247,15 @@ def test_a_chats_later_turns_stay_on_its_busier_agent_and_hit_its_cache(
             ]
             res = router.run("smol", turn(messages))
             assert "result" not in box  # the long stream ran all along
-            route = res.metrics["route"]
+            route = res.metrics.route or {}
             assert route["busy"] == {a.name: 1, b.name: 0}  # least busy would pick b
-            assert route["agent"] == a.name and res.metrics["decode_server"] == a.name
-            assert res.metrics["method"] == "disaggregated"
+            assert route["agent"] == a.name and res.metrics.decode_server == a.name
+            assert res.metrics.method == "disaggregated"
             # The hit, from the token ids: every whole block shared with the earlier turn.
             assert previous.prompt_ids and res.prompt_ids
             shared = min(shared_len(previous.prompt_ids, res.prompt_ids), len(res.prompt_ids) - 1)
             assert shared >= len(previous.prompt_ids) - 2  # the template only appends
-            assert res.metrics["cached_tokens"] == shared // BLOCK * BLOCK > 0
+            assert res.metrics.cached_tokens == shared // BLOCK * BLOCK > 0
             previous = res
     finally:
         stop.set()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from disagg.frontends.anthropic.types import AnthropicError, MessagesRequest, as_chat, system_text
-from disagg.frontends.openai.routes import chat_request
+from disagg.frontends.chat import chat_request
 from disagg.frontends.openai.types import OpenAIError
 from disagg.frontends.responses import types as rt
 

@@ -23,10 +23,12 @@ from disagg.serving.localagents import AgentProc
 from disagg_agents.chatformat import Piece, ToolCall
 from disagg_agents.decode.agent import send_events, token_events
 from disagg_agents.wire.answer import CONTENT, REASONING, Done, Metrics, TokenEvent
+from disagg_agents.wire.answer import ToolCall as WireCall
 from disagg_agents.wire.auth import client_auth, server_auth
 from disagg_agents.wire.channel import recv_frame, recv_json, send_json
 from disagg_agents.wire.frames import Frame, ProtocolError, decode_json
 from disagg_agents.wire.request import GenerateRequest, RequestError
+from disagg_agents.wire.status import STATUS_FIELDS, AgentStatus
 from tests.conftest import PairFactory
 from tests.tinymodels import PROMPT
 
@@ -56,7 +58,7 @@ def test_token_frames_round_trip_on_a_socket() -> None:
     assert sent == [
         TokenEvent(7, "hmm", REASONING),  # one frame per run of a channel; the id on the first
         TokenEvent(None, "Hi"),
-        TokenEvent(None, "", CONTENT, {"name": "get_weather", "arguments": {"city": "Paris"}}),
+        TokenEvent(None, "", CONTENT, WireCall("get_weather", {"city": "Paris"})),
     ]
     assert token_events(8, []) == [TokenEvent(8)]  # one frame per token, even when empty
     assert token_events(None, []) == []
@@ -92,7 +94,7 @@ def test_the_first_tokens_metrics_ride_flat_and_come_back_typed() -> None:
 def test_done_frame_round_trips_on_a_socket() -> None:
     metrics = Metrics(prompt_tokens=5, completion_tokens=2, method="local", finish_reason="stop")
     metrics.timeline = {"at": 1.0, "first_token": 0.5}
-    done = Done("Paris.", [11, 12], metrics, "thinking", [{"name": "f", "arguments": {}}], [1, 2])
+    done = Done("Paris.", [11, 12], metrics, "thinking", [WireCall("f", {}, "{ }")], [1, 2])
     a, b = pair()
     with a, b:
         send_json(a, Frame.DONE, done.to_json())
@@ -104,6 +106,29 @@ def test_done_frame_round_trips_on_a_socket() -> None:
     assert set(Done("x", [1], Metrics()).to_json()) == {"text", "token_ids", "metrics"}
 
 
+def test_the_answer_is_read_by_attribute_only() -> None:
+    # No dict interface: a string key read would hide a misspelt or renamed field.
+    m = Metrics(method="local")
+    assert not any(hasattr(m, name) for name in ("get", "__getitem__", "__contains__", "to_dict"))
+    with pytest.raises(TypeError):
+        m["method"]  # type: ignore[index]
+    call = WireCall("f", {"a": 1})
+    assert not hasattr(call, "get") and not hasattr(call, "__getitem__")
+
+
+def test_tool_calls_keep_the_models_text_and_its_wire_json() -> None:
+    written = WireCall("f", {"a": 1}, '{"a":1}')
+    assert written.arguments_json == '{"a":1}'  # byte-exact, as the model wrote it
+    assert WireCall("f", {"a": 1}).arguments_json == '{"a": 1}'
+    wire = {"name": "f", "arguments": {"a": 1}, "arguments_text": '{"a":1}'}
+    assert written.to_json() == wire and WireCall.from_json(wire) == written
+    assert WireCall("f", {}).to_json() == {"name": "f", "arguments": {}}
+    event = TokenEvent.from_json({"id": None, "text": "", "tool_call": wire})
+    assert event.tool_call == written and event.to_json()["tool_call"] == wire
+    with pytest.raises(ProtocolError):
+        TokenEvent.from_json({"id": None, "text": "", "tool_call": {"arguments": {}}})
+
+
 def test_other_releases_frames_parse_and_keep_unknown_metrics() -> None:
     older = {
         "text": "hi",
@@ -112,7 +137,7 @@ def test_other_releases_frames_parse_and_keep_unknown_metrics() -> None:
     }
     done = Done.from_json(older)
     assert (done.reasoning, done.tool_calls, done.prompt_ids) == ("", [], None)
-    assert done.metrics.extra == {"kv_gpu_ms": 1.5} and done.metrics["kv_gpu_ms"] == 1.5
+    assert done.metrics.extra == {"kv_gpu_ms": 1.5} and done.metrics.extra["kv_gpu_ms"] == 1.5
     assert done.metrics.to_json()["kv_gpu_ms"] == 1.5  # passed on, not dropped
     assert Done.from_json(done.to_json()) == done
     # A newer agent's TOKEN keys are ignored; an older one's missing keys take defaults.
@@ -304,3 +329,23 @@ def test_no_other_module_builds_the_normalized_form() -> None:
                     if {"type", "schema", "strict"} <= keys:
                         found.add(path.relative_to(REPO).as_posix())
     assert found == {"disagg_agents/wire/request.py"}
+
+
+def test_an_agents_status_is_read_typed_and_a_mistyped_field_costs_itself() -> None:
+    doc = {
+        "role": "decode",
+        "max_batch": 8,
+        "in_flight": "lots",  # another release's (or a hostile agent's) type
+        "uptime_s": 12.5,
+        "context": True,  # a bool is no count
+        "fingerprint": {"architecture": "llama", "dtype": "bfloat16"},
+        "chat": {"reasoning": False},
+        "prefix_cache": ["not", "an", "object"],
+        "from_the_future": 1,
+    }
+    st = AgentStatus.from_json(doc)
+    assert (st.max_batch, st.in_flight, st.uptime_s, st.context) == (8, None, 12.5, None)
+    assert st.fingerprint["architecture"] == "llama" and st.chat == {"reasoning": False}
+    assert st.prefix_cache == {} and st.prefix_disk is None and st.doc == doc
+    assert AgentStatus.from_json({}).chat is None  # an older agent: no chat facts
+    assert "max_batch" in STATUS_FIELDS and "doc" not in STATUS_FIELDS

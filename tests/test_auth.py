@@ -56,7 +56,7 @@ def prefill_requests(prefill: AgentProc) -> int:
 def test_right_token_works(pair: tuple[AgentProc, AgentProc]) -> None:
     prefill, decode = pair
     res = ask(decode, request(prefill.host, prefill.port))
-    assert res.metrics["method"] == "disaggregated" and res.token_ids
+    assert res.metrics.method == "disaggregated" and res.token_ids
 
 
 @pytest.mark.parametrize(
@@ -158,8 +158,8 @@ def test_the_token_never_crosses_the_wire(pair: tuple[AgentProc, AgentProc]) -> 
     res = client.generate(
         "127.0.0.1", to_decode.port, request("127.0.0.1", to_prefill.port), token=decode.token
     )
-    assert res.metrics["method"] == "disaggregated"
-    assert res.metrics["prefill_address"] == f"127.0.0.1:{to_prefill.port}"
+    assert res.metrics.method == "disaggregated"
+    assert res.metrics.prefill_address == f"127.0.0.1:{to_prefill.port}"
     assert decode.token is not None
     for rec in (to_decode, to_prefill):
         assert b"CHALLENGE" not in rec.seen  # frames are binary, not names

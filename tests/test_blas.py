@@ -412,7 +412,7 @@ def test_a_local_pair_gives_up_blas_threads_while_it_prefills(agent_pair: Any) -
         seen.add((st["blas_threads"], st["blas_limited_by"]))
         time.sleep(0.05)
     worker.join()
-    assert box["r"].metrics["method"] == "disaggregated"
+    assert box["r"].metrics.method == "disaggregated"
     assert half in {n for n, _ in seen}, seen
     # The count says why it is not all of them (a busy box may say so too).
     assert (half, "prefill") in seen or any(why == "busy machine" for _, why in seen), seen
@@ -463,7 +463,7 @@ def test_a_local_prefill_gives_up_torch_threads_while_its_requester_decodes(
         pytest.skip(f"torch runs on {full} threads already: nothing to give up")
     prefill, decode = agent_pair(shared_tiny("qwen3"))
     alone = ask(decode, remote_request(prefill))
-    assert alone.metrics["prefill_threads"] == full, alone.metrics
+    assert alone.metrics.prefill_threads == full, alone.metrics
     box: dict[str, Any] = {}
     long_stream = remote_request(prefill, max_tokens=3000)
     worker = threading.Thread(target=lambda: box.update(r=ask(decode, long_stream)))
@@ -476,6 +476,6 @@ def test_a_local_prefill_gives_up_torch_threads_while_its_requester_decodes(
     still_decoding = worker.is_alive()
     worker.join()
     assert still_decoding, "the long stream ended before the second prefill: no overlap shown"
-    assert beside.metrics["prefill_threads"] == half, beside.metrics
+    assert beside.metrics.prefill_threads == half, beside.metrics
     assert beside.token_ids == alone.token_ids
-    assert box["r"].metrics["method"] == "disaggregated"
+    assert box["r"].metrics.method == "disaggregated"

@@ -178,18 +178,18 @@ def test_auto_codec_through_real_agents(smol_agents: Any) -> None:
         return ask(decode, {**base, **kw})
 
     raw = run()
-    assert raw.metrics["codec"] == int(Codec.RAW) and "codec_probe" not in raw.metrics
+    assert raw.metrics.codec == int(Codec.RAW) and raw.metrics.codec_probe is None
     first = run(codec="auto")
     m = first.metrics
-    assert m["method"] == "disaggregated" and m["codec"] == int(Codec.RAW)
-    assert m["codec_reason"] == "link not measured yet"
-    assert set(m["codec_probe"]) == {str(int(Codec.ZSTD)), str(int(Codec.SHUFFLE_ZSTD))}
-    assert m["kv_link_bytes"] > 0 and m["kv_link_time"] > 0
-    assert m["kv_raw_bytes"] == m["kv_payload_bytes"]
+    assert m.method == "disaggregated" and m.codec == int(Codec.RAW)
+    assert m.codec_reason == "link not measured yet"
+    assert set(m.codec_probe or {}) == {str(int(Codec.ZSTD)), str(int(Codec.SHUFFLE_ZSTD))}
+    assert (m.kv_link_bytes or 0) > 0 and (m.kv_link_time or 0) > 0
+    assert m.kv_raw_bytes == m.kv_payload_bytes
     second = run(codec="auto")
-    assert second.metrics["codec_reason"].startswith("link ")
-    assert "codec_probe" not in second.metrics  # measured once, then learned from use
-    assert second.metrics["codec"] in {int(c) for c in Codec}
+    assert (second.metrics.codec_reason or "").startswith("link ")
+    assert second.metrics.codec_probe is None  # measured once, then learned from use
+    assert second.metrics.codec in {int(c) for c in Codec}
     for r in (first, second, run(codec=int(Codec.SHUFFLE_ZSTD))):
         assert r.token_ids == raw.token_ids
     with pytest.raises(UsageError, match="unknown codec"):

@@ -78,10 +78,10 @@ def test_greedy_parity_short(
     raw: bool,
 ) -> None:
     res = run(smol_agents, prompt, raw=raw)
-    assert res.metrics["method"] == "disaggregated"
+    assert res.metrics.method == "disaggregated"
     # The references below are fed ids the tokenizer itself makes, not the agent's.
     assert res.prompt_ids == tokenizer_ids(default_model, prompt, raw=raw)
-    assert res.metrics["kv_bytes"] > 0
+    assert (res.metrics.kv_bytes or 0) > 0
     assert len(res.token_ids) == N_NEW
     assert res.token_ids == hf_greedy(hf_model, res.prompt_ids, N_NEW)
     assert res.token_ids == mlx_greedy(mlx_model, res.prompt_ids, N_NEW)
@@ -92,7 +92,7 @@ def test_greedy_parity_long_prompt(
 ) -> None:
     assert long_run.prompt_ids == tokenizer_ids(default_model, LONG)
     assert len(long_run.prompt_ids) > 1000
-    assert long_run.metrics["method"] == "disaggregated"
+    assert long_run.metrics.method == "disaggregated"
     assert long_run.token_ids == hf_greedy(hf_model, long_run.prompt_ids, N_NEW)
     assert long_run.token_ids == mlx_greedy(mlx_model, long_run.prompt_ids, N_NEW)
 
@@ -100,23 +100,23 @@ def test_greedy_parity_long_prompt(
 def test_layers_stream_while_prefill_computes(long_run: client.Result) -> None:
     m = long_run.metrics
     # Both agents run on this host, so their wall clocks are the same clock.
-    assert m["kv_first_layer_at"] < m["prefill_last_layer_at"], (
+    assert (m.kv_first_layer_at or 0) < (m.prefill_last_layer_at or 0), (
         "decode side got layer 0 only after prefill finished the last layer"
     )
     # 30 layers x 2 (K, V) x 3 heads x 64 dims x 4 bytes per prompt token not already
     # held by the decode side's prefix cache (the chat template's first block may be).
-    kv_payload = 30 * 2 * 3 * 64 * 4 * (m["prompt_tokens"] - m["cached_tokens"])
-    assert kv_payload < m["kv_bytes"] < kv_payload + 30 * 100
+    kv_payload = 30 * 2 * 3 * 64 * 4 * ((m.prompt_tokens or 0) - (m.cached_tokens or 0))
+    assert kv_payload < (m.kv_bytes or 0) < kv_payload + 30 * 100
 
 
 def test_metrics_have_the_seed_names(smol_agents: tuple[AgentProc, AgentProc]) -> None:
     res = run(smol_agents, "Say hello.", max_tokens=4)
     m = res.metrics
     for name in SEED_NAMES:
-        assert m[name] is not None, name
-    assert m["prefill_server"] == "prefill@127.0.0.1" and m["decode_server"] == "decode@127.0.0.1"
-    assert m["completion_tokens"] == 4 and m["prompt_tokens"] == len(res.prompt_ids or [])
-    assert 0 < m["ttft"] <= m["total_time"]
+        assert getattr(m, name) is not None, name
+    assert m.prefill_server == "prefill@127.0.0.1" and m.decode_server == "decode@127.0.0.1"
+    assert m.completion_tokens == 4 and m.prompt_tokens == len(res.prompt_ids or [])
+    assert 0 < (m.ttft or 0) <= (m.total_time or 0)
 
 
 @pytest.mark.parametrize(
@@ -143,7 +143,7 @@ def test_bad_requests_leave_the_agent_healthy(
         )
     assert seen == []
     ok = run(smol_agents, "What is the capital of France?", max_tokens=8, ignore_eos=False)
-    assert "Paris" in ok.text and ok.metrics["method"] == "disaggregated"
+    assert "Paris" in ok.text and ok.metrics.method == "disaggregated"
     assert prefill.alive() and decode.alive()
 
 
@@ -155,9 +155,9 @@ def test_prefill_agent_down_falls_back_locally(smol_agents: tuple[AgentProc, Age
         "prefill": {"host": "127.0.0.1", "port": 1},
     }
     res = ask(decode, req)
-    assert res.metrics["method"] == "local-fallback"
-    assert "cannot reach prefill agent" in res.metrics["fallback_reason"]
-    assert res.metrics["fallback_kind"] == "unreachable"
+    assert res.metrics.method == "local-fallback"
+    assert "cannot reach prefill agent" in (res.metrics.fallback_reason or "")
+    assert res.metrics.fallback_kind == "unreachable"
     assert "Paris" in res.text
 
 
@@ -178,13 +178,14 @@ def test_auto_placement_follows_its_own_estimates(
     }
     m = ask(decode, req).metrics
     found = re.search(
-        r"est\. remote ([\d.]+) ms .* vs local ([\d.]+) ms \(local prefill", m["placement_reason"]
+        r"est\. remote ([\d.]+) ms .* vs local ([\d.]+) ms \(local prefill",
+        m.placement_reason or "",
     )
-    assert found, m["placement_reason"]
+    assert found, m.placement_reason
     remote_ms, local_ms = float(found[1]), float(found[2])
     if remote_ms != local_ms:  # equal as printed (0.1 ms): a tie, either pick is right
-        assert m["placement"] == ("local" if local_ms < remote_ms else "remote"), m
-    assert m["method"] == ("local" if m["placement"] == "local" else "disaggregated")
+        assert m.placement == ("local" if local_ms < remote_ms else "remote"), m
+    assert m.method == ("local" if m.placement == "local" else "disaggregated")
 
 
 def _get(agent: AgentProc, path: str) -> str:
@@ -212,9 +213,9 @@ def test_control_endpoints_report_what_happened(smol_agents: tuple[AgentProc, Ag
         with pytest.raises(UsageError):
             ask(decode, bad)
     for _ in range(2):
-        assert run(smol_agents, "Hi", max_tokens=3).metrics["method"] == "disaggregated"
+        assert run(smol_agents, "Hi", max_tokens=3).metrics.method == "disaggregated"
     gone = {"prompt": "Hi", "max_tokens": 3, "prefill": {"host": "127.0.0.1", "port": 1}}
-    assert ask(decode, gone).metrics["method"] == "local-fallback"
+    assert ask(decode, gone).metrics.method == "local-fallback"
 
     status = json.loads(_get(decode, "/status"))
     assert status["role"] == "decode" and status["backend"] == "mlx" and status["loaded"]

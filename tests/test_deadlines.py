@@ -115,7 +115,7 @@ def test_a_prefill_longer_than_the_timeout_is_no_failure(
     prefill, decodes = cluster
     r = router(prefill, decodes[:1])
     res = r.run("tiny", LONG.replace(max_tokens=8, placement="remote"))
-    assert res.metrics["method"] == "disaggregated"  # waited for the slow prefill agent
+    assert res.metrics.method == "disaggregated"  # waited for the slow prefill agent
     assert res.metrics.ttft is not None and res.metrics.ttft > TIMEOUT_S
     assert not res.metrics.rerouted_from and not r.down_until
 
@@ -150,7 +150,7 @@ def test_queued_for_longer_than_the_timeout_is_no_failure(
         w.join(300)
     assert len(results) == 2
     assert all(len(res.token_ids) == LONG.max_tokens for res in results)
-    assert max(res.metrics["queue_time"] for res in results) > TIMEOUT_S
+    assert max(res.metrics.queue_time for res in results) > TIMEOUT_S
     assert not r.down_until
 
 
@@ -184,7 +184,7 @@ def test_a_silent_agent_is_failed_over_within_the_timeout(
         os.kill(victim.proc.pid, signal.SIGCONT)
     res = box["r"]
     assert res.token_ids == undisturbed.token_ids
-    [why] = res.metrics["rerouted_from"]
+    [why] = res.metrics.rerouted_from
     assert why.startswith(victim.name) and f"sent nothing for {TIMEOUT_S:g}s" in why
 
 

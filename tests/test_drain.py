@@ -90,7 +90,7 @@ def test_sigterm_drains_a_prefill_in_flight(drained: AgentSet) -> None:
     prefill.proc.send_signal(signal.SIGTERM)
     worker.join(120)
     assert not worker.is_alive()
-    assert box["r"].metrics["method"] == "disaggregated"  # finished, not fallen back
+    assert box["r"].metrics.method == "disaggregated"  # finished, not fallen back
     assert prefill.proc.wait(30) == 0
     log = prefill.log_path.read_text()
     # The agent counted the request as running when the signal came, and let it finish.

@@ -363,8 +363,8 @@ def _ask(pair: Any, schema: Any, placement: str, i: int = 0, **kw: Any) -> Any:
 def test_agent_answers_validate_from_random_weights(tiny_pair: Any, placement: str) -> None:
     for i, schema in enumerate(SCHEMAS):
         res = _ask(tiny_pair, schema, placement, i)
-        assert res.metrics["finish_reason"] == "stop", res.text
-        assert res.metrics["method"] == ("disaggregated" if placement == "remote" else "local")
+        assert res.metrics.finish_reason == "stop", res.text
+        assert res.metrics.method == ("disaggregated" if placement == "remote" else "local")
         jsonschema.validate(json.loads(res.text), schema)
     res = _ask(tiny_pair, {}, placement, 9)
     assert isinstance(json.loads(res.text), dict | list | str | int | float | bool | None)

@@ -11,17 +11,24 @@
   API, the fleet, the agents or `disagg serve`'s own module, walking every
   import (those inside functions too, and the packages each one runs).
 - Each front door's request and answer types (`disagg.frontends.<api>.types`)
-  stand apart from its routes: they reach no routes module and no fastapi; the
-  OpenAI and Ollama front doors never import each other (`app` mounts both).
+  stand apart from its routes: they reach no routes module and no fastapi; no
+  front door reaches another (`app` mounts them all; what they share is
+  `disagg.frontends.core`, `chat` and `refusal`), and the guard reaches none.
+- The answer is typed to the end: no module of `disagg` reads a field of the
+  agents' answer (Metrics, ToolCall, AgentStatus) by its string key.
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 from collections import deque
 from pathlib import Path
 
 import pytest
+
+from disagg_agents.wire.answer import Metrics, ToolCall
+from disagg_agents.wire.status import STATUS_FIELDS
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -142,18 +149,102 @@ def test_front_door_types_stand_apart_from_their_routes(api: str) -> None:
     assert not [n for n in imports(known[types]) if n == "fastapi" or n.startswith("fastapi.")]
 
 
-# Anthropic's Messages and OpenAI's Responses are translated onto OpenAI's chat
-# routes, by design; none of them reaches into Ollama's (what they share lives in
-# disagg/frontends/, e.g. agentinfo).
-APART = [FRONT_DOORS, FRONT_DOORS[::-1], ("anthropic", "ollama"), ("responses", "ollama")]
+# Every front door, the web view too: what they share lives in disagg/frontends/
+# (core: the run, refusals, usage; chat: the chat shape; agentinfo), never in another.
+ALL_DOORS = ("openai", "ollama", "anthropic", "responses", "embeddings", "webview")
+APART = [(a, b) for a in ALL_DOORS for b in ALL_DOORS if a != b]
 
 
 @pytest.mark.parametrize("api, other", APART)
 def test_front_doors_never_import_each_other(api: str, other: str) -> None:
     known = our_modules()
     roots = [m for m in known if m.startswith(f"disagg.frontends.{api}.")]
+    assert roots, f"no front door {api}"
     chain = reachable(roots, known)
     assert [c for m, c in chain.items() if m.startswith(f"disagg.frontends.{other}")] == []
+
+
+def test_the_guard_reaches_no_front_door() -> None:
+    known = our_modules()
+    chain = reachable(["disagg.frontends.guard"], known)
+    doors = tuple(f"disagg.frontends.{d}" for d in ALL_DOORS)
+    assert [c for m, c in chain.items() if m.startswith(doors)] == []
+
+
+# -- the answer typed to the end ----------------------------------------------------
+
+# The answer's field names a string key could read: Metrics', ToolCall's and
+# AgentStatus's (disagg_agents.wire parses each from the wire's JSON, once). Names
+# that are every JSON body's words are left to the types: a tool call's name and
+# arguments, a status's model, backend, device, requests, errors, batch and chat.
+GENERIC = {"name", "arguments", "model", "backend", "device", "requests", "errors", "batch"}
+ANSWER_FIELDS = (
+    (
+        {f.name for f in dataclasses.fields(Metrics)} - {"extra"}
+        | {f.name for f in dataclasses.fields(ToolCall)}
+        | STATUS_FIELDS
+    )
+    - GENERIC
+    - {"chat"}
+)
+# Other documents whose keys share a name with a field, by file and the name read:
+# what a test of each says it is.
+NOT_THE_ANSWER = {
+    ("disagg/frontends/app.py", "scope"),  # ASGI's scope: "method" is HTTP's
+    ("disagg/frontends/webview/fleet.py", "fp"),  # the weights' fingerprint
+    ("disagg/serving/embed.py", "reply"),  # the prefill agent's EMBED reply frame
+    ("disagg/cli/render.py", "report"),  # `disagg verify`'s report (serving.verify)
+    ("disagg/cli/plan.py", "sc"),  # a plan's scenario
+    ("disagg/cli/fleet.py", "r"),  # the web view's agent rows (`disagg status --url`)
+    ("disagg/frontends/webview/fleet.py", "pc"),  # the prefix cache's own document
+    ("disagg/frontends/webview/prom.py", "GAUGES"),  # its own table of gauges
+    # `disagg status` shows each agent's /status whole and names a field of an
+    # unexpected type (a typed read would hide it): the CLI's own reader.
+    ("disagg/cli/render_fleet.py", "st"),
+}
+
+
+def answer_key_reads(path: Path, rel: str) -> list[str]:
+    """`x["field"]` and `x.get("field")` reads of the answer's field names."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=rel)):
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
+            target, key = node.value, node.slice
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "get"
+            and node.args
+        ):
+            target, key = node.func.value, node.args[0]
+        else:
+            continue
+        if not (isinstance(key, ast.Constant) and key.value in ANSWER_FIELDS):
+            continue
+        if (rel, ast.unparse(target)) not in NOT_THE_ANSWER:
+            out.append(f"{rel}:{node.lineno} {ast.unparse(node)}")
+    return out
+
+
+def test_no_answer_field_is_read_by_its_string_key() -> None:
+    # The benchmarks' reports are their own JSON documents, named as the metrics are.
+    found = [
+        hit
+        for p in modules("disagg")
+        if not (rel := p.relative_to(REPO).as_posix()).startswith("disagg/bench/")
+        for hit in answer_key_reads(p, rel)
+    ]
+    assert found == []
+
+
+def test_the_answer_key_reader_sees_both_forms(tmp_path: Path) -> None:
+    probe = tmp_path / "x.py"
+    probe.write_text('m["ttft"]\nc.metrics.get("method")\nd["arguments_text"]\nok["text"]\n')
+    assert [h.split(" ", 1)[1] for h in answer_key_reads(probe, "x.py")] == [
+        "m['ttft']",
+        "c.metrics.get('method')",
+        "d['arguments_text']",
+    ]
 
 
 def test_the_graph_walker_sees_lazy_relative_and_package_imports(

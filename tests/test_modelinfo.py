@@ -35,12 +35,12 @@ def test_a_failed_fetch_is_not_kept() -> None:
         port = probe.getsockname()[1]
     agent = Endpoint("d0", "127.0.0.1", 1, control_port=port)
     info = ModelInfo(Client(router=Router([Route("m", [], [agent])])))
-    assert info.get("m") == {}
+    assert info.get("m").status.doc == {}
     server = ThreadingHTTPServer(("127.0.0.1", port), Status)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        assert info.get("m") == STATUS  # asked again, not the failure kept
-        assert info.get("m") == STATUS  # and now kept
+        assert info.get("m").status.doc == STATUS  # asked again, not the failure kept
+        assert info.get("m").status.chat == STATUS["chat"]  # and now kept, typed
     finally:
         server.shutdown()
         server.server_close()

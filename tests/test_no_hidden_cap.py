@@ -12,9 +12,9 @@ import openai
 import pytest
 
 from disagg.frontends import maxtokens
+from disagg.frontends.chat import chat_request
 from disagg.frontends.ollama.routes import chat_request as ollama_chat
 from disagg.frontends.ollama.types import ChatBody
-from disagg.frontends.openai.routes import chat_request
 from disagg.frontends.openai.types import ChatRequest
 from disagg.frontends.responses.types import ResponsesRequest, as_chat
 from tests.agentpool import AgentSet

@@ -83,24 +83,24 @@ def test_agents_choose_from_their_own_measurements(agent_pair: PairFactory) -> N
         target = {"host": "127.0.0.1", "port": relay.port}
         base = {"prompt": "hello there", "raw": True, "max_tokens": 4, "prefill": target}
         first = ask(decode, base).metrics
-        assert first["method"] == "disaggregated"
-        assert first["placement_reason"] == "no measurement of the prefill agent yet"
+        assert first.method == "disaggregated"
+        assert first.placement_reason == "no measurement of the prefill agent yet"
         forced = ask(decode, {**base, "placement": "local"}).metrics
-        assert forced["method"] == "local" and forced["kv_bytes"] == 0
+        assert forced.method == "local" and forced.kv_bytes == 0
         # Both sides are measured now. On a tiny model the two estimates are a few ms
         # apart and which wins depends on this machine's load; what must hold is that
         # the agent chose by its own estimates, and did what it chose.
         pattern = r"est\. remote ([\d.]+) ms .* vs local ([\d.]+) ms"
         for _ in range(3):
             auto = ask(decode, base).metrics
-            found = re.search(pattern, auto["placement_reason"])
-            assert found, auto["placement_reason"]
+            found = re.search(pattern, auto.placement_reason or "")
+            assert found, auto.placement_reason
             remote_ms, local_ms = float(found[1]), float(found[2])
             if local_ms != remote_ms:  # equal once rounded to 0.1 ms: either is right
-                assert auto["placement"] == ("local" if local_ms < remote_ms else "remote")
-            if auto["placement"] == "local":
-                assert auto["method"] == "local" and auto["kv_bytes"] == 0
+                assert auto.placement == ("local" if local_ms < remote_ms else "remote")
+            if auto.placement == "local":
+                assert auto.method == "local" and auto.kv_bytes == 0
             else:
-                assert auto["method"] == "disaggregated" and auto["kv_bytes"] > 0
+                assert auto.method == "disaggregated" and (auto.kv_bytes or 0) > 0
     finally:
         relay.close()

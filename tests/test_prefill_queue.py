@@ -293,7 +293,7 @@ def test_a_peer_that_stops_reading_delays_nobody_elses_prefill(
         took = time.monotonic() - t0
         after = sending(prefill)
         print(f"short prefill beside a stuck peer: {took:.2f}s; stuck: {after}")
-        assert served.metrics["method"] == "disaggregated"
+        assert served.metrics.method == "disaggregated"
         assert served.token_ids == reference.token_ids
         assert took < CEILING_S  # a hang guard; today it is about as fast as alone
         # ... and the stuck request was still stuck when it finished.

@@ -66,22 +66,22 @@ def check_hit(
     off = ask(decode, base(prompt=second_text, prefix_cache=False), prefill=prefill)
     first = ask(decode, base(prompt=first_text), prefill=prefill)
     hit = ask(decode, base(prompt=second_text), prefill=prefill)
-    assert off.metrics["method"] == hit.metrics["method"] == "disaggregated"
-    assert off.metrics["cached_tokens"] == 0
+    assert off.metrics.method == hit.metrics.method == "disaggregated"
+    assert off.metrics.cached_tokens == 0
     n = expected_hit(first.prompt_ids or [], hit.prompt_ids or [], window)
     assert n > 0
-    assert hit.metrics["cached_tokens"] == n
+    assert hit.metrics.cached_tokens == n
     assert hit.token_ids == off.token_ids
     fp = status(decode)["fingerprint"]
     full = sum(1 for kind, _ in fp["layers"] if kind == "full")
     # Only the suffix's positions of the full-attention layers are not sent again;
     # sliding layers send their last window-1 positions either way.
-    saved = off.metrics["kv_raw_bytes"] - hit.metrics["kv_raw_bytes"]
+    saved = (off.metrics.kv_raw_bytes or 0) - (hit.metrics.kv_raw_bytes or 0)
     assert saved == full * n * token_bytes(fp)
-    assert hit.metrics["kv_bytes"] < off.metrics["kv_bytes"]
+    assert (hit.metrics.kv_bytes or 0) < (off.metrics.kv_bytes or 0)
     # The prefill agent computed only the suffix, sliding layers included (it
     # keeps their every position): its own hit is not capped by the window.
-    assert hit.metrics["prefill_cached_tokens"] == expected_hit(
+    assert hit.metrics.prefill_cached_tokens == expected_hit(
         first.prompt_ids or [], hit.prompt_ids or []
     )
     return off, hit
@@ -123,7 +123,7 @@ def test_local_prefill_hits_and_matches(smol_agents: tuple[AgentProc, AgentProc]
     off = ask(decode, base(prompt=shared + " B side.", prefix_cache=False, placement="local"))
     ask(decode, base(prompt=shared + " A side.", placement="local"))
     hit = ask(decode, base(prompt=shared + " B side.", placement="local"))
-    assert hit.metrics["cached_tokens"] > 0
+    assert (hit.metrics.cached_tokens or 0) > 0
     assert hit.token_ids == off.token_ids
 
 
@@ -136,7 +136,7 @@ def test_concurrent_requests_sharing_a_prefix(smol_agents: tuple[AgentProc, Agen
     with ThreadPoolExecutor(4) as pool:
         ons = list(pool.map(lambda t: ask(decode, base(prompt=t), prefill=prefill), texts))
     assert [r.token_ids for r in ons] == [r.token_ids for r in offs]
-    assert all(r.metrics["cached_tokens"] > 0 for r in ons)
+    assert all((r.metrics.cached_tokens or 0) > 0 for r in ons)
 
 
 def test_eviction_at_a_tiny_cache_never_fails(agent_pair: PairFactory) -> None:
@@ -178,9 +178,9 @@ def test_restarted_prefill_agent_answers_identically(
     again = wait_ready("prefill", proc, log, name, 120)
     again.token = prefill.token
     hit = ask(decode, base(prompt=shared + " two"), prefill=again)
-    assert hit.metrics["method"] == "disaggregated", hit.metrics
-    assert hit.metrics["cached_tokens"] > 0
-    assert hit.metrics["prefill_cached_tokens"] == 0  # its cache went with it
+    assert hit.metrics.method == "disaggregated", hit.metrics
+    assert (hit.metrics.cached_tokens or 0) > 0
+    assert hit.metrics.prefill_cached_tokens == 0  # its cache went with it
     assert hit.token_ids == off.token_ids
 
 

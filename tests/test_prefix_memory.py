@@ -138,7 +138,7 @@ def test_prefill_dying_mid_stream_after_a_prefix_hit_falls_back_to_mlx_tokens(
     prefill, decode, model = slow_pair
     target = {"prefill": {"host": prefill.host, "port": prefill.port}, "placement": "remote"}
     first = ask(decode, base(prompt=text("Rubric") + " Answer one.", **target))
-    assert first.metrics["method"] == "disaggregated"
+    assert first.metrics.method == "disaggregated"
     hits0 = cache_status(decode)["hits"]
     out: dict[str, Any] = {}
 
@@ -156,8 +156,8 @@ def test_prefill_dying_mid_stream_after_a_prefix_hit_falls_back_to_mlx_tokens(
     prefill.proc.kill()
     t.join(120)
     res = out["res"]
-    assert res.metrics["method"] == "local-fallback", res.metrics
-    assert res.metrics["fallback_kind"] in ("stream", "timeout"), res.metrics
+    assert res.metrics.method == "local-fallback", res.metrics
+    assert res.metrics.fallback_kind in ("stream", "timeout"), res.metrics
     # The decode agent held a hit on that prefill agent's K/V (the local lookup
     # that followed missed: nothing was prefilled here yet).
     assert cache_status(decode)["hits"] == hits0 + 1
@@ -198,8 +198,8 @@ def test_gpt_oss_local_prefill_hits_and_matches(
     off, hit, n = check_hit(lambda r: ask(decode, {**r, "placement": "local"}), text("Local"))
     ids = hit.prompt_ids or []
     assert len(ids) >= 4 * WINDOW and n > 0
-    assert off.metrics["cached_tokens"] == 0
-    assert hit.metrics["cached_tokens"] == n  # every layer skipped the prefix
+    assert off.metrics.cached_tokens == 0
+    assert hit.metrics.cached_tokens == n  # every layer skipped the prefix
     assert hit.token_ids == mlx_greedy(refs.mlx_own(model), ids, N_NEW)
 
 
@@ -210,10 +210,10 @@ def test_gpt_oss_prefill_agent_hits_and_matches(
     target = {"prefill": {"host": prefill.host, "port": prefill.port}, "placement": "remote"}
     off, hit, n = check_hit(lambda r: ask(decode, {**r, **target}), text("Remote"))
     ids = hit.prompt_ids or []
-    assert hit.metrics["method"] == off.metrics["method"] == "disaggregated"
-    assert off.metrics["cached_tokens"] == off.metrics["prefill_cached_tokens"] == 0
+    assert hit.metrics.method == off.metrics.method == "disaggregated"
+    assert off.metrics.cached_tokens == off.metrics.prefill_cached_tokens == 0
     # The prefill agent computed only the suffix on every layer; the decode agent
     # asked only for what its sliding layers need (the last window at least).
-    assert hit.metrics["prefill_cached_tokens"] == n > 0
-    assert 0 < hit.metrics["cached_tokens"] <= len(ids) - WINDOW
+    assert hit.metrics.prefill_cached_tokens == n > 0
+    assert 0 < hit.metrics.cached_tokens <= len(ids) - WINDOW
     assert hit.token_ids == hf_greedy(refs.hf(model), ids, N_NEW)

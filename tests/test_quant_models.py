@@ -150,7 +150,7 @@ def test_agents_on_one_quantized_dir_match_an_independent_reference(
 ) -> None:
     prefill, decode = pair_for(name)
     res = ask(decode, request(prefill))
-    assert res.metrics["method"] == "disaggregated" and res.metrics["weights"] == "same"
+    assert res.metrics.method == "disaggregated" and res.metrics.weights == "same"
     ids = tokenizer_ids(quant_dir(name), " ".join([PROMPT] * 2), raw=True)
     assert res.prompt_ids == ids
     alone = reference_greedy(name, ids, refs)
@@ -176,7 +176,7 @@ def test_mixed_weights_are_refused_unless_allowed_then_labelled(
     assert "--allow-mixed" in line and "mixed_weights = true" in line
     _, allowed = agent_pair(quant_dir("smol-affine4"), decode_args=["--allow-mixed"])
     res = ask(allowed, request(full_prefill, 4))
-    assert res.metrics["method"] == "disaggregated" and res.metrics["weights"] == "mixed"
+    assert res.metrics.method == "disaggregated" and res.metrics.weights == "mixed"
 
 
 def test_packed_prefill_memory_stays_within_checkpoint_bytes() -> None:

@@ -269,7 +269,7 @@ def test_a_live_handshake_deadline_cuts_the_next_silent_peer(
     prefill.settings(handshake_timeout_s=5.0, max_connections=512)
     # The agents still answer, with the model loaded all along.
     res = ask(decode, remote_request(prefill))
-    assert res.metrics["method"] == "disaggregated" and len(res.token_ids) == 8
+    assert res.metrics.method == "disaggregated" and len(res.token_ids) == 8
 
 
 @pytest.mark.slow
@@ -279,12 +279,12 @@ def test_a_live_prefix_budget_of_zero_turns_reuse_off(
     prefill, decode = restored
     req = remote_request(prefill, LONG, cache_salt=f"budget-{time.time()}")
     ask(decode, req)
-    assert ask(decode, req).metrics["cached_tokens"] > 0
+    assert (ask(decode, req).metrics.cached_tokens or 0) > 0
     decode.settings(prefix_cache_mb=0)
     assert decode.status()["prefix_cache"]["bytes"] == 0
     again = remote_request(prefill, LONG, cache_salt=f"off-{time.time()}")
     ask(decode, again)
-    assert ask(decode, again).metrics["cached_tokens"] == 0
+    assert ask(decode, again).metrics.cached_tokens == 0
 
 
 @pytest.mark.slow

@@ -79,11 +79,11 @@ def test_generate_request_replace_is_typed_and_checked() -> None:
 def test_metrics_keep_the_wire_names() -> None:
     wire = {"prompt_tokens": 3, "method": "local", "cached_tokens": 0, "from_the_future": 1}
     m = Metrics.from_json(wire)
-    assert m.prompt_tokens == 3 and m["method"] == "local" and m.get("from_the_future") == 1
-    out = m.to_dict()
+    assert m.prompt_tokens == 3 and m.method == "local" and m.extra["from_the_future"] == 1
+    out = m.to_json()
     assert all(name in out for name in SEED_NAMES)  # the seed's names, always
     assert {k: out[k] for k in wire} == wire
-    assert "fallback_reason" not in out and "fallback_reason" not in m
+    assert "fallback_reason" not in out and m.fallback_reason is None
 
 
 # ---- no dicts into the API, one prefill target --------------------------------------------

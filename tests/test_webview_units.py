@@ -30,8 +30,8 @@ from disagg.frontends.app import create_app
 from disagg.frontends.webview import auth, prom
 from disagg.frontends.webview.fleet import last_error_line
 from disagg.frontends.webview.tracker import RequestLog, prompt_of
-from disagg.serving.router import Endpoint, Route, Router
-from disagg_agents.wire.answer import TokenEvent
+from disagg.serving.router import Endpoint, Route, Router, StopGeneration
+from disagg_agents.wire.answer import Metrics, TokenEvent
 from tests.conftest import free_port
 
 RESULT: dict[str, Any] = {
@@ -71,11 +71,18 @@ def test_prometheus_text_parses_and_counts_what_happened() -> None:
     )
     assert sample(before, "disagg_gateway_ttft_seconds", "disagg_gateway_ttft_seconds_count") == 0
     m.begin("m1")
-    m.end("m1", RESULT, "stop")
+    m.end("m1", Metrics.from_json(RESULT), "stop")
     m.begin("m1")
     m.end(
         "m1",
-        {**RESULT, "method": "local-fallback", "fallback_kind": "unreachable", "cached_tokens": 0},
+        Metrics.from_json(
+            {
+                **RESULT,
+                "method": "local-fallback",
+                "fallback_kind": "unreachable",
+                "cached_tokens": 0,
+            }
+        ),
         "length",
     )
     m.begin("m1")
@@ -127,18 +134,13 @@ def test_fallback_kinds_are_the_agents() -> None:
 def test_request_log_records_runs_and_failures() -> None:
     log = RequestLog(["m"])
 
-    class Stop(Exception):
-        pass
-
-    Stop.__name__ = "StopGeneration"
-
     def run(model: str, request: dict[str, Any], on_token: Any = None) -> Any:
         if request.get("prompt") == "boom":
             raise RuntimeError("agent died")
         if request.get("prompt") == "stop":
-            raise Stop
+            raise StopGeneration()
         on_token(TokenEvent(5, "hi"))
-        return type("R", (), {"metrics": dict(RESULT)})()
+        return type("R", (), {"metrics": Metrics.from_json(RESULT)})()
 
     wrapped = log.wrap(run)
     wrapped(
@@ -146,7 +148,7 @@ def test_request_log_records_runs_and_failures() -> None:
     )
     with pytest.raises(RuntimeError):
         wrapped("m", {"prompt": "boom"})
-    with pytest.raises(Stop):
+    with pytest.raises(StopGeneration):
         wrapped("m", {"prompt": "stop"})
     rows = log.snapshot()
     assert [r["state"] for r in rows] == ["done", "failed", "done"]

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from rich.table import Table
 
@@ -36,6 +36,16 @@ Pair = tuple["AgentProc", "AgentProc"]  # (prefill, decode)
 
 DECODE_PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
 COLORS = ("red", "green", "blue", "amber", "violet", "grey")
+
+
+T = TypeVar("T")
+
+
+def need(value: T | None, what: str = "metric") -> T:
+    """A metric the bench cannot go on without: an error where the run had none."""
+    if value is None:
+        raise ValueError(f"the run reported no {what}")
+    return value
 
 
 def quiet(_msg: str) -> None:

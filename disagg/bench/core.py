@@ -31,6 +31,7 @@ from disagg.bench.common import (
     local_pair,
     long_text,
     median,
+    need,
     num,
     pair_machine_info,
     quiet,
@@ -188,7 +189,7 @@ def decode_compare(
         lambda: refs.mlx_decode(chat_ids, tokens),
         lambda i: say(f"decode {i}/{repeats}: agent, then mlx-lm ({tokens} tokens each)"),
     )
-    agent_speeds = [float(r.metrics["decode_speed"]) for r in agent_runs]
+    agent_speeds = [float(need(r.metrics.decode_speed)) for r in agent_runs]
     mlx_speeds = [speed for speed, _ in mlx_runs]
     same_tokens = all(
         r.token_ids == toks for r, (_, toks) in zip(agent_runs, mlx_runs, strict=True)
@@ -231,12 +232,12 @@ def ttft_compare(
         lambda: refs.hf_prefill(long_ids),
         lambda i: say(f"ttft {i}/{repeats}: disaggregated, then transformers"),
     )
-    ttfts = [float(r.metrics["ttft"]) for r in agent_runs]
+    ttfts = [float(need(r.metrics.ttft)) for r in agent_runs]
     hf_times = [secs for secs, _ in hf_runs]
     same_first = all(
         r.token_ids[:1] == [first] for r, (_, first) in zip(agent_runs, hf_runs, strict=True)
     )
-    runs = [{k: r.metrics.get(k) for k in BREAKDOWN_KEYS} for r in agent_runs]
+    runs = [{k: getattr(r.metrics, k) for k in BREAKDOWN_KEYS} for r in agent_runs]
     return {
         "prompt_tokens": len(long_ids),
         **versus(

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
-from disagg.bench.common import Stamp, local_pair, pair_machine_info, quiet, table
+from disagg.bench.common import Stamp, local_pair, need, pair_machine_info, quiet, table
 from disagg.serving.defaultmodel import Say
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ def long_schema(i: int) -> dict[str, Any]:
 
 
 def _speeds(results: list[Any], wall_s: float) -> dict[str, Any]:
-    per_row = [r.metrics["decode_speed"] for r in results if r.metrics.get("decode_speed")]
+    per_row = [r.metrics.decode_speed for r in results if r.metrics.decode_speed]
     tokens = sum(len(r.token_ids) for r in results)
     return {
         "row_tok_s": statistics.fmean(per_row),
@@ -76,8 +76,8 @@ def run_formats_bench(
         ask = functools.partial(_ask, prefill, decode, new_tokens)
         say("warming up (the grammar engine reads the tokenizer once)")
         ask({"type": "object", "properties": {"warm": {"type": "boolean"}}})
-        cold = ask(GRADER).metrics["grammar_ms"]
-        hits = [ask(GRADER).metrics["grammar_ms"] for _ in range(5)]
+        cold = need(ask(GRADER).metrics.grammar_ms)
+        hits = [need(ask(GRADER).metrics.grammar_ms) for _ in range(5)]
         say(f"grader schema: compile {cold:.2f} ms, cache hit {statistics.median(hits):.3f} ms")
         runs = _batch_runs(ask, repeats, say)
         machine = pair_machine_info(prefill, decode)
@@ -161,7 +161,7 @@ def _batch_runs(
                 speeds = _speeds(results, time.perf_counter() - t0)
                 if name == "json":  # what the constraint gave is checked, not trusted
                     speeds["valid"] = all(
-                        _valid(r.text) and r.metrics["finish_reason"] == "stop" for r in results
+                        _valid(r.text) and r.metrics.finish_reason == "stop" for r in results
                     )
                 runs[str(batch)][name].append(speeds)
                 say(

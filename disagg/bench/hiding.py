@@ -37,6 +37,7 @@ from disagg.bench.common import (
     Say,
     disaggregated,
     long_text,
+    need,
     pair_machine_info,
     quiet,
     table,
@@ -194,15 +195,15 @@ def once(pair: Pair, text: str) -> dict[str, Any]:
     res, stamps = disaggregated(*pair, req, timeout_s=600)
     m = res.metrics
     ttft = stamps[0] - t0
-    compute = float(m["prefill_time"])
+    compute = float(need(m.prefill_time))
     return {
         "ttft_s": ttft,
         "compute_s": compute,
         "overhead_s": ttft - compute,
-        "kv_bytes": int(m["kv_bytes"]),
-        "prompt_tokens": int(m["prompt_tokens"]),
+        "kv_bytes": int(need(m.kv_bytes)),
+        "prompt_tokens": int(need(m.prompt_tokens)),
         "kv_link_gbit_s": (
-            m["kv_link_bytes"] * 8 / m["kv_link_time"] / 1e9 if m.get("kv_link_time") else None
+            need(m.kv_link_bytes) * 8 / m.kv_link_time / 1e9 if m.kv_link_time else None
         ),
     }
 

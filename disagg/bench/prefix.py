@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
+from disagg.bench.common import need
 from disagg.serving.defaultmodel import Say
 from disagg.units import fmt
 
@@ -143,7 +144,7 @@ def _cache_off_then_on(
         runs[name] = []
         for i, sub in enumerate(subs):
             runs[name].append(ask(sub, cache))
-            say(f"cache {name}: {i + 1}/{len(subs)}, ttft {runs[name][-1].metrics['ttft']:.3f}s")
+            say(f"cache {name}: {i + 1}/{len(subs)}, ttft {need(runs[name][-1].metrics.ttft):.3f}s")
     return runs, primer_ids
 
 
@@ -158,27 +159,27 @@ def _summary(off: list[Any], on: list[Any], primer_ids: list[int]) -> dict[str, 
 
     # Each prompt's share past the shared prefix, of the bytes the cache-off run sent.
     suffix_share = sum(
-        r.metrics["kv_bytes"]
+        r.metrics.kv_bytes
         * (len(r.prompt_ids or []) - shared(r.prompt_ids or []))
         / len(r.prompt_ids or [1])
         for r in off
     )
-    ttft_off = statistics.fmean(r.metrics["ttft"] for r in off)
-    ttft_on = statistics.fmean(r.metrics["ttft"] for r in on)
-    bytes_off = sum(int(r.metrics["kv_bytes"]) for r in off)
-    bytes_on = sum(int(r.metrics["kv_bytes"]) for r in on)
+    ttft_off = statistics.fmean(r.metrics.ttft for r in off)
+    ttft_on = statistics.fmean(r.metrics.ttft for r in on)
+    bytes_off = sum(int(r.metrics.kv_bytes) for r in off)
+    bytes_on = sum(int(r.metrics.kv_bytes) for r in on)
     same = all(a.token_ids == b.token_ids for a, b in zip(off, on, strict=True))
     lengths = [len(r.prompt_ids or []) for r in on]
     ttft_ratio, bytes_ratio = ttft_on / ttft_off, bytes_on / suffix_share
     return {
         "prompt_tokens_mean": statistics.fmean(lengths),
         "shared_tokens": shared(on[0].prompt_ids or []),
-        "cached_tokens_mean": statistics.fmean(r.metrics["cached_tokens"] for r in on),
+        "cached_tokens_mean": statistics.fmean(r.metrics.cached_tokens for r in on),
         "prefill_cached_tokens_mean": statistics.fmean(
-            r.metrics.get("prefill_cached_tokens") or 0 for r in on
+            r.metrics.prefill_cached_tokens or 0 for r in on
         ),
-        "ttft_off_s": [r.metrics["ttft"] for r in off],
-        "ttft_on_s": [r.metrics["ttft"] for r in on],
+        "ttft_off_s": [r.metrics.ttft for r in off],
+        "ttft_on_s": [r.metrics.ttft for r in on],
         "ttft_off_mean_s": ttft_off,
         "ttft_on_mean_s": ttft_on,
         "ttft_ratio": ttft_ratio,

@@ -30,6 +30,7 @@ from disagg.bench.common import (
     disaggregated,
     local_pair,
     long_text,
+    need,
     quiet,
     table,
     verdict,
@@ -170,7 +171,7 @@ def agents_part(
                 else:
                     req.update(placement="local", prefix_cache=False)
                     res = wireclient.generate(decode.host, decode.port, req, token=decode.token)
-                times.append(float(res.metrics["ttft"]))
+                times.append(float(need(res.metrics.ttft)))
             return statistics.median(times[warm:])
 
         say(f"quant weights: TTFT disaggregated at {tokens} and {mlx_tokens} tokens")
@@ -193,7 +194,7 @@ def agents_part(
         "greedy_tokens": len(alone),
         "greedy_agreement": sum(a == b for a, b in pairs) / max(1, len(alone)),
         "greedy_identical_prefix": first,
-        "weights": res.metrics.get("weights"),
+        "weights": res.metrics.weights,
     }
 
 

@@ -42,6 +42,7 @@ from disagg.bench.common import (
     local_pair,
     long_text,
     median_or_none,
+    need,
     pair_machine_info,
     quiet,
     table,
@@ -117,8 +118,8 @@ class Systems:
         req = {"prompt": text, "raw": True, "max_tokens": self.tokens, "ignore_eos": True}
         res, stamps = disaggregated(*self.pair, req)
         out = _timing(stamps, t0)
-        out["kv_bytes"] = res.metrics.get("kv_bytes")
-        out["prefill_time"] = res.metrics.get("prefill_time")
+        out["kv_bytes"] = res.metrics.kv_bytes
+        out["prefill_time"] = res.metrics.prefill_time
         out["first_token"] = res.token_ids[0] if res.token_ids else None
         return out
 
@@ -230,7 +231,7 @@ def memory_part(systems: Systems, length: int, say: Say) -> dict[str, Any]:
     except OSError as e:
         memory["error"] = f"cannot read /proc for the decode agent: {e}"
         return memory
-    kv = int(res.metrics["kv_bytes"])
+    kv = int(need(res.metrics.kv_bytes))
     model_bytes = sum(p.stat().st_size for p in systems.model_dir.glob("*.safetensors"))
     growth = after["VmHWM"] - before["VmRSS"]
     memory.update(
@@ -392,11 +393,9 @@ def concurrency_row(n: int, results: list[Stamped | BaseException], wall: float)
         "aggregate_tok_s": after_first / window if window > 0 else 0.0,
         "end_to_end_tok_s": total / wall,
         "decode_window_s": window,
-        "per_request_decode_tok_s": median_or_none(
-            [float(r.metrics["decode_speed"]) for r in done]
-        ),
-        "ttft_p50_s": median_or_none([float(r.metrics["ttft"]) for r in done]),
-        "ttft_max_s": max((float(r.metrics["ttft"]) for r in done), default=None),
+        "per_request_decode_tok_s": median_or_none([float(r.metrics.decode_speed) for r in done]),
+        "ttft_p50_s": median_or_none([float(r.metrics.ttft) for r in done]),
+        "ttft_max_s": max((float(r.metrics.ttft) for r in done), default=None),
     }
 
 

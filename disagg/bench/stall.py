@@ -31,6 +31,7 @@ from disagg.bench.common import (
     cell,
     local_pair,
     long_text,
+    need,
     num,
     quiet,
     table,
@@ -101,14 +102,15 @@ def prefill_stall(
 
 def _gaps(arrivals: list[float], res: client.Result) -> dict[str, Any]:
     """The stream's token arrivals against the prefill's window on the agent's timeline."""
-    t = res.metrics["timeline"]
-    begin, end = t["at"] + t["prefill_start"], t["at"] + t["prefill_end"]
+    t = need(res.metrics.timeline, "timeline")
+    at = need(t["at"])
+    begin, end = at + need(t["prefill_start"]), at + need(t["prefill_end"])
     gaps = [(a, b) for a, b in zip(arrivals, arrivals[1:], strict=False) if b > begin and a < end]
     before = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False) if b <= begin]
     longest = max((b - a for a, b in gaps), default=end - begin)
     prefill_s = end - begin
     return {
-        "prompt_tokens": res.metrics["prompt_tokens"],
+        "prompt_tokens": res.metrics.prompt_tokens,
         "prefill_s": prefill_s,
         "longest_gap_s": longest,
         "gap_vs_prefill": longest / prefill_s if prefill_s > 0 else None,

@@ -329,7 +329,7 @@ def _run_one(client: Any, name: str, request: Any, as_json: bool, hide_reasoning
                     "finish_reason": c.finish_reason,
                     "token_ids": c.token_ids,
                     "model": model_dir,
-                    "metrics": c.metrics.to_dict(),
+                    "metrics": c.metrics.to_json(),
                 }
             )
         )
@@ -589,11 +589,9 @@ def verify(
         alone = wireclient.generate(d.host, d.port, request, token=d.token)
         model_dir = str(next(iter(session.model_dirs.values())))
     report = compare(disagg, alone, min_agreement, model_dir)
-    if disagg.metrics.get("method") != "disaggregated":
+    if disagg.metrics.method != "disaggregated":
         report["ok"] = False
-        report["error"] = (
-            f"the disaggregated run fell back: {disagg.metrics.get('fallback_reason')}"
-        )
+        report["error"] = f"the disaggregated run fell back: {disagg.metrics.fallback_reason}"
     if as_json:
         print(json.dumps(report))
     else:

@@ -16,11 +16,11 @@ def metrics_table(metrics: Metrics, title: str = "metrics") -> Table:
     table.add_column("metric")
     table.add_column("value", justify="right")
     for name in SEED_NAMES:
-        table.add_row(name, fmt(metrics.get(name), UNITS.get(name, "")))
-    if metrics.get("fallback_reason"):
-        table.add_row("fallback_reason", plain(metrics["fallback_reason"], None))
-    if metrics.get("weights"):
-        table.add_row("weights", plain(metrics["weights"]))  # "mixed": other weights prefilled
+        table.add_row(name, fmt(getattr(metrics, name), UNITS.get(name, "")))
+    if metrics.fallback_reason:
+        table.add_row("fallback_reason", plain(metrics.fallback_reason, None))
+    if metrics.weights:
+        table.add_row("weights", plain(metrics.weights))  # "mixed": other weights prefilled
     return table
 
 
@@ -63,15 +63,15 @@ def batch_table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> Table:
     for col in ("id", "model", "method", "ttft", "tokens", "time", "text / error"):
         table.add_column(col)
     for r in rows:
-        m = r.get("metrics") or {}
+        m = Metrics.from_json(r.get("metrics") or {})
         error = r.get("error")
         text = plain(error, style="red") if error else plain((r.get("text") or "").strip(), 60)
         table.add_row(
             plain(r["id"]),
             plain(r.get("model")),
-            plain(m.get("method", "-")),
-            fmt(m.get("ttft"), "s"),
-            fmt(m.get("completion_tokens")),
+            plain(m.method or "-"),
+            fmt(m.ttft, "s"),
+            fmt(m.completion_tokens),
             fmt(r.get("time"), "s"),
             text,
         )

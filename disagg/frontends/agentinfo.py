@@ -6,13 +6,23 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from dataclasses import dataclass, field
 
 from disagg.api import Client
-from disagg.serving.control import control_status
+from disagg.serving.control import agent_status
 from disagg_agents.wire.frames import AuthError
+from disagg_agents.wire.status import AgentStatus
 
 INFO_TTL_S = 30.0
+
+
+@dataclass(frozen=True)
+class About:
+    """A served model as its agents describe it: one agent's /status (empty when
+    none answered) and whether the pipeline embeds only (it has no decode side)."""
+
+    status: AgentStatus = field(default_factory=AgentStatus)
+    embedding_only: bool = False
 
 
 class ModelInfo:
@@ -21,16 +31,16 @@ class ModelInfo:
 
     def __init__(self, client: Client) -> None:
         self.client = client
-        self.cache: dict[str, tuple[float, dict[str, Any]]] = {}
+        self.cache: dict[str, tuple[float, About]] = {}
         self.lock = threading.Lock()
 
-    def get(self, name: str) -> dict[str, Any]:
+    def get(self, name: str) -> About:
         now = time.monotonic()
         with self.lock:
             hit = self.cache.get(name)
         if hit and now - hit[0] < INFO_TTL_S:
             return hit[1]
-        info: dict[str, Any] = {}
+        status: AgentStatus | None = None
         router = self.client.router
         pipe = router.pipeline(name)
         # An embedding pipeline has no decode side: its prefill agents say it.
@@ -38,14 +48,13 @@ class ModelInfo:
             if ep.control_port is None:
                 continue
             try:
-                info = control_status(ep.host, ep.control_port, router.token, timeout_s=2.0)
+                status = agent_status(ep.host, ep.control_port, router.token, timeout_s=2.0)
                 break
             except (OSError, ValueError, AuthError):
                 continue
-        if pipe.embedding_only:  # /api/show's capabilities, fetched or not
-            info = {**info, "embedding_only": True}
-        if info and (len(info) > 1 or not pipe.embedding_only):
+        about = About(status or AgentStatus(), pipe.embedding_only)
+        if status is not None and status.doc:
             # a failed fetch is never kept: the next request asks again
             with self.lock:
-                self.cache[name] = (now, info)
-        return info
+                self.cache[name] = (now, about)
+        return about

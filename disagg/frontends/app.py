@@ -18,14 +18,16 @@ from pydantic import ValidationError
 from disagg.api import Client
 from disagg.frontends import webview
 from disagg.frontends.anthropic import routes as anthropic_routes
-from disagg.frontends.anthropic.types import AnthropicError
+from disagg.frontends.anthropic.types import AnthropicError, anthropic_error_body
 from disagg.frontends.embeddings import routes as embedding_routes
-from disagg.frontends.guard import MAX_BODY_BYTES, Guard, anthropic_error_body, for_caller
+from disagg.frontends.guard import MAX_BODY_BYTES, Guard, for_caller
 from disagg.frontends.ollama import routes as ollama_routes
 from disagg.frontends.ollama.types import OllamaError
 from disagg.frontends.openai import routes as openai_routes
 from disagg.frontends.openai.types import OpenAIError
+from disagg.frontends.refusal import ApiError
 from disagg.frontends.responses import routes as responses_routes
+from disagg.frontends.webview import auth as webauth
 from disagg.frontends.webview.tracker import RequestLog
 from disagg.frontends.workers import Workers
 
@@ -43,7 +45,9 @@ def create_app(
     sized to the cluster's batch capacity), which refuses requests past its limit."""
     app = FastAPI(title="disagg gateway")
     log = RequestLog(client.models())
-    app.add_middleware(Guard, api_key=api_key, max_body=max_body)
+    app.add_middleware(
+        Guard, api_key=api_key, max_body=max_body, error_body=error_body, web_view=webauth
+    )
     app.add_middleware(ListRefusals, log=log)  # outermost: sees the guard's 401s and 413s
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     pool = workers or Workers.for_router(client.router, keys=len(keys))
@@ -62,6 +66,18 @@ def create_app(
         return {"ok": True}
 
     return app
+
+
+def error_body(path: str, status: int, message: str, code: str) -> dict[str, Any]:
+    """The error in the shape of the API the path belongs to: Anthropic's under
+    /v1/messages, OpenAI's elsewhere under /v1, Ollama's `{"error": "..."}` elsewhere
+    (the guard's 401, 408 and 413 answer in it)."""
+    if path.startswith("/v1/messages"):
+        return anthropic_error_body(status, message)
+    if path.startswith("/v1"):
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        return ApiError(status, message, kind, None, code).body()
+    return {"error": message}
 
 
 class ListRefusals:

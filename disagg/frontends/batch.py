@@ -92,7 +92,7 @@ def run_batch(
                 "text": c.text,
                 "token_ids": c.token_ids,
                 "finish_reason": c.finish_reason,
-                "metrics": c.metrics.to_dict(),
+                "metrics": c.metrics.to_json(),
             }
         except DisaggError as e:
             row = {"id": item.id, "model": model, "error": str(e)}

@@ -10,13 +10,12 @@ import hmac
 import json
 import secrets
 import threading
-from collections.abc import Awaitable, Callable, MutableMapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
+from typing import Any, Protocol
 
 from starlette.requests import Request
 
 from disagg.frontends import tenancy
-from disagg.frontends.webview import auth as webauth
 
 MAX_BODY_BYTES = 4 << 20
 BODY_TIMEOUT_S = 30.0  # a request's whole body must arrive within this (a trickle is cut)
@@ -30,33 +29,35 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
-def error_body(path: str, status: int, message: str, code: str) -> dict[str, Any]:
-    """The error in the shape of the API the path belongs to: Anthropic's under
-    /v1/messages, OpenAI's elsewhere under /v1, Ollama's `{"error": "..."}` elsewhere."""
-    if path.startswith("/v1/messages"):
-        return anthropic_error_body(status, message)
-    if path.startswith("/v1"):
-        kind = "invalid_request_error" if status < 500 else "server_error"
-        return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+# Each API's error body for a path (the app's: it mounts the APIs), from the
+# path, status, message and OpenAI-family code. Without one: `{"error": message}`.
+ErrorBody = Callable[[str, int, str, str], dict[str, Any]]
+
+
+def plain_error_body(path: str, status: int, message: str, code: str) -> dict[str, Any]:
     return {"error": message}
 
 
-ANTHROPIC_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    529: "overloaded_error",
-}
+class WebView(Protocol):
+    """The web view's sign-in as the guard asks it (the app passes
+    disagg.frontends.webview.auth): its open pages, and a cookie for its data."""
+
+    def is_open_path(self, path: str) -> bool: ...
+    def cookie_opens(self, path: str) -> bool: ...
+    def signed_in(self, headers: Mapping[bytes, bytes], digest: bytes) -> bool: ...
 
 
-def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
-    """Anthropic's error shape: `{"type": "error", "error": {"type", "message"}}`."""
-    fallback = "invalid_request_error" if status < 500 else "api_error"
-    kind = ANTHROPIC_ERROR_TYPES.get(status, fallback)
-    return {"type": "error", "error": {"type": kind, "message": message}}
+class NoWebView:
+    """A gateway without a web view: nothing open, no cookie honoured."""
+
+    def is_open_path(self, path: str) -> bool:
+        return False
+
+    def cookie_opens(self, path: str) -> bool:
+        return False
+
+    def signed_in(self, headers: Mapping[bytes, bytes], digest: bytes) -> bool:
+        return False
 
 
 # -- tenants -------------------------------------------------------------------
@@ -105,8 +106,12 @@ class Guard:
         api_key: str | Sequence[str] | None,
         max_body: int = MAX_BODY_BYTES,
         body_timeout_s: float = BODY_TIMEOUT_S,
+        error_body: ErrorBody = plain_error_body,
+        web_view: WebView | None = None,
     ):
         self.app = app
+        self.error_body = error_body
+        self.webauth = web_view or NoWebView()
         keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
         self.key_digests = [hashlib.sha256(k.encode()).digest() for k in keys if k]
         self.key_digest = self.key_digests[0] if self.key_digests else None
@@ -137,11 +142,15 @@ class Guard:
     def web_view(self, scope: Scope) -> bool:
         """The web view: its page shell is open; its sign-in cookie opens its data only."""
         path = scope["path"]
-        if webauth.is_open_path(path):
+        if self.webauth.is_open_path(path):
             return True
         headers = dict(scope.get("headers") or [])
         key = self.key_digest
-        return key is not None and webauth.cookie_opens(path) and webauth.signed_in(headers, key)
+        return (
+            key is not None
+            and self.webauth.cookie_opens(path)
+            and self.webauth.signed_in(headers, key)
+        )
 
     def authorized(self, scope: Scope) -> bool:
         tenant = self.tenant(scope) if self.key_digests else None
@@ -152,9 +161,12 @@ class Guard:
         if not self.key_digests or scope["path"] in OPEN_PATHS or tenant is not None:
             return True
         if self.web_view(scope):
-            state[OPERATOR] = not webauth.is_open_path(scope["path"])
+            state[OPERATOR] = not self.webauth.is_open_path(scope["path"])
             return True
         return False
+
+    async def reply(self, send: Send, path: str, status: int, message: str, code: str) -> None:
+        await _reply(send, self.error_body(path, status, message, code), status)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -162,14 +174,14 @@ class Guard:
             return
         path = scope["path"]
         if not self.authorized(scope):
-            await _reply(
+            await self.reply(
                 send, path, 401, "unauthorized: send Authorization: Bearer KEY", "invalid_api_key"
             )
             return
         too_big = f"request body over {self.max_body} bytes"
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
-            await _reply(send, path, 413, too_big, "request_too_large")
+            await self.reply(send, path, 413, too_big, "request_too_large")
             return
         # Read the body here (it is small by now) so a chunked one is capped too;
         # pieces joined once (a `+=` per piece is quadratic in 1-byte pieces).
@@ -186,11 +198,11 @@ class Guard:
                     size += len(piece)
                     more = message.get("more_body", False)
                     if size > self.max_body:
-                        await _reply(send, path, 413, too_big, "request_too_large")
+                        await self.reply(send, path, 413, too_big, "request_too_large")
                         return
         except TimeoutError:
             late = f"request body not received within {self.body_timeout_s:g}s"
-            await _reply(send, path, 408, late, "request_timeout")
+            await self.reply(send, path, 408, late, "request_timeout")
             return
         body = b"".join(pieces)
         if body and path.startswith(JSON_PATHS):
@@ -221,8 +233,8 @@ def json_whatever_the_type(scope: Scope) -> None:
     scope["headers"] = [*headers, (b"content-type", b"application/json")]
 
 
-async def _reply(send: Send, path: str, status: int, message: str, code: str) -> None:
-    raw = json.dumps(error_body(path, status, message, code)).encode()
+async def _reply(send: Send, body: dict[str, Any], status: int) -> None:
+    raw = json.dumps(body).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
     if status == 401:
         headers.append((b"www-authenticate", b"Bearer"))

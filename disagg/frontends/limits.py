@@ -170,72 +170,78 @@ class Admission:
             self.open.pop(key, None)
 
 
-def limited_protocol(limits: Limits, admission: Admission) -> type[H11Protocol]:
+class LimitedProtocol(H11Protocol):
     """uvicorn's h11 protocol with admission (evicting the oldest silent connection
-    at a cap), a first-byte deadline and a headers deadline."""
+    at a cap), a first-byte deadline and a headers deadline; `limited_protocol`
+    gives it its limits and admission."""
 
-    class Limited(H11Protocol):
-        _addr: str | None = None
-        _timer: Any = None
-        _first: Any = None
+    conn_limits: Limits
+    admission: Admission
+    _addr: str | None = None
+    _timer: Any = None
+    _first: Any = None
 
-        def connection_made(self, transport: Any) -> None:
-            super().connection_made(transport)
-            addr = (self.client or ("?", 0))[0]
-            if not admission.admit(self, addr):
-                transport.abort()  # no answer: an answer would cost what we refuse to spend
-                return
-            self._addr = addr
-            self._first = self.loop.call_later(limits.first_byte_timeout_s, self._late)
-            self._arm()
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        addr = (self.client or ("?", 0))[0]
+        if not self.admission.admit(self, addr):
+            transport.abort()  # no answer: an answer would cost what we refuse to spend
+            return
+        self._addr = addr
+        self._first = self.loop.call_later(self.conn_limits.first_byte_timeout_s, self._late)
+        self._arm()
 
-        def _idle(self) -> bool:
-            """No request under way: waiting for the next one's headers."""
-            return self.cycle is None or self.cycle.response_complete
+    def _idle(self) -> bool:
+        """No request under way: waiting for the next one's headers."""
+        return self.cycle is None or self.cycle.response_complete
 
-        def _arm(self) -> None:
-            # Fires unless a request is under way by then.
-            assert self._addr is not None
-            admission.waiting(self, self._addr)
-            self._timer = self.loop.call_later(limits.header_timeout_s, self._late)
+    def _arm(self) -> None:
+        # Fires unless a request is under way by then.
+        assert self._addr is not None
+        self.admission.waiting(self, self._addr)
+        self._timer = self.loop.call_later(self.conn_limits.header_timeout_s, self._late)
 
-        def _late(self) -> None:
-            if self._idle() and not self.transport.is_closing():
-                self.evict()
+    def _late(self) -> None:
+        if self._idle() and not self.transport.is_closing():
+            self.evict()
 
-        def evict(self) -> None:
-            """Close now and give its place back at once (abort's connection_lost comes later)."""
-            self._release()
-            self.transport.abort()
+    def evict(self) -> None:
+        """Close now and give its place back at once (abort's connection_lost comes later)."""
+        self._release()
+        self.transport.abort()
 
-        def data_received(self, data: bytes) -> None:
-            if self._first is not None:
-                self._first.cancel()
-                self._first = None
-            super().data_received(data)
-            if not self._idle():
-                admission.heard(self)
+    def data_received(self, data: bytes) -> None:
+        if self._first is not None:
+            self._first.cancel()
+            self._first = None
+        super().data_received(data)
+        if not self._idle():
+            self.admission.heard(self)
 
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if self._timer is not None and not self.transport.is_closing():
-                self._timer.cancel()
-                if self._idle():
-                    self._arm()  # a kept-alive connection's next headers, on the same terms
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._timer is not None and not self.transport.is_closing():
+            self._timer.cancel()
+            if self._idle():
+                self._arm()  # a kept-alive connection's next headers, on the same terms
 
-        def _release(self) -> None:
-            for timer in (self._timer, self._first):
-                if timer is not None:
-                    timer.cancel()
-            if self._addr is not None:
-                admission.release(self, self._addr)
-                self._addr = None
+    def _release(self) -> None:
+        for timer in (self._timer, self._first):
+            if timer is not None:
+                timer.cancel()
+        if self._addr is not None:
+            self.admission.release(self, self._addr)
+            self._addr = None
 
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._release()
-            super().connection_lost(exc)
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._release()
+        super().connection_lost(exc)
 
-    return Limited
+
+def limited_protocol(limits: Limits, admission: Admission) -> type[H11Protocol]:
+    """LimitedProtocol bound to these limits and this admission."""
+    attrs = {"conn_limits": limits, "admission": admission}
+    return type("Limited", (LimitedProtocol,), attrs)
 
 
 class OncePer(logging.Filter):

@@ -35,7 +35,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from disagg.errors import Overloaded
 from disagg.frontends import tenancy
-from disagg.serving.control import control_status
+from disagg.serving.control import agent_status
 from disagg.serving.router import Router
 from disagg_agents.wire.frames import AuthError
 
@@ -58,9 +58,9 @@ def batch_capacity(router: Router, timeout_s: float = 2.0) -> int:
             size = DEFAULT_BATCH
             if ep.control_port is not None:
                 try:
-                    got = control_status(ep.host, ep.control_port, router.token, timeout_s)
-                    if isinstance(got.get("max_batch"), int) and got["max_batch"] > 0:
-                        size = got["max_batch"]
+                    got = agent_status(ep.host, ep.control_port, router.token, timeout_s)
+                    if got.max_batch is not None and got.max_batch > 0:
+                        size = got.max_batch
                 except (OSError, ValueError, AuthError):
                     pass  # down for now: count what it would take
             total += size

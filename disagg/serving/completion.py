@@ -12,11 +12,10 @@ the whole Completion.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
-from disagg_agents.wire.answer import Done, Metrics
+from disagg_agents.wire.answer import Done, Metrics, ToolCall
 
 
 @dataclass
@@ -29,7 +28,7 @@ class Completion:
     finish_reason: str = "stop"
     model: str = ""  # the pipeline that answered ("" from the bare wire client)
     reasoning: str = ""  # the model's private reasoning (harmony analysis, <think>)
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # {"name", "arguments": {}}
+    tool_calls: list[ToolCall] = field(default_factory=list)
     logprobs: list[np.ndarray] = field(default_factory=list)  # one per token, when asked
     prompt_ids: list[int] | None = None  # the prompt's token ids, when asked
     stop_sequence: str | None = None  # the stop sequence that ended the answer, if one did

@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 from disagg_agents.wire.httpauth import ControlError, control_get, control_put
+from disagg_agents.wire.status import AgentStatus
 from disagg_agents.wire.text import printable
 
 
@@ -34,6 +35,13 @@ def control_status(
     """The agent's /status document. Raises OSError (no answer), disagg_agents.wire's
     AuthError (token refused) or ValueError (a malformed answer)."""
     return parse_status(control_get(host, control_port, "/status", token, timeout_s))
+
+
+def agent_status(
+    host: str, control_port: int, token: bytes | None, timeout_s: float = 5.0
+) -> AgentStatus:
+    """The agent's /status, typed (AgentStatus); raises as control_status does."""
+    return AgentStatus.from_json(control_status(host, control_port, token, timeout_s))
 
 
 def agent_settings(

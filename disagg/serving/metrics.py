@@ -28,9 +28,9 @@ INTERNAL_NAMES = frozenset(
 
 
 def public_metrics(m: Metrics) -> dict[str, Any]:
-    """`m.to_dict()` without the internals (seed names kept, as None) and without
+    """`m.to_json()` without the internals (seed names kept, as None) and without
     fields this release does not know (they could be internals too)."""
-    out = {k: v for k, v in m.to_dict().items() if k in NAMES and k not in INTERNAL_NAMES}
+    out = {k: v for k, v in m.to_json().items() if k in NAMES and k not in INTERNAL_NAMES}
     return {**out, **{k: None for k in SEED_NAMES if k in INTERNAL_NAMES}}
 
 

@@ -34,9 +34,9 @@ def compare(
         "logit_diff_at_divergence": diffs[first]
         if first is not None and first < len(diffs)
         else None,
-        "kv_bytes": disagg.metrics.get("kv_bytes"),
+        "kv_bytes": disagg.metrics.kv_bytes,
         # "mixed": the prefill agent ran other weights; the agreement is what that costs.
-        "weights": disagg.metrics.get("weights"),
+        "weights": disagg.metrics.weights,
         "disaggregated_text": disagg.text,
         "decode_only_text": local.text,
         "ok": agreement >= min_agreement,

@@ -6,6 +6,7 @@ import contextlib
 import socket
 import time
 from collections.abc import Callable, Generator, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -43,8 +44,17 @@ def _raise_remote(e: RemoteError) -> None:
 
 # A typed request, or a GENERATE frame's JSON as is (tests of the wire send those).
 Request = GenerateRequest | Mapping[str, Any]
-# What `stream` yields: ("token", TokenEvent), ("logprobs", float32 array), ("done", Done).
-Event = tuple[str, Any]
+
+
+@dataclass(frozen=True)
+class Logprobs:
+    """One LOGPROBS frame: the token's log-probabilities, float32 over the vocab."""
+
+    values: np.ndarray
+
+
+# What `stream` yields: a TokenEvent per TOKEN frame, Logprobs, and last the Done.
+Event = TokenEvent | Logprobs | Done
 
 
 def stream(
@@ -55,8 +65,8 @@ def stream(
     token: bytes | None = None,
     deadline_s: float | None = None,
 ) -> Generator[Event, None, None]:
-    """Yield ("token", TokenEvent) per TOKEN frame, ("logprobs", array) and finally
-    ("done", Done): the answer as typed in disagg_agents.wire.answer.
+    """Yield a TokenEvent per TOKEN frame, Logprobs per LOGPROBS frame and finally
+    the Done: the answer as typed in disagg_agents.wire.answer.
 
     `timeout_s` is an idle deadline: the agent failed when it sent no frame for that
     long (it sends PROGRESS while it queues or prefills, so only a dead or hung one
@@ -78,11 +88,11 @@ def stream(
             if header.type == Frame.PROGRESS:
                 continue  # still working (queued, prefilling): only the idle clock hears it
             if header.type == Frame.TOKEN:
-                yield "token", TokenEvent.from_json(decode_json(header, payload))
+                yield TokenEvent.from_json(decode_json(header, payload))
             elif header.type == Frame.LOGPROBS:
-                yield "logprobs", np.frombuffer(bytes(payload), np.float32)
+                yield Logprobs(np.frombuffer(bytes(payload), np.float32))
             elif header.type == Frame.DONE:
-                yield "done", Done.from_json(decode_json(header, payload))
+                yield Done.from_json(decode_json(header, payload))
                 return
             elif header.type == Frame.ERROR:
                 err = decode_json(header, payload)
@@ -180,18 +190,18 @@ def _collect(
 ) -> Completion:
     ttft = None
     logprobs: list[np.ndarray] = []
-    for kind, data in events:
-        if kind == "token":
-            if ttft is None and data.id is not None:
+    for event in events:
+        if isinstance(event, TokenEvent):
+            if ttft is None and event.id is not None:
                 ttft = time.perf_counter() - t0
             if on_token:
-                on_token(data)
-            if on_text and data.text and not data.is_reasoning:
-                on_text(data.text)
-        elif kind == "logprobs":
-            logprobs.append(data)
+                on_token(event)
+            if on_text and event.text and not event.is_reasoning:
+                on_text(event.text)
+        elif isinstance(event, Logprobs):
+            logprobs.append(event.values)
         else:
-            result = Completion.from_done(data, logprobs)
+            result = Completion.from_done(event, logprobs)
             metrics = result.metrics
             # The agent's ttft is its own; the client's includes the way here.
             metrics.agent_ttft, metrics.ttft = metrics.ttft, ttft

@@ -66,6 +66,7 @@ from disagg_agents.runtime.settings import (
     tenant_share_setting,
 )
 from disagg_agents.wire.answer import CONTENT, REASONING, Done, Metrics, TokenEvent
+from disagg_agents.wire.answer import ToolCall as WireCall
 from disagg_agents.wire.channel import recv_json, send_error, send_frame, send_json
 from disagg_agents.wire.frames import (
     CONTROL_MAX_FRAME,
@@ -265,7 +266,9 @@ FIRST_METRICS = (
 def first_metrics(metrics: Metrics, at: float, t0: float, t_first: float) -> Metrics:
     """The first TOKEN frame's `metrics`: the prompt's side, the agent's ttft, and the
     timeline so far (`at`, first_token in seconds after it)."""
-    early = Metrics.from_json({k: metrics[k] for k in FIRST_METRICS if k in metrics})
+    early = Metrics.from_json(
+        {k: v for k in FIRST_METRICS if (v := getattr(metrics, k)) is not None}
+    )
     early.ttft = t_first - t0
     early.timeline = {"at": at, "first_token": t_first - t0}
     return early
@@ -288,7 +291,7 @@ def token_events(
             else:
                 out.append(TokenEvent(text=e.text, channel=channel))
         else:
-            out.append(TokenEvent(tool_call=e.to_dict()))
+            out.append(TokenEvent(tool_call=WireCall(e.name, e.arguments, e.text)))
     if tid is not None:
         out[:1] = [dataclasses.replace(out[0] if out else TokenEvent(), id=tid)]
     if metrics is not None and out:
@@ -989,7 +992,7 @@ class DecodeAgent:
             out,
             metrics,
             "".join(chat.reasoning),
-            [c.to_dict() for c in chat.tool_calls],
+            [WireCall(c.name, c.arguments, c.text) for c in chat.tool_calls],
             prompt_ids,
         )
         if progress is not None:

@@ -328,14 +328,18 @@ class PrefixCache:
 
     def prometheus(self, role: str) -> str:
         s = self.snapshot()
-        return prom_series("disagg_prefix_cache", role, [
-            ("queries_total", "counter", s["queries"]),
-            ("hits_total", "counter", s["hits"]),
-            ("cached_tokens_total", "counter", s["cached_tokens"]),
-            ("evictions_total", "counter", s["evictions"]),
-            ("bytes", "gauge", s["bytes"]),
-            ("max_bytes", "gauge", s["max_bytes"]),
-        ])
+        return prom_series(
+            "disagg_prefix_cache",
+            role,
+            [
+                ("queries_total", "counter", s["queries"]),
+                ("hits_total", "counter", s["hits"]),
+                ("cached_tokens_total", "counter", s["cached_tokens"]),
+                ("evictions_total", "counter", s["evictions"]),
+                ("bytes", "gauge", s["bytes"]),
+                ("max_bytes", "gauge", s["max_bytes"]),
+            ],
+        )
 
 
 def prom_series(prefix: str, role: str, rows: list[tuple[str, str, Any]]) -> str:

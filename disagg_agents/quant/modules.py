@@ -131,9 +131,12 @@ class PackedExperts(nn.Module):
             return None
         if self._triton is None:
             weights = (self.gate, self.up, self.down)
-            self._triton = moe_triton.prepare(
-                self.kind, weights, self.biases, self.act, self.alpha, self.limit
-            ) or False
+            self._triton = (
+                moe_triton.prepare(
+                    self.kind, weights, self.biases, self.act, self.alpha, self.limit
+                )
+                or False
+            )
         return self._triton if isinstance(self._triton, moe_triton.Experts) else None
 
     def _glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,9 @@
 GENERATE and what the client reads.
 
 `TokenEvent`: one TOKEN frame (what one generated token completed). `Done`: the
-DONE frame (the whole answer and its `Metrics`). The decode agent builds frames
-from these types and the client parses them back into them; `to_json` /
+DONE frame (the whole answer and its `Metrics`). `ToolCall`: a call the model
+made, on either. Read by attribute: the wire's JSON is parsed here, once. The
+decode agent builds frames from these types and the client parses them back; `to_json` /
 `from_json` are the frames' JSON, unchanged from the releases that sent dicts.
 Metric names a release does not know (an older or newer agent's) are kept in
 `Metrics.extra`, never dropped and never an error. Stdlib only: agents ship alone.
@@ -11,6 +12,7 @@ Metric names a release does not know (an older or newer agent's) are kept in
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -22,14 +24,49 @@ REASONING = "reasoning"  # the model's private reasoning (harmony analysis, <thi
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A finished tool call: `arguments` parsed, `arguments_text` the arguments as
+    the model wrote them where it wrote JSON (sent back, they render byte-exact)."""
+
+    name: str
+    arguments: dict[str, Any] = field(default_factory=dict)
+    arguments_text: str | None = None
+
+    @property
+    def arguments_json(self) -> str:
+        """The arguments as JSON text: as written where known, else serialized."""
+        if self.arguments_text is not None:
+            return self.arguments_text
+        return json.dumps(self.arguments)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "arguments": self.arguments}
+        if self.arguments_text is not None:
+            out["arguments_text"] = self.arguments_text
+        return out
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> ToolCall:
+        """A call as a frame carries it; ProtocolError without a name."""
+        name, args, text = d.get("name"), d.get("arguments"), d.get("arguments_text")
+        if not isinstance(name, str):
+            raise ProtocolError("tool_call must be {name, arguments}")
+        return cls(
+            name,
+            dict(args) if isinstance(args, Mapping) else {},
+            text if isinstance(text, str) else None,
+        )
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     """One TOKEN frame.
 
     `id`: the token's id on the first event of each token (one per token, even when
     markup shows nothing), None on the events that follow it (one token can finish
     text on two channels, or text and a tool call). `text`: visible text on
-    `channel` (CONTENT or REASONING). `tool_call`: a finished call, {"name",
-    "arguments": {...}}; its text is empty. `metrics`: on a request's first token
+    `channel` (CONTENT or REASONING). `tool_call`: a finished call (ToolCall); its
+    text is empty. `metrics`: on a request's first token
     only, what is known by then (the prompt's side, the agent's ttft, and the
     timeline's `at` and `first_token`), for a client that stops reading before DONE.
     """
@@ -37,7 +74,7 @@ class TokenEvent:
     id: int | None = None
     text: str = ""
     channel: str = CONTENT
-    tool_call: dict[str, Any] | None = None
+    tool_call: ToolCall | None = None
     metrics: Metrics | None = None
 
     @property
@@ -50,7 +87,7 @@ class TokenEvent:
         if self.channel != CONTENT:
             out["channel"] = self.channel
         if self.tool_call is not None:
-            out["tool_call"] = self.tool_call
+            out["tool_call"] = self.tool_call.to_json()
         if self.metrics is not None:
             early = self.metrics.to_json()
             early.update(early.pop("timeline", None) or {})  # at, first_token: flat
@@ -66,14 +103,17 @@ class TokenEvent:
             raise ProtocolError(f"TOKEN frame: id must be an integer or null, got {tid!r}")
         if not isinstance(text, str) or not isinstance(channel, str):
             raise ProtocolError("TOKEN frame: text and channel must be text")
-        if call is not None and not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+        if call is not None and not (
+            isinstance(call, Mapping) and isinstance(call.get("name"), str)
+        ):
             raise ProtocolError("TOKEN frame: tool_call must be {name, arguments}")
+        tool_call = None if call is None else ToolCall.from_json(call)
         sent, metrics = d.get("metrics"), None
         if isinstance(sent, Mapping):
             metrics = Metrics.from_json({k: v for k, v in sent.items() if k not in EARLY_MARKS})
             marks = {k: sent[k] for k in EARLY_MARKS if k in sent}
             metrics.timeline = marks or None
-        return cls(tid, text, channel, call, metrics)
+        return cls(tid, text, channel, tool_call, metrics)
 
 
 # The first TOKEN's timeline entries, sent flat beside its metrics.
@@ -185,25 +225,6 @@ class Metrics:
                 out[f.name] = value
         return {**out, **self.extra}
 
-    def to_dict(self) -> dict[str, Any]:
-        """What `disagg generate --json` prints: the wire's JSON (`to_json`)."""
-        return self.to_json()
-
-    def __getitem__(self, name: str) -> Any:
-        """A metric by its wire name; KeyError for a name no release sends."""
-        if name in NAMES:
-            return getattr(self, name)
-        return self.extra[name]
-
-    def __contains__(self, name: object) -> bool:
-        """Whether the run had this metric (a value other than None)."""
-        return isinstance(name, str) and self.get(name) is not None
-
-    def get(self, name: str, default: Any = None) -> Any:
-        """A metric by its wire name (None counts as absent)."""
-        value = getattr(self, name, None) if name in NAMES else self.extra.get(name)
-        return default if value is None else value
-
 
 NAMES = frozenset(f.name for f in fields(Metrics)) - {"extra"}
 SEED_NAMES = (
@@ -227,15 +248,15 @@ SEED_NAMES = (
 class Done:
     """The DONE frame: the whole answer, then nothing more on this request.
 
-    `text` is the answer only; `reasoning` and `tool_calls` ({"name", "arguments"})
-    ride beside it. `prompt_ids`: the prompt's token ids, when the request asked.
+    `text` is the answer only; `reasoning` and `tool_calls` ride beside it.
+    `prompt_ids`: the prompt's token ids, when the request asked.
     """
 
     text: str
     token_ids: list[int]
     metrics: Metrics
     reasoning: str = ""
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
     prompt_ids: list[int] | None = None
 
     @property
@@ -248,7 +269,7 @@ class Done:
         if self.reasoning:
             out["reasoning"] = self.reasoning
         if self.tool_calls:
-            out["tool_calls"] = self.tool_calls
+            out["tool_calls"] = [c.to_json() for c in self.tool_calls]
         out.update(token_ids=self.token_ids, metrics=self.metrics.to_json())
         if self.prompt_ids is not None:
             out["prompt_ids"] = self.prompt_ids
@@ -266,6 +287,8 @@ class Done:
             list(ids),
             Metrics.from_json(sent if isinstance(sent, Mapping) else {}),
             str(d.get("reasoning") or ""),
-            [c for c in calls if isinstance(c, dict)] if isinstance(calls, list) else [],
+            [ToolCall.from_json(c) for c in calls if isinstance(c, Mapping)]
+            if isinstance(calls, list)
+            else [],
             list(prompt) if isinstance(prompt, list) else None,
         )

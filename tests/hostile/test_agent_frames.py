@@ -119,7 +119,7 @@ def test_fifty_unauthenticated_peers_cost_little_and_are_cut_at_the_deadline(
             peak[a.role] = max(peak[a.role], rss_kb(a))
         time.sleep(0.05)
     assert served_meanwhile.token_ids == reference.token_ids
-    assert served_meanwhile.metrics["method"] == "disaggregated"
+    assert served_meanwhile.metrics.method == "disaggregated"
     for a in agents:
         grown_mb = (peak[a.role] - rss0[a.role]) / 1024
         slowest = max(cuts[a.role])
@@ -232,11 +232,11 @@ def test_a_lying_prefill_agent_means_local_fallback(
     finally:
         fake.close()
     grown_mb = (rss_kb(decode) - rss0) / 1024
-    print(f"{name}: {res.metrics['method']}, decode RSS +{grown_mb:.1f} MB")
-    assert res.metrics["method"] == "local-fallback", res.metrics
+    print(f"{name}: {res.metrics.method}, decode RSS +{grown_mb:.1f} MB")
+    assert res.metrics.method == "local-fallback", res.metrics
     assert res.token_ids == reference.token_ids
     assert grown_mb < 64
-    reason = res.metrics["fallback_reason"]
+    reason = res.metrics.fallback_reason or ""
     assert "\x1b" not in reason and "\n" not in reason and len(reason) < 400
     if name == "ESC/newline ERROR":
         lines = [ln for ln in log_since(decode, logged).splitlines() if "forged line" in ln]

@@ -19,6 +19,7 @@ import pytest
 from disagg.frontends.openai.types import OpenAIError
 from disagg.frontends.responses import types as rt
 from disagg_agents.decode.upfront import too_long
+from disagg_agents.wire.answer import Metrics
 from disagg_agents.wire.request import GenerateRequest, RequestError
 from disagg_agents.wire.schemasize import (
     LARK_DEPTH_MAX,
@@ -166,7 +167,7 @@ def test_every_part_of_a_prompt_counts_before_tokenizing(where: str) -> None:
 
 def test_anthropic_thinking_blocks_count_too() -> None:
     from disagg.frontends.anthropic.types import MessagesRequest, as_chat
-    from disagg.frontends.openai.routes import chat_request
+    from disagg.frontends.chat import chat_request
 
     body = MessagesRequest.model_validate(
         {
@@ -683,7 +684,7 @@ def test_refusals_do_not_flush_the_views_history() -> None:
 
     log = RequestLog(["m"])
     t = log.begin("m", GenerateRequest(prompt="a real request"))
-    log.end(t, {"completion_tokens": 3}, None)
+    log.end(t, Metrics(completion_tokens=3), None)
     for _ in range(300):  # GETs without a key
         log.refused("GET", "/v1/models", 401)
     rows = log.snapshot()
@@ -777,7 +778,7 @@ def test_a_tenants_prompts_cannot_flush_anothers_prefix() -> None:
 def test_an_agents_address_in_an_error_is_the_operators_only() -> None:
     from disagg.errors import AgentError, RequestTimeout
     from disagg.frontends import tenancy
-    from disagg.frontends.openai.routes import from_disagg
+    from disagg.frontends.core import from_disagg
 
     error = AgentError("decode agent 127.0.0.1:41385: connection closed")
     mark = tenancy.enter(b"a" * 32, operator=False)  # a tenant's request (streams too)

@@ -231,7 +231,7 @@ def test_a_thousand_hostile_frames_at_each_live_agent(
         assert agent.alive(), agent.role
     assert time.monotonic() - t0 < 600  # hang guard
     after = ask(decode, good)
-    assert after.token_ids == before.token_ids and after.metrics["method"] == "disaggregated"
+    assert after.token_ids == before.token_ids and after.metrics.method == "disaggregated"
     for agent in agents:
         grown_mb = (rss_kb(agent) - rss0[agent.role]) / 1024
         assert grown_mb < 64, f"{agent.role} grew {grown_mb:.0f} MB"

@@ -14,6 +14,7 @@ import pytest
 
 from disagg_agents.decode.grammar import Grammars
 from disagg_agents.decode.upfront import client_gone, max_token_bytes, too_long
+from disagg_agents.wire.answer import Metrics
 from disagg_agents.wire.request import GenerateRequest, RequestError
 from disagg_agents.wire.schemasize import ENUM_MAX, PROPERTIES_MAX, TOOLS_MAX_CHARS, shape
 
@@ -247,7 +248,7 @@ def test_a_tenant_sees_its_own_requests_only() -> None:
         mark = tenancy.enter(who)
         t = log.begin("m", {"prompt": prompt})
         tenancy.leave(mark)
-        log.end(t, {"decode_server": "127.0.0.1:9999", "method": "local"}, None)
+        log.end(t, Metrics(decode_server="127.0.0.1:9999", method="local"), None)
     mine = log.snapshot(b"a" * 32, everyone=False)
     assert [r["prompt"] for r in mine] == ["A's secret"]
     assert mine[0]["decode_server"] is None and "tenant" not in mine[0]

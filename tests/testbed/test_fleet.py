@@ -52,7 +52,7 @@ def generate(bed: TestBed, inventory: Path, model: str, max_tokens: int = 6) -> 
         f"with Client({str(inventory)!r}) as c:\n"
         f"    r = c.generate(model={model!r}, prompt={PROMPTS[model]!r}, "
         f"max_tokens={max_tokens}, placement='remote')\n"
-        "print(json.dumps({'text': r.text, 'metrics': r.metrics.to_dict()}))\n"
+        "print(json.dumps({'text': r.text, 'metrics': r.metrics.to_json()}))\n"
     )
     proc = bed.ops(sys.executable, "-c", code, cwd=REPO, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -39,6 +39,7 @@ from disagg.frontends.batch import BatchItem, run_batch
 from disagg.serving import wireclient as wire
 from disagg.serving.request import build_request
 from disagg_agents.runtime.gate import HANDSHAKE_TIMEOUT_S
+from disagg_agents.wire.answer import TokenEvent
 from disagg_agents.wire.request import GenerateRequest
 from tests.testbed.bed import BY_NAME, TestBed
 from tests.testbed.conftest import FleetCli
@@ -105,7 +106,7 @@ def rig(testbed: TestBed, inventory: Path, fleet_cli: FleetCli) -> Iterator[Rig]
         for fut in [rig.submit(alone, m) for m in MODELS]:  # one request at a time per pipeline
             rig.refs.update(fut.result(600))
         for (model, prompt), c in rig.refs.items():
-            assert c.metrics["method"] == "disaggregated" and c.token_ids, (model, prompt, c)
+            assert c.metrics.method == "disaggregated" and c.token_ids, (model, prompt, c)
         assert "Paris" in rig.refs[(MODELS[0], PROMPTS[0])].text
         say(
             "fleet",
@@ -113,8 +114,8 @@ def rig(testbed: TestBed, inventory: Path, fleet_cli: FleetCli) -> Iterator[Rig]
                 "deploy_and_start_s": round(up, 1),
                 "references_s": round(time.monotonic() - t1, 1),
                 "references": {f"{m} | {p[:30]}": c.text for (m, p), c in rig.refs.items()},
-                "long_prompt_tokens": rig.refs[(MODELS[0], LONG_PROMPT)].metrics["prompt_tokens"],
-                "long_prompt_prefill_s": rig.refs[(MODELS[0], LONG_PROMPT)].metrics["prefill_time"],
+                "long_prompt_tokens": rig.refs[(MODELS[0], LONG_PROMPT)].metrics.prompt_tokens,
+                "long_prompt_prefill_s": rig.refs[(MODELS[0], LONG_PROMPT)].metrics.prefill_time,
             },
         )
         yield rig
@@ -144,8 +145,8 @@ def test_sigkill_prefill_mid_prefill(rig: Rig) -> None:
     killed_at = time.monotonic() - t0
     c = fut.result(REQUEST_TIMEOUT_S)
     took = time.monotonic() - t0
-    assert c.metrics["method"] == "local-fallback", c.metrics
-    assert "failed" in c.metrics["fallback_reason"], c.metrics  # the stream broke mid-way
+    assert c.metrics.method == "local-fallback", c.metrics
+    assert "failed" in (c.metrics.fallback_reason or ""), c.metrics  # the stream broke mid-way
     rig.check(model, LONG_PROMPT, c)
     side.result(REQUEST_TIMEOUT_S)
     assert [o for o, *_ in other] == ["ok"] * 3, other
@@ -156,8 +157,8 @@ def test_sigkill_prefill_mid_prefill(rig: Rig) -> None:
         {
             "killed_after_s": round(killed_at, 2),
             "request_s": round(took, 1),
-            "method": c.metrics["method"],
-            "fallback_reason": c.metrics["fallback_reason"],
+            "method": c.metrics.method,
+            "fallback_reason": c.metrics.fallback_reason,
             "text_equal_reference": True,
             "other_pipeline_ok": len(other),
             "restart_s": round(restart_s, 1),
@@ -270,9 +271,9 @@ def cut_link_mid_traffic(rig: Rig, model: str) -> dict[str, Any]:
     assert path(after[0][2]) == "fast link", after
     return {
         "mid_kv_stream": {
-            "request_s": round(mid.metrics["total_time"], 1),
+            "request_s": round((mid.metrics.total_time or 0), 1),
             "done_after_link_up_s": round(mid_after_up, 1),
-            "method": mid.metrics["method"],
+            "method": mid.metrics.method,
             "prefill_via": path(mid.metrics),
         },
         "between_streams": {
@@ -370,8 +371,8 @@ def gone_mid_stream(rig: Rig, model: str) -> float:
     )
     events = wire.stream(ep.host, ep.port, req, token=rig.token)
     for _ in range(2):
-        kind, _data = next(events)
-        assert kind == "token", kind
+        event = next(events)
+        assert isinstance(event, TokenEvent), event
     events.close()
     t0 = time.monotonic()
     wait_until(lambda: rig.busy(DECODE[model]) == 0, 30, "the decode agent to stop", 0.05)
@@ -468,7 +469,7 @@ def mixed(rig: Rig, kind: str, model: str, silent: list[socket.socket]) -> None:
             prompt=PROMPTS[2], max_tokens=MAX_TOKENS, placement="remote", prefill=gone
         )
         res = rig.client.router.run(model, req)
-        assert res.metrics["method"] == "local-fallback", res.metrics
+        assert res.metrics.method == "local-fallback", res.metrics
         ref = rig.refs[(model, PROMPTS[2])]
         assert res.token_ids == ref.token_ids and res.text == ref.text, (res, ref)
 

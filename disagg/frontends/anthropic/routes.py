@@ -1,6 +1,7 @@
 """Anthropic's Messages API over a disagg Client: POST /v1/messages (whole or as
-Anthropic's SSE events) and /v1/messages/count_tokens. The body maps onto OpenAI's
-chat request (`types.as_chat`), so both APIs build the same GenerateRequest."""
+Anthropic's SSE events) and /v1/messages/count_tokens. The body maps onto the shared
+chat request (`types.as_chat`, disagg.frontends.chat); the run, refusals and usage
+are disagg.frontends.core's."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from fastapi import APIRouter, Request
 
 from disagg.api import Chunk, Client, Completion
 from disagg.errors import DisaggError
+from disagg.frontends import core
 from disagg.frontends.agentinfo import ModelInfo
 from disagg.frontends.anthropic.types import (
     AnthropicError,
@@ -23,28 +25,28 @@ from disagg.frontends.anthropic.types import (
     MessagesRequest,
     as_chat,
 )
+from disagg.frontends.chat import chat_request
+from disagg.frontends.core import Usage
 from disagg.frontends.guard import cache_salt
-from disagg.frontends.openai import routes as oai
-from disagg.frontends.openai.types import OpenAIError
+from disagg.frontends.refusal import ApiError
 from disagg.serving import verdict
 from disagg_agents.wire.request import GenerateRequest
 
 
-def from_openai(e: OpenAIError) -> AnthropicError:
+def from_api_error(e: ApiError) -> AnthropicError:
     status = 529 if e.status == 503 else e.status  # Anthropic's "overloaded"
     return AnthropicError(status, e.message, e.headers)
 
 
 def usage(c: Completion) -> dict[str, Any]:
     """Anthropic counts cache reads apart from the input tokens it processed."""
-    prompt = int(c.metrics.get("prompt_tokens") or 0)
-    cached = int(c.metrics.get("cached_tokens") or 0)
+    u = Usage.of(c)
     return {
-        "input_tokens": prompt - cached,
-        "output_tokens": int(c.metrics.get("completion_tokens") or 0),
-        "cache_read_input_tokens": cached,
+        "input_tokens": u.prompt_tokens - u.cached_tokens,
+        "output_tokens": u.completion_tokens,
+        "cache_read_input_tokens": u.cached_tokens,
         "cache_creation_input_tokens": 0,
-        "disagg_verdict": verdict.verdict(c.metrics),  # which path ran (the header's)
+        "disagg_verdict": u.verdict,  # which path ran (the header's)
     }
 
 
@@ -61,8 +63,8 @@ def tool_uses(c: Completion) -> list[dict[str, Any]]:
         {
             "type": "tool_use",
             "id": f"toolu_{uuid.uuid4().hex[:24]}",
-            "name": call["name"],
-            "input": call.get("arguments") or {},
+            "name": call.name,
+            "input": call.arguments,
         }
         for call in c.tool_calls
     ]
@@ -99,11 +101,11 @@ def full(rid: str, c: Completion) -> dict[str, Any]:
 
 
 def request_of(request: Request, body: MessagesRequest) -> GenerateRequest:
-    """The Messages body as the one request, through OpenAI's chat mapping."""
+    """The Messages body as the one request, through the shared chat mapping."""
     try:
-        req = oai.chat_request(as_chat(body))
-    except OpenAIError as e:
-        raise from_openai(e) from None
+        req = chat_request(as_chat(body))
+    except ApiError as e:
+        raise from_api_error(e) from None
     changes: dict[str, Any] = {"cache_salt": cache_salt(request)}
     if body.thinking is not None:
         changes["think"] = body.thinking.effort()
@@ -119,8 +121,8 @@ def routes(client: Client, workers: Executor | None = None) -> APIRouter:
 
     async def reasons(model: str) -> bool:
         """Whether the model reasons apart (unknown: assume it does; the agent decides)."""
-        chat = (await asyncio.to_thread(info.get, model)).get("chat")
-        return not isinstance(chat, dict) or chat.get("reasoning") is not False
+        chat = (await asyncio.to_thread(info.get, model)).status.chat
+        return chat is None or chat.get("reasoning") is not False
 
     @api.post("/v1/messages", response_model=None)
     async def messages(request: Request, body: MessagesRequest) -> Any:
@@ -132,9 +134,9 @@ def routes(client: Client, workers: Executor | None = None) -> APIRouter:
             req = req.replace(think=None)
         rid = f"msg_{uuid.uuid4().hex[:24]}"
         try:
-            result = await oai.start(client, workers, request, body.model, req, body.stream)
+            result = await core.start(client, workers, request, body.model, req, body.stream)
         except DisaggError as e:
-            raise from_openai(oai.from_disagg(e)) from None
+            raise from_api_error(core.from_disagg(e)) from None
         if isinstance(result, Completion):
             return verdict.whole(full(rid, result), result)
         chunks, cancel = result
@@ -152,11 +154,11 @@ def routes(client: Client, workers: Executor | None = None) -> APIRouter:
         whole = MessagesRequest(**body.model_dump(exclude_none=True), max_tokens=1)
         req = request_of(request, whole)
         try:
-            result = await oai.start(client, workers, request, body.model, req, False)
+            result = await core.start(client, workers, request, body.model, req, False)
         except DisaggError as e:
-            raise from_openai(oai.from_disagg(e)) from None
+            raise from_api_error(core.from_disagg(e)) from None
         assert isinstance(result, Completion)
-        return {"input_tokens": int(result.metrics.get("prompt_tokens") or 0)}
+        return {"input_tokens": int(result.metrics.prompt_tokens or 0)}
 
     return api
 
@@ -221,7 +223,7 @@ async def events(
                 for e in _finish(blocks, chunk.completion):
                     yield e
     except DisaggError as e:
-        err = from_openai(oai.from_disagg(e))
+        err = from_api_error(core.from_disagg(e))
         yield _event("error", {"error": err.body()["error"]})
     finally:
         cancel.set()  # a client that left mid-stream stops the decoding

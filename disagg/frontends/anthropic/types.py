@@ -1,5 +1,6 @@
 """Anthropic's Messages request bodies (pydantic) and its error shape, and their
-mapping onto OpenAI's chat request (whose route builds the one GenerateRequest)."""
+mapping onto the shared chat request (disagg.frontends.chat builds the one
+GenerateRequest from it)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,31 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from disagg.frontends.guard import anthropic_error_body
-from disagg.frontends.openai.types import ChatRequest, Message
+from disagg.frontends.chat import ChatRequest, Message
 
 # Claude Code's first system block: a per-request nonce (`cch=...`) that would
 # make every turn's prompt differ at its first tokens. Dropped from the prompt.
 BILLING_HEADER = "x-anthropic-billing-header:"
 # `thinking.budget_tokens` as a reasoning effort: below LOW low, below MEDIUM medium.
 THINK_LOW_BELOW, THINK_MEDIUM_BELOW = 4096, 16384
+
+
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error shape: `{"type": "error", "error": {"type", "message"}}`."""
+    fallback = "invalid_request_error" if status < 500 else "api_error"
+    kind = ANTHROPIC_ERROR_TYPES.get(status, fallback)
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 class AnthropicError(Exception):
@@ -229,7 +247,7 @@ def chat_messages(body: MessagesRequest | CountTokensRequest) -> list[Message]:
 
 
 def as_chat(body: MessagesRequest) -> ChatRequest:
-    """The Messages body as OpenAI's chat request."""
+    """The Messages body as the shared chat request."""
     messages = chat_messages(body)
     if not messages:
         raise AnthropicError(400, "messages: nothing to answer")

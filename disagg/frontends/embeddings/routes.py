@@ -16,11 +16,10 @@ from fastapi import APIRouter, Request
 
 from disagg.api import Client
 from disagg.errors import DisaggError
+from disagg.frontends import core
 from disagg.frontends.embeddings.types import OllamaEmbed, OllamaEmbeddings, OpenAIEmbeddings
 from disagg.frontends.guard import unless_gone
-from disagg.frontends.ollama.types import OllamaError
-from disagg.frontends.openai import routes as oai
-from disagg.frontends.openai.types import OpenAIError
+from disagg.frontends.refusal import ApiError, PlainError
 from disagg.serving.embed import Embeddings, embed
 
 
@@ -44,19 +43,50 @@ async def _embed(
     return result
 
 
-def _ollama(e: DisaggError) -> OllamaError:
-    err = oai.from_disagg(e)
-    return OllamaError(err.status, err.message, err.headers)
+def _ollama(e: DisaggError) -> PlainError:
+    err = core.from_disagg(e)
+    return PlainError(err.status, err.message, err.headers)
 
 
 def routes(client: Client, workers: Executor | None = None) -> APIRouter:
+    """Ollama's two embedding endpoints and OpenAI's, for the app to mount."""
     api = APIRouter()
+    _ollama_routes(api, client, workers)
 
+    @api.post("/v1/embeddings")
+    async def openai_embeddings(request: Request, body: OpenAIEmbeddings) -> dict[str, Any]:
+        core.check_model(client, body.model)
+        texts = [body.input] if isinstance(body.input, str) else body.input
+        if not texts or not all(isinstance(t, str) for t in texts):
+            msg = "input must be text or a list of texts (token ids are not taken)"
+            raise ApiError(400, msg, "invalid_request_error", "input")
+        try:
+            e = await _embed(
+                client,
+                workers,
+                request,
+                body.model,
+                [str(t) for t in texts],
+                dimensions=body.dimensions,
+            )
+        except DisaggError as err:
+            raise core.from_disagg(err) from None
+        data = [
+            {"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
+            for i, v in enumerate(e.vectors)
+        ]
+        usage = {"prompt_tokens": e.prompt_tokens, "total_tokens": e.prompt_tokens}
+        return {"object": "list", "data": data, "model": body.model, "usage": usage}
+
+    return api
+
+
+def _ollama_routes(api: APIRouter, client: Client, workers: Executor | None) -> None:
     @api.post("/api/embed")
     async def ollama_embed(request: Request, body: OllamaEmbed) -> dict[str, Any]:
         t0 = time.perf_counter_ns()
         if body.model.removesuffix(":latest") not in client.models():
-            raise OllamaError(404, f"model '{body.model}' not found")
+            raise PlainError(404, f"model '{body.model}' not found")
         try:
             e = await _embed(
                 client,
@@ -81,40 +111,13 @@ def routes(client: Client, workers: Executor | None = None) -> APIRouter:
     @api.post("/api/embeddings")
     async def ollama_embeddings(request: Request, body: OllamaEmbeddings) -> dict[str, Any]:
         if body.model.removesuffix(":latest") not in client.models():
-            raise OllamaError(404, f"model '{body.model}' not found")
+            raise PlainError(404, f"model '{body.model}' not found")
         try:
             model = body.model.removesuffix(":latest")
             e = await _embed(client, workers, request, model, [body.prompt])
         except DisaggError as err:
             raise _ollama(err) from None
         return {"embedding": e.vectors[0]}
-
-    @api.post("/v1/embeddings")
-    async def openai_embeddings(request: Request, body: OpenAIEmbeddings) -> dict[str, Any]:
-        oai.check_model(client, body.model)
-        texts = [body.input] if isinstance(body.input, str) else body.input
-        if not texts or not all(isinstance(t, str) for t in texts):
-            msg = "input must be text or a list of texts (token ids are not taken)"
-            raise OpenAIError(400, msg, "invalid_request_error", "input")
-        try:
-            e = await _embed(
-                client,
-                workers,
-                request,
-                body.model,
-                [str(t) for t in texts],
-                dimensions=body.dimensions,
-            )
-        except DisaggError as err:
-            raise oai.from_disagg(err) from None
-        data = [
-            {"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
-            for i, v in enumerate(e.vectors)
-        ]
-        usage = {"prompt_tokens": e.prompt_tokens, "total_tokens": e.prompt_tokens}
-        return {"object": "list", "data": data, "model": body.model, "usage": usage}
-
-    return api
 
 
 def _encoded(v: list[float], fmt: str) -> list[float] | str:

@@ -9,6 +9,7 @@ from typing import Any
 
 from disagg.api import Client
 from disagg.frontends import maxtokens
+from disagg.frontends.agentinfo import About
 from disagg.frontends.ollama.types import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, OllamaError
 
 
@@ -27,8 +28,8 @@ def resolve(client: Client, name: str) -> str:
     raise OllamaError(404, f'model "{name}" not found; served: {", ".join(served) or "none"}')
 
 
-def _details(info: dict[str, Any]) -> dict[str, Any]:
-    fp = info.get("fingerprint") or {}
+def _details(about: About) -> dict[str, Any]:
+    fp = about.status.fingerprint
     arch = str(fp.get("architecture") or "")
     return {
         "parent_model": "",
@@ -40,18 +41,17 @@ def _details(info: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _context(info: dict[str, Any]) -> int | None:
-    ctx = info.get("context")
-    return int(ctx) if isinstance(ctx, int) else None
+def _context(about: About) -> int | None:
+    return about.status.context
 
 
-def listed(name: str, about: dict[str, Any]) -> dict[str, Any]:
+def listed(name: str, about: About) -> dict[str, Any]:
     """A model as /api/tags lists it."""
     entry = {"name": name, "model": name, "modified_at": timestamp(), "size": 0, "digest": ""}
     return {**entry, "details": _details(about)}
 
 
-def running(name: str, about: dict[str, Any]) -> dict[str, Any]:
+def running(name: str, about: About) -> dict[str, Any]:
     """A model as /api/ps lists it: loaded until its agents stop."""
     return {
         "name": name,
@@ -65,9 +65,9 @@ def running(name: str, about: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def show_model(name: str, about: dict[str, Any]) -> dict[str, Any]:
+def show_model(name: str, about: About) -> dict[str, Any]:
     """/api/show's answer for a served model, from its decode agent's /status."""
-    fp = about.get("fingerprint") or {}
+    fp = about.status.fingerprint
     arch = str(fp.get("architecture") or "unknown")
     model_info: dict[str, Any] = {"general.architecture": arch}
     for key, value in (
@@ -78,8 +78,7 @@ def show_model(name: str, about: dict[str, Any]) -> dict[str, Any]:
     ):
         if value is not None:
             model_info[f"{arch}.{key}"] = value
-    chat = about.get("chat")
-    chat = chat if isinstance(chat, dict) else {}
+    chat = about.status.chat or {}
     if isinstance(chat.get("tool_format"), str):  # template, harmony, generic or none
         model_info["disagg.tool_format"] = chat["tool_format"]
     params = [f"temperature {DEFAULT_TEMPERATURE}", f"top_p {DEFAULT_TOP_P}"]
@@ -89,7 +88,7 @@ def show_model(name: str, about: dict[str, Any]) -> dict[str, Any]:
         params.insert(0, f"num_ctx {_context(about)}")
     params += [f"stop {json.dumps(s)}" for s in chat.get("stop") or [] if isinstance(s, str)]
     caps = chat.get("capabilities")
-    if about.get("embedding_only"):  # an embedding pipeline: no chat, no generate
+    if about.embedding_only:  # an embedding pipeline: no chat, no generate
         caps = ["embedding"]
     return {
         "modelfile": f"# served by disagg: pipeline {name}\n",

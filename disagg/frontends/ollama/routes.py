@@ -22,9 +22,9 @@ from fastapi.responses import PlainTextResponse, Response
 
 from disagg.api import Chunk, Client, Completion
 from disagg.errors import DisaggError, Overloaded, UsageError
-from disagg.frontends import maxtokens, tenancy
-from disagg.frontends.agentinfo import ModelInfo
-from disagg.frontends.guard import cache_salt, unless_gone
+from disagg.frontends import core, maxtokens, tenancy
+from disagg.frontends.agentinfo import About, ModelInfo
+from disagg.frontends.guard import cache_salt
 from disagg.frontends.ollama.modelinfo import (
     listed,
     resolve,
@@ -42,9 +42,9 @@ from disagg.frontends.ollama.types import (
     Options,
     ShowBody,
 )
-from disagg.frontends.streamstart import opened
 from disagg.serving import verdict
 from disagg.serving.request import build_request
+from disagg_agents.wire.answer import ToolCall
 from disagg_agents.wire.request import GenerateRequest
 
 VERSION = "0.12.0"  # the Ollama API version whose shapes these are
@@ -106,11 +106,10 @@ def chat_request(body: ChatBody) -> GenerateRequest | None:
     return _request(body, inputs)
 
 
-def refuse_tools(model: str, about: dict[str, Any]) -> None:
+def refuse_tools(model: str, about: About) -> None:
     """Ollama refuses `tools` for a model whose template has no tool markup; so do
     we, naming what Ollama's API can do instead (it has no tool_choice)."""
-    chat = about.get("chat")
-    caps = chat.get("capabilities") if isinstance(chat, dict) else None
+    caps = (about.status.chat or {}).get("capabilities")
     if isinstance(caps, list) and "tools" not in caps:
         raise OllamaError(
             400,
@@ -125,10 +124,10 @@ def _durations(c: Completion, t0: float) -> dict[str, Any]:
     return {
         "total_duration": _ns(time.perf_counter() - t0),
         "load_duration": 0,  # agents keep their model loaded
-        "prompt_eval_count": int(m.get("prompt_tokens") or 0),
-        "prompt_eval_duration": _ns(m.get("ttft")),
-        "eval_count": int(m.get("completion_tokens") or 0),
-        "eval_duration": _ns(m.get("decode_time")),
+        "prompt_eval_count": int(m.prompt_tokens or 0),
+        "prompt_eval_duration": _ns(m.ttft),
+        "eval_count": int(m.completion_tokens or 0),
+        "eval_duration": _ns(m.decode_time),
     }
 
 
@@ -138,7 +137,7 @@ def routes(client: Client, workers: Executor | None = None) -> APIRouter:
     api = APIRouter()
     info = ModelInfo(client)
 
-    async def describe(name: str) -> dict[str, Any]:
+    async def describe(name: str) -> About:
         return await asyncio.to_thread(info.get, name)
 
     @api.get("/", response_class=PlainTextResponse)
@@ -207,27 +206,18 @@ async def answer(
         }
         return {**head, **({"response": ""} if kind == "generate" else _msg("")), **done}
     try:
-        if not body.stream:
-            c = await unless_gone(
-                request,
-                lambda cancel: client.agenerate(req, model=name, cancel=cancel, executor=workers),
-            )
-            if body.think is False:  # as Ollama: no thinking when it was turned off
-                c.reasoning = ""
-            return verdict.whole(_final(head, kind, c, t0, whole=True), c)
-        cancel = threading.Event()
-        chunks = await client.agenerate(
-            req, model=name, stream=True, cancel=cancel, executor=workers
-        )
-        assert not isinstance(chunks, Completion)
-        chunks = await opened(chunks)  # a refusal is raised before the stream opens
+        result = await core.start(client, workers, request, name, req, body.stream)
     except UsageError as e:
         raise OllamaError(400, str(e)) from None
     except Overloaded as e:  # Ollama answers 503 when its queue is full
         raise OllamaError(503, str(e), {"Retry-After": str(e.retry_after_s)}) from None
     except DisaggError as e:
         raise OllamaError(500, str(e)) from None
-    assert not isinstance(chunks, Completion)
+    if isinstance(result, Completion):
+        if body.think is False:  # as Ollama: no thinking when it was turned off
+            result.reasoning = ""
+        return verdict.whole(_final(head, kind, result, t0, whole=True), result)
+    chunks, cancel = result
     return verdict.streamed(
         lambda seen: _ndjson(head, kind, seen, t0, cancel, body.think is not False),
         chunks,
@@ -236,15 +226,13 @@ async def answer(
     )
 
 
-def _msg(
-    text: str, thinking: str = "", calls: list[dict[str, Any]] | None = None
-) -> dict[str, Any]:
+def _msg(text: str, thinking: str = "", calls: list[ToolCall] | None = None) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if thinking:
         message["thinking"] = thinking
     if calls:  # Ollama's shape: arguments as an object
         message["tool_calls"] = [
-            {"function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls
+            {"function": {"name": c.name, "arguments": c.arguments}} for c in calls
         ]
     return {"message": message}
 

@@ -6,17 +6,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from disagg.frontends.refusal import PlainError
+
 # Ollama's defaults for a model without a Modelfile of its own.
 DEFAULT_TEMPERATURE = 0.8
 DEFAULT_TOP_P = 0.9
 
 
-class OllamaError(Exception):
-    """Answered as `{"error": message}` with this status."""
-
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.headers = status, message, headers
+# Answered as `{"error": message}` with this status: the shared plain refusal.
+OllamaError = PlainError
 
 
 class Options(BaseModel):

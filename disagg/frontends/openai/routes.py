@@ -1,6 +1,7 @@
 """OpenAI's API over a disagg Client: GET /v1/models, POST /v1/completions,
 POST /v1/chat/completions, with and without SSE streaming; errors in OpenAI's
-shape with 4xx/5xx codes. The bodies are `disagg.frontends.openai.types`; the app
+shape with 4xx/5xx codes (disagg.frontends.core's refusals). The bodies are
+`disagg.frontends.openai.types`; the app
 (`disagg.frontends.app`) mounts these routes beside Ollama's and the guard.
 """
 
@@ -17,90 +18,33 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from disagg.api import Chunk, Client, Completion
-from disagg.errors import AgentError, DisaggError, ModelMismatch, Overloaded, UsageError
-from disagg.frontends import maxtokens, tenancy
-from disagg.frontends.guard import cache_salt, unless_gone, wants_internals
-from disagg.frontends.openai.types import (
-    ChatRequest,
-    CommonFields,
-    CompletionRequest,
-    OpenAIError,
-)
-from disagg.frontends.streamstart import opened
+from disagg.errors import DisaggError
+from disagg.frontends import core
+from disagg.frontends.chat import chat_request, common_request
+from disagg.frontends.core import Usage
+from disagg.frontends.guard import cache_salt, wants_internals
+from disagg.frontends.openai.types import ChatRequest, CommonFields, CompletionRequest
 from disagg.serving import verdict
 from disagg.serving.metrics import public_metrics
-from disagg.serving.request import build_request
 from disagg_agents.wire.request import GenerateRequest
 
 
-def from_disagg(e: DisaggError) -> OpenAIError:
-    if isinstance(e, AgentError) and not tenancy.operator_now():
-        # Agents' addresses are the operator's to see (a stream's error event too).
-        e = type(e)(tenancy.hide_addresses(str(e)))
-    if isinstance(e, Overloaded):  # OpenAI's clients retry a 429 after Retry-After
-        retry = {"Retry-After": str(e.retry_after_s)}
-        return OpenAIError(429, str(e), "requests", code="rate_limit_exceeded", headers=retry)
-    if isinstance(e, UsageError):
-        return OpenAIError(400, str(e), "invalid_request_error", e.param)
-    if isinstance(e, ModelMismatch):
-        return OpenAIError(502, str(e), "server_error", code="model_mismatch")
-    if isinstance(e, AgentError):
-        return OpenAIError(503, str(e), "server_error", code="agent_unavailable")
-    return OpenAIError(500, str(e), "server_error")
-
-
 def _usage(c: Completion) -> dict[str, Any]:
-    prompt = int(c.metrics.get("prompt_tokens") or 0)
-    completion = int(c.metrics.get("completion_tokens") or 0)
+    u = Usage.of(c)
     return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
         # OpenAI's field: prompt tokens whose K/V came from the prefix cache.
-        "prompt_tokens_details": {"cached_tokens": int(c.metrics.get("cached_tokens") or 0)},
-        "disagg_verdict": verdict.verdict(c.metrics),  # which path ran (the header's)
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+        "disagg_verdict": u.verdict,  # which path ran (the header's)
     }
-
-
-def _request(body: CommonFields, inputs: dict[str, Any]) -> GenerateRequest:
-    asked = [getattr(body, "max_completion_tokens", None), body.max_tokens]
-    try:
-        return build_request(
-            max_tokens=maxtokens.resolve(next((n for n in asked if n is not None), None)),
-            temperature=body.temperature,
-            top_p=body.top_p,
-            stop=body.stop,
-            seed=body.seed,
-            placement=body.placement,
-            **inputs,
-        )
-    except UsageError as e:
-        raise from_disagg(e) from None
-
-
-def chat_request(body: ChatRequest) -> GenerateRequest:
-    """/v1/chat/completions' body as the one request."""
-    inputs: dict[str, Any] = {"messages": [m.as_request() for m in body.messages]}
-    if body.tools:
-        inputs.update(tools=body.tools, tool_choice=body.tool_choice)
-    elif body.tool_choice not in (None, "none", "auto"):
-        raise OpenAIError(
-            400,
-            "tool_choice names a tool, but no tools were given",
-            "invalid_request_error",
-            "tool_choice",
-        )
-    # As sent: the request's one normalizer (GenerateRequest.normalize_format) reads
-    # OpenAI's shape; a bad one is a 400 naming response_format.
-    inputs["response_format"] = body.response_format
-    inputs["think"] = body.reasoning_effort
-    return _request(body, inputs)
 
 
 def completion_request(body: CompletionRequest) -> GenerateRequest:
     """/v1/completions' body as the one request: the prompt as is, no chat template;
     with `suffix`, fill-in-the-middle where the model's tokenizer has FIM tokens."""
-    return _request(body, {"prompt": body.prompt, "raw": True, "suffix": body.suffix})
+    return common_request(body, {"prompt": body.prompt, "raw": True, "suffix": body.suffix})
 
 
 def tool_calls(c: Completion) -> list[dict[str, Any]]:
@@ -110,15 +54,10 @@ def tool_calls(c: Completion) -> list[dict[str, Any]]:
             "id": f"call_{uuid.uuid4().hex[:24]}",
             "type": "function",
             # as the model wrote them where it wrote JSON: sent back, they render byte-exact
-            "function": {"name": call["name"], "arguments": _arguments(call)},
+            "function": {"name": call.name, "arguments": call.arguments_json},
         }
         for call in c.tool_calls
     ]
-
-
-def _arguments(call: dict[str, Any]) -> str:
-    text = call.get("arguments_text")
-    return text if isinstance(text, str) else json.dumps(call["arguments"])
 
 
 def routes(client: Client, workers: Executor | None = None) -> APIRouter:
@@ -147,43 +86,6 @@ def routes(client: Client, workers: Executor | None = None) -> APIRouter:
     return api
 
 
-def check_model(client: Client, name: str) -> None:
-    if name not in client.models():
-        raise OpenAIError(
-            404,
-            f"The model '{name}' does not exist",
-            "invalid_request_error",
-            "model",
-            "model_not_found",
-        )
-
-
-async def start(
-    client: Client,
-    workers: Executor | None,
-    request: Request,
-    model: str,
-    req: GenerateRequest,
-    stream: bool,
-) -> Completion | tuple[AsyncIterator[Chunk], threading.Event]:
-    """Run `req` for any front door: the whole completion (given up when the client
-    hangs up), or the stream's chunks and the event that stops its decoding.
-    Raises DisaggError; the caller puts it in its API's shape."""
-    if not stream:
-        return await unless_gone(
-            request,
-            lambda cancel: client.agenerate(req, model=model, cancel=cancel, executor=workers),
-        )
-    cancel = threading.Event()
-    chunks = await client.agenerate(req, model=model, stream=True, cancel=cancel, executor=workers)
-    assert not isinstance(chunks, Completion)
-    try:
-        return await opened(chunks), cancel  # a refusal is raised before the stream opens
-    except BaseException:
-        cancel.set()
-        raise
-
-
 async def answer(
     client: Client,
     workers: Executor | None,
@@ -193,15 +95,15 @@ async def answer(
     kind: str,
 ) -> Any:
     """One request's answer: the whole completion, or its SSE stream."""
-    check_model(client, body.model)
+    core.check_model(client, body.model)
     req = req.replace(cache_salt=cache_salt(request, body.cache_salt))
     internals = wants_internals(request)
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     try:
-        result = await start(client, workers, request, body.model, req, body.stream)
+        result = await core.start(client, workers, request, body.model, req, body.stream)
     except DisaggError as e:
-        raise from_disagg(e) from None
+        raise core.from_disagg(e) from None
     if isinstance(result, Completion):
         return verdict.whole(_full(kind, rid, created, result, internals), result)
     chunks, cancel = result
@@ -233,7 +135,7 @@ def _full(kind: str, rid: str, created: int, c: Completion, internals: bool) -> 
         "model": c.model,
         "choices": [choice],
         "usage": _usage(c),
-        "disagg_metrics": c.metrics.to_dict() if internals else public_metrics(c.metrics),
+        "disagg_metrics": c.metrics.to_json() if internals else public_metrics(c.metrics),
     }
 
 
@@ -287,7 +189,7 @@ async def _sse(
                 if include_usage:
                     yield event({}, usage=_usage(chunk.completion))
     except DisaggError as e:
-        yield f"data: {json.dumps(from_disagg(e).body())}\n\n"
+        yield f"data: {json.dumps(core.from_disagg(e).body())}\n\n"
     finally:
         cancel.set()  # a client that left mid-stream stops the decoding
     yield "data: [DONE]\n\n"

@@ -1,6 +1,7 @@
 """OpenAI's Responses API over a disagg Client: POST /v1/responses, whole or as the
 SSE events the official SDK types (response.created ... response.completed). The
-body maps onto the chat route's request (`types.as_chat`); a forced custom tool's
+body maps onto the shared chat request (`types.as_chat`, disagg.frontends.chat);
+the run, refusals and usage are disagg.frontends.core's; a forced custom tool's
 input follows its Lark grammar, through the grammar engine on the decode agent."""
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from fastapi import APIRouter, Request
 
 from disagg.api import Chunk, Client, Completion
 from disagg.errors import DisaggError, UsageError
+from disagg.frontends import core
+from disagg.frontends.chat import chat_request
+from disagg.frontends.core import Usage
 from disagg.frontends.guard import cache_salt
-from disagg.frontends.openai import routes as oai
-from disagg.frontends.openai.types import OpenAIError
+from disagg.frontends.refusal import ApiError
 from disagg.frontends.responses.types import (
     ResponsesRequest,
     as_chat,
@@ -47,7 +50,7 @@ class Answer:
         self.id, self.created = _id("resp"), int(time.time())
 
     def request(self, request: Request) -> GenerateRequest:
-        req = oai.chat_request(self.chat)
+        req = chat_request(self.chat)
         salt = cache_salt(request, self.body.cache_salt)
         try:
             if self.forced is not None:
@@ -56,7 +59,7 @@ class Answer:
                 return with_fields(req, tool_choice=None, response_format=grammar, cache_salt=salt)
             return with_fields(req, cache_salt=salt)
         except UsageError as e:
-            raise oai.from_disagg(e) from None
+            raise core.from_disagg(e) from None
 
     def envelope(self, status: str, output: list[dict[str, Any]], **rest: Any) -> dict[str, Any]:
         b = self.body
@@ -102,19 +105,16 @@ class Answer:
             return [self.custom_call(self.forced, c.text)]
         out = []
         for call in c.tool_calls:
-            if call["name"] in self.custom:
-                args = call.get("arguments") or {}
-                out.append(self.custom_call(call["name"], str(args.get("input", ""))))
+            if call.name in self.custom:
+                out.append(self.custom_call(call.name, str(call.arguments.get("input", ""))))
                 continue
-            text = call.get("arguments_text")
-            args_text = text if isinstance(text, str) else json.dumps(call.get("arguments") or {})
             out.append(
                 {
                     "type": "function_call",
                     "id": _id("fc"),
                     "call_id": _id("call"),
-                    "name": call["name"],
-                    "arguments": args_text,
+                    "name": call.name,
+                    "arguments": call.arguments_json,
                     "status": "completed",
                 }
             )
@@ -132,15 +132,14 @@ class Answer:
 
     def done(self, c: Completion, output: list[dict[str, Any]]) -> dict[str, Any]:
         """The final response: completed, or incomplete at max_output_tokens."""
-        prompt = int(c.metrics.get("prompt_tokens") or 0)
-        made = int(c.metrics.get("completion_tokens") or 0)
+        u = Usage.of(c)
         usage = {
-            "input_tokens": prompt,
-            "input_tokens_details": {"cached_tokens": int(c.metrics.get("cached_tokens") or 0)},
-            "output_tokens": made,
+            "input_tokens": u.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": u.cached_tokens},
+            "output_tokens": u.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": prompt + made,
-            "disagg_verdict": verdict.verdict(c.metrics),  # which path ran (the header's)
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "disagg_verdict": u.verdict,  # which path ran (the header's)
         }
         if c.finish_reason == "length":
             return self.envelope(
@@ -179,15 +178,15 @@ def routes(client: Client, workers: Executor | None = None) -> APIRouter:
 
     @api.post("/v1/responses", response_model=None)
     async def responses(request: Request, body: ResponsesRequest) -> Any:
-        oai.check_model(client, body.model)
+        core.check_model(client, body.model)
         a = Answer(body)
         if any(grammar_of(t) for t in a.custom.values()):
             await compiles(workers, a)
         req = a.request(request)
         try:
-            result = await oai.start(client, workers, request, body.model, req, body.stream)
+            result = await core.start(client, workers, request, body.model, req, body.stream)
         except DisaggError as e:
-            raise oai.from_disagg(e) from None
+            raise core.from_disagg(e) from None
         if isinstance(result, Completion):
             return verdict.whole(full(a, result), result)
         chunks, cancel = result
@@ -204,7 +203,7 @@ async def compiles(workers: Executor | None, a: Answer) -> None:
     try:
         error = await asyncio.get_running_loop().run_in_executor(workers, compile_error, a.custom)
     except DisaggError as e:  # Overloaded: this key holds its share
-        raise oai.from_disagg(e) from None
+        raise core.from_disagg(e) from None
     if error is not None:
         raise error
 
@@ -319,14 +318,14 @@ async def events(
                 final = a.done(c, s.output)
                 yield s.event(f"response.{final['status']}", response=final)
     except DisaggError as e:
-        err = oai.from_disagg(e)
+        err = core.from_disagg(e)
         failed = a.envelope("failed", s.output, error={"code": _code(err), "message": err.message})
         yield s.event("response.failed", response=failed)
     finally:
         cancel.set()  # a client that left mid-stream stops the decoding
 
 
-def _code(err: OpenAIError) -> str:
+def _code(err: ApiError) -> str:
     """response.failed's error code: the client's mistake is no server_error."""
     if err.code:
         return err.code

@@ -1,5 +1,5 @@
-"""The Responses API's request body (pydantic) and its mapping onto OpenAI's chat
-request (whose route builds the one GenerateRequest): input items as chat
+"""The Responses API's request body (pydantic) and its mapping onto the shared chat
+request (disagg.frontends.chat builds the one GenerateRequest from it): input items as chat
 messages, tools as functions, `text.format` as a response_format.
 
 Stateless: every request carries its whole `input`; `previous_response_id` is
@@ -14,7 +14,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from disagg.frontends.openai.types import ChatRequest, Message, OpenAIError
+from disagg.frontends.chat import ChatRequest, Message
+from disagg.frontends.refusal import ApiError
 from disagg_agents.decode.grammarcheck import CompileCheck
 from disagg_agents.wire.request import GRAMMAR_MAX_CHARS
 from disagg_agents.wire.schemasize import TOOLS_MAX_CHARS, SchemaTooBig, check_lark
@@ -33,8 +34,8 @@ CUSTOM_PARAMETERS = {
 }
 
 
-def bad(message: str, param: str | None = None) -> OpenAIError:
-    return OpenAIError(400, message, "invalid_request_error", param)
+def bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, "invalid_request_error", param)
 
 
 class Reasoning(BaseModel):
@@ -136,7 +137,7 @@ def grammar_of(tool: dict[str, Any]) -> dict[str, Any] | None:
     return {"type": "lark", "grammar": definition}  # the request's response_format
 
 
-def compile_error(custom: dict[str, dict[str, Any]]) -> OpenAIError | None:
+def compile_error(custom: dict[str, dict[str, Any]]) -> ApiError | None:
     """The 400 for the first custom tool whose grammar does not compile, or None.
     Blocking (a child process compiles each): call it off the event loop."""
     for name, tool in custom.items():

@@ -15,8 +15,9 @@ from typing import Any
 
 from disagg.fleet.crashes import last_error_in
 from disagg.frontends.webview.tracker import RequestLog
-from disagg.serving.control import control_status
+from disagg.serving.control import agent_status
 from disagg_agents.wire.frames import AuthError
+from disagg_agents.wire.status import AgentStatus
 from disagg_agents.wire.text import printable
 
 POLL_EVERY_S = 1.0
@@ -38,14 +39,14 @@ def last_error_line(log_path: Path, max_bytes: int = 64 << 10) -> str | None:
     return last_error_in(lines)
 
 
-def _device(st: dict[str, Any]) -> str | None:
+def _device(st: AgentStatus) -> str | None:
     """`cpu`, `cuda`, `gpu` …: mlx writes its device as `Device(cpu, 0)`."""
-    d = st.get("device")
+    d = st.device
     return str(d).removeprefix("Device(").split(",")[0].rstrip(")") if d else None
 
 
-def _weights(st: dict[str, Any]) -> str | None:
-    fp = st.get("fingerprint") or {}
+def _weights(st: AgentStatus) -> str | None:
+    fp = st.fingerprint
     q = (fp.get("weights") or {}).get("quantization")
     kind = f"{q.get('bits')}-bit {q.get('mode')}" if q else None
     return " ".join(x for x in (kind, fp.get("dtype")) if x) or None
@@ -124,7 +125,7 @@ class FleetWatch:
             row["error"] = "no control port"
             return row
         try:
-            st = control_status(ep.host, ep.control_port, self.client.router.token, POLL_TIMEOUT_S)
+            st = agent_status(ep.host, ep.control_port, self.client.router.token, POLL_TIMEOUT_S)
         except (OSError, ValueError, AuthError) as e:
             row["error"] = printable(e, 200)
             if local is not None:
@@ -132,28 +133,28 @@ class FleetWatch:
             else:
                 row["last_error"] = self._fleet_crash(ep.name)
             return row
-        pc = st.get("prefix_cache") or {}
+        pc = st.prefix_cache
         row.update(
             up=True,
             device=_device(st),
-            backend=st.get("backend"),
-            model_dir=Path(str(st.get("model") or "")).name or None,
+            backend=st.backend,
+            model_dir=Path(st.model or "").name or None,
             weights=_weights(st),
-            in_flight=st.get("in_flight"),
-            queued=st.get("queued"),
-            batch=st.get("batch"),
-            max_batch=st.get("max_batch"),
-            requests=st.get("requests"),
-            errors=st.get("errors"),
-            cancelled=st.get("cancelled"),
-            uptime_s=st.get("uptime_s"),
-            rss_bytes=st.get("rss_bytes"),
+            in_flight=st.in_flight,
+            queued=st.queued,
+            batch=st.batch,
+            max_batch=st.max_batch,
+            requests=st.requests,
+            errors=st.errors,
+            cancelled=st.cancelled,
+            uptime_s=st.uptime_s,
+            rss_bytes=st.rss_bytes,
             prefix_hit_rate=pc.get("hit_rate"),
             prefix_memory_tokens=pc.get("cached_tokens"),  # every tier: disk hits included
-            prefix_disk=_disk(st.get("prefix_disk")),
-            ttft_p50_s=st.get("ttft_p50_s"),
+            prefix_disk=_disk(st.prefix_disk),
+            ttft_p50_s=st.ttft_p50_s,
         )
-        reported = st.get("last_error")
+        reported = st.last_error
         if isinstance(reported, dict) and reported.get("message"):
             row["last_error"] = printable(reported["message"], 300)
         elif local is not None:
@@ -176,10 +177,12 @@ class FleetWatch:
     def _add_rates(self, rows: list[dict[str, Any]]) -> None:
         recent = self.log.finished_since(RATE_WINDOW_S)
         for r in rows:
-            side = "decode_server" if r["role"] == "decode" else "prefill_server"
-            key = "completion_tokens" if r["role"] == "decode" else "prompt_tokens"
-            mine = [m for m in recent if m.get(side) == r["name"]]
-            r["tokens_per_s"] = round(sum(int(m.get(key) or 0) for m in mine) / RATE_WINDOW_S, 2)
+            decode = r["role"] == "decode"
+            mine = [
+                m for m in recent if (m.decode_server if decode else m.prefill_server) == r["name"]
+            ]
+            made = sum(int((m.completion_tokens if decode else m.prompt_tokens) or 0) for m in mine)
+            r["tokens_per_s"] = round(made / RATE_WINDOW_S, 2)
 
     def links(self) -> list[dict[str, Any]]:
         """Each pipeline's prefill -> decode pairs, with what their K/V streams measured."""
@@ -191,14 +194,14 @@ class FleetWatch:
                     ms = [
                         m
                         for m in recent
-                        if m.get("prefill_server") == pre.name
-                        and m.get("decode_server") == dec.name
-                        and m.get("method") == "disaggregated"
+                        if m.prefill_server == pre.name
+                        and m.decode_server == dec.name
+                        and m.method == "disaggregated"
                     ]
-                    link_b = sum(float(m.get("kv_link_bytes") or 0) for m in ms)
-                    link_s = sum(float(m.get("kv_link_time") or 0) for m in ms)
-                    kv_b = sum(float(m.get("kv_bytes") or 0) for m in ms)
-                    kv_s = sum(float(m.get("kv_transfer_time") or 0) for m in ms)
+                    link_b = sum(float(m.kv_link_bytes or 0) for m in ms)
+                    link_s = sum(float(m.kv_link_time or 0) for m in ms)
+                    kv_b = sum(float(m.kv_bytes or 0) for m in ms)
+                    kv_s = sum(float(m.kv_transfer_time or 0) for m in ms)
                     rate = link_b / link_s if link_s > 0 else (kv_b / kv_s if kv_s > 0 else None)
                     out.append(
                         {
@@ -210,7 +213,7 @@ class FleetWatch:
                             # "link": timed on the wire (large frames, decode.codectuner);
                             # "stream": K/V bytes over first-to-last layer, paced by compute
                             "rate_kind": "link" if link_s > 0 else "stream",
-                            "kv_bytes_last": ms[-1].get("kv_bytes") if ms else None,
+                            "kv_bytes_last": ms[-1].kv_bytes if ms else None,
                         }
                     )
         return out

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from typing import Any
 
 from disagg_agents.runtime.metrics import Histogram
+from disagg_agents.wire.answer import Metrics
 
 P = "disagg_gateway"
 SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -91,11 +91,11 @@ class GatewayMetrics:
         with self.lock:
             self.in_flight[model] += 1
 
-    def end(self, model: str, metrics: dict[str, Any] | None, outcome: str) -> None:
+    def end(self, model: str, metrics: Metrics | None, outcome: str) -> None:
         """A request ended: `outcome` is one of OUTCOMES; `metrics` what it measured
         (a cancelled or stop-ended request's too)."""
-        m = metrics or {}
-        method = str(m.get("method") or "none")
+        m = metrics or Metrics()
+        method = str(m.method or "none")
         ok = outcome != "error" and metrics is not None
         with self.lock:
             self.in_flight[model] -= 1
@@ -105,22 +105,22 @@ class GatewayMetrics:
             if not ok:
                 return
             for name, (key, buckets, _) in HISTOGRAMS.items():
-                value = m.get(key)
+                value = getattr(m, key)
                 if name.startswith("kv_") and method != "disaggregated":
                     continue  # nothing crossed the wire
                 if isinstance(value, int | float) and not isinstance(value, bool):
                     self.hists.setdefault((name, model), Histogram(buckets)).observe(float(value))
-            if m.get("method") == "local-fallback":
-                reason = str(m.get("fallback_kind") or "stream")
+            if m.method == "local-fallback":
+                reason = str(m.fallback_kind or "stream")
                 self.counts[("fallbacks_total", (("model", model), ("reason", reason)))] += 1
-            cached = int(m.get("cached_tokens") or 0)
+            cached = int(m.cached_tokens or 0)
             self.counts[("prefix_hits_total", (("model", model),))] += cached > 0
             self.counts[("cached_tokens_total", (("model", model),))] += cached
-            for name, key in (
-                ("prompt_tokens_total", "prompt_tokens"),
-                ("completion_tokens_total", "completion_tokens"),
+            for name, count in (
+                ("prompt_tokens_total", m.prompt_tokens),
+                ("completion_tokens_total", m.completion_tokens),
             ):
-                self.counts[(name, (("model", model),))] += int(m.get(key) or 0)
+                self.counts[(name, (("model", model),))] += int(count or 0)
 
     def agent(self, name: str, role: str, model: str, up: bool) -> None:
         with self.lock:

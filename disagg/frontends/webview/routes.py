@@ -92,6 +92,13 @@ def routes(client: Any, api_key: str | None = None, log: RequestLog | None = Non
             _asset(name), media_type=ASSETS[name], headers={"Cache-Control": "no-cache"}
         )
 
+    _data_routes(r, fleet, log)
+    return r
+
+
+def _data_routes(r: APIRouter, fleet: FleetWatch, log: RequestLog) -> None:
+    """The page's data and the Prometheus scrape: the fleet for the operator only."""
+
     @r.get("/ui/api/state")
     async def state(request: Request) -> Response:
         # The fleet and everyone's requests for the operator; a tenant its own.
@@ -120,5 +127,3 @@ def routes(client: Any, api_key: str | None = None, log: RequestLog | None = Non
             await asyncio.to_thread(fleet.poll)  # agent_up is as fresh as the scrape
         text = log.metrics.text(fleet=operator)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
-
-    return r

@@ -7,6 +7,7 @@ so the request path itself knows nothing of it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -20,6 +21,7 @@ from typing import Any
 
 from disagg.frontends import tenancy
 from disagg.frontends.webview.prom import GatewayMetrics
+from disagg.serving.router import StopGeneration
 from disagg.serving.verdict import header_value, verdict
 from disagg_agents.wire.answer import Metrics, TokenEvent
 from disagg_agents.wire.text import printable
@@ -50,32 +52,28 @@ def prompt_of(request: Any) -> str:
 
 def access_line(t: Tracked) -> str:
     """One line per request, no prompt text: `disagg serve` logs it."""
-    m = t.metrics
+    m = t.metrics or Metrics()
 
     def secs(v: Any) -> str:
         return f"{v:.3f}s" if isinstance(v, int | float) else "-"
 
     line = (
-        f"request {t.id} {t.model} {t.outcome} {m.get('method') or '-'}: "
-        f"{m.get('prompt_tokens') or 0} prompt ({m.get('cached_tokens') or 0} cached) + "
-        f"{int(m.get('completion_tokens') or t.tokens)} tokens, ttft {secs(m.get('ttft'))}, "
+        f"request {t.id} {t.model} {t.outcome} {m.method or '-'}: "
+        f"{m.prompt_tokens or 0} prompt ({m.cached_tokens or 0} cached) + "
+        f"{int(m.completion_tokens or t.tokens)} tokens, ttft {secs(m.ttft)}, "
         f"{secs(t.ended_s)} in all"
     )
-    if m.get("method"):
-        line += f" [{header_value(Metrics.from_json(m))}]"  # the answer's verdict header
+    if m.method:
+        line += f" [{header_value(m)}]"  # the answer's verdict header
     return line + (f"; {printable(t.error, 200)}" if t.error else "")  # ESC from a schema
 
 
-def _as_dict(m: Any) -> dict[str, Any]:
-    return m.to_dict() if hasattr(m, "to_dict") else dict(m)
-
-
-def why(m: dict[str, Any]) -> str | None:
+def why(m: Metrics) -> str | None:
     """Why the request was served the way it was, in one line."""
-    if m.get("method") == "local-fallback":
-        return m.get("fallback_reason")
-    if m.get("method") == "local":
-        return m.get("placement_reason")
+    if m.method == "local-fallback":
+        return m.fallback_reason
+    if m.method == "local":
+        return m.placement_reason
     return None
 
 
@@ -91,14 +89,16 @@ class Tracked:
     ended_s: float | None = None
     error: str | None = None
     outcome: str | None = None  # once ended: one of prom.OUTCOMES
-    metrics: dict[str, Any] = field(default_factory=dict)
+    # The prompt's side while it decodes (the first token's), then the whole answer's.
+    # None: nothing measured (yet, or ever: it failed).
+    metrics: Metrics | None = None
     tenant: bytes | None = None  # whose request: its key's digest (tenancy)
     reason: str | None = None  # a refused request's error message, as its client got it
 
     def view(self, now: float, fleet: bool = True) -> dict[str, Any]:
         """The list's row; without `fleet` (a tenant's own view) no agent names
         and no reasons (which may name agents or addresses)."""
-        m = self.metrics
+        m = self.metrics or Metrics()
         state = "running" if self.ended_s is None else ("failed" if self.error else "done")
         if self.outcome == "refused":
             state = "refused"
@@ -110,21 +110,21 @@ class Tracked:
             "state": state,
             "outcome": self.outcome,
             "elapsed": round((self.ended_s if self.ended_s is not None else now - self.t0), 4),
-            "tokens": int(m.get("completion_tokens") or self.tokens),
+            "tokens": int(m.completion_tokens or self.tokens),
             "first_token": self.first_token_s,
             "error": self.error,
-            "method": m.get("method"),
+            "method": m.method,
             "why": why(m),
-            "prefill_server": m.get("prefill_server"),
-            "decode_server": m.get("decode_server"),
-            "ttft": m.get("ttft"),
-            "tpot": m.get("tpot"),
-            "kv_bytes": m.get("kv_bytes"),
-            "prompt_tokens": m.get("prompt_tokens"),
-            "cached_tokens": m.get("cached_tokens"),
-            "timeline": m.get("timeline"),
-            "queue_time": m.get("queue_time"),
-            "verdict": verdict(Metrics.from_json(m)) if m.get("method") else None,
+            "prefill_server": m.prefill_server,
+            "decode_server": m.decode_server,
+            "ttft": m.ttft,
+            "tpot": m.tpot,
+            "kv_bytes": m.kv_bytes,
+            "prompt_tokens": m.prompt_tokens,
+            "cached_tokens": m.cached_tokens,
+            "timeline": m.timeline,
+            "queue_time": m.queue_time,
+            "verdict": verdict(m) if m.method else None,
         }
         if fleet:
             row["tenant"] = tenancy.label(self.tenant)
@@ -165,8 +165,10 @@ class RequestLog:
                     t.tokens += 1
                     if t.first_token_s is None:
                         t.first_token_s = round(time.monotonic() - t.t0, 4)
-                        # The prompt's side while it decodes, flat as the frame has it.
-                        t.metrics = dict(tok.to_json().get("metrics") or {})
+                        # The prompt's side while it decodes; its timeline (at,
+                        # first_token) is no answer's: the view draws finished ones.
+                        if tok.metrics is not None:
+                            t.metrics = dataclasses.replace(tok.metrics, timeline=None)
                 if on_token is not None:
                     on_token(tok)
 
@@ -175,16 +177,13 @@ class RequestLog:
             except BaseException as e:
                 # A stop sequence or a caller that left ends a request early on
                 # purpose (StopGeneration): no failure, and it measured what it did.
-                if type(e).__name__ == "StopGeneration":
-                    m = getattr(e, "metrics", None)
-                    self.end(
-                        t, _as_dict(m) if m is not None else {}, None, getattr(e, "reason", "stop")
-                    )
+                if isinstance(e, StopGeneration):
+                    self.end(t, e.metrics or Metrics(), None, e.reason)
                 else:
                     self.end(t, None, str(e) or type(e).__name__, "error")
                 raise
-            m = _as_dict(result.metrics)
-            self.end(t, m, None, str(m.get("finish_reason") or "stop"))
+            m = result.metrics
+            self.end(t, m, None, str(m.finish_reason or "stop"))
             return result
 
         return tracked
@@ -210,13 +209,13 @@ class RequestLog:
     def end(
         self,
         t: Tracked,
-        metrics: dict[str, Any] | None,
+        metrics: Metrics | None,
         error: str | None,
         outcome: str | None = None,
     ) -> None:
         if outcome is None:  # one of prom.OUTCOMES, from what it ended with
-            outcome = "error" if error else str((metrics or {}).get("finish_reason") or "stop")
-        t.metrics = dict(metrics or {})
+            outcome = "error" if error else str((metrics and metrics.finish_reason) or "stop")
+        t.metrics = metrics
         t.error, t.outcome = error, outcome
         t.ended_s = round(time.monotonic() - t.t0, 4)
         with self.lock:
@@ -236,12 +235,12 @@ class RequestLog:
             items = [t for t in items if t.tenant is not None and t.tenant == tenant]
         return [t.view(now, fleet=everyone) for t in items]
 
-    def finished_since(self, seconds: float) -> list[dict[str, Any]]:
+    def finished_since(self, seconds: float) -> list[Metrics]:
         """Metrics of requests that ended in the last `seconds`."""
         cutoff = time.monotonic() - seconds
         with self.lock:
             return [
                 t.metrics
                 for t in self.done
-                if t.ended_s is not None and t.t0 + t.ended_s >= cutoff and t.metrics
+                if t.ended_s is not None and t.t0 + t.ended_s >= cutoff and t.metrics is not None
             ]

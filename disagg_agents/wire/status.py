@@ -1,0 +1,94 @@
+"""An agent's /status as the control plane reads it, typed once.
+
+The agents serve /status as a JSON object they build as a dict (each role adds
+its own fields); `AgentStatus.from_json` reads the fields the control plane uses
+(the web view's fleet cards, the gateway's batch capacity, the model facts
+/api/show and Anthropic's thinking ask for). A field of the wrong type reads as
+None (or empty): an agent of another release, or a hostile one, costs its own
+field only. `doc` keeps the whole document as sent, for what prints it whole
+(`disagg status --json`). Stdlib only: agents ship alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+def _int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _num(v: Any) -> float | int | None:
+    return v if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+
+def _str(v: Any) -> str | None:
+    return v if isinstance(v, str) else None
+
+
+def _obj(v: Any) -> dict[str, Any]:
+    return dict(v) if isinstance(v, Mapping) else {}
+
+
+@dataclass(frozen=True)
+class AgentStatus:
+    """The fields of an agent's /status the control plane reads."""
+
+    backend: str | None = None  # "mlx" (decode), "torch" (prefill)
+    device: str | None = None  # as the framework names it: "Device(gpu, 0)", "cuda"
+    model: str | None = None  # the model directory on the agent's host
+    context: int | None = None  # the model's context length, in tokens
+    in_flight: int | None = None  # requests under way now
+    queued: int | None = None  # ... of them waiting for a batch slot
+    batch: int | None = None  # sequences decoding together now
+    max_batch: int | None = None  # the most it decodes together
+    requests: int | None = None  # since it started
+    errors: int | None = None
+    cancelled: int | None = None
+    uptime_s: float | int | None = None
+    rss_bytes: int | None = None
+    ttft_p50_s: float | int | None = None
+    # Nested documents, read by their own readers: the weights' fingerprint
+    # (architecture, dtype, layers, weights.quantization), the chat template's facts
+    # (capabilities, template, stop, tool_format, reasoning, fim_tokens), the prefix
+    # cache (hit_rate, cached_tokens) and disk tier, the last request's error.
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+    chat: dict[str, Any] | None = None  # None: the agent sent none (an older release)
+    prefix_cache: dict[str, Any] = field(default_factory=dict)
+    prefix_disk: dict[str, Any] | None = None
+    last_error: dict[str, Any] | None = None
+    doc: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> AgentStatus:
+        """The /status object as sent; what is missing or mistyped reads as None."""
+        disk, err, chat = d.get("prefix_disk"), d.get("last_error"), d.get("chat")
+        return cls(
+            backend=_str(d.get("backend")),
+            device=None if d.get("device") is None else str(d.get("device")),
+            model=_str(d.get("model")),
+            context=_int(d.get("context")),
+            in_flight=_int(d.get("in_flight")),
+            queued=_int(d.get("queued")),
+            batch=_int(d.get("batch")),
+            max_batch=_int(d.get("max_batch")),
+            requests=_int(d.get("requests")),
+            errors=_int(d.get("errors")),
+            cancelled=_int(d.get("cancelled")),
+            uptime_s=_num(d.get("uptime_s")),
+            rss_bytes=_int(d.get("rss_bytes")),
+            ttft_p50_s=_num(d.get("ttft_p50_s")),
+            fingerprint=_obj(d.get("fingerprint")),
+            chat=_obj(chat) if isinstance(chat, Mapping) else None,
+            prefix_cache=_obj(d.get("prefix_cache")),
+            prefix_disk=_obj(disk) if isinstance(disk, Mapping) else None,
+            last_error=_obj(err) if isinstance(err, Mapping) else None,
+            doc=dict(d),
+        )
+
+
+# The names a string-key read of /status would use (tests/test_layout.py holds the
+# control plane to reading them by attribute).
+STATUS_FIELDS = frozenset(f.name for f in fields(AgentStatus)) - {"doc"}
