@@ -27,7 +27,7 @@ AGREEMENT_BAR = 0.9
 @pytest.fixture(scope="module")
 def engines(default_model: Path) -> tuple[Any, Any]:
     """(PrefillEngine, DecodeEngine) of the default model, as the agents load it."""
-    from disagg_agents.decode.agent import DecodeEngine
+    from disagg_agents.decode.engine import DecodeEngine
     from disagg_agents.prefill.engine import PrefillEngine
 
     return PrefillEngine(str(default_model), device="cpu"), DecodeEngine(str(default_model))

@@ -26,7 +26,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from disagg.serving.localagents import AgentProc
-from disagg_agents.decode.agent import DecodeEngine
+from disagg_agents.decode.engine import DecodeEngine
 from disagg_agents.decode.loop import DecodeLoop, Seq
 from disagg_agents.decode.prefixcache import DecodePrefix, as_numpy
 from disagg_agents.decode.prefixstore import PendingStore
