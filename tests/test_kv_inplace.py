@@ -21,7 +21,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from disagg.serving import wireclient as client
 from disagg.serving.localagents import AgentProc
 from disagg_agents.decode.kvcaches import fill_layer
-from disagg_agents.decode.kvfetch import receive_layers
+from disagg_agents.decode.kvfetch import Into, receive_layers
 from disagg_agents.decode.kvslots import Slots, allocate
 from disagg_agents.decode.prefixcache import DecodePrefix, Hit, Span
 from disagg_agents.prefill.engine import to_wire
@@ -169,16 +169,10 @@ def fetch(
     )
     fingerprint = {"num_kv_heads": HEADS, "head_dim": DIM}
     try:
-        got = receive_layers(
-            ours,
-            request,
-            caches,
-            fingerprint,
-            VOCAB,
-            fill_layer,  # copy-path layers placed on this (the only mlx) thread
-            remote,
-            (lambda: got_slots) if got_slots is not None else None,
-        )
+        source = (lambda: got_slots) if got_slots is not None else None
+        # copy-path layers placed on this (the only mlx) thread
+        into = Into(caches, fill_layer, remote, source)
+        got = receive_layers(ours, request, into, fingerprint, VOCAB)
     finally:
         ours.close()
         peer.thread.join(10)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 from disagg_agents.runtime import fastblas  # first: it gives mlx an optimized BLAS before mlx loads
@@ -57,25 +58,35 @@ DEFAULT_DISK_MB = 8192  # the --prefix-disk tier's default budget
 PREFILL_STEP = 2048  # mlx-lm's generate_step default: same chunks, same numerics
 
 
+@dataclass(frozen=True)
+class DecodeOptions:
+    """A decode agent's settings from its flags (main)."""
+
+    max_batch: int = 32  # most requests decoded together in one step
+    max_request_bytes: int = CONTROL_MAX_FRAME  # largest GENERATE frame taken
+    allow_mixed: bool = False  # accept prefill agents on other weights
+    prefix_cache_mb: float | None = None  # None: prefix.store.default_max_mb()
+    prefix_disk: str | None = None  # the prefix cache's disk tier (None: off)
+    prefix_disk_mb: float | None = None  # None: DEFAULT_DISK_MB
+
+
 class DecodeAgent:
+    """What a decode agent's requests share: the engine, the decode loop, the
+    prefix cache, placement and the codec tuners; each request runs the stages."""
+
     def __init__(
         self,
         engine: DecodeEngine,
         name: str,
         token: bytes | None = None,
-        max_batch: int = 32,
-        max_request_bytes: int = CONTROL_MAX_FRAME,
-        allow_mixed: bool = False,
-        prefix_cache_mb: float | None = None,
-        prefix_disk: str | None = None,
-        prefix_disk_mb: float | None = None,
+        options: DecodeOptions = DecodeOptions(),
     ) -> None:
         self.engine = engine
         # Accept a prefill agent on other weights (results then say weights: "mixed").
-        self.allow_mixed = allow_mixed
+        self.allow_mixed = options.allow_mixed
         self.kv_inplace = inplace_enabled()  # DISAGG_KV_INPLACE=0: the copy path
         self.name = name
-        self.max_request_bytes = max_request_bytes  # largest GENERATE frame taken
+        self.max_request_bytes = options.max_request_bytes  # largest GENERATE frame taken
         self.token = token  # the cluster token, also proves us to prefill agents
         self.stats = Stats("decode")
         self.placement = Placement()
@@ -84,20 +95,29 @@ class DecodeAgent:
         self.codec_tuners: dict[str, CodecTuner] = {}
         # All mlx work runs on the loop's thread; requests decode there together.
         self.loop = DecodeLoop(
-            engine.model, max_batch=max_batch, grammars=engine.grammars, prefill_step=PREFILL_STEP
+            engine.model,
+            max_batch=options.max_batch,
+            grammars=engine.grammars,
+            prefill_step=PREFILL_STEP,
         )
         engine.grammars.warm()  # its tokenizer (~0.5 s) off the first request's path
         self.blas_share = BlasShare.from_env(self.loop.post)
         self.loop.before_turn, self.loop.on_idle = self.blas_share.tick, self.blas_share.idle
-        mb = default_max_mb() if prefix_cache_mb is None else prefix_cache_mb
-        self.prefix = DecodePrefix(int(mb * (1 << 20)), engine.fingerprint["layers"], engine.dtype)
-        self.stats.extra.append(lambda: self.prefix.cache.prometheus("decode"))
-        if prefix_disk:  # the disk tier: blocks kept across restarts
-            mb = DEFAULT_DISK_MB if prefix_disk_mb is None else prefix_disk_mb
-            self.prefix.enable_disk(prefix_disk, int(mb * (1 << 20)), engine.fingerprint)
-            disk = self.prefix.disk
+        self.prefix = self._open_prefix(options)
+
+    def _open_prefix(self, options: DecodeOptions) -> DecodePrefix:
+        """The prefix cache, with its disk tier when asked, counted in /metrics."""
+        engine = self.engine
+        mb = default_max_mb() if options.prefix_cache_mb is None else options.prefix_cache_mb
+        prefix = DecodePrefix(int(mb * (1 << 20)), engine.fingerprint["layers"], engine.dtype)
+        self.stats.extra.append(lambda: prefix.cache.prometheus("decode"))
+        if options.prefix_disk:  # the disk tier: blocks kept across restarts
+            mb = DEFAULT_DISK_MB if options.prefix_disk_mb is None else options.prefix_disk_mb
+            prefix.enable_disk(options.prefix_disk, int(mb * (1 << 20)), engine.fingerprint)
+            disk = prefix.disk
             assert disk is not None
             self.stats.extra.append(lambda: disk.prometheus("decode"))
+        return prefix
 
     def live_settings(self) -> list[Setting]:
         """What PUT /settings may change (disagg_agents.runtime.settings), for new requests."""
@@ -238,11 +258,13 @@ def main() -> None:
         engine,
         args.name or f"decode@{socket.gethostname()}",
         token,
-        max_batch=args.max_batch,
-        max_request_bytes=args.max_request_bytes,
-        allow_mixed=args.allow_mixed,
-        prefix_cache_mb=args.prefix_cache_mb,
-        prefix_disk=args.prefix_disk,
-        prefix_disk_mb=args.prefix_disk_mb,
+        DecodeOptions(
+            max_batch=args.max_batch,
+            max_request_bytes=args.max_request_bytes,
+            allow_mixed=args.allow_mixed,
+            prefix_cache_mb=args.prefix_cache_mb,
+            prefix_disk=args.prefix_disk,
+            prefix_disk_mb=args.prefix_disk_mb,
+        ),
     )
     serve("decode", args, token, agent)

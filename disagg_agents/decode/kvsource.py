@@ -17,7 +17,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from disagg_agents.decode.codectuner import CodecTuner
 from disagg_agents.decode.job import Job
 from disagg_agents.decode.kvcaches import fill_layer
-from disagg_agents.decode.kvfetch import PrefillUnavailable, fetch_kv
+from disagg_agents.decode.kvfetch import Into, PrefillUnavailable, fetch_kv
 from disagg_agents.decode.kvslots import Slots, allocate
 from disagg_agents.decode.prefixcache import Hit
 from disagg_agents.prefix.store import Prefix
@@ -142,16 +142,10 @@ def fetch_remote(
     prefix = agent.prefix.remote_prefix(hit, job.ids)
     ask = prefill_ask(agent, job, codec, probe, prefix)
     with agent.blas_share.prefilling():
+        slots = slots_of(agent, alloc, hit) if alloc is not None else None
+        into = Into(job.caches, placer(agent, alloc, fills), prefix, slots)
         fetched, logits = fetch_kv(
-            job.req.prefill,
-            ask,
-            job.caches,
-            hello(agent),
-            agent.token,
-            agent.engine.vocab_size,
-            placer(agent, alloc, fills),
-            prefix,
-            slots_of(agent, alloc, hit) if alloc is not None else None,
+            job.req.prefill, ask, into, hello(agent), agent.token, agent.engine.vocab_size
         )
     for f in fills:
         f.result()

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from disagg_agents.chatformat import generic
 from disagg_agents.decode.engine import BadRequest, DecodeEngine, shown_tools
-from disagg_agents.decode.grammar import ANALYSIS_MAX_TOKENS, ClientGone, Matcher
+from disagg_agents.decode.grammar import ANALYSIS_MAX_TOKENS, ClientGone, Framing, Matcher
 from disagg_agents.decode.grammarformats import generic_lark
 from disagg_agents.decode.job import Job
 from disagg_agents.decode.keepalive import Keepalive
@@ -87,11 +87,13 @@ def request_matcher(
             raise RequestError("tools", f"tools: a tool's parameters: {why}") from None
     return eng.grammars.matcher(
         req.response_format,
-        kind=eng.format_kind,
+        framing=Framing(
+            eng.format_kind,
+            eng.think_end if thinks else None,
+            min(ANALYSIS_MAX_TOKENS, req.max_tokens // 2),
+            opener,
+        ),
         tools=req.tools,
         tool_choice=req.tool_choice,
-        trigger=eng.think_end if thinks else None,
-        analysis_max_tokens=min(ANALYSIS_MAX_TOKENS, req.max_tokens // 2),
-        opener=opener,
         gone=None if sock is None else lambda: client_gone(sock),
     )

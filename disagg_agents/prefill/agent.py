@@ -184,13 +184,10 @@ class PrefillAgent:
         req = self._read_request(sock, frame, packed)
         if req is None:
             return False
-        ids, start, kv_quant, codec = req.token_ids, req.start, req.kv_quant, Codec(req.codec)
+        ids, start, codec = req.token_ids, req.start, Codec(req.codec)
         prefix = self.prefix if req.prefix_cache else None
         self.stats.begin()
-        probe = self.engine.fingerprint["num_layers"] // 2 if req.probe_codecs else None
-        sender = LayerSender(sock, codec, probe, kv_quant, self.kv_buffer_bytes, self.kv_stall_s)
-        with self.senders_lock:
-            self.senders.add(sender)
+        sender = self._open_sender(sock, req, codec)
         outcome, result = "error", None
         after: list[Callable[[], None]] = []  # the prefix cache's store, once all is sent
         try:
@@ -239,6 +236,17 @@ class PrefillAgent:
             for fn in after:
                 fn()
             self.stats.end(outcome, result)
+
+    def _open_sender(self, sock: socket.socket, req: PrefillRequest, codec: Codec) -> LayerSender:
+        """The request's sender (a codec probe on the middle layer when asked),
+        counted among the live ones."""
+        probe = self.engine.fingerprint["num_layers"] // 2 if req.probe_codecs else None
+        sender = LayerSender(
+            sock, codec, probe, req.kv_quant, self.kv_buffer_bytes, self.kv_stall_s
+        )
+        with self.senders_lock:
+            self.senders.add(sender)
+        return sender
 
     def _read_request(
         self, sock: socket.socket, frame: dict[str, Any], packed: memoryview | None
