@@ -23,7 +23,7 @@ from disagg.serving.localagents import AgentProc
 from disagg_agents.decode.kvcaches import fill_layer
 from disagg_agents.decode.kvfetch import Into, receive_layers
 from disagg_agents.decode.kvslots import Slots, allocate
-from disagg_agents.decode.prefixcache import DecodePrefix, Hit, Span
+from disagg_agents.decode.prefixcache import DecodePrefixCache, Hit, Span
 from disagg_agents.prefill.engine import to_wire
 from disagg_agents.wire import kvcodec as K
 from disagg_agents.wire.auth import client_auth, server_auth
@@ -146,7 +146,7 @@ def fetch(
     inplace: bool,
     quant: bool = False,
     sliding: int | None = None,
-    prefix: tuple[DecodePrefix, Hit] | None = None,
+    prefix: tuple[DecodePrefixCache, Hit] | None = None,
     sealed: bool = False,
     tamper: bool = False,
 ) -> tuple[list[Any], Slots | None, dict[str, Any]]:
@@ -244,10 +244,10 @@ def test_int8_dequantizes_in_place_bit_exact(dtype: str, codec: K.Codec) -> None
 
 def stored_prefix(
     dtype: str, src: list[tuple[torch.Tensor, torch.Tensor]]
-) -> tuple[DecodePrefix, Hit]:
+) -> tuple[DecodePrefixCache, Hit]:
     """A decode prefix cache holding an earlier request's blocks of this prompt,
     and the hit a new request for the same prompt gets."""
-    dp = DecodePrefix(64 << 20, [["full", 0]] * LAYERS, dtype)
+    dp = DecodePrefixCache(64 << 20, [["full", 0]] * LAYERS, dtype)
     ids = list(range(PROMPT))
     first = dp.lookup("remote:x", ids, local=False)
     assert first.tokens == 0
@@ -255,7 +255,7 @@ def stored_prefix(
     for i, (k, v) in enumerate(src):
         kv = wire_kv(i, k, v)
         spans.append(Span(kv.keys, kv.values))
-    assert dp.store(first, spans) > 0
+    assert dp.save(first, spans) > 0
     hit = dp.lookup("remote:x", ids, local=False)
     assert hit.tokens == (PROMPT - 1) // 16 * 16 == 32
     return dp, hit

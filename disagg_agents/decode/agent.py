@@ -28,7 +28,7 @@ from disagg_agents.decode.keepalive import Keepalive, progress_interval
 from disagg_agents.decode.kvslots import inplace_enabled
 from disagg_agents.decode.loop import DecodeLoop
 from disagg_agents.decode.placement import Placement
-from disagg_agents.decode.prefixcache import DecodePrefix
+from disagg_agents.decode.prefixcache import DecodePrefixCache
 from disagg_agents.prefix.store import default_max_mb
 from disagg_agents.runtime.blasshare import BlasShare
 from disagg_agents.runtime.metrics import Stats
@@ -105,12 +105,12 @@ class DecodeAgent:
         self.loop.before_turn, self.loop.on_idle = self.blas_share.tick, self.blas_share.idle
         self.prefix = self._open_prefix(options)
 
-    def _open_prefix(self, options: DecodeOptions) -> DecodePrefix:
+    def _open_prefix(self, options: DecodeOptions) -> DecodePrefixCache:
         """The prefix cache, with its disk tier when asked, counted in /metrics."""
         engine = self.engine
         mb = default_max_mb() if options.prefix_cache_mb is None else options.prefix_cache_mb
-        prefix = DecodePrefix(int(mb * (1 << 20)), engine.fingerprint["layers"], engine.dtype)
-        self.stats.extra.append(lambda: prefix.cache.prometheus("decode"))
+        prefix = DecodePrefixCache(int(mb * (1 << 20)), engine.fingerprint["layers"], engine.dtype)
+        self.stats.extra.append(lambda: prefix.store.prometheus("decode"))
         if options.prefix_disk:  # the disk tier: blocks kept across restarts
             mb = DEFAULT_DISK_MB if options.prefix_disk_mb is None else options.prefix_disk_mb
             prefix.enable_disk(options.prefix_disk, int(mb * (1 << 20)), engine.fingerprint)
@@ -124,8 +124,8 @@ class DecodeAgent:
         disk = [disk_setting(self.prefix.disk)] if self.prefix.disk is not None else []
         return [
             *disk,
-            budget_setting(self.prefix.cache),
-            tenant_share_setting(self.prefix.cache),
+            budget_setting(self.prefix.store),
+            tenant_share_setting(self.prefix.store),
             attr_setting(
                 "allow_mixed",
                 self,
@@ -160,7 +160,7 @@ class DecodeAgent:
             "max_batch": self.loop.max_batch,
             **batch,
             **self.stats.snapshot(),
-            "prefix_cache": self.prefix.cache.snapshot(),
+            "prefix_cache": self.prefix.store.snapshot(),
             "prefix_disk": self.prefix.disk.snapshot() if self.prefix.disk is not None else None,
             "grammars": self.engine.grammars.snapshot(),
             "chat": self.engine.chat_info(),  # for /api/show: capabilities, template, stops

@@ -1,6 +1,6 @@
 """The first-token stage: the first new token sampled from the prompt's last
 logits (greedy read off them on the request's thread), the answer's parser
-opened, and the prompt's prefix-cache stores made pending before it goes out."""
+opened, and the prompt's prefix-cache saves made pending before it goes out."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ from disagg_agents.decode.events import first_metrics
 from disagg_agents.decode.job import Job
 from disagg_agents.decode.loop import DecodeLoop, Sampler, make_sampler, sample_rows
 from disagg_agents.decode.prefixcache import Recording, Span
-from disagg_agents.decode.prefixstore import PendingStore
+from disagg_agents.decode.prefixsave import PendingSave
 
 if TYPE_CHECKING:
     from disagg_agents.decode.agent import DecodeAgent
 
 
 def first(agent: DecodeAgent, job: Job) -> None:
-    """The first token (job.first), its time, the parser and the pending stores."""
+    """The first token (job.first), its time, the parser and the pending saves."""
     req, logits = job.req, job.logits
     assert logits is not None
     job.sampler = sampler = make_sampler(req.temperature, req.top_p, req.seed)
@@ -35,23 +35,23 @@ def first(agent: DecodeAgent, job: Job) -> None:
     for tid in job.resumed:
         job.chat.add(tid)  # sent by the agent that died: parsed, not sent again
     # The prompt's blocks are taken from the caches without a copy once
-    # decoding stops writing them (disagg_agents.decode.prefixstore), pending from before
+    # decoding stops writing them (disagg_agents.decode.prefixsave), pending from before
     # the first token goes out: a request that follows it finds them.
-    job.stores = pending_stores(agent, job)
+    job.saves = pending_saves(agent, job)
     job.early = first_metrics(job.metrics, job.at, job.t0, job.t_first)
 
 
-def pending_stores(agent: DecodeAgent, job: Job) -> list[PendingStore]:
-    """The prefix stores this request makes; its recorded sliding layers are
+def pending_saves(agent: DecodeAgent, job: Job) -> list[PendingSave]:
+    """The prefix saves this request makes; its recorded sliding layers are
     taken now, before any decode step (they turn plain)."""
-    hits = [h for h in job.hits if h.keys and agent.prefix.cache.max_bytes]
+    hits = [h for h in job.hits if h.keys and agent.prefix.store.max_bytes]
     if not hits:
         return []
     caches = job.caches
     sliding: list[Span | None] = [None] * len(caches)
     if any(isinstance(c, Recording) for c in caches):
         sliding = agent.loop.call(agent.prefix.recorded, caches)
-    return [PendingStore(agent.prefix, agent.loop, h, len(job.ids), sliding) for h in hits]
+    return [PendingSave(agent.prefix, agent.loop, h, len(job.ids), sliding) for h in hits]
 
 
 def pick_first(

@@ -16,7 +16,7 @@ from disagg_agents.decode.grammar import Matcher
 from disagg_agents.decode.keepalive import Keepalive
 from disagg_agents.decode.loop import Sampler, Seq
 from disagg_agents.decode.prefixcache import Hit
-from disagg_agents.decode.prefixstore import PendingStore
+from disagg_agents.decode.prefixsave import PendingSave
 from disagg_agents.wire.answer import Metrics
 from disagg_agents.wire.request import GenerateRequest
 
@@ -43,7 +43,7 @@ class Job:
     caches: list[Any] = field(default_factory=list)
     logits: np.ndarray | mx.array | None = None
     marks: dict[str, float | None] | None = None  # a remote fetch's, for the timeline
-    hits: list[Hit] = field(default_factory=list)  # prefix cache hits, to store later
+    hits: list[Hit] = field(default_factory=list)  # prefix cache hits, to save later
     t_local: float = 0.0
     t_prefilled: float = 0.0
     # firsttoken
@@ -51,7 +51,7 @@ class Job:
     first: tuple[int, np.ndarray | None] = (0, None)
     t_first: float = 0.0
     chat: ChatStream | None = None  # the answer's parser
-    stores: list[PendingStore] = field(default_factory=list)
+    saves: list[PendingSave] = field(default_factory=list)
     early: Metrics | None = None  # the first TOKEN frame's metrics
     # stream: the tokens sent and the batch row (None: it ended with its first token)
     out: list[int] = field(default_factory=list)

@@ -45,7 +45,7 @@ def fetch_or_not(agent: DecodeAgent, job: Job) -> None:
     """Fresh caches and, after a remote prefill, the prompt in them and the logits
     of its last position (None: prefill here). Picks the codec, looks up the prefix
     cache, decides where to prefill and fetches the K/V; a prefix cache hit is
-    appended to `job.hits`, to store the prompt's blocks later."""
+    appended to `job.hits`, to save the prompt's blocks later."""
     req, ids, metrics = job.req, job.ids, job.metrics
     job.caches = make_prompt_cache(agent.engine.model)
     if req.prefill is None:
@@ -83,7 +83,7 @@ def lookup(
     """The prefix cache's hit for `ids` in `namespace` (none when the request
     turned the cache off)."""
     if not req.prefix_cache or req.kv_quant:  # int8 K/V is lossy: never reused
-        return Hit(namespace, [], [], agent.prefix.cache.block)
+        return Hit(namespace, [], [], agent.prefix.store.block)
     return agent.prefix.lookup(namespace, ids, local, req.cache_salt)
 
 
@@ -108,7 +108,7 @@ def place(
     """Where the prompt is prefilled ("local" or "remote"), why, and the remote
     prefix cache hit. The hit comes first: placement then weighs only what a
     remote prefill still computes and sends (most of a chat's next turn hits)."""
-    hit = Hit(f"remote:{key}", [], [], agent.prefix.cache.block)
+    hit = Hit(f"remote:{key}", [], [], agent.prefix.store.block)
     if req.placement != "local":
         hit = lookup(agent, req, f"remote:{key}", ids, local=False)
     where, why = agent.placement.choose(key, len(ids), cached=hit.tokens)
@@ -255,7 +255,7 @@ def seed_local(agent: DecodeAgent, job: Job) -> int:
     it covers (0: none)."""
     hit = lookup(agent, job.req, "local", job.ids, local=True)
     job.hits.append(hit)
-    agent.prefix.record(hit, job.caches)  # a sliding layer's every position, to store
+    agent.prefix.record(hit, job.caches)  # a sliding layer's every position, to save
     if hit.tokens:
         agent.loop.call(agent.prefix.seed, hit, job.caches)
     job.metrics.cached_tokens = hit.tokens

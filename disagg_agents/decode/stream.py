@@ -29,16 +29,16 @@ def decode(agent: DecodeAgent, job: Job) -> None:
         eos = eos | matcher.eos  # under a grammar EOS comes only where it accepts
     emit = emitter(job)
     if first[0] in eos or job.max_tokens <= 1 or (matcher is not None and matcher.finished):
-        for store in job.stores:
-            store.now(job.caches)  # never decoded: nothing writes them
+        for save in job.saves:
+            save.now(job.caches)  # never decoded: nothing writes them
         if first[0] not in eos:
             emit(*first)
         return
     req = job.req
     seq = Seq(job.caches, first[0], job.sampler, job.max_tokens, eos, req.logprobs, matcher=matcher)
     seq.tenant = req.cache_salt  # a full batch's free rows go fairly among tenants
-    for store in job.stores:
-        store.attach(seq)
+    for save in job.saves:
+        save.attach(seq)
     agent.loop.join(seq)
     job.seq = seq
     if job.progress is not None:
@@ -49,14 +49,14 @@ def decode(agent: DecodeAgent, job: Job) -> None:
             with corked(job.sock, len(burst) > 1):
                 for tid, lp in burst:
                     emit(tid, lp)
-            for store in job.stores:
-                store.poll()  # joined a batch: its caches are free now
-        for store in job.stores:
-            store.finish()
+            for save in job.saves:
+                save.poll()  # joined a batch: its caches are free now
+        for save in job.saves:
+            save.finish()
     finally:
         seq.done = True  # a no-op when it ended; stops it if we failed
-        for store in job.stores:
-            store.drop()  # a no-op once stored
+        for save in job.saves:
+            save.drop()  # a no-op once saved
 
 
 def emitter(job: Job) -> Callable[[int, np.ndarray | None], None]:

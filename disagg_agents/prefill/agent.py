@@ -15,7 +15,7 @@ from typing import Any
 
 from disagg_agents.prefill.embed import Embedder
 from disagg_agents.prefill.engine import PrefillEngine
-from disagg_agents.prefill.prefixcache import PrefillPrefix
+from disagg_agents.prefill.prefixcache import PrefillPrefixCache
 from disagg_agents.prefill.sender import KV_BUFFER_MB, KV_STALL_S, LayerSender, PeerStalled
 from disagg_agents.prefix.store import default_max_mb, prefix_digest
 from disagg_agents.quant import weights_mismatch
@@ -74,15 +74,15 @@ class PrefillAgent:
         mb = default_max_mb() if prefix_cache_mb is None else prefix_cache_mb
         # K/V computed here, on this device and dtype: its own namespace.
         namespace = f"torch:{engine.device}:{engine.dtype}"
-        self.prefix = PrefillPrefix(int(mb * (1 << 20)), engine.kinds, namespace)
-        self.stats.extra.append(lambda: self.prefix.cache.prometheus("prefill"))
+        self.prefix = PrefillPrefixCache(int(mb * (1 << 20)), engine.kinds, namespace)
+        self.stats.extra.append(lambda: self.prefix.store.prometheus("prefill"))
         self.embedder = Embedder(engine)  # EMBED frames (disagg_agents.prefill.embed)
 
     def live_settings(self) -> list[Setting]:
         """What PUT /settings may change (disagg_agents.runtime.settings), for new requests."""
         return [
-            budget_setting(self.prefix.cache),
-            tenant_share_setting(self.prefix.cache),
+            budget_setting(self.prefix.store),
+            tenant_share_setting(self.prefix.store),
             attr_setting(
                 "kv_stall_timeout_s",
                 self,
@@ -104,7 +104,7 @@ class PrefillAgent:
             "device": self.engine.device,
             "fingerprint": self.engine.fingerprint,
             **self.stats.snapshot(),
-            "prefix_cache": self.prefix.cache.snapshot(),
+            "prefix_cache": self.prefix.store.snapshot(),
             "queue": self.engine.slots.snapshot(),
             "kv_send": self.send_snapshot(),
         }
@@ -189,7 +189,7 @@ class PrefillAgent:
         self.stats.begin()
         sender = self._open_sender(sock, req, codec)
         outcome, result = "error", None
-        after: list[Callable[[], None]] = []  # the prefix cache's store, once all is sent
+        after: list[Callable[[], None]] = []  # the prefix cache's save, once all is sent
         try:
             result, logits = self.engine.prefill(
                 ids,

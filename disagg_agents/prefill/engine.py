@@ -14,7 +14,7 @@ import torch
 from disagg_agents.models import get_adapter, layer_kinds_from_hf, load_hf_config
 from disagg_agents.prefill.attention import use_chunked_attention
 from disagg_agents.prefill.hostcopy import HostCopies
-from disagg_agents.prefill.prefixcache import PrefillPrefix
+from disagg_agents.prefill.prefixcache import PrefillPrefixCache
 from disagg_agents.prefill.queue import FairQueue
 from disagg_agents.quant import check_supported, weights_identity
 from disagg_agents.runtime.torchshare import TorchShare
@@ -133,7 +133,7 @@ class PrefillEngine:
         token_ids: list[int],
         on_layer: Callable[[LayerKV], None],
         start: int = 0,
-        prefix: PrefillPrefix | None = None,
+        prefix: PrefillPrefixCache | None = None,
         after: list[Callable[[], None]] | None = None,
         salt: str | None = None,
         *,
@@ -170,11 +170,11 @@ class PrefillEngine:
         ):
             keys, cached, logits, compute_s = self._forward(token_ids, cache, prefix, salt, hook)
             if prefix:
-                store = prefix.storer(keys, cache)
+                save = prefix.saver(keys, cache)
                 if after is None:
-                    store()
+                    save()
                 else:
-                    after.append(store)
+                    after.append(save)
         stats = {
             "prefill_time": compute_s,
             "queue_time": queue_s,
@@ -190,7 +190,7 @@ class PrefillEngine:
         self,
         token_ids: list[int],
         cache: Any,
-        prefix: PrefillPrefix | None,
+        prefix: PrefillPrefixCache | None,
         salt: str | None,
         hook: Callable[[int], Any],
     ) -> tuple[list[bytes], int, torch.Tensor, float]:

@@ -1,4 +1,4 @@
-"""The prefix cache's disk tier: blocks written to a bounded directory, so a decode
+"""The block store's disk tier: blocks written to a bounded directory, so a decode
 agent's restart (a deploy, a crash, a reboot) does not put every conversation back
 to cold.
 
@@ -266,12 +266,16 @@ class DiskTier:
 
     def prometheus(self, role: str) -> str:
         s = self.snapshot()
-        return prom_series("disagg_prefix_disk", role, [
-            ("hits_total", "counter", s["hits"]),
-            ("cached_tokens_total", "counter", s["cached_tokens"]),
-            ("writes_total", "counter", s["writes"]),
-            ("corrupt_total", "counter", s["corrupt"]),
-            ("evictions_total", "counter", s["evictions"]),
-            ("bytes", "gauge", s["bytes"]),
-            ("max_bytes", "gauge", s["max_bytes"]),
-        ])
+        return prom_series(
+            "disagg_prefix_disk",
+            role,
+            [
+                ("hits_total", "counter", s["hits"]),
+                ("cached_tokens_total", "counter", s["cached_tokens"]),
+                ("writes_total", "counter", s["writes"]),
+                ("corrupt_total", "counter", s["corrupt"]),
+                ("evictions_total", "counter", s["evictions"]),
+                ("bytes", "gauge", s["bytes"]),
+                ("max_bytes", "gauge", s["max_bytes"]),
+            ],
+        )
