@@ -127,7 +127,7 @@ class References:
 
     def decode_engine(self, path: str | Path, dtype: str = "auto") -> Any:
         """Our DecodeEngine (mlx-lm with our adapter's config)."""
-        from disagg_agents.decode.agent import DecodeEngine
+        from disagg_agents.decode.engine import DecodeEngine
 
         return self._get(("decode", str(path), dtype), lambda: DecodeEngine(str(path), dtype=dtype))
 

@@ -59,7 +59,7 @@ def engines(
 ) -> tuple[Any, Any]:
     """(PrefillEngine, DecodeEngine) on the tiny checkpoint of the test's `arch`,
     each loaded once per session."""
-    from disagg_agents.decode.agent import DecodeEngine
+    from disagg_agents.decode.engine import DecodeEngine
     from disagg_agents.prefill.engine import PrefillEngine
 
     arch = request.node.callspec.params["arch"]
@@ -123,7 +123,7 @@ def disaggregated(pre: Any, dec: Any, ids: list[int], n: int) -> tuple[list[int]
     the decode agent's own batching loop."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from disagg_agents.decode.agent import first_token
+    from disagg_agents.decode.firsttoken import first_token
     from disagg_agents.decode.kvcaches import fill_layer
     from disagg_agents.decode.loop import DecodeLoop, Seq
     from disagg_agents.wire.kvcodec import Codec, LayerKV, decode_layer, encode_layer

@@ -15,7 +15,7 @@ import torch
 from mlx_lm.models.cache import KVCache
 
 from disagg.bench.handoff import Receiver
-from disagg_agents.decode.kvfetch import receive_layers
+from disagg_agents.decode.kvfetch import Into, receive_layers
 from disagg_agents.decode.kvslots import allocate
 from disagg_agents.wire.channel import recv_json, send_frame
 from disagg_agents.wire.frames import Frame, ProtocolError
@@ -107,7 +107,9 @@ def test_a_whole_layer_header_on_a_longer_frame_is_refused() -> None:
     request = PrefillRequest(list(range(SEQ)))
     try:
         with pytest.raises(ProtocolError):
-            receive_layers(ours, request, caches, fp, None, lambda *a: None, None, lambda: slots)
+            receive_layers(
+                ours, request, Into(caches, lambda *a: None, None, lambda: slots), fp, None
+            )
     finally:
         t.join(10)
         ours.close()

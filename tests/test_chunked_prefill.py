@@ -90,7 +90,7 @@ def test_the_greedy_first_token_off_the_loop_is_the_loops_own() -> None:
     mlx loop samples (argmax of logprobs); a near tie goes back to the loop."""
     import numpy as np
 
-    from disagg_agents.decode.agent import first_token, greedy_first
+    from disagg_agents.decode.firsttoken import first_token, greedy_first
     from disagg_agents.decode.loop import DecodeLoop
 
     loop = DecodeLoop(model=None)
@@ -126,7 +126,7 @@ def test_a_seeded_row_samples_the_same_whoever_shares_the_batch() -> None:
 def test_tokens_queued_behind_a_lagging_client_go_out_together() -> None:
     import queue
 
-    from disagg_agents.decode.agent import Item, bursts
+    from disagg_agents.decode.events import Item, bursts
 
     q: queue.Queue[Item | Exception | None] = queue.Queue()
     for t in (1, 2, 3):

@@ -20,7 +20,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from disagg_agents.decode.grammar import Grammars, Matcher
+from disagg_agents.decode.grammar import Framing, Grammars, Matcher
 from disagg_agents.wire.request import GenerateRequest, RequestError
 from tests.tinymodels import shared_tiny
 
@@ -212,7 +212,8 @@ def test_harmony_answer_is_json_in_the_final_channel_after_bounded_reasoning(
     reasoned = 0
     for seed in range(8):
         m = grammars.matcher(
-            {"type": "json_schema", "schema": GRADER}, kind="harmony", analysis_max_tokens=6
+            {"type": "json_schema", "schema": GRADER},
+            framing=Framing("harmony", analysis_max_tokens=6),
         )
         assert m is not None
         ids = walk(grammars, m, seed)
@@ -232,7 +233,7 @@ def test_forced_tool_call_in_each_format(grammars: Grammars, harmony_tok: Any, k
     params = TOOLS[0]["function"]["parameters"]  # type: ignore[index]
     for seed in range(4):
         named = {"type": "function", "function": {"name": "get_weather"}}
-        m = grammars.matcher(None, kind=kind, tools=TOOLS, tool_choice=named)
+        m = grammars.matcher(None, framing=Framing(kind), tools=TOOLS, tool_choice=named)
         assert m is not None
         text = harmony_tok.decode(walk(grammars, m, seed), skip_special_tokens=False)
         if kind == "harmony":
@@ -267,7 +268,9 @@ def test_forced_tool_call_in_each_format(grammars: Grammars, harmony_tok: Any, k
 def test_required_tool_choice_calls_one_of_the_tools(grammars: Grammars, harmony_tok: Any) -> None:
     names = set()
     for seed in range(6):
-        m = grammars.matcher(None, kind="qwen_json", tools=TOOLS, tool_choice="required")
+        m = grammars.matcher(
+            None, framing=Framing("qwen_json"), tools=TOOLS, tool_choice="required"
+        )
         assert m is not None
         text = harmony_tok.decode(walk(grammars, m, seed), skip_special_tokens=False)
         names.add(
@@ -278,7 +281,7 @@ def test_required_tool_choice_calls_one_of_the_tools(grammars: Grammars, harmony
 
 def test_deferred_grammar_starts_after_its_trigger(grammars: Grammars, harmony_tok: Any) -> None:
     trigger = harmony_tok.encode("</x>")
-    m = grammars.matcher({"type": "json_object"}, trigger=trigger)
+    m = grammars.matcher({"type": "json_object"}, framing=Framing(trigger=trigger))
     assert m is not None
     free = harmony_tok.encode("any text, no JSON")
     for t in free:
@@ -428,7 +431,8 @@ def test_an_unended_reasoning_is_cut_at_its_budget_and_the_answer_follows(
     trigger = harmony_tok.encode("</x>")
     for seed in range(4):
         m = grammars.matcher(
-            {"type": "json_schema", "schema": GRADER}, trigger=trigger, analysis_max_tokens=5
+            {"type": "json_schema", "schema": GRADER},
+            framing=Framing(trigger=trigger, analysis_max_tokens=5),
         )
         assert m is not None
         ids = [t for t in walk(grammars, m, seed) if t not in m.eos]

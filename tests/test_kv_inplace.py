@@ -21,9 +21,9 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from disagg.serving import wireclient as client
 from disagg.serving.localagents import AgentProc
 from disagg_agents.decode.kvcaches import fill_layer
-from disagg_agents.decode.kvfetch import receive_layers
+from disagg_agents.decode.kvfetch import Into, receive_layers
 from disagg_agents.decode.kvslots import Slots, allocate
-from disagg_agents.decode.prefixcache import DecodePrefix, Hit, Span
+from disagg_agents.decode.prefixcache import DecodePrefixCache, Hit, Span
 from disagg_agents.prefill.engine import to_wire
 from disagg_agents.wire import kvcodec as K
 from disagg_agents.wire.auth import client_auth, server_auth
@@ -146,7 +146,7 @@ def fetch(
     inplace: bool,
     quant: bool = False,
     sliding: int | None = None,
-    prefix: tuple[DecodePrefix, Hit] | None = None,
+    prefix: tuple[DecodePrefixCache, Hit] | None = None,
     sealed: bool = False,
     tamper: bool = False,
 ) -> tuple[list[Any], Slots | None, dict[str, Any]]:
@@ -169,16 +169,10 @@ def fetch(
     )
     fingerprint = {"num_kv_heads": HEADS, "head_dim": DIM}
     try:
-        got = receive_layers(
-            ours,
-            request,
-            caches,
-            fingerprint,
-            VOCAB,
-            fill_layer,  # copy-path layers placed on this (the only mlx) thread
-            remote,
-            (lambda: got_slots) if got_slots is not None else None,
-        )
+        source = (lambda: got_slots) if got_slots is not None else None
+        # copy-path layers placed on this (the only mlx) thread
+        into = Into(caches, fill_layer, remote, source)
+        got = receive_layers(ours, request, into, fingerprint, VOCAB)
     finally:
         ours.close()
         peer.thread.join(10)
@@ -250,10 +244,10 @@ def test_int8_dequantizes_in_place_bit_exact(dtype: str, codec: K.Codec) -> None
 
 def stored_prefix(
     dtype: str, src: list[tuple[torch.Tensor, torch.Tensor]]
-) -> tuple[DecodePrefix, Hit]:
+) -> tuple[DecodePrefixCache, Hit]:
     """A decode prefix cache holding an earlier request's blocks of this prompt,
     and the hit a new request for the same prompt gets."""
-    dp = DecodePrefix(64 << 20, [["full", 0]] * LAYERS, dtype)
+    dp = DecodePrefixCache(64 << 20, [["full", 0]] * LAYERS, dtype)
     ids = list(range(PROMPT))
     first = dp.lookup("remote:x", ids, local=False)
     assert first.tokens == 0
@@ -261,7 +255,7 @@ def stored_prefix(
     for i, (k, v) in enumerate(src):
         kv = wire_kv(i, k, v)
         spans.append(Span(kv.keys, kv.values))
-    assert dp.store(first, spans) > 0
+    assert dp.save(first, spans) > 0
     hit = dp.lookup("remote:x", ids, local=False)
     assert hit.tokens == (PROMPT - 1) // 16 * 16 == 32
     return dp, hit

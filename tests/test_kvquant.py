@@ -27,7 +27,7 @@ AGREEMENT_BAR = 0.9
 @pytest.fixture(scope="module")
 def engines(default_model: Path) -> tuple[Any, Any]:
     """(PrefillEngine, DecodeEngine) of the default model, as the agents load it."""
-    from disagg_agents.decode.agent import DecodeEngine
+    from disagg_agents.decode.engine import DecodeEngine
     from disagg_agents.prefill.engine import PrefillEngine
 
     return PrefillEngine(str(default_model), device="cpu"), DecodeEngine(str(default_model))
@@ -76,7 +76,7 @@ def test_fetch_kv_int8_over_a_socket(
 ) -> None:
     from mlx_lm.models.cache import make_prompt_cache
 
-    from disagg_agents.decode.kvfetch import fetch_kv
+    from disagg_agents.decode.kvfetch import Into, fetch_kv
     from disagg_agents.wire.kvcodec import Codec
     from disagg_agents.wire.request import PrefillRequest, PrefillTarget
 
@@ -90,7 +90,9 @@ def test_fetch_kv_int8_over_a_socket(
         ask = PrefillRequest(
             ids, codec=Codec.RAW, kv_quant=quant, prefix_cache=False, probe_codecs=True
         )
-        runs[quant] = fetch_kv(PrefillTarget.from_dict(prefill_target), ask, caches, hello(dec))
+        runs[quant] = fetch_kv(
+            PrefillTarget.from_dict(prefill_target), ask, Into(caches), hello(dec)
+        )
         assert all(c.offset == len(ids) for c in caches)
     (lossless, logits), (int8, int8_logits) = runs[None], runs["int8"]
     assert (lossless["kv_quant"], int8["kv_quant"]) == (None, "int8")

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from disagg_agents.decode.kvfetch import PrefillUnavailable, fetch_kv
+from disagg_agents.decode.kvfetch import Into, PrefillUnavailable, fetch_kv
 from disagg_agents.wire.auth import server_auth
 from disagg_agents.wire.channel import recv_control, recv_json, send_error, send_json, send_json_ids
 from disagg_agents.wire.frames import (
@@ -129,7 +129,7 @@ class _Prefill:
         target = PrefillTarget(["127.0.0.1"], self.srv.getsockname()[1], timeout=10)
         hello = {"role": "decode", "fingerprint": {"num_kv_heads": 1, "head_dim": 4}}
         with pytest.raises(PrefillUnavailable, match="busy"):
-            fetch_kv(target, PrefillRequest(ids), [], hello)
+            fetch_kv(target, PrefillRequest(ids), Into([]), hello)
         self.thread.join(10)
         self.srv.close()
         assert self.got is not None

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from disagg.serving.localagents import AgentProc
-from disagg_agents.prefix.store import Block, PrefixCache, block_keys
+from disagg_agents.prefix.store import Block, BlockStore, block_keys
 from tests.conftest import PairFactory, ask
 from tests.references import hf_greedy, mlx_greedy
 from tests.slowprefill import slow_prefill
@@ -52,7 +52,7 @@ def cache_status(agent: AgentProc) -> dict[str, Any]:
 
 
 def test_concurrent_adds_never_exceed_the_budget_and_one_add_is_capped() -> None:
-    cache = PrefixCache(40 * 100, block=4)  # 40 blocks of 100 bytes; a request adds <= 10
+    cache = BlockStore(40 * 100, block=4)  # 40 blocks of 100 bytes; a request adds <= 10
     seen: list[int] = []
 
     def make(i: int) -> Block:
@@ -72,7 +72,7 @@ def test_concurrent_adds_never_exceed_the_budget_and_one_add_is_capped() -> None
     assert cache.add(block_keys([99] * 100, "n", 4), make) == 1000
     assert cache.snapshot()["capped_adds"] == capped + 1
     # A prompt's own cached head is never evicted to make room for its tail.
-    cache = PrefixCache(300, block=4, share=1)
+    cache = BlockStore(300, block=4, share=1)
     keys = block_keys(list(range(40)), "n", 4)
     assert cache.add(keys, lambda i: Block((None,), 100)) == 300
     assert len(cache.longest(keys, 10)) == 3

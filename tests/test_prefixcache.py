@@ -4,7 +4,7 @@ LRU by bytes that evicts a chain's tail before its head."""
 from __future__ import annotations
 
 from disagg.cli.render_fleet import _prefix_cache
-from disagg_agents.prefix.store import Block, PrefixCache, block_keys, prefix_digest
+from disagg_agents.prefix.store import Block, BlockStore, block_keys, prefix_digest
 
 
 def blk(nbytes: int = 100) -> Block:
@@ -22,7 +22,7 @@ def test_keys_chain_whole_blocks_and_namespaces_differ() -> None:
 
 
 def test_longest_prefix_stops_at_the_first_gap_and_the_cap() -> None:
-    cache = PrefixCache(10_000, block=4, share=1)
+    cache = BlockStore(10_000, block=4, share=1)
     keys = block_keys(list(range(16)), "n", 4)
     cache.add(keys[:2], lambda i: blk())
     assert len(cache.longest(keys, 4)) == 2
@@ -32,7 +32,7 @@ def test_longest_prefix_stops_at_the_first_gap_and_the_cap() -> None:
 
 
 def test_lru_by_bytes_evicts_tails_first() -> None:
-    cache = PrefixCache(350, block=4, share=1)
+    cache = BlockStore(350, block=4, share=1)
     a = block_keys(list(range(12)), "n", 4)
     b = block_keys([7] * 12, "n", 4)
     cache.add(a, lambda i: blk())
@@ -47,7 +47,7 @@ def test_lru_by_bytes_evicts_tails_first() -> None:
 
 
 def test_counters_status_and_prometheus() -> None:
-    cache = PrefixCache(1 << 20)
+    cache = BlockStore(1 << 20)
     cache.record(100, 0)
     cache.record(100, 64)
     snap = cache.snapshot()

@@ -20,7 +20,7 @@ import pytest
 
 from disagg.serving.control import agent_settings
 from disagg.serving.localagents import AgentProc
-from disagg_agents.prefix.store import PrefixCache
+from disagg_agents.prefix.store import BlockStore
 from disagg_agents.runtime.control import listener_settings, start_control
 from disagg_agents.runtime.listener import FrameServer
 from disagg_agents.runtime.settings import MAX_CHANGES, Setting, Settings, SettingsError
@@ -92,7 +92,7 @@ def test_a_bad_change_is_one_line_and_changes_nothing(change: Any, says: str) ->
 def test_a_smaller_prefix_budget_evicts_at_once() -> None:
     from disagg_agents.prefix.store import Block
 
-    cache = PrefixCache(10_000, block=4, share=1)
+    cache = BlockStore(10_000, block=4, share=1)
     for i in range(8):
         cache.add([bytes([i])], lambda _i: Block((None,), 1000))
     assert cache.bytes == 8000

@@ -27,7 +27,7 @@ from mlx_lm.models.cache import KVCache
 
 from disagg.bench.handoff import Spec
 from disagg_agents.decode.kvcaches import fill_layer
-from disagg_agents.decode.kvfetch import receive_layers
+from disagg_agents.decode.kvfetch import Into, receive_layers
 from disagg_agents.decode.kvslots import Slots, allocate
 from disagg_agents.wire.kvcodec import LayerKV
 from disagg_agents.wire.request import PrefillRequest
@@ -97,7 +97,7 @@ class Transfer:
         fp = {"num_kv_heads": spec.heads, "head_dim": spec.dim}
         slots = alloc.result if alloc is not None else None
         # Packed ids, as to a prefill agent whose HELLO_OK offers them.
-        receive_layers(sock, self.request, self.caches, fp, None, place, None, slots, True)
+        receive_layers(sock, self.request, Into(self.caches, place, None, slots), fp, None, True)
         for f in fills:
             f.result()
         placed = 0

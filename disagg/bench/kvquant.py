@@ -224,7 +224,7 @@ def run_kvquant_bench(
     say: Say = quiet,
 ) -> dict[str, Any]:
     """int8 vs lossless KV on `model_dir` for each prompt; plain data."""
-    from disagg_agents.decode.agent import DecodeEngine
+    from disagg_agents.decode.engine import DecodeEngine
     from disagg_agents.prefill.engine import PrefillEngine
 
     if tokens < 2 or not prompts:

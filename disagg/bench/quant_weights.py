@@ -154,7 +154,7 @@ def agents_part(
     from mlx_lm.generate import generate_step
 
     from disagg.serving import wireclient
-    from disagg_agents.decode.agent import DecodeEngine
+    from disagg_agents.decode.engine import DecodeEngine
 
     eng = DecodeEngine(str(model_dir))
     long_prompt, short_prompt = (

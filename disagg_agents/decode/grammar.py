@@ -62,6 +62,30 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 CHECK = CompileCheck()
 
 
+@dataclass(frozen=True)
+class Framing:
+    """What surrounds the constrained part of an answer.
+
+    kind: the chat format ("harmony", "qwen_json", "qwen_xml", "plain"); harmony
+        constrains the whole output (bounded analysis, then a final message).
+    trigger: token ids (e.g. of "</think>") after which the grammar starts.
+    analysis_max_tokens: the reasoning's budget (harmony's analysis message, or
+        the tokens before the trigger); then the answer is forced to begin.
+    opener: with a trigger, the token that opens the reasoning, forced first.
+    """
+
+    kind: str = "plain"
+    trigger: list[int] | None = None
+    analysis_max_tokens: int = ANALYSIS_MAX_TOKENS
+    opener: int | None = None
+
+    def matcher(self, inner: Any, eos: frozenset[int]) -> Matcher:
+        """A matcher over compiled `inner`: harmony's grammar covers the reasoning
+        itself; others start at the trigger."""
+        trigger = self.trigger if self.kind != "harmony" else None
+        return Matcher(inner, eos, trigger, self.analysis_max_tokens, self.opener)
+
+
 class ClientGone(RequestError):
     """The client hung up while its grammar compiled: nobody to answer."""
 
@@ -301,84 +325,72 @@ class Grammars:
         self,
         response_format: Mapping[str, Any] | None = None,
         *,
-        kind: str = "plain",
+        framing: Framing = Framing(),
         tools: Sequence[Any] | None = None,
         tool_choice: Any = None,
-        trigger: list[int] | None = None,
-        analysis_max_tokens: int = ANALYSIS_MAX_TOKENS,
-        opener: int | None = None,
         gone: Callable[[], bool] | None = None,
     ) -> Matcher | None:
         """The request's matcher, or None when nothing constrains it.
 
         response_format: the normalized form from GenerateRequest (None,
             {"type": "json_object"}, {"type": "json_schema", "schema": ..., "strict": ...}).
-        kind: the chat format ("harmony", "qwen_json", "qwen_xml", "plain"); harmony
-            constrains the whole output (bounded analysis, then a final message).
+        framing: the chat format's reasoning around the answer (Framing).
         tools, tool_choice: OpenAI's; "required" or a named function forces a call.
-        trigger: token ids (e.g. of "</think>") after which the grammar starts.
-        analysis_max_tokens: the reasoning's budget (harmony's analysis message, or
-            the tokens before the trigger); then the answer is forced to begin.
-        opener: with a trigger, the token that opens the reasoning, forced first.
         gone: true once the client left (a compile is then no longer waited for).
         """
         from disagg_agents.decode import (
             grammarformats as grammarfmt,  # lark builders; only needed here
         )
 
+        kind, budget = framing.kind, framing.analysis_max_tokens
         if kind not in KINDS:
             raise ValueError(f"unknown format kind {kind!r}")
         forced = grammarfmt.forced_tools(tools, tool_choice)
         if forced:
-            lark = grammarfmt.tool_call_lark(forced, kind, analysis_max_tokens)
+            lark = grammarfmt.tool_call_lark(forced, kind, budget)
             field = "tool_choice"
         elif response_format is not None and response_format.get("type") == "lark":
-            lark = str(response_format["grammar"])
-            return self._lark(lark, kind, trigger, analysis_max_tokens, opener, gone)
+            return self._lark(str(response_format["grammar"]), framing, gone)
         elif response_format is not None and response_format.get("type") != "text":
             schema = json_schema_of(response_format)
-            if kind == "harmony":
-                lark = grammarfmt.harmony_final_lark(schema, analysis_max_tokens)
-            else:
-                text = canonical(schema)
-
-                def from_schema() -> str:
-                    return str(
-                        llg.LLMatcher.grammar_from_json_schema(
-                            text,
-                            overrides=JSON_OPTIONS,  # type: ignore[arg-type]
-                        )
-                    )
-
-                m = self.compile("json:" + text, from_schema, "response_format", gone)
-                return Matcher(m.deep_copy(), self.eos, trigger, analysis_max_tokens, opener)
+            if kind != "harmony":
+                return self._json(schema, framing, gone)
+            lark = grammarfmt.harmony_final_lark(schema, budget)
             field = "response_format"
         else:
             return None
         m = self.compile(
             "lark:" + lark, lambda: str(llg.LLMatcher.grammar_from_lark(lark)), field, gone
         )
-        # harmony's grammar covers the reasoning itself; others start at the trigger
-        trigger = trigger if kind != "harmony" else None
-        return Matcher(m.deep_copy(), self.eos, trigger, analysis_max_tokens, opener)
+        return framing.matcher(m.deep_copy(), self.eos)
 
-    def _lark(
-        self,
-        lark: str,
-        kind: str,
-        trigger: list[int] | None,
-        budget: int,
-        opener: int | None,
-        gone: Callable[[], bool] | None,
+    def _json(
+        self, schema: Mapping[str, Any], framing: Framing, gone: Callable[[], bool] | None
     ) -> Matcher:
+        """A JSON schema's matcher, compiled by llguidance's own JSON compiler."""
+        text = canonical(schema)
+
+        def from_schema() -> str:
+            return str(
+                llg.LLMatcher.grammar_from_json_schema(
+                    text,
+                    overrides=JSON_OPTIONS,  # type: ignore[arg-type]
+                )
+            )
+
+        m = self.compile("json:" + text, from_schema, "response_format", gone)
+        f = framing
+        return Matcher(m.deep_copy(), self.eos, f.trigger, f.analysis_max_tokens, f.opener)
+
+    def _lark(self, lark: str, framing: Framing, gone: Callable[[], bool] | None) -> Matcher:
         """A caller's Lark grammar for the answer (harmony: its final message)."""
         from disagg_agents.decode import grammarformats as grammarfmt
 
-        grammar = grammarfmt.lark_answer(lark, kind, budget)
+        kind = framing.kind
+        grammar = grammarfmt.lark_answer(lark, kind, framing.analysis_max_tokens)
         key = "grammar:" + kind + ":" + grammar
         m = self.compile(key, lambda: grammar, "response_format", gone)
-        trigger = trigger if kind != "harmony" else None
-        return Matcher(m.deep_copy(), self.eos, trigger, budget, opener)
+        return framing.matcher(m.deep_copy(), self.eos)
 
     # -- masks for a batch -------------------------------------------------------
 

@@ -48,6 +48,18 @@ Place = Callable[[Any, LayerKV, int], None]
 SlotsSource = Callable[[], Slots]
 
 
+@dataclass
+class Into:
+    """Where a PREFILL's K/V goes: the request's caches (one per layer), how a
+    layer is placed in one, the prefix this side holds (asked only for the rest),
+    and the slots a layer that fits is received into in place."""
+
+    caches: list[Any]
+    place: Place = fill_layer
+    prefix: Prefix | None = None
+    slots: SlotsSource | None = None
+
+
 FALLBACK_KINDS = ("unreachable", "timeout", "stream", "prefill_error")
 
 
@@ -123,21 +135,19 @@ def send_prefill(sock: socket.socket, request: PrefillRequest, packed_ids: bool)
 def receive_layers(
     sock: socket.socket,
     request: PrefillRequest,
-    caches: list[Any],
+    into: Into,
     fingerprint: dict[str, Any],
     vocab_size: int | None,
-    place: Place,
-    prefix: Prefix | None,
-    slots: SlotsSource | None = None,
     packed_ids: bool = False,
 ) -> Received:
     """Send the PREFILL and take its stream: each layer checked and placed as it
-    arrives, then the last position's logits and PREFILL_DONE. With `slots`, a
+    arrives, then the last position's logits and PREFILL_DONE. With `into.slots`, a
     layer that fits lands in its cache's memory as it is read (then `place`
     gets views of it, in slots.placed); otherwise the reader's buffer is
     decoded and `place` copies out. `packed_ids`: the prefill agent's HELLO_OK
     offered frames.IDS_U32."""
-    stream = LayerStream(request, caches, fingerprint, vocab_size, place, prefix, slots)
+    stream = LayerStream(request, into, fingerprint, vocab_size)
+    caches = into.caches
     send_prefill(sock, request, packed_ids)
     t_sent = time.perf_counter()
     # One buffer for every layer: fill_layer copies out.
@@ -175,15 +185,12 @@ class LayerStream:
     def __init__(
         self,
         request: PrefillRequest,
-        caches: list[Any],
+        into: Into,
         fingerprint: dict[str, Any],
         vocab_size: int | None,
-        place: Place,
-        prefix: Prefix | None,
-        slots: SlotsSource | None,
     ) -> None:
-        self.request, self.caches, self.place, self.prefix = request, caches, place, prefix
-        self.slots = slots
+        self.request, self.caches, self.place = request, into.caches, into.place
+        self.prefix, self.slots = into.prefix, into.slots
         self.into: Slots | None = None
         self.vocab_size = vocab_size
         self.n = len(request.token_ids)
@@ -266,23 +273,20 @@ class LayerStream:
 def fetch_kv(
     target: PrefillTarget,
     request: PrefillRequest,
-    caches: list[Any],
+    into: Into,
     hello: dict[str, Any],
     token: bytes | None = None,
     vocab_size: int | None = None,
-    place: Place = fill_layer,
-    prefix: Prefix | None = None,
-    slots: SlotsSource | None = None,
 ) -> tuple[dict[str, Any], np.ndarray]:
-    """Fill `caches` with the K/V of `request.token_ids` from the prefill agent;
+    """Fill `into.caches` with the K/V of `request.token_ids` from the prefill agent;
     return metrics and the float32 logits of the prompt's last position.
 
     With `request.kv_quant` "int8" the K/V travels lossy as int8 rows and is
     dequantized here (a lossless stream is taken too: an older prefill agent).
-    With `prefix`, the decode side holds the first `prefix.start` positions and
+    With `into.prefix`, the decode side holds the first `prefix.start` positions and
     asked only for the rest; a full-attention layer that arrives as just those
     is extended with them (an older prefill agent sends all: taken as is).
-    With `slots`, layers that fit are received in place (disagg_agents.decode.kvslots).
+    With `into.slots`, layers that fit are received in place (disagg_agents.decode.kvslots).
 
     Raises PrefillUnavailable when the agent is down, slow past its timeout, fails,
     or drops the stream (the caller prefills locally); RemoteError only for a
@@ -297,12 +301,9 @@ def fetch_kv(
             got = receive_layers(
                 session.sock,
                 request,
-                caches,
+                into,
                 hello["fingerprint"],
                 vocab_size,
-                place,
-                prefix,
-                slots,
                 packed_ids_offered(session.hello_ok),
             )
         finally:

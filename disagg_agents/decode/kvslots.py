@@ -308,6 +308,36 @@ def _whole_raw(
     return kv, arrived, payload
 
 
+def _read_planned(reader: FrameReader, length: int, plan: _Plan, slots: Slots) -> float:
+    """A planned frame's blocks into the cache past the prefix: raw ones read
+    straight into it, others decoded into it. Returns when its bytes had all
+    arrived."""
+    keys = slots.keys[plan.layer][:, : slots.prompt_len]
+    values = slots.values[plan.layer][:, : slots.prompt_len]
+    dk, dv = keys[:, plan.start :], values[:, plan.start :]
+    if plan.codec == Codec.RAW and not plan.quant:
+        if plan.start == 0:
+            views = slots.scatter[plan.layer]
+        else:
+            views = _head_views(
+                slots.keys[plan.layer], slots.values[plan.layer], plan.start, slots.prompt_len
+            )
+        reader.read_into_many(views)
+        reader.finish()  # checks a sealed frame's tag before anyone uses it
+        return time.perf_counter()
+    blocks = reader.buffer(length)[LAYER_HEADER.size :]
+    reader.read_into(blocks)
+    reader.finish()
+    arrived = time.perf_counter()
+    k_raw, v_raw = blocks[: plan.k_len], blocks[plan.k_len :]
+    for raw, dst in ((k_raw, dk), (v_raw, dv)):
+        if plan.quant:
+            _dequant_into(raw, plan.codec, dst, slots.dtype)
+        else:
+            _lossless_into(raw, plan.codec, dst)
+    return arrived
+
+
 def receive_layer(
     reader: FrameReader, header: Header, slots: Slots, max_bytes: int
 ) -> tuple[LayerKV, float, int]:
@@ -338,28 +368,7 @@ def receive_layer(
         return kv, time.perf_counter(), block_bytes(kv)
     keys = slots.keys[plan.layer][:, : slots.prompt_len]
     values = slots.values[plan.layer][:, : slots.prompt_len]
-    dk, dv = keys[:, plan.start :], values[:, plan.start :]
-    if plan.codec == Codec.RAW and not plan.quant:
-        if plan.start == 0:
-            views = slots.scatter[plan.layer]
-        else:
-            views = _head_views(
-                slots.keys[plan.layer], slots.values[plan.layer], plan.start, slots.prompt_len
-            )
-        reader.read_into_many(views)
-        reader.finish()  # checks a sealed frame's tag before anyone uses it
-        arrived = time.perf_counter()
-    else:
-        blocks = reader.buffer(header.length)[n:]
-        reader.read_into(blocks)
-        reader.finish()
-        arrived = time.perf_counter()
-        k_raw, v_raw = blocks[: plan.k_len], blocks[plan.k_len :]
-        for raw, dst in ((k_raw, dk), (v_raw, dv)):
-            if plan.quant:
-                _dequant_into(raw, plan.codec, dst, slots.dtype)
-            else:
-                _lossless_into(raw, plan.codec, dst)
+    arrived = _read_planned(reader, header.length, plan, slots)
     if plan.start:
         assert slots.fill_prefix is not None
         slots.fill_prefix(plan.layer, keys[:, : plan.start], values[:, : plan.start])

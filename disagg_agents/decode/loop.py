@@ -132,8 +132,8 @@ class Seq:
     # perf_counter: handed to the loop, and admitted to the batch (after a wait for a slot)
     posted_at: float = 0.0
     joined_at: float | None = None
-    # -- prefix store hook (disagg_agents.decode.prefixstore) --
-    # Set by a store that waits for them: its plain caches, once the loop stops
+    # -- prefix save hook (disagg_agents.decode.prefixsave) --
+    # Set by a save that waits for them: its plain caches, once the loop stops
     # writing them (merged into the batch, or the request ended); never if it failed.
     released: Future[list[Any]] | None = None
     # Whose request (its cache salt: one per API key): a full batch's next free row
@@ -365,7 +365,7 @@ class DecodeLoop:
     def hand_over_caches(self, seq: Seq) -> None:
         """On the mlx thread: if `seq` decodes alone on its plain caches, the loop
         goes on with copies of them and `seq`'s own are released to the prefix
-        store. (A request still waiting for a slot in a full batch is left waiting.)"""
+        cache's save. (A request still waiting for a slot in a full batch is left waiting.)"""
         self._admit_waiting()  # it may be queued behind this call's own turn
         if seq.released is None or seq.released.done():
             return
@@ -376,7 +376,7 @@ class DecodeLoop:
         self._release(seq, old)
 
     def _release(self, seq: Seq, caches: list[Any]) -> None:
-        """Prefix store hook: `seq`'s plain caches are no longer written here."""
+        """Prefix save hook: `seq`'s plain caches are no longer written here."""
         if seq.released is not None and not seq.released.done():
             seq.released.set_result(caches)
 
@@ -453,7 +453,7 @@ class DecodeLoop:
         return grammars.masks(matchers)
 
     def _keep(self, keep: list[int]) -> None:
-        if not keep and not self.batched:  # prefix store hook: a lone request ended
+        if not keep and not self.batched:  # prefix save hook: a lone request ended
             for seq in self.seqs:
                 self._release(seq, self.caches)
         if keep and self.rows is not None:

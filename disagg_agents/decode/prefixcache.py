@@ -7,7 +7,7 @@ have their own namespace, so a hit joins K/V that the same producer computed,
 which is what that producer's cache-off run computes (checked by the tests).
 
 Blocks are taken from the request's own caches without a copy, once the decode
-loop stops writing them (disagg_agents.decode.prefixstore): at the request's end, or when it
+loop stops writing them (disagg_agents.decode.prefixsave): at the request's end, or when it
 joins a batch (whose merge copies them anyway). They are then numpy views of
 the cache buffers, which the cache holds whole (`Owner`: the budget counts the
 buffers, decoded positions and headroom included); where the new blocks would be
@@ -35,7 +35,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from disagg_agents.prefix.disk import DiskTier, fingerprint_digest
-from disagg_agents.prefix.store import Block, Owner, Prefix, PrefixCache, block_keys, prefix_digest
+from disagg_agents.prefix.store import Block, BlockStore, Owner, Prefix, block_keys, prefix_digest
 from disagg_agents.wire.kvcodec import DTYPE_NAMES, Kind, LayerKV
 
 # Blocks are kept as views only where they are at least this share of the
@@ -45,9 +45,9 @@ VIEW_SHARE = 0.5
 
 @dataclass
 class Span:
-    """One layer's prompt K/V to store from: [H, S, D] keys and values for
-    positions start..start+S. `store` may keep views of them: they must never be
-    written again (a released cache, or arrays made for the store)."""
+    """One layer's prompt K/V to save from: [H, S, D] keys and values for
+    positions start..start+S. `save` may keep views of them: they must never be
+    written again (a released cache, or arrays made for the save)."""
 
     keys: np.ndarray
     values: np.ndarray
@@ -93,7 +93,7 @@ class Hit:
 class Recording(RotatingKVCache):
     """A sliding layer's cache during a local prefill that will be stored: mlx's
     rotating buffer keeps only the window, so every update's new K/V is kept
-    here too (the arrays mlx computed, not copies) until the store."""
+    here too (the arrays mlx computed, not copies) until the save."""
 
     def __init__(self, max_size: int, keep: int = 0) -> None:
         super().__init__(max_size, keep)
@@ -111,16 +111,16 @@ class Recording(RotatingKVCache):
         return out
 
 
-class DecodePrefix:
+class DecodePrefixCache:
     """The decode side's cache for one model. `kinds`: the fingerprint's layers."""
 
     def __init__(self, max_bytes: int, kinds: list[list[Any]], dtype: str) -> None:
-        self.cache = PrefixCache(max_bytes)
+        self.store = BlockStore(max_bytes)
         self.full = [k[0] == "full" for k in kinds]
         self.windows = [0 if k[0] == "full" else int(k[1]) for k in kinds]
         self.window = max(self.windows, default=0)
         self.dtype = DTYPE_NAMES[dtype]
-        # Stores waiting for their request's caches (disagg_agents.decode.prefixstore).
+        # Stores waiting for their request's caches (disagg_agents.decode.prefixsave).
         self.pending: list[Any] = []
         self.pending_lock = threading.Lock()
         self.disk: DiskTier | None = None  # blocks kept across restarts (enable_disk)
@@ -129,17 +129,17 @@ class DecodePrefix:
         """Keep blocks in `root` too (at most `max_bytes`), for this model only."""
         self.disk = DiskTier(root, max_bytes, fingerprint_digest(fingerprint))
 
-    def pending_add(self, store: Any) -> None:
+    def pending_add(self, save: Any) -> None:
         with self.pending_lock:
-            self.pending.append(store)
+            self.pending.append(save)
 
-    def pending_remove(self, store: Any) -> None:
+    def pending_remove(self, save: Any) -> None:
         with self.pending_lock:
-            if store in self.pending:
-                self.pending.remove(store)
+            if save in self.pending:
+                self.pending.remove(save)
 
     def _take_pending(self, keys: list[bytes], have: int, most: int) -> bool:
-        """Run the pending stores that hold more of `keys` than the cache's
+        """Run the pending saves that hold more of `keys` than the cache's
         `have` blocks (up to `most`). True if any ran."""
         if have >= most:
             return False
@@ -155,18 +155,18 @@ class DecodePrefix:
         cap = len(ids) - 1
         if self.window and not local:
             cap = min(cap, len(ids) - self.window)
-        b = self.cache.block
+        b = self.store.block
         keys = block_keys(ids, namespace, b, salt)
-        blocks = self.cache.longest(keys, cap // b) if cap > 0 and self.cache.max_bytes else []
+        blocks = self.store.longest(keys, cap // b) if cap > 0 and self.store.max_bytes else []
         if cap > 0 and self._take_pending(keys, len(blocks), min(cap // b, len(keys))):
-            blocks = self.cache.longest(keys, cap // b)  # a request still decoding had more
+            blocks = self.store.longest(keys, cap // b)  # a request still decoding had more
         if blocks and local and any(blocks[0].layers[i] is None for i in range(len(self.full))):
             blocks = []  # not every layer kept: cannot seed a local prefill
         n_memory = len(blocks)
         if cap > 0:
             blocks += self._from_disk(keys, n_memory, cap // b, local)
         hit = Hit(namespace, keys, blocks, b, disk_blocks=len(blocks) - n_memory)
-        self.cache.record(len(ids), hit.tokens)
+        self.store.record(len(ids), hit.tokens)
         if self.disk is not None and hit.disk_blocks:
             self.disk.count_hit(hit.disk_tokens)
         return hit
@@ -186,9 +186,9 @@ class DecodePrefix:
             if any(n and layer is None for n, layer in zip(need, blk.layers, strict=True)):
                 break
             found.append(blk)
-        if found and self.cache.max_bytes:
+        if found and self.store.max_bytes:
             by_index = {have + i: blk for i, blk in enumerate(found)}
-            self.cache.add(keys[: have + len(found)], lambda i: by_index.get(i))
+            self.store.add(keys[: have + len(found)], lambda i: by_index.get(i))
         return found
 
     def prefix_layer(self, hit: Hit, layer: int) -> tuple[np.ndarray, np.ndarray]:
@@ -238,25 +238,25 @@ class DecodePrefix:
 
     # ------------------------------------------------------------------------------
 
-    def store(self, hit: Hit, spans: list[Span | None]) -> int:
+    def save(self, hit: Hit, spans: list[Span | None]) -> int:
         """Store the request's new blocks from `spans` (per layer, None: not
         there). Every full layer is needed; sliding ones too for a local hit's
         namespace, else nothing is stored. Blocks are views of the spans' arrays
         (`VIEW_SHARE`), else copies made block by block, so no second whole copy
         of the prompt exists at any time. Returns the bytes added."""
-        if not self.cache.max_bytes or not hit.keys:
+        if not self.store.max_bytes or not hit.keys:
             return 0
         local = hit.namespace == "local"
         need = [f or (local and bool(w)) for f, w in zip(self.full, self.windows, strict=True)]
         if any(n and s is None for n, s in zip(need, spans, strict=True)):
             return 0
-        b = self.cache.block
+        b = self.store.block
         used = [s for n, s in zip(need, spans, strict=True) if n and s is not None]
         held = held_bytes([a for s in used for a in (s.keys, s.values)])
         per_block = sum((s.keys[:, :1].nbytes + s.values[:, :1].nbytes) * b for s in used)
         new = (len(hit.keys) - len(hit.blocks)) * per_block
         owner: Owner | None = None
-        if held <= self.cache.request_cap and new >= VIEW_SHARE * held:
+        if held <= self.store.request_cap and new >= VIEW_SHARE * held:
             owner = Owner(held, own_copy)
 
         def make(i: int) -> Block | None:
@@ -279,12 +279,12 @@ class DecodePrefix:
                 self.disk.put(hit.keys[i], blk)  # written later, on the tier's thread
             return blk
 
-        return self.cache.add(hit.keys, make)
+        return self.store.add(hit.keys, make)
 
     def record(self, hit: Hit, caches: list[Any]) -> None:
         """Before a local prefill that will be stored: its sliding layers'
         caches (still empty) become `Recording`s."""
-        if not hit.keys or not self.cache.max_bytes:
+        if not hit.keys or not self.store.max_bytes:
             return
         for layer, cache in enumerate(caches):
             if type(cache) is RotatingKVCache and cache.keys is None:
@@ -306,7 +306,7 @@ class DecodePrefix:
     def recorded(self, caches: list[Any]) -> list[Span | None]:
         """Right after a local prefill, before any decode step: what each
         `Recording` sliding layer recorded, as a Span over one array made for the
-        store; the layer turns plain. None for every other layer."""
+        save; the layer turns plain. None for every other layer."""
         out: list[Span | None] = []
         for layer, cache in enumerate(caches):
             if not isinstance(cache, Recording):

@@ -15,7 +15,7 @@ from typing import Any
 
 from disagg_agents.prefill.embed import Embedder
 from disagg_agents.prefill.engine import PrefillEngine
-from disagg_agents.prefill.prefixcache import PrefillPrefix
+from disagg_agents.prefill.prefixcache import PrefillPrefixCache
 from disagg_agents.prefill.sender import KV_BUFFER_MB, KV_STALL_S, LayerSender, PeerStalled
 from disagg_agents.prefix.store import default_max_mb, prefix_digest
 from disagg_agents.quant import weights_mismatch
@@ -75,15 +75,15 @@ class PrefillAgent:
         mb = default_max_mb() if prefix_cache_mb is None else prefix_cache_mb
         # K/V computed here, on this device and dtype: its own namespace.
         namespace = f"torch:{engine.device}:{engine.dtype}"
-        self.prefix = PrefillPrefix(int(mb * (1 << 20)), engine.kinds, namespace)
-        self.stats.extra.append(lambda: self.prefix.cache.prometheus("prefill"))
+        self.prefix = PrefillPrefixCache(int(mb * (1 << 20)), engine.kinds, namespace)
+        self.stats.extra.append(lambda: self.prefix.store.prometheus("prefill"))
         self.embedder = Embedder(engine)  # EMBED frames (disagg_agents.prefill.embed)
 
     def live_settings(self) -> list[Setting]:
         """What PUT /settings may change (disagg_agents.runtime.settings), for new requests."""
         return [
-            budget_setting(self.prefix.cache),
-            tenant_share_setting(self.prefix.cache),
+            budget_setting(self.prefix.store),
+            tenant_share_setting(self.prefix.store),
             attr_setting(
                 "kv_stall_timeout_s",
                 self,
@@ -105,7 +105,7 @@ class PrefillAgent:
             "device": self.engine.device,
             "fingerprint": self.engine.fingerprint,
             **self.stats.snapshot(),
-            "prefix_cache": self.prefix.cache.snapshot(),
+            "prefix_cache": self.prefix.store.snapshot(),
             "queue": self.engine.slots.snapshot(),
             "kv_send": self.send_snapshot(),
         }
@@ -185,15 +185,12 @@ class PrefillAgent:
         req = self._read_request(sock, frame, packed)
         if req is None:
             return False
-        ids, start, kv_quant, codec = req.token_ids, req.start, req.kv_quant, Codec(req.codec)
+        ids, start, codec = req.token_ids, req.start, Codec(req.codec)
         prefix = self.prefix if req.prefix_cache else None
         self.stats.begin()
-        probe = self.engine.fingerprint["num_layers"] // 2 if req.probe_codecs else None
-        sender = LayerSender(sock, codec, probe, kv_quant, self.kv_buffer_bytes, self.kv_stall_s)
-        with self.senders_lock:
-            self.senders.add(sender)
+        sender = self._open_sender(sock, req, codec)
         outcome, result = "error", None
-        after: list[Callable[[], None]] = []  # the prefix cache's store, once all is sent
+        after: list[Callable[[], None]] = []  # the prefix cache's save, once all is sent
         try:
             result, logits = self.engine.prefill(
                 ids,
@@ -240,6 +237,17 @@ class PrefillAgent:
             for fn in after:
                 fn()
             self.stats.end(outcome, result)
+
+    def _open_sender(self, sock: socket.socket, req: PrefillRequest, codec: Codec) -> LayerSender:
+        """The request's sender (a codec probe on the middle layer when asked),
+        counted among the live ones."""
+        probe = self.engine.fingerprint["num_layers"] // 2 if req.probe_codecs else None
+        sender = LayerSender(
+            sock, codec, probe, req.kv_quant, self.kv_buffer_bytes, self.kv_stall_s
+        )
+        with self.senders_lock:
+            self.senders.add(sender)
+        return sender
 
     def _read_request(
         self, sock: socket.socket, frame: dict[str, Any], packed: memoryview | None

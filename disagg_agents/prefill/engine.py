@@ -14,7 +14,7 @@ import torch
 from disagg_agents.models import get_adapter, layer_kinds_from_hf, load_hf_config
 from disagg_agents.prefill.attention import use_chunked_attention
 from disagg_agents.prefill.hostcopy import HostCopies
-from disagg_agents.prefill.prefixcache import PrefillPrefix
+from disagg_agents.prefill.prefixcache import PrefillPrefixCache
 from disagg_agents.prefill.queue import FairQueue
 from disagg_agents.quant import check_supported, weights_identity
 from disagg_agents.runtime.torchshare import TorchShare
@@ -66,13 +66,6 @@ class PrefillEngine:
         dtype: str = "auto",
         dequant_budget_gb: float | None = None,
     ) -> None:
-        from transformers import AutoModelForCausalLM  # heavy: import once the args parsed
-
-        from disagg_agents.quant.budget import dequant_budget
-        from disagg_agents.quant.formats import weight_files
-        from disagg_agents.quant.loader import load_packed_model, needs_packed_loader
-        from disagg_agents.quant.modules import plain_experts
-
         self.model_dir = model_dir
         check_supported(model_dir)
         self.cfg = load_hf_config(model_dir)
@@ -81,27 +74,7 @@ class PrefillEngine:
         self.dtype = pick_dtype(dtype, self.cfg)
         self.packed_bytes = 0  # quantized weights read, as packed (0: full precision)
         self.kept_bytes = 0  # of them, dequantized once at load and kept
-        model: Any
-        if needs_packed_loader(model_dir, self.cfg):
-            # transformers cannot read these; weights packed, or dequantized at load
-            # where the device's memory allows (disagg_agents.quant.budget).
-            size = sum(f.stat().st_size for f in weight_files(model_dir))
-            budget = dequant_budget(self.device, size, dequant_budget_gb)
-            model, self.packed_bytes, self.kept_bytes = load_packed_model(
-                model_dir, self.cfg, TORCH_DTYPES[self.dtype], self.device, budget
-            )
-        else:
-            # MoE experts as grouped GEMMs (transformers' "grouped_mm"): no host syncs.
-            moe = "num_experts" in self.cfg or "num_local_experts" in self.cfg
-            extra = {"experts_implementation": "grouped_mm"} if moe else {}
-            loaded: Any = AutoModelForCausalLM.from_pretrained(
-                model_dir, dtype=TORCH_DTYPES[self.dtype], **extra
-            )
-            model = loaded.to(self.device)
-            if moe:  # the Triton kernels where transformers' grouped_mm would loop
-                kind, dev = self.cfg["model_type"], torch.device(self.device)
-                plain_experts(model, kind, dev, TORCH_DTYPES[self.dtype])
-        self.model = model.eval()
+        self.model = self._load(dequant_budget_gb).eval()
         if self.adapter.chunked_attention:
             # Eager attention holds [heads, n, n] scores: ~8.6 GB per layer at 8k tokens.
             use_chunked_attention(self.model)
@@ -124,13 +97,43 @@ class PrefillEngine:
         self.slots = FairQueue()  # one forward pass at a time per device, fairly
         self.share = TorchShare.from_env()
 
+    def _load(self, dequant_budget_gb: float | None) -> Any:
+        """The model on its device: transformers' own, or the packed loader's for
+        checkpoints transformers cannot read."""
+        from transformers import AutoModelForCausalLM  # heavy: import once the args parsed
+
+        from disagg_agents.quant.budget import dequant_budget
+        from disagg_agents.quant.formats import weight_files
+        from disagg_agents.quant.loader import load_packed_model, needs_packed_loader
+        from disagg_agents.quant.modules import plain_experts
+
+        model_dir, dtype = self.model_dir, TORCH_DTYPES[self.dtype]
+        if needs_packed_loader(model_dir, self.cfg):
+            # transformers cannot read these; weights packed, or dequantized at load
+            # where the device's memory allows (disagg_agents.quant.budget).
+            size = sum(f.stat().st_size for f in weight_files(model_dir))
+            budget = dequant_budget(self.device, size, dequant_budget_gb)
+            model, self.packed_bytes, self.kept_bytes = load_packed_model(
+                model_dir, self.cfg, dtype, self.device, budget
+            )
+            return model
+        # MoE experts as grouped GEMMs (transformers' "grouped_mm"): no host syncs.
+        moe = "num_experts" in self.cfg or "num_local_experts" in self.cfg
+        extra = {"experts_implementation": "grouped_mm"} if moe else {}
+        loaded: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **extra)
+        model = loaded.to(self.device)
+        if moe:  # the Triton kernels where transformers' grouped_mm would loop
+            kind, dev = self.cfg["model_type"], torch.device(self.device)
+            plain_experts(model, kind, dev, dtype)
+        return model
+
     @torch.inference_mode()
     def prefill(
         self,
         token_ids: list[int],
         on_layer: Callable[[LayerKV], None],
         start: int = 0,
-        prefix: PrefillPrefix | None = None,
+        prefix: PrefillPrefixCache | None = None,
         after: list[Callable[[], None]] | None = None,
         salt: str | None = None,
         *,
@@ -165,24 +168,13 @@ class PrefillEngine:
             self.slots.slot(cost) as queue_s,  # behind other prompts' forward passes
             self.share.threads(cores_busy) as threads,
         ):
-            handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(self.layers)]
-            try:
-                t0 = time.perf_counter()
-                keys, cached = prefix.seed(cache, token_ids, salt) if prefix else ([], 0)
-                ids = torch.tensor([token_ids[cached:]], device=self.device)
-                out = self.body(input_ids=ids, past_key_values=cache, use_cache=True)
-                # [1, S, hidden] -> the LM head on the last position only: [vocab]
-                logits = self.head(out.last_hidden_state[:, -1:, :])[0, -1].float().cpu()
-                compute_s = time.perf_counter() - t0
-            finally:
-                for h in handles:
-                    h.remove()
+            keys, cached, logits, compute_s = self._forward(token_ids, cache, prefix, salt, hook)
             if prefix:
-                store = prefix.storer(keys, cache)
+                save = prefix.saver(keys, cache)
                 if after is None:
-                    store()
+                    save()
                 else:
-                    after.append(store)
+                    after.append(save)
         stats = {
             "prefill_time": compute_s,
             "queue_time": queue_s,
@@ -193,6 +185,30 @@ class PrefillEngine:
             **marks,
         }
         return stats, logits.numpy()
+
+    def _forward(
+        self,
+        token_ids: list[int],
+        cache: Any,
+        prefix: PrefillPrefixCache | None,
+        salt: str | None,
+        hook: Callable[[int], Any],
+    ) -> tuple[list[bytes], int, torch.Tensor, float]:
+        """The prompt past a cached prefix through the body, `hook(i)` on layer i
+        meanwhile: the prefix's block keys, its length, the last position's float32
+        logits ([vocab], on the host) and the compute time."""
+        handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(self.layers)]
+        try:
+            t0 = time.perf_counter()
+            keys, cached = prefix.seed(cache, token_ids, salt) if prefix else ([], 0)
+            ids = torch.tensor([token_ids[cached:]], device=self.device)
+            out = self.body(input_ids=ids, past_key_values=cache, use_cache=True)
+            # [1, S, hidden] -> the LM head on the last position only: [vocab]
+            logits = self.head(out.last_hidden_state[:, -1:, :])[0, -1].float().cpu()
+            return keys, cached, logits, time.perf_counter() - t0
+        finally:
+            for h in handles:
+                h.remove()
 
     def _hand_over(
         self,

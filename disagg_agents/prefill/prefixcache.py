@@ -17,23 +17,23 @@ from typing import Any
 
 import torch
 
-from disagg_agents.prefill.pendingstores import PendingStores
-from disagg_agents.prefix.store import Block, PrefixCache, block_keys
+from disagg_agents.prefill.pendingsaves import PendingSaves
+from disagg_agents.prefix.store import Block, BlockStore, block_keys
 
 
-class PrefillPrefix:
+class PrefillPrefixCache:
     """`kinds`: the model's layer kinds; `namespace`: what computed the K/V."""
 
     def __init__(self, max_bytes: int, kinds: list[list[Any]], namespace: str) -> None:
-        self.cache = PrefixCache(max_bytes)
+        self.store = BlockStore(max_bytes)
         self.namespace = namespace
         # A finished prompt's blocks, copied in after its K/V went out, or by the
         # next lookup if that comes first: it never waits on a peer's socket.
-        self.pending = PendingStores()
+        self.pending = PendingSaves()
 
     @property
     def enabled(self) -> bool:  # the budget is a live setting: 0 turns the cache off
-        return bool(self.cache.max_bytes)
+        return bool(self.store.max_bytes)
 
     def seed(self, dyn: Any, ids: list[int], salt: str | None = None) -> tuple[list[bytes], int]:
         """Fill the DynamicCache `dyn` with the longest cached prefix of `ids`
@@ -41,12 +41,12 @@ class PrefillPrefix:
         block keys and the cached token count."""
         if not self.enabled:
             return [], 0
-        b = self.cache.block
+        b = self.store.block
         keys = block_keys(ids, self.namespace, b, salt)
         self.pending.flush()
-        blocks = self.cache.longest(keys, (len(ids) - 1) // b)
+        blocks = self.store.longest(keys, (len(ids) - 1) // b)
         n = len(blocks) * b
-        self.cache.record(len(ids), n)
+        self.store.record(len(ids), n)
         if n:
             for layer in range(len(blocks[0].layers)):
                 parts = [blk.layers[layer] for blk in blocks]
@@ -62,27 +62,27 @@ class PrefillPrefix:
         _record(dyn, n)
         return keys, n
 
-    def storer(self, keys: list[bytes], dyn: Any) -> Callable[[], None]:
+    def saver(self, keys: list[bytes], dyn: Any) -> Callable[[], None]:
         """What keeps the blocks of a prompt just computed into `dyn`: to run
         once its K/V and logits are sent (the next seed() runs it if first)."""
         if not self.enabled or not keys:
             return lambda: None
-        return self.pending.add(lambda: self.store(keys, dyn))
+        return self.pending.add(lambda: self.save(keys, dyn))
 
     def expected_hit(self, ids: list[int], salt: str | None = None) -> int:
         """Tokens seed() would take from the cache now (the queue's cost guess;
         counts no hit)."""
         if not self.enabled:
             return 0
-        b = self.cache.block
+        b = self.store.block
         keys = block_keys(ids, self.namespace, b, salt)
-        return len(self.cache.longest(keys, (len(ids) - 1) // b)) * b
+        return len(self.store.longest(keys, (len(ids) - 1) // b)) * b
 
-    def store(self, keys: list[bytes], dyn: Any) -> None:
+    def save(self, keys: list[bytes], dyn: Any) -> None:
         """Keep the blocks of a prompt just computed into `dyn`."""
         if not self.enabled or not keys:
             return
-        b = self.cache.block
+        b = self.store.block
         # Per layer: [1, H, S, D] keys and values and the position of the first.
         spans: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         for layer in dyn.layers:
@@ -104,7 +104,7 @@ class PrefillPrefix:
             size = sum(k.nbytes + v.nbytes for k, v in layers)
             return Block(tuple(layers), size)
 
-        self.cache.add(keys, make)
+        self.store.add(keys, make)
 
 
 # -- sliding window (prefixmem) -------------------------------------------------

@@ -1,4 +1,4 @@
-"""The prefix cache's disk tier: blocks written to a bounded directory, so a decode
+"""The block store's disk tier: blocks written to a bounded directory, so a decode
 agent's restart (a deploy, a crash, a reboot) does not put every conversation back
 to cold.
 

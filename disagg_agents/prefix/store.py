@@ -1,5 +1,6 @@
-"""Prefix cache: a prompt's K/V kept in blocks of tokens, found by chained block
-hashes and evicted least recently used by bytes.
+"""The block store: a prompt's K/V kept in blocks of tokens, found by chained
+block hashes and evicted least recently used by bytes (its memory tier; the disk
+tier is disagg_agents.prefix.disk). Each role's prefix cache keeps its blocks here.
 
 Block i's key hashes block i-1's key with its own tokens, so one walk over a
 prompt's keys finds the longest cached prefix in O(prompt). Framework-free: the
@@ -105,7 +106,7 @@ class Prefix:
     extend: Callable[[Any], Any]
 
 
-class PrefixCache:
+class BlockStore:
     """Blocks by chained key, LRU by bytes held; thread-safe. The budget holds at
     every moment, concurrent adds included: a block goes in only after older ones
     made room. One add stores at most 1/`share` of the budget (at least one plain

@@ -87,6 +87,41 @@ def _dot(acc, a, w, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _tile_dot(
+    acc, a, w_ptr, s_ptr, b_ptr, e, ns, k0, nmask,
+    stride_we, stride_wn, stride_se, stride_sn,
+    FORM: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
+):  # fmt: skip
+    """acc + a @ w.T for expert `e`'s weight tile (_weight_tile) in a's dtype."""
+    w = _weight_tile(
+        w_ptr, s_ptr, b_ptr, e, ns, k0, nmask,
+        stride_we, stride_wn, stride_se, stride_sn, FORM, BITS, GROUP, BN, BK,
+    ).to(a.dtype)  # fmt: skip
+    return _dot(acc, a, w, DOT_F32)
+
+
+@triton.jit
+def _rows_at(idx_ptr, rows, rmask, USE: tl.constexpr):
+    """int64 row indices: idx[rows] when USE, else the rows themselves."""
+    if USE:
+        return tl.load(idx_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    return rows.to(tl.int64)
+
+
+@triton.jit
+def _glu(a, b, alpha, limit, GLU: tl.constexpr):
+    """The activation of the gate (a) and up (b) accumulators."""
+    if GLU == 1:  # qwen3_moe: silu(gate) * up
+        return a * tl.sigmoid(a) * b
+    if GLU == 2:  # gpt_oss: clamped, (up + 1) * gate * sigmoid(alpha * gate)
+        g = tl.minimum(a, limit)
+        u = tl.minimum(tl.maximum(b, -limit), limit)
+        return (u + 1.0) * (g * tl.sigmoid(g * alpha))
+    return a
+
+
+@triton.jit
 def moe_gemm_kernel(
     x_ptr, tok_ptr, stride_xm,
     wa_ptr, sa_ptr, ba_ptr, wb_ptr, sb_ptr, bb_ptr,
@@ -119,10 +154,7 @@ def moe_gemm_kernel(
         return
     rows = start + tl.arange(0, BM)
     rmask = rows < end
-    if GATHER:  # noqa: SIM108 (a constexpr branch, resolved when the kernel compiles)
-        src = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
-    else:
-        src = rows.to(tl.int64)
+    src = _rows_at(tok_ptr, rows, rmask, GATHER)
     ns = pid_n * BN + tl.arange(0, BN)
     nmask = ns < N
     acc_a = tl.zeros((BM, BN), dtype=tl.float32)
@@ -130,34 +162,23 @@ def moe_gemm_kernel(
     for k0 in range(0, K, BK):
         ks = k0 + tl.arange(0, BK)
         a = tl.load(x_ptr + src[:, None] * stride_xm + ks[None, :], mask=rmask[:, None], other=0.0)
-        wa = _weight_tile(
-            wa_ptr, sa_ptr, ba_ptr, e, ns, k0, nmask,
-            stride_we, stride_wn, stride_se, stride_sn, FORM, BITS, GROUP, BN, BK,
-        ).to(a.dtype)  # fmt: skip
-        acc_a = _dot(acc_a, a, wa, DOT_F32)
+        acc_a = _tile_dot(
+            acc_a, a, wa_ptr, sa_ptr, ba_ptr, e, ns, k0, nmask,
+            stride_we, stride_wn, stride_se, stride_sn, FORM, BITS, GROUP, BN, BK, DOT_F32,
+        )  # fmt: skip
         if FUSED:
-            wb = _weight_tile(
-                wb_ptr, sb_ptr, bb_ptr, e, ns, k0, nmask,
-                stride_we, stride_wn, stride_se, stride_sn, FORM, BITS, GROUP, BN, BK,
-            ).to(a.dtype)  # fmt: skip
-            acc_b = _dot(acc_b, a, wb, DOT_F32)
+            acc_b = _tile_dot(
+                acc_b, a, wb_ptr, sb_ptr, bb_ptr, e, ns, k0, nmask,
+                stride_we, stride_wn, stride_se, stride_sn, FORM, BITS, GROUP, BN, BK, DOT_F32,
+            )  # fmt: skip
     if HAS_BIAS:
         bias_row = e.to(tl.int64) * stride_bias + ns
         acc_a += tl.load(bias_a_ptr + bias_row, mask=nmask, other=0.0).to(tl.float32)[None, :]
         if FUSED:
             acc_b += tl.load(bias_b_ptr + bias_row, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    y = acc_a
-    if GLU == 1:  # qwen3_moe: silu(gate) * up
-        y = acc_a * tl.sigmoid(acc_a) * acc_b
-    elif GLU == 2:  # gpt_oss: clamped, (up + 1) * gate * sigmoid(alpha * gate)
-        g = tl.minimum(acc_a, limit)
-        u = tl.minimum(tl.maximum(acc_b, -limit), limit)
-        y = (u + 1.0) * (g * tl.sigmoid(g * alpha))
+    y = _glu(acc_a, acc_b, alpha, limit, GLU)
     if HAS_RW:
         y = y * tl.load(rw_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
-    if SCATTER:
-        dst = tl.load(out_row_ptr + rows, mask=rmask, other=0).to(tl.int64)
-    else:
-        dst = rows.to(tl.int64)
+    dst = _rows_at(out_row_ptr, rows, rmask, SCATTER)
     ptrs = y_ptr + dst[:, None] * stride_ym + ns[None, :]
     tl.store(ptrs, y.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])

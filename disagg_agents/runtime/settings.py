@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from disagg_agents.prefix.disk import DiskTier
-    from disagg_agents.prefix.store import PrefixCache
+    from disagg_agents.prefix.store import BlockStore
 
 MAX_CHANGES = 32  # names in one change; there are fewer settings than this
 MAX_BODY_BYTES = 4096  # a PUT /settings body, at most
@@ -118,7 +118,7 @@ def attr_setting(
     )
 
 
-def budget_setting(cache: PrefixCache) -> Setting:
+def budget_setting(cache: BlockStore) -> Setting:
     """A prefix cache's budget as a live setting: a smaller one evicts at once."""
     return Setting(
         "prefix_cache_mb",
@@ -145,7 +145,7 @@ def disk_setting(disk: DiskTier) -> Setting:
     )
 
 
-def tenant_share_setting(cache: PrefixCache) -> Setting:
+def tenant_share_setting(cache: BlockStore) -> Setting:
     """What one tenant's prompts may hold of a prefix cache while another's are cached."""
     return Setting(
         "prefix_tenant_share",

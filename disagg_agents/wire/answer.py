@@ -187,7 +187,7 @@ class Metrics:
     kv_first_layer_at: float | None = None  # wall clock (time.time) of the first layer placed
     prefill_last_layer_at: float | None = None  # wall clock of the prefill side's last layer
     prefill_threads: int | None = None  # the prefill agent's compute threads for this prompt
-    # --- where the time went (the web view draws it; disagg_agents.decode.agent.timeline) -----
+    # --- where the time went (the web view draws it; disagg_agents.decode.events.timeline) -----
     # at: Unix time the decode agent took the request; then seconds after it, on the
     # decode agent's clock: prefill_start, prefill_end, kv_first, kv_last (K/V layers
     # arriving), first_token, joined (entered the decode batch), done.

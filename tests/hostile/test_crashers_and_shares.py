@@ -752,10 +752,10 @@ def test_a_dead_gateways_token_folder_is_swept(tmp_path: Path) -> None:
 def test_a_tenants_prompts_cannot_flush_anothers_prefix() -> None:
     import numpy as np
 
-    from disagg_agents.prefix.store import Block, PrefixCache, block_keys
+    from disagg_agents.prefix.store import Block, BlockStore, block_keys
 
     block_bytes = 1000
-    cache = PrefixCache(20 * block_bytes, block=4, share=1)
+    cache = BlockStore(20 * block_bytes, block=4, share=1)
 
     def add(salt: str, seed: int, blocks: int) -> list[bytes]:
         ids = [seed * 1000 + i for i in range(4 * blocks)]

@@ -1,17 +1,18 @@
-"""The decode side's prefix store, taken from a request's caches without a copy.
+"""A request's prompt blocks saved into the block store (disagg_agents.prefix.store),
+taken from the request's caches without a copy.
 
 Its blocks become numpy views of the request's cache buffers once the decode
 loop stops writing them (`Seq.released`): when the request joins a batch (the
-merge copies its caches into the batch anyway) or ends. Until then the store is
+merge copies its caches into the batch anyway) or ends. Until then the save is
 pending: the request's own thread runs it as soon as the caches are released
 (between its token bursts, and at its end, before DONE, so the next turn of a
-chat finds it). A lookup that a pending store would serve better takes it now
+chat finds it). A lookup that a pending save would serve better takes it now
 (`take_now`): a lone request's caches are copied for the loop to go on with,
-and the store keeps the originals. That is the one copy the old code made for
-every stored prompt, made only when another request wants the prefix while the
+and the save keeps the originals. That is the one copy the old code made for
+every saved prompt, made only when another request wants the prefix while the
 first still decodes alone.
 
-A request that fails stores nothing.
+A request that fails saves nothing.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
-from disagg_agents.decode.prefixcache import DecodePrefix, Hit, Span
+from disagg_agents.decode.prefixcache import DecodePrefixCache, Hit, Span
 
 if TYPE_CHECKING:
     from disagg_agents.decode.loop import DecodeLoop, Seq
@@ -39,13 +40,13 @@ def merged(a: list[Span | None], b: list[Span | None]) -> list[Span | None]:
     return [x if x is not None else y for x, y in zip(a, b, strict=True)]
 
 
-class PendingStore:
-    """One request's store, run once by whoever comes first: its own thread when
+class PendingSave:
+    """One request's save, run once by whoever comes first: its own thread when
     the loop releases its caches, or a lookup that wants its prefix now."""
 
     def __init__(
         self,
-        prefix: DecodePrefix,
+        prefix: DecodePrefixCache,
         loop: DecodeLoop,
         hit: Hit,
         prompt_len: int,
@@ -66,43 +67,43 @@ class PendingStore:
         return self.hit.keys
 
     def now(self, caches: list[Any]) -> None:
-        """Store from caches that nothing writes (the request never decoded)."""
+        """Save from caches that nothing writes (the request never decoded)."""
         with self.lock:
-            self._store(caches)
+            self._save(caches)
 
     def attach(self, seq: Seq) -> None:
         """Before `seq` joins the loop: the loop hands its caches here when it
-        lets them go, and lookups may take the store from now on."""
+        lets them go, and lookups may take the save from now on."""
         self.seq = seq
         seq.released = self.released
         self.prefix.pending_add(self)
 
     def poll(self) -> None:
-        """Between token bursts: store if the caches were released (never waits)."""
+        """Between token bursts: save if the caches were released (never waits)."""
         if self.done or not self.released.done():
             return
         if self.lock.acquire(blocking=False):
             try:
-                self._store(self.released.result())
+                self._save(self.released.result())
             finally:
                 self.lock.release()
 
     def finish(self) -> None:
         """At the request's end: the loop releases its caches right after the
-        last token; store before DONE."""
+        last token; save before DONE."""
         if self.done or self.seq is None:
             return
         try:
             caches = self.released.result(RELEASE_WAIT_S)
         except FutureTimeout:
-            log.warning("decode loop never released a finished request's caches: not stored")
+            log.warning("decode loop never released a finished request's caches: not saved")
             self.drop()
             return
         with self.lock:
-            self._store(caches)
+            self._save(caches)
 
     def take_now(self) -> None:
-        """A lookup wants this prefix: store it now (see the module's note)."""
+        """A lookup wants this prefix: save it now (see the module's note)."""
         seq = self.seq
         with self.lock:
             if self.done or seq is None:
@@ -110,24 +111,24 @@ class PendingStore:
             if not self.released.done():
                 self.loop.call(self.loop.hand_over_caches, seq)
             if self.released.done():  # not when it waits for a batch slot
-                self._store(self.released.result())
+                self._save(self.released.result())
 
     def drop(self) -> None:
-        """Nothing (more) to store: the request failed, or it is stored."""
+        """Nothing (more) to save: the request failed, or it is saved."""
         self.done = True
         self.sliding = []
         self.prefix.pending_remove(self)
         if self.released.done():
             self.released.result().clear()  # the loop's list, which only we still hold
 
-    def _store(self, caches: list[Any]) -> None:
+    def _save(self, caches: list[Any]) -> None:
         if self.done:
             return
         try:
             spans = self.loop.call(self.prefix.full_views, caches, self.prompt_len)
-            self.prefix.store(self.hit, merged(self.sliding, spans))
-        except Exception:  # a store that fails must not fail the request
-            log.exception("storing a prompt's prefix blocks failed")
+            self.prefix.save(self.hit, merged(self.sliding, spans))
+        except Exception:  # a save that fails must not fail the request
+            log.exception("saving a prompt's prefix blocks failed")
         finally:
-            caches.clear()  # what the store keeps it holds itself (views or copies)
+            caches.clear()  # what the block store keeps it holds itself (views or copies)
             self.drop()

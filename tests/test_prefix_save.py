@@ -1,5 +1,5 @@
-"""The decode agent's prefix store takes a prompt's K/V from the request's own
-caches without a copy (disagg_agents/decode/prefixstore.py):
+"""The decode agent's prefix save takes a prompt's K/V from the request's own
+caches without a copy (disagg_agents/decode/prefixsave.py):
 
 - in process, on the real decode loop and a tiny model: the stored blocks are
   views inside the cache buffers the loop released (a lone request at its end,
@@ -8,7 +8,7 @@ caches without a copy (disagg_agents/decode/prefixstore.py):
   every greedy token is mlx-lm's own;
 - the bookkeeping of blocks that share memory: charged once, whole; the
   survivors of a partial eviction copied out;
-- real agents: hits after zero-copy stores give the tokens of cache-off runs
+- real agents: hits after zero-copy saves give the tokens of cache-off runs
   and of mlx-lm's generate, and a second request hits while the first decodes.
 """
 
@@ -26,11 +26,11 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from disagg.serving.localagents import AgentProc
-from disagg_agents.decode.agent import DecodeEngine
+from disagg_agents.decode.engine import DecodeEngine
 from disagg_agents.decode.loop import DecodeLoop, Seq
-from disagg_agents.decode.prefixcache import DecodePrefix, as_numpy
-from disagg_agents.decode.prefixstore import PendingStore
-from disagg_agents.prefix.store import Block, Owner, PrefixCache, block_keys
+from disagg_agents.decode.prefixcache import DecodePrefixCache, as_numpy
+from disagg_agents.decode.prefixsave import PendingSave
+from disagg_agents.prefix.store import Block, BlockStore, Owner, block_keys
 from tests.conftest import PairFactory, ask
 from tests.references import mlx_greedy
 from tests.tinymodels import PROMPT, shared_tiny
@@ -58,8 +58,8 @@ def loop(engine: DecodeEngine) -> DecodeLoop:
     return DecodeLoop(engine.model)
 
 
-def new_prefix(engine: DecodeEngine, mb: float = 64) -> DecodePrefix:
-    return DecodePrefix(int(mb * (1 << 20)), engine.fingerprint["layers"], engine.dtype)
+def new_prefix(engine: DecodeEngine, mb: float = 64) -> DecodePrefixCache:
+    return DecodePrefixCache(int(mb * (1 << 20)), engine.fingerprint["layers"], engine.dtype)
 
 
 def ids_of(engine: DecodeEngine, text: str) -> list[int]:
@@ -68,10 +68,15 @@ def ids_of(engine: DecodeEngine, text: str) -> list[int]:
 
 class Request:
     """One request on the loop, as the decode agent runs it: a local prefill
-    (seeded from a hit), the first token, then the loop; its store pending."""
+    (seeded from a hit), the first token, then the loop; its save pending."""
 
     def __init__(
-        self, engine: DecodeEngine, loop: DecodeLoop, prefix: DecodePrefix, ids: list[int], n: int
+        self,
+        engine: DecodeEngine,
+        loop: DecodeLoop,
+        prefix: DecodePrefixCache,
+        ids: list[int],
+        n: int,
     ) -> None:
         self.ids = ids
         model = engine.model
@@ -87,24 +92,24 @@ class Request:
             return int(np.array(mx.argmax(logits, axis=-1))[0])
 
         first = loop.call(prefill)
-        self.caches = list(caches)  # the store empties the list it is handed
+        self.caches = list(caches)  # the save empties the list it is handed
         self.tokens = [first]
-        self.store = PendingStore(prefix, loop, self.hit, len(ids), [None] * len(caches))
+        self.save = PendingSave(prefix, loop, self.hit, len(ids), [None] * len(caches))
         self.seq = Seq(caches, first, None, n, frozenset())
-        self.store.attach(self.seq)
+        self.save.attach(self.seq)
         loop.join(self.seq)
 
     def read(self, count: int | None = None) -> None:
-        """Take tokens off the queue (all when `count` is None), polling the store
+        """Take tokens off the queue (all when `count` is None), polling the save
         between them as the agent does between bursts."""
         while count is None or count > 0:
             item = self.seq.out.get(timeout=120)
             if item is None:
-                self.store.finish()
+                self.save.finish()
                 return
             assert not isinstance(item, Exception), item
             self.tokens.append(item[0])
-            self.store.poll()
+            self.save.poll()
             if count is not None:
                 count -= 1
 
@@ -154,11 +159,11 @@ def test_a_lone_request_stores_views_of_its_own_caches_at_its_end(
     req.read()
     assert req.tokens == mlx_greedy(engine.model, ids, N_NEW)
     released = req.caches
-    blocks = prefix.cache.longest(req.hit.keys, len(req.hit.keys))
+    blocks = prefix.store.longest(req.hit.keys, len(req.hit.keys))
     assert len(blocks) == len(ids) // 16
     assert_views_of(blocks, released)
     # The budget counts the buffers whole: prompt, decoded tokens and headroom.
-    snap = prefix.cache.snapshot()
+    snap = prefix.store.snapshot()
     assert snap["bytes"] == snap["owned_bytes"] == held(released)
     assert held(released) > sum(b.nbytes for b in blocks)
     # A hit on it: the prefix seeded from those views, mlx-lm's tokens.
@@ -177,14 +182,14 @@ def test_a_request_that_joins_a_batch_stores_its_caches_as_the_batch_takes_them(
     b_ids = ids_of(engine, words(130, "Second: "))
     a = Request(engine, loop, prefix, a_ids, 400)
     a.read(3)  # decoding alone, on its plain caches: nothing stored yet
-    assert not a.store.done and prefix.cache.snapshot()["blocks"] == 0
+    assert not a.save.done and prefix.store.snapshot()["blocks"] == 0
     b = Request(engine, loop, prefix, b_ids, 400)
     b.read(3)
     a.read(3)
     # b's join merged both into the batch: both stored from what was released.
-    assert a.store.done and b.store.done
+    assert a.save.done and b.save.done
     for r in (a, b):
-        blocks = prefix.cache.longest(r.hit.keys, len(r.hit.keys))
+        blocks = prefix.store.longest(r.hit.keys, len(r.hit.keys))
         assert len(blocks) == len(r.ids) // 16
         assert_views_of(blocks, r.caches)
     a.read()
@@ -201,11 +206,11 @@ def test_a_lookup_takes_the_prefix_of_a_request_still_decoding_alone(
     a_ids = ids_of(engine, shared + " answer one")
     a = Request(engine, loop, prefix, a_ids, 600)
     a.read(4)
-    assert not a.store.done
+    assert not a.save.done
     b_ids = ids_of(engine, shared + " answer two is here")
     hit = prefix.lookup(NS, b_ids, local=True)
-    # The store ran now: the loop goes on with copies, the store keeps a's own.
-    assert a.store.done and hit.tokens > 0
+    # The save ran now: the loop goes on with copies, the save keeps a's own.
+    assert a.save.done and hit.tokens > 0
     assert_views_of(hit.blocks, a.caches)
     assert hit.tokens == common(a_ids, b_ids) // 16 * 16
     a.read()
@@ -229,7 +234,7 @@ def view_blocks(n: int, block: int) -> tuple[np.ndarray, list[Block]]:
 
 def test_shared_memory_is_charged_once_whole_and_copied_out_when_mostly_evicted() -> None:
     buf, blocks = view_blocks(8, 16)  # 512 B of blocks in 1024 B of buffer
-    cache = PrefixCache(4000, block=4, share=1)
+    cache = BlockStore(4000, block=4, share=1)
     keys = block_keys(list(range(32)), "n", 4)
     assert cache.add(keys, lambda i: blocks[i]) == buf.nbytes
     assert cache.bytes == cache.owned == buf.nbytes
@@ -253,7 +258,7 @@ def test_shared_memory_is_charged_once_whole_and_copied_out_when_mostly_evicted(
 
 def test_an_owner_over_the_per_request_cap_is_not_stored() -> None:
     buf, blocks = view_blocks(4, 16)
-    cache = PrefixCache(4 * buf.nbytes - 4, block=4)  # cap: a quarter, under the buffer
+    cache = BlockStore(4 * buf.nbytes - 4, block=4)  # cap: a quarter, under the buffer
     assert cache.add(block_keys(list(range(16)), "n", 4), lambda i: blocks[i]) == 0
     assert cache.bytes == 0 and cache.capped == 1
 
@@ -266,17 +271,17 @@ def test_views_only_where_the_blocks_are_most_of_the_buffer(
     shared = words(140, "Long rubric: ")
     first = Request(engine, loop, prefix, ids_of(engine, shared + " one"), 4)
     first.read()
-    owned = prefix.cache.owned
+    owned = prefix.store.owned
     assert owned > 0
     second = Request(engine, loop, prefix, ids_of(engine, shared + " two " + words(30)), 4)
     second.read()
     assert second.hit.tokens > 0
-    new = prefix.cache.longest(second.hit.keys, len(second.hit.keys))[len(second.hit.blocks) :]
+    new = prefix.store.longest(second.hit.keys, len(second.hit.keys))[len(second.hit.blocks) :]
     pairs = [b.layers[0] for b in new if b.owner is None]
     assert new and len(pairs) == len(new)
     assert all(p is not None and p[0].flags.owndata for p in pairs)
-    assert prefix.cache.owned == owned
-    assert prefix.cache.bytes == owned + sum(b.nbytes for b in new)
+    assert prefix.store.owned == owned
+    assert prefix.store.bytes == owned + sum(b.nbytes for b in new)
 
 
 # -- real agents -------------------------------------------------------------------

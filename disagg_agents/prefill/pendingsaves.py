@@ -1,10 +1,10 @@
-"""Prefix-cache stores that wait for their turn without holding anyone up.
+"""Prefix-cache saves that wait for their turn without holding anyone up.
 
 A finished prompt's blocks are copied into the cache after its K/V and logits
 are sent (copying first would delay its first token). The next prompt must
 still find them, else it misses the prefix the previous one just computed. A
 lock held until that send ended made every prompt wait on the slowest peer's
-socket; instead the next lookup runs any pending store itself (a memory copy,
+socket; instead the next lookup runs any pending save itself (a memory copy,
 no I/O), and the owner's own call later finds nothing left to do.
 """
 
@@ -23,7 +23,7 @@ class _Job:
         self.lock = threading.Lock()  # a second caller waits for the copy to end
 
 
-class PendingStores:
+class PendingSaves:
     """Stores in arrival order, each run exactly once by whoever comes first."""
 
     def __init__(self) -> None:
@@ -38,14 +38,14 @@ class PendingStores:
         return lambda: self._run(job)
 
     def flush(self) -> None:
-        """Run every pending store now (before a lookup that should see them)."""
+        """Run every pending save now (before a lookup that should see them)."""
         with self.lock:
             jobs = list(self.jobs)
         for job in jobs:
             try:
                 self._run(job)
             except Exception:  # the owner's request failed it; the lookup goes on
-                log.exception("prefix cache store failed")
+                log.exception("prefix cache save failed")
 
     def __len__(self) -> int:
         with self.lock:
