@@ -48,6 +48,10 @@ def post(path, body):
     except urllib.error.HTTPError as e:
         return [e.code, json.loads(e.read())]
 
+def get(path):
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=60) as r:
+        return [r.status, json.loads(r.read())]
+
 texts = json.loads(sys.argv[2])
 print(json.dumps({
     "ollama": post("/api/embed", {"model": sys.argv[3], "input": texts}),
@@ -56,6 +60,7 @@ print(json.dumps({
     "chat": post("/v1/chat/completions",
                  {"model": sys.argv[3], "messages": [{"role": "user", "content": "hi"}]}),
     "show": post("/api/show", {"model": sys.argv[3]}),
+    "view": get("/ui/api/state"),
 }))
 server.should_exit = True
 """
@@ -136,3 +141,6 @@ def test_embedding_pipeline_serves_embed_and_embeddings(
     assert status == 400 and "serves embeddings only" in chat["error"]["message"], chat
     status, show = out["show"]
     assert status == 200 and show["capabilities"] == ["embedding"], show
+    status, view = out["view"]  # the web view marks the pipeline's agent
+    rows = [a for a in view["agents"] if a["model"] == MODEL]
+    assert status == 200 and rows and all(a["embedding_only"] for a in rows), view

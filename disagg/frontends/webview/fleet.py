@@ -115,6 +115,10 @@ class FleetWatch:
             "model": model,
             "address": f"{ep.host}:{ep.port}",
             "up": False,
+            # An embedding pipeline's agent: the view marks it (no chat, no generate).
+            "embedding_only": bool(
+                getattr(self.client.router.pipelines.get(model), "embedding_only", False)
+            ),
         }
         local = self._local(ep.name)
         if local is not None and not local.alive():

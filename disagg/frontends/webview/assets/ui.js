@@ -109,7 +109,7 @@ function node({ a, x, y }, w, hgt) {
   g.append(s("rect", { x, y, width: w, height: hgt, rx: 8, class: `node${a.up ? "" : " down"}` }));
   const chars = Math.floor((w - 16) / 7.6), sub = Math.floor((w - 16) / 6.2);
   g.append(s("text", { x: x + 10, y: y + 19 }, clip(`${a.up ? "●" : "✕"} ${a.name}`, chars)));
-  const what = [a.role, a.device, a.model_dir].filter(Boolean).join(" · ");
+  const what = [a.role, a.embedding_only && "embeddings only", a.device, a.model_dir].filter(Boolean).join(" · ");
   g.append(s("text", { x: x + 10, y: y + 36, class: "sub" }, clip(what, sub)));
   const line3 = a.up
     ? `${a.in_flight ?? 0} in flight · ${a.tokens_per_s ?? 0} tok/s${a.role === "decode" ? ` · batch ${a.batch ?? 0}` : ""}`
