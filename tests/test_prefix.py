@@ -62,9 +62,10 @@ def check_hit(
     decode: AgentProc, prefill: AgentProc, first_text: str, second_text: str, *, window: int = 0
 ) -> tuple[Result, Result]:
     """Cache off for the second prompt, then the first, then the second: a hit
-    with only the suffix on the wire and the same tokens. Returns (off, hit)."""
+    with only the suffix on the wire and the same tokens. Returns (off, hit). The first
+    only fills the caches (its prompt's ids are all that is read of it): one token."""
     off = ask(decode, base(prompt=second_text, prefix_cache=False), prefill=prefill)
-    first = ask(decode, base(prompt=first_text), prefill=prefill)
+    first = ask(decode, base(prompt=first_text, max_tokens=1), prefill=prefill)
     hit = ask(decode, base(prompt=second_text), prefill=prefill)
     assert off.metrics["method"] == hit.metrics["method"] == "disaggregated"
     assert off.metrics["cached_tokens"] == 0
@@ -121,7 +122,7 @@ def test_local_prefill_hits_and_matches(smol_agents: tuple[AgentProc, AgentProc]
     _, decode = smol_agents
     shared = long_text("Local", 4)
     off = ask(decode, base(prompt=shared + " B side.", prefix_cache=False, placement="local"))
-    ask(decode, base(prompt=shared + " A side.", placement="local"))
+    ask(decode, base(prompt=shared + " A side.", placement="local", max_tokens=1))  # fills
     hit = ask(decode, base(prompt=shared + " B side.", placement="local"))
     assert hit.metrics["cached_tokens"] > 0
     assert hit.token_ids == off.token_ids
