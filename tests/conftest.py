@@ -481,7 +481,7 @@ def start_serve(
                 proc.kill()
                 proc.wait()
                 raise RuntimeError(f"disagg serve did not start:\n{log_path.read_text()}") from None
-            time.sleep(0.3)
+            time.sleep(0.05)
 
 
 ServeProcess = Callable[..., tuple["subprocess.Popen[bytes]", int]]

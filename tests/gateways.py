@@ -276,7 +276,7 @@ def fleet_gateway(
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             raise RuntimeError(f"disagg serve did not start:\n{log.read_text()}")
-        time.sleep(0.5)
+        time.sleep(0.05)
     try:
         yield base, log
     finally:

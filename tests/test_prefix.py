@@ -62,9 +62,10 @@ def check_hit(
     decode: AgentProc, prefill: AgentProc, first_text: str, second_text: str, *, window: int = 0
 ) -> tuple[Result, Result]:
     """Cache off for the second prompt, then the first, then the second: a hit
-    with only the suffix on the wire and the same tokens. Returns (off, hit)."""
+    with only the suffix on the wire and the same tokens. Returns (off, hit). The first
+    only fills the caches (its prompt's ids are all that is read of it): one token."""
     off = ask(decode, base(prompt=second_text, prefix_cache=False), prefill=prefill)
-    first = ask(decode, base(prompt=first_text), prefill=prefill)
+    first = ask(decode, base(prompt=first_text, max_tokens=1), prefill=prefill)
     hit = ask(decode, base(prompt=second_text), prefill=prefill)
     assert off.metrics.method == hit.metrics.method == "disaggregated"
     assert off.metrics.cached_tokens == 0
@@ -121,7 +122,7 @@ def test_local_prefill_hits_and_matches(smol_agents: tuple[AgentProc, AgentProc]
     _, decode = smol_agents
     shared = long_text("Local", 4)
     off = ask(decode, base(prompt=shared + " B side.", prefix_cache=False, placement="local"))
-    ask(decode, base(prompt=shared + " A side.", placement="local"))
+    ask(decode, base(prompt=shared + " A side.", placement="local", max_tokens=1))  # fills
     hit = ask(decode, base(prompt=shared + " B side.", placement="local"))
     assert (hit.metrics.cached_tokens or 0) > 0
     assert hit.token_ids == off.token_ids
@@ -132,7 +133,8 @@ def test_concurrent_requests_sharing_a_prefix(smol_agents: tuple[AgentProc, Agen
     shared = long_text("Concurrent", 4)
     texts = [f"{shared} Student {i} wrote {i * 7} lines." for i in range(4)]
     offs = [ask(decode, base(prompt=t, prefix_cache=False), prefill=prefill) for t in texts]
-    ask(decode, base(prompt=shared + " warm up."), prefill=prefill)
+    # Only fills the cache with the shared prefix: one token of output does that.
+    ask(decode, base(prompt=shared + " warm up.", max_tokens=1), prefill=prefill)
     with ThreadPoolExecutor(4) as pool:
         ons = list(pool.map(lambda t: ask(decode, base(prompt=t), prefill=prefill), texts))
     assert [r.token_ids for r in ons] == [r.token_ids for r in offs]

@@ -357,7 +357,12 @@ def test_screenshots_for_the_docs(
             t.start()
         for t in batch:
             t.join()
-    time.sleep(2)
+    done = ".req[data-state=done]"
+    wait_for(
+        lambda: len(browser.find_elements("css selector", done)) >= len(prompts),
+        30,
+        "the requests' rows not all done on the page",
+    )
     shots = {"ui": 1280, "ui-dark": 1280, "ui-phone": 390, "ui-phone-dark": 390}
     for name, width in shots.items():
         shoot(browser, name, width, dark=name.endswith("dark"))

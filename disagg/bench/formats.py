@@ -69,7 +69,11 @@ def _speeds(results: list[Any], wall_s: float) -> dict[str, Any]:
 
 
 def run_formats_bench(
-    model_dir: Path | str, new_tokens: int = 64, repeats: int = 2, say: Say = quiet
+    model_dir: Path | str,
+    new_tokens: int = 64,
+    repeats: int = 2,
+    say: Say = quiet,
+    batches: tuple[int, ...] = (1, 16),
 ) -> dict[str, Any]:
     stamp = Stamp()
     with local_pair(Path(model_dir), say) as (prefill, decode):
@@ -79,7 +83,7 @@ def run_formats_bench(
         cold = need(ask(GRADER).metrics.grammar_ms)
         hits = [need(ask(GRADER).metrics.grammar_ms) for _ in range(5)]
         say(f"grader schema: compile {cold:.2f} ms, cache hit {statistics.median(hits):.3f} ms")
-        runs = _batch_runs(ask, repeats, say)
+        runs = _batch_runs(ask, repeats, say, batches)
         machine = pair_machine_info(prefill, decode)
     out: dict[str, Any] = {
         "model": str(model_dir),
@@ -139,11 +143,11 @@ def _ask(
 
 
 def _batch_runs(
-    ask: Callable[..., Result], repeats: int, say: Say
+    ask: Callable[..., Result], repeats: int, say: Say, batches: tuple[int, ...]
 ) -> dict[str, dict[str, list[dict[str, Any]]]]:
-    """Speeds per batch size (1, 16), mode (free, json) and repeat."""
+    """Speeds per batch size (1, 16 by default), mode (free, json) and repeat."""
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
-    for batch in (1, 16):
+    for batch in batches:
         for name in ("free", "json"):
             runs.setdefault(str(batch), {}).setdefault(name, [])
         for rep in range(repeats):
