@@ -227,7 +227,7 @@ def traffic(
 
 def path(metrics: Any) -> str:
     """Which way a request's KV came: over the fast link, the switch, or not at all."""
-    addr = metrics.get("prefill_address") or ""
+    addr = getattr(metrics, "prefill_address", None) or ""  # an error's entry has none
     return "switch" if addr.startswith("10.77.") else "fast link" if addr else "local"
 
 

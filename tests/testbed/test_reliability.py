@@ -325,8 +325,8 @@ def test_loss_and_delay(rig: Rig, window: Ledger) -> None:
             "lost": 0,
             "wall_s": round(wall, 1),
             "per_request_s": [round(t, 2) for _, t, _ in done],
-            "methods": dict(Counter(met["method"] for _, _, met in done)),
-            "kv_fetch_s": [round(met.get("kv_fetch_time") or 0, 2) for _, _, met in done],
+            "methods": dict(Counter(met.method for _, _, met in done)),
+            "kv_fetch_s": [round(met.kv_fetch_time or 0, 2) for _, _, met in done],
             "after_s": round(clean[0][1], 2),
         },
     )
