@@ -85,6 +85,18 @@ def run(cmd: list[str], env: dict[str, str], cwd: Path, timeout: float = 300) ->
     return p.returncode, out
 
 
+def codex_home(tmp_path: Path, url: str, model: str) -> Path:
+    """A CODEX_HOME whose config points Codex at the gateway's Responses API."""
+    home = tmp_path / "codex"
+    home.mkdir()
+    (home / "config.toml").write_text(
+        f'model = "{model}"\nmodel_provider = "disagg"\n'
+        f'[model_providers.disagg]\nname = "disagg"\nbase_url = "{url}/v1"\n'
+        'wire_api = "responses"\nenv_key = "DISAGG_KEY"\n'
+    )
+    return home
+
+
 def requests_logged(gateway: Gateway) -> list[tuple[int, int]]:
     """(prompt tokens, cached) of each request the gateways logged."""
     pattern = r" request \d+ .* (\d+) prompt \((\d+) cached\)"
@@ -103,13 +115,7 @@ def test_codex_exec_runs_a_turn_over_the_responses_api(
     # random model's answer, which would otherwise run to its 131k context.
     monkeypatch.setattr(maxtokens, "_operator_default", 256)
     url, model, log = served
-    home = tmp_path / "codex"
-    home.mkdir()
-    (home / "config.toml").write_text(
-        f'model = "{model}"\nmodel_provider = "disagg"\n'
-        f'[model_providers.disagg]\nname = "disagg"\nbase_url = "{url}/v1"\n'
-        'wire_api = "responses"\nenv_key = "DISAGG_KEY"\n'
-    )
+    home = codex_home(tmp_path, url, model)
     before = len(requests_logged(log))
     rc, said = run(
         [str(BIN / "codex"), "exec", "--skip-git-repo-check", "Say hi."],
@@ -142,13 +148,7 @@ def test_codex_exec_completes_a_turn_on_the_embedded_default(
 
     monkeypatch.setattr(maxtokens, "_operator_default", CODEX_LIMIT)
     url, model, log = smol
-    home = tmp_path / "codex"
-    home.mkdir()
-    (home / "config.toml").write_text(
-        f'model = "{model}"\nmodel_provider = "disagg"\n'
-        f'[model_providers.disagg]\nname = "disagg"\nbase_url = "{url}/v1"\n'
-        'wire_api = "responses"\nenv_key = "DISAGG_KEY"\n'
-    )
+    home = codex_home(tmp_path, url, model)
     sessions = []
     for _ in range(CODEX_SESSIONS):
         before = len(requests_logged(log))
