@@ -334,8 +334,9 @@ def test_others_running_reads_proc_stat_less_this_process(
 
 @pytest.mark.slow
 def test_a_really_busy_machine_is_seen_busy() -> None:
-    """Two processes spinning: the reader counts them (they stay runnable while
-    preempted), and FreeCores gives this process what they leave, at least one."""
+    """Two processes spinning: the reader counts them by the median of its looks
+    (they stay runnable while preempted), and FreeCores gives this process what
+    they leave, at least one."""
     from disagg_agents.runtime.cpubusy import FreeCores, others_running
 
     spinners = [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range(2)]
@@ -348,7 +349,12 @@ def test_a_really_busy_machine_is_seen_busy() -> None:
         for p in spinners:
             p.kill()
             p.wait(30)
-    assert all(n is not None and n >= 2 for n in looks), looks
+    # One look is an instant: procs_running and this process's own threads are
+    # read apart, so a thread of ours waking between them hides a spinner now and
+    # then (CI saw [1, 3, 4, 4, 2, 2, ...]). FreeCores decides on the median of its
+    # looks for that reason; the median is what must see both spinners.
+    assert all(n is not None for n in looks), looks
+    assert statistics.median_low(n for n in looks if n is not None) >= 2, looks
     cores = os.cpu_count() or 1
     assert got[-1] == max(1, cores - statistics.median_high(free.samples)) <= max(1, cores - 2)
 
