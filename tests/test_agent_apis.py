@@ -246,11 +246,14 @@ WEATHER_FN: Any = {
     "strict": True,
 }
 # A small patch language, as Codex's apply_patch tool gives its grammar.
+# Bounded (at most three lines of at most 20 characters): every model, at any
+# temperature, reaches the end well inside max_output_tokens (an unbounded `add_line+`
+# let SmolLM2 at temperature 1 add lines until the limit cut it).
 PATCH_LARK = r"""
 start: begin_patch hunk end_patch
 begin_patch: "*** Begin Patch" LF
 end_patch: "*** End Patch" LF?
-hunk: "*** Add File: " filename LF add_line+
+hunk: "*** Add File: " filename LF add_line add_line? add_line?
 filename: /[a-z]{1,8}\.py/
 add_line: "+" /[a-z =()0-9]{0,20}/ LF
 %import common.LF

@@ -28,7 +28,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from disagg.serving.localagents import AgentProc
 from disagg_agents.decode.engine import DecodeEngine
 from disagg_agents.decode.loop import DecodeLoop, Seq
-from disagg_agents.decode.prefixcache import DecodePrefixCache, as_numpy
+from disagg_agents.decode.prefixcache import DecodePrefixCache, Hit, as_numpy
 from disagg_agents.decode.prefixsave import PendingSave
 from disagg_agents.prefix.store import Block, BlockStore, Owner, block_keys
 from tests.conftest import PairFactory, ask
@@ -230,6 +230,65 @@ def view_blocks(n: int, block: int) -> tuple[np.ndarray, list[Block]]:
     owner = Owner(buf.nbytes, copy)
     out = [Block(((buf[i * block : (i + 1) * block], None),), block * 4, owner) for i in range(n)]
     return buf, out
+
+
+class SlowSaveLoop:
+    """A decode loop stand-in whose `call` parks the first save's mlx step until
+    let go: the window in which the request's own thread may fail."""
+
+    def __init__(self) -> None:
+        self.inside = threading.Event()
+        self.go = threading.Event()
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        self.inside.set()
+        assert self.go.wait(10)
+        return fn(*args)
+
+
+class RecordingPrefix:
+    """The prefix cache's two calls a save makes, recorded."""
+
+    def __init__(self) -> None:
+        self.saved: list[list[Any]] = []
+        self.removed = 0
+
+    def full_views(self, caches: list[Any], prompt_len: int) -> list[Any]:
+        return ["view"] * len(caches)
+
+    def save(self, hit: Any, spans: list[Any]) -> None:
+        self.saved.append(spans)
+
+    def pending_remove(self, save: Any) -> None:
+        self.removed += 1
+
+
+def test_a_request_failing_while_a_lookup_saves_its_prefix_waits_for_that_save(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A lookup takes a request's save (`take_now`) while the request's own thread
+    fails and drops it: the drop waits for the save, which finishes whole (a
+    shuffled CI run saw the drop empty the recorded layers mid-save: "zip()
+    argument 2 is longer than argument 1" as the agent's last error)."""
+    loop, prefix = SlowSaveLoop(), RecordingPrefix()
+    hit = Hit(NS, [b"k"], [], 4)
+    save = PendingSave(prefix, loop, hit, 8, [None, None])  # type: ignore[arg-type]
+    # The save the request made: attached, its caches released by the loop.
+    save.seq = object()  # type: ignore[assignment]
+    save.released.set_result(["layer0", "layer1"])
+    lookup = threading.Thread(target=save.take_now)
+    lookup.start()
+    assert loop.inside.wait(10)  # the lookup is mid-save, the lock held
+    failed = threading.Thread(target=save.drop)  # the request's thread, failing
+    failed.start()
+    failed.join(0.3)
+    assert failed.is_alive(), "the drop did not wait for the save in progress"
+    loop.go.set()
+    lookup.join(10)
+    failed.join(10)
+    assert "saving a prompt's prefix blocks failed" not in caplog.text, caplog.text
+    assert prefix.saved == [["view", "view"]]
+    assert save.done and save.sliding == []
 
 
 def test_shared_memory_is_charged_once_whole_and_copied_out_when_mostly_evicted() -> None:

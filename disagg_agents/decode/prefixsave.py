@@ -114,7 +114,14 @@ class PendingSave:
                 self._save(self.released.result())
 
     def drop(self) -> None:
-        """Nothing (more) to save: the request failed, or it is saved."""
+        """Nothing (more) to save: the request failed, or it is saved. Under the
+        lock: a lookup may be saving from these caches right now (`take_now`), and
+        a request that fails meanwhile must wait for it, not pull the caches and
+        the recorded layers out from under it."""
+        with self.lock:
+            self._drop()
+
+    def _drop(self) -> None:
         self.done = True
         self.sliding = []
         self.prefix.pending_remove(self)
@@ -131,4 +138,4 @@ class PendingSave:
             log.exception("saving a prompt's prefix blocks failed")
         finally:
             caches.clear()  # what the block store keeps it holds itself (views or copies)
-            self.drop()
+            self._drop()  # the lock is ours

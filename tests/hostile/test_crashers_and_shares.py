@@ -504,6 +504,16 @@ def test_b_is_served_while_a_opens_fifty_streams(gateway: ServeGateway) -> None:
     assert 0 < admitted < 50 and codes.count(429) == 50 - admitted
     for t in threads:
         t.join(120)
+    # A's clients have hung up: the gateway gives A its share back (a module test
+    # after this one, in any order, sends as A). Bounded: a share held for good fails.
+    body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    deadline = time.monotonic() + 120
+    while True:
+        r = httpx.post(f"{base}/v1/chat/completions", json=body, headers=auth(KEY_A), timeout=120)
+        if r.status_code != 429 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert r.status_code == 200, r.text
 
 
 # -- embeddings: bounded, and stopped when the client leaves ----------------------------
