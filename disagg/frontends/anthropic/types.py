@@ -53,7 +53,8 @@ class Tool(BaseModel):
     input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
     type: str | None = None  # "custom" or absent; server tools are refused
 
-    def as_openai(self) -> dict[str, Any]:
+    def as_request(self) -> dict[str, Any]:
+        """This tool as the request's function definition."""
         if self.type not in (None, "custom"):
             raise AnthropicError(400, f"tools: tool type {self.type!r} is not served here")
         fn: dict[str, Any] = {"name": self.name, "parameters": self.input_schema}
@@ -67,7 +68,8 @@ class ToolChoice(BaseModel):
     name: str | None = None
     disable_parallel_tool_use: bool | None = None  # accepted: calls come as the model makes them
 
-    def as_openai(self) -> str | dict[str, Any]:
+    def as_request(self) -> str | dict[str, Any]:
+        """This choice as the request's tool_choice."""
         if self.type == "tool":
             if not self.name:
                 raise AnthropicError(400, "tool_choice: type tool needs a name")
@@ -254,8 +256,8 @@ def generate_request(body: MessagesRequest) -> GenerateRequest:
     messages = chat_messages(body)
     if not messages:
         raise AnthropicError(400, "messages: nothing to answer")
-    tools = [t.as_openai() for t in body.tools or []]
-    choice = body.tool_choice.as_openai() if body.tool_choice else None
+    tools = [t.as_request() for t in body.tools or []]
+    choice = body.tool_choice.as_request() if body.tool_choice else None
     fields: dict[str, Any] = {"messages": [m.as_request() for m in messages]}
     if tools:
         fields.update(tools=tools, tool_choice=choice)
