@@ -1,11 +1,15 @@
-"""The Messages and Responses bodies as chat requests: pure mapping, no agents."""
+"""The Messages and Responses bodies as the one request: pure mapping, no agents."""
 
 from __future__ import annotations
 
 import pytest
 
-from disagg.frontends.anthropic.types import AnthropicError, MessagesRequest, as_chat, system_text
-from disagg.frontends.chat import chat_request
+from disagg.frontends.anthropic.types import (
+    AnthropicError,
+    MessagesRequest,
+    generate_request,
+    system_text,
+)
 from disagg.frontends.openai.types import OpenAIError
 from disagg.frontends.responses import types as rt
 
@@ -20,7 +24,7 @@ def test_the_billing_header_block_is_dropped() -> None:
         system_text([{"type": "image"}])
 
 
-def test_messages_map_onto_one_chat_request() -> None:
+def test_messages_map_straight_onto_the_one_request() -> None:
     body = MessagesRequest.model_validate(
         {
             "model": "m",
@@ -48,7 +52,7 @@ def test_messages_map_onto_one_chat_request() -> None:
             "stop_sequences": ["END"],
         }
     )
-    req = chat_request(as_chat(body))
+    req = generate_request(body)
     msgs = req.messages or []
     assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool", "user"]
     assert msgs[0]["content"] == "Be brief."
@@ -73,13 +77,13 @@ def test_a_system_message_among_the_turns_joins_the_system_prompt() -> None:
             ],
         }
     )
-    chat = as_chat(body)
-    roles = [m.role for m in chat.messages]
+    msgs = generate_request(body).messages or []
+    roles = [m["role"] for m in msgs]
     assert roles == ["system", "user", "assistant", "user"], roles
-    assert chat.messages[0].content == "You are an agent.\n\nAvailable agent types: claude."
+    assert msgs[0]["content"] == "You are an agent.\n\nAvailable agent types: claude."
 
 
-def test_responses_items_map_onto_one_chat_request() -> None:
+def test_responses_items_map_straight_onto_the_one_request() -> None:
     body = rt.ResponsesRequest.model_validate(
         {
             "model": "m",
@@ -101,8 +105,7 @@ def test_responses_items_map_onto_one_chat_request() -> None:
             "text": {"format": {"type": "json_schema", "name": "o", "schema": {"type": "object"}}},
         }
     )
-    chat, custom = rt.as_chat(body)
-    req = chat_request(chat)
+    req, custom = rt.generate_request(body)
     msgs = req.messages or []
     assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool", "assistant", "tool"]
     assert msgs[2]["reasoning"] == "Use apply_patch."
@@ -137,7 +140,7 @@ def test_responses_items_map_onto_one_chat_request() -> None:
 def test_responses_bad_input_is_a_400(extra: dict[str, object], words: str) -> None:
     body = rt.ResponsesRequest.model_validate({"model": "m", "input": "hi", **extra})
     with pytest.raises(OpenAIError) as bad:
-        _, custom = rt.as_chat(body)
+        _, custom = rt.generate_request(body)
         error = rt.compile_error(custom)  # a grammar compiles in a child, off the loop
         if error is not None:
             raise error

@@ -13,7 +13,9 @@
 - Each front door's request and answer types (`disagg.frontends.<api>.types`)
   stand apart from its routes: they reach no routes module and no fastapi; no
   front door reaches another (`app` mounts them all; what they share is
-  `disagg.frontends.core`, `chat` and `refusal`), and the guard reaches none.
+  `disagg.frontends.core`, `request` and `refusal`), and the guard reaches none.
+- Each API maps its body straight onto the one GenerateRequest: only OpenAI's
+  front door knows OpenAI's chat body (`ChatRequest`), by any path.
 - The answer is typed to the end: no module of `disagg` reads a field of the
   agents' answer (Metrics, ToolCall, AgentStatus) by its string key.
 """
@@ -137,7 +139,7 @@ def test_no_bench_module_is_reachable_from_the_serving_path() -> None:
     assert [c for m, c in chain.items() if m.startswith("disagg.bench")] == []
 
 
-FRONT_DOORS = ("openai", "ollama")
+FRONT_DOORS = ("openai", "ollama", "anthropic", "responses")
 
 
 @pytest.mark.parametrize("api", FRONT_DOORS)
@@ -150,7 +152,8 @@ def test_front_door_types_stand_apart_from_their_routes(api: str) -> None:
 
 
 # Every front door, the web view too: what they share lives in disagg/frontends/
-# (core: the run, refusals, usage; chat: the chat shape; agentinfo), never in another.
+# (core: the run, refusals, usage; request: the one request's builder; agentinfo),
+# never in another.
 ALL_DOORS = ("openai", "ollama", "anthropic", "responses", "embeddings", "webview")
 APART = [(a, b) for a in ALL_DOORS for b in ALL_DOORS if a != b]
 
@@ -162,6 +165,36 @@ def test_front_doors_never_import_each_other(api: str, other: str) -> None:
     assert roots, f"no front door {api}"
     chain = reachable(roots, known)
     assert [c for m, c in chain.items() if m.startswith(f"disagg.frontends.{other}")] == []
+
+
+def names_in(path: Path) -> set[str]:
+    """Every name a file defines, uses or imports (classes, attributes, aliases)."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ClassDef | ast.FunctionDef):
+            out.add(node.name)
+        elif isinstance(node, ast.Name):
+            out.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            out.add(node.attr)
+        elif isinstance(node, ast.alias):
+            out.update(n for n in (node.name.rpartition(".")[2], node.asname) if n)
+    return out
+
+
+@pytest.mark.parametrize("api", [d for d in ALL_DOORS if d != "openai"])
+def test_only_openai_knows_openais_chat_body(api: str) -> None:
+    # Anthropic's and Responses' bodies once went through OpenAI's chat body on
+    # their way to the one request; each maps straight onto GenerateRequest now.
+    known = our_modules()
+    roots = [m for m in known if m.startswith(f"disagg.frontends.{api}.")]
+    chain = reachable(roots, known)
+    found = [
+        c
+        for m, c in chain.items()
+        if m == "disagg.frontends.chat" or "ChatRequest" in names_in(known[m])
+    ]
+    assert found == []
 
 
 def test_the_guard_reaches_no_front_door() -> None:

@@ -12,11 +12,10 @@ import openai
 import pytest
 
 from disagg.frontends import maxtokens
-from disagg.frontends.chat import chat_request
 from disagg.frontends.ollama.routes import chat_request as ollama_chat
 from disagg.frontends.ollama.types import ChatBody
-from disagg.frontends.openai.types import ChatRequest
-from disagg.frontends.responses.types import ResponsesRequest, as_chat
+from disagg.frontends.openai.types import ChatRequest, chat_request
+from disagg.frontends.responses.types import ResponsesRequest, generate_request
 from tests.agentpool import AgentSet
 from tests.gateways import Gateways
 
@@ -38,8 +37,8 @@ def operator_default() -> Iterator[None]:
 
 def test_without_a_limit_the_request_runs_to_the_context(operator_default: None) -> None:
     assert chat_request(ChatRequest(model="m", messages=HI)).max_tokens == maxtokens.UNLIMITED
-    chat, _ = as_chat(ResponsesRequest(model="m", input="Hi"))
-    assert chat_request(chat).max_tokens == maxtokens.UNLIMITED
+    req, _ = generate_request(ResponsesRequest(model="m", input="Hi"))
+    assert req.max_tokens == maxtokens.UNLIMITED
     assert ollama_chat(ChatBody(model="m", messages=HI)).max_tokens == maxtokens.UNLIMITED  # type: ignore[union-attr]
 
 

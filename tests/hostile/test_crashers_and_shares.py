@@ -109,7 +109,7 @@ def test_unforced_custom_grammars_are_capped_at_once() -> None:
     )
     t0 = time.perf_counter()
     with pytest.raises(OpenAIError) as e:
-        rt.as_chat(body)
+        rt.generate_request(body)
     print(f"three 1.2 MB unforced grammars refused in {time.perf_counter() - t0:.3f}s")
     assert e.value.status == 400 and "at most 65536" in e.value.message
     # Each under the cap, together over it.
@@ -117,7 +117,7 @@ def test_unforced_custom_grammars_are_capped_at_once() -> None:
     many = [custom_tool(f"t{i}", each) for i in range(4)]
     body = rt.ResponsesRequest.model_validate({"model": "m", "input": "hi", "tools": many})
     with pytest.raises(OpenAIError) as e:
-        rt.as_chat(body)
+        rt.generate_request(body)
     assert e.value.status == 400 and "in all" in e.value.message
 
 
@@ -126,7 +126,7 @@ def test_an_unforced_chain_grammar_is_refused_before_compile() -> None:
         {"model": "m", "input": "hi", "tools": [custom_tool("chain", chain_lark(3000))]}
     )
     with pytest.raises(OpenAIError) as e:
-        rt.as_chat(body)
+        rt.generate_request(body)
     assert e.value.status == 400 and "deep" in e.value.message
 
 
@@ -166,8 +166,7 @@ def test_every_part_of_a_prompt_counts_before_tokenizing(where: str) -> None:
 
 
 def test_anthropic_thinking_blocks_count_too() -> None:
-    from disagg.frontends.anthropic.types import MessagesRequest, as_chat
-    from disagg.frontends.chat import chat_request
+    from disagg.frontends.anthropic.types import MessagesRequest, generate_request
 
     body = MessagesRequest.model_validate(
         {
@@ -180,7 +179,7 @@ def test_anthropic_thinking_blocks_count_too() -> None:
             ],
         }
     )
-    assert too_long(chat_request(as_chat(body)), 32768, 12)
+    assert too_long(generate_request(body), 32768, 12)
 
 
 # -- the compile children (slow: they are processes) -------------------------------

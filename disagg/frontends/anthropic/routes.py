@@ -1,7 +1,7 @@
 """Anthropic's Messages API over a disagg Client: POST /v1/messages (whole or as
-Anthropic's SSE events) and /v1/messages/count_tokens. The body maps onto the shared
-chat request (`types.as_chat`, disagg.frontends.chat); the run, refusals and usage
-are disagg.frontends.core's."""
+Anthropic's SSE events) and /v1/messages/count_tokens. The body maps straight onto
+the one GenerateRequest (`types.generate_request`); the run, refusals and usage are
+disagg.frontends.core's."""
 
 from __future__ import annotations
 
@@ -23,9 +23,8 @@ from disagg.frontends.anthropic.types import (
     AnthropicError,
     CountTokensRequest,
     MessagesRequest,
-    as_chat,
+    generate_request,
 )
-from disagg.frontends.chat import chat_request
 from disagg.frontends.core import Usage
 from disagg.frontends.guard import cache_salt
 from disagg.frontends.refusal import ApiError
@@ -101,17 +100,8 @@ def full(rid: str, c: Completion) -> dict[str, Any]:
 
 
 def request_of(request: Request, body: MessagesRequest) -> GenerateRequest:
-    """The Messages body as the one request, through the shared chat mapping."""
-    try:
-        req = chat_request(as_chat(body))
-    except ApiError as e:
-        raise from_api_error(e) from None
-    changes: dict[str, Any] = {"cache_salt": cache_salt(request)}
-    if body.thinking is not None:
-        changes["think"] = body.thinking.effort()
-    if body.output_config is not None and body.output_config.effort is not None:
-        changes["think"] = body.output_config.think()
-    return req.replace(**changes)
+    """The Messages body as the one request, salted for the caller's prefix cache."""
+    return generate_request(body).replace(cache_salt=cache_salt(request))
 
 
 def routes(client: Client, workers: Executor | None = None) -> APIRouter:

@@ -1,6 +1,6 @@
 """Anthropic's Messages request bodies (pydantic) and its error shape, and their
-mapping onto the shared chat request (disagg.frontends.chat builds the one
-GenerateRequest from it)."""
+mapping straight onto the one GenerateRequest (`generate_request`), its messages
+in the request's own terms (disagg.frontends.request)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from disagg.frontends.chat import ChatRequest, Message
+from disagg.frontends.refusal import ApiError
+from disagg.frontends.request import Message, build
+from disagg_agents.wire.request import GenerateRequest
 
 # Claude Code's first system block: a per-request nonce (`cch=...`) that would
 # make every turn's prompt differ at its first tokens. Dropped from the prompt.
@@ -51,7 +53,8 @@ class Tool(BaseModel):
     input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
     type: str | None = None  # "custom" or absent; server tools are refused
 
-    def as_openai(self) -> dict[str, Any]:
+    def as_request(self) -> dict[str, Any]:
+        """This tool as the request's function definition."""
         if self.type not in (None, "custom"):
             raise AnthropicError(400, f"tools: tool type {self.type!r} is not served here")
         fn: dict[str, Any] = {"name": self.name, "parameters": self.input_schema}
@@ -65,7 +68,8 @@ class ToolChoice(BaseModel):
     name: str | None = None
     disable_parallel_tool_use: bool | None = None  # accepted: calls come as the model makes them
 
-    def as_openai(self) -> str | dict[str, Any]:
+    def as_request(self) -> str | dict[str, Any]:
+        """This choice as the request's tool_choice."""
         if self.type == "tool":
             if not self.name:
                 raise AnthropicError(400, "tool_choice: type tool needs a name")
@@ -226,7 +230,7 @@ def _assistant(i: int, blocks: list[dict[str, Any]]) -> Message:
 
 
 def chat_messages(body: MessagesRequest | CountTokensRequest) -> list[Message]:
-    """The conversation as OpenAI's chat messages (system first)."""
+    """The conversation as the request's chat messages (system first)."""
     out = []
     # System messages among the turns join the system prompt, in order: a chat
     # template may take a system message only first, and they instruct as it does.
@@ -246,23 +250,33 @@ def chat_messages(body: MessagesRequest | CountTokensRequest) -> list[Message]:
     return out
 
 
-def as_chat(body: MessagesRequest) -> ChatRequest:
-    """The Messages body as the shared chat request."""
+def generate_request(body: MessagesRequest) -> GenerateRequest:
+    """The Messages body as the one request (its cache salt is the route's to add).
+    Raises AnthropicError 400 for a bad field."""
     messages = chat_messages(body)
     if not messages:
         raise AnthropicError(400, "messages: nothing to answer")
-    tools = [t.as_openai() for t in body.tools or []]
-    choice = body.tool_choice.as_openai() if body.tool_choice else None
-    return ChatRequest.model_validate(
-        {
-            "model": body.model,
-            "messages": messages,
-            "max_tokens": body.max_tokens,
-            "temperature": body.temperature,
-            "top_p": body.top_p,
-            "stop": body.stop_sequences or None,
-            "tools": tools or None,
-            "tool_choice": choice if tools else None,
-            "response_format": body.output_config.response_format() if body.output_config else None,
-        }
-    )
+    tools = [t.as_request() for t in body.tools or []]
+    choice = body.tool_choice.as_request() if body.tool_choice else None
+    fields: dict[str, Any] = {"messages": [m.as_request() for m in messages]}
+    if tools:
+        fields.update(tools=tools, tool_choice=choice)
+    fields["response_format"] = body.output_config.response_format() if body.output_config else None
+    try:
+        return build(
+            body.max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            stop=body.stop_sequences or None,
+            think=think(body),
+            **fields,
+        )
+    except ApiError as e:
+        raise AnthropicError(e.status, e.message, e.headers) from None
+
+
+def think(body: MessagesRequest) -> bool | str | None:
+    """The reasoning asked for: `output_config.effort` over `thinking`."""
+    if body.output_config is not None and body.output_config.effort is not None:
+        return body.output_config.think()
+    return body.thinking.effort() if body.thinking is not None else None

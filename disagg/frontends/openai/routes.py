@@ -20,10 +20,15 @@ from fastapi import APIRouter, Request
 from disagg.api import Chunk, Client, Completion
 from disagg.errors import DisaggError
 from disagg.frontends import core
-from disagg.frontends.chat import chat_request, common_request
 from disagg.frontends.core import Usage
 from disagg.frontends.guard import cache_salt, wants_internals
-from disagg.frontends.openai.types import ChatRequest, CommonFields, CompletionRequest
+from disagg.frontends.openai.types import (
+    ChatRequest,
+    CommonFields,
+    CompletionRequest,
+    chat_request,
+    common_request,
+)
 from disagg.serving import verdict
 from disagg.serving.metrics import public_metrics
 from disagg_agents.wire.request import GenerateRequest

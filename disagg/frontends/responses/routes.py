@@ -1,8 +1,9 @@
 """OpenAI's Responses API over a disagg Client: POST /v1/responses, whole or as the
 SSE events the official SDK types (response.created ... response.completed). The
-body maps onto the shared chat request (`types.as_chat`, disagg.frontends.chat);
-the run, refusals and usage are disagg.frontends.core's; a forced custom tool's
-input follows its Lark grammar, through the grammar engine on the decode agent."""
+body maps straight onto the one GenerateRequest (`types.request_fields`, then
+disagg.frontends.request's `build`); the run, refusals and usage are
+disagg.frontends.core's; a forced custom tool's input follows its Lark grammar,
+through the grammar engine on the decode agent."""
 
 from __future__ import annotations
 
@@ -20,16 +21,16 @@ from fastapi import APIRouter, Request
 from disagg.api import Chunk, Client, Completion
 from disagg.errors import DisaggError, UsageError
 from disagg.frontends import core
-from disagg.frontends.chat import chat_request
 from disagg.frontends.core import Usage
 from disagg.frontends.guard import cache_salt
 from disagg.frontends.refusal import ApiError
+from disagg.frontends.request import build
 from disagg.frontends.responses.types import (
     ResponsesRequest,
-    as_chat,
     compile_error,
     forced_custom,
     grammar_of,
+    request_fields,
 )
 from disagg.serving import verdict
 from disagg.serving.request import with_fields
@@ -44,13 +45,15 @@ class Answer:
     """One response: its request's echo and the output items built from a completion."""
 
     def __init__(self, body: ResponsesRequest) -> None:
-        self.chat, self.custom = as_chat(body)  # bad input: a 400 before any agent runs
+        # Bad input: a 400 before any agent runs. The request's own limits are
+        # checked in `request`, after the custom tools' grammars compile.
+        self.fields, self.custom = request_fields(body)
         self.body = body
         self.forced = forced_custom(body, self.custom)
         self.id, self.created = _id("resp"), int(time.time())
 
     def request(self, request: Request) -> GenerateRequest:
-        req = chat_request(self.chat)
+        req = build(**self.fields)
         salt = cache_salt(request, self.body.cache_salt)
         try:
             if self.forced is not None:

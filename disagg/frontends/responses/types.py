@@ -1,6 +1,6 @@
-"""The Responses API's request body (pydantic) and its mapping onto the shared chat
-request (disagg.frontends.chat builds the one GenerateRequest from it): input items as chat
-messages, tools as functions, `text.format` as a response_format.
+"""The Responses API's request body (pydantic) and its mapping straight onto the one
+GenerateRequest, in the request's own terms (disagg.frontends.request): input items as
+chat messages, tools as functions, `text.format` as a response_format.
 
 Stateless: every request carries its whole `input`; `previous_response_id` is
 refused. Reasoning round-trips as plain text in `encrypted_content`. Hosted tools
@@ -14,10 +14,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from disagg.frontends.chat import ChatRequest, Message
 from disagg.frontends.refusal import ApiError
+from disagg.frontends.request import Message, build
 from disagg_agents.decode.grammarcheck import CompileCheck
-from disagg_agents.wire.request import GRAMMAR_MAX_CHARS
+from disagg_agents.wire.request import GRAMMAR_MAX_CHARS, GenerateRequest
 from disagg_agents.wire.schemasize import TOOLS_MAX_CHARS, SchemaTooBig, check_lark
 
 IGNORED_TOOLS = ("web_search", "web_search_preview", "mcp", "namespace")
@@ -153,7 +153,8 @@ def compile_error(custom: dict[str, dict[str, Any]]) -> ApiError | None:
 
 
 def text_format(body: ResponsesRequest) -> dict[str, Any] | None:
-    """`text.format` as chat's response_format."""
+    """`text.format` as the request's response_format (OpenAI's chat shape, which
+    GenerateRequest.normalize_format reads)."""
     fmt = (body.text or {}).get("format")
     if fmt is not None and not isinstance(fmt, dict):
         raise bad("text.format must be an object: {type: text | json_object | json_schema}", "text")
@@ -265,8 +266,9 @@ def messages_of(body: ResponsesRequest) -> list[Message]:
     return [Message.model_validate(m) for m in history.messages]
 
 
-def as_chat(body: ResponsesRequest) -> tuple[ChatRequest, dict[str, dict[str, Any]]]:
-    """The request as OpenAI's chat request, and the custom tools by name."""
+def request_fields(body: ResponsesRequest) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """The body as the one request's fields (`build`'s arguments), and the custom
+    tools by name: every check but the request's own limits, which `build` makes."""
     if body.previous_response_id is not None:
         raise bad(
             "previous_response_id: this server keeps no responses (stateless); "
@@ -277,22 +279,29 @@ def as_chat(body: ResponsesRequest) -> tuple[ChatRequest, dict[str, dict[str, An
     effort = body.reasoning.effort if body.reasoning else None
     if effort is not None and effort not in EFFORTS:
         raise bad(f"reasoning.effort {effort!r}: low, medium or high", "reasoning.effort")
-    chat = ChatRequest.model_validate(
-        {
-            "model": body.model,
-            "messages": messages_of(body),
-            "max_tokens": body.max_output_tokens,
-            "temperature": body.temperature,
-            "top_p": body.top_p,
-            "seed": body.seed,
-            "cache_salt": body.cache_salt,
-            "tools": tools or None,
-            "tool_choice": _tool_choice(body.tool_choice) if tools else None,
-            "response_format": text_format(body),
-            "reasoning_effort": EFFORTS.get(effort or ""),
-        }
+    fields: dict[str, Any] = {
+        "max_tokens": body.max_output_tokens,
+        "messages": [m.as_request() for m in messages_of(body)],
+    }
+    if tools:
+        fields.update(tools=tools, tool_choice=_tool_choice(body.tool_choice))
+    fields.update(
+        temperature=body.temperature,
+        top_p=body.top_p,
+        seed=body.seed,
+        response_format=text_format(body),
+        think=EFFORTS.get(effort or ""),
     )
-    return chat, custom
+    return fields, custom
+
+
+def generate_request(
+    body: ResponsesRequest,
+) -> tuple[GenerateRequest, dict[str, dict[str, Any]]]:
+    """The body as the one request (its cache salt is the route's to add), and the
+    custom tools by name. Raises ApiError 400 for a bad field."""
+    fields, custom = request_fields(body)
+    return build(**fields), custom
 
 
 def _tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
