@@ -4,6 +4,7 @@ operator's `serve --max-tokens` default applies only where the client set none."
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,11 +22,21 @@ from tests.gateways import Gateways
 
 HI: Any = [{"role": "user", "content": "Hi"}]
 # A schema whose one answer is longer than 256 tokens: the grammar then ends it, so
-# the model stops by itself past where the old default cut it.
+# the model stops by itself past where the old default cut it. 130 one-digit numbers:
+# each digit a token of its own and each separator at least one more (SmolLM2's
+# tokenizer never joins a digit to punctuation), so at least 260 tokens whatever the
+# model picks, and a few hundred at most (a long free-text story took a minute).
 LONG_ANSWER: Any = {
     "type": "object",
-    "properties": {"story": {"type": "string", "minLength": 1500, "maxLength": 1600}},
-    "required": ["story"],
+    "properties": {
+        "digits": {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 0, "maximum": 9},
+            "minItems": 130,
+            "maxItems": 130,
+        }
+    },
+    "required": ["digits"],
 }
 
 
@@ -59,11 +70,12 @@ def test_an_answer_past_256_tokens_is_not_cut(
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
     r = client.chat.completions.create(
         model=default_model.name,
-        messages=[{"role": "user", "content": "Tell me a long story."}],
+        messages=[{"role": "user", "content": "List 130 digits."}],
         response_format={
             "type": "json_schema",
-            "json_schema": {"name": "story", "schema": LONG_ANSWER},
+            "json_schema": {"name": "digits", "schema": LONG_ANSWER},
         },
     )
     assert r.usage is not None and r.usage.completion_tokens > 256, r.usage
+    assert len(json.loads(r.choices[0].message.content or "")["digits"]) == 130
     assert r.choices[0].finish_reason == "stop"  # it ended itself, not on a limit
