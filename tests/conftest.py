@@ -66,6 +66,7 @@ CI_PROVIDES = (
     ".ci/run installs them",
     "openai_harmony",
     "the test bed needs root",
+    "no system OpenBLAS here",  # .ci/run installs libopenblas0-pthread
 )
 
 

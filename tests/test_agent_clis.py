@@ -138,7 +138,7 @@ def test_codex_exec_runs_a_turn_over_the_responses_api(
 # ~15 s here once the ~6.4k-token prompt is cached (the first session prefills it), so
 # a looping session is cut well before it costs a minute and a half.
 CODEX_SESSIONS = 7
-CODEX_LIMIT = 256  # `serve --max-tokens`: an answer that runs on ends in ~20 s (a reply is ~20 tokens)
+CODEX_LIMIT = 256  # `serve --max-tokens`: a run-on answer ends in ~20 s (a reply is ~20)
 CODEX_FIRST_S = 75  # the first session prefills Codex's prompt
 CODEX_SESSION_S = 45  # later ones find it cached
 

@@ -205,7 +205,7 @@ def test_disagg_blas_path_still_chooses(python_process: PythonProcess) -> None:
 
 def test_disagg_blas_system_binds_the_32_bit_library(python_process: PythonProcess) -> None:
     if not _system_openblas_files(python_process):
-        pytest.skip("no system OpenBLAS here (Debian: libopenblas0-pthread)")
+        pytest.skip("no system OpenBLAS here (Debian: libopenblas0-pthread; .ci/run installs it)")
     run = _run(python_process, "system")
     assert run["loaded"].startswith("openblas (system): ")
     assert "USE64BITINT" not in run["config"].split()

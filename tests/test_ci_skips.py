@@ -37,6 +37,7 @@ def through_hook(report: pytest.TestReport) -> pytest.TestReport:
         "chromium-driver (CI installs both)",
         "could not import 'openai_harmony': No module named 'openai_harmony'",
         "the test bed needs root: network namespaces, users, sshd",
+        "no system OpenBLAS here (Debian: libopenblas0-pthread; .ci/run installs it)",
     ],
 )
 def test_under_ci_a_skip_for_what_ci_provides_fails(
