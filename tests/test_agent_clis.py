@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 from pathlib import Path
 
@@ -65,7 +66,9 @@ def smol(smol_set: AgentSet, gateways: Gateways, default_model: Path) -> tuple[s
 
 
 def run(cmd: list[str], env: dict[str, str], cwd: Path, timeout: float = 300) -> tuple[int, str]:
-    """(exit code, what it printed); a session past `timeout` is killed: rc -9."""
+    """(exit code, what it printed); a session past `timeout` is killed, with every
+    process it started (the shells of its tool calls hold its output open: killing the
+    CLI alone left a looping Codex session running for minutes): rc -9."""
     assert HAVE_CLIS, f"no codex and claude in {BIN}: CI=true wants them (npm, see .ci/run)"
     with subprocess.Popen(
         cmd,
@@ -75,11 +78,12 @@ def run(cmd: list[str], env: dict[str, str], cwd: Path, timeout: float = 300) ->
         stderr=subprocess.STDOUT,
         text=True,
         stdin=subprocess.DEVNULL,
+        start_new_session=True,  # its own process group, to kill whole
     ) as p:
         try:
             out, _ = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            p.kill()
+            os.killpg(p.pid, signal.SIGKILL)
             out, _ = p.communicate()
             return -9, out
     return p.returncode, out
@@ -132,15 +136,16 @@ def test_codex_exec_runs_a_turn_over_the_responses_api(
 
 
 # Codex's turn on SmolLM2: the prompt asks for a plain reply (the model may still call
-# a tool: it is on). A 135M model at Codex's temperature 1 completed about half of the
-# sessions tried by hand; the rest ran to the operator's length or called tools in a
-# loop. So a session may be retried, and every session must end cleanly. A reply takes
-# ~15 s here once the ~6.4k-token prompt is cached (the first session prefills it), so
-# a looping session is cut well before it costs a minute and a half.
+# a tool: it is on). A 135M model at Codex's temperature 1 completes about half of its
+# sessions; the rest run to the operator's length or call tools in a loop. So a session
+# may be retried, and every session must end cleanly. Seen here: the first session
+# prefills Codex's ~6.4k-token prompt (~25 s), later ones find it cached and reply in
+# 4-8 s with 9-35 tokens; a tool call is ~45 tokens and ~11 s at this context; a run-on
+# answer decodes ~4 tokens/s at this context, so the operator's limit keeps it short.
 CODEX_SESSIONS = 7
-CODEX_LIMIT = 256  # `serve --max-tokens`: a run-on answer ends in ~20 s (a reply is ~20)
+CODEX_LIMIT = 64  # `serve --max-tokens`: a run-on answer is cut in ~15 s
 CODEX_FIRST_S = 75  # the first session prefills Codex's prompt
-CODEX_SESSION_S = 45  # later ones find it cached
+CODEX_SESSION_S = 40  # later ones find it cached; a tool loop is cut after ~3 calls
 
 
 @needs_clis
