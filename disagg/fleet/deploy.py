@@ -97,9 +97,23 @@ def _ensure_python(
         host.name, f"preparing {venv} ({', '.join(missing)} missing): pip install, may take minutes"
     )
     session.check(f"{q(info.python3)} -m venv {q(venv)}", timeout_s=300)
-    pip = f"{q(py)} -m pip install -q --upgrade pip && {q(py)} -m pip install -q"
-    session.check(f"{pip} {' '.join(q(r) for r in reqs)}", timeout_s=3600)
+    _pip_install(host, session, py, venv, reqs)
     return py
+
+
+def _pip_install(host: Host, session: Session, py: str, venv: str, reqs: list[str]) -> None:
+    """pip as the host's user, so its own pip config (an offline wheelhouse, a private
+    index) applies; a failure is one line with pip's last word, not its whole log."""
+    pip = f"{q(py)} -m pip install -q --upgrade pip && {q(py)} -m pip install -q"
+    res = session.run(f"{pip} {' '.join(q(r) for r in reqs)}", timeout_s=3600)
+    if res.rc != 0:
+        lines = (res.err or res.out).strip().splitlines()
+        why = lines[-1] if lines else f"exit status {res.rc}"
+        raise AgentError(
+            f"{host.name}: pip install into {venv} failed: {why}; fix: let the host reach a "
+            "package index, or point its pip at a wheelhouse (docs/fleet.md), or set "
+            f"hosts.{host.name}.python to a python that has the packages"
+        )
 
 
 def _upload_agents(
