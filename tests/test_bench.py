@@ -124,3 +124,106 @@ def test_stall_bench_runs(default_model: Path, pooled_bench_pairs: None) -> None
     console = Console(width=200, record=True, color_system=None)
     console.print(stall_table(report))
     assert "4 streams / 1" in console.export_text()
+
+
+SERVING = {
+    "lengths": (16, 32),
+    "tokens": 2,  # the fewest that time a TPOT
+    "repeats": 1,
+    "concurrency": (1, 4),
+    "concurrency_tokens": 4,
+}
+
+
+def test_serving_bench_runs(default_model: Path, pooled_bench_pairs: None, tmp_path: Path) -> None:
+    """`disagg bench serving` beyond --help, at its smallest real settings (two short
+    prompts, 2 tokens, 1 and 4 requests at once): each system's figures present and
+    consistent, the memory figures in proportion, the concurrency rows what was sent,
+    the tables and the chart drawn. The speed and the bars' verdicts are not judged."""
+    from disagg.bench.serving import run_serving_bench, serving_tables, ttft_chart
+
+    report, said = run_section(run_serving_bench, default_model, **SERVING)
+    assert report["settings"] == {
+        **SERVING,
+        "lengths": [16, 32],
+        "concurrency": [1, 4],
+        "mlx_repeats": 1,
+        "mlx_cap_s": 300.0,
+    }
+    assert any("memory" in line for line in said) and any("concurrency" in line for line in said)
+    _check_serving_latency(report["latency"])
+    _check_serving_memory(report["memory"], default_model)
+    _check_serving_concurrency(report["concurrency"])
+
+    console = Console(width=240, record=True, color_system=None)
+    for t in serving_tables(report):
+        console.print(t)
+    text = console.export_text()
+    assert "TTFT and TPOT (2 new tokens, greedy)" in text
+    for row in report["latency"]:
+        assert f" {row['prompt_tokens']} " in text
+    assert "Decode agent memory" in text and "Concurrent requests" in text
+    png = ttft_chart(report, tmp_path / "ttft.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _check_serving_latency(latency: list[dict[str, Any]]) -> None:
+    """A row per length, each system's TTFT and TPOT from its runs; every run made
+    all its tokens, and the handoff's prefill inside its TTFT."""
+    assert [row["target"] for row in latency] == [16, 32]
+    for row in latency:
+        assert row["target"] - 9 <= row["prompt_tokens"] <= row["target"], row
+        assert "mlx_lm_capped" not in row and "mlx_lm_child_process" not in row
+        assert row["same_first_token"] is True  # greedy, the same weights
+        for system, n_runs in (("disagg", 1), ("transformers", 1), ("mlx_lm", 1)):
+            runs = row[system]["runs"]
+            assert len(runs) == n_runs, (system, row)
+            assert row[system]["ttft_s"] == runs[0]["ttft_s"]  # the median of one
+            assert row[system]["tpot_s"] == runs[0]["tpot_s"]
+            for r in runs:
+                assert r["tokens"] == 2 and positive(r["ttft_s"]) and positive(r["tpot_s"]), r
+        for r in row["disagg"]["runs"]:
+            assert positive(r["kv_bytes"]) and positive(r["prefill_time"]), r
+            assert r["prefill_time"] <= r["ttft_s"], r  # client-observed TTFT holds it
+
+
+def _check_serving_memory(mem: dict[str, Any], model_dir: Path) -> None:
+    """The decode agent's RSS around one 32-token handoff: the peak at least the
+    baseline, the weights inside it, the K/V what the prompt's tokens make."""
+    assert "error" not in mem, mem
+    n = mem["prompt_tokens"]
+    assert 32 - 9 <= n <= 32
+    assert mem["peak_rss"] >= mem["baseline_rss"] > 0
+    assert mem["growth"] == mem["peak_rss"] - mem["baseline_rss"]
+    assert mem["model_bytes"] == sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+    # SmolLM2-135M's K and V: 30 layers x 2 x 3 KV heads x 64 dims per token, at
+    # least a byte and at most 4 each (fp32), frames' headers a fraction on top.
+    per_token = 30 * 2 * 3 * 64
+    assert per_token * n <= mem["kv_bytes"] <= 1.25 * 4 * per_token * n, mem
+    assert mem["kv_bytes"] < mem["model_bytes"] < mem["peak_rss"]
+    assert mem["growth_over_kv"] == pytest.approx(mem["growth"] / mem["kv_bytes"])
+    assert isinstance(mem["ok"], bool) and isinstance(mem["ok_literal"], bool)
+    assert "cache_on_error" not in mem, mem
+    assert mem["cache_on_growth_over_kv"] == pytest.approx(mem["cache_on_growth"] / mem["kv_bytes"])
+    kept = mem["cache_on_growth"] - mem["cache_on_stored"]
+    assert mem["cache_on_transient_over_kv"] == pytest.approx(kept / mem["kv_bytes"])
+
+
+def _check_serving_concurrency(conc: dict[str, Any]) -> None:
+    """A row per concurrency, each with every request answered in full and its
+    aggregate against the single stream's."""
+    runs = conc["runs"]
+    assert [c["requests"] for c in runs] == [1, 4]
+    for c in runs:
+        assert c["errors"] == [], c
+        assert c["completion_tokens"] == 4 * c["requests"], c
+        for key in ("aggregate_tok_s", "end_to_end_tok_s", "per_request_decode_tok_s"):
+            assert positive(c[key]), (key, c)
+        assert 0 < c["decode_window_s"] <= c["wall_s"], c
+        assert c["end_to_end_tok_s"] == pytest.approx(c["completion_tokens"] / c["wall_s"])
+        assert 0 < c["ttft_p50_s"] <= c["ttft_max_s"] <= c["wall_s"], c
+    assert runs[0]["vs_single"] == pytest.approx(1.0)
+    assert runs[1]["vs_single"] == pytest.approx(
+        runs[1]["aggregate_tok_s"] / runs[0]["aggregate_tok_s"]
+    )
+    assert isinstance(conc["ok"], bool) and conc["bar"] == 4.0
