@@ -139,9 +139,12 @@ def test_queued_for_longer_than_the_timeout_is_no_failure(
     prefill, decodes = cluster
     r = router(prefill, decodes[:1])
     results: list[Any] = []
+    # 1,800 tokens read at CONSUMER_DELAY_S each: the first stream holds the slot for
+    # >= 3.6 s on any machine, past TIMEOUT_S, at 60 % of LONG's cost.
+    req = LONG.replace(max_tokens=1800)
 
     def run() -> None:
-        results.append(r.run("tiny", LONG, on_token=slow_reader([])))
+        results.append(r.run("tiny", req, on_token=slow_reader([])))
 
     workers = [threading.Thread(target=run) for _ in range(2)]
     for w in workers:
@@ -149,7 +152,7 @@ def test_queued_for_longer_than_the_timeout_is_no_failure(
     for w in workers:
         w.join(300)
     assert len(results) == 2
-    assert all(len(res.token_ids) == LONG.max_tokens for res in results)
+    assert all(len(res.token_ids) == req.max_tokens for res in results)
     assert max(res.metrics.queue_time for res in results) > TIMEOUT_S
     assert not r.down_until
 
