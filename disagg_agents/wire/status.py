@@ -32,6 +32,11 @@ def _obj(v: Any) -> dict[str, Any]:
     return dict(v) if isinstance(v, Mapping) else {}
 
 
+def _maybe_obj(v: Any) -> dict[str, Any] | None:
+    """An object the agent may leave out: None when absent or mistyped."""
+    return dict(v) if isinstance(v, Mapping) else None
+
+
 @dataclass(frozen=True)
 class AgentStatus:
     """The fields of an agent's /status the control plane reads."""
@@ -64,7 +69,6 @@ class AgentStatus:
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> AgentStatus:
         """The /status object as sent; what is missing or mistyped reads as None."""
-        disk, err, chat = d.get("prefix_disk"), d.get("last_error"), d.get("chat")
         return cls(
             backend=_str(d.get("backend")),
             device=None if d.get("device") is None else str(d.get("device")),
@@ -81,10 +85,10 @@ class AgentStatus:
             rss_bytes=_int(d.get("rss_bytes")),
             ttft_p50_s=_num(d.get("ttft_p50_s")),
             fingerprint=_obj(d.get("fingerprint")),
-            chat=_obj(chat) if isinstance(chat, Mapping) else None,
+            chat=_maybe_obj(d.get("chat")),
             prefix_cache=_obj(d.get("prefix_cache")),
-            prefix_disk=_obj(disk) if isinstance(disk, Mapping) else None,
-            last_error=_obj(err) if isinstance(err, Mapping) else None,
+            prefix_disk=_maybe_obj(d.get("prefix_disk")),
+            last_error=_maybe_obj(d.get("last_error")),
             doc=dict(d),
         )
 
