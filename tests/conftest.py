@@ -280,7 +280,7 @@ PairFactory = Agents
 # The default model in bfloat16, its prefill agent cutting a peer that takes no K/V
 # after SMOL_STALL_S (not the default 60 s): the bf16 tests and the stuck-peer test
 # share this one set (`agent_pair(default_model, **SMOL_BF16)`).
-SMOL_STALL_S = 20
+SMOL_STALL_S = 10
 SMOL_BF16: dict[str, Any] = {
     "dtype": "bfloat16",
     "prefill_args": ["--kv-stall-timeout", str(SMOL_STALL_S)],

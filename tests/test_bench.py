@@ -5,8 +5,10 @@ the references, time parts inside the whole), never the speed bars or their verd
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from rich.console import Console
@@ -165,6 +167,72 @@ def test_serving_bench_runs(default_model: Path, pooled_bench_pairs: None, tmp_p
     assert "Decode agent memory" in text and "Concurrent requests" in text
     png = ttft_chart(report, tmp_path / "ttft.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+class _NoInProcessMlx:
+    """Systems for `_mlx_latency` alone: the weights and length, and no in-process
+    mlx-lm (a length past the cap must never run there)."""
+
+    def __init__(self, model_dir: Path, tokens: int) -> None:
+        self.model_dir, self.tokens = model_dir, tokens
+
+    def mlx_once(self, ids: list[int]) -> dict[str, Any]:
+        raise AssertionError("a length projected past the cap ran in process")
+
+
+def _mlx_children() -> list[int]:
+    """Our child processes running the bench's mlx-lm script, from /proc."""
+    from disagg.bench.serving import MLX_CHILD
+
+    me, found = str(os.getpid()), []
+    for d in Path("/proc").iterdir():
+        try:
+            ppid = (d / "stat").read_text().rsplit(")", 1)[1].split()[1]
+            cmd = (d / "cmdline").read_bytes().decode(errors="replace")
+        except (OSError, IndexError):
+            continue
+        if ppid == me and MLX_CHILD.strip()[:40] in cmd:
+            found.append(int(d.name))
+    return found
+
+
+def test_a_length_past_the_mlx_cap_runs_mlx_lm_in_a_child(default_model: Path) -> None:
+    """`bench serving`'s child-process path: a length whose projected mlx-lm TTFT passes
+    the cap runs in a child, marked so in its row, with mlx-lm's own first token (an
+    in-process mlx-lm run is the reference) and all its tokens."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+
+    from disagg.bench.serving import Systems, _mlx_latency
+
+    ids = [1, 504, 3458, 282, 4649, 314, 2]  # token ids in SmolLM2's vocabulary
+    row: dict[str, Any] = {}
+    runs: list[dict[str, Any]] = []
+    said: list[str] = []
+    systems = cast(Systems, _NoInProcessMlx(default_model, 2))
+    rate = _mlx_latency(systems, ids, 1.0, 1.0, row, runs, said.append)  # 7 s projected > 1 s
+    assert rate == 1.0 and row == {"mlx_lm_child_process": True}, row
+    assert "child process" in said[0] and "projected TTFT 7 s" in said[0], said
+    model = load(str(default_model))[0]
+    first = int(next(iter(generate_step(mx.array(ids), model, max_tokens=1)))[0])
+    assert runs[0]["first_token"] == first and runs[0]["tokens"] == 2, runs
+    assert positive(runs[0]["ttft_s"]) and positive(runs[0]["tpot_s"]), runs
+    assert _mlx_children() == []
+
+
+def test_an_mlx_lm_child_past_its_cap_is_killed_and_marked(default_model: Path) -> None:
+    """The cap is enforced: a child that outlives cap + load slack is killed, reaped, and
+    the row says so; nothing is left running."""
+    from disagg.bench.serving import mlx_capped
+
+    t0 = time.monotonic()
+    got = mlx_capped(default_model, [1, 504, 3458], 4000, cap_s=0.0, load_slack_s=0.5)
+    took = time.monotonic() - t0
+    assert isinstance(got, str) and got.startswith("capped: killed after"), got
+    assert "cap 0 s + 0 s for loading" in got and "without its 4000 tokens" in got, got
+    assert took >= 0.5  # it was given its slack, not refused outright
+    assert _mlx_children() == []
 
 
 def _check_serving_latency(latency: list[dict[str, Any]]) -> None:

@@ -31,7 +31,7 @@ from tests.conftest import (
 )
 
 STALL_S = float(SMOL_STALL_S)  # the prefill agent's --kv-stall-timeout here (default 60 s)
-CEILING_S = 15.0  # hang guard for the short prefill: inside the stuck peer's deadline
+CEILING_S = 7.0  # hang guard for the short prefill: inside the stuck peer's deadline
 
 
 # --- the queue's order, no timing ---------------------------------------------
@@ -228,7 +228,7 @@ def test_the_sender_frames_a_layer_early_without_reading_its_bytes(codec: Codec)
 
 @pytest.fixture(scope="module")
 def agents(default_model: Path, agent_pair: PairFactory) -> tuple[AgentProc, AgentProc]:
-    # A stall deadline of 20 s, not the default 60 s the test would wait out (the
+    # A stall deadline of 10 s, not the default 60 s the test would wait out (the
     # set the bf16 tests use too).
     return agent_pair(default_model, **SMOL_BF16)
 

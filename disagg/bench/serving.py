@@ -416,9 +416,18 @@ print(json.dumps({"stamps": stamps, "first": first}), flush=True)
 """
 
 
-def mlx_capped(model_dir: Path, ids: list[int], tokens: int, cap_s: float) -> dict[str, Any] | str:
+MLX_LOAD_SLACK_S = 60.0  # loading takes seconds: generous, so only generation is capped
+
+
+def mlx_capped(
+    model_dir: Path,
+    ids: list[int],
+    tokens: int,
+    cap_s: float,
+    load_slack_s: float = MLX_LOAD_SLACK_S,
+) -> dict[str, Any] | str:
     """mlx-lm's generate_step on `ids` in a child process that is killed after
-    `cap_s` of generation (loading not counted); a timing dict, or why not."""
+    `cap_s` + `load_slack_s`; a timing dict, or why not."""
     import json
     import subprocess
     import sys
@@ -431,16 +440,15 @@ def mlx_capped(model_dir: Path, ids: list[int], tokens: int, cap_s: float) -> di
         text=True,
     )
     assert proc.stdin is not None
-    # Loading takes seconds; generous slack so only generation is capped.
     t0 = time.perf_counter()
     try:
-        out, _ = proc.communicate(json.dumps(ids) + "\n", timeout=cap_s + 60)
+        out, _ = proc.communicate(json.dumps(ids) + "\n", timeout=cap_s + load_slack_s)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
         return (
             f"capped: killed after {time.perf_counter() - t0:.0f} s "
-            f"(cap {cap_s:.0f} s + 60 s for loading) without its {tokens} tokens"
+            f"(cap {cap_s:.0f} s + {load_slack_s:.0f} s for loading) without its {tokens} tokens"
         )
     if proc.returncode != 0 or not out.strip():
         return f"mlx-lm child failed with exit code {proc.returncode}"

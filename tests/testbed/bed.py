@@ -248,6 +248,33 @@ class TestBed:
         self.known_hosts = self.ops_dir / "known_hosts"
         self.sshd: dict[str, subprocess.Popen[bytes]] = {}
 
+    def embedding_inventory(
+        self, host: str, pipeline: str, model: str, ports: tuple[int, int], *host_lines: str
+    ) -> str:
+        """An inventory of one host serving one embedding pipeline (prefill agents
+        only), on its own ports; `host_lines` add to (or set) the host's entry."""
+        m = BY_NAME[host]
+        return "\n".join(
+            [
+                "[ssh]",
+                f'config = "{self.ssh_config}"',
+                f'known_hosts = "{self.known_hosts}"',
+                "connect_timeout = 5",
+                "",
+                f"[hosts.{host}]",
+                f'ssh = "{host}"',
+                f'data = ["{m.link_addr}", "{m.switch_addr}"]',
+                'roles = ["prefill"]',
+                *host_lines,
+                f"prefill = {{ port = {ports[0]}, control_port = {ports[1]} }}",
+                "",
+                f"[pipelines.{pipeline}]",
+                f'prefill = ["{host}"]',
+                f'embedding_model = "{model}"',
+                "",
+            ]
+        )
+
     def start(self) -> None:
         t0 = time.monotonic()
         cleanup()

@@ -96,27 +96,8 @@ def wheelhouse(testbed: TestBed) -> Iterator[Path]:
 def venv_inventory(bed: TestBed, remote_dir: str) -> Path:
     """One host, one role (an embedding pipeline has prefill agents only), no `python`:
     deploy prepares the venv. Its own remote_dir and ports, beside the bed's fleet."""
-    m = MACHINE
-    text = "\n".join(
-        [
-            "[ssh]",
-            f'config = "{bed.ssh_config}"',
-            f'known_hosts = "{bed.known_hosts}"',
-            "connect_timeout = 5",
-            "",
-            f"[hosts.{HOST}]",
-            f'ssh = "{HOST}"',
-            f'data = ["{m.link_addr}", "{m.switch_addr}"]',
-            'roles = ["prefill"]',
-            f"remote_dir = {json.dumps(remote_dir)}",
-            "prefill = { port = 8004, control_port = 8014 }",
-            "",
-            "[pipelines.venv-probe]",
-            f'prefill = ["{HOST}"]',
-            f'embedding_model = "{MODEL}"',
-            "",
-        ]
-    )
+    remote = f"remote_dir = {json.dumps(remote_dir)}"
+    text = bed.embedding_inventory(HOST, "venv-probe", str(MODEL), (8004, 8014), remote)
     path = bed.ops_dir / "venv" / f"{remote_dir.strip('~/.')}.toml"
     path.parent.mkdir(exist_ok=True)
     path.write_text(text)

@@ -15,7 +15,7 @@ import pytest
 
 from disagg_agents.models.pooling import pooling_of
 from tests.references import hf_embedding
-from tests.testbed.bed import BY_NAME, ROOT, TestBed
+from tests.testbed.bed import ROOT, TestBed
 from tests.testbed.conftest import REPO, FleetCli
 from tests.tinymodels import shared_tiny
 
@@ -67,30 +67,9 @@ server.should_exit = True
 
 
 def embedding_inventory(bed: TestBed, model: Path) -> str:
-    m = BY_NAME[HOST]
-    return "\n".join(
-        [
-            "[ssh]",
-            f'config = "{bed.ssh_config}"',
-            f'known_hosts = "{bed.known_hosts}"',
-            "connect_timeout = 5",
-            "",
-            f"[hosts.{HOST}]",
-            f'ssh = "{HOST}"',
-            f'data = ["{m.link_addr}", "{m.switch_addr}"]',
-            'roles = ["prefill"]',
-            f'python = "{sys.executable}"',
-            # Beside the chat fleet's prefill agent (~/.disagg, port 8000) on the same host.
-            'remote_dir = "~/.disagg-embed"',
-            'service = "nohup"',
-            "prefill = { port = 8002, control_port = 8012 }",
-            "",
-            f"[pipelines.{MODEL}]",
-            f'prefill = ["{HOST}"]',
-            f'embedding_model = "{model}"',
-            "",
-        ]
-    )
+    # Beside the chat fleet's prefill agent (~/.disagg, port 8000) on the same host.
+    host = [f'python = "{sys.executable}"', 'remote_dir = "~/.disagg-embed"', 'service = "nohup"']
+    return bed.embedding_inventory(HOST, MODEL, str(model), (8002, 8012), *host)
 
 
 def test_embedding_pipeline_serves_embed_and_embeddings(
