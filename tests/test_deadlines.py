@@ -126,8 +126,9 @@ def test_a_stream_longer_than_the_timeout_completes(
     prefill, decodes = cluster
     r = router(prefill, decodes[:1])
     times: list[float] = []
-    res = r.run("tiny", LONG, on_token=slow_reader(times))
-    assert len(res.token_ids) == LONG.max_tokens == len(times)
+    req = LONG.replace(max_tokens=2000)  # read for >= 4 s on any machine, past TIMEOUT_S
+    res = r.run("tiny", req, on_token=slow_reader(times))
+    assert len(res.token_ids) == req.max_tokens == len(times)
     assert times[-1] - times[0] > TIMEOUT_S  # tokens kept coming for longer than the timeout
     assert not res.metrics.rerouted_from and not r.down_until  # nobody was marked down
 
@@ -166,7 +167,7 @@ def test_a_silent_agent_is_failed_over_within_the_timeout(
 ) -> None:
     prefill, decodes = cluster
     r = router(prefill, decodes)
-    req = LONG.replace(max_tokens=1500)
+    req = LONG.replace(max_tokens=1000)
     undisturbed = r.run("tiny", req)
     box: dict[str, Any] = {}
     worker = threading.Thread(target=lambda: box.update(r=r.run("tiny", req)))

@@ -37,7 +37,7 @@ def test_a_failed_fetch_is_not_kept() -> None:
     info = ModelInfo(Client(router=Router([Route("m", [], [agent])])))
     assert info.get("m").status.doc == {}
     server = ThreadingHTTPServer(("127.0.0.1", port), Status)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
     try:
         assert info.get("m").status.doc == STATUS  # asked again, not the failure kept
         assert info.get("m").status.chat == STATUS["chat"]  # and now kept, typed

@@ -295,7 +295,7 @@ class Recorder(http.server.ThreadingHTTPServer):
                 pass
 
         super().__init__(("127.0.0.1", free_port()), H)
-        threading.Thread(target=self.serve_forever, daemon=True).start()
+        threading.Thread(target=self.serve_forever, args=(0.05,), daemon=True).start()
 
 
 @needs_browser
