@@ -1,5 +1,5 @@
 """A client that hangs up while its grammar compiles, on a real decode agent
-(run from tests/slowgrammar.py: each compile 6 s late): the request ends while the
+(run from tests/slowgrammar.py: each compile 4 s late): the request ends while the
 compile still runs, counted cancelled; the abandoned compile is not cached; the
 agent answers the next requests, the same schema included."""
 
@@ -19,7 +19,7 @@ from tests.conftest import Spawn
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
 
-DELAY_S = 6.0
+DELAY_S = 4.0
 SCHEMA = {
     "type": "object",
     "properties": {"colour": {"type": "string", "enum": ["red", "green", "blue"]}},

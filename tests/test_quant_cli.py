@@ -23,7 +23,7 @@ def test_generate_local_runs_on_a_quantized_dir(cli_local: Cli, name: str) -> No
     model = str(quant_dir(name))
     # Remote asked for: the pooled agents' placement has learned from earlier tests.
     proc = cli_local(
-        "generate", "--local", "-m", model, "-n", "12", "--json", "--placement", "remote", PROMPT
+        "generate", "--local", "-m", model, "-n", "6", "--json", "--placement", "remote", PROMPT
     )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
