@@ -56,6 +56,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 # Counted apart: what happened to pooled sets, and agents that never came up.
 NOT_SETS = ("evicted", "taken over", "refused")
+# Seconds the session's shared gateways and agents took to stop (the summary prints
+# them: they land on whichever test runs last, the test bed's restart).
+STOPPED_IN: dict[str, float] = {}
 
 
 # Skips for want of something CI provides (.ci/run: apt's chromium, npm's agent CLIs,
@@ -121,6 +124,9 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     if STARTS["refused"]:
         more += f"; {STARTS['refused']} agent starts refused before loading anything"
     terminalreporter.write_line(line + more)
+    if STOPPED_IN:
+        stops = ", ".join(f"{k} {v:.1f} s" for k, v in STOPPED_IN.items())
+        terminalreporter.write_line(f"stopped at the session's end: {stops}")
     # Where each came from, for whoever wants the count down: DISAGG_TEST_STARTS=FILE.
     detail = os.environ.get("DISAGG_TEST_STARTS")
     if detail:
@@ -202,7 +208,9 @@ def agent_pool(
     try:
         yield pool
     finally:
+        t0 = time.monotonic()
         pool.close()
+        STOPPED_IN["pooled agents"] = time.monotonic() - t0
 
 
 class Agents:
@@ -521,7 +529,9 @@ def gateways(agent_pool: AgentPool) -> Iterator[Gateways]:
     try:
         yield started
     finally:
+        t0 = time.monotonic()
         started.close()
+        STOPPED_IN["in-process gateways"] = time.monotonic() - t0
 
 
 @pytest.fixture(scope="module")

@@ -159,6 +159,9 @@ def start_gateway(
         log_config=None,  # records go to the loggers (RECORDING), not to a stderr of ours
         http=limited_protocol(limits, admission),
         backlog=min(2048, cap),
+        # At the session's end a connection some test left open must not hold the
+        # stop for join()'s 30 s (`disagg serve` sets its own, from its drain deadline).
+        timeout_graceful_shutdown=3,
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True, name=f"gateway-{port}")

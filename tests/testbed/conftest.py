@@ -9,12 +9,14 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.agentpool import count_start
+from tests.conftest import STOPPED_IN
 from tests.testbed.bed import BY_NAME, ROOT, TestBed, grant_access, running_testbed
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,9 +40,13 @@ def pipeline_cpus() -> dict[str, str]:
 def testbed() -> Iterator[TestBed]:
     if os.geteuid() != 0:
         pytest.skip("the test bed needs root: network namespaces, users, sshd")
+    t0 = None
     with running_testbed() as bed:
-        grant_access(REPO)  # the hosts' users run `python -m agents.*` from the repo
+        grant_access(REPO)  # the hosts' users run `python -m disagg_agents.*` from the repo
         yield bed
+        t0 = time.monotonic()
+    if t0 is not None:
+        STOPPED_IN["test bed"] = time.monotonic() - t0
 
 
 def _share(src: Path, dst: Path) -> Path:

@@ -121,7 +121,9 @@ def rig(testbed: TestBed, inventory: Path, fleet_cli: FleetCli) -> Iterator[Rig]
         yield rig
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
+        t_stop = time.monotonic()
         stopped = fleet_cli("stop", "-i", str(inventory), timeout=300)
+        FIGURES["stop_s"] = round(time.monotonic() - t_stop, 1)
         states = rig.fleet_status()
         sys.stdout.write(f"\nSUMMARY {json.dumps(FIGURES, sort_keys=True, default=str)}\n")
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr
