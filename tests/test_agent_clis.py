@@ -113,15 +113,16 @@ def codex_home(tmp_path: Path, url: str, model: str) -> Path:
     return home
 
 
-def finishes_logged(gateway: Gateway) -> list[str]:
-    """The finish reason of each request the gateways logged (stop, length, tool_calls)."""
-    return re.findall(r" request \d+ \S+ (\w+) \S+: \d+ prompt", gateway.log())
+def finishes_logged(gateway: Gateway, since: int) -> list[str]:
+    """The finish reason of each request the gateways logged from mark `since` on
+    (stop, length, tool_calls)."""
+    return re.findall(r" request \d+ \S+ (\w+) \S+: \d+ prompt", gateway.log(since))
 
 
-def requests_logged(gateway: Gateway) -> list[tuple[int, int]]:
-    """(prompt tokens, cached) of each request the gateways logged."""
+def requests_logged(gateway: Gateway, since: int) -> list[tuple[int, int]]:
+    """(prompt tokens, cached) of each request the gateways logged from mark `since` on."""
     pattern = r" request \d+ .* (\d+) prompt \((\d+) cached\)"
-    return [(int(a), int(b)) for a, b in re.findall(pattern, gateway.log())]
+    return [(int(a), int(b)) for a, b in re.findall(pattern, gateway.log(since))]
 
 
 @needs_clis
@@ -137,7 +138,7 @@ def test_codex_exec_runs_a_turn_over_the_responses_api(
     monkeypatch.setattr(maxtokens, "_operator_default", 256)
     url, model, log = served
     home = codex_home(tmp_path, url, model)
-    before = len(requests_logged(log))
+    mark = log.log_mark()
     rc, said = run(
         [str(BIN / "codex"), "exec", "--skip-git-repo-check", "Say hi."],
         {"CODEX_HOME": str(home), "DISAGG_KEY": "unused"},
@@ -148,7 +149,7 @@ def test_codex_exec_runs_a_turn_over_the_responses_api(
     cut = "Incomplete response returned, reason: max_output_tokens" in said
     assert cut or rc == 0, said
     assert "tokens used" in said, said  # it read the usage of the final event
-    seen = requests_logged(log)[before:]
+    seen = requests_logged(log, mark)
     assert seen and seen[0][0] > 1000, seen  # Codex's own prompt and tools, rendered
 
 
@@ -178,10 +179,10 @@ def test_codex_exec_completes_a_turn_on_the_embedded_default(
     home = codex_home(tmp_path, url, model)
     sessions = []
     for i in range(CODEX_SESSIONS):
-        before, done_before = len(requests_logged(log)), len(finishes_logged(log))
+        mark = log.log_mark()
 
-        def lost(done_before: int = done_before) -> bool:
-            ends = finishes_logged(log)[done_before:]
+        def lost(mark: int = mark) -> bool:
+            ends = finishes_logged(log, mark)
             return "length" in ends or ends.count("tool_calls") >= 2
 
         rc, said = run(
@@ -196,12 +197,12 @@ def test_codex_exec_completes_a_turn_on_the_embedded_default(
             timeout=CODEX_SESSION_S if i else CODEX_FIRST_S,
             give_up=lost,
         )
-        seen = requests_logged(log)[before:]
+        seen = requests_logged(log, mark)
         # Never a stream that fails after its start; its instructions and tools, in the
         # generic format, are ~6.4k tokens of SmolLM2's 8k.
         assert "Reconnecting" not in said and "server_error" not in said, said
         assert seen and seen[0][0] > 5000, seen
-        sessions.append((rc, finishes_logged(log)[done_before:], said[-300:]))
+        sessions.append((rc, finishes_logged(log, mark), said[-300:]))
         if rc == 0:
             assert "tokens used" in said, said  # it read the final event's usage
             break
@@ -242,13 +243,13 @@ def test_claude_code_runs_a_turn_over_the_messages_api(
     }
     turns = []
     for _ in range(2):
-        before = len(requests_logged(log))
+        mark = log.log_mark()
         rc, said = run([str(BIN / "claude"), "-p", "Say hi.", "--model", model], env, tmp_path)
         # The random model stops where it writes its end token (rc 0, its text), or
         # Claude Code's words for a message that ended on stop_reason max_tokens.
         cut = "exceeded the 32 output token maximum" in said
         assert cut or (rc == 0 and "API Error" not in said and said.strip()), said
-        turns.append(requests_logged(log)[before:])
+        turns.append(requests_logged(log, mark))
     first, second = turns[0][0], turns[1][0]
     assert first[0] > 10_000, turns  # its system prompt, tools and agents
     # The second session's prompt is found in the cache: the nonce stays out of the key.

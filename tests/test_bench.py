@@ -4,12 +4,13 @@ the references, time parts inside the whole), never the speed bars or their verd
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any, cast
 
+import psutil
 import pytest
 from rich.console import Console
 
@@ -170,7 +171,7 @@ def test_serving_bench_runs(default_model: Path, pooled_bench_pairs: None, tmp_p
 
 
 class _NoInProcessMlx:
-    """Systems for `_mlx_latency` alone: the weights and length, and no in-process
+    """Systems for `mlx_latency` alone: the weights and length, and no in-process
     mlx-lm (a length past the cap must never run there)."""
 
     def __init__(self, model_dir: Path, tokens: int) -> None:
@@ -181,41 +182,33 @@ class _NoInProcessMlx:
 
 
 def _mlx_children() -> list[int]:
-    """Our child processes running the bench's mlx-lm script, from /proc."""
+    """Our child processes running the bench's mlx-lm script."""
     from disagg.bench.serving import MLX_CHILD
 
-    me, found = str(os.getpid()), []
-    for d in Path("/proc").iterdir():
-        try:
-            ppid = (d / "stat").read_text().rsplit(")", 1)[1].split()[1]
-            cmd = (d / "cmdline").read_bytes().decode(errors="replace")
-        except (OSError, IndexError):
-            continue
-        if ppid == me and MLX_CHILD.strip()[:40] in cmd:
-            found.append(int(d.name))
+    found = []
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if MLX_CHILD.strip()[:40] in " ".join(child.cmdline()):
+                found.append(child.pid)
     return found
 
 
-def test_a_length_past_the_mlx_cap_runs_mlx_lm_in_a_child(default_model: Path) -> None:
+def test_a_length_past_the_mlx_cap_runs_mlx_lm_in_a_child(default_model: Path, refs: Any) -> None:
     """`bench serving`'s child-process path: a length whose projected mlx-lm TTFT passes
     the cap runs in a child, marked so in its row, with mlx-lm's own first token (an
     in-process mlx-lm run is the reference) and all its tokens."""
-    import mlx.core as mx
-    from mlx_lm import load
-    from mlx_lm.generate import generate_step
-
-    from disagg.bench.serving import Systems, _mlx_latency
+    from disagg.bench.serving import Systems, mlx_latency
+    from tests.references import mlx_greedy
 
     ids = [1, 504, 3458, 282, 4649, 314, 2]  # token ids in SmolLM2's vocabulary
     row: dict[str, Any] = {}
     runs: list[dict[str, Any]] = []
     said: list[str] = []
     systems = cast(Systems, _NoInProcessMlx(default_model, 2))
-    rate = _mlx_latency(systems, ids, 1.0, 1.0, row, runs, said.append)  # 7 s projected > 1 s
+    rate = mlx_latency(systems, ids, 1.0, 1.0, row, runs, said.append)  # 7 s projected > 1 s
     assert rate == 1.0 and row == {"mlx_lm_child_process": True}, row
     assert "child process" in said[0] and "projected TTFT 7 s" in said[0], said
-    model = load(str(default_model))[0]
-    first = int(next(iter(generate_step(mx.array(ids), model, max_tokens=1)))[0])
+    [first] = mlx_greedy(refs.mlx(default_model), ids, 1)
     assert runs[0]["first_token"] == first and runs[0]["tokens"] == 2, runs
     assert positive(runs[0]["ttft_s"]) and positive(runs[0]["tpot_s"]), runs
     assert _mlx_children() == []

@@ -293,7 +293,7 @@ def latency_part(
             say(f"latency {len(ids)} tokens {i + 1}/{repeats}: disagg, transformers")
             runs["disagg"].append(systems.disagg_once(text))
             runs["transformers"].append(systems.hf_once(ids))
-        mlx_rate = _mlx_latency(systems, ids, mlx_rate, mlx_cap_s, row, runs["mlx_lm"], say)
+        mlx_rate = mlx_latency(systems, ids, mlx_rate, mlx_cap_s, row, runs["mlx_lm"], say)
         for system, rs in runs.items():
             row[system] = {
                 "ttft_s": median_or_none([r["ttft_s"] for r in rs if r["ttft_s"] is not None]),
@@ -306,7 +306,7 @@ def latency_part(
     return latency
 
 
-def _mlx_latency(
+def mlx_latency(
     systems: Systems,
     ids: list[int],
     rate: float | None,
