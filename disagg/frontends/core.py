@@ -20,7 +20,7 @@ from fastapi import Request
 from disagg.api import Chunk, Client, Completion
 from disagg.errors import AgentError, DisaggError, ModelMismatch, Overloaded, UsageError
 from disagg.frontends import tenancy
-from disagg.frontends.guard import unless_gone
+from disagg.frontends.guard import tenant_tag, unless_gone
 from disagg.frontends.refusal import ApiError
 from disagg.frontends.streamstart import opened
 from disagg.serving import verdict
@@ -67,6 +67,7 @@ async def start(
     """Run `req` for any front door: the whole completion (given up when the client
     hangs up), or the stream's chunks and the event that stops its decoding.
     Raises DisaggError; the caller puts it in its API's shape."""
+    req = req.replace(tenant=tenant_tag(request))  # never the caller's to choose
     if not stream:
         return await unless_gone(
             request,

@@ -89,10 +89,22 @@ def cache_salt(request: Request, asked: str | None = None) -> str | None:
     return "t" + hmac.new(secret, b"key|" + tenant, hashlib.sha256).hexdigest()[:32]
 
 
+def tenant_tag(request: Request) -> str | None:
+    """The caller's tenant as agents see it: an HMAC of its key's digest (not the
+    key, not its cache_salt, which a caller picks), None without a key."""
+    state = _state(request)
+    secret, tenant = state.get(SALT_KEY), state.get(TENANT)
+    if not isinstance(secret, bytes) or not isinstance(tenant, bytes):
+        return None
+    return hmac.new(secret, b"tenant|" + tenant, hashlib.sha256).hexdigest()[:32]
+
+
 def wants_internals(request: Request) -> bool:
-    """Addresses, fallback reasons and reroutes go to callers that ask and hold a key."""
+    """Addresses, fallback reasons, reroutes and other tenants' load (route.busy) go
+    to the operator's key only, when it asks; another tenant's header is ignored."""
     asked = dict(request.scope.get("headers") or []).get(INTERNALS_HEADER, b"") == b"1"
-    return asked and _state(request).get(TENANT) is not None
+    state = _state(request)
+    return asked and state.get(TENANT) is not None and tenancy.is_operator(request)
 
 
 class Guard:

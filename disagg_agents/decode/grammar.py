@@ -1,8 +1,9 @@
 """Structured outputs: grammars that constrain what the decode agent samples.
 
 A request's `response_format` (JSON object or JSON Schema) or forced tool call
-becomes an llguidance grammar, compiled once per model and cached by its
-canonical text (a grader sends the same schema every time). Each request gets
+becomes an llguidance grammar, compiled once per model and tenant and cached by
+its canonical text (a grader sends the same schema every time); compiles queue
+fairly between tenants (disagg_agents.decode.compilequeue). Each request gets
 its own `Matcher`; before every sample its bitmask sets the logits of tokens
 the grammar cannot take to -inf, so the text is valid by construction, even
 from random weights. EOS is allowed only where the grammar accepts.
@@ -24,14 +25,13 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from disagg_agents.decode.grammarcheck import CompileCheck, limits
+from disagg_agents.decode.compilequeue import CompileQueue, Expired, Job
+from disagg_agents.decode.grammarcheck import CompileCheck, TooSlow, limits
 from disagg_agents.decode.schemas import closed
 from disagg_agents.wire.request import RequestError
 from disagg_agents.wire.text import printable
@@ -49,7 +49,9 @@ CACHE_MAX_BYTES = 256 << 20  # their estimated memory, per model (DISAGG_GRAMMAR
 # grew the process by 5-7 MB; the issue saw ~60 MB for 230 kB).
 GRAMMAR_BASE_BYTES = 256 << 10
 GRAMMAR_BYTES_PER_CHAR = 256
-COMPILE_WORKERS = 2  # grammars compiling at once, per model; others queue
+COMPILE_WORKERS = 3  # grammars compiling at once, per model; others queue
+# Of them, at most this many for one tenant: the last is always free for the others.
+TENANT_COMPILES = COMPILE_WORKERS - 1
 COMPILE_BUDGET_S = 10.0  # a request waits this long for its grammar, then it is a 400
 GONE_POLL_S = 0.25  # how often a waiting request checks that its client is still there
 ANALYSIS_MAX_TOKENS = 512  # harmony: the reasoning's budget under a constraint
@@ -145,12 +147,9 @@ class Matcher:
         return self.active and self.inner.is_stopped()
 
 
-@dataclass(eq=False)
-class _Job:
-    """One grammar compiling, and how many requests wait for it."""
-
-    future: Future[tuple[Any, int]]
-    waiting: int = 0
+class CompileTimeout(RequestError):
+    """The grammar did not compile within the request's budget (never remembered:
+    the same grammar may compile in time on a quieter agent)."""
 
 
 class Grammars:
@@ -174,24 +173,26 @@ class Grammars:
         self._tok_error: str | None = None
         self._ready = threading.Event()
         self._lock = threading.Lock()
-        # By the grammar's digest: (matcher, estimated bytes); refusals by digest too.
+        # By the digest of the tenant and the grammar: (matcher, estimated bytes);
+        # refusals too. Per tenant: a hit's speed must not tell one tenant which
+        # schemas another used.
         self.cache: OrderedDict[bytes, tuple[Any, int]] = OrderedDict()
         self.refused: OrderedDict[bytes, str] = OrderedDict()
         self.cache_bytes = 0
         self.cache_max_bytes = _env_mb("DISAGG_GRAMMAR_CACHE_MB", CACHE_MAX_BYTES)
         self.budget_s = COMPILE_BUDGET_S
-        self._cache_lock = threading.Lock()
-        self._jobs: dict[bytes, _Job] = {}
-        self._pool = ThreadPoolExecutor(COMPILE_WORKERS, thread_name_prefix="grammar")
+        self._cache_lock = threading.Lock()  # never held while anything else runs
+        self.queue = CompileQueue(COMPILE_WORKERS, TENANT_COMPILES, self._finished)
         self.hits = self.misses = 0
         self._executor: Any = None
         self.check = check
 
     def snapshot(self) -> dict[str, int]:
         """For the agent's /status: compiles running or queued, and the cache."""
+        queue = self.queue.snapshot()
         with self._cache_lock:
             return {
-                "compiling": len(self._jobs),
+                **queue,
                 "cached": len(self.cache),
                 "cache_bytes": self.cache_bytes,
                 "hits": self.hits,
@@ -225,14 +226,19 @@ class Grammars:
     # -- compiling -------------------------------------------------------------
 
     def compile(
-        self, key: str, build: Callable[[], str], field: str, gone: Callable[[], bool] | None = None
+        self,
+        key: str,
+        build: Callable[[], str],
+        field: str,
+        gone: Callable[[], bool] | None = None,
+        tenant: str = "",
     ) -> Any:
         """A pristine matcher for the grammar `build()` writes (llguidance's JSON),
-        cached under `key`. Compiled on the bounded pool, once for all requests that
-        ask for it at the same time, within COMPILE_BUDGET_S; an invalid or
-        unenforceable grammar, or one over the budget, raises RequestError naming
-        `field`. `gone()` true: the client left, stop waiting (RequestError too)."""
-        digest = hashlib.sha256(key.encode()).digest()
+        cached under `tenant` and `key`. Compiled by the fair queue, once for all of
+        the tenant's requests that ask for it at the same time, within budget_s; an
+        invalid or unenforceable grammar, or one over the budget, raises RequestError
+        naming `field`. `gone()` true: the client left, stop waiting (ClientGone)."""
+        digest = cache_key(key, tenant)
         tok = self._tokenizer()  # built once (~0.5 s); raises when there is no engine
         with self._cache_lock:
             hit = self.cache.get(digest)
@@ -243,51 +249,58 @@ class Grammars:
             refused = self.refused.get(digest)
             if refused is not None:
                 raise RequestError(field, refused)
-            job = self._jobs.get(digest)
-            new = job is None
-            if job is None:
-                work = self._pool.submit(self._build, tok, build, field, self.check, self.budget_s)
-                job = self._jobs[digest] = _Job(work)
-            job.waiting += 1
-        if new:  # outside the lock: a job done already runs its callback right here
-            job.future.add_done_callback(lambda f: self._done(digest, job, f))
-        try:
-            return self._wait(job, field, gone)
-        finally:
-            with self._cache_lock:
-                job.waiting -= 1
-                if job.waiting == 0 and not job.future.done():
-                    job.future.cancel()  # not started yet: nobody will run it
-
-    def _wait(self, job: _Job, field: str, gone: Callable[[], bool] | None) -> Any:
         deadline = time.monotonic() + self.budget_s
+        check = self.check
+
+        def run(job_deadline: float) -> tuple[Any, int]:
+            return self._build(tok, build, field, check, job_deadline - time.monotonic())
+
+        job, new = self.queue.join(digest, tenant, run, deadline)
+        if new:
+            with self._cache_lock:
+                self.misses += 1
+        try:
+            return self._wait(job, field, gone, deadline)
+        finally:
+            self.queue.leave(job)  # the last waiter's leaving drops a job not started
+
+    def _wait(
+        self, job: Job, field: str, gone: Callable[[], bool] | None, deadline: float
+    ) -> Any:
         while True:
             left = deadline - time.monotonic()
-            try:
-                return job.future.result(timeout=max(0.0, min(GONE_POLL_S, left)))[0]
-            except FutureTimeout:
-                pass
+            if job.done.wait(max(0.0, min(GONE_POLL_S, left))):
+                if job.error is not None and not isinstance(job.error, Expired):
+                    raise job.error
+                if job.result is None:
+                    break  # it expired in the queue
+                return job.result[0]
             if gone is not None and gone():
                 raise ClientGone(field, f"{field}: the client went away while it compiled")
             if time.monotonic() >= deadline:
-                raise RequestError(
-                    field,
-                    f"{field}: the grammar did not compile within {self.budget_s:g}s; "
-                    "make the schema smaller",
-                )
+                break
+        raise CompileTimeout(
+            field,
+            f"{field}: the grammar did not compile within {self.budget_s:g}s; "
+            "make the schema smaller",
+        )
 
     @staticmethod
     def _build(
-        tok: Any, build: Callable[[], str], field: str, check: CompileCheck | None, budget_s: float
+        tok: Any, build: Callable[[], str], field: str, check: CompileCheck | None, left_s: float
     ) -> tuple[Any, int]:
-        """(matcher, its estimated bytes) on a pool thread; llguidance drops the GIL.
+        """(matcher, its estimated bytes) on a queue worker; llguidance drops the GIL.
         Compiled in a child first: a grammar that crashes the compiler kills only it."""
         try:
             text = build()
-            crashed = check.check(text, budget_s) if check is not None else None
+            if left_s <= 0:
+                raise TooSlow("no time left")
+            crashed = check.check(text, left_s) if check is not None else None
             if crashed is not None:
                 raise RequestError(field, f"{field}: {_short(crashed)}")
             m = llg.LLMatcher(tok, text, log_level=0, limits=limits())
+        except TooSlow:
+            raise CompileTimeout(field, f"{field}: the grammar did not compile in time") from None
         except BaseException as e:  # ValueError, and llguidance's PanicException (a BaseException)
             if isinstance(e, KeyboardInterrupt | SystemExit | RequestError):
                 raise
@@ -296,23 +309,21 @@ class Grammars:
             raise RequestError(field, f"{field}: {_short(m.get_error())}")
         return m, GRAMMAR_BASE_BYTES + GRAMMAR_BYTES_PER_CHAR * len(text)
 
-    def _done(self, digest: bytes, job: _Job, future: Future[Any]) -> None:
-        """A compile ended: cached if someone still waits for it (an abandoned one
-        is dropped), its refusal remembered, the cache trimmed to its bytes."""
+    def _finished(self, job: Job) -> None:
+        """A compile ended (on a queue worker, no queue lock held): cached if someone
+        still waited for it (an abandoned one is dropped), a refusal remembered (not
+        a timeout: no verdict), the cache trimmed to its bytes."""
+        error, digest = job.error, job.key
+        assert isinstance(digest, bytes)
         with self._cache_lock:
-            self._jobs.pop(digest, None)
-            if future.cancelled():
-                return
-            error = future.exception()
-            if isinstance(error, RequestError):
+            if isinstance(error, RequestError) and not isinstance(error, CompileTimeout):
                 self.refused[digest] = str(error)
                 while len(self.refused) > CACHE_ENTRIES:
                     self.refused.popitem(last=False)
                 return
-            if error is not None or job.waiting == 0:
+            if error is not None or job.result is None or not job.kept:
                 return
-            self.misses += 1
-            m, size = future.result()
+            m, size = job.result
             self.cache[digest] = (m, size)
             self.cache_bytes += size
             while self.cache and (
@@ -329,6 +340,7 @@ class Grammars:
         tools: Sequence[Any] | None = None,
         tool_choice: Any = None,
         gone: Callable[[], bool] | None = None,
+        tenant: str = "",
     ) -> Matcher | None:
         """The request's matcher, or None when nothing constrains it.
 
@@ -337,6 +349,8 @@ class Grammars:
         framing: the chat format's reasoning around the answer (Framing).
         tools, tool_choice: OpenAI's; "required" or a named function forces a call.
         gone: true once the client left (a compile is then no longer waited for).
+        tenant: whose request it is (the gateway's tag of its API key): its share
+            of the compile workers and its own cache entries.
         """
         from disagg_agents.decode import (
             grammarformats as grammarfmt,  # lark builders; only needed here
@@ -350,22 +364,26 @@ class Grammars:
             lark = grammarfmt.tool_call_lark(forced, kind, budget)
             field = "tool_choice"
         elif response_format is not None and response_format.get("type") == "lark":
-            return self._lark(str(response_format["grammar"]), framing, gone)
+            return self._lark(str(response_format["grammar"]), framing, gone, tenant)
         elif response_format is not None and response_format.get("type") != "text":
             schema = json_schema_of(response_format)
             if kind != "harmony":
-                return self._json(schema, framing, gone)
+                return self._json(schema, framing, gone, tenant)
             lark = grammarfmt.harmony_final_lark(schema, budget)
             field = "response_format"
         else:
             return None
         m = self.compile(
-            "lark:" + lark, lambda: str(llg.LLMatcher.grammar_from_lark(lark)), field, gone
+            "lark:" + lark, lambda: str(llg.LLMatcher.grammar_from_lark(lark)), field, gone, tenant
         )
         return framing.matcher(m.deep_copy(), self.eos)
 
     def _json(
-        self, schema: Mapping[str, Any], framing: Framing, gone: Callable[[], bool] | None
+        self,
+        schema: Mapping[str, Any],
+        framing: Framing,
+        gone: Callable[[], bool] | None,
+        tenant: str,
     ) -> Matcher:
         """A JSON schema's matcher, compiled by llguidance's own JSON compiler."""
         text = canonical(schema)
@@ -378,18 +396,20 @@ class Grammars:
                 )
             )
 
-        m = self.compile("json:" + text, from_schema, "response_format", gone)
+        m = self.compile("json:" + text, from_schema, "response_format", gone, tenant)
         f = framing
         return Matcher(m.deep_copy(), self.eos, f.trigger, f.analysis_max_tokens, f.opener)
 
-    def _lark(self, lark: str, framing: Framing, gone: Callable[[], bool] | None) -> Matcher:
+    def _lark(
+        self, lark: str, framing: Framing, gone: Callable[[], bool] | None, tenant: str
+    ) -> Matcher:
         """A caller's Lark grammar for the answer (harmony: its final message)."""
         from disagg_agents.decode import grammarformats as grammarfmt
 
         kind = framing.kind
         grammar = grammarfmt.lark_answer(lark, kind, framing.analysis_max_tokens)
         key = "grammar:" + kind + ":" + grammar
-        m = self.compile(key, lambda: grammar, "response_format", gone)
+        m = self.compile(key, lambda: grammar, "response_format", gone, tenant)
         return framing.matcher(m.deep_copy(), self.eos)
 
     # -- masks for a batch -------------------------------------------------------
@@ -421,6 +441,12 @@ class Grammars:
             elif eos:
                 allowed[i, eos] = False  # before its trigger: anything but the end
         return allowed
+
+
+def cache_key(key: str, tenant: str = "") -> bytes:
+    """The cache's key of a grammar for a tenant (the tenant's length first: no
+    tenant's tag can run into the grammar's text)."""
+    return hashlib.sha256(f"{len(tenant)}:{tenant}|{key}".encode()).digest()
 
 
 def _env_mb(name: str, default: int) -> int:

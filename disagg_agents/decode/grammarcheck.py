@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-CHECK_WORKERS = 2  # children checking at once, per process; other checks queue
+CHECK_WORKERS = 3  # children checking at once, per process (a model's compile workers)
 CHECK_TIMEOUT_S = 10.0
 CHILD_MAX_BYTES = 4 << 30  # a checking child's address space
 # llguidance's own limits, below its defaults (500k symbols, 2,000 items a row),
@@ -72,6 +72,11 @@ class _Died(Exception):
     pass
 
 
+class TooSlow(Exception):
+    """A check ran past its time: no verdict on the grammar (a busy machine is
+    not the grammar's fault, so it is never remembered as a refusal)."""
+
+
 class CompileCheck:
     """A small pool of checking children, shared by the threads of one process."""
 
@@ -82,7 +87,8 @@ class CompileCheck:
         self.crashes = 0  # children a grammar killed (for status and tests)
 
     def check(self, grammar: str, timeout_s: float = CHECK_TIMEOUT_S) -> str | None:
-        """Why `grammar` (llguidance's JSON form) is refused, or None when it compiles."""
+        """Why `grammar` (llguidance's JSON form) is refused, or None when it compiles.
+        Raises TooSlow past `timeout_s`."""
         if not available():
             return None
         with self._slots:
@@ -91,7 +97,7 @@ class CompileCheck:
                 reply = _ask(child, grammar, timeout_s)
             except TimeoutError:
                 _kill(child)
-                return f"the grammar did not compile within {timeout_s:g}s; make it smaller"
+                raise TooSlow(f"the grammar did not compile within {timeout_s:g}s") from None
             except _Died:
                 code = _kill(child)
                 self.crashes += 1

@@ -79,6 +79,7 @@ def request_matcher(
             return eng.grammars.matcher(
                 {"type": "lark", "grammar": generic_lark(tools or [])},
                 gone=None if sock is None else lambda: client_gone(sock),
+                tenant=req.tenant or "",
             )
         except ClientGone:
             raise
@@ -96,4 +97,5 @@ def request_matcher(
         tools=req.tools,
         tool_choice=req.tool_choice,
         gone=None if sock is None else lambda: client_gone(sock),
+        tenant=req.tenant or "",
     )

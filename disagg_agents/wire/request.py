@@ -129,6 +129,10 @@ class GenerateRequest:
     # Mixed into the prefix cache's first block key on both agents: only requests
     # with the same salt share cached K/V (the gateway sets one per API key).
     cache_salt: str | None = None
+    # Whose request it is, as the gateway tags its API key (never the key, and not
+    # the caller's own cache_salt): the decode agent's grammar cache and compile
+    # queue keep tenants apart by it. None: no key (one shared tenant).
+    tenant: str | None = None
     # Seconds between the PROGRESS frames the decode agent sends while no token is
     # due (the wire client sets it from its idle deadline); None: it sends none, as
     # to a client of a release that knows no such frame.
@@ -349,6 +353,8 @@ def _check_session(r: GenerateRequest) -> None:
     """What ties the request to others and to time: the prefix cache's salt, progress
     events, a resumed answer's token ids."""
     check_cache_salt(r.cache_salt)
+    if r.tenant is not None and (not isinstance(r.tenant, str) or not 0 < len(r.tenant) <= 64):
+        raise RequestError("tenant", "tenant must be text of 1 to 64 characters")
     if r.progress_s is not None and (not is_num(r.progress_s) or r.progress_s <= 0):
         raise RequestError("progress_s", f"progress_s must be > 0 seconds, got {r.progress_s!r}")
     ids = r.resume_ids
