@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from functools import partial
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -36,7 +37,7 @@ def grammars() -> Iterator[Grammars]:
     )
     tok.train_from_iterator(['{"score": 3, "name": "get_weather"}'], trainer=trainer)
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|return|>")
-    ids = hf.convert_tokens_to_ids(["<|return|>", "<|call|>"])
+    ids: Any = hf.convert_tokens_to_ids(["<|return|>", "<|call|>"])
     g = Grammars(hf, 320, ids, check=None)  # in-process: the fast tier starts no child
     g.matcher({"type": "json_object"}, tenant="warm-up")  # the tokenizer, built once
     yield g
@@ -72,7 +73,7 @@ def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
 def test_a_budget_that_runs_out_while_queued_answers_and_nothing_hangs(grammars: Grammars) -> None:
     # The tenant's share of the workers busy for 3 s...
     busy = [
-        in_thread(lambda i=i: grammars.compile(f"busy{i}", slow(3.0), "tools"))
+        in_thread(partial(grammars.compile, f"busy{i}", slow(3.0), "tools"))
         for i in range(TENANT_COMPILES)
     ]
     time.sleep(0.3)
@@ -101,7 +102,7 @@ def test_one_tenants_flood_leaves_compiles_for_the_others(grammars: Grammars) ->
     grammars.budget_s = 1.5
     flood = [
         in_thread(
-            lambda i=i: grammars.compile(f"flood{i}", slow(2.0, f'start: "v{i}"'), "x", tenant="A")
+            partial(grammars.compile, f"flood{i}", slow(2.0, f'start: "v{i}"'), "x", tenant="A")
         )
         for i in range(16)
     ]
