@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import threading
 import time
-from functools import partial
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import pytest
