@@ -28,20 +28,22 @@ from disagg_agents.wire.request import GenerateRequest
 
 
 def from_disagg(e: DisaggError) -> ApiError:
-    """What a DisaggError tells the client: its status, kind and code."""
-    if isinstance(e, AgentError) and not tenancy.operator_now():
-        # Agents' addresses are the operator's to see (a stream's error event too).
-        e = type(e)(tenancy.hide_addresses(str(e)))
+    """What a DisaggError tells the client: its status, kind and code. A tenant
+    other than the operator reads our messages only: no agents' addresses (a
+    stream's error event too), no exception text from the code's insides."""
+    text = str(e) if tenancy.operator_now() else tenancy.for_tenant(str(e))
     if isinstance(e, Overloaded):  # OpenAI's clients retry a 429 after Retry-After
         retry = {"Retry-After": str(e.retry_after_s)}
-        return ApiError(429, str(e), "requests", code="rate_limit_exceeded", headers=retry)
+        return ApiError(429, text, "requests", code="rate_limit_exceeded", headers=retry)
     if isinstance(e, UsageError):
-        return ApiError(400, str(e), "invalid_request_error", e.param)
+        return ApiError(400, text, "invalid_request_error", e.param)
     if isinstance(e, ModelMismatch):
-        return ApiError(502, str(e), "server_error", code="model_mismatch")
+        return ApiError(502, text, "server_error", code="model_mismatch")
     if isinstance(e, AgentError):
-        return ApiError(503, str(e), "server_error", code="agent_unavailable")
-    return ApiError(500, str(e), "server_error")
+        return ApiError(503, text, "server_error", code="agent_unavailable")
+    if not tenancy.operator_now():
+        text = f"the gateway could not answer this request: {text}"
+    return ApiError(500, text, "server_error", code="internal_error")
 
 
 def check_model(client: Client, name: str) -> None:

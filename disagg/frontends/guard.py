@@ -274,4 +274,4 @@ async def unless_gone(request: Request, run: Callable[[threading.Event], Awaitab
 def for_caller(request: Any, message: str) -> str:
     """`message` as this caller may read it: agents' addresses only for the operator
     (a tenant's 503 once read `decode agent 127.0.0.1:41385: connection closed`)."""
-    return message if tenancy.is_operator(request) else tenancy.hide_addresses(message)
+    return message if tenancy.is_operator(request) else tenancy.for_tenant(message)

@@ -77,3 +77,18 @@ ADDRESS = re.compile(
 def hide_addresses(text: str) -> str:
     """`text` without agents' addresses, for a tenant who is not the operator."""
     return ADDRESS.sub("(an agent)", text)
+
+
+# A Python exception's text inside a message (an agent's `decode_failed: ValueError:
+# ...`, a `KeyError('x')`): the code's insides, not ours to show a tenant.
+EXCEPTION = re.compile(
+    r"\b(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Exit|Interrupt|Panic\w*|Warning)"
+    r"(?::[^\n]*|\([^\n]*)|\bTraceback \(most recent call last\)[\s\S]*"
+)
+INTERNAL = "an internal error (the operator's logs have the cause)"
+
+
+def for_tenant(text: str) -> str:
+    """`text` as a tenant who is not the operator may read it: no agents' addresses
+    and no exception text (messages of our own are left as they are)."""
+    return EXCEPTION.sub(INTERNAL, hide_addresses(text))

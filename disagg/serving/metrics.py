@@ -9,7 +9,7 @@ from typing import Any
 from disagg_agents.wire.answer import NAMES, SEED_NAMES, Metrics
 
 # What says where the fleet is and how it failed: agents' names and addresses,
-# fallback reasons, reroutes. Gateways leave these out unless a keyed caller asks.
+# fallback reasons, reroutes. Gateways leave these out unless the operator's key asks.
 INTERNAL_NAMES = frozenset(
     {
         "prefill_server",

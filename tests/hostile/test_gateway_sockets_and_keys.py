@@ -120,14 +120,17 @@ def test_another_tenant_cannot_probe_a_prompt(gateway: ServeGateway) -> None:
     assert cached(shared) >= 48, shared["usage"]
 
 
-def test_metrics_internals_only_for_a_keyed_caller_who_asks(gateway: ServeGateway) -> None:
+def test_metrics_internals_only_for_the_operator_who_asks(gateway: ServeGateway) -> None:
     base = gateway.url
     public = complete(base, KEY_A, "Hello there")["disagg_metrics"]
     assert public["decode_server"] is None and public["prefill_server"] is None
     for internal in ("prefill_address", "fallback_reason", "rerouted_from", "path_failures"):
         assert internal not in public
     asked = complete(base, KEY_A, "Hello there", headers={"X-Disagg-Internals": "1"})
-    assert isinstance(asked["disagg_metrics"]["decode_server"], str)
+    assert isinstance(asked["disagg_metrics"]["decode_server"], str)  # A: the operator's key
+    tenant = complete(base, KEY_B, "Hello there", headers={"X-Disagg-Internals": "1"})
+    assert tenant["disagg_metrics"]["decode_server"] is None  # a tenant's header: ignored
+    assert "route" not in tenant["disagg_metrics"]  # other tenants' streams (route.busy)
 
 
 # -- 2. connections before a request ---------------------------------------------

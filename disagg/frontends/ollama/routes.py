@@ -287,7 +287,7 @@ async def _ndjson(
                     yield line({**head, "created_at": timestamp(), **calls, "done": False})
                 yield line(_final(head, kind, c, t0, whole=False))
     except DisaggError as e:
-        text = str(e) if tenancy.operator_now() else tenancy.hide_addresses(str(e))
+        text = str(e) if tenancy.operator_now() else tenancy.for_tenant(str(e))
         yield line({"error": text})  # the ollama client raises ResponseError on it
     finally:
         cancel.set()  # a client that left mid-stream stops the decoding

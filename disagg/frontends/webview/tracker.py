@@ -129,11 +129,11 @@ class Tracked:
         if fleet:
             row["tenant"] = tenancy.label(self.tenant)
         else:
-            error = tenancy.hide_addresses(self.error) if self.error else None
+            error = tenancy.for_tenant(self.error) if self.error else None
             row.update(why=None, prefill_server=None, decode_server=None, error=error)
         if self.outcome == "refused":  # the client's own error message, addresses hidden
             reason = self.reason
-            row["why"] = reason if fleet or not reason else tenancy.hide_addresses(reason)
+            row["why"] = reason if fleet or not reason else tenancy.for_tenant(reason)
         return row
 
 
