@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
+from typing import Any
 
 import ollama
 import openai
@@ -48,6 +50,57 @@ def test_pool_and_cut_are_normalized() -> None:
     assert torch.allclose(pool(h, "mean"), torch.tensor([0.6, 0.8, 0.0]))
     assert cut([0.6, 0.8, 0.0], 1) == [1.0]
     assert cut([0.6, 0.8], 5) == [0.6, 0.8]
+
+
+# ---- a real engine in this process (fast): cancel inside an input, limits before compute ----
+
+
+@pytest.fixture(scope="module")
+def embedder() -> Any:
+    from disagg_agents.prefill.embed import Embedder
+    from disagg_agents.prefill.engine import PrefillEngine
+
+    return Embedder(PrefillEngine(str(shared_tiny("qwen3")), device="cpu", dtype="float32"))
+
+
+def test_a_hang_up_stops_the_forward_between_layers(embedder: Any) -> None:
+    from disagg_agents.prefill.embed import Gone
+
+    ran: list[int] = []
+    hooks = [
+        layer.register_forward_hook(lambda m, a, o, i=i: ran.append(i))
+        for i, layer in enumerate(embedder.engine.layers)
+    ]
+    try:
+        with pytest.raises(Gone):  # the client hangs up while layer 1 runs
+            embedder.answer({"input": ["The key value cache. " * 200]}, lambda: len(ran) >= 2)
+        assert ran == [0, 1]  # layers 2 and 3 never ran
+        ran.clear()
+        whole = embedder.answer({"input": ["The key value cache."]})  # the hooks are gone
+        assert len(ran) == len(embedder.engine.layers) and len(whole["embeddings"]) == 1
+    finally:
+        for h in hooks:
+            h.remove()
+    assert not any(layer._forward_pre_hooks for layer in embedder.engine.layers)
+
+
+def test_an_input_over_the_limit_is_refused_before_its_forward(embedder: Any) -> None:
+    text = "The capital of France is Paris. " * 40  # ~200 tokens
+    asked: list[int] = []
+    hook = embedder.engine.layers[0].register_forward_pre_hook(lambda m, a: asked.append(1))
+    try:
+        with pytest.raises(ValueError, match="over the limit of 16 per input"):
+            embedder.answer({"input": [text], "truncate": False, "max_tokens": 16})
+        big = "word " * 200_000  # ~1 MB: refused by its bytes, untokenized
+        t0 = time.perf_counter()
+        with pytest.raises(ValueError, match="at least"):
+            embedder.answer({"input": [big], "truncate": False})
+        assert time.perf_counter() - t0 < 0.5
+        assert not asked
+        cut16 = embedder.answer({"input": [text], "max_tokens": 16})  # Ollama's default: cut
+        assert cut16["prompt_tokens"] == 16
+    finally:
+        hook.remove()
 
 
 # ---- through the gateway (slow) -----------------------------------------------------------

@@ -41,7 +41,7 @@ def embed(
     """`texts` embedded by `model`'s prefill agent. `truncate` False: a text over
     the context (or `max_tokens`) is a UsageError; `dimensions` keeps the first
     that many components, re-normalized. `cancel` set (the client left): the
-    connection closes, and the agent stops before its next input."""
+    connection closes, and the agent stops before its next decoder layer."""
     pipe = router.pipeline(model)
     endpoints = router.order(pipe.prefill)
     if not endpoints:

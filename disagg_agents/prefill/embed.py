@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from disagg_agents.decode.upfront import client_gone
+from disagg_agents.decode.upfront import client_gone, max_token_bytes
 from disagg_agents.models.pooling import pooling_of
 from disagg_agents.wire.channel import recv_json, send_error, send_json
 from disagg_agents.wire.frames import Frame, ProtocolError, RemoteError
@@ -28,7 +28,19 @@ TOKENS_MAX = 65536
 
 
 class Gone(Exception):
-    """The client hung up: the inputs left are not computed."""
+    """The client hung up: the rest of the forward pass, and the inputs left, are
+    not computed."""
+
+
+def _stop_if(gone: Callable[[], bool]) -> Callable[..., None]:
+    """A forward pre-hook for each decoder layer: Gone before the layer runs once
+    the client left (a long input's forward is many seconds; a layer, a fraction)."""
+
+    def check(module: Any, args: Any) -> None:
+        if gone():
+            raise Gone
+
+    return check
 
 
 def pool(hidden: torch.Tensor, how: str) -> torch.Tensor:
@@ -45,6 +57,13 @@ def pool(hidden: torch.Tensor, how: str) -> torch.Tensor:
     return torch.nn.functional.normalize(v, dim=0)
 
 
+def too_long(tokens: str, limit: int) -> str:
+    return (
+        f"an input has {tokens} tokens, over the limit of {limit} per input: shorten it "
+        "(Ollama's /api/embed cuts it unless it sends truncate: false)"
+    )
+
+
 class Embedder:
     """One engine's embeddings: its tokenizer (loaded on first use) and pooling."""
 
@@ -52,6 +71,7 @@ class Embedder:
         self.engine = engine
         self.pooling = pooling_of(engine.model_dir)
         self._tok: Any = None
+        self._token_bytes: int | None = None
         cfg = engine.cfg
         self.context = int(cfg.get("max_position_embeddings") or 4096)
 
@@ -62,29 +82,47 @@ class Embedder:
             self._tok = AutoTokenizer.from_pretrained(self.engine.model_dir)
         return self._tok
 
+    def token_bytes(self) -> int:
+        """The most bytes of text one token spells (upfront.max_token_bytes), once."""
+        if self._token_bytes is None:
+            self._token_bytes = max_token_bytes(self.tokenizer())
+        return self._token_bytes
+
     def ids(self, text: str, truncate: bool, limit: int) -> list[int]:
+        """The text's token ids, cut to `limit` when `truncate`, else a ValueError
+        past it. Refused untokenized when its bytes alone prove it too long (a
+        ~147k-token text took seconds to tokenize only to be refused)."""
+        if not truncate:
+            size = len(text.encode("utf-8", "surrogatepass"))
+            if size // self.token_bytes() > limit:
+                raise ValueError(too_long(f"at least {size // self.token_bytes()}", limit))
         ids = list(self.tokenizer()(text, add_special_tokens=True)["input_ids"]) or [0]
         if len(ids) > limit:
             if not truncate:
-                raise ValueError(
-                    f"an input has {len(ids)} tokens, over the context of {limit}; "
-                    "send truncate: true to cut it"
-                )
+                raise ValueError(too_long(str(len(ids)), limit))
             ids = ids[:limit]
         return ids
 
     @torch.inference_mode()
-    def vector(self, ids: list[int]) -> list[float]:
+    def vector(self, ids: list[int], gone: Callable[[], bool] = lambda: False) -> list[float]:
+        """One input's vector; `gone()` is asked before each decoder layer (Gone)."""
         x = torch.tensor([ids], device=self.engine.device)
         with self.engine.slots.slot(len(ids)):  # behind other prompts' forward passes
-            out = self.engine.body(input_ids=x, use_cache=False)
+            # Hooks are per module, shared by all requests: added only in the slot.
+            stop = _stop_if(gone)
+            handles = [layer.register_forward_pre_hook(stop) for layer in self.engine.layers]
+            try:
+                out = self.engine.body(input_ids=x, use_cache=False)
+            finally:
+                for h in handles:
+                    h.remove()
         return [float(f) for f in pool(out.last_hidden_state[0], self.pooling).cpu()]
 
     def answer(
         self, req: dict[str, Any], gone: Callable[[], bool] = lambda: False
     ) -> dict[str, Any]:
         """The vectors of req's inputs, within TOKENS_MAX in all; `gone()` is asked
-        before each input's forward pass (Gone: the client left, stop there)."""
+        before each input and each decoder layer (Gone: the client left, stop there)."""
         texts = req.get("input")
         if not isinstance(texts, list) or not 0 < len(texts) <= INPUTS_MAX:
             raise ValueError(f"input must be a list of 1 to {INPUTS_MAX} texts")
@@ -104,7 +142,7 @@ class Embedder:
         for one in ids:
             if gone():
                 raise Gone
-            vectors.append(self.vector(one))
+            vectors.append(self.vector(one, gone))
         return {"embeddings": vectors, "prompt_tokens": total, "pooling": self.pooling}
 
     def serve(self, sock: socket.socket, max_bytes: int) -> None:
