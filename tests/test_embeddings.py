@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import ollama
 import openai
 import pytest
@@ -177,8 +178,42 @@ def test_openai_and_langchain_embeddings(url: str, default_model: Path) -> None:
     assert len(short.data[0].embedding) == 16
     with pytest.raises(openai.BadRequestError):
         oai.embeddings.create(model=default_model.name, input=[[1, 2, 3]])
+    # Over the model's limit (tiny: 4096 tokens): OpenAI's 400, never a silent cut.
+    with pytest.raises(openai.BadRequestError, match="over the limit of 4096"):
+        oai.embeddings.create(model=TINY, input="The key value cache streams. " * 1500)
     lc = OllamaEmbeddings(model=default_model.name, base_url=url)
     docs = lc.embed_documents([text, "hello"])
     assert len(docs) == 2 and abs(norm(docs[0]) - 1) < 1e-4
     assert max(abs(a - b) for a, b in zip(docs[0], v, strict=True)) < 1e-5
     assert lc.embed_query(text) == docs[0]
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / 100  # utime + stime, in clock ticks
+
+
+@pytest.mark.slow
+def test_an_embedding_hung_up_mid_input_frees_the_prefill_agent(
+    url: str, smol_set: AgentSet, default_model: Path
+) -> None:
+    # One ~8k-token input: SmolLM2's forward of it is many seconds on a CPU; its
+    # client hangs up 1.5 s in. The agent stops before its next layer.
+    pid = smol_set.prefill.proc.pid
+    body = {"model": default_model.name, "input": "The key value cache streams. " * 1300}
+    try:
+        r = httpx.post(f"{url}/api/embed", json=body, timeout=1.5)
+    except httpx.ReadTimeout:
+        pass
+    else:
+        pytest.fail(f"answered within 1.5 s ({r.status_code}): nothing left to stop")
+    left = time.monotonic()
+    idle_at = None
+    while time.monotonic() - left < 10:
+        before = _cpu_s(pid)
+        time.sleep(0.25)
+        if _cpu_s(pid) - before < 0.05:
+            idle_at = time.monotonic() - left
+            break
+    print(f"prefill agent idle {idle_at}s after the client hung up mid-input")
+    assert idle_at is not None and idle_at < 2.0
