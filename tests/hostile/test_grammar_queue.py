@@ -7,6 +7,7 @@ what another compiled)."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -149,3 +150,44 @@ def test_the_cache_is_per_tenant(grammars: Grammars) -> None:
     assert grammars.misses == misses + 2 and grammars.hits == hits
     grammars.matcher(schema, tenant="B")
     assert grammars.hits == hits + 1
+
+
+# -- slow: through a keyed gateway to a real decode agent ------------------------------
+
+KEYS = ("op-" + "o" * 24, "tenant-a-" + "a" * 24, "tenant-b-" + "b" * 24)
+
+
+@pytest.mark.slow
+def test_through_the_gateway_each_key_compiles_its_own(agent_pair: Any, gateways: Any) -> None:
+    import uuid
+
+    import httpx
+
+    from tests.tinymodels import shared_tiny
+
+    agents = agent_pair.set(shared_tiny("llama"))
+    url = gateways.get({"tiny": agents}, api_keys=KEYS).url
+    decode = agents.decodes[0]
+    name = "k" + uuid.uuid4().hex[:8]  # a schema no earlier request compiled
+    schema = {"type": "object", "properties": {name: {"enum": ["x", "y"]}}, "required": [name]}
+
+    def ask(key: str) -> int:
+        """The decode agent's compiles (misses) this request cost."""
+        before = decode.status()["grammars"]["misses"]
+        body = {
+            "model": "tiny",
+            "prompt": "Pick one.",
+            "raw": True,
+            "stream": False,
+            "format": schema,
+            "options": {"num_predict": 80},
+        }
+        auth = {"Authorization": f"Bearer {key}"}
+        r = httpx.post(f"{url}/api/generate", json=body, headers=auth, timeout=60)
+        assert r.status_code == 200, r.text
+        assert json.loads(r.json()["response"])[name] in ("x", "y")
+        return int(decode.status()["grammars"]["misses"] - before)
+
+    assert ask(KEYS[1]) == 1  # A's first use compiles
+    assert ask(KEYS[1]) == 0  # A's second: its own cache
+    assert ask(KEYS[2]) == 1  # B's first use compiles too: A's entry tells B nothing
