@@ -187,7 +187,7 @@ def test_anthropic_thinking_blocks_count_too() -> None:
 
 @pytest.mark.slow
 def test_a_grammar_that_crashes_the_compiler_kills_only_its_child() -> None:
-    from disagg_agents.decode.grammarcheck import CompileCheck
+    from disagg_agents.decode.grammarcheck import CompileCheck, TooSlow
 
     check = CompileCheck(workers=1)
     try:
@@ -199,6 +199,10 @@ def test_a_grammar_that_crashes_the_compiler_kills_only_its_child() -> None:
         bad = json.dumps({"grammars": [{"lark_grammar": "start: ("}]})
         assert check.check(bad)
         assert check.crashes == 1
+        # Out of time is no verdict (never remembered as the grammar's refusal).
+        with pytest.raises(TooSlow):
+            check.check(ok, 0.0)
+        assert check.check(ok) is None
     finally:
         check.close()
 

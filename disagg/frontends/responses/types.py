@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field
 
 from disagg.frontends.refusal import ApiError
 from disagg.frontends.request import Message, build
-from disagg_agents.decode.grammarcheck import CompileCheck
+from disagg_agents.decode.grammarcheck import CompileCheck, TooSlow
 from disagg_agents.wire.request import GRAMMAR_MAX_CHARS, GenerateRequest
 from disagg_agents.wire.schemasize import TOOLS_MAX_CHARS, SchemaTooBig, check_lark
 
@@ -144,9 +144,12 @@ def compile_error(custom: dict[str, dict[str, Any]]) -> ApiError | None:
         grammar = grammar_of(tool)
         if grammar is None:
             continue
-        error = GRAMMAR_CHECK.check(
-            json.dumps({"grammars": [{"lark_grammar": grammar["grammar"]}]})
-        )
+        try:
+            error = GRAMMAR_CHECK.check(
+                json.dumps({"grammars": [{"lark_grammar": grammar["grammar"]}]})
+            )
+        except TooSlow as e:
+            error = f"{e}; make it smaller"
         if error:
             return bad(f"tool {name}: its Lark grammar does not compile: {error.strip()}", "tools")
     return None
