@@ -56,6 +56,14 @@ def slow(seconds: float, text: str = 'start: "yes" | "no"') -> Callable[[], str]
     return build
 
 
+def until(cond: Callable[[], bool], seconds: float = 5.0) -> None:
+    """Until cond() holds; the limit is a hang guard, not a speed bar."""
+    deadline = time.monotonic() + seconds
+    while not cond():
+        assert time.monotonic() < deadline, "not seen in time"
+        time.sleep(0.01)
+
+
 def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
     """fn() on a daemon thread; the list gets its result or its exception."""
     out: list[Any] = []
@@ -77,7 +85,7 @@ def test_a_budget_that_runs_out_while_queued_answers_and_nothing_hangs(grammars:
         in_thread(partial(grammars.compile, f"busy{i}", slow(3.0), "tools"))
         for i in range(TENANT_COMPILES)
     ]
-    time.sleep(0.3)
+    until(lambda: grammars.snapshot()["compiling"] >= TENANT_COMPILES)
     # ...then a compile whose 0.3 s budget ends while it is still queued. Its
     # leaving once cancelled the queued job under the cache's lock, and the
     # cancel's callback took that lock again: this thread hung, and every later
@@ -107,7 +115,8 @@ def test_one_tenants_flood_leaves_compiles_for_the_others(grammars: Grammars) ->
         )
         for i in range(16)
     ]
-    time.sleep(0.3)  # A holds its share of the workers, the rest of its flood queued
+    # A holds its share of the workers, the rest of its flood queued.
+    until(lambda: sum(grammars.queue.snapshot().values()) == 16)
     snap = grammars.snapshot()
     assert snap["compiling"] == TENANT_COMPILES and snap["queued"] == 16 - TENANT_COMPILES
     grammars.budget_s = 10.0
