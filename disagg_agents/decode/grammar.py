@@ -177,6 +177,8 @@ class Grammars:
         # refusals too. Per tenant: a hit's speed must not tell one tenant which
         # schemas another used.
         self.cache: OrderedDict[bytes, tuple[Any, int]] = OrderedDict()
+        self.owner: dict[bytes, str] = {}  # each entry's tenant
+        self.tenant_bytes: dict[str, int] = {}
         self.refused: OrderedDict[bytes, str] = OrderedDict()
         self.cache_bytes = 0
         self.cache_max_bytes = _env_mb("DISAGG_GRAMMAR_CACHE_MB", CACHE_MAX_BYTES)
@@ -264,9 +266,7 @@ class Grammars:
         finally:
             self.queue.leave(job)  # the last waiter's leaving drops a job not started
 
-    def _wait(
-        self, job: Job, field: str, gone: Callable[[], bool] | None, deadline: float
-    ) -> Any:
+    def _wait(self, job: Job, field: str, gone: Callable[[], bool] | None, deadline: float) -> Any:
         while True:
             left = deadline - time.monotonic()
             if job.done.wait(max(0.0, min(GONE_POLL_S, left))):
@@ -324,13 +324,41 @@ class Grammars:
             if error is not None or job.result is None or not job.kept:
                 return
             m, size = job.result
+            if digest in self.cache:  # compiled twice (a race): counted once
+                self._drop(digest)
             self.cache[digest] = (m, size)
+            self.owner[digest] = job.tenant
             self.cache_bytes += size
-            while self.cache and (
-                self.cache_bytes > self.cache_max_bytes or len(self.cache) > CACHE_ENTRIES
-            ):
-                _, (_, dropped) = self.cache.popitem(last=False)
-                self.cache_bytes -= dropped
+            self.tenant_bytes[job.tenant] = self.tenant_bytes.get(job.tenant, 0) + size
+            self._trim(job.tenant)
+
+    def _trim(self, tenant: str) -> None:
+        """The cache within its bytes and entries (oldest out first), and `tenant`
+        within half of each while another tenant holds some: one tenant's flood of
+        schemas cannot flush everyone's grammars (alone, it may use it all)."""
+        mine = [d for d in self.cache if self.owner[d] == tenant]  # least recent first
+        shared = len(self.tenant_bytes) > 1
+        while (
+            shared
+            and len(mine) > 1
+            and (
+                self.tenant_bytes[tenant] > self.cache_max_bytes // 2
+                or len(mine) > CACHE_ENTRIES // 2
+            )
+        ):
+            self._drop(mine.pop(0))
+        while self.cache and (
+            self.cache_bytes > self.cache_max_bytes or len(self.cache) > CACHE_ENTRIES
+        ):
+            self._drop(next(iter(self.cache)))
+
+    def _drop(self, digest: bytes) -> None:
+        _, size = self.cache.pop(digest)
+        owner = self.owner.pop(digest)
+        self.cache_bytes -= size
+        self.tenant_bytes[owner] -= size
+        if not self.tenant_bytes[owner]:
+            del self.tenant_bytes[owner]
 
     def matcher(
         self,

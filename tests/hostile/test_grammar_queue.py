@@ -40,7 +40,7 @@ def grammars() -> Iterator[Grammars]:
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|return|>")
     ids: Any = hf.convert_tokens_to_ids(["<|return|>", "<|call|>"])
     g = Grammars(hf, 320, ids, check=None)  # in-process: the fast tier starts no child
-    g.matcher({"type": "json_object"}, tenant="warm-up")  # the tokenizer, built once
+    g.warm()  # its tokenizer, built once (in the background)
     yield g
 
 
@@ -200,3 +200,22 @@ def test_through_the_gateway_each_key_compiles_its_own(agent_pair: Any, gateways
     assert ask(KEYS[1]) == 1  # A's first use compiles
     assert ask(KEYS[1]) == 0  # A's second: its own cache
     assert ask(KEYS[2]) == 1  # B's first use compiles too: A's entry tells B nothing
+
+
+def test_one_tenants_flood_cannot_flush_anothers_grammars(grammars: Grammars) -> None:
+    grammars.cache_max_bytes = 4 * (300 << 10)  # about four small grammars' estimate
+    grammars.compile("b-own", slow(0, 'start: "b"'), "tools", tenant="B")
+    for i in range(12):  # A's stream of distinct schemas
+        grammars.compile(f"a{i}", slow(0, f'start: "a{i}"'), "tools", tenant="A")
+    hits = grammars.hits
+    grammars.compile("b-own", slow(0, 'start: "b"'), "tools", tenant="B")
+    assert grammars.hits == hits + 1  # B's grammar survived A's flood
+    assert grammars.tenant_bytes["A"] <= grammars.cache_max_bytes // 2
+    assert grammars.cache_bytes == sum(grammars.tenant_bytes.values()) <= grammars.cache_max_bytes
+
+
+def test_a_tenant_alone_may_fill_the_grammar_cache(grammars: Grammars) -> None:
+    grammars.cache_max_bytes = 4 * (300 << 10)
+    for i in range(6):
+        grammars.compile(f"alone{i}", slow(0, f'start: "c{i}"'), "tools", tenant="C")
+    assert grammars.tenant_bytes["C"] > grammars.cache_max_bytes // 2
