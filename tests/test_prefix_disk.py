@@ -5,7 +5,6 @@ decode agent restarted over its directory serving a 2k-token prompt from it."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from pathlib import Path
@@ -15,12 +14,14 @@ import numpy as np
 import pytest
 
 from disagg.serving.localagents import AgentProc, restart_agent
-from disagg_agents.prefix.disk import DiskTier, block_file, fingerprint_digest
+from disagg_agents.prefix.blockfile import UNSALTED, block_name
+from disagg_agents.prefix.disk import DiskTier, fingerprint_digest
 from disagg_agents.prefix.store import Block, block_keys
 from tests.conftest import PairFactory, ask, remote_request
 from tests.tinymodels import CORPUS, shared_tiny
 
 FP = fingerprint_digest({"architecture": "llama", "layers": 2})
+SECRET = b"t" * 64  # a cluster token
 
 
 def block(seed: int, layers: int = 2) -> Block:
@@ -43,18 +44,20 @@ def same(a: Block, b: Block) -> bool:
 
 
 def test_blocks_round_trip_and_survive_a_restart(tmp_path: Path) -> None:
-    disk = DiskTier(tmp_path, 1 << 20, FP)
+    disk = DiskTier(tmp_path, 1 << 20, FP, SECRET)
     keys = [bytes([i]) * 16 for i in range(3)]
     for i, k in enumerate(keys):
         disk.put(k, block(i))
-    disk.flush()
+    disk.close()
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # renamed into place
-    again = DiskTier(tmp_path, 1 << 20, FP)  # a restarted agent's
+    again = DiskTier(tmp_path, 1 << 20, FP, SECRET)  # a restarted agent's, same token
     for i, k in enumerate(keys):
         got = again.get(k)
         assert got is not None and same(got, block(i))
     assert again.get(b"\x09" * 16) is None
-    assert DiskTier(tmp_path, 1 << 20, fingerprint_digest({"other": 1})).get(keys[0]) is None
+    again.close()
+    other = DiskTier(tmp_path, 1 << 20, fingerprint_digest({"other": 1}), SECRET)
+    assert other.get(keys[0]) is None
 
 
 def test_a_flipped_byte_is_a_miss_and_its_file_goes(tmp_path: Path) -> None:
@@ -64,7 +67,7 @@ def test_a_flipped_byte_is_a_miss_and_its_file_goes(tmp_path: Path) -> None:
     disk.flush()
     path = tmp_path / disk.name(key)
     data = bytearray(path.read_bytes())
-    data[-5] ^= 0x01  # one bit of K/V
+    data[-40] ^= 0x01  # one bit of K/V
     path.write_bytes(bytes(data))
     assert disk.get(key) is None
     assert disk.snapshot()["corrupt"] == 1 and not path.exists()
@@ -72,18 +75,29 @@ def test_a_flipped_byte_is_a_miss_and_its_file_goes(tmp_path: Path) -> None:
 
 def test_a_foreign_block_under_the_right_name_is_dropped(tmp_path: Path) -> None:
     """Another model's file copied under this model's name: its header says whose."""
-    ours, theirs = DiskTier(tmp_path / "a", 1 << 20, FP), DiskTier(tmp_path / "b", 1 << 20, "x")
+    ours = DiskTier(tmp_path / "a", 1 << 20, FP, SECRET)
+    theirs = DiskTier(tmp_path / "b", 1 << 20, "x", SECRET)
     key = b"k" * 16
     theirs.put(key, block(0))
     theirs.flush()
+    ours.close()
     (tmp_path / "a" / ours.name(key)).write_bytes((tmp_path / "b" / theirs.name(key)).read_bytes())
-    ours = DiskTier(tmp_path / "a", 1 << 20, FP)  # finds the file at start
+    ours = DiskTier(tmp_path / "a", 1 << 20, FP, SECRET)  # finds the file at start
     assert ours.get(key) is None and ours.snapshot()["corrupt"] == 1
 
 
+def file_size(tmp_path: Path) -> int:
+    """One block file's size, as the tier writes it."""
+    probe = DiskTier(tmp_path / "probe", 1 << 20, FP, SECRET)
+    probe.put(b"p" * 16, block(0))
+    probe.close()
+    return (tmp_path / "probe" / probe.name(b"p" * 16)).stat().st_size
+
+
 def test_the_budget_evicts_least_recently_used_and_zero_empties(tmp_path: Path) -> None:
-    one = len(json.dumps({})) + block(0).nbytes  # about one block file
-    disk = DiskTier(tmp_path, int(2.5 * one), FP)
+    one = file_size(tmp_path)
+    root = tmp_path / "d"
+    disk = DiskTier(root, int(2.5 * one), FP)
     keys = [bytes([i]) * 16 for i in range(4)]
     for i, k in enumerate(keys[:2]):
         disk.put(k, block(i))
@@ -95,10 +109,10 @@ def test_the_budget_evicts_least_recently_used_and_zero_empties(tmp_path: Path) 
     assert s["bytes"] <= s["max_bytes"] and s["evictions"] >= 1
     assert disk.get(keys[1]) is None and disk.get(keys[0]) is not None
     disk.set_budget(0)
-    assert disk.snapshot()["blocks"] == 0 and not list(tmp_path.iterdir())
+    assert disk.snapshot()["blocks"] == 0 and not list(root.glob("*.kv"))
     disk.put(keys[3], block(3))  # off: nothing written, nothing fails
     disk.flush()
-    assert not list(tmp_path.iterdir())
+    assert not list(root.glob("*.kv"))
 
 
 # ---- a real decode agent, restarted -------------------------------------------------
@@ -164,8 +178,8 @@ def test_a_restarted_decode_agent_serves_a_2k_prompt_from_disk(
         second.stop()
 
     # One flipped byte in block 10's file: that block is a miss, the answer the same.
-    keys = block_keys(ids, f"remote:{prefill.host}:{prefill.port}", 16)
-    path = root / block_file(fp, keys[10])
+    keys = block_keys(ids, f"remote:{prefill.host}", 16)  # the prefill agent's host, no port
+    path = root / block_name(fp, keys[10], UNSALTED)
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x10
     path.write_bytes(bytes(data))
