@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
+import stat
 import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 
@@ -17,7 +20,7 @@ from disagg.serving.localagents import AgentProc, restart_agent
 from disagg_agents.prefix.blockfile import UNSALTED, block_name
 from disagg_agents.prefix.disk import DiskTier, fingerprint_digest
 from disagg_agents.prefix.store import Block, block_keys
-from tests.conftest import PairFactory, ask, remote_request
+from tests.conftest import PairFactory, ask, remote_request, start_serve
 from tests.tinymodels import CORPUS, shared_tiny
 
 FP = fingerprint_digest({"architecture": "llama", "layers": 2})
@@ -211,3 +214,50 @@ def test_disagg_status_shows_the_disk_tier() -> None:
         {"prefix_cache": pc, "prefix_disk": disk}
     )
     assert "disk" not in _prefix_cache({"prefix_cache": pc})  # an agent without the tier
+
+
+def local_disk_answer(port: int, model: str, prompt: str) -> tuple[str, dict[str, str], float]:
+    """A greedy completion from `serve`: its text, verdict fields and wall time."""
+    t0 = time.perf_counter()
+    r = httpx.post(
+        f"http://127.0.0.1:{port}/v1/completions",
+        json={"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0},
+        timeout=180,
+    )
+    took = time.perf_counter() - t0
+    assert r.status_code == 200, r.text
+    fields = dict(p.strip().split("=", 1) for p in r.headers["x-disagg-verdict"].split(";"))
+    fields["prompt_tokens"] = str(r.json()["usage"]["prompt_tokens"])
+    return r.json()["choices"][0]["text"], fields, took
+
+
+@pytest.mark.slow
+def test_serve_local_twice_serves_a_2k_prompt_from_disk(tmp_path: Path) -> None:
+    """`serve --local` on one cache dir, its disk tier on by default: the second start
+    answers the same 2k-token prompt mostly from disk, with the same greedy text."""
+    model = shared_tiny("llama")
+    cache = tmp_path / "cache"
+    env = {"DISAGG_CACHE": str(cache), "TMPDIR": str(tmp_path)}
+    runs: list[tuple[str, dict[str, str], float]] = []
+    for run in range(2):
+        proc, port = start_serve("-m", str(model), log_path=tmp_path / f"serve{run}.log", env=env)
+        try:
+            runs.append(local_disk_answer(port, model.name, long_prompt()))
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+    (text, cold, cold_s), (again, warm, warm_s) = runs
+    n = int(warm["prompt_tokens"])
+    assert n >= 2000 and int(cold["from_disk"]) == 0
+    assert int(warm["from_disk"]) >= 0.9 * n, warm
+    assert again == text
+    root = cache / "prefix-disk"
+    agent_dir = root / model.name / "decode"
+    assert stat.S_IMODE(agent_dir.stat().st_mode) == 0o700
+    assert stat.S_IMODE((root / "cluster.token").stat().st_mode) == 0o600
+    files = list(agent_dir.glob("*.kv"))
+    assert files and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files)
+    print(
+        f"2k prompt ({n} tokens): cold {cold_s:.2f}s, after a restart {warm_s:.2f}s, "
+        f"{warm['from_disk']} tokens from disk"
+    )

@@ -13,7 +13,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -244,11 +244,13 @@ def start_local_agents(
     decode_args: Sequence[str] = (),
     prefill_model_dir: Path | None = None,
     prefill_module: str | None = None,
+    decode_disk: Callable[[str], Sequence[str]] | None = None,
 ) -> tuple[AgentProc, list[AgentProc]]:
     """Start one prefill and `n_decode` decode agents on 127.0.0.1, all loading at once.
 
     They share `token_file` (one cluster), or a fresh token of their own;
     `prefill_args` / `decode_args` are extra command-line flags per role;
+    `decode_disk`: a decode agent's prefix disk tier flags, by its name;
     `prefill_model_dir`: the prefill agent loads that dir instead (mixed weights);
     `prefill_module`: the prefill agent runs from that module (a test's wrapper).
     """
@@ -267,7 +269,12 @@ def start_local_agents(
             dtype=dtype,
             name=name,
             log_dir=log_dir / name.split("@")[0],
-            extra_args=["--token-file", str(token_file), *(decode_args if i else prefill_args)],
+            extra_args=[
+                "--token-file",
+                str(token_file),
+                *(decode_args if i else prefill_args),
+                *(decode_disk(name) if i and decode_disk else ()),
+            ],
             module=None if i else prefill_module,
         )
         for i, name in enumerate(names)
