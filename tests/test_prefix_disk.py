@@ -261,3 +261,26 @@ def test_serve_local_twice_serves_a_2k_prompt_from_disk(tmp_path: Path) -> None:
         f"2k prompt ({n} tokens): cold {cold_s:.2f}s, after a restart {warm_s:.2f}s, "
         f"{warm['from_disk']} tokens from disk"
     )
+
+
+def test_local_disk_defaults_flags_and_token(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """serve --local's tier: on under the cache dir by default, bounded; 0 turns it
+    off; each decode agent its own directory; one token kept for the next start."""
+    from disagg.serving.localdisk import DEFAULT_MB, local_disk
+
+    monkeypatch.setenv("DISAGG_CACHE", str(tmp_path / "cache"))
+    said: list[str] = []
+    disk = local_disk(None, None, said.append)
+    assert disk is not None and disk.root == tmp_path / "cache" / "prefix-disk"
+    assert 0 < disk.mb <= DEFAULT_MB and stat.S_IMODE(disk.root.stat().st_mode) == 0o700
+    assert local_disk(str(tmp_path / "d"), 0, said.append) is None
+    assert disk.agent_dir("M", "decode@127.0.0.1") != disk.agent_dir("M", "decode-2@127.0.0.1")
+    path, token = disk.token()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and len(token) >= 32
+    assert disk.token() == (path, token)  # the next start's
+    path.chmod(0o644)
+    with pytest.raises(Exception, match="not a token file of ours"):
+        disk.token()
+    assert not said
