@@ -250,6 +250,9 @@ def test_serve_local_twice_serves_a_2k_prompt_from_disk(tmp_path: Path) -> None:
     n = int(warm["prompt_tokens"])
     assert n >= 2000 and int(cold["from_disk"]) == 0
     assert int(warm["from_disk"]) >= 0.9 * n, warm
+    # Both from the prefill agent, which the restart put on another port: the blocks'
+    # namespace is its host alone.
+    assert cold["path"] == warm["path"] == "remote", (cold, warm)
     assert again == text
     root = cache / "prefix-disk"
     agent_dir = root / model.name / "decode"
