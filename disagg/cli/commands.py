@@ -609,7 +609,13 @@ def verify(
         prompt=prompt, max_tokens=max_tokens, raw=raw, logprobs=True, placement="remote"
     )
     with _open_client(
-        True, [model], None, dtype, prefill_model=prefill_model, allow_mixed=allow_mixed
+        True,
+        [model],
+        None,
+        dtype,
+        prefill_model=prefill_model,
+        allow_mixed=allow_mixed,
+        prefix_disk_mb=0,  # the handoff of every prompt token is what is checked
     ) as session:
         p, d = session.agents[0], session.agents[1]
         disagg = run_remote(p, d, request, require=False)
