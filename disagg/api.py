@@ -94,10 +94,9 @@ class Client:
         sweep_orphans()
         temp_dirs = [Path(tempfile.mkdtemp(prefix=LOCAL_PREFIX))]
         (temp_dirs[0] / OWNER_FILE).write_text(str(os.getpid()))
-        if prefix_disk is None:
-            token_file, token = make_token_file(temp_dirs[0])
-        else:  # the same token each start: the disk tier's MAC key and salts come from it
-            token_file, token = prefix_disk.token()
+        # With the disk tier, the token kept beside it: the same each start, as the
+        # tier's MAC key and the tenants' salts come from it.
+        token_file, token = make_token_file(prefix_disk.root if prefix_disk else temp_dirs[0])
         try:
             for name, path in dirs.items():
                 temp_dirs.append(Path(tempfile.mkdtemp(prefix="disagg-logs-")))

@@ -257,7 +257,7 @@ def test_serve_local_twice_serves_a_2k_prompt_from_disk(tmp_path: Path) -> None:
     root = cache / "prefix-disk"
     agent_dir = root / model.name / "decode"
     assert stat.S_IMODE(agent_dir.stat().st_mode) == 0o700
-    assert stat.S_IMODE((root / "cluster.token").stat().st_mode) == 0o600
+    assert stat.S_IMODE((root / "token").stat().st_mode) == 0o600
     files = list(agent_dir.glob("*.kv"))
     assert files and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files)
     print(
@@ -271,6 +271,8 @@ def test_local_disk_defaults_flags_and_token(
 ) -> None:
     """serve --local's tier: on under the cache dir by default, bounded; 0 turns it
     off; each decode agent its own directory; one token kept for the next start."""
+    from disagg.errors import AgentError
+    from disagg.serving.localagents import make_token_file
     from disagg.serving.localdisk import DEFAULT_MB, local_disk
 
     monkeypatch.setenv("DISAGG_CACHE", str(tmp_path / "cache"))
@@ -280,10 +282,10 @@ def test_local_disk_defaults_flags_and_token(
     assert 0 < disk.mb <= DEFAULT_MB and stat.S_IMODE(disk.root.stat().st_mode) == 0o700
     assert local_disk(str(tmp_path / "d"), 0, said.append) is None
     assert disk.agent_dir("M", "decode@127.0.0.1") != disk.agent_dir("M", "decode-2@127.0.0.1")
-    path, token = disk.token()
+    path, token = make_token_file(disk.root)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600 and len(token) >= 32
-    assert disk.token() == (path, token)  # the next start's
+    assert make_token_file(disk.root) == (path, token)  # the next start's
     path.chmod(0o644)
-    with pytest.raises(Exception, match="not a token file of ours"):
-        disk.token()
+    with pytest.raises(AgentError, match="not a token file of ours"):
+        make_token_file(disk.root)
     assert not said

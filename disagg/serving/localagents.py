@@ -8,6 +8,7 @@ import queue
 import random
 import secrets
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -222,11 +223,18 @@ def wait_ready(
 
 
 def make_token_file(directory: Path) -> tuple[Path, bytes]:
-    """A fresh cluster token for local agents, readable only by us."""
+    """A cluster token for local agents, readable only by us: the one `directory`
+    keeps (serve --local's disk tier keys its blocks with it), else a fresh one."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "token"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise AgentError(f"{path} is not a token file of ours (0600); remove it") from None
+        return path, path.read_bytes().strip()
     token = secrets.token_hex(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(token)
     return path, token.encode()

@@ -3,16 +3,15 @@
 
 Each decode agent gets a directory of its own under the root (one per model and
 agent: two agents never share one), and the local cluster's token is kept in the
-root (0600) instead of a fresh one per start: the tier's MAC key and the tenants'
-cache salts come from it, so a restart's agents find the blocks the last run wrote.
+root (0600, `make_token_file`) instead of a fresh one per start: the tier's MAC key
+and the tenants' cache salts come from it, so a restart's agents find the blocks
+the last run wrote.
 """
 
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +20,6 @@ from disagg.serving.defaultmodel import Say, cache_root
 
 DEFAULT_MB = 4096  # per decode agent, at most; less on a disk with little room
 FREE_SHARE = 0.1  # of the free space where the root lives, at most
-TOKEN_FILE = "cluster.token"
 
 
 @dataclass(frozen=True)
@@ -34,23 +32,6 @@ class LocalDisk:
     def agent_dir(self, model: str, agent: str) -> Path:
         """One agent's directory: by model and by the agent's own name."""
         return self.root / _safe(model) / _safe(agent.split("@")[0])
-
-    def token(self) -> tuple[Path, bytes]:
-        """The local cluster's token, kept here: made on first use, ours alone."""
-        path = self.root / TOKEN_FILE
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        except FileExistsError:
-            st = os.lstat(path)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-                raise UsageError(
-                    f"{path} is not a token file of ours (0600); remove it, or pass "
-                    "--prefix-disk with another directory"
-                ) from None
-            return path, path.read_bytes().strip()
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(32))
-        return path, path.read_bytes().strip()
 
 
 def _safe(name: str) -> str:
