@@ -38,6 +38,7 @@ log = logging.getLogger("disagg.prefix")
 
 QUEUE_MAX = 4096  # blocks waiting to be written; more are dropped
 DEFAULT_MAX_FILE = 64 << 20  # a block file's bound where the model's is not known
+SCAN_LOG_MAX = 5  # files a start's scan names in the log; more are counted
 
 
 def fingerprint_digest(fingerprint: dict[str, Any]) -> str:
@@ -83,6 +84,7 @@ class DiskTier:
         """The files a run before this one left, oldest use first. Stray temporary
         files (a write cut short) go; so does anything that cannot be a block."""
         found: list[tuple[float, str, int]] = []
+        removed = 0
         with os.scandir(self.root) as entries:
             for e in entries:
                 if e.name.startswith(".") and e.name.endswith(".tmp"):
@@ -90,12 +92,16 @@ class DiskTier:
                 elif e.name.endswith(blockfile.SUFFIX):
                     why = self._unfit(e)
                     if why:
-                        log.warning("prefix disk: %s %s: removed", e.name[:80], why)
-                        self.corrupt += 1
+                        removed += 1
+                        if removed <= SCAN_LOG_MAX:  # an older release's files: a few lines
+                            log.warning("prefix disk: %s %s: removed", e.name[:80], why)
                         self._unlink(e.name)
                         continue
                     st = e.stat(follow_symlinks=False)
                     found.append((st.st_mtime, e.name, st.st_size))
+        if removed > SCAN_LOG_MAX:
+            log.warning("prefix disk: %d files in %s were no blocks: removed", removed, self.root)
+        self.corrupt += removed
         with self.lock:
             for _, name, size in sorted(found):
                 self._index(name, size)
