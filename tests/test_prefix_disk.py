@@ -186,12 +186,21 @@ def test_a_restarted_decode_agent_serves_a_2k_prompt_from_disk(
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x10
     path.write_bytes(bytes(data))
+    # Block 20's file a sparse 2 GiB one, block 30's a FIFO: the start's scan drops both
+    # without reading them (a FIFO would block a plain open).
+    planted = [root / block_name(fp, keys[i], UNSALTED) for i in (20, 30)]
+    planted[0].unlink()
+    with open(planted[0], "wb") as f:
+        f.truncate(2 << 30)
+    planted[1].unlink()
+    os.mkfifo(planted[1])
     third = with_disk(pooled, root)
     try:
         hurt = ask(third, req)
         assert hurt.metrics.disk_cached_tokens == 10 * 16  # the chain stops at the bad block
         assert hurt.token_ids == cold.token_ids
-        assert third.status()["prefix_disk"]["corrupt"] == 1
+        assert third.status()["prefix_disk"]["corrupt"] == 3
+        assert not any(p.exists() and p.stat().st_size > 1 << 20 for p in planted)
         # A full budget evicts and never fails a request; 0 empties the directory.
         third.settings(prefix_disk_mb=0.1)
         other = ask(third, remote_request(prefill, long_prompt(600)[::-1], max_tokens=4))
