@@ -94,8 +94,7 @@ class Client:
         sweep_orphans()
         temp_dirs = [Path(tempfile.mkdtemp(prefix=LOCAL_PREFIX))]
         (temp_dirs[0] / OWNER_FILE).write_text(str(os.getpid()))
-        # With the disk tier, the token kept beside it: the same each start, as the
-        # tier's MAC key and the tenants' salts come from it.
+        # With a disk tier, the token kept there: its MAC key and the salts come from it.
         token_file, token = make_token_file(prefix_disk.root if prefix_disk else temp_dirs[0])
         try:
             for name, path in dirs.items():

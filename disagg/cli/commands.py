@@ -210,20 +210,9 @@ def generate(
     from disagg.frontends.batch import BatchItem, load_requests
     from disagg.serving.request import build_request
 
-    opts = _request_opts(
-        dict(
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-            system=system,
-            raw=raw,
-        ),
-        kv_quant,
-        think,
-        fmt,
-        placement,
-    )
+    sampling: dict[str, Any] = dict(max_tokens=max_tokens, temperature=temperature, seed=seed)
+    sampling.update(top_p=top_p, system=system, raw=raw)
+    opts = _request_opts(sampling, kv_quant, think, fmt, placement)
     # The request is built and checked before any agent starts.
     items: list[BatchItem] = []
     if batch is not None:

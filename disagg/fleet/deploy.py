@@ -197,7 +197,7 @@ def prefix_disk_config(agent: Agent, info: HostInfo, root: str) -> dict[str, obj
     where = info.expand(agent.prefix_disk)
     if not where.startswith("/"):
         where = f"{root}/{where}"
-    return {"prefix_disk": where, "prefix_disk_mb": agent.prefix_disk_mb}
+    return {"prefix_disk_dir": where, "prefix_disk_mb": agent.prefix_disk_mb}
 
 
 def inventory_addresses(inv: Inventory) -> list[str]:
@@ -279,7 +279,7 @@ def _configure_agent(
     kind, py = result.service, result.python
     paths = service.AgentPaths(root, a.role)
     cfg = agent_config(a, info, py, root, inventory_addresses(inv))
-    disk = cfg.get("prefix_disk")
+    disk = cfg.get("prefix_disk_dir")
     if disk and not result.dry_run:  # ours alone: the agent refuses to share it
         session.check(f"mkdir -p {q(str(disk))} && chmod 700 {q(str(disk))}")
     script = service.run_script(paths, cfg)

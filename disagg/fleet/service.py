@@ -129,10 +129,10 @@ def run_script(paths: AgentPaths, config: dict[str, Any]) -> str:
 
 def _prefix_disk_args(config: dict[str, Any]) -> list[str]:
     """A decode agent's prefix disk tier flags (deploy.prefix_disk_config), if any."""
-    if not config.get("prefix_disk"):
+    if not config.get("prefix_disk_dir"):
         return []
     mb = f"{float(config['prefix_disk_mb']):g}"
-    return ["--prefix-disk", str(config["prefix_disk"]), "--prefix-disk-mb", mb]
+    return ["--prefix-disk", str(config["prefix_disk_dir"]), "--prefix-disk-mb", mb]
 
 
 def systemd_quote(arg: str) -> str:

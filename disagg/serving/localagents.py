@@ -257,8 +257,7 @@ def start_local_agents(
     """Start one prefill and `n_decode` decode agents on 127.0.0.1, all loading at once.
 
     They share `token_file` (one cluster), or a fresh token of their own;
-    `prefill_args` / `decode_args` are extra command-line flags per role;
-    `decode_disk`: a decode agent's prefix disk tier flags, by its name;
+    `prefill_args` / `decode_args` are extra flags per role (`decode_disk`: by name);
     `prefill_model_dir`: the prefill agent loads that dir instead (mixed weights);
     `prefill_module`: the prefill agent runs from that module (a test's wrapper).
     """
