@@ -33,6 +33,7 @@ from disagg.serving.localagents import (
     start_local_agents,
     stop_agents,
 )
+from disagg.serving.localdisk import LocalDisk
 from disagg.serving.metrics import Metrics
 from disagg.serving.request import build_request
 from disagg.serving.router import Endpoint, Route, Router, StopGeneration
@@ -68,13 +69,16 @@ class Client:
         say: Say = lambda _msg: None,
         prefill_model: str | None = None,
         allow_mixed: bool = False,
+        prefix_disk: LocalDisk | None = None,
     ) -> Client:
         """Start a prefill and `n_decode` decode agents per model on this machine.
 
         `model`: a model dir, several (one pipeline each, named by the dir), or None
         for the embedded default. `prefill_model`: the prefill agent loads that dir
         instead (one model only); agents on different weights refuse to pair unless
-        `allow_mixed`, and results then say weights: "mixed". close() stops the agents.
+        `allow_mixed`, and results then say weights: "mixed". `prefix_disk`: the
+        decode agents keep prefix blocks there, across restarts (the cluster's token
+        is kept there too). close() stops the agents.
         """
         wanted = model if isinstance(model, list) else [model]
         if prefill_model is not None and len(wanted) != 1:
@@ -90,7 +94,8 @@ class Client:
         sweep_orphans()
         temp_dirs = [Path(tempfile.mkdtemp(prefix=LOCAL_PREFIX))]
         (temp_dirs[0] / OWNER_FILE).write_text(str(os.getpid()))
-        token_file, token = make_token_file(temp_dirs[0])
+        # With a disk tier, the token kept there: its MAC key and the salts come from it.
+        token_file, token = make_token_file(prefix_disk.root if prefix_disk else temp_dirs[0])
         try:
             for name, path in dirs.items():
                 temp_dirs.append(Path(tempfile.mkdtemp(prefix="disagg-logs-")))
@@ -102,6 +107,7 @@ class Client:
                     token_file=token_file,
                     prefill_model_dir=prefill_dir,
                     decode_args=["--allow-mixed"] if allow_mixed else [],
+                    decode_disk=_disk_flags(prefix_disk, name),
                 )
                 agents += [prefill, *decodes]
                 pipelines.append(_local_route(name, prefill, decodes))
@@ -329,6 +335,18 @@ def sweep_orphans(root: Path | None = None) -> list[Path]:
         shutil.rmtree(d, ignore_errors=True)
         removed.append(d)
     return removed
+
+
+def _disk_flags(disk: LocalDisk | None, model: str) -> Callable[[str], list[str]] | None:
+    """A local decode agent's prefix disk flags, by its name (None: no tier)."""
+    if disk is None:
+        return None
+    return lambda agent: [
+        "--prefix-disk",
+        str(disk.agent_dir(model, agent)),
+        "--prefix-disk-mb",
+        f"{disk.mb:g}",
+    ]
 
 
 def _remove(dirs: list[Path]) -> None:

@@ -122,6 +122,10 @@ BAD = {
         "hosts.a.cpus: expected a CPU list string, got 4",
     ),
     "bad toml": (lambda s: s + "\n[hosts.a\n", "not valid TOML"),
+    "negative disk budget": (
+        lambda s: s + "prefix_disk_mb = -1\n",
+        "pipelines.p.prefix_disk_mb: not a size: -1",
+    ),
 }
 
 
@@ -162,3 +166,35 @@ def test_env_var_names_the_file(tmp_path: Path, cli: Cli, monkeypatch: pytest.Mo
     monkeypatch.chdir(REPO)  # where an inventory.toml lies: the variable wins over it
     proc = cli("status", env={"DISAGG_INVENTORY": str(env_path)})
     assert proc.returncode == 1 and str(env_path) in proc.stderr
+
+
+def decode_script(inv_path: Path) -> list[str]:
+    """The run script deploy writes for the inventory's decode agent, as argv."""
+    import shlex
+
+    from disagg.fleet import service
+    from disagg.fleet.deploy import agent_config
+
+    inv = load(inv_path)
+    (agent,) = [a for a in inv.agents() if a.role == "decode"]
+    info = service.HostInfo("Darwin", "arm64", "/Users/u", "launchd", "/usr/bin/python3")
+    root = "/Users/u/.disagg"
+    script = service.run_script(
+        service.AgentPaths(root, "decode"), agent_config(agent, info, "py", root)
+    )
+    (line,) = [ln for ln in script.splitlines() if ln.startswith("exec ")]
+    return shlex.split(line)
+
+
+def test_the_decode_agents_disk_tier_comes_from_the_inventory(tmp_path: Path) -> None:
+    """On by default under the host's remote_dir; a pipeline's prefix_disk (~ or
+    relative) and prefix_disk_mb reach the run script; 0 turns it off."""
+    args = decode_script(write(tmp_path, GOOD))
+    assert args[args.index("--prefix-disk") + 1] == "/Users/u/.disagg/prefix-disk"
+    assert args[args.index("--prefix-disk-mb") + 1] == "4096"
+    args = decode_script(
+        write(tmp_path, GOOD + 'prefix_disk = "~/kv cache"\nprefix_disk_mb = 512\n')
+    )
+    assert args[args.index("--prefix-disk") + 1] == "/Users/u/kv cache"
+    assert args[args.index("--prefix-disk-mb") + 1] == "512"
+    assert "--prefix-disk" not in decode_script(write(tmp_path, GOOD + "prefix_disk_mb = 0\n"))

@@ -3,6 +3,8 @@ details under it), one wide table where there is room."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from rich.console import Console
 
 from disagg.cli.render_fleet import status_table
@@ -75,3 +77,44 @@ def test_status_wide_is_one_table() -> None:
     header = next(line for line in lines if "backend/device" in line)
     assert "memory" in header and "address" in header
     assert any("Qwen3-Coder-30B-A3B-Instruct-4bit" in line for line in lines)
+
+
+def test_status_url_shows_the_decode_agents_disk_tier(cli: Any) -> None:
+    """`disagg status --url` for `serve --local`: a gateway's agent rows (here a real
+    HTTP server answering /ui/api/state as the web view does) with the disk tier."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    agents = [
+        {"name": "prefill@127.0.0.1", "role": "prefill", "model": "M", "up": True},
+        {
+            "name": "decode@127.0.0.1",
+            "role": "decode",
+            "model": "M",
+            "up": True,
+            "prefix_disk": {"hits": 3, "bytes": 5 << 20, "max_bytes": 64 << 20},
+        },
+    ]
+
+    class State(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            body = json.dumps({"operator": True, "agents": agents}).encode()
+            self.send_response(200 if self.path == "/ui/api/state" else 404)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), State)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        proc = cli("status", "--url", url, env={"COLUMNS": "200"})
+    finally:
+        server.shutdown()
+    assert proc.returncode == 0, proc.stderr
+    rows = [ln for ln in proc.stdout.splitlines() if "@127.0.0.1" in ln]
+    assert "3 hits, 5 MiB / 64 MiB" in rows[1] and "hits" not in rows[0], proc.stdout

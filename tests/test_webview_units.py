@@ -45,6 +45,7 @@ RESULT: dict[str, Any] = {
     "prompt_tokens": 40,
     "completion_tokens": 9,
     "cached_tokens": 32,
+    "disk_cached_tokens": 16,
 }
 
 
@@ -112,6 +113,8 @@ def test_prometheus_text_parses_and_counts_what_happened() -> None:
     )
     assert sample(f, "disagg_gateway_prefix_hits", "disagg_gateway_prefix_hits_total") == 1
     assert sample(f, "disagg_gateway_cached_tokens", "disagg_gateway_cached_tokens_total") == 32
+    disk = sample(f, "disagg_gateway_disk_cached_tokens", "disagg_gateway_disk_cached_tokens_total")
+    assert disk == 16  # of the 32: the first request's disk hit
     assert (
         sample(f, "disagg_gateway_completion_tokens", "disagg_gateway_completion_tokens_total")
         == 18

@@ -19,6 +19,8 @@ from disagg.cli.common import (
     Model,
     Models,
     PrefillModel,
+    PrefixDisk,
+    PrefixDiskMb,
     app,
     err,
     friendly,
@@ -102,8 +104,11 @@ def _open_client(
     n_decode: int = 1,
     prefill_model: str | None = None,
     allow_mixed: bool = False,
+    prefix_disk: str | None = None,
+    prefix_disk_mb: float | None = None,
 ) -> Any:
     from disagg.api import Client
+    from disagg.serving.localdisk import local_disk
 
     if dtype not in DTYPES:  # the agents' own argparse would say it after they start
         raise UsageError(f"--dtype {dtype}: use {', '.join(DTYPES)}")
@@ -111,6 +116,11 @@ def _open_client(
         raise UsageError(
             "--prefill-model and --allow-mixed go with --local; "
             "for a fleet, set mixed_weights = true on the pipeline in the inventory"
+        )
+    if (prefix_disk is not None or prefix_disk_mb is not None) and not local:
+        raise UsageError(
+            "--prefix-disk and --prefix-disk-mb go with --local; for a fleet, set "
+            "prefix_disk and prefix_disk_mb on the pipeline in the inventory"
         )
     if not local:
         from disagg.fleet.inventory import InventoryError
@@ -129,6 +139,7 @@ def _open_client(
             say=say,
             prefill_model=prefill_model,
             allow_mixed=allow_mixed,
+            prefix_disk=local_disk(prefix_disk, prefix_disk_mb, say),
         )
 
 
@@ -192,25 +203,16 @@ def generate(
     ] = "auto",
     dtype: Dtype = "auto",
     as_json: Json = False,
+    prefix_disk: PrefixDisk = None,
+    prefix_disk_mb: PrefixDiskMb = None,
 ) -> None:
     """Generate text: prefill agent -> KV over TCP -> decode agent."""
     from disagg.frontends.batch import BatchItem, load_requests
     from disagg.serving.request import build_request
 
-    opts = _request_opts(
-        dict(
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-            system=system,
-            raw=raw,
-        ),
-        kv_quant,
-        think,
-        fmt,
-        placement,
-    )
+    sampling: dict[str, Any] = dict(max_tokens=max_tokens, temperature=temperature, seed=seed)
+    sampling.update(top_p=top_p, system=system, raw=raw)
+    opts = _request_opts(sampling, kv_quant, think, fmt, placement)
     # The request is built and checked before any agent starts.
     items: list[BatchItem] = []
     if batch is not None:
@@ -221,7 +223,14 @@ def generate(
     models: list[str | None] = list(model) if model else [None]
     _check_think(local, models, opts.get("think"))
     with _open_client(
-        local, models, inventory, dtype, prefill_model=prefill_model, allow_mixed=allow_mixed
+        local,
+        models,
+        inventory,
+        dtype,
+        prefill_model=prefill_model,
+        allow_mixed=allow_mixed,
+        prefix_disk=prefix_disk,
+        prefix_disk_mb=prefix_disk_mb,
     ) as client:
         # Local pipelines are named by their model dir; fleet ones by the inventory.
         names = (
@@ -482,6 +491,8 @@ def serve(
     max_requests_per_key: MaxRequestsPerKey = None,
     drain_timeout: DrainTimeout = 30.0,
     max_tokens: MaxTokensOpt = None,
+    prefix_disk: PrefixDisk = None,
+    prefix_disk_mb: PrefixDiskMb = None,
 ) -> None:
     """The gateway: OpenAI, Responses, Anthropic and Ollama APIs on one port.
 
@@ -514,7 +525,13 @@ def serve(
     # uvicorn hands the signal back to this handler once it has shut down.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     with _open_client(
-        local, list(model) if model else [None], inventory, dtype, decode_agents
+        local,
+        list(model) if model else [None],
+        inventory,
+        dtype,
+        decode_agents,
+        prefix_disk=prefix_disk,
+        prefix_disk_mb=prefix_disk_mb,
     ) as client:
         err.print(
             f"serving {', '.join(client.models())} on http://{host}:{port} "
@@ -581,7 +598,13 @@ def verify(
         prompt=prompt, max_tokens=max_tokens, raw=raw, logprobs=True, placement="remote"
     )
     with _open_client(
-        True, [model], None, dtype, prefill_model=prefill_model, allow_mixed=allow_mixed
+        True,
+        [model],
+        None,
+        dtype,
+        prefill_model=prefill_model,
+        allow_mixed=allow_mixed,
+        prefix_disk_mb=0,  # the handoff of every prompt token is what is checked
     ) as session:
         p, d = session.agents[0], session.agents[1]
         disagg = run_remote(p, d, request, require=False)

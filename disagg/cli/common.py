@@ -129,6 +129,23 @@ AllowMixed = Annotated[
     ),
 ]
 Dtype = Annotated[str, typer.Option("--dtype", help="auto, float32, float16 or bfloat16.")]
+PrefixDisk = Annotated[
+    str | None,
+    typer.Option(
+        "--prefix-disk",
+        metavar="DIR",
+        help="With --local: where decode agents keep prompt K/V across restarts "
+        "(default: prefix-disk in the cache dir, ~/.cache/disagg).",
+    ),
+]
+PrefixDiskMb = Annotated[
+    float | None,
+    typer.Option(
+        "--prefix-disk-mb",
+        help="With --local: most disk each decode agent's prefix tier takes "
+        "(default 4096 MB, or a tenth of the free space if less; 0: off).",
+    ),
+]
 
 
 def need_local(local: bool) -> None:

@@ -136,6 +136,7 @@ def _gateway_status(url: str, as_json: bool) -> None:
 
     from rich.table import Table
 
+    from disagg.cli.render_fleet import disk_tier
     from disagg.serving.gatewaystatus import gateway_agents
 
     rows = gateway_agents(url, os.environ.get("DISAGG_API_KEY"))
@@ -143,7 +144,8 @@ def _gateway_status(url: str, as_json: bool) -> None:
         print(json.dumps(rows))
     else:
         table = Table(title=f"agents behind {url}", header_style="bold")
-        for col in ("agent", "role", "model", "state", "device", "requests", "ttft p50"):
+        cols = ("agent", "role", "model", "state", "device", "requests", "ttft p50", "disk")
+        for col in cols:
             table.add_column(col, overflow="fold")
         for r in rows:
             state = "up" if r.get("up") else f"[red]down: {r.get('error') or '?'}[/]"
@@ -154,6 +156,7 @@ def _gateway_status(url: str, as_json: bool) -> None:
                 str(r.get("device") or "-"),
                 str(r.get("requests") if r.get("requests") is not None else "-"),
                 f"{p50 * 1000:.0f} ms" if isinstance(p50, int | float) else "-",
+                disk_tier(r.get("prefix_disk")),  # a decode agent's, where it has one
             )
         out.print(table)
     if any(not r.get("up") for r in rows):

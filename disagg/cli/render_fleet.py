@@ -155,9 +155,17 @@ def _prefix_cache(st: dict[str, Any]) -> str:
     size = f"{_mem(pc.get('bytes'))} / {_mem(pc.get('max_bytes'))}"
     disk = st.get("prefix_disk")  # a decode agent run with --prefix-disk
     if isinstance(disk, dict):
-        size += f"; disk {fmt(disk.get('hits'))} hits, "
-        size += f"{_mem(disk.get('bytes'))} / {_mem(disk.get('max_bytes'))}"
+        size += f"; disk {disk_tier(disk)}"
     return f"hit {hits} of {fmt(pc.get('queries'))}, {size}"
+
+
+def disk_tier(disk: Any) -> str:
+    """A decode agent's prefix disk tier: hits, then bytes held of the budget."""
+    if not isinstance(disk, dict):
+        return "-"
+    return (
+        f"{fmt(disk.get('hits'))} hits, {_mem(disk.get('bytes'))} / {_mem(disk.get('max_bytes'))}"
+    )
 
 
 def _ttfts(st: dict[str, Any]) -> str:

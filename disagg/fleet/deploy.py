@@ -185,7 +185,19 @@ def agent_config(
         **({"allow_mixed": True} if agent.allow_mixed else {}),
         # The inventory's addresses get connection slots strangers cannot fill.
         **({"trusted_peers": ",".join(trusted)} if trusted else {}),
+        **prefix_disk_config(agent, info, root),
     }
+
+
+def prefix_disk_config(agent: Agent, info: HostInfo, root: str) -> dict[str, object]:
+    """A decode agent's prefix disk tier: its directory on the host (a relative one
+    under the remote root) and budget; nothing when it is off."""
+    if agent.role != "decode" or agent.prefix_disk_mb <= 0:
+        return {}
+    where = info.expand(agent.prefix_disk)
+    if not where.startswith("/"):
+        where = f"{root}/{where}"
+    return {"prefix_disk_dir": where, "prefix_disk_mb": agent.prefix_disk_mb}
 
 
 def inventory_addresses(inv: Inventory) -> list[str]:
@@ -267,6 +279,9 @@ def _configure_agent(
     kind, py = result.service, result.python
     paths = service.AgentPaths(root, a.role)
     cfg = agent_config(a, info, py, root, inventory_addresses(inv))
+    disk = cfg.get("prefix_disk_dir")
+    if disk and not result.dry_run:  # ours alone: the agent refuses to share it
+        session.check(f"mkdir -p {q(str(disk))} && chmod 700 {q(str(disk))}")
     script = service.run_script(paths, cfg)
     unit = service.unit_file(kind, paths, info.home)
     # The token's hash, not the token: a new token restarts the agents.

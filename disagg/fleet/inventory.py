@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,9 +60,23 @@ PIPELINE_KEYS = {
     "mixed_weights",
     "integrity",
     "embedding_model",
+    "prefix_disk",
+    "prefix_disk_mb",
 }
 # An embedding pipeline runs prefill agents only: these keys belong to a decode side.
-DECODE_ONLY_KEYS = ("decode", "decode_model", "decode_timeout", "max_migrations", "mixed_weights")
+DECODE_ONLY_KEYS = (
+    "decode",
+    "decode_model",
+    "decode_timeout",
+    "max_migrations",
+    "mixed_weights",
+    "prefix_disk",
+    "prefix_disk_mb",
+)
+# A decode agent's prefix disk tier: a directory on its host (relative: under the
+# host's remote_dir) and its budget (0: off), as `serve --local` has it by default.
+DEFAULT_PREFIX_DISK = "prefix-disk"
+DEFAULT_PREFIX_DISK_MB = 4096.0
 SSH_KEYS = {"config", "known_hosts", "connect_timeout"}
 
 
@@ -121,6 +135,9 @@ class Pipeline:
     # An embedding model with no decode side (`embedding_model = ...`): its prefill
     # agents answer /api/embed and /v1/embeddings; chat and generate are refused.
     embedding: bool = False
+    # The decode agents' prefix disk tier: prompt K/V kept across their restarts.
+    prefix_disk: str = DEFAULT_PREFIX_DISK
+    prefix_disk_mb: float = DEFAULT_PREFIX_DISK_MB
 
 
 @dataclass(frozen=True)
@@ -141,6 +158,9 @@ class Agent:
     dtype: str
     pipelines: tuple[str, ...]
     allow_mixed: bool = False  # a decode agent of a mixed_weights pipeline
+    # A decode agent's prefix disk tier (its first pipeline's): directory, budget (0: off).
+    prefix_disk: str = DEFAULT_PREFIX_DISK
+    prefix_disk_mb: float = 0.0
 
     @property
     def label(self) -> str:
@@ -180,19 +200,21 @@ class Inventory:
                     mixed = role == "decode" and p.mixed_weights
                     if key in found:
                         a = found[key]
-                        found[key] = Agent(
-                            host,
-                            role,
-                            a.ports,
-                            a.model,
-                            a.dtype,
-                            (*a.pipelines, p.name),
-                            a.allow_mixed or mixed,
+                        found[key] = replace(
+                            a,
+                            pipelines=(*a.pipelines, p.name),
+                            allow_mixed=a.allow_mixed or mixed,
                         )
                     elif name in names:
                         found[key] = Agent(
                             host, role, host.roles[role], model, p.dtype, (p.name,), mixed
                         )
+                        if role == "decode":
+                            found[key] = replace(
+                                found[key],
+                                prefix_disk=p.prefix_disk,
+                                prefix_disk_mb=p.prefix_disk_mb,
+                            )
         order = list(self.hosts)
         return sorted(found.values(), key=lambda a: (order.index(a.host.name), a.role))
 
@@ -302,6 +324,12 @@ class _Checker:
             raise self.fail(f"{key}.{name}", f"not a positive number: {val!r}", "give seconds > 0")
         return float(val)
 
+    def megabytes(self, raw: dict[str, Any], key: str, name: str, default: float) -> float:
+        val = raw.get(name, default)
+        if not isinstance(val, int | float) or isinstance(val, bool) or val < 0:
+            raise self.fail(f"{key}.{name}", f"not a size: {val!r}", "give MB >= 0 (0: off)")
+        return float(val)
+
     def count(self, raw: dict[str, Any], key: str, name: str, default: int) -> int:
         val = raw.get(name, default)
         if not isinstance(val, int) or isinstance(val, bool) or not 0 <= val <= 64:
@@ -381,12 +409,14 @@ def _host(c: _Checker, name: str, raw: Any) -> Host:
     )
 
 
-def _remote_dir(c: _Checker, raw: Any, key: str) -> str:
-    path = c.text(raw, key, "remote_dir") or "~/.disagg"
+def _remote_dir(
+    c: _Checker, raw: Any, key: str, name: str = "remote_dir", default: str = "~/.disagg"
+) -> str:
+    path = c.text(raw, key, name) or default
     # Every other character is quoted for the shell, systemd or launchd; a newline can't be.
     if any(ord(ch) < 32 or ord(ch) == 127 for ch in path):
         raise c.fail(
-            f"{key}.remote_dir",
+            f"{key}.{name}",
             f"{path!r} holds a newline or control character",
             "choose a directory name without one",
         )
@@ -466,6 +496,8 @@ def _pipeline(c: _Checker, name: str, raw: Any, hosts: dict[str, Host]) -> Pipel
         mixed_weights=c.flag(raw, key, "mixed_weights"),
         integrity=c.choice(raw, key, "integrity", INTEGRITY),
         max_migrations=c.count(raw, key, "max_migrations", 2),
+        prefix_disk=_remote_dir(c, raw, key, "prefix_disk", DEFAULT_PREFIX_DISK),
+        prefix_disk_mb=c.megabytes(raw, key, "prefix_disk_mb", DEFAULT_PREFIX_DISK_MB),
     )
 
 

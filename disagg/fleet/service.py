@@ -114,6 +114,7 @@ def run_script(paths: AgentPaths, config: dict[str, Any]) -> str:
         paths.log,
         *(["--allow-mixed"] if config.get("allow_mixed") else []),
         *(["--trusted-peers", config["trusted_peers"]] if config.get("trusted_peers") else []),
+        *_prefix_disk_args(config),
     ]
     return (
         "#!/bin/sh\n"
@@ -124,6 +125,14 @@ def run_script(paths: AgentPaths, config: dict[str, Any]) -> str:
         # The agent rotates its own log; stderr (a crash's traceback) gets a file of its own.
         f"exec {' '.join(q(a) for a in args)} > {q(paths.out)} 2>> {q(paths.stderr)} < /dev/null\n"
     )
+
+
+def _prefix_disk_args(config: dict[str, Any]) -> list[str]:
+    """A decode agent's prefix disk tier flags (deploy.prefix_disk_config), if any."""
+    if not config.get("prefix_disk_dir"):
+        return []
+    mb = f"{float(config['prefix_disk_mb']):g}"
+    return ["--prefix-disk", str(config["prefix_disk_dir"]), "--prefix-disk-mb", mb]
 
 
 def systemd_quote(arg: str) -> str:

@@ -46,7 +46,12 @@ def create_app(
     app = FastAPI(title="disagg gateway")
     log = RequestLog(client.models())
     app.add_middleware(
-        Guard, api_key=api_key, max_body=max_body, error_body=error_body, web_view=webauth
+        Guard,
+        api_key=api_key,
+        max_body=max_body,
+        error_body=error_body,
+        web_view=webauth,
+        salt_secret=client.router.token,
     )
     app.add_middleware(ListRefusals, log=log)  # outermost: sees the guard's 401s and 413s
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])

@@ -99,6 +99,15 @@ def tenant_tag(request: Request) -> str | None:
     return hmac.new(secret, b"tenant|" + tenant, hashlib.sha256).hexdigest()[:32]
 
 
+def salt_key(secret: bytes | None) -> bytes:
+    """The key salts are HMACs under, so nobody can tell an API key from its salt:
+    derived from the cluster token (`secret`), the same after a restart, so blocks
+    on a decode agent's disk stay the tenant's; without a token, this process's own."""
+    if not secret:
+        return secrets.token_bytes(32)
+    return hmac.new(secret, b"disagg tenant cache salts", hashlib.sha256).digest()
+
+
 def wants_internals(request: Request) -> bool:
     """Addresses, fallback reasons, reroutes and other tenants' load (route.busy) go
     to the operator's key only, when it asks; another tenant's header is ignored."""
@@ -120,6 +129,7 @@ class Guard:
         body_timeout_s: float = BODY_TIMEOUT_S,
         error_body: ErrorBody = plain_error_body,
         web_view: WebView | None = None,
+        salt_secret: bytes | None = None,
     ):
         self.app = app
         self.error_body = error_body
@@ -129,9 +139,7 @@ class Guard:
         self.key_digest = self.key_digests[0] if self.key_digests else None
         self.max_body = max_body
         self.body_timeout_s = body_timeout_s
-        # Salts are HMACs under a secret of this process: nobody can tell a key
-        # from its salt, and a restart only costs cache misses.
-        self.salt_key = secrets.token_bytes(32)
+        self.salt_key = salt_key(salt_secret)
 
     def tenant(self, scope: Scope) -> bytes | None:
         """The digest of the caller's key, if it holds one of ours."""

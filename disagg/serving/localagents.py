@@ -8,12 +8,13 @@ import queue
 import random
 import secrets
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -222,11 +223,18 @@ def wait_ready(
 
 
 def make_token_file(directory: Path) -> tuple[Path, bytes]:
-    """A fresh cluster token for local agents, readable only by us."""
+    """A cluster token for local agents, readable only by us: the one `directory`
+    keeps (serve --local's disk tier keys its blocks with it), else a fresh one."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "token"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise AgentError(f"{path} is not a token file of ours (0600); remove it") from None
+        return path, path.read_bytes().strip()
     token = secrets.token_hex(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(token)
     return path, token.encode()
@@ -244,11 +252,12 @@ def start_local_agents(
     decode_args: Sequence[str] = (),
     prefill_model_dir: Path | None = None,
     prefill_module: str | None = None,
+    decode_disk: Callable[[str], Sequence[str]] | None = None,
 ) -> tuple[AgentProc, list[AgentProc]]:
     """Start one prefill and `n_decode` decode agents on 127.0.0.1, all loading at once.
 
     They share `token_file` (one cluster), or a fresh token of their own;
-    `prefill_args` / `decode_args` are extra command-line flags per role;
+    `prefill_args` / `decode_args` are extra flags per role (`decode_disk`: by name);
     `prefill_model_dir`: the prefill agent loads that dir instead (mixed weights);
     `prefill_module`: the prefill agent runs from that module (a test's wrapper).
     """
@@ -267,7 +276,12 @@ def start_local_agents(
             dtype=dtype,
             name=name,
             log_dir=log_dir / name.split("@")[0],
-            extra_args=["--token-file", str(token_file), *(decode_args if i else prefill_args)],
+            extra_args=[
+                "--token-file",
+                str(token_file),
+                *(decode_args if i else prefill_args),
+                *(decode_disk(name) if i and decode_disk else ()),
+            ],
             module=None if i else prefill_module,
         )
         for i, name in enumerate(names)

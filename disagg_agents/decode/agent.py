@@ -112,9 +112,15 @@ class DecodeAgent:
         mb = default_max_mb() if options.prefix_cache_mb is None else options.prefix_cache_mb
         prefix = DecodePrefixCache(int(mb * (1 << 20)), engine.fingerprint["layers"], engine.dtype)
         self.stats.extra.append(lambda: prefix.store.prometheus("decode"))
-        if options.prefix_disk:  # the disk tier: blocks kept across restarts
-            mb = DEFAULT_DISK_MB if options.prefix_disk_mb is None else options.prefix_disk_mb
-            prefix.enable_disk(options.prefix_disk, int(mb * (1 << 20)), engine.fingerprint)
+        mb = DEFAULT_DISK_MB if options.prefix_disk_mb is None else options.prefix_disk_mb
+        if options.prefix_disk and mb > 0:  # the disk tier: blocks kept across restarts
+            try:
+                prefix.enable_disk(
+                    options.prefix_disk, int(mb * (1 << 20)), engine.fingerprint, self.token
+                )
+            except (OSError, ValueError) as e:  # serve without it rather than not at all
+                log.error("prefix disk tier off: %s: %s", options.prefix_disk, e)
+                return prefix
             disk = prefix.disk
             assert disk is not None
             self.stats.extra.append(lambda: disk.prometheus("decode"))
@@ -126,7 +132,7 @@ class DecodeAgent:
         return [
             *disk,
             budget_setting(self.prefix.store),
-            tenant_share_setting(self.prefix.store),
+            tenant_share_setting(self.prefix.store, self.prefix.disk),
             attr_setting(
                 "allow_mixed",
                 self,
@@ -269,3 +275,5 @@ def main() -> None:
         ),
     )
     serve("decode", args, token, agent)
+    if agent.prefix.disk is not None:  # the blocks still queued, so a restart finds them
+        agent.prefix.disk.close()

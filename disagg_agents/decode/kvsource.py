@@ -108,13 +108,24 @@ def place(
     """Where the prompt is prefilled ("local" or "remote"), why, and the remote
     prefix cache hit. The hit comes first: placement then weighs only what a
     remote prefill still computes and sends (most of a chat's next turn hits)."""
-    hit = Hit(f"remote:{key}", [], [], agent.prefix.store.block)
+    namespace = remote_namespace(agent, req)
+    hit = Hit(namespace, [], [], agent.prefix.store.block)
     if req.placement != "local":
-        hit = lookup(agent, req, f"remote:{key}", ids, local=False)
+        hit = lookup(agent, req, namespace, ids, local=False)
     where, why = agent.placement.choose(key, len(ids), cached=hit.tokens)
     if req.placement in ("local", "remote"):
         where, why = req.placement, "placement forced by the request"
     return where, why, hit
+
+
+def remote_namespace(agent: DecodeAgent, req: GenerateRequest) -> str:
+    """The prefix cache's namespace for K/V from the request's prefill agent: its
+    host, not its port, so blocks (on disk too) outlive the prefill agent's restart
+    on a new port. With mixed weights allowed, another agent there may hold other
+    weights: then the port too."""
+    assert req.prefill is not None
+    where = ",".join(req.prefill.hosts)
+    return f"remote:{where}:{req.prefill.port}" if agent.allow_mixed else f"remote:{where}"
 
 
 def hello(agent: DecodeAgent) -> dict[str, Any]:

@@ -34,6 +34,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+from disagg_agents.prefix.blockfile import max_file_bytes
 from disagg_agents.prefix.disk import DiskTier, fingerprint_digest
 from disagg_agents.prefix.store import Block, BlockStore, Owner, Prefix, block_keys, prefix_digest
 from disagg_agents.wire.kvcodec import DTYPE_NAMES, Kind, LayerKV
@@ -125,9 +126,13 @@ class DecodePrefixCache:
         self.pending_lock = threading.Lock()
         self.disk: DiskTier | None = None  # blocks kept across restarts (enable_disk)
 
-    def enable_disk(self, root: str, max_bytes: int, fingerprint: dict[str, Any]) -> None:
-        """Keep blocks in `root` too (at most `max_bytes`), for this model only."""
-        self.disk = DiskTier(root, max_bytes, fingerprint_digest(fingerprint))
+    def enable_disk(
+        self, root: str, max_bytes: int, fingerprint: dict[str, Any], secret: bytes | None
+    ) -> None:
+        """Keep blocks in `root` too (at most `max_bytes`), for this model only;
+        `secret` (the cluster token) keys the files' MAC."""
+        most = max_file_bytes(fingerprint, self.store.block)
+        self.disk = DiskTier(root, max_bytes, fingerprint_digest(fingerprint), secret, most)
 
     def pending_add(self, save: Any) -> None:
         with self.pending_lock:
@@ -179,8 +184,9 @@ class DecodePrefixCache:
             return []
         need = [f or local for f in self.full]
         found: list[Block] = []
+        tenant = getattr(keys, "tenant", None)
         for k in keys[have:most]:
-            blk = self.disk.get(k)
+            blk = self.disk.get(k, tenant)
             if blk is None or len(blk.layers) != len(need):
                 break
             if any(n and layer is None for n, layer in zip(need, blk.layers, strict=True)):
@@ -256,6 +262,7 @@ class DecodePrefixCache:
         per_block = sum((s.keys[:, :1].nbytes + s.values[:, :1].nbytes) * b for s in used)
         new = (len(hit.keys) - len(hit.blocks)) * per_block
         owner: Owner | None = None
+        tenant = getattr(hit.keys, "tenant", None)
         if held <= self.store.request_cap and new >= VIEW_SHARE * held:
             owner = Owner(held, own_copy)
 
@@ -276,7 +283,7 @@ class DecodePrefixCache:
                 layers.append(pair)
             blk = Block(tuple(layers), size, owner)
             if self.disk is not None:
-                self.disk.put(hit.keys[i], blk)  # written later, on the tier's thread
+                self.disk.put(hit.keys[i], blk, tenant)  # written later, on the tier's thread
             return blk
 
         return self.store.add(hit.keys, make)

@@ -2,42 +2,43 @@
 agent's restart (a deploy, a crash, a reboot) does not put every conversation back
 to cold.
 
-One file per block, named by a hash of the model's fingerprint and the block's
-chained key (which already mixes in the namespace and the tenant's salt): another
-model, producer or tenant never finds it. A file is written to a temporary name and
-renamed into place (a reader never sees half a block), and carries its fingerprint,
-key and a checksum of its bytes: a corrupt, truncated or foreign file is deleted and
-counts as a miss, never as K/V. The directory is held to its budget least recently
-used first (file mtimes carry the order across restarts); a full budget evicts, it
-never fails a request. Writes happen on a thread of their own, from a bounded queue
-(a full queue drops the write): a request never waits for the disk.
-
-Framework-free: blocks are numpy arrays (the decode agent's; bf16 as uint16 words).
+One file per block (disagg_agents.prefix.blockfile: its format, MAC and careful
+reads), named by its tenant's tag and a hash of the model's fingerprint and the
+block's chained key (which already mixes in the namespace and the tenant's salt):
+another model, producer or tenant never finds it. The directory is ours alone
+(0700, files 0600). A file is written to a temporary name and renamed into place (a
+reader never sees half a block); a file that is not sound (altered, swapped, not a
+regular file, too big) is dropped with a log line and counts as a miss, never as
+K/V. The directory is held to its budget least recently used first (file mtimes
+carry the order across restarts), one tenant's blocks to its share of it while
+another's are there too (as in the memory tier); a full budget evicts, it never
+fails a request. Writes happen on a thread of their own, from a bounded queue (a
+full queue drops the write): a request never waits for the disk.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import queue
-import struct
 import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from disagg_agents.prefix.store import Block, prom_series
+from disagg_agents.prefix import blockfile
+from disagg_agents.prefix.blockfile import BadBlock, block_name, tenant_tag
+from disagg_agents.prefix.store import TENANT_SHARE, Block, prom_series
 
 log = logging.getLogger("disagg.prefix")
 
-MAGIC = b"DISAGGKV1\n"
-SUFFIX = ".kv"
 QUEUE_MAX = 4096  # blocks waiting to be written; more are dropped
-HEADER_MAX = 1 << 20
+DEFAULT_MAX_FILE = 64 << 20  # a block file's bound where the model's is not known
+SCAN_LOG_MAX = 5  # files a start's scan names in the log; more are counted
 
 
 def fingerprint_digest(fingerprint: dict[str, Any]) -> str:
@@ -46,117 +47,105 @@ def fingerprint_digest(fingerprint: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def encode_block(fp: str, key: bytes, block: Block) -> bytes:
-    """A block file's bytes: magic, header length, JSON header, then each kept
-    layer's keys and values, C order."""
-    layers: list[Any] = []
-    parts: list[bytes] = []
-    for pair in block.layers:
-        if pair is None:
-            layers.append(None)
-            continue
-        k, v = np.ascontiguousarray(pair[0]), np.ascontiguousarray(pair[1])
-        layers.append([k.dtype.str, list(k.shape), v.dtype.str, list(v.shape)])
-        parts += [k.tobytes(), v.tobytes()]
-    payload = b"".join(parts)
-    head = {
-        "fp": fp,
-        "key": key.hex(),
-        "layers": layers,
-        "sum": hashlib.blake2b(payload, digest_size=16).hexdigest(),
-    }
-    raw = json.dumps(head).encode()
-    return MAGIC + struct.pack("<I", len(raw)) + raw + payload
-
-
-def decode_block(fp: str, key: bytes, data: bytes) -> Block:
-    """A block back from its file's bytes; ValueError if anything is off."""
-    if not data.startswith(MAGIC) or len(data) < len(MAGIC) + 4:
-        raise ValueError("not a block file")
-    (n,) = struct.unpack_from("<I", data, len(MAGIC))
-    start = len(MAGIC) + 4
-    if n > HEADER_MAX or start + n > len(data):
-        raise ValueError("bad header length")
-    head = json.loads(data[start : start + n])
-    if head.get("fp") != fp or head.get("key") != key.hex():
-        raise ValueError("another model's or another prompt's block")
-    payload = memoryview(data)[start + n :]
-    if hashlib.blake2b(payload, digest_size=16).hexdigest() != head.get("sum"):
-        raise ValueError("checksum mismatch")
-    at, size = 0, 0
-    layers: list[tuple[np.ndarray, np.ndarray] | None] = []
-    for entry in head["layers"]:
-        if entry is None:
-            layers.append(None)
-            continue
-        kd, ks, vd, vs = entry
-        arrays = []
-        for dt, shape in ((kd, ks), (vd, vs)):
-            count = int(np.prod(shape))
-            a = np.frombuffer(payload, np.dtype(dt), count, at).reshape(shape)
-            at += a.nbytes
-            arrays.append(a)
-        size += arrays[0].nbytes + arrays[1].nbytes
-        layers.append((arrays[0], arrays[1]))
-    if at != len(payload):
-        raise ValueError("payload size mismatch")
-    return Block(tuple(layers), size)
-
-
-def block_file(fp: str, key: bytes) -> str:
-    """A block's file name: the model's fingerprint digest and the block's chained key."""
-    return hashlib.blake2b(fp.encode() + key, digest_size=20).hexdigest() + SUFFIX
-
-
 class DiskTier:
-    """Block files in `root`, at most `max_bytes` of them, for one model (`fp`)."""
+    """Block files in `root`, at most `max_bytes` of them, for one model (`fp`).
+    `secret`: key material for the files' MAC (the cluster token; None: a key kept
+    in the directory); `max_file`: the largest file a block can be."""
 
-    def __init__(self, root: str | Path, max_bytes: int, fp: str) -> None:
+    def __init__(
+        self,
+        root: str | Path,
+        max_bytes: int,
+        fp: str,
+        secret: bytes | None = None,
+        max_file: int = DEFAULT_MAX_FILE,
+    ) -> None:
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        blockfile.own_dir(self.root)
+        self.held = blockfile.lock_dir(self.root)  # two agents on one directory would clash
+        self.mac = blockfile.mac_key(secret or blockfile.dir_secret(self.root))
         self.fp = fp
         self.max_bytes = max(0, int(max_bytes))
+        self.max_file = max_file
+        self.tenant_share = TENANT_SHARE
         self.lock = threading.Lock()
         self.files: OrderedDict[str, int] = OrderedDict()  # name -> size, LRU first
         self.bytes = 0
+        self.tenant_bytes: dict[str, int] = {}  # per tenant tag (salted blocks only)
         self.reads = self.hits = self.hit_tokens = 0
-        self.writes = self.written_bytes = self.dropped = 0
+        self.writes = self.written_bytes = self.dropped = self.share_drops = 0
         self.corrupt = self.evictions = 0
         self._scan()
-        self.todo: queue.Queue[tuple[bytes, Block] | None] = queue.Queue(QUEUE_MAX)
+        self.todo: queue.Queue[tuple[bytes, Block, str] | None] = queue.Queue(QUEUE_MAX)
         self.writer = threading.Thread(target=self._write_loop, daemon=True, name="prefix-disk")
         self.writer.start()
 
     def _scan(self) -> None:
-        """The files a run before this one left, oldest use first; stray temporary
-        files (a write cut short) go."""
+        """The files a run before this one left, oldest use first. Stray temporary
+        files (a write cut short) go; so does anything that cannot be a block."""
         found: list[tuple[float, str, int]] = []
-        for p in self.root.iterdir():
-            if p.name.startswith(".") and p.name.endswith(".tmp"):
-                p.unlink(missing_ok=True)
-            elif p.suffix == SUFFIX:
-                st = p.stat()
-                found.append((st.st_mtime, p.name, st.st_size))
-        for _, name, size in sorted(found):
-            self.files[name] = size
-            self.bytes += size
+        removed = 0
+        with os.scandir(self.root) as entries:
+            for e in entries:
+                if e.name.startswith(".") and e.name.endswith(".tmp"):
+                    self._unlink(e.name)
+                elif e.name.endswith(blockfile.SUFFIX):
+                    why = self._unfit(e)
+                    if why:
+                        removed += 1
+                        if removed <= SCAN_LOG_MAX:  # an older release's files: a few lines
+                            log.warning("prefix disk: %s %s: removed", e.name[:80], why)
+                        self._unlink(e.name)
+                        continue
+                    st = e.stat(follow_symlinks=False)
+                    found.append((st.st_mtime, e.name, st.st_size))
+        if removed > SCAN_LOG_MAX:
+            log.warning("prefix disk: %d files in %s were no blocks: removed", removed, self.root)
+        self.corrupt += removed
         with self.lock:
+            for _, name, size in sorted(found):
+                self._index(name, size)
             self._make_room(0)
 
-    def name(self, key: bytes) -> str:
-        return block_file(self.fp, key)
+    def _unfit(self, e: os.DirEntry[str]) -> str:
+        """Why a directory entry is no block file ("" if it may be one)."""
+        if not blockfile.NAME.match(e.name):
+            return "is not named as a block"
+        if not e.is_file(follow_symlinks=False):
+            return "is not a regular file"
+        size = e.stat(follow_symlinks=False).st_size
+        if size > self.max_file:
+            return f"is {size} bytes, more than a block's {self.max_file}"
+        return ""
+
+    def _unlink(self, name: str) -> None:
+        try:
+            (self.root / name).unlink(missing_ok=True)
+        except OSError as e:
+            log.warning("prefix disk: cannot remove %s: %s", name[:80], e.strerror)
+
+    def _index(self, name: str, size: int) -> None:
+        self.files[name] = size
+        self.bytes += size
+        tag = name.split("-", 1)[0]
+        if tag != blockfile.UNSALTED:
+            self.tenant_bytes[tag] = self.tenant_bytes.get(tag, 0) + size
+
+    def name(self, key: bytes, tenant: str | None = None) -> str:
+        return block_name(self.fp, key, tenant_tag(tenant))
 
     # -- writes (the writer thread) ---------------------------------------------
 
-    def put(self, key: bytes, block: Block) -> None:
-        """Write `block` later, on the writer thread; never blocks."""
+    def put(self, key: bytes, block: Block, tenant: str | None = None) -> None:
+        """Write `block` (of the tenant whose cache salt is `tenant`) later, on the
+        writer thread; never blocks."""
         if not self.max_bytes:
             return
         with self.lock:
-            if self.name(key) in self.files:
+            if self.name(key, tenant) in self.files:
                 return
         try:
-            self.todo.put_nowait((key, block))
+            self.todo.put_nowait((key, block, tenant_tag(tenant)))
         except queue.Full:
             with self.lock:
                 self.dropped += 1
@@ -173,46 +162,71 @@ class DiskTier:
             finally:
                 self.todo.task_done()
 
-    def _write(self, key: bytes, block: Block) -> None:
-        name = self.name(key)
-        data = encode_block(self.fp, key, block)
+    def _write(self, key: bytes, block: Block, tag: str) -> None:
+        name = block_name(self.fp, key, tag)
+        data = blockfile.encode(self.fp, key, tag, block, self.mac)
         with self.lock:
-            if name in self.files or len(data) > self.max_bytes:
+            if name in self.files or len(data) > min(self.max_bytes, self.max_file):
+                return
+            if not self._within_share(tag, len(data)):
+                self.share_drops += 1
                 return
             self._make_room(len(data))
         tmp = self.root / f".{name}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
+        tmp.unlink(missing_ok=True)
+        blockfile.write_new(tmp, data)
         os.replace(tmp, self.root / name)  # atomic: a reader sees all of it or nothing
         with self.lock:
             if name not in self.files:
-                self.files[name] = len(data)
-                self.bytes += len(data)
+                self._index(name, len(data))
             self.writes += 1
             self.written_bytes += len(data)
             self._make_room(0)
 
-    def flush(self) -> None:
-        """Wait until every queued block is written (tests, shutdown)."""
-        self.todo.join()
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every queued block is written, at most `timeout_s` (None: no
+        limit); False if some are still waiting."""
+        if timeout_s is None:
+            self.todo.join()
+            return True
+        deadline = time.monotonic() + timeout_s
+        while self.todo.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return not self.todo.unfinished_tasks
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Write what is queued (for up to `timeout_s`), stop the writer, and let the
+        directory go (a restart's agent takes it)."""
+        if self.held < 0:
+            return
+        if not self.flush(timeout_s):
+            log.warning("prefix disk: %d block writes left undone at exit", self.todo.qsize())
+        with contextlib.suppress(queue.Full):
+            self.todo.put_nowait(None)
+        self.writer.join(timeout_s)
+        os.close(self.held)
+        self.held = -1
 
     # -- reads (request threads) ------------------------------------------------
 
-    def get(self, key: bytes) -> Block | None:
-        """The block stored under `key`, or None: not there, or not sound (then its
-        file goes)."""
-        name = self.name(key)
+    def get(self, key: bytes, tenant: str | None = None) -> Block | None:
+        """The block stored under `key` for `tenant`, or None: not there, or not
+        sound (then its file goes, with a log line)."""
+        tag = tenant_tag(tenant)
+        name = block_name(self.fp, key, tag)
         with self.lock:
-            if name not in self.files:
+            size = self.files.get(name)
+            if size is None:
                 return None
             self.files.move_to_end(name)
             self.reads += 1
         path = self.root / name
         try:
-            block = decode_block(self.fp, key, path.read_bytes())
-            os.utime(path)  # its use, for the order after a restart
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            log.warning("prefix block %s on disk is unusable (%s): dropped", name, e)
+            data = blockfile.read_exactly(path, size, self.max_file)
+            block = blockfile.decode(self.fp, key, tag, data, self.mac)
+            os.utime(path, follow_symlinks=False)  # its use, for the order after a restart
+        except (OSError, BadBlock, ValueError, KeyError, TypeError) as e:
+            log.warning("prefix disk: block %s is unusable (%s): dropped", name, e)
             with self.lock:
                 self.corrupt += 1
                 self._drop(name)
@@ -231,13 +245,37 @@ class DiskTier:
         size = self.files.pop(name, None)
         if size is not None:
             self.bytes -= size
-        (self.root / name).unlink(missing_ok=True)
+            tag = name.split("-", 1)[0]
+            left = self.tenant_bytes.get(tag, 0) - size
+            if left > 0:
+                self.tenant_bytes[tag] = left
+            else:
+                self.tenant_bytes.pop(tag, None)
+        self._unlink(name)
 
     def _make_room(self, nbytes: int) -> None:
         """Evict least recently used files until `nbytes` more fit (under the lock)."""
         while self.files and self.bytes + nbytes > self.max_bytes:
             self._drop(next(iter(self.files)))
             self.evictions += 1
+
+    def _within_share(self, tag: str, nbytes: int) -> bool:
+        """Under the lock: room for `nbytes` more of tenant `tag`'s blocks within its
+        share, made by evicting its own least recently used files (never another
+        tenant's); no limit for unsalted blocks or a tenant alone on the disk."""
+        if tag == blockfile.UNSALTED or not set(self.tenant_bytes) - {tag}:
+            return True
+        cap = int(self.max_bytes * self.tenant_share)
+        if nbytes > cap:
+            return False
+        prefix = tag + "-"
+        while self.tenant_bytes.get(tag, 0) + nbytes > cap:
+            victim = next((n for n in self.files if n.startswith(prefix)), None)
+            if victim is None:
+                return False
+            self._drop(victim)
+            self.evictions += 1
+        return True
 
     def set_budget(self, max_bytes: int) -> None:
         """A new budget, live: 0 empties the directory and turns the tier off."""
@@ -253,12 +291,14 @@ class DiskTier:
                 "max_bytes": self.max_bytes,
                 "bytes": self.bytes,
                 "blocks": len(self.files),
+                "tenants": len(self.tenant_bytes),
                 "reads": self.reads,
                 "hits": self.hits,
                 "cached_tokens": self.hit_tokens,
                 "writes": self.writes,
                 "written_bytes": self.written_bytes,
                 "dropped_writes": self.dropped,
+                "share_drops": self.share_drops,
                 "queued_writes": self.todo.qsize(),
                 "corrupt": self.corrupt,
                 "evictions": self.evictions,

@@ -145,13 +145,20 @@ def disk_setting(disk: DiskTier) -> Setting:
     )
 
 
-def tenant_share_setting(cache: BlockStore) -> Setting:
-    """What one tenant's prompts may hold of a prefix cache while another's are cached."""
+def tenant_share_setting(cache: BlockStore, disk: DiskTier | None = None) -> Setting:
+    """What one tenant's prompts may hold of a prefix cache (and of its disk tier)
+    while another's are cached."""
+
+    def apply(share: float) -> None:
+        for tier in (cache, disk):
+            if tier is not None:
+                tier.tenant_share = share
+
     return Setting(
         "prefix_tenant_share",
         float,
         lambda: cache.tenant_share,
-        lambda share: setattr(cache, "tenant_share", share),
+        apply,
         0.05,
         1.0,
         "of the prefix cache, what one API key's prompts may hold while another's are cached",

@@ -24,6 +24,9 @@ PIPELINES = {"qwen3-coder-30b": ("dgx-spark-1", "mac-studio-2"),
              "gpt-oss-120b": ("dgx-spark-2", "mac-studio-1")}  # fmt: skip
 
 
+PREFIX_DISK = ['prefix_disk = "kv-blocks"', "prefix_disk_mb = 64"]
+
+
 def pipeline_cpus() -> dict[str, str]:
     """host -> the CPU its agents are pinned to: one core per pipeline, so the two
     pipelines run side by side like separate machines instead of halving each other's
@@ -124,6 +127,9 @@ def inventory_text(
             f'dtype = "{dtype.get(pipe, "auto")}"',
             "prefill_timeout = 60",
             "decode_timeout = 180",
+            # One pipeline's decode agent keeps prompt K/V where and as much as the
+            # inventory says; the other's takes the defaults.
+            *(PREFIX_DISK if pipe == "qwen3-coder-30b" else []),
             "",
         ]
     return "\n".join(out)

@@ -123,6 +123,17 @@ def test_deploy_start_status_generate_logs(
     assert token.stat().st_mode & 0o777 == 0o600
     assert token.stat().st_uid == int(in_ns("ops", "id", "-u", m1.user).stdout)
 
+    # The inventory's disk tier reaches each decode agent's run script; deploy made
+    # its directory, the agent's alone.
+    for host, (where, mb) in {
+        "mac-studio-2": ("kv-blocks", "64"),
+        "mac-studio-1": ("prefix-disk", "4096"),
+    }.items():
+        root = BY_NAME[host].home / ".disagg"
+        script = (root / "decode.sh").read_text()
+        assert f"--prefix-disk {root / where} --prefix-disk-mb {mb} " in script, script
+        assert (root / where).stat().st_mode & 0o777 == 0o700
+
     started = fleet_cli("start", "-i", str(inventory), timeout=400)
     assert started.returncode == 0, started.stdout
     assert started.stdout.count("started") == 4
@@ -164,8 +175,14 @@ def test_deploy_start_status_generate_logs(
         if r["role"] == "decode":
             st = r["status"]
             assert 0 < st["ttft_p50_s"] <= st["ttft_p95_s"] <= st["ttft_p99_s"], st
+    # Both decode agents run the disk tier, with the inventory's budget; status shows it.
+    disks = {r["host"]: r["status"]["prefix_disk"] for r in rows if r["role"] == "decode"}
+    assert disks["mac-studio-2"]["max_bytes"] == 64 << 20, disks
+    assert disks["mac-studio-1"]["max_bytes"] == 4096 << 20, disks
+    assert disks["mac-studio-2"]["dir"].endswith("/.disagg/kv-blocks"), disks
     table = fleet_cli("status", "-i", str(inventory))
     assert table.returncode == 0
+    assert re.search(r"disk\s+[\d,]+\s+hits", table.stdout), table.stdout
     # Wide or narrow layout, the three percentiles are shown with their values.
     assert "p50/p95/p99" in table.stdout, table.stdout
     assert re.search(r"ms / [\d.]+ ms / [\d.]+ ms", table.stdout), table.stdout

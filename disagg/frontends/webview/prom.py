@@ -40,6 +40,7 @@ COUNTERS = {
     "fallbacks_total": "Requests prefilled on the decode agent because the prefill agent failed.",
     "prefix_hits_total": "Requests whose prompt reused K/V from a prefix cache.",
     "cached_tokens_total": "Prompt tokens whose K/V came from a prefix cache.",
+    "disk_cached_tokens_total": "Of those, tokens read back from a decode agent's disk tier.",
     "prompt_tokens_total": "Prompt tokens of finished requests.",
     "completion_tokens_total": "Generated tokens of finished requests.",
 }
@@ -54,6 +55,7 @@ OPERATOR_ONLY = (
     "kv_bytes",
     "prefix_hits_total",
     "cached_tokens_total",
+    "disk_cached_tokens_total",
     "prompt_tokens_total",
     "completion_tokens_total",
 )
@@ -116,6 +118,8 @@ class GatewayMetrics:
             cached = int(m.cached_tokens or 0)
             self.counts[("prefix_hits_total", (("model", model),))] += cached > 0
             self.counts[("cached_tokens_total", (("model", model),))] += cached
+            disk = min(cached, int(m.disk_cached_tokens or 0))
+            self.counts[("disk_cached_tokens_total", (("model", model),))] += disk
             for name, count in (
                 ("prompt_tokens_total", m.prompt_tokens),
                 ("completion_tokens_total", m.completion_tokens),
