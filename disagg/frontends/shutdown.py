@@ -25,6 +25,7 @@ class Drain:
     stop_now: Callable[[], None]  # the second Ctrl-C: stop the agents, remove temp files
     cut: Callable[[], None]  # the deadline passed: end every request at its next token
     deadline_s: float = DRAIN_S
+    began: Callable[[], None] = lambda: None  # the first signal: e.g. restart no agent
 
 
 def _line(text: str) -> None:
@@ -59,6 +60,7 @@ class DrainingServer(uvicorn.Server):
                 os._exit(130)  # no unwinding: threads mid-request would print tracebacks
         if not self.should_exit:
             self.signalled = sig
+            self.drain.began()
             n = self.drain.in_flight()
             timer = threading.Timer(self.drain.deadline_s, self._cut)
             timer.daemon = True

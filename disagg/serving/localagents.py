@@ -134,8 +134,17 @@ def spawn_agent(
         if threading.current_thread() is threading.main_thread():
             env[lifeline.ENV_PDEATHSIG] = "1"
     with open(log_path, "ab") as log:
+        # A session of its own: a terminal's Ctrl-C goes to the launcher alone, which
+        # drains and then stops its agents; taken by the agents too, it ended them
+        # mid-drain and the supervisor read that as a crash.
         proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True, env=env
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env=env,
+            start_new_session=True,
         )
     return proc, log_path, name
 
@@ -280,7 +289,7 @@ def start_local_agents(
                 wait_ready("prefill" if i == 0 else "decode", proc, log_path, name, timeout_s)
             )
             ready[-1].token, ready[-1].spawn = token, how[i]
-    except Exception:
+    except BaseException:  # a Ctrl-C while they load, too: they no longer see it
         for proc, _, _ in spawned[len(ready) :]:
             proc.kill()
         stop_agents(ready)

@@ -1,5 +1,6 @@
 """Watch the local agents `disagg serve --local` started: say when one exits, start
-it again with backoff, and route to it again once it is back."""
+it again with backoff, and route to it again once it is back. Once the server drains
+(Ctrl-C, SIGTERM), an agent that exits is stopping with it: said, not restarted."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ class Supervisor:
         self.check_s = check_s
         self.stopping = threading.Event()
         self.in_a_row: Counter[str] = Counter()
+        self.drained = False  # stopping because the server drains, not on exit
         self.thread = threading.Thread(target=self._watch, daemon=True, name="disagg-supervise")
 
     def __enter__(self) -> Supervisor:
@@ -46,12 +48,20 @@ class Supervisor:
     def __exit__(self, *exc: Any) -> None:
         self.stopping.set()
 
+    def draining(self) -> None:
+        """The server began to stop: from now on an agent's exit is part of it. (Called
+        from a signal handler: the watching thread says so, not this.)"""
+        self.drained = True
+        self.stopping.set()
+
     def _watch(self) -> None:
         while not self.stopping.wait(self.check_s):
             for i, agent in enumerate(list(self.client.agents)):
                 if agent._stopped or agent.alive() or self.stopping.is_set():
                     continue
                 self._restart(i, agent)
+        if self.drained:
+            log.warning("stopping: agents are not restarted from now on")
 
     def _restart(self, i: int, agent: AgentProc) -> None:
         lived = time.monotonic() - agent.started
