@@ -544,7 +544,7 @@ def serve(
             client.stop_now,
             client.router.cut_all,
             drain_timeout,
-            began=supervisor.draining if supervisor else lambda: None,
+            began=supervisor.draining if supervisor else lambda: "",
         )
         with supervisor or contextlib.nullcontext():
             serve_app(create_app(client, api_key=key, workers=pool), host, port, limits, drain)

@@ -38,7 +38,6 @@ class Supervisor:
         self.check_s = check_s
         self.stopping = threading.Event()
         self.in_a_row: Counter[str] = Counter()
-        self.drained = False  # stopping because the server drains, not on exit
         self.thread = threading.Thread(target=self._watch, daemon=True, name="disagg-supervise")
 
     def __enter__(self) -> Supervisor:
@@ -48,11 +47,11 @@ class Supervisor:
     def __exit__(self, *exc: Any) -> None:
         self.stopping.set()
 
-    def draining(self) -> None:
-        """The server began to stop: from now on an agent's exit is part of it. (Called
-        from a signal handler: the watching thread says so, not this.)"""
-        self.drained = True
+    def draining(self) -> str:
+        """The server began to stop: from now on an agent's exit is part of it, not a
+        crash. What to say about it (the draining line says it: a signal handler)."""
         self.stopping.set()
+        return "no agent is restarted from now on"
 
     def _watch(self) -> None:
         while not self.stopping.wait(self.check_s):
@@ -60,8 +59,6 @@ class Supervisor:
                 if agent._stopped or agent.alive() or self.stopping.is_set():
                     continue
                 self._restart(i, agent)
-        if self.drained:
-            log.warning("stopping: agents are not restarted from now on")
 
     def _restart(self, i: int, agent: AgentProc) -> None:
         lived = time.monotonic() - agent.started
