@@ -477,8 +477,13 @@ def start_serve(
     cmd = [sys.executable, "-m", "disagg.cli", "serve", "--local", *args, "--port", str(port)]
     count_start("serve", max(1, args.count("-m") + args.count("--model")), what=" ".join(args))
     with log_path.open("wb") as log:
+        # Its own process group, as a terminal gives it: a test may signal the group.
         proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
         )
     deadline = time.monotonic() + timeout_s
     while True:

@@ -16,8 +16,10 @@ the tests skip, except under CI=true, where a missing CLI is a failure."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import time
@@ -153,64 +155,128 @@ def test_codex_exec_runs_a_turn_over_the_responses_api(
     assert seen and seen[0][0] > 1000, seen  # Codex's own prompt and tools, rendered
 
 
+API_MD = Path(__file__).resolve().parent.parent / "docs/api.md"
+DOC_URL = "http://127.0.0.1:8080"
+
+
+def fenced(text: str, lang: str) -> list[str]:
+    return re.findall(rf"^```{lang}\n(.*?)^```", text, re.S | re.M)
+
+
+def documented_codex() -> tuple[str, str, list[str]]:
+    """docs/api.md's Codex recipe: (config.toml, model catalog, `codex exec` lines)."""
+    text = API_MD.read_text()
+    config = next(b for b in fenced(text, "toml") if 'model_provider = "disagg"' in b)
+    catalog = next(b for b in fenced(text, "json") if '"models"' in b)
+    lines = [ln.strip() for b in fenced(text, "bash") for ln in b.splitlines()]
+    return config, catalog, [ln for ln in lines if ln.startswith("codex exec ")]
+
+
+def documented_codex_home(tmp_path: Path, url: str) -> Path:
+    """A CODEX_HOME holding the documented config (its URL the gateway's) and catalog,
+    under the name the config gives it."""
+    config, catalog, _ = documented_codex()
+    home = tmp_path / "codex"
+    home.mkdir()
+    (home / "config.toml").write_text(config.replace(DOC_URL, url))
+    name = re.search(r'^model_catalog_json = "([^"]+)"', config, re.M)
+    assert name, config
+    (home / name.group(1)).write_text(catalog)
+    return home
+
+
+def test_the_docs_hold_the_codex_recipe() -> None:
+    config, catalog, cmds = documented_codex()
+    assert DOC_URL + "/v1" in config and json.loads(catalog)["models"]
+    assert len(cmds) >= 2 and all("--skip-git-repo-check" in c for c in cmds), cmds
+    assert any("--sandbox workspace-write" in c for c in cmds), cmds
+
+
 # Codex's turn on SmolLM2: the prompt asks for a plain reply (the model may still call
 # a tool: it is on). A 135M model at Codex's temperature 1 completes about half of its
 # sessions; the rest run to the operator's length or call tools in a loop. So a session
 # may be retried, and every session must end cleanly; one already lost is cut at once
 # (an answer cut at the limit: Codex errors and retries; a second tool call: a loop,
-# none of which was seen to end in a reply). Seen here: the first session
-# prefills Codex's ~6.4k-token prompt (~25 s), later ones find it cached and reply in
-# 4-8 s with 9-35 tokens; a tool call is ~45 tokens and ~11 s at this context; a run-on
-# answer decodes ~4 tokens/s at this context, so the operator's limit keeps it short.
-# This session saw ~6 of 20 sessions complete, and once 7 lost in a row (0.7^7 ~ 8 %):
-# lost ones now cost ~10-25 s each, so twelve tries (0.7^12 ~ 1.4 %) cost less than
-# seven did at their caps.
+# none of which was seen to end in a reply). With the documented catalog Codex's prompt
+# is ~2.4k tokens (~6.4k without); the first session prefills it, later ones find it
+# cached and reply in ~5-12 s. Sessions complete ~30-50 % of the time, so twelve tries
+# (0.7^12 ~ 1.4 %) leave a lost run to chance alone.
 CODEX_SESSIONS = 12
 CODEX_LIMIT = 64  # `serve --max-tokens`: a run-on answer is cut in ~15 s
 CODEX_FIRST_S = 75  # the first session prefills Codex's prompt
 CODEX_SESSION_S = 40  # later ones find it cached; a tool loop is cut after ~3 calls
 
 
+def codex_session(
+    cmd: str, home: Path, log: Gateway, cwd: Path, timeout: float
+) -> tuple[int, list[str], str]:
+    """One documented `codex exec` line, run as written in `cwd`: (exit code, finish
+    reasons logged, what it said); one already lost is cut."""
+    mark = log.log_mark()
+
+    def lost() -> bool:
+        ends = finishes_logged(log, mark)
+        return "length" in ends or ends.count("tool_calls") >= 2
+
+    argv = [str(BIN / "codex"), *shlex.split(cmd)[1:]]
+    rc, said = run(argv, {"CODEX_HOME": str(home), "DISAGG_API_KEY": "unused"}, cwd, timeout, lost)
+    seen = requests_logged(log, mark)
+    # Never a stream that fails after its start, nor a refusal of the directory; Codex
+    # knew the model (the catalog) and sent its instructions and tools.
+    assert "Reconnecting" not in said and "server_error" not in said, said
+    assert "trusted directory" not in said and "Model metadata" not in said, said
+    assert seen and seen[0][0] > 1500, seen
+    return rc, finishes_logged(log, mark), said
+
+
+def not_a_git_repo(tmp_path: Path) -> Path:
+    work = tmp_path / "work"
+    work.mkdir(parents=True)
+    inside = subprocess.run(["git", "-C", str(work), "rev-parse"], capture_output=True)
+    assert inside.returncode != 0, f"{work} is inside a git repository"
+    return work
+
+
 @needs_clis
-def test_codex_exec_completes_a_turn_on_the_embedded_default(
+def test_codex_documented_turn_completes_outside_a_git_repo_on_the_embedded_default(
     smol: tuple[str, str, Gateway], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from disagg.frontends import maxtokens
 
     monkeypatch.setattr(maxtokens, "_operator_default", CODEX_LIMIT)
     url, model, log = smol
-    home = codex_home(tmp_path, url, model)
+    home = documented_codex_home(tmp_path, url)
+    cmd = documented_codex()[2][0]
+    assert model in (home / "config.toml").read_text()  # the docs name the served model
     sessions = []
     for i in range(CODEX_SESSIONS):
-        mark = log.log_mark()
-
-        def lost(mark: int = mark) -> bool:
-            ends = finishes_logged(log, mark)
-            return "length" in ends or ends.count("tool_calls") >= 2
-
-        rc, said = run(
-            [
-                str(BIN / "codex"),
-                "exec",
-                "--skip-git-repo-check",
-                "Reply with one word: hi. Use no tools.",
-            ],
-            {"CODEX_HOME": str(home), "DISAGG_KEY": "unused"},
-            tmp_path,
-            timeout=CODEX_SESSION_S if i else CODEX_FIRST_S,
-            give_up=lost,
-        )
-        seen = requests_logged(log, mark)
-        # Never a stream that fails after its start; its instructions and tools, in the
-        # generic format, are ~6.4k tokens of SmolLM2's 8k.
-        assert "Reconnecting" not in said and "server_error" not in said, said
-        assert seen and seen[0][0] > 5000, seen
-        sessions.append((rc, finishes_logged(log, mark), said[-300:]))
+        work = not_a_git_repo(tmp_path / f"s{i}")
+        timeout = CODEX_SESSION_S if i else CODEX_FIRST_S
+        rc, ends, said = codex_session(cmd, home, log, work, timeout)
+        sessions.append((rc, ends, said[-300:]))
         if rc == 0:
             assert "tokens used" in said, said  # it read the final event's usage
             break
     print(f"codex sessions (exit code, finishes): {[(rc, ends) for rc, ends, _ in sessions]}")
     assert sessions[-1][0] == 0, sessions
+
+
+@needs_clis
+def test_codex_documented_writing_task_runs_outside_a_git_repo(
+    smol: tuple[str, str, Gateway], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writing line runs in a sandbox that may write (Codex says so) and reaches
+    the model; SmolLM2 itself is not held to writing the file."""
+    from disagg.frontends import maxtokens
+
+    monkeypatch.setattr(maxtokens, "_operator_default", CODEX_LIMIT)
+    url, _, log = smol
+    home = documented_codex_home(tmp_path, url)
+    cmd = next(c for c in documented_codex()[2] if "workspace-write" in c)
+    rc, ends, said = codex_session(cmd, home, log, not_a_git_repo(tmp_path), CODEX_FIRST_S)
+    print(f"codex writing task: exit code {rc}, finishes {ends}")
+    assert "sandbox: workspace-write" in said, said
+    assert rc in (0, -9) and ends, (rc, ends, said[-300:])  # ended, or cut once lost
 
 
 @needs_clis

@@ -485,3 +485,11 @@ def test_a_local_prefill_gives_up_torch_threads_while_its_requester_decodes(
     assert beside.metrics.prefill_threads == half, beside.metrics
     assert beside.token_ids == alone.token_ids
     assert box["r"].metrics.method == "disaggregated"
+
+
+def test_local_agents_hand_freed_memory_back_unless_malloc_is_set() -> None:
+    from disagg.serving.localagents import MALLOC_ENV, malloc_returns
+
+    assert malloc_returns({}) == MALLOC_ENV
+    assert int(MALLOC_ENV["MALLOC_MMAP_THRESHOLD_"]) <= 1 << 20  # a fixed, small threshold
+    assert malloc_returns({"MALLOC_ARENA_MAX": "2"}) == {}  # the user's own malloc settings

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,23 @@ def test_verify_reports_full_agreement(disagg_process: DisaggProcess) -> None:
     assert report["agreement"] == 1.0 and report["first_divergence"] is None
     assert report["ok"] is True and report["kv_bytes"] > 0
     assert report["max_logit_diff"] < 1e-3
+
+
+def test_serve_on_a_busy_port_is_refused_before_any_agent(
+    disagg_process: DisaggProcess, tmp_path: Path
+) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as busy:  # another server holds the port
+        port = busy.getsockname()[1]
+        t0 = time.monotonic()
+        proc = disagg_process(
+            "serve", "--local", "--port", str(port), timeout=60, env={"TMPDIR": str(tmp_path)}
+        )
+        took = time.monotonic() - t0
+    print(f"busy port refused in {took:.2f} s")
+    one_error_line(proc, f"port {port}", "in use", "--port")
+    assert took < 2.0, took
+    # No agent started: none wrote a log dir, and the model was not even looked up.
+    assert not list(tmp_path.iterdir()) and "serving" not in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize(

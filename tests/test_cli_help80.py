@@ -20,3 +20,21 @@ def test_each_commands_summary_is_one_line() -> None:
         first = (cmd.help or "").strip().split("\n\n")[0]
         assert "\n" not in first, (name, first)
         assert len(first) <= 2 * (80 - 12), (name, first)  # two lines of the list at most
+
+
+def each_command(group: object, prefix: str = "") -> list[tuple[str, object]]:
+    found = []
+    for name, cmd in getattr(group, "commands", {}).items():
+        found.append((prefix + name, cmd))
+        found += each_command(cmd, f"{prefix}{name} ")
+    return found
+
+
+def test_every_help_paragraph_wraps_as_one() -> None:
+    """`disagg plan --help` broke its second paragraph after "Mac" and "mlx-lm on":
+    every paragraph of every command's help is one line for rich to wrap."""
+    found = each_command(typer.main.get_command(app))
+    assert any(name == "plan" for name, _ in found) and any(" " in n for n, _ in found)
+    for name, cmd in found:
+        for para in (getattr(cmd, "help", None) or "").strip().split("\n\n"):
+            assert para.startswith("\b") or "\n" not in para, (name, para)

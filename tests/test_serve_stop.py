@@ -1,11 +1,13 @@
-"""Ctrl-C on a real `disagg serve --local` with a stream in flight: the first says
-it drains and takes no new requests, and the process exits within the drain
-deadline; a second stops at once. Either way: rc 130, no traceback, no agent and
-no disagg temp dir left behind."""
+"""Ctrl-C on a real `disagg serve --local` with a stream in flight, sent as a
+terminal sends it, to the whole process group: the first says it drains and takes
+no new requests, no agent takes the signal itself nor is restarted, and the process
+exits within the drain deadline; a second stops at once. Either way: rc 130, no
+traceback, no agent and no disagg temp dir left behind."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import threading
@@ -16,6 +18,7 @@ import httpx
 import psutil
 import pytest
 
+from disagg.frontends.shutdown import CUT_GRACE_S
 from tests.conftest import start_serve
 
 pytestmark = pytest.mark.slow
@@ -78,7 +81,7 @@ def _running(pid: int) -> bool:
 def test_first_ctrl_c_drains_then_exits(default_model: Path, tmp_path: Path) -> None:
     proc, base, agents, got = _serve_with_a_stream(tmp_path)
     t0 = time.monotonic()
-    proc.send_signal(signal.SIGINT)
+    os.killpg(proc.pid, signal.SIGINT)  # the terminal's Ctrl-C: every process in its group
     at_signal = len(got)
     time.sleep(1.5)
     with pytest.raises(httpx.HTTPError):  # no new requests
@@ -89,10 +92,16 @@ def test_first_ctrl_c_drains_then_exits(default_model: Path, tmp_path: Path) -> 
     print(f"drained and exited {took:.1f} s after Ctrl-C (drain deadline {DRAIN_S} s)")
     assert rc == 130, said
     assert "draining 1 request" in said and "Traceback" not in said, said
+    # The agents were not in the group: none exited mid-drain, none was restarted.
+    assert "restarting" not in said and " is back " not in said, said
+    assert "no agent is restarted from now on" in said, said
     # It drained: the stream went on after the signal, and the process did not exit
     # before the drain deadline it enforces (a 4000-token stream outlasts it).
     assert len(got) > at_signal + 1, (at_signal, got[-3:])
     assert took >= DRAIN_S, took
+    # Within the drain: its deadline, the cut requests' grace, the agents' own stop
+    # (an agent restarted mid-drain made it 22-25 s).
+    assert took < DRAIN_S + CUT_GRACE_S + 5, took
     assert _left_behind(tmp_path, agents) == ([], [])
     last = json.loads(next(g for g in reversed(got) if g.startswith("{")))
     assert last["done"] is True and last["done_reason"] == "cancelled", got[-3:]
@@ -101,10 +110,10 @@ def test_first_ctrl_c_drains_then_exits(default_model: Path, tmp_path: Path) -> 
 def test_second_ctrl_c_stops_at_once(default_model: Path, tmp_path: Path) -> None:
     # A drain deadline far past the wait below: only the second Ctrl-C can end it there.
     proc, _, agents, _ = _serve_with_a_stream(tmp_path, drain_s=600)
-    proc.send_signal(signal.SIGINT)
+    os.killpg(proc.pid, signal.SIGINT)
     time.sleep(0.5)
     t0 = time.monotonic()
-    proc.send_signal(signal.SIGINT)
+    os.killpg(proc.pid, signal.SIGINT)
     rc = proc.wait(120)  # TimeoutExpired if it waited for the drain
     took = time.monotonic() - t0
     print(f"second Ctrl-C: exited {took:.1f} s after it (drain deadline 600 s)")

@@ -3,12 +3,18 @@ details under it), one wide table where there is room."""
 
 from __future__ import annotations
 
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import pytest
 from rich.console import Console
 
+from disagg.cli.fleet import gateway_tables
 from disagg.cli.render_fleet import status_table
+from disagg.errors import UsageError
 from disagg.fleet.operations import AgentStatus
+from disagg.serving.gatewaystatus import gateway_agents
 
 
 def _agent(host: str, role: str, model: str, backend: str, device: str) -> AgentStatus:
@@ -83,8 +89,6 @@ def test_status_url_shows_the_decode_agents_disk_tier(cli: Any) -> None:
     """`disagg status --url` for `serve --local`: a gateway's agent rows (here a real
     HTTP server answering /ui/api/state as the web view does) with the disk tier."""
     import json
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     agents = [
         {"name": "prefill@127.0.0.1", "role": "prefill", "model": "M", "up": True},
@@ -118,3 +122,52 @@ def test_status_url_shows_the_decode_agents_disk_tier(cli: Any) -> None:
     assert proc.returncode == 0, proc.stderr
     rows = [ln for ln in proc.stdout.splitlines() if "@127.0.0.1" in ln]
     assert "3 hits, 5 MiB / 64 MiB" in rows[1] and "hits" not in rows[0], proc.stdout
+
+
+GATEWAY_ROWS = [
+    {"name": n, "role": n.split("@")[0].split("-")[0], "model": m, "up": True,
+     "device": "cpu", "requests": 12345, "ttft_p50_s": 12.342}
+    for n in ("prefill@127.0.0.1", "decode@127.0.0.1", "decode-2@127.0.0.1")
+    for m in ("SmolLM2-135M-Instruct", "Qwen3-Coder-30B-A3B-Instruct-4bit")
+]  # fmt: skip
+
+
+def render_gateway(width: int) -> list[str]:
+    console = Console(width=width, record=True, color_system=None)
+    for shown in gateway_tables(GATEWAY_ROWS, "http://127.0.0.1:8080", width):
+        console.print(shown)
+    return console.export_text().splitlines()
+
+
+def test_gateway_status_at_80_columns_keeps_agent_names_whole() -> None:
+    lines = render_gateway(80)
+    assert all(len(line) <= 80 for line in lines), lines
+    table = [line for line in lines if line.startswith("│")]
+    for name in {r["name"] for r in GATEWAY_ROWS}:  # each on one line of the table
+        assert sum(f"│ {name} " in line for line in table) == 2, (name, lines)
+        assert f"{name}: " in "\n".join(lines), lines  # role and device under it
+    wide = render_gateway(160)
+    assert any("│ role" in line or " role " in line for line in wide), wide
+    assert not any(": decode on cpu" in line for line in wide), wide
+
+
+def test_status_url_without_a_key_says_one_is_needed() -> None:
+    class Refuse(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(401)
+            self.end_headers()
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Refuse)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with pytest.raises(UsageError, match="needs an API key: set DISAGG_API_KEY"):
+            gateway_agents(url, None)
+        with pytest.raises(UsageError, match="refused the key in DISAGG_API_KEY"):
+            gateway_agents(url, "wrong")
+    finally:
+        server.shutdown()
+        server.server_close()

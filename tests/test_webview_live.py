@@ -146,6 +146,29 @@ def test_page_shows_the_agents_and_the_model(served: Any, browser: Any) -> None:
     # The picture: both agents drawn, and the link between them.
     assert len(browser.find_elements("css selector", "#topology [data-node]")) == 2
     assert browser.find_elements("css selector", "#topology path.link")
+    # At 1400 px the cards' values read whole: the model name on one line, no value
+    # over two, no line of one lone character (a model name once took three, and a
+    # ")" stood alone).
+    browser.set_window_size(1400, 1000)
+    try:
+        lines = wait_for(lambda: browser.execute_script(CARD_LINES), 10, "no cards")
+    finally:
+        browser.set_window_size(1280, 1000)
+    assert all(n <= 2 for _, _, n, _ in lines), lines
+    assert [n for label, _, n, _ in lines if label == "model"] == [1, 1], lines
+    assert all(n == 1 or narrowest > 12 for _, _, n, narrowest in lines), lines
+
+
+# Per value in the agent cards: [label, text, lines it takes, narrowest line in px].
+CARD_LINES = """
+return [...document.querySelectorAll('[data-agent] dd')].map(dd => {
+  const r = document.createRange(); r.selectNodeContents(dd);
+  const rects = [...r.getClientRects()].filter(x => x.width > 0);
+  const tops = new Set(rects.map(x => Math.round(x.top)));
+  return [dd.previousElementSibling.textContent, dd.textContent, tops.size,
+          Math.min(...rects.map(x => x.width))];
+});
+"""
 
 
 @needs_browser

@@ -47,3 +47,31 @@ def test_a_refused_row_carries_its_reason() -> None:
     (row,) = log.snapshot(None, everyone=True)
     assert row["state"] == "refused" and row["error"] == "HTTP 400", row
     assert "context is 8192" in row["why"], row
+
+
+def test_a_request_that_ran_and_failed_is_one_row() -> None:
+    """Claude Code's prompt past the context: the request ran (one row, its error)
+    and answered 400; the refusal list does not show it again."""
+    log = RequestLog([])
+    app = FastAPI()
+    msg = "the prompt is 20005 tokens; the model's context is 8192: shorten the prompt"
+
+    @app.post("/v1/messages")
+    def ran() -> JSONResponse:  # a worker thread, as the doors' requests run
+        t = log.begin("SmolLM2-135M-Instruct", {"prompt": "Say hi."})
+        log.end(t, None, msg, "error")
+        return JSONResponse({"type": "error", "error": {"message": msg}}, status_code=400)
+
+    @app.post("/v1/chat/completions")
+    async def refuse() -> JSONResponse:
+        return JSONResponse({"error": {"message": "no such model"}}, status_code=400)
+
+    app.add_middleware(ListRefusals, log=log)
+    client = TestClient(app)
+    assert client.post("/v1/messages", json={}).status_code == 400
+    (row,) = log.snapshot(None, everyone=True)
+    assert row["state"] != "refused" and msg in (row["error"] or ""), row
+    # A request refused before it ran is still listed, once.
+    assert client.post("/v1/chat/completions", json={}).status_code == 400
+    rows = log.snapshot(None, everyone=True)
+    assert [r["state"] for r in rows].count("refused") == 1 and len(rows) == 2, rows

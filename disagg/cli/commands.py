@@ -521,6 +521,7 @@ def serve(
     )
     keys = _serve_keys(api_key, api_key_file, host) or []
     key = keys or None
+    _check_port(host, port)  # before any agent loads
     # SIGTERM (systemd, docker, kill) unwinds like Ctrl-C, so the local agents stop too;
     # uvicorn hands the signal back to this handler once it has shut down.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
@@ -554,12 +555,51 @@ def serve(
         share = f", {pool.per_key} per key" if pool.per_key < pool.limit else ""
         err.print(f"{pool.size} workers, at most {pool.limit} requests at once{share}")
         _log_to_stderr("disagg.requests", "disagg.agents")
-        drain = Drain(lambda: pool.admitted, client.stop_now, client.router.cut_all, drain_timeout)
-        with Supervisor(client) if local else contextlib.nullcontext():
+        supervisor = Supervisor(client) if local else None
+        drain = Drain(
+            lambda: pool.admitted,
+            client.stop_now,
+            client.router.cut_all,
+            drain_timeout,
+            began=supervisor.draining if supervisor else lambda: "",
+        )
+        with supervisor or contextlib.nullcontext():
             serve_app(create_app(client, api_key=key, workers=pool), host, port, limits, drain)
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _check_port(host: str, port: int) -> None:
+    """Bind what uvicorn will bind, and let go: a busy port is refused in a second,
+    not after the agents have loaded."""
+    import errno
+    import socket
+
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise UsageError(f"--host {host}: {e.strerror}") from None
+    for family, kind, proto, _, address in found:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio does
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                s.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise UsageError(
+                        f"port {port} on {host} is in use (another disagg serve?): "
+                        "choose another with --port"
+                    ) from None
+                if e.errno == errno.EACCES:
+                    raise UsageError(
+                        f"port {port} needs privileges here: choose one from 1024 with --port"
+                    ) from None
+                raise UsageError(
+                    f"cannot listen on {host}:{port} ({e.strerror}): see --host"
+                ) from None
 
 
 def _at_least_one(*flags: tuple[str, int | None]) -> None:

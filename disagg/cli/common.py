@@ -4,6 +4,7 @@ wrapper and the option types. Command modules add their commands to `app`."""
 from __future__ import annotations
 
 import functools
+import inspect
 import traceback
 from collections.abc import Callable
 from typing import Annotated, Any
@@ -72,7 +73,15 @@ def friendly(fn: Callable[..., None]) -> Callable[..., None]:
             err.print("[red]interrupted[/]")
             raise typer.Exit(130) from None
 
+    wrapper.__doc__ = help_paragraphs(fn.__doc__ or "")
     return wrapper
+
+
+def help_paragraphs(doc: str) -> str:
+    """A docstring as `--help` should wrap it: each paragraph one line (typer keeps a
+    docstring's line breaks after the first paragraph, so help broke mid-sentence)."""
+    paragraphs = inspect.cleandoc(doc).split("\n\n")
+    return "\n\n".join(p if p.startswith("\b") else " ".join(p.split("\n")) for p in paragraphs)
 
 
 def say(msg: str) -> None:

@@ -134,33 +134,61 @@ def status(
 def _gateway_status(url: str, as_json: bool) -> None:
     import os
 
-    from rich.table import Table
-
-    from disagg.cli.render_fleet import disk_tier
     from disagg.serving.gatewaystatus import gateway_agents
 
     rows = gateway_agents(url, os.environ.get("DISAGG_API_KEY"))
     if as_json:
         print(json.dumps(rows))
     else:
-        table = Table(title=f"agents behind {url}", header_style="bold")
-        cols = ("agent", "role", "model", "state", "device", "requests", "ttft p50", "disk")
-        for col in cols:
-            table.add_column(col, overflow="fold")
-        for r in rows:
-            state = "up" if r.get("up") else f"[red]down: {r.get('error') or '?'}[/]"
-            p50 = r.get("ttft_p50_s")
-            table.add_row(
-                *(str(r.get(k) or "-") for k in ("name", "role", "model")),
-                state,
-                str(r.get("device") or "-"),
-                str(r.get("requests") if r.get("requests") is not None else "-"),
-                f"{p50 * 1000:.0f} ms" if isinstance(p50, int | float) else "-",
-                disk_tier(r.get("prefix_disk")),  # a decode agent's, where it has one
-            )
-        out.print(table)
+        for shown in gateway_tables(rows, url, out.width):
+            out.print(shown)
     if any(not r.get("up") for r in rows):
         raise typer.Exit(1)
+
+
+GATEWAY_COLS = ("agent", "role", "model", "state", "device", "requests", "ttft p50", "disk")
+
+
+def gateway_cells(r: dict[str, Any]) -> list[str]:
+    from disagg.cli.render_fleet import disk_tier
+
+    p50 = r.get("ttft_p50_s")
+    return [
+        *(str(r.get(k) or "-") for k in ("name", "role", "model")),
+        "up" if r.get("up") else f"down: {r.get('error') or '?'}",
+        str(r.get("device") or "-"),
+        str(r.get("requests") if r.get("requests") is not None else "-"),
+        f"{p50 * 1000:.0f} ms" if isinstance(p50, int | float) else "-",
+        disk_tier(r.get("prefix_disk")),  # a decode agent's, where it has one
+    ]
+
+
+def gateway_tables(rows: list[dict[str, Any]], url: str, width: int) -> list[Any]:
+    """The gateway's agents, one line each: every column where they fit `width`; in
+    an 80-column terminal role and device go under the table, and no agent's name
+    wraps (only a down agent's reason may)."""
+    from rich.table import Table
+    from rich.text import Text
+
+    cells = [gateway_cells(r) for r in rows]
+    keep = list(range(len(GATEWAY_COLS)))
+    up_cells = [c for c in cells if c[3] == "up"]
+    widths = [max([len(col), *(len(c[i]) for c in up_cells)]) for i, col in enumerate(GATEWAY_COLS)]
+    narrow = sum(widths) + 3 * len(keep) + 1 > width
+    if narrow:
+        keep = [0, 2, 3, 5, 6]
+    table = Table(title=f"agents behind {url}", header_style="bold")
+    for i in keep:
+        table.add_column(GATEWAY_COLS[i], no_wrap=i in (0, 5, 6), overflow="fold")
+    for c in cells:
+        state = Text(c[3], style="" if c[3] == "up" else "red")
+        table.add_row(*(state if i == 3 else Text(c[i]) for i in keep))
+    if not narrow:
+        return [table]
+    under = "\n".join(
+        f"{c[0]}: {c[1]} on {c[4]}" + (f", disk {c[7]}" if c[7] != "-" else "") for c in cells
+    )
+    return [table, Text(under, no_wrap=False)]
 
 
 @app.command()

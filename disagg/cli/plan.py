@@ -49,7 +49,14 @@ def plan(
 
     Qwen3-Coder-30B-A3B and GPT-OSS-120B at 2k to 64k prompt tokens, against the Mac
     alone. The model is fitted to published figures (llama.cpp on the Spark, mlx-lm on
-    the Macs) and checked against EXO's published Spark + M3 Ultra run."""
+    the Macs) and checked against EXO's published Spark + M3 Ultra run.
+
+    Columns: prompt (new tokens); Spark (its prefill on --moe-path); before (the same
+    prompt on the path before the fused kernel: blocked experts, and the n x n
+    attention matrix where that was the default; "no memory" where it did not fit);
+    K/V (bytes sent to the Mac); TTFT split (first token with the Spark prefilling:
+    prefill, transfer, first step); TTFT Mac (the Mac alone); split (TTFT Mac over
+    TTFT split: above 1x the split answers first)."""
     from disagg.bench.costmodel import USER_MODELS, Counts, count
     from disagg.bench.costmodel import plan as build
     from disagg_agents.models.cost import LINKS, MOE_PATHS

@@ -28,7 +28,7 @@ from disagg.frontends.openai.types import OpenAIError
 from disagg.frontends.refusal import ApiError
 from disagg.frontends.responses import routes as responses_routes
 from disagg.frontends.webview import auth as webauth
-from disagg.frontends.webview.tracker import RequestLog
+from disagg.frontends.webview.tracker import RequestLog, watch_begun
 from disagg.frontends.workers import Workers
 
 
@@ -100,11 +100,12 @@ class ListRefusals:
             return
 
         status, body = 0, b""
+        begun = watch_begun()  # a request that ran is listed already, error and all
 
         async def watch(message: Any) -> None:
             nonlocal status, body
             if message["type"] == "http.response.start" and 400 <= message["status"] < 500:
-                status = message["status"]
+                status = 0 if begun else message["status"]
             elif message["type"] == "http.response.body" and status:
                 body = (body + message.get("body", b""))[:8192]
                 if not message.get("more_body"):

@@ -25,6 +25,8 @@ class Drain:
     stop_now: Callable[[], None]  # the second Ctrl-C: stop the agents, remove temp files
     cut: Callable[[], None]  # the deadline passed: end every request at its next token
     deadline_s: float = DRAIN_S
+    # The first signal: what else stops (e.g. restarting agents), said in the line.
+    began: Callable[[], str] = lambda: ""
 
 
 def _line(text: str) -> None:
@@ -59,13 +61,14 @@ class DrainingServer(uvicorn.Server):
                 os._exit(130)  # no unwinding: threads mid-request would print tracebacks
         if not self.should_exit:
             self.signalled = sig
+            note = self.drain.began()
             n = self.drain.in_flight()
             timer = threading.Timer(self.drain.deadline_s, self._cut)
             timer.daemon = True
             timer.start()
             _line(
                 f"draining {n} request(s) for up to {self.drain.deadline_s:g}s, taking no new "
-                "ones (Ctrl-C again to stop now)"
+                f"ones{'; ' + note if note else ''} (Ctrl-C again to stop now)"
             )
         super().handle_exit(sig, frame)
 

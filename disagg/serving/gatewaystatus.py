@@ -23,8 +23,14 @@ def gateway_agents(url: str, key: str | None, timeout_s: float = 10.0) -> list[d
             body = json.load(r)
     except urllib.error.HTTPError as e:
         if e.code in (401, 403):
+            if not key:
+                raise UsageError(
+                    f"{url} needs an API key: set DISAGG_API_KEY to the operator's "
+                    "(the first key serve was given)"
+                ) from None
             raise UsageError(
-                f"{url} refused the key: give the operator's (--api-key or DISAGG_API_KEY)"
+                f"{url} refused the key in DISAGG_API_KEY: give the operator's "
+                "(the first key serve was given)"
             ) from None
         raise ConnectError(f"{url} answered HTTP {e.code}") from None
     except (OSError, ValueError) as e:

@@ -1,5 +1,6 @@
 """Watch the local agents `disagg serve --local` started: say when one exits, start
-it again with backoff, and route to it again once it is back."""
+it again with backoff, and route to it again once it is back. Once the server drains
+(Ctrl-C, SIGTERM), an agent that exits is stopping with it: said, not restarted."""
 
 from __future__ import annotations
 
@@ -45,6 +46,12 @@ class Supervisor:
 
     def __exit__(self, *exc: Any) -> None:
         self.stopping.set()
+
+    def draining(self) -> str:
+        """The server began to stop: from now on an agent's exit is part of it, not a
+        crash. What to say about it (the draining line says it: a signal handler)."""
+        self.stopping.set()
+        return "no agent is restarted from now on"
 
     def _watch(self) -> None:
         while not self.stopping.wait(self.check_s):

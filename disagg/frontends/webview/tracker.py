@@ -16,6 +16,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,18 @@ KEEP = 300  # finished requests kept for the view's list and charts
 REFUSED_KEEP = 50
 PROMPT_CHARS = 120  # of a prompt shown in the list
 # What agent CLIs wrap around the user's words (Claude Code's reminders): not the words.
+# The ids of requests that began (and so are listed) inside the HTTP request running
+# here: a 4xx that one of them ended with is not listed a second time as a refusal.
+_begun_here: ContextVar[list[int] | None] = ContextVar("disagg_begun_here", default=None)
+
+
+def watch_begun() -> list[int]:
+    """From here on in this context, `RequestLog.begin` notes its ids in the list."""
+    begun: list[int] = []
+    _begun_here.set(begun)
+    return begun
+
+
 WRAPPERS = re.compile(r"<system-reminder>.*?(</system-reminder>|$)", re.S)
 
 
@@ -201,6 +214,9 @@ class RequestLog:
     def begin(self, model: str, request: Any) -> Tracked:
         t = Tracked(next(self.ids), model, prompt_of(request), time.time())
         t.tenant = tenancy.current()
+        begun = _begun_here.get()
+        if begun is not None:
+            begun.append(t.id)
         with self.lock:
             self.running[t.id] = t
         self.metrics.begin(model)
