@@ -3,6 +3,7 @@ K/V layer by layer straight into mlx caches."""
 
 from __future__ import annotations
 
+import select
 import socket
 import time
 from collections.abc import Callable
@@ -14,6 +15,7 @@ import numpy as np
 from disagg_agents.decode.codectuner import MIN_LINK_FRAME
 from disagg_agents.decode.kvcaches import check_layer, fill_layer
 from disagg_agents.decode.kvslots import Slots, receive_layer
+from disagg_agents.decode.upfront import HungUp
 from disagg_agents.prefix.store import Prefix
 from disagg_agents.wire.auth import client_auth
 from disagg_agents.wire.channel import FrameReader, recv_json, send_json, send_json_ids
@@ -61,6 +63,8 @@ class Into:
 
 
 FALLBACK_KINDS = ("unreachable", "timeout", "stream", "prefill_error")
+DEFAULT_TIMEOUT_S = 60.0  # a target's timeout when it sets none
+GONE_POLL_S = 0.2  # how often a wait for the next frame asks whether our client left
 
 
 class PrefillUnavailable(Exception):
@@ -110,7 +114,7 @@ class Received:
 
 def open_session(target: PrefillTarget, hello: dict[str, Any], token: bytes | None) -> Session:
     """Dial the target's addresses in order, prove ourselves, and say HELLO."""
-    timeout_s = target.timeout or 60.0
+    timeout_s = target.timeout or DEFAULT_TIMEOUT_S
     sock, host, failures = dial(target.hosts, target.port, timeout_s)
     try:
         sock.settimeout(timeout_s)
@@ -132,6 +136,21 @@ def send_prefill(sock: socket.socket, request: PrefillRequest, packed_ids: bool)
         send_json(sock, Frame.PREFILL, request.to_wire())
 
 
+def await_frame(sock: socket.socket, gone: Callable[[], bool] | None) -> None:
+    """Until the next frame's first byte is here, within the socket's timeout
+    (TimeoutError); HungUp as soon as `gone()` says our own client left (the
+    connection then closes, and the prefill agent drops the prompt)."""
+    if gone is None:
+        return
+    timeout_s = sock.gettimeout()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not select.select([sock], [], [], GONE_POLL_S)[0]:
+        if gone():
+            raise HungUp("the client hung up while its prompt waited for the prefill agent")
+        if deadline is not None and time.monotonic() >= deadline:
+            raise TimeoutError("timed out")
+
+
 def receive_layers(
     sock: socket.socket,
     request: PrefillRequest,
@@ -139,13 +158,14 @@ def receive_layers(
     fingerprint: dict[str, Any],
     vocab_size: int | None,
     packed_ids: bool = False,
+    gone: Callable[[], bool] | None = None,
 ) -> Received:
     """Send the PREFILL and take its stream: each layer checked and placed as it
     arrives, then the last position's logits and PREFILL_DONE. With `into.slots`, a
     layer that fits lands in its cache's memory as it is read (then `place`
     gets views of it, in slots.placed); otherwise the reader's buffer is
     decoded and `place` copies out. `packed_ids`: the prefill agent's HELLO_OK
-    offered frames.IDS_U32."""
+    offered frames.IDS_U32. `gone`: our client left (await_frame)."""
     stream = LayerStream(request, into, fingerprint, vocab_size)
     caches = into.caches
     send_prefill(sock, request, packed_ids)
@@ -154,6 +174,7 @@ def receive_layers(
     reader = FrameReader(sock, stream.max_frame)
     logits: np.ndarray | None = None
     while True:
+        await_frame(sock, gone)
         header = reader.next()
         if header.type == Frame.KV_LAYER:
             stream.take(reader, header)
@@ -277,9 +298,12 @@ def fetch_kv(
     hello: dict[str, Any],
     token: bytes | None = None,
     vocab_size: int | None = None,
+    gone: Callable[[], bool] | None = None,
 ) -> tuple[dict[str, Any], np.ndarray]:
     """Fill `into.caches` with the K/V of `request.token_ids` from the prefill agent;
     return metrics and the float32 logits of the prompt's last position.
+    `gone()` true (our client left): HungUp, and the connection closes, so the
+    prefill agent drops the prompt instead of computing it for nobody.
 
     With `request.kv_quant` "int8" the K/V travels lossy as int8 rows and is
     dequantized here (a lossless stream is taken too: an older prefill agent).
@@ -305,6 +329,7 @@ def fetch_kv(
                 hello["fingerprint"],
                 vocab_size,
                 packed_ids_offered(session.hello_ok),
+                gone,
             )
         finally:
             session.sock.close()

@@ -10,12 +10,15 @@ import contextlib
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
+from disagg_agents.decode.upfront import client_gone
 from disagg_agents.prefill.embed import Embedder
 from disagg_agents.prefill.engine import PrefillEngine
 from disagg_agents.prefill.prefixcache import PrefillPrefixCache
+from disagg_agents.prefill.queue import Dropped
 from disagg_agents.prefill.sender import KV_BUFFER_MB, KV_STALL_S, LayerSender, PeerStalled
 from disagg_agents.prefix.store import default_max_mb, prefix_digest
 from disagg_agents.quant import weights_mismatch
@@ -182,9 +185,12 @@ class PrefillAgent:
     def _prefill_one(
         self, sock: socket.socket, peer: str, frame: dict[str, Any], packed: memoryview | None
     ) -> bool:
+        arrived = time.monotonic()
         req = self._read_request(sock, frame, packed)
         if req is None:
             return False
+        # The requester waits this long for its first K/V; past it, it has left.
+        deadline = None if req.wait_s is None else arrived + req.wait_s
         ids, start, codec = req.token_ids, req.start, Codec(req.codec)
         prefix = self.prefix if req.prefix_cache else None
         self.stats.begin()
@@ -201,6 +207,8 @@ class PrefillAgent:
                 req.cache_salt,
                 host_async=True,
                 cores_busy=req.cores_busy,
+                gone=lambda: client_gone(sock),
+                deadline=deadline,
             )
             # Every send goes through the sender, whose deadline cuts a peer that
             # stops reading; this thread holds no lock while it waits.
@@ -216,6 +224,10 @@ class PrefillAgent:
                 sender.bytes,
             )
             return True
+        except Dropped as e:  # nobody waits for it: no error frame, the link closes
+            outcome = "cancelled"
+            log.info("%s: %s", peer, e)
+            return False
         except PeerStalled as e:
             outcome = "peer_stalled"
             log.warning("%s: dropped: %s", peer, e)
