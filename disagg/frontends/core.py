@@ -23,7 +23,9 @@ from disagg.frontends import tenancy
 from disagg.frontends.guard import unless_gone
 from disagg.frontends.refusal import ApiError
 from disagg.frontends.streamstart import opened
+from disagg.frontends.workers import Workers, charge, prompt_tokens
 from disagg.serving import verdict
+from disagg_agents.decode.upfront import prompt_bytes
 from disagg_agents.wire.request import GenerateRequest
 
 
@@ -66,7 +68,9 @@ async def start(
 ) -> Completion | tuple[AsyncIterator[Chunk], threading.Event]:
     """Run `req` for any front door: the whole completion (given up when the client
     hangs up), or the stream's chunks and the event that stops its decoding.
-    Raises DisaggError; the caller puts it in its API's shape."""
+    Raises DisaggError; the caller puts it in its API's shape. The prompt's tokens
+    count against its key's share until its first token (disagg.frontends.workers)."""
+    cost = charge(prompt_tokens(prompt_bytes(req)))
     if not stream:
         return await unless_gone(
             request,
@@ -76,10 +80,15 @@ async def start(
     chunks = await client.agenerate(req, model=model, stream=True, cancel=cancel, executor=workers)
     assert not isinstance(chunks, Completion)
     try:
-        return await opened(chunks), cancel  # a refusal is raised before the stream opens
+        # A refusal is raised before the stream opens; once it has, the prompt is prefilled.
+        first = await opened(chunks)
     except BaseException:
         cancel.set()
         raise
+    finally:
+        if isinstance(workers, Workers):
+            workers.settle(cost)
+    return first, cancel
 
 
 @dataclass(frozen=True)

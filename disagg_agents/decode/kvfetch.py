@@ -353,6 +353,11 @@ def _small_int(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) and 0 < v < 65536 else None
 
 
+def _count(v: Any) -> int | None:
+    """A count from the peer's PREFILL_DONE (0 included), or None."""
+    return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 31 else None
+
+
 def fetch_metrics(
     request: PrefillRequest, session: Session, got: Received, t0: float
 ) -> dict[str, Any]:
@@ -373,6 +378,8 @@ def fetch_metrics(
         "kv_quant_time": done.get("kv_quant_time"),
         "prefill_cached_tokens": int(done.get("cached_tokens") or 0),
         "prefill_queue_time": done.get("queue_time"),
+        # For placement only (kvsource takes it out before metrics reach clients).
+        "prefill_queue_waiting": _count(done.get("queue_waiting")),
         "prefill_threads": _small_int(done.get("threads")),
         # perf_counter times on this host for the caller's timeline (disagg_agents.decode
         # turns them into offsets); never sent on.

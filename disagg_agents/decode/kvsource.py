@@ -76,6 +76,7 @@ def fetch_or_not(agent: DecodeAgent, job: Job) -> None:
     # Rates from what was computed and sent, not what came from a prefix cache.
     computed = len(ids) - max(hit.tokens if hit.used else 0, fetched["prefill_cached_tokens"])
     agent.placement.observe_remote(key, computed, len(job.caches), fetched)
+    fetched.pop("prefill_queue_waiting", None)  # other requests' count: not the client's
     if tuner is not None:
         tuner.observe_fetch(fetched)
     metrics.update(fetched, method="disaggregated", cached_tokens=hit.tokens if hit.used else 0)

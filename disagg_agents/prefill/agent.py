@@ -292,6 +292,8 @@ class PrefillAgent:
                 codec=int(req.codec),
                 server=self.name,
                 device=self.engine.device,
+                # Prompts waiting for the device now: 0 tells the requester we are idle.
+                queue_waiting=self.engine.slots.snapshot()["waiting"],
             )
             if sender.probe:
                 done["codec_probe"] = sender.probe
