@@ -54,12 +54,14 @@ SlotsSource = Callable[[], Slots]
 class Into:
     """Where a PREFILL's K/V goes: the request's caches (one per layer), how a
     layer is placed in one, the prefix this side holds (asked only for the rest),
-    and the slots a layer that fits is received into in place."""
+    and the slots a layer that fits is received into in place. `gone()` true: the
+    client we fetch for hung up (await_frame)."""
 
     caches: list[Any]
     place: Place = fill_layer
     prefix: Prefix | None = None
     slots: SlotsSource | None = None
+    gone: Callable[[], bool] | None = None
 
 
 FALLBACK_KINDS = ("unreachable", "timeout", "stream", "prefill_error")
@@ -158,14 +160,13 @@ def receive_layers(
     fingerprint: dict[str, Any],
     vocab_size: int | None,
     packed_ids: bool = False,
-    gone: Callable[[], bool] | None = None,
 ) -> Received:
     """Send the PREFILL and take its stream: each layer checked and placed as it
     arrives, then the last position's logits and PREFILL_DONE. With `into.slots`, a
     layer that fits lands in its cache's memory as it is read (then `place`
     gets views of it, in slots.placed); otherwise the reader's buffer is
     decoded and `place` copies out. `packed_ids`: the prefill agent's HELLO_OK
-    offered frames.IDS_U32. `gone`: our client left (await_frame)."""
+    offered frames.IDS_U32."""
     stream = LayerStream(request, into, fingerprint, vocab_size)
     caches = into.caches
     send_prefill(sock, request, packed_ids)
@@ -174,7 +175,7 @@ def receive_layers(
     reader = FrameReader(sock, stream.max_frame)
     logits: np.ndarray | None = None
     while True:
-        await_frame(sock, gone)
+        await_frame(sock, into.gone)
         header = reader.next()
         if header.type == Frame.KV_LAYER:
             stream.take(reader, header)
@@ -298,11 +299,10 @@ def fetch_kv(
     hello: dict[str, Any],
     token: bytes | None = None,
     vocab_size: int | None = None,
-    gone: Callable[[], bool] | None = None,
 ) -> tuple[dict[str, Any], np.ndarray]:
     """Fill `into.caches` with the K/V of `request.token_ids` from the prefill agent;
     return metrics and the float32 logits of the prompt's last position.
-    `gone()` true (our client left): HungUp, and the connection closes, so the
+    `into.gone()` true (our client left): HungUp, and the connection closes, so the
     prefill agent drops the prompt instead of computing it for nobody.
 
     With `request.kv_quant` "int8" the K/V travels lossy as int8 rows and is
@@ -329,7 +329,6 @@ def fetch_kv(
                 hello["fingerprint"],
                 vocab_size,
                 packed_ids_offered(session.hello_ok),
-                gone,
             )
         finally:
             session.sock.close()

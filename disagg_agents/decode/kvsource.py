@@ -151,15 +151,9 @@ def fetch_remote(
     ask = prefill_ask(agent, job, codec, probe, prefix)
     with agent.blas_share.prefilling():
         slots = slots_of(agent, alloc, hit) if alloc is not None else None
-        into = Into(job.caches, placer(agent, alloc, fills), prefix, slots)
+        into = Into(job.caches, placer(agent, alloc, fills), prefix, slots, gone(job))
         fetched, logits = fetch_kv(
-            job.req.prefill,
-            ask,
-            into,
-            hello(agent),
-            agent.token,
-            agent.engine.vocab_size,
-            gone(job),
+            job.req.prefill, ask, into, hello(agent), agent.token, agent.engine.vocab_size
         )
     for f in fills:
         f.result()

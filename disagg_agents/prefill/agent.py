@@ -189,8 +189,6 @@ class PrefillAgent:
         req = self._read_request(sock, frame, packed)
         if req is None:
             return False
-        # The requester waits this long for its first K/V; past it, it has left.
-        deadline = None if req.wait_s is None else arrived + req.wait_s
         ids, start, codec = req.token_ids, req.start, Codec(req.codec)
         prefix = self.prefix if req.prefix_cache else None
         self.stats.begin()
@@ -208,7 +206,8 @@ class PrefillAgent:
                 host_async=True,
                 cores_busy=req.cores_busy,
                 gone=lambda: client_gone(sock),
-                deadline=deadline,
+                # The requester waits this long for its first K/V; past it, it has left.
+                deadline=None if req.wait_s is None else arrived + req.wait_s,
             )
             # Every send goes through the sender, whose deadline cuts a peer that
             # stops reading; this thread holds no lock while it waits.
@@ -216,25 +215,16 @@ class PrefillAgent:
             sender.put_frame(Frame.PREFILL_DONE, self._done_frame(sender, result, req))
             sender.drain()
             outcome = "ok"
-            log.info(
-                "%s: prefilled %d tokens in %.3fs, %d KV bytes",
-                peer,
-                len(ids),
-                result["prefill_time"],
-                sender.bytes,
-            )
+            took, sent = result["prefill_time"], sender.bytes
+            log.info("%s: prefilled %d tokens in %.3fs, %d KV bytes", peer, len(ids), took, sent)
             return True
-        except Dropped as e:  # nobody waits for it: no error frame, the link closes
-            outcome = "cancelled"
-            log.info("%s: %s", peer, e)
-            return False
         except PeerStalled as e:
             outcome = "peer_stalled"
             log.warning("%s: dropped: %s", peer, e)
             return False
-        except OSError as e:
+        except (Dropped, OSError) as e:  # the requester left: nobody to tell
             outcome = "cancelled"
-            log.warning("%s: connection lost during prefill: %s", peer, e)
+            log.info("%s: %s", peer, e if isinstance(e, Dropped) else f"connection lost: {e}")
             return False
         except Exception as e:
             log.exception("%s: prefill failed", peer)

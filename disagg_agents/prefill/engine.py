@@ -151,9 +151,8 @@ class PrefillEngine:
         on a CUDA device, the layers handed over may still be in flight: their
         reader calls `LayerKV.wait` first (LayerSender does). `cores_busy`: the
         requester decodes on this machine's cores (disagg_agents.runtime.torchshare).
-        `gone()` true (the requester hung up) or `deadline` (time.monotonic) passed
-        before its turn: queue.Dropped, nothing computed; `gone()` is asked again
-        after each layer, and the rest of the forward is not run for nobody.
+        `gone()` (the requester hung up; asked again after each layer) or `deadline`
+        (monotonic) passed before its turn: queue.Dropped, the rest not computed.
         Returns timings and the float32 logits of the last position, from which
         the decode side samples the first token without running a step itself.
         """
@@ -162,7 +161,6 @@ class PrefillEngine:
         cache = DynamicCache(config=self.model.config)
         total = len(token_ids)
         marks: dict[str, float] = {}
-
         hook = self._hand_over(cache, total - start, on_layer, host_async, marks, gone)
 
         # The queue's cost: what is left to compute once a cached prefix is seeded.
@@ -170,17 +168,13 @@ class PrefillEngine:
         # Hooks are per module, shared by all requests: add them only in the slot.
         # Nothing here waits on a socket: `on_layer` only queues (LayerSender.put).
         with (
-            # behind other prompts' forward passes; left if its requester leaves
-            self.slots.slot(cost, gone, deadline) as queue_s,
+            self.slots.slot(cost, gone, deadline) as queue_s,  # behind other prompts
             self.share.threads(cores_busy) as threads,
         ):
             keys, cached, logits, compute_s = self._forward(token_ids, cache, prefix, salt, hook)
             if prefix:
                 save = prefix.saver(keys, cache)
-                if after is None:
-                    save()
-                else:
-                    after.append(save)
+                save() if after is None else after.append(save)
         stats = {
             "prefill_time": compute_s,
             "queue_time": queue_s,
