@@ -24,6 +24,10 @@ from disagg_agents.decode import placement
 from disagg_agents.decode.placement import HANDSHAKE_MAX_S, QUEUE_MAX_S, Placement
 from disagg_agents.prefill.queue import Dropped, FairQueue
 from disagg_agents.wire.request import GenerateRequest, PrefillRequest, RequestError
+from tests.conftest import PairFactory, log_since, log_size
+from tests.gateways import client_over
+from tests.slowprefill import SLOW_LAYER_S, SLOW_SET
+from tests.tinymodels import PROMPT, shared_tiny
 
 HANG_S = 30.0  # hang guard for waits that end in well under a second
 
@@ -373,3 +377,76 @@ def test_a_keys_queued_prompt_tokens_count_against_its_share() -> None:
         f.result(HANG_S)
     wait_for(lambda: not pool.tokens, "every charge settled")  # settled as each ended
     pool.shutdown()
+
+
+# --- end to end: the pipeline is not wedged by clients that left ----------------
+
+N_ABANDONED = 6  # tenant A's concurrent prompts whose clients give up
+GIVE_UP_S = 1.0  # when A's clients leave: far under one prefill of the slow set
+
+
+def a_prompt(i: int) -> str:
+    """A's prompts, each its own from the first token (no prefix-cache hit)."""
+    return f"{i} {PROMPT} {PROMPT}"
+
+
+@pytest.mark.slow
+def test_clients_that_left_do_not_wedge_the_pipeline(agent_pair: PairFactory) -> None:
+    """A's N_ABANDONED long prompts queue at the slow set's prefill agent (each >=
+    3 x SLOW_LAYER_S of forward), and their clients leave (`cancel`, what the
+    gateway sets when an HTTP client hangs up). B, right after, is served on the
+    remote path while that work, had it run, would still be going: the client, the
+    decode agent and the prefill agent all dropped it. Prompts go remote by request:
+    this slow stand-in would make placement keep them local."""
+    agents = agent_pair.set(shared_tiny("gpt_oss"), **SLOW_SET)
+    prefill, decode = agents.prefill, agents.decodes[0]
+    assert prefill.token is not None
+    client = client_over({"tiny": agents}, prefill.token)
+    b_req = GenerateRequest(prompt=PROMPT, raw=True, max_tokens=4, placement="remote")
+    t_quiet = time.monotonic()
+    quiet = client.router.run("tiny", b_req)
+    quiet_s = time.monotonic() - t_quiet
+    before = prefill.status()["queue"]
+    logged = log_size(decode)
+
+    t0 = time.monotonic()
+    leave = threading.Event()
+    answers: list[Any] = []
+
+    def a_client(i: int) -> None:
+        req = b_req.replace(prompt=a_prompt(i))
+        answers.append(client.generate(req, model="tiny", cancel=leave))
+
+    clients = [threading.Thread(target=a_client, args=(i,)) for i in range(N_ABANDONED)]
+    for c in clients:
+        c.start()
+    wait_for(lambda: prefill.status()["queue"]["waiting"] >= N_ABANDONED - 1, "A's queue")
+    time.sleep(GIVE_UP_S)
+    leave.set()
+    for c in clients:
+        c.join(HANG_S)
+    left_at = time.monotonic()
+    assert [a.finish_reason for a in answers] == ["cancelled"] * N_ABANDONED
+    served = client.router.run("tiny", b_req)
+    b_done = time.monotonic()
+    wait_for(lambda: decode.status()["in_flight"] == 0, "the decode agent to hold nothing")
+    idle_at = time.monotonic()
+    after, status = prefill.status()["queue"], decode.status()
+    print(
+        f"B quiet {quiet_s:.2f}s; after A's {N_ABANDONED} abandoned prompts "
+        f"{b_done - left_at:.2f}s ({b_done - t0:.2f}s after they were sent); decode idle "
+        f"{idle_at - t0:.2f}s after; prefill queue {before} -> {after}"
+    )
+    assert served.metrics.method == "disaggregated" == quiet.metrics.method
+    assert served.token_ids == quiet.token_ids
+    # Had A's prompts run, B (behind them) could not be done before this: an
+    # ordering against the slow engine's sleeps, not a speed bar.
+    abandoned_work_s = N_ABANDONED * 3 * SLOW_LAYER_S
+    assert b_done < t0 + abandoned_work_s and idle_at < t0 + abandoned_work_s
+    assert status["local_prefills"] == 0 and status["batch"] == 0
+    assert "prefilling locally" not in log_since(decode, logged)
+    # At most the prompt on the device when its client left (and one handed the
+    # device as it stopped) started a forward; the rest left the line unstarted.
+    started = after["served"] - before["served"] - 1  # B's own
+    assert started <= 2 and after["waiting"] == 0
+    assert after["dropped_gone"] - before["dropped_gone"] >= N_ABANDONED - 2
