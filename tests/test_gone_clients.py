@@ -402,7 +402,10 @@ def test_clients_that_left_do_not_wedge_the_pipeline(agent_pair: PairFactory) ->
     prefill, decode = agents.prefill, agents.decodes[0]
     assert prefill.token is not None
     client = client_over({"tiny": agents}, prefill.token)
-    b_req = GenerateRequest(prompt=PROMPT, raw=True, max_tokens=4, placement="remote")
+    # As long as A's, never a prefix-cache hit: no cheaper-first overtaking in the queue.
+    b_req = GenerateRequest(
+        prompt=a_prompt(-1), raw=True, max_tokens=4, placement="remote", prefix_cache=False
+    )
     t_quiet = time.monotonic()
     quiet = client.router.run("tiny", b_req)
     quiet_s = time.monotonic() - t_quiet
