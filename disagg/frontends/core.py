@@ -9,6 +9,7 @@ its body as is, the others build theirs from its status and message.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import Executor
@@ -20,7 +21,7 @@ from fastapi import Request
 from disagg.api import Chunk, Client, Completion
 from disagg.errors import AgentError, DisaggError, ModelMismatch, Overloaded, UsageError
 from disagg.frontends import tenancy
-from disagg.frontends.guard import unless_gone
+from disagg.frontends.guard import DISCONNECT_POLL_S, unless_gone
 from disagg.frontends.refusal import ApiError
 from disagg.frontends.streamstart import opened
 from disagg.frontends.workers import Workers, charge, prompt_tokens
@@ -81,7 +82,7 @@ async def start(
     assert not isinstance(chunks, Completion)
     try:
         # A refusal is raised before the stream opens; once it has, the prompt is prefilled.
-        first = await opened(chunks)
+        first = await opened_unless_gone(request, chunks, cancel)
     except BaseException:
         cancel.set()
         raise
@@ -89,6 +90,21 @@ async def start(
         if isinstance(workers, Workers):
             workers.settle(cost)
     return first, cancel
+
+
+async def opened_unless_gone(
+    request: Request, chunks: AsyncIterator[Chunk], cancel: threading.Event
+) -> AsyncIterator[Chunk]:
+    """`opened(chunks)`; a client that hangs up meanwhile (its prompt queued or
+    prefilling) sets `cancel` at once, not once the stream would have opened."""
+    task = asyncio.ensure_future(opened(chunks))
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            cancel.set()  # the request's thread stops, so `opened` ends soon
+            return await task
 
 
 @dataclass(frozen=True)
