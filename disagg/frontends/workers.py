@@ -150,13 +150,15 @@ class Workers(Executor):
         limit: int | None = None,
         per_key: int | None = None,
         keys: int = 0,
+        per_key_tokens: int | None = None,
     ) -> Workers:
         """Sized to the cluster; with `keys` >= 2 and no `per_key`, each key's share
-        is KEY_SHARE of the limit."""
+        is KEY_SHARE of the limit, and KEY_PROMPT_TOKENS of prompt tokens unless
+        `per_key_tokens` says."""
         size = size or batch_capacity(router)
         if per_key is None and keys >= 2:
             per_key = key_share(size, limit or QUEUE_FACTOR * size)
-        tokens = KEY_PROMPT_TOKENS if keys >= 2 else None
+        tokens = per_key_tokens or (KEY_PROMPT_TOKENS if keys >= 2 else None)
         workers = cls(size, limit, per_key, tokens)
         log.info(
             "%d workers, at most %d requests admitted, %d per key",
