@@ -205,7 +205,9 @@ class Client:
                 raise StopGeneration
 
         try:
-            result = self.router.run(model, req, on_token=on_token, deadline_s=deadline_s)
+            result = self.router.run(
+                model, req, on_token=on_token, deadline_s=deadline_s, cancel=cancel
+            )
         except StopGeneration as e:  # a stop string matched, or the caller left
             m = e.metrics or Metrics(completion_tokens=count, finish_reason=e.reason)
             done = Completion(matcher.text, [], m, e.reason, model, "".join(reasoning))

@@ -450,6 +450,14 @@ MaxRequestsPerKey = Annotated[
         "of the workers, i.e. of the batch rows).",
     ),
 ]
+MaxPromptTokensPerKey = Annotated[
+    int | None,
+    typer.Option(
+        "--max-prompt-tokens-per-key",
+        help="Prompt tokens one API key may have waiting for their first token (default, "
+        "with two keys or more: 16384; a key's first request runs however long).",
+    ),
+]
 MaxTokensOpt = Annotated[
     int | None,
     typer.Option(
@@ -489,6 +497,7 @@ def serve(
     workers: WorkersOpt = None,
     max_requests: MaxRequests = None,
     max_requests_per_key: MaxRequestsPerKey = None,
+    max_prompt_tokens_per_key: MaxPromptTokensPerKey = None,
     drain_timeout: DrainTimeout = 30.0,
     max_tokens: MaxTokensOpt = None,
     prefix_disk: PrefixDisk = None,
@@ -518,6 +527,7 @@ def serve(
         ("--workers", workers),
         ("--max-requests", max_requests),
         ("--max-requests-per-key", max_requests_per_key),
+        ("--max-prompt-tokens-per-key", max_prompt_tokens_per_key),
     )
     keys = _serve_keys(api_key, api_key_file, host) or []
     key = keys or None
@@ -550,9 +560,16 @@ def serve(
         err.print(f"answers without a client limit run {cap} (--max-tokens)", soft_wrap=True)
         limits = Limits(header_timeout, max_connections, max_per_address, first_byte_timeout)
         pool = Workers.for_router(
-            client.router, workers, max_requests, max_requests_per_key, keys=len(keys)
+            client.router,
+            workers,
+            max_requests,
+            max_requests_per_key,
+            keys=len(keys),
+            per_key_tokens=max_prompt_tokens_per_key,
         )
         share = f", {pool.per_key} per key" if pool.per_key < pool.limit else ""
+        if pool.per_key_tokens is not None:
+            share += f", {pool.per_key_tokens} prompt tokens waiting per key"
         err.print(f"{pool.size} workers, at most {pool.limit} requests at once{share}")
         _log_to_stderr("disagg.requests", "disagg.agents")
         supervisor = Supervisor(client) if local else None

@@ -9,6 +9,7 @@ its body as is, the others build theirs from its status and message.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import Executor
@@ -20,10 +21,12 @@ from fastapi import Request
 from disagg.api import Chunk, Client, Completion
 from disagg.errors import AgentError, DisaggError, ModelMismatch, Overloaded, UsageError
 from disagg.frontends import tenancy
-from disagg.frontends.guard import tenant_tag, unless_gone
+from disagg.frontends.guard import DISCONNECT_POLL_S, tenant_tag, unless_gone
 from disagg.frontends.refusal import ApiError
 from disagg.frontends.streamstart import opened
+from disagg.frontends.workers import Workers, charge, prompt_tokens
 from disagg.serving import verdict
+from disagg_agents.decode.upfront import prompt_bytes
 from disagg_agents.wire.request import GenerateRequest
 
 
@@ -68,8 +71,10 @@ async def start(
 ) -> Completion | tuple[AsyncIterator[Chunk], threading.Event]:
     """Run `req` for any front door: the whole completion (given up when the client
     hangs up), or the stream's chunks and the event that stops its decoding.
-    Raises DisaggError; the caller puts it in its API's shape."""
+    Raises DisaggError; the caller puts it in its API's shape. The prompt's tokens
+    count against its key's share until its first token (disagg.frontends.workers)."""
     req = req.replace(tenant=tenant_tag(request))  # never the caller's to choose
+    cost = charge(prompt_tokens(prompt_bytes(req)))
     if not stream:
         return await unless_gone(
             request,
@@ -79,10 +84,30 @@ async def start(
     chunks = await client.agenerate(req, model=model, stream=True, cancel=cancel, executor=workers)
     assert not isinstance(chunks, Completion)
     try:
-        return await opened(chunks), cancel  # a refusal is raised before the stream opens
+        # A refusal is raised before the stream opens; once it has, the prompt is prefilled.
+        first = await opened_unless_gone(request, chunks, cancel)
     except BaseException:
         cancel.set()
         raise
+    finally:
+        if isinstance(workers, Workers):
+            workers.settle(cost)
+    return first, cancel
+
+
+async def opened_unless_gone(
+    request: Request, chunks: AsyncIterator[Chunk], cancel: threading.Event
+) -> AsyncIterator[Chunk]:
+    """`opened(chunks)`; a client that hangs up meanwhile (its prompt queued or
+    prefilling) sets `cancel` at once, not once the stream would have opened."""
+    task = asyncio.ensure_future(opened(chunks))
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            cancel.set()  # the request's thread stops, so `opened` ends soon
+            return await task
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,13 @@ chat waited 21 s. A request waiting for a thread is started fairly: the waiting
 request of the key that runs the fewest goes first, not the oldest. The tenant
 comes from the guard (disagg.frontends.tenancy), and rides along onto the worker
 thread with the request's context.
+
+A key's share counts prompt tokens too, not only requests: 14 chats of ~1,550
+tokens each were inside one key's share of requests, and held the prefill agent
+for minutes while another key's chat waited. Each request carries a Charge, its
+prompt's tokens (estimated from its text), held from admission until its first
+token (or its end); a key holding `per_key_tokens` of them is refused more (429),
+except its first request, however long: one prompt may always run.
 """
 
 from __future__ import annotations
@@ -43,6 +50,38 @@ DEFAULT_BATCH = 32  # a decode agent's --max-batch default, for one that does no
 QUEUE_FACTOR = 2  # admitted requests per worker by default: a burst waits, a flood is refused
 RETRY_AFTER_S = 1
 KEY_SHARE = 0.5  # of the workers (batch rows) one key may hold, with two keys or more
+# Prompt tokens one key may have waiting for their first token, with two keys or more:
+# ~10 long chats; at a prefill agent's few thousand tokens a second, seconds of its time.
+KEY_PROMPT_TOKENS = 16384
+BYTES_PER_TOKEN = 4  # a prompt's tokens guessed from its UTF-8 bytes (English BPE: ~4)
+
+
+@dataclass(eq=False)
+class Charge:
+    """One request's prompt tokens, held against its key's share until `settle`."""
+
+    tokens: int
+    tenant: bytes | None = None
+    held: bool = False  # counted in its key's share now
+
+
+_charge: contextvars.ContextVar[Charge | None] = contextvars.ContextVar(
+    "disagg_charge", default=None
+)
+
+
+def charge(tokens: int) -> Charge:
+    """The prompt tokens of the request submitted next from this context (a
+    request's task): Workers.submit holds them against its key's share."""
+    c = Charge(max(0, tokens))
+    _charge.set(c)
+    return c
+
+
+def prompt_tokens(prompt_bytes: int) -> int:
+    """A prompt's tokens, guessed from its bytes before any tokenizer sees it."""
+    return prompt_bytes // BYTES_PER_TOKEN
+
 
 log = logging.getLogger("disagg.gateway")
 
@@ -76,7 +115,13 @@ class Workers(Executor):
     """`size` threads; `submit` raises Overloaded when `limit` requests are in, or
     when the caller's tenant holds `per_key` of them already."""
 
-    def __init__(self, size: int, limit: int | None = None, per_key: int | None = None) -> None:
+    def __init__(
+        self,
+        size: int,
+        limit: int | None = None,
+        per_key: int | None = None,
+        per_key_tokens: int | None = None,
+    ) -> None:
         if size < 1:
             raise ValueError(f"workers must be at least 1, got {size}")
         self.size = size
@@ -93,6 +138,9 @@ class Workers(Executor):
         self.running: dict[bytes | None, int] = {}  # on a thread now, per tenant
         self.waiting: dict[bytes | None, deque[_Waiting]] = {}  # for a thread, per tenant
         self.refused = 0
+        # Prompt tokens waiting for their first token, per tenant (None: no bound).
+        self.per_key_tokens = per_key_tokens
+        self.tokens: dict[bytes | None, int] = {}
 
     @classmethod
     def for_router(
@@ -102,13 +150,16 @@ class Workers(Executor):
         limit: int | None = None,
         per_key: int | None = None,
         keys: int = 0,
+        per_key_tokens: int | None = None,
     ) -> Workers:
         """Sized to the cluster; with `keys` >= 2 and no `per_key`, each key's share
-        is KEY_SHARE of the limit."""
+        is KEY_SHARE of the limit, and KEY_PROMPT_TOKENS of prompt tokens unless
+        `per_key_tokens` says."""
         size = size or batch_capacity(router)
         if per_key is None and keys >= 2:
             per_key = key_share(size, limit or QUEUE_FACTOR * size)
-        workers = cls(size, limit, per_key)
+        tokens = per_key_tokens or (KEY_PROMPT_TOKENS if keys >= 2 else None)
+        workers = cls(size, limit, per_key, tokens)
         log.info(
             "%d workers, at most %d requests admitted, %d per key",
             workers.size,
@@ -119,24 +170,21 @@ class Workers(Executor):
 
     def submit(self, fn: Callable[Ps, T], /, *args: Ps.args, **kwargs: Ps.kwargs) -> Future[T]:
         tenant = tenancy.current()
+        cost = _charge.get()
         with self.lock:
-            held = self.held.get(tenant, 0)
-            if self.admitted >= self.limit or held >= self.per_key:
+            why = self._refusal(tenant, cost)
+            if why is not None:
                 self.refused += 1
-                mine = held >= self.per_key and self.admitted < self.limit
-                raise Overloaded(
-                    f"this API key holds its share of {self.per_key} requests: "
-                    f"retry in {RETRY_AFTER_S}s"
-                    if mine
-                    else f"the gateway is serving its limit of {self.limit} requests: "
-                    f"retry in {RETRY_AFTER_S}s",
-                    RETRY_AFTER_S,
-                )
+                raise Overloaded(f"{why}: retry in {RETRY_AFTER_S}s", RETRY_AFTER_S)
             self.admitted += 1
-            self.held[tenant] = held + 1
+            self.held[tenant] = self.held.get(tenant, 0) + 1
+            if cost is not None and not cost.held:
+                cost.tenant, cost.held = tenant, True
+                self.tokens[tenant] = self.tokens.get(tenant, 0) + cost.tokens
         # The request's context (its tenant) goes with it onto the worker thread.
         context = contextvars.copy_context()
-        job = _Waiting(Future(), functools.partial(context.run, fn, *args, **kwargs))
+        call = functools.partial(context.run, fn, *args, **kwargs)
+        job = _Waiting(Future(), call, cost)
         with self.lock:
             self.waiting.setdefault(tenant, deque()).append(job)
             start = self._next()
@@ -145,6 +193,34 @@ class Workers(Executor):
         )
         self._start(start)
         return job.future
+
+    def _refusal(self, tenant: bytes | None, cost: Charge | None) -> str | None:
+        """Under the lock: why a request of `tenant` costing `cost` is refused now."""
+        held = self.held.get(tenant, 0)
+        if self.admitted >= self.limit:
+            return f"the gateway is serving its limit of {self.limit} requests"
+        if held >= self.per_key:
+            return f"this API key holds its share of {self.per_key} requests"
+        queued, cap = self.tokens.get(tenant, 0), self.per_key_tokens
+        if cost is not None and cap is not None and queued and queued + cost.tokens > cap:
+            return (
+                f"this API key has {queued} prompt tokens waiting to be prefilled, and this "
+                f"prompt's ~{cost.tokens} would pass its share of {cap}"
+            )
+        return None
+
+    def settle(self, cost: Charge) -> None:
+        """`cost`'s prompt is prefilled (its first token is out) or it ended: its
+        tokens leave its key's share. Safe to call twice."""
+        with self.lock:
+            if not cost.held:
+                return
+            cost.held = False
+            left = self.tokens.get(cost.tenant, 0) - cost.tokens
+            if left > 0:
+                self.tokens[cost.tenant] = left
+            else:
+                self.tokens.pop(cost.tenant, None)
 
     def _next(self) -> tuple[bytes | None, _Waiting] | None:
         """Under the lock: the waiting request to start on a free thread, if one is
@@ -163,14 +239,14 @@ class Workers(Executor):
         while start is not None:
             tenant, job = start
             if not job.future.set_running_or_notify_cancel():  # cancelled while it waited
-                start = self._finished(tenant)
+                start = self._finished(tenant, job)
                 continue
             try:
                 self.pool.submit(self._run, tenant, job)
                 return
             except BaseException as e:  # the pool shut down
                 job.future.set_exception(e)
-                start = self._finished(tenant)
+                start = self._finished(tenant, job)
 
     def _run(self, tenant: bytes | None, job: _Waiting) -> None:
         try:
@@ -178,7 +254,7 @@ class Workers(Executor):
         except BaseException as e:
             result, error = None, e
         # The share comes back before the caller hears: it may send its next at once.
-        self._start(self._finished(tenant))
+        self._start(self._finished(tenant, job))
         if error is not None:
             job.future.set_exception(error)
         else:
@@ -194,10 +270,14 @@ class Workers(Executor):
             if not queue:
                 del self.waiting[tenant]
             self.running[tenant] = self.running.get(tenant, 0) + 1  # as _finished expects
-        self._start(self._finished(tenant))
+        self._start(self._finished(tenant, job))
 
-    def _finished(self, tenant: bytes | None) -> tuple[bytes | None, _Waiting] | None:
+    def _finished(
+        self, tenant: bytes | None, job: _Waiting
+    ) -> tuple[bytes | None, _Waiting] | None:
         """A request left its thread (or never got one): its share back, and the next."""
+        if job.cost is not None:
+            self.settle(job.cost)
         with self.lock:
             self.admitted -= 1
             for table in (self.held, self.running):
@@ -224,4 +304,5 @@ class _Waiting:
 
     future: Future[Any]
     call: Callable[[], Any]
+    cost: Charge | None = None  # its prompt tokens, held against its key's share
     at: float = field(default_factory=time.monotonic)

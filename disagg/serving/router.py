@@ -270,10 +270,13 @@ class Router:
         request: GenerateRequest,
         on_token: Callable[[TokenEvent], None] | None = None,
         deadline_s: float | None = None,
+        cancel: threading.Event | None = None,
     ) -> Completion:
         """Run one request, moving it to another decode agent if one fails (sent
         nothing for the pipeline's decode_timeout_s, or died). `deadline_s` bounds
         the whole request, moves included (RequestTimeout); None: no bound.
+        `cancel` set (the caller left): StopGeneration("cancelled") at once, even
+        while the prompt still waits for its prefill (the agents then drop it).
 
         An agent that dies mid-answer is migrated, not replayed: the next agent
         takes the prompt plus the tokens already sent as its prompt
@@ -295,7 +298,7 @@ class Router:
         deadline = None if deadline_s is None else time.monotonic() + deadline_s
         keys = affinity.prefix_keys(pipe.name, req)
         endpoints, choice = self.decode_order(pipe.decode, keys)
-        j = Journey(pipe, req, on_token, deadline_s, keys, choice)
+        j = Journey(pipe, req, on_token, deadline_s, keys, choice, cancel)
         for ep in endpoints:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
@@ -343,6 +346,7 @@ class Router:
                 timeout_s=j.pipe.decode_timeout_s,
                 token=self.token,
                 deadline_s=left,
+                cancel=j.cancel,
             )
             result.model = j.pipe.name
             m = result.metrics
@@ -357,12 +361,13 @@ class Router:
             raise RequestTimeout(
                 f"the request did not finish within its deadline of {j.deadline_s:g}s: {e}"
             ) from None
-        except StopGeneration as e:
-            e.metrics = forward.cut(e.reason)
-            e.metrics.decode_server = e.metrics.decode_server or ep.name
-            e.metrics.route = j.choice.to_dict()
-            e.metrics.migrations = j.migrations or None
-            raise
+        except (StopGeneration, client.Cancelled) as caught:
+            stop = caught if isinstance(caught, StopGeneration) else StopGeneration("cancelled")
+            stop.metrics = m = forward.cut(stop.reason)
+            m.decode_server = m.decode_server or ep.name
+            m.route = j.choice.to_dict()
+            m.migrations = j.migrations or None
+            raise stop from None
         except (UsageError, ModelMismatch, AuthError):
             raise
         except (ConnectError, AgentError) as e:
@@ -385,6 +390,7 @@ class Journey:
     deadline_s: float | None
     keys: list[affinity.PrefixKey]
     choice: affinity.Choice
+    cancel: threading.Event | None = None  # set: the caller left
     delivered: list[TokenEvent] = field(default_factory=list)  # what the client saw
     failures: list[str] = field(default_factory=list)
     migrations: int = 0

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
+import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass
@@ -30,6 +32,13 @@ from disagg_agents.wire.request import GenerateRequest
 
 # The name earlier releases gave the wire client's result: the one answer type.
 Result = Completion
+
+CANCEL_POLL_S = 0.2  # how often a wait for the agent's next frame looks at `cancel`
+
+
+class Cancelled(Exception):
+    """`cancel` was set while the agent had nothing to send yet (its prompt
+    queued or prefilling): the connection closes, which stops the agent's work."""
 
 
 def _raise_remote(e: RemoteError) -> None:
@@ -64,13 +73,15 @@ def stream(
     timeout_s: float = 240.0,
     token: bytes | None = None,
     deadline_s: float | None = None,
+    cancel: threading.Event | None = None,
 ) -> Generator[Event, None, None]:
     """Yield a TokenEvent per TOKEN frame, Logprobs per LOGPROBS frame and finally
     the Done: the answer as typed in disagg_agents.wire.answer.
 
     `timeout_s` is an idle deadline: the agent failed when it sent no frame for that
     long (it sends PROGRESS while it queues or prefills, so only a dead or hung one
-    does). `deadline_s`, when given, bounds the whole request: RequestTimeout then."""
+    does). `deadline_s`, when given, bounds the whole request: RequestTimeout then.
+    `cancel` set (the caller left) while no frame is due: Cancelled."""
     try:
         sock = socket.create_connection((host, port), timeout=min(timeout_s, 10.0))
     except OSError as e:
@@ -84,7 +95,8 @@ def stream(
         wire.setdefault("progress_s", max(timeout_s / 3, 0.1))
         send_json(sock, Frame.GENERATE, wire)
         while True:
-            header, payload = _recv(sock, timeout_s, deadline, f"{host}:{port}", deadline_s)
+            where = f"{host}:{port}"
+            header, payload = _recv(sock, timeout_s, deadline, where, deadline_s, cancel)
             if header.type == Frame.PROGRESS:
                 continue  # still working (queued, prefilling): only the idle clock hears it
             if header.type == Frame.TOKEN:
@@ -131,15 +143,30 @@ def _open(sock: socket.socket, host: str, port: int, timeout_s: float, token: by
         ) from None
 
 
+def _await(sock: socket.socket, cancel: threading.Event | None, wait_s: float) -> None:
+    """Until the next frame's first byte is here: TimeoutError after `wait_s`,
+    Cancelled once `cancel` is set."""
+    if cancel is None:
+        return
+    end = time.monotonic() + wait_s
+    while not select.select([sock], [], [], CANCEL_POLL_S)[0]:
+        if cancel.is_set():
+            raise Cancelled("the caller left before the answer was done")
+        if time.monotonic() >= end:
+            raise TimeoutError("timed out")
+
+
 def _recv(
     sock: socket.socket,
     timeout_s: float,
     deadline: float | None,
     where: str,
     deadline_s: float | None,
+    cancel: threading.Event | None = None,
 ) -> tuple[Header, bytearray]:
     """The next frame, waiting at most the idle `timeout_s` (TimeoutError) and no
-    longer than the request's `deadline` (monotonic; RequestTimeout)."""
+    longer than the request's `deadline` (monotonic; RequestTimeout); Cancelled
+    once `cancel` is set while it waits."""
     while True:
         wait = timeout_s
         if deadline is not None:
@@ -152,6 +179,7 @@ def _recv(
             wait = min(wait, left)
         sock.settimeout(wait)
         try:
+            _await(sock, cancel, wait)
             return recv_frame(sock)
         except TimeoutError:
             if deadline is not None and deadline - time.monotonic() <= 0:
@@ -168,15 +196,17 @@ def generate(
     on_token: Callable[[TokenEvent], None] | None = None,
     token: bytes | None = None,
     deadline_s: float | None = None,
+    cancel: threading.Event | None = None,
 ) -> Completion:
-    """Run one request to completion (`timeout_s`, `deadline_s`: see `stream`).
+    """Run one request to completion (`timeout_s`, `deadline_s`, `cancel`: see `stream`).
 
     `on_text` sees each piece of answer text as it arrives; `on_token` each
     TokenEvent. An exception raised by either ends the request and closes the
     connection, which tells the decode agent to stop.
     """
     t0 = time.perf_counter()
-    with contextlib.closing(stream(host, port, request, timeout_s, token, deadline_s)) as events:
+    events = stream(host, port, request, timeout_s, token, deadline_s, cancel)
+    with contextlib.closing(events):
         return _collect(host, port, events, t0, on_text, on_token)
 
 

@@ -29,6 +29,7 @@ from disagg_agents.decode.kvslots import inplace_enabled
 from disagg_agents.decode.loop import DecodeLoop
 from disagg_agents.decode.placement import Placement
 from disagg_agents.decode.prefixcache import DecodePrefixCache
+from disagg_agents.decode.upfront import HungUp
 from disagg_agents.prefix.store import default_max_mb
 from disagg_agents.runtime.args import common_args, fail
 from disagg_agents.runtime.blasshare import BlasShare
@@ -194,7 +195,7 @@ class DecodeAgent:
                 with Keepalive(sock, progress_interval(request), self.loop) as progress:
                     metrics = self._generate(request, sock, progress)
                 outcome = str(metrics.finish_reason or "stop")
-            except ClientGone as e:  # hung up while its grammar compiled: nobody to tell
+            except (ClientGone, HungUp) as e:  # hung up before its answer: nobody to tell
                 outcome = "cancelled"
                 log.info("client went away: %s", printable(e))
                 return

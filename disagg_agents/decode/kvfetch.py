@@ -3,6 +3,7 @@ K/V layer by layer straight into mlx caches."""
 
 from __future__ import annotations
 
+import select
 import socket
 import time
 from collections.abc import Callable
@@ -14,6 +15,7 @@ import numpy as np
 from disagg_agents.decode.codectuner import MIN_LINK_FRAME
 from disagg_agents.decode.kvcaches import check_layer, fill_layer
 from disagg_agents.decode.kvslots import Slots, receive_layer
+from disagg_agents.decode.upfront import HungUp
 from disagg_agents.prefix.store import Prefix
 from disagg_agents.wire.auth import client_auth
 from disagg_agents.wire.channel import FrameReader, recv_json, send_json, send_json_ids
@@ -52,15 +54,19 @@ SlotsSource = Callable[[], Slots]
 class Into:
     """Where a PREFILL's K/V goes: the request's caches (one per layer), how a
     layer is placed in one, the prefix this side holds (asked only for the rest),
-    and the slots a layer that fits is received into in place."""
+    and the slots a layer that fits is received into in place. `gone()` true: the
+    client we fetch for hung up (await_frame)."""
 
     caches: list[Any]
     place: Place = fill_layer
     prefix: Prefix | None = None
     slots: SlotsSource | None = None
+    gone: Callable[[], bool] | None = None
 
 
 FALLBACK_KINDS = ("unreachable", "timeout", "stream", "prefill_error")
+DEFAULT_TIMEOUT_S = 60.0  # a target's timeout when it sets none
+GONE_POLL_S = 0.2  # how often a wait for the next frame asks whether our client left
 
 
 class PrefillUnavailable(Exception):
@@ -110,7 +116,7 @@ class Received:
 
 def open_session(target: PrefillTarget, hello: dict[str, Any], token: bytes | None) -> Session:
     """Dial the target's addresses in order, prove ourselves, and say HELLO."""
-    timeout_s = target.timeout or 60.0
+    timeout_s = target.timeout or DEFAULT_TIMEOUT_S
     sock, host, failures = dial(target.hosts, target.port, timeout_s)
     try:
         sock.settimeout(timeout_s)
@@ -130,6 +136,21 @@ def send_prefill(sock: socket.socket, request: PrefillRequest, packed_ids: bool)
         send_json_ids(sock, Frame.PREFILL, request.to_wire(True), pack_ids(request.token_ids))
     else:
         send_json(sock, Frame.PREFILL, request.to_wire())
+
+
+def await_frame(sock: socket.socket, gone: Callable[[], bool] | None) -> None:
+    """Until the next frame's first byte is here, within the socket's timeout
+    (TimeoutError); HungUp as soon as `gone()` says our own client left (the
+    connection then closes, and the prefill agent drops the prompt)."""
+    if gone is None:
+        return
+    timeout_s = sock.gettimeout()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not select.select([sock], [], [], GONE_POLL_S)[0]:
+        if gone():
+            raise HungUp("the client hung up while its prompt waited for the prefill agent")
+        if deadline is not None and time.monotonic() >= deadline:
+            raise TimeoutError("timed out")
 
 
 def receive_layers(
@@ -154,6 +175,7 @@ def receive_layers(
     reader = FrameReader(sock, stream.max_frame)
     logits: np.ndarray | None = None
     while True:
+        await_frame(sock, into.gone)
         header = reader.next()
         if header.type == Frame.KV_LAYER:
             stream.take(reader, header)
@@ -280,6 +302,8 @@ def fetch_kv(
 ) -> tuple[dict[str, Any], np.ndarray]:
     """Fill `into.caches` with the K/V of `request.token_ids` from the prefill agent;
     return metrics and the float32 logits of the prompt's last position.
+    `into.gone()` true (our client left): HungUp, and the connection closes, so the
+    prefill agent drops the prompt instead of computing it for nobody.
 
     With `request.kv_quant` "int8" the K/V travels lossy as int8 rows and is
     dequantized here (a lossless stream is taken too: an older prefill agent).
@@ -328,6 +352,11 @@ def _small_int(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) and 0 < v < 65536 else None
 
 
+def _count(v: Any) -> int | None:
+    """A count from the peer's PREFILL_DONE (0 included), or None."""
+    return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 31 else None
+
+
 def fetch_metrics(
     request: PrefillRequest, session: Session, got: Received, t0: float
 ) -> dict[str, Any]:
@@ -348,6 +377,8 @@ def fetch_metrics(
         "kv_quant_time": done.get("kv_quant_time"),
         "prefill_cached_tokens": int(done.get("cached_tokens") or 0),
         "prefill_queue_time": done.get("queue_time"),
+        # For placement only (kvsource takes it out before metrics reach clients).
+        "prefill_queue_waiting": _count(done.get("queue_waiting")),
         "prefill_threads": _small_int(done.get("threads")),
         # perf_counter times on this host for the caller's timeline (disagg_agents.decode
         # turns them into offsets); never sent on.

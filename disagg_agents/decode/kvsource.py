@@ -1,6 +1,10 @@
 """The K/V stage: where the prompt's K/V comes from. A prefix cache hit, then a
 remote prefill agent's stream (placed into the caches as it arrives) or the
-model run here, chunked beside the decoding streams."""
+model run here, chunked beside the decoding streams.
+
+Work for a client that hung up stops at every step (HungUp): the wait for the
+prefill agent (its connection closes, and that agent drops the prompt), the
+fall back to a local prefill (refused), and a local prefill between chunks."""
 
 from __future__ import annotations
 
@@ -17,9 +21,10 @@ from mlx_lm.models.cache import make_prompt_cache
 from disagg_agents.decode.codectuner import CodecTuner
 from disagg_agents.decode.job import Job
 from disagg_agents.decode.kvcaches import fill_layer
-from disagg_agents.decode.kvfetch import Into, PrefillUnavailable, fetch_kv
+from disagg_agents.decode.kvfetch import DEFAULT_TIMEOUT_S, Into, PrefillUnavailable, fetch_kv
 from disagg_agents.decode.kvslots import Slots, allocate
 from disagg_agents.decode.prefixcache import Hit
+from disagg_agents.decode.upfront import HungUp, client_gone
 from disagg_agents.prefix.store import Prefix
 from disagg_agents.wire.answer import Metrics
 from disagg_agents.wire.kvcodec import Codec, LayerKV
@@ -61,6 +66,8 @@ def fetch_or_not(agent: DecodeAgent, job: Job) -> None:
     try:
         fetched, logits = fetch_remote(agent, job, hit, codec, probe)
     except PrefillUnavailable as e:
+        if gone(job)():  # the wait outlasted its client: nobody to prefill for
+            raise HungUp(f"the client hung up; no local prefill after: {e}") from None
         log.warning("%s; prefilling locally", e)
         metrics.update(method="local-fallback", fallback_reason=str(e), fallback_kind=e.kind)
         job.caches = make_prompt_cache(agent.engine.model)
@@ -69,6 +76,7 @@ def fetch_or_not(agent: DecodeAgent, job: Job) -> None:
     # Rates from what was computed and sent, not what came from a prefix cache.
     computed = len(ids) - max(hit.tokens if hit.used else 0, fetched["prefill_cached_tokens"])
     agent.placement.observe_remote(key, computed, len(job.caches), fetched)
+    fetched.pop("prefill_queue_waiting", None)  # other requests' count: not the client's
     if tuner is not None:
         tuner.observe_fetch(fetched)
     metrics.update(fetched, method="disaggregated", cached_tokens=hit.tokens if hit.used else 0)
@@ -154,7 +162,7 @@ def fetch_remote(
     ask = prefill_ask(agent, job, codec, probe, prefix)
     with agent.blas_share.prefilling():
         slots = slots_of(agent, alloc, hit) if alloc is not None else None
-        into = Into(job.caches, placer(agent, alloc, fills), prefix, slots)
+        into = Into(job.caches, placer(agent, alloc, fills), prefix, slots, gone(job))
         fetched, logits = fetch_kv(
             job.req.prefill, ask, into, hello(agent), agent.token, agent.engine.vocab_size
         )
@@ -230,6 +238,8 @@ def prefill_ask(
         # streams will be decoding by the time this one runs.
         cores_busy=agent.blas_share.shared is not None
         and (agent.loop.busy() or agent.blas_share.prefills > 0),
+        # As long as we wait for its first K/V (kvfetch.open_session's timeout).
+        wait_s=(req.prefill.timeout if req.prefill else None) or DEFAULT_TIMEOUT_S,
     )
 
 
@@ -241,9 +251,14 @@ def local_prefill(agent: DecodeAgent, job: Job) -> np.ndarray:
     last position's logits (float32). A prefix cache hit (mlx's own K/V, namespace
     "local") seeds the caches and only the rest is computed."""
     model, ids, caches = agent.engine.model, job.ids, job.caches
+    left = gone(job)
+    if left():
+        raise HungUp("the client hung up before its local prefill began")
     done = seed_local(agent, job)
 
     def chunk(a: int, b: int) -> None:
+        if left():  # on the mlx thread, between chunks: the request's thread gets it
+            raise HungUp(f"the client hung up; local prefill stopped at {a} of {len(ids)}")
         model(mx.array(ids[a:b])[None], cache=caches)
         mx.eval([c.state for c in caches])
         if b - a > 256:
@@ -259,6 +274,14 @@ def local_prefill(agent: DecodeAgent, job: Job) -> np.ndarray:
         agent.loop.prefill(chunk, done, len(ids) - 1).result()
     logits: np.ndarray = agent.loop.call(last)
     return logits
+
+
+def gone(job: Job) -> Callable[[], bool]:
+    """Whether the request's client has hung up (never, for a job without one)."""
+    sock = job.sock
+    if sock is None:
+        return lambda: False
+    return lambda: client_gone(sock)
 
 
 def seed_local(agent: DecodeAgent, job: Job) -> int:

@@ -222,6 +222,7 @@ class DecodeLoop:
             "batch_waiting": len(self.waiting),
             "batch_peak": self.peak_batch,
             "decode_steps": self.steps,
+            "local_prefills": len(self.prefills),  # prompts being prefilled here now
         }
 
     # -- the mlx thread --------------------------------------------------------

@@ -1,7 +1,8 @@
 """Checks a request passes before the decode agent spends anything on it: a
 prompt that cannot fit the context is refused before tokenizing (a 3.9 MB one
 took 5.8 CPU-s and 330 MB to tokenize), and a client that left is noticed
-while its grammar compiles."""
+while its grammar compiles, while its prompt waits for a prefill agent, and
+between the chunks of a local prefill."""
 
 from __future__ import annotations
 
@@ -75,6 +76,11 @@ def too_long(req: GenerateRequest, context: int, token_bytes: int) -> str | None
         f"the prompt (messages, reasoning, tool calls and tools) is {size} bytes, at "
         f"least {at_least} tokens; the model's context is {context}: shorten the prompt"
     )
+
+
+class HungUp(Exception):
+    """The client hung up before its answer began: the work for it stops, and
+    nobody is told."""
 
 
 def client_gone(sock: socket.socket) -> bool:

@@ -10,12 +10,15 @@ import contextlib
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
+from disagg_agents.decode.upfront import client_gone
 from disagg_agents.prefill.embed import Embedder
 from disagg_agents.prefill.engine import PrefillEngine
 from disagg_agents.prefill.prefixcache import PrefillPrefixCache
+from disagg_agents.prefill.queue import Dropped
 from disagg_agents.prefill.sender import KV_BUFFER_MB, KV_STALL_S, LayerSender, PeerStalled
 from disagg_agents.prefix.store import default_max_mb, prefix_digest
 from disagg_agents.quant import weights_mismatch
@@ -182,6 +185,7 @@ class PrefillAgent:
     def _prefill_one(
         self, sock: socket.socket, peer: str, frame: dict[str, Any], packed: memoryview | None
     ) -> bool:
+        arrived = time.monotonic()
         req = self._read_request(sock, frame, packed)
         if req is None:
             return False
@@ -201,6 +205,9 @@ class PrefillAgent:
                 req.cache_salt,
                 host_async=True,
                 cores_busy=req.cores_busy,
+                gone=lambda: client_gone(sock),
+                # The requester waits this long for its first K/V; past it, it has left.
+                deadline=None if req.wait_s is None else arrived + req.wait_s,
             )
             # Every send goes through the sender, whose deadline cuts a peer that
             # stops reading; this thread holds no lock while it waits.
@@ -208,21 +215,16 @@ class PrefillAgent:
             sender.put_frame(Frame.PREFILL_DONE, self._done_frame(sender, result, req))
             sender.drain()
             outcome = "ok"
-            log.info(
-                "%s: prefilled %d tokens in %.3fs, %d KV bytes",
-                peer,
-                len(ids),
-                result["prefill_time"],
-                sender.bytes,
-            )
+            took, sent = result["prefill_time"], sender.bytes
+            log.info("%s: prefilled %d tokens in %.3fs, %d KV bytes", peer, len(ids), took, sent)
             return True
         except PeerStalled as e:
             outcome = "peer_stalled"
             log.warning("%s: dropped: %s", peer, e)
             return False
-        except OSError as e:
+        except (Dropped, OSError) as e:  # the requester left: nobody to tell
             outcome = "cancelled"
-            log.warning("%s: connection lost during prefill: %s", peer, e)
+            log.info("%s: %s", peer, e if isinstance(e, Dropped) else f"connection lost: {e}")
             return False
         except Exception as e:
             log.exception("%s: prefill failed", peer)
@@ -280,6 +282,8 @@ class PrefillAgent:
                 codec=int(req.codec),
                 server=self.name,
                 device=self.engine.device,
+                # Prompts waiting for the device now: 0 tells the requester we are idle.
+                queue_waiting=self.engine.slots.snapshot()["waiting"],
             )
             if sender.probe:
                 done["codec_probe"] = sender.probe

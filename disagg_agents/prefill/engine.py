@@ -15,7 +15,7 @@ from disagg_agents.models import get_adapter, layer_kinds_from_hf, load_hf_confi
 from disagg_agents.prefill.attention import use_chunked_attention
 from disagg_agents.prefill.hostcopy import HostCopies
 from disagg_agents.prefill.prefixcache import PrefillPrefixCache
-from disagg_agents.prefill.queue import FairQueue
+from disagg_agents.prefill.queue import Dropped, FairQueue
 from disagg_agents.quant import check_supported, weights_identity
 from disagg_agents.runtime.torchshare import TorchShare
 from disagg_agents.wire.kvcodec import (
@@ -139,6 +139,8 @@ class PrefillEngine:
         *,
         host_async: bool = False,
         cores_busy: bool = False,
+        gone: Callable[[], bool] | None = None,
+        deadline: float | None = None,
     ) -> tuple[dict[str, Any], np.ndarray]:
         """Run the prompt; call `on_layer` with each layer's K/V the moment it exists.
 
@@ -149,6 +151,8 @@ class PrefillEngine:
         on a CUDA device, the layers handed over may still be in flight: their
         reader calls `LayerKV.wait` first (LayerSender does). `cores_busy`: the
         requester decodes on this machine's cores (disagg_agents.runtime.torchshare).
+        `gone()` (the requester hung up; asked again after each layer) or `deadline`
+        (monotonic) passed before its turn: queue.Dropped, the rest not computed.
         Returns timings and the float32 logits of the last position, from which
         the decode side samples the first token without running a step itself.
         """
@@ -157,24 +161,20 @@ class PrefillEngine:
         cache = DynamicCache(config=self.model.config)
         total = len(token_ids)
         marks: dict[str, float] = {}
-
-        hook = self._hand_over(cache, total - start, on_layer, host_async, marks)
+        hook = self._hand_over(cache, total - start, on_layer, host_async, marks, gone)
 
         # The queue's cost: what is left to compute once a cached prefix is seeded.
         cost = total - (prefix.expected_hit(token_ids, salt) if prefix else 0)
         # Hooks are per module, shared by all requests: add them only in the slot.
         # Nothing here waits on a socket: `on_layer` only queues (LayerSender.put).
         with (
-            self.slots.slot(cost) as queue_s,  # behind other prompts' forward passes
+            self.slots.slot(cost, gone, deadline) as queue_s,  # behind other prompts
             self.share.threads(cores_busy) as threads,
         ):
             keys, cached, logits, compute_s = self._forward(token_ids, cache, prefix, salt, hook)
             if prefix:
                 save = prefix.saver(keys, cache)
-                if after is None:
-                    save()
-                else:
-                    after.append(save)
+                save() if after is None else after.append(save)
         stats = {
             "prefill_time": compute_s,
             "queue_time": queue_s,
@@ -217,9 +217,11 @@ class PrefillEngine:
         on_layer: Callable[[LayerKV], None],
         host_async: bool,
         marks: dict[str, float],
+        gone: Callable[[], bool] | None = None,
     ) -> Callable[[int], Callable[..., None]]:
         """Forward hooks, by layer index, that hand each layer's last `send`
-        positions of K/V to `on_layer` as soon as the layer has run."""
+        positions of K/V to `on_layer` as soon as the layer has run, and stop the
+        forward (queue.Dropped) once `gone()` says its requester hung up."""
         wire = DTYPE_NAMES[self.dtype]
         copies = self.copies if host_async else None
 
@@ -237,6 +239,8 @@ class PrefillEngine:
                     on_layer(LayerKV(idx, kind, wire, to_wire(keys), to_wire(values)))
                 if idx == len(self.layers) - 1:
                     marks["last_layer_at"] = time.time()
+                elif gone is not None and gone():  # a poll, no device sync
+                    raise Dropped("gone", f"prefill stopped after layer {idx}")
 
             return _after_layer
 

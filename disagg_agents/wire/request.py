@@ -385,6 +385,9 @@ def check_kv_quant(kv_quant: Any) -> str | None:
     return kv_quant
 
 
+WAIT_S_MAX = 86400.0  # a PREFILL's wait_s at most (a day)
+
+
 @dataclass(frozen=True)
 class PrefillRequest:
     """The PREFILL frame: a prompt's token ids and how to send their K/V back.
@@ -404,6 +407,9 @@ class PrefillRequest:
     # The requester is decoding on the same machine right now (a local pair): the
     # prefill agent runs on its shared thread count (disagg_agents.runtime.torchshare).
     cores_busy: bool = False
+    # Seconds the requester waits for the first K/V before it gives up: a prompt
+    # still queued past it is dropped, not computed for nobody (None: no bound).
+    wait_s: float | None = None
 
     @classmethod
     def from_dict(
@@ -440,6 +446,9 @@ class PrefillRequest:
         digest = d.get("prefix_digest")
         if digest is not None and not isinstance(digest, str):
             raise RequestError("prefix_digest", "prefix_digest must be text")
+        wait_s = d.get("wait_s")
+        if wait_s is not None and not (is_num(wait_s) and 0 < wait_s <= WAIT_S_MAX):
+            raise RequestError("wait_s", f"wait_s must be in (0, {WAIT_S_MAX:g}], got {wait_s!r}")
         return cls(
             token_ids=ids,
             codec=codec,
@@ -450,6 +459,7 @@ class PrefillRequest:
             probe_codecs=d.get("probe_codecs") is True,
             cache_salt=check_cache_salt(d.get("cache_salt")),
             cores_busy=d.get("cores_busy") is True,
+            wait_s=None if wait_s is None else float(wait_s),
         )
 
     def to_wire(self, packed_ids: bool = False) -> dict[str, Any]:
@@ -469,6 +479,8 @@ class PrefillRequest:
             out["cache_salt"] = self.cache_salt
         if self.cores_busy:
             out["cores_busy"] = True
+        if self.wait_s is not None:
+            out["wait_s"] = self.wait_s
         return out
 
 
