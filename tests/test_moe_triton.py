@@ -139,7 +139,7 @@ def test_affine_dequantization_in_the_kernel_is_mlx_exact(monkeypatch: pytest.Mo
         x[0, 7] = 1.0
         r = moe.route(torch.tensor([[2]], device=DEVICE), EXPERTS)
         y = x.new_empty(1, INTER)
-        t = moe_triton.tiles(x.device, 1, EXPERTS)
+        t = moe_triton.tiles(x.device, 1, EXPERTS, "gate_up", fused.gate)
         moe_triton._launch(
             x, fused.gate, None, y, moe_triton.blocks(r, t.bm), t, tokens=r.tokens, glu=0,
             bias=None, row_weights=None, out_rows=None, alpha=1.0, limit=7.0,
