@@ -9,6 +9,7 @@ machine (scripts/device-cuda.sh) the same tests run natively.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -200,6 +201,50 @@ def test_auto_picks_triton_on_cuda_only_and_forcing_it_elsewhere_says_why(
     monkeypatch.setenv(moe.GEMM_ENV, "fastest")
     with pytest.raises(ValueError, match="expected one of"):
         moe.pick_gemm(x, torch.float32, False, r)
+
+
+def test_a_compile_error_falls_back_with_one_log_line(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Kernels that do not build (as under a ptxas that rejects sm_121a): found when
+    the layer is first prepared, every layer then takes the torch path and gives
+    the reference's output, and one log line names the error and the path."""
+    from disagg_agents.quant import moe_kernels
+
+    class Broken:  # what a launch raises when the compile fails
+        def __getitem__(self, grid: Any) -> Any:
+            def launch(*args: Any, **kwargs: Any) -> None:
+                raise RuntimeError("PTXASError: Value 'sm_121a' is not defined for 'gpu-name'")
+
+            return launch
+
+    monkeypatch.setattr(moe_kernels, "moe_gemm_kernel", Broken())
+    monkeypatch.setattr(moe_triton, "_warmed", {})
+    monkeypatch.setenv(moe.GEMM_ENV, "auto")
+    hidden, idx, w = skewed_routing(21, 4, torch.float32)
+    with caplog.at_level(logging.WARNING, logger="disagg.prefill"):
+        for seed in (0, 1):  # two layers, each called twice
+            m = layer("gpt_oss", "mxfp4", torch.float32, seed=seed)
+            assert m.path(DEVICE) == "torch"
+            for _ in range(2):
+                close(m(hidden, idx, w), loop_forward(m, hidden, idx, w), torch.float32)
+            assert m._triton is False
+    lines = [r.getMessage() for r in caplog.records if "did not compile" in r.getMessage()]
+    assert len(lines) == 1, lines
+    path = "grouped" if moe.grouped_mm_fits(DEVICE, torch.float32) else "blocked"
+    assert "sm_121a" in lines[0] and f"the {path} path" in lines[0], lines
+
+
+def test_the_layers_warm_at_load_and_name_their_path() -> None:
+    """warm_experts: each PackedExperts layer prepared (and its kernels compiled) now."""
+    from disagg_agents.quant.modules import warm_experts
+
+    model = torch.nn.ModuleList(
+        [layer("qwen3_moe", "affine4", torch.float32, seed=s) for s in (0, 1)]
+    )
+    paths = warm_experts(model, DEVICE)
+    assert paths == {"triton": 2}
+    assert all(isinstance(m._triton, moe_triton.Experts) for m in model)
 
 
 # --- whole prefills of tiny quantized MoE checkpoints --------------------------------

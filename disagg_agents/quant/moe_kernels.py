@@ -132,16 +132,16 @@ def _glu(a, b, alpha, limit, GLU: tl.constexpr):
 def _swizzle(pid, NB, NN, GROUP_M: tl.constexpr):
     """(row block, N tile) of program `pid`: GROUP_M consecutive row blocks (mostly
     one expert's: blocks are sorted by expert) sweep every N tile together, the
-    blocks varying fastest. Their activations stay in L2 across the N tiles and
-    each weight tile serves the group's blocks back to back, so both are read
-    from memory about once."""
+    blocks varying fastest; GROUP_M 1 is N-fastest. Either way a block's
+    activations stay in L2 across its N tiles (the 2-D grid before read them again
+    per N tile) and an expert's weight tiles serve its blocks close together."""
     width = GROUP_M * NN
     first = (pid // width) * GROUP_M
     size = tl.minimum(NB - first, GROUP_M)
     return first + (pid % width) % size, (pid % width) // size
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NB"])  # the block count varies per call: one compile
 def moe_gemm_kernel(
     x_ptr, tok_ptr, stride_xm,
     wa_ptr, sa_ptr, ba_ptr, wb_ptr, sb_ptr, bb_ptr,

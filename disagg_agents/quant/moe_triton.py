@@ -141,7 +141,12 @@ class Tiles:
     bk: int
     warps: int
     stages: int
-    group_m: int = 8  # row blocks that sweep the N tiles together (_swizzle)
+    # Row blocks that sweep the N tiles together (moe_kernels._swizzle). 1: each block
+    # sweeps all N tiles before the next (its activations read once, from L2 after
+    # the first tile) and the next block of the same expert finds the expert's
+    # weights in L2: counted, weights once and 1.5x the least traffic for gpt-oss at
+    # 8k tokens, against 1.6-2x with groups of 4-16 (disagg.bench.moetraffic).
+    group_m: int = 1
 
 
 KERNELS = ("gate_up", "down")
@@ -217,7 +222,7 @@ def tiles_for(
     return clamp(t, props.shared, kernel)
 
 
-def _forced(props: DeviceProps, kernel: str) -> Tiles | None:
+def forced_tiles(props: DeviceProps, kernel: str) -> Tiles | None:
     """DISAGG_MOE_TILES ("bm,bn,bk,warps,stages[,group_m]", powers of two, for sweeps),
     clamped to the device's shared memory with one log line when it is."""
     raw = os.environ.get(TILES_ENV)
@@ -242,7 +247,7 @@ def tiles(device: torch.device, pairs: int, experts: int, kernel: str, s: Stored
     if device.type != "cuda":
         return INTERPRETED
     props = device_props(device)
-    return _forced(props, kernel) or tiles_for(props, pairs, experts, kernel, s.form, s.group)
+    return forced_tiles(props, kernel) or tiles_for(props, pairs, experts, kernel, s.form, s.group)
 
 
 @functools.cache
@@ -384,3 +389,64 @@ def forward(
         alpha=m.alpha, limit=m.limit,
     )  # fmt: skip
     return out.view(t_, k_, -1).sum(dim=1)
+
+
+def warm_tokens(experts: int) -> tuple[int, ...]:
+    """Pair counts (one slot per token) that reach every band of rows per expert."""
+    return (1, 16 * experts, 64 * experts)
+
+
+def warm(m: Experts, device: torch.device, experts: int, dtype: torch.dtype) -> str | None:
+    """Compile the kernels at every tile set `device` picks for this layer's forms, by
+    one forward over dummy rows per distinct set (once per process and form); the
+    failure as one line, or None. A GPU whose Triton cannot build them (e.g. a
+    ptxas without sm_121a: TRITON_PTXAS_PATH) then keeps the torch paths."""
+    return _warm(_WarmKey.of(m, device, experts, dtype), m)
+
+
+@dataclass(frozen=True)
+class _WarmKey:
+    device: torch.device
+    experts: int
+    dtype: torch.dtype
+    forms: tuple[tuple[int, int, int, int, int], ...]
+    glu: int
+    biased: bool
+
+    @staticmethod
+    def of(m: Experts, device: torch.device, experts: int, dtype: torch.dtype) -> _WarmKey:
+        forms = tuple((s.form, s.bits, s.group, s.n, s.data.shape[-1]) for s in (m.gate, m.down))
+        return _WarmKey(device, experts, dtype, forms, m.glu, m.biases is not None)
+
+
+_warmed: dict[_WarmKey, str | None] = {}
+
+
+def _warm(key: _WarmKey, m: Experts) -> str | None:
+    from .moe import route
+
+    if key in _warmed:
+        return _warmed[key]
+    err = None
+    seen: set[tuple[Tiles, Tiles]] = set()
+    try:
+        for pairs in warm_tokens(key.experts):
+            dev, e = key.device, key.experts
+            pick = (tiles(dev, pairs, e, "gate_up", m.gate), tiles(dev, pairs, e, "down", m.down))
+            if pick in seen:
+                continue
+            seen.add(pick)
+            idx = (torch.arange(pairs, device=dev) % e).reshape(-1, 1)
+            hidden = torch.zeros(pairs, m.down.n, device=dev, dtype=key.dtype)
+            w = torch.ones(pairs, 1, device=dev, dtype=key.dtype)
+            forward(m, hidden, route(idx, e), w)
+    except Exception as exc:  # a compile error of any kind: the layer keeps torch's paths
+        err = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+    _warmed[key] = err
+    return err
+
+
+def fell_back(device: torch.device, err: str, path: str) -> None:
+    """The one log line for a device whose kernels did not compile."""
+    _log_once(f"MoE: the Triton kernels did not compile on {device} ({err}); "
+              f"MoE layers take the {path} path")  # fmt: skip
