@@ -11,26 +11,23 @@ packed weights once, the hidden states in and the output out. Not modeled: progr
 running concurrently (an LRU over launch order stands in for it, on half the L2),
 routing indices and row weights (a few MB), L2 sectors (whole rows are the unit).
 
-Run: python -m disagg.bench.moetraffic [--tokens 2048 8192] [--device gb10 h200]
+Printed by the layer bench: python -m disagg.bench.moelayer --count (no GPU needed).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
-from disagg.bench.moelayer import SHAPES
-
-DEVICES = ("gb10", "h200")
+from disagg_agents.quant import moe_kernels as kk
+from disagg_agents.quant import moe_triton as mt
 
 
 @dataclass
 class Counted:
     shape: str
-    device: str
+    capability: tuple[int, int]
     tokens: int
     order: str
     weights: int
@@ -119,15 +116,15 @@ def _kernel(
 
 
 def count(
-    shape: str, device: str, tokens: int, before: bool = False, group_m: int | None = None
+    spec: dict[str, Any],
+    props: mt.DeviceProps,
+    tokens: int,
+    before: bool = False,
+    group_m: int | None = None,
 ) -> Counted:
-    """The layer's counted bytes with the tiles and order used now (`before`: the
-    128x128x64 tiles and 2-D grid used before, through the same cache)."""
-    from disagg_agents.quant import moe_kernels as kk
-    from disagg_agents.quant import moe_triton as mt
-
-    spec = SHAPES[shape]
-    props = mt.GB10 if device == "gb10" else mt.H200
+    """The layer's counted bytes (`spec` as the layer bench's SHAPES) with the tiles
+    and order used now on `props` (`before`: the 128x128x64 tiles and the 2-D grid
+    used before, through the same cache)."""
     h, i, e = spec["hidden"], spec["inter"], spec["experts"]
     counts, rows = routing(spec, tokens)
     s = len(rows)
@@ -149,7 +146,8 @@ def count(
     total = weights + m.get("x", 0) + inter + 2 * pairs_w + out
     used = sum(1 for c in counts if c)
     minimum = int(used * (weight_bytes(spec, 2 * i, h) + weight_bytes(spec, h, i))) + 2 * out
-    return Counted(shape, device, tokens, "before" if before else "now", weights, m.get("x", 0),
+    return Counted(spec["name"], props.capability, tokens, "before" if before else "now", weights,
+                   m.get("x", 0),
                    inter, 2 * pairs_w, out, total, minimum, round(total / minimum, 2))  # fmt: skip
 
 
@@ -160,27 +158,3 @@ def _blocks(counts: list[int], bm: int) -> list[tuple[int, int, int]]:
             out.append((e, start + b0, start + min(c, b0 + bm)))
         start += c
     return out
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
-    ap.add_argument("--device", nargs="+", default=list(DEVICES), choices=DEVICES)
-    ap.add_argument("--shapes", nargs="+", default=["qwen3-coder-4bit", "gpt-oss-mxfp4"])
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
-    for dev in args.device:
-        for shape in args.shapes:
-            for tokens in args.tokens:
-                for before in (True, False):
-                    c = count(shape, dev, tokens, before)
-                    if args.json:
-                        print(json.dumps(asdict(c)), flush=True)
-                        continue
-                    print(f"{dev:5} {shape:17} {tokens:6} {c.order:6} "
-                          f"{c.total / 1e6:9.0f} MB  min {c.minimum / 1e6:7.0f} MB  "
-                          f"{c.ratio:5.2f}x", flush=True)  # fmt: skip
-
-
-if __name__ == "__main__":
-    main()
