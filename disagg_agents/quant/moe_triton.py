@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from .dequant import Packed
 from .moe import Routing
+from .ptxas import ptxas_for
 
 INTERPRET_ENV = "TRITON_INTERPRET"
 TILES_ENV = "DISAGG_MOE_TILES"
@@ -427,6 +428,10 @@ def _warm(key: _WarmKey, m: Experts) -> str | None:
 
     if key in _warmed:
         return _warmed[key]
+    if key.device.type == "cuda":
+        line = ptxas_for(torch.cuda.get_device_capability(key.device))  # before compiling
+        if line:
+            _log_once(line)
     err = None
     seen: set[tuple[Tiles, Tiles]] = set()
     try:
