@@ -187,29 +187,51 @@ def _key(go: mt.Launch) -> str:
     return repr((sorted(go.constexprs.items()), go.warps, go.stages, spec))
 
 
+@dataclass(frozen=True)
+class Case:
+    arch: int
+    model: str
+    tokens: int
+    kernel: str
+    forced: mt.Tiles | None
+
+
+def _compile_case(case: Case) -> tuple[int, int, int, int, str]:
+    """compile_one for a case rebuilt in this process (a worker's): regs, spills,
+    shared, tiles."""
+    go = launches(USER_MODELS[case.model], ARCHS[case.arch], case.tokens, case.forced)[case.kernel]
+    c = go.constexprs
+    return (*compile_one(go, case.arch), f"{c['BM']}x{c['BN']}x{c['BK']} w{go.warps} s{go.stages}")
+
+
 def report_all(
-    archs: dict[int, mt.DeviceProps] = ARCHS,
-    models: dict[str, Shape] = USER_MODELS,
+    archs: tuple[int, ...] = tuple(ARCHS),
+    models: tuple[str, ...] = tuple(USER_MODELS),
     tokens_list: tuple[int, ...] = TOKENS,
     forced: mt.Tiles | None = None,
+    workers: int = 2,
 ) -> list[Report]:
     """Every kernel of the models at each token count on each arch; a compile per
-    distinct (kernel, tiles, specialization), the token counts that share it listed."""
-    done: dict[tuple[int, str], Report] = {}
-    for arch, props in archs.items():
-        for model, shape in models.items():
+    distinct (kernel, tiles, specialization), the token counts that share it listed,
+    the compiles spread over `workers` processes."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    cases: dict[tuple[int, str], list[Case]] = {}
+    for arch in archs:
+        for model in models:
             for tokens in tokens_list:
-                for kernel, go in launches(shape, props, tokens, forced).items():
-                    key = (arch, _key(go))
-                    if key in done:
-                        done[key].tokens.append(tokens)
-                        continue
-                    regs, st, ld, shared = compile_one(go, arch)
-                    c = go.constexprs
-                    tiles = f"{c['BM']}x{c['BN']}x{c['BK']} w{go.warps} s{go.stages}"
-                    done[key] = Report(model, kernel, arch, [tokens], tiles, regs, st, ld,
-                                       shared, props.shared)  # fmt: skip
-    return list(done.values())
+                for kernel, go in launches(USER_MODELS[model], ARCHS[arch], tokens, forced).items():
+                    case = Case(arch, model, tokens, kernel, forced)
+                    cases.setdefault((arch, _key(go)), []).append(case)
+    firsts = [same[0] for same in cases.values()]
+    with ProcessPoolExecutor(max_workers=max(1, min(workers, len(firsts)))) as pool:
+        results = list(pool.map(_compile_case, firsts))
+    out = []
+    for same, (regs, st, ld, shared, tiles) in zip(cases.values(), results, strict=True):
+        c = same[0]
+        out.append(Report(c.model, c.kernel, c.arch, [x.tokens for x in same], tiles, regs, st,
+                          ld, shared, ARCHS[c.arch].shared))  # fmt: skip
+    return out
 
 
 def main() -> None:
@@ -223,9 +245,8 @@ def main() -> None:
         sys.exit("moe_aot: unset TRITON_INTERPRET (interpreted kernels do not compile)")
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # what launches use today
     forced = mt.Tiles(*(int(v) for v in args.tiles.split(","))) if args.tiles else None
-    archs = {a: ARCHS[a] for a in args.arch}
-    models = {m: USER_MODELS[m] for m in args.model}
-    for r in report_all(archs, models, tuple(args.tokens), forced):
+    workers = min(2, os.cpu_count() or 1)
+    for r in report_all(tuple(args.arch), tuple(args.model), tuple(args.tokens), forced, workers):
         print(json.dumps(asdict(r)), flush=True)
 
 
