@@ -22,9 +22,11 @@ from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from disagg.bench.opcount import OpCounter  # noqa: E402
-from disagg_agents.quant import moe, moe_triton  # noqa: E402
+from disagg_agents.quant import moe, moe_kernels, moe_triton  # noqa: E402
 from disagg_agents.quant.dequant import Packed, QSpec  # noqa: E402
 from disagg_agents.quant.modules import PackedExperts, Weight  # noqa: E402
 from tests.test_moe_grouped import loop_forward  # noqa: E402
@@ -245,6 +247,26 @@ def test_the_layers_warm_at_load_and_name_their_path() -> None:
     paths = warm_experts(model, DEVICE)
     assert paths == {"triton": 2}
     assert all(isinstance(m._triton, moe_triton.Experts) for m in model)
+
+
+@triton.jit
+def launch_order_kernel(out_ptr, NB, NN, GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    b, n = moe_kernels.swizzle(pid, NB, NN, GROUP_M)
+    tl.store(out_ptr + 2 * pid, b)
+    tl.store(out_ptr + 2 * pid + 1, n)
+
+
+@pytest.mark.parametrize("group_m", [1, 3])
+def test_the_kernels_launch_order_is_the_one_the_traffic_count_walks(group_m: int) -> None:
+    """moe_kernels.swizzle, run by Triton, maps each program to the (block, N tile)
+    that disagg.bench.moetraffic.program_order counts it at."""
+    from disagg.bench.moetraffic import program_order
+
+    nb, nn = 7, 5
+    out = torch.full((nb * nn, 2), -1, dtype=torch.int32, device=DEVICE)
+    launch_order_kernel[(nb * nn,)](out, nb, nn, GROUP_M=group_m)
+    assert [tuple(p) for p in out.tolist()] == program_order(nb, nn, group_m)
 
 
 # --- whole prefills of tiny quantized MoE checkpoints --------------------------------

@@ -81,7 +81,7 @@ def routing(spec: dict[str, Any], tokens: int, seed: int = 1) -> tuple[list[int]
 
 
 def program_order(nb: int, nn: int, group_m: int) -> list[tuple[int, int]]:
-    """(block, N tile) per program in launch order: moe_kernels._swizzle's mapping;
+    """(block, N tile) per program in launch order: moe_kernels.swizzle's mapping;
     group_m 0: the 2-D grid before it (blocks fastest, then N tiles)."""
     if group_m == 0:
         return [(b, n) for n in range(nn) for b in range(nb)]

@@ -129,7 +129,7 @@ def _glu(a, b, alpha, limit, GLU: tl.constexpr):
 
 
 @triton.jit
-def _swizzle(pid, NB, NN, GROUP_M: tl.constexpr):
+def swizzle(pid, NB, NN, GROUP_M: tl.constexpr):
     """(row block, N tile) of program `pid`: GROUP_M consecutive row blocks (mostly
     one expert's: blocks are sorted by expert) sweep every N tile together, the
     blocks varying fastest; GROUP_M 1 is N-fastest. Either way a block's
@@ -164,9 +164,9 @@ def moe_gemm_kernel(
     first (gate) and the GLU applied before the store. HAS_RW: each row scaled by
     its routing weight; SCATTER: row r is stored at out_row[r] (the pair's place in
     token order), so the caller only sums over the slots. One program per (block,
-    N tile) on a 1-D grid in GROUP_M order (_swizzle).
+    N tile) on a 1-D grid in GROUP_M order (swizzle).
     """
-    pid_b, pid_n = _swizzle(tl.program_id(0), NB, tl.cdiv(N, BN), GROUP_M)
+    pid_b, pid_n = swizzle(tl.program_id(0), NB, tl.cdiv(N, BN), GROUP_M)
     e = tl.load(blk_expert_ptr + pid_b)
     start = tl.load(blk_start_ptr + pid_b)
     end = tl.load(blk_end_ptr + pid_b)

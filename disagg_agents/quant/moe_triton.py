@@ -128,6 +128,7 @@ GB10 = DeviceProps((12, 1), 101_376, 48, 24 << 20)
 H200 = DeviceProps((9, 0), 232_448, 132, 50 << 20)
 
 
+@functools.cache  # read per forward: once per device
 def device_props(device: torch.device) -> DeviceProps:
     p = torch.cuda.get_device_properties(device)
     shared = getattr(p, "shared_memory_per_block_optin", 0) or 48 << 10
@@ -142,7 +143,7 @@ class Tiles:
     bk: int
     warps: int
     stages: int
-    # Row blocks that sweep the N tiles together (moe_kernels._swizzle). 1: each block
+    # Row blocks that sweep the N tiles together (moe_kernels.swizzle). 1: each block
     # sweeps all N tiles before the next (its activations read once, from L2 after
     # the first tile) and the next block of the same expert finds the expert's
     # weights in L2: counted, weights once and 1.5x the least traffic for gpt-oss at
