@@ -9,6 +9,7 @@ machine (scripts/device-cuda.sh) the same tests run natively.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -21,9 +22,11 @@ from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from disagg.bench.opcount import OpCounter  # noqa: E402
-from disagg_agents.quant import moe, moe_triton  # noqa: E402
+from disagg_agents.quant import moe, moe_kernels, moe_triton  # noqa: E402
 from disagg_agents.quant.dequant import Packed, QSpec  # noqa: E402
 from disagg_agents.quant.modules import PackedExperts, Weight  # noqa: E402
 from tests.test_moe_grouped import loop_forward  # noqa: E402
@@ -139,7 +142,7 @@ def test_affine_dequantization_in_the_kernel_is_mlx_exact(monkeypatch: pytest.Mo
         x[0, 7] = 1.0
         r = moe.route(torch.tensor([[2]], device=DEVICE), EXPERTS)
         y = x.new_empty(1, INTER)
-        t = moe_triton.tiles(x.device, 1, EXPERTS)
+        t = moe_triton.tiles(x.device, 1, EXPERTS, "gate_up", fused.gate)
         moe_triton._launch(
             x, fused.gate, None, y, moe_triton.blocks(r, t.bm), t, tokens=r.tokens, glu=0,
             bias=None, row_weights=None, out_rows=None, alpha=1.0, limit=7.0,
@@ -200,6 +203,70 @@ def test_auto_picks_triton_on_cuda_only_and_forcing_it_elsewhere_says_why(
     monkeypatch.setenv(moe.GEMM_ENV, "fastest")
     with pytest.raises(ValueError, match="expected one of"):
         moe.pick_gemm(x, torch.float32, False, r)
+
+
+def test_a_compile_error_falls_back_with_one_log_line(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Kernels that do not build (as under a ptxas that rejects sm_121a): found when
+    the layer is first prepared, every layer then takes the torch path and gives
+    the reference's output, and one log line names the error and the path."""
+    from disagg_agents.quant import moe_kernels
+
+    class Broken:  # what a launch raises when the compile fails
+        def __getitem__(self, grid: Any) -> Any:
+            def launch(*args: Any, **kwargs: Any) -> None:
+                raise RuntimeError("PTXASError: Value 'sm_121a' is not defined for 'gpu-name'")
+
+            return launch
+
+    monkeypatch.setattr(moe_kernels, "moe_gemm_kernel", Broken())
+    monkeypatch.setattr(moe_triton, "_warmed", {})
+    monkeypatch.setenv(moe.GEMM_ENV, "auto")
+    hidden, idx, w = skewed_routing(21, 4, torch.float32)
+    with caplog.at_level(logging.WARNING, logger="disagg.prefill"):
+        for seed in (0, 1):  # two layers, each called twice
+            m = layer("gpt_oss", "mxfp4", torch.float32, seed=seed)
+            assert m.path(DEVICE) == "torch"
+            for _ in range(2):
+                close(m(hidden, idx, w), loop_forward(m, hidden, idx, w), torch.float32)
+            assert m._triton is False
+    lines = [r.getMessage() for r in caplog.records if "did not compile" in r.getMessage()]
+    assert len(lines) == 1, lines
+    path = "grouped" if moe.grouped_mm_fits(DEVICE, torch.float32) else "blocked"
+    assert "sm_121a" in lines[0] and f"the {path} path" in lines[0], lines
+
+
+def test_the_layers_warm_at_load_and_name_their_path() -> None:
+    """warm_experts: each PackedExperts layer prepared (and its kernels compiled) now."""
+    from disagg_agents.quant.modules import warm_experts
+
+    model = torch.nn.ModuleList(
+        [layer("qwen3_moe", "affine4", torch.float32, seed=s) for s in (0, 1)]
+    )
+    paths = warm_experts(model, DEVICE)
+    assert paths == {"triton": 2}
+    assert all(isinstance(m._triton, moe_triton.Experts) for m in model)
+
+
+@triton.jit
+def launch_order_kernel(out_ptr, NB, NN, GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    b, n = moe_kernels.swizzle(pid, NB, NN, GROUP_M)
+    tl.store(out_ptr + 2 * pid, b)
+    tl.store(out_ptr + 2 * pid + 1, n)
+
+
+@pytest.mark.parametrize("group_m", [1, 3])
+def test_the_kernels_launch_order_is_the_one_the_traffic_count_walks(group_m: int) -> None:
+    """moe_kernels.swizzle, run by Triton, maps each program to the (block, N tile)
+    that disagg.bench.moetraffic.program_order counts it at."""
+    from disagg.bench.moetraffic import program_order
+
+    nb, nn = 7, 5
+    out = torch.full((nb * nn, 2), -1, dtype=torch.int32, device=DEVICE)
+    launch_order_kernel[(nb * nn,)](out, nb, nn, GROUP_M=group_m)
+    assert [tuple(p) for p in out.tolist()] == program_order(nb, nn, group_m)
 
 
 # --- whole prefills of tiny quantized MoE checkpoints --------------------------------

@@ -13,6 +13,9 @@ sync inside the layer fails the run. The triton output is checked against the
 blocked path's (relative max error).
 
 Run (a CUDA machine): python -m disagg.bench.moelayer [--tokens 2048 8192] [--json]
+With --count (no GPU): the bytes each layer moves on the Triton path, counted from
+the grid and tiles for the Spark (GB10) and the H200, against the minimum
+(disagg.bench.moetraffic). On a GPU each triton row is followed by its count.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from disagg.bench import moetraffic
+from disagg_agents.quant import moe_triton as mt
 
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-coder-4bit": dict(kind="qwen3_moe", hidden=2048, inter=768, experts=128, top_k=8,
@@ -179,6 +185,29 @@ def device_line() -> dict[str, Any]:
             "torch": torch.__version__}  # fmt: skip
 
 
+def spec_of(shape: str) -> dict[str, Any]:
+    return dict(SHAPES[shape], name=shape)
+
+
+def print_count(c: moetraffic.Counted, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(asdict(c)), flush=True)
+        return
+    mb = 1e6
+    print(f"  counted sm_{c.capability[0]}{c.capability[1]} {c.shape:17} {c.tokens:6} "
+          f"{c.order:6} {c.total / mb:7.0f} MB = weights {c.weights / mb:.0f} + acts "
+          f"{c.acts / mb:.0f} + inter {c.inter / mb:.0f} + pairs {c.pairs_out / mb:.0f} + out "
+          f"{c.out / mb:.0f}; min {c.minimum / mb:.0f} MB: {c.ratio:.2f}x", flush=True)  # fmt: skip
+
+
+def count_all(shapes: list[str], tokens: list[int], as_json: bool) -> None:
+    for props in (mt.GB10, mt.H200):
+        for shape in shapes:
+            for n in tokens:
+                for before in (True, False):
+                    print_count(moetraffic.count(spec_of(shape), props, n, before), as_json)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
@@ -187,7 +216,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=40.0, help="per shape and size")
     ap.add_argument("--json", action="store_true", help="one JSON object per line")
+    ap.add_argument("--count", action="store_true", help="counted bytes only (no GPU)")
     args = ap.parse_args()
+    if args.count:
+        count_all(args.shapes, args.tokens, args.json)
+        return
     import torch
 
     if not torch.cuda.is_available():
@@ -204,6 +237,9 @@ def main() -> None:
                           + (f"{r.ms:9.2f} ms {r.tok_s:10.0f} tok/s {r.tflops:7.1f} TFLOP/s "
                              f"{r.gb_s:7.0f} GB/s{err}" if r.error is None else r.error),
                           flush=True)  # fmt: skip
+                if r.path == "triton" and r.error is None:  # what it moved, counted
+                    props = mt.device_props(torch.device("cuda"))
+                    print_count(moetraffic.count(spec_of(shape), props, tokens), args.json)
 
 
 if __name__ == "__main__":

@@ -75,6 +75,10 @@ class PrefillEngine:
         self.packed_bytes = 0  # quantized weights read, as packed (0: full precision)
         self.kept_bytes = 0  # of them, dequantized once at load and kept
         self.model = self._load(dequant_budget_gb).eval()
+        from disagg_agents.quant.modules import warm_experts
+
+        # The MoE kernels compiled now, each layer's path known (a failure said once).
+        self.moe_paths = warm_experts(self.model, torch.device(self.device))
         if self.adapter.chunked_attention:
             # Eager attention holds [heads, n, n] scores: ~8.6 GB per layer at 8k tokens.
             use_chunked_attention(self.model)

@@ -131,13 +131,20 @@ class PackedExperts(nn.Module):
             return None
         if self._triton is None:
             weights = (self.gate, self.up, self.down)
-            self._triton = (
-                moe_triton.prepare(
-                    self.kind, weights, self.biases, self.act, self.alpha, self.limit
-                )
-                or False
+            fused = moe_triton.prepare(
+                self.kind, weights, self.biases, self.act, self.alpha, self.limit
             )
+            err = fused and moe_triton.warm(fused, device, self.num_experts, self.dtype)
+            if err:  # compiled once per process and form; said once
+                path = "grouped" if moe.grouped_mm_fits(device, self.dtype) else "blocked"
+                moe_triton.fell_back(device, err, path)
+            self._triton = fused if fused and not err else False
         return self._triton if isinstance(self._triton, moe_triton.Experts) else None
+
+    def path(self, device: torch.device) -> str:
+        """ "triton" where this layer runs the fused kernels on `device` (compiled
+        there), else "torch" (grouped or blocked, chosen per call)."""
+        return "triton" if self._fused(device) is not None else "torch"
 
     def _glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if self.kind == "gpt_oss":  # GptOssExperts._apply_gate
@@ -171,6 +178,17 @@ class PackedExperts(nn.Module):
         if self.biases is not None:
             y = y + self.biases[2][r.experts]
         return moe.combine(y, r, top_k_weights, hidden.dtype)
+
+
+def warm_experts(model: nn.Module, device: torch.device) -> dict[str, int]:
+    """Compile the MoE kernels for every PackedExperts layer now (at load, not in the
+    first prefill); how many layers take each path ("triton", "torch")."""
+    paths: dict[str, int] = {}
+    for mod in model.modules():
+        if isinstance(mod, PackedExperts):
+            p = mod.path(device)
+            paths[p] = paths.get(p, 0) + 1
+    return paths
 
 
 def plain_experts(model: nn.Module, kind: str, device: torch.device, dtype: torch.dtype) -> int:

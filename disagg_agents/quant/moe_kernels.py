@@ -24,6 +24,17 @@ GLU_NONE, GLU_SWIGLU, GLU_GPT_OSS = 0, 1, 2
 
 
 @triton.jit
+def _e2m1(q):
+    """fp32 values of E2M1 codes (int32, 0..15), built from bits: the three magnitude
+    bits shifted under the exponent (e, m -> 2^(e-1) * (1 + m/2)), e == 0 the
+    subnormal 0 or 0.5, bit 3 the sign. No table and no float select chain: a
+    few integer ops per value keep the decoded tile small in registers."""
+    mag = q & 7
+    bits = tl.where(mag >= 2, (mag << 22) + 0x3F000000, mag * 0x3F000000)
+    return (bits | ((q & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _weight_tile(
     w_ptr, s_ptr, b_ptr, e, ns, k0, nmask,
     stride_we, stride_wn, stride_se, stride_sn,
@@ -47,25 +58,21 @@ def _weight_tile(
             kb = k0 // 2 + tl.arange(0, BK // 2)
             byte = tl.load(row + kb[None, :], mask=m, other=0).to(tl.int32)
             q = tl.reshape(tl.join(byte & 15, (byte >> 4) & 15), (BN, BK))
-        if FORM == 1:  # MLX affine: q * scale + bias per group, in the scales' dtype
-            v = q.to(tl.float32)
-        else:  # MXFP4: E2M1 codes; powers of two built from bits, not exp2 (approximate)
-            ex = (q >> 1) & 3
-            man = (q & 1).to(tl.float32)
-            pow2 = (1 << tl.maximum(ex - 1, 0)).to(tl.float32)
-            mag = tl.where(ex == 0, man * 0.5, (1.0 + man * 0.5) * pow2)
-            v = tl.where(q >= 8, -mag, mag)
+        # MLX affine: q * scale + bias per group, in the scales' dtype; else E2M1.
+        v = q.to(tl.float32) if FORM == 1 else _e2m1(q)
         srow = s_ptr + e.to(tl.int64) * stride_se + ns.to(tl.int64) * stride_sn
-        brow = b_ptr + e.to(tl.int64) * stride_se + ns.to(tl.int64) * stride_sn
         if GROUP >= BK:  # one group per row in this tile
             sc = tl.load(srow + k0 // GROUP, mask=nmask, other=0)[:, None]
-            bi = tl.load(brow + k0 // GROUP, mask=nmask, other=0)[:, None]
         else:  # BK // GROUP groups per row, broadcast over [BN, groups, GROUP]
             gs = k0 // GROUP + tl.arange(0, BK // GROUP)
             sc = tl.load(srow[:, None] + gs[None, :], mask=m, other=0)[:, :, None]
-            bi = tl.load(brow[:, None] + gs[None, :], mask=m, other=0)[:, :, None]
             v = tl.reshape(v, (BN, BK // GROUP, GROUP))
         if FORM == 1:
+            brow = b_ptr + e.to(tl.int64) * stride_se + ns.to(tl.int64) * stride_sn
+            if GROUP >= BK:
+                bi = tl.load(brow + k0 // GROUP, mask=nmask, other=0)[:, None]
+            else:
+                bi = tl.load(brow[:, None] + gs[None, :], mask=m, other=0)[:, :, None]
             # Two rounded ops in the scales' dtype, as mx.dequantize computes them.
             prod = (v * sc.to(tl.float32)).to(s_ptr.dtype.element_ty).to(tl.float32)
             w = prod + bi.to(tl.float32)
@@ -122,12 +129,25 @@ def _glu(a, b, alpha, limit, GLU: tl.constexpr):
 
 
 @triton.jit
+def swizzle(pid, NB, NN, GROUP_M: tl.constexpr):
+    """(row block, N tile) of program `pid`: GROUP_M consecutive row blocks (mostly
+    one expert's: blocks are sorted by expert) sweep every N tile together, the
+    blocks varying fastest; GROUP_M 1 is N-fastest. Either way a block's
+    activations stay in L2 across its N tiles (the 2-D grid before read them again
+    per N tile) and an expert's weight tiles serve its blocks close together."""
+    width = GROUP_M * NN
+    first = (pid // width) * GROUP_M
+    size = tl.minimum(NB - first, GROUP_M)
+    return first + (pid % width) % size, (pid % width) // size
+
+
+@triton.jit(do_not_specialize=["NB"])  # the block count varies per call: one compile
 def moe_gemm_kernel(
     x_ptr, tok_ptr, stride_xm,
     wa_ptr, sa_ptr, ba_ptr, wb_ptr, sb_ptr, bb_ptr,
     bias_a_ptr, bias_b_ptr, stride_bias,
     rw_ptr, out_row_ptr, y_ptr, stride_ym,
-    blk_expert_ptr, blk_start_ptr, blk_end_ptr,
+    blk_expert_ptr, blk_start_ptr, blk_end_ptr, NB,
     N, K,
     stride_we, stride_wn, stride_se, stride_sn,
     alpha, limit,
@@ -135,7 +155,7 @@ def moe_gemm_kernel(
     GATHER: tl.constexpr, FUSED: tl.constexpr, GLU: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_RW: tl.constexpr, SCATTER: tl.constexpr,
     DOT_F32: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """y[rows, n-tile] for one block of one expert.
 
@@ -143,10 +163,10 @@ def moe_gemm_kernel(
     token order); else x[r]. FUSED: a second weight (up) is accumulated beside the
     first (gate) and the GLU applied before the store. HAS_RW: each row scaled by
     its routing weight; SCATTER: row r is stored at out_row[r] (the pair's place in
-    token order), so the caller only sums over the slots.
+    token order), so the caller only sums over the slots. One program per (block,
+    N tile) on a 1-D grid in GROUP_M order (swizzle).
     """
-    pid_b = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_b, pid_n = swizzle(tl.program_id(0), NB, tl.cdiv(N, BN), GROUP_M)
     e = tl.load(blk_expert_ptr + pid_b)
     start = tl.load(blk_start_ptr + pid_b)
     end = tl.load(blk_end_ptr + pid_b)
@@ -159,9 +179,10 @@ def moe_gemm_kernel(
     nmask = ns < N
     acc_a = tl.zeros((BM, BN), dtype=tl.float32)
     acc_b = tl.zeros((BM, BN), dtype=tl.float32)
+    a_ptrs = x_ptr + src[:, None] * stride_xm + tl.arange(0, BK)[None, :]
     for k0 in range(0, K, BK):
-        ks = k0 + tl.arange(0, BK)
-        a = tl.load(x_ptr + src[:, None] * stride_xm + ks[None, :], mask=rmask[:, None], other=0.0)
+        a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
+        a_ptrs += BK
         acc_a = _tile_dot(
             acc_a, a, wa_ptr, sa_ptr, ba_ptr, e, ns, k0, nmask,
             stride_we, stride_wn, stride_se, stride_sn, FORM, BITS, GROUP, BN, BK, DOT_F32,

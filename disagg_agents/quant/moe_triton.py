@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -23,9 +24,11 @@ import torch.nn.functional as F
 
 from .dequant import Packed
 from .moe import Routing
+from .ptxas import ptxas_for
 
 INTERPRET_ENV = "TRITON_INTERPRET"
 TILES_ENV = "DISAGG_MOE_TILES"
+log = logging.getLogger("disagg.prefill")
 
 
 def interpreted() -> bool:
@@ -108,28 +111,150 @@ def blocks(r: Routing, bm: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 
 @dataclass(frozen=True)
+class DeviceProps:
+    """What the tile choice reads of a GPU, as plain numbers (a CPU test passes its
+    own): compute capability, the opt-in shared memory per block in bytes, SMs and
+    L2 bytes (the last two for counting traffic, not for the choice)."""
+
+    capability: tuple[int, int]
+    shared: int
+    sms: int = 0
+    l2: int = 0
+
+
+# The user's Spark (GB10: 101,376 B is Triton's limit there; 48 SMs; L2 taken as
+# 24 MiB, not read from a device here) and the H200 the kernels were timed on.
+GB10 = DeviceProps((12, 1), 101_376, 48, 24 << 20)
+H200 = DeviceProps((9, 0), 232_448, 132, 50 << 20)
+
+
+@functools.cache  # read per forward: once per device
+def device_props(device: torch.device) -> DeviceProps:
+    p = torch.cuda.get_device_properties(device)
+    shared = getattr(p, "shared_memory_per_block_optin", 0) or 48 << 10
+    return DeviceProps((p.major, p.minor), int(shared), p.multi_processor_count,
+                       int(getattr(p, "L2_cache_size", 0)))  # fmt: skip
+
+
+@dataclass(frozen=True)
 class Tiles:
     bm: int
     bn: int
     bk: int
     warps: int
     stages: int
+    # Row blocks that sweep the N tiles together (moe_kernels.swizzle). 1: each block
+    # sweeps all N tiles before the next (its activations read once, from L2 after
+    # the first tile) and the next block of the same expert finds the expert's
+    # weights in L2: counted, weights once and 1.5x the least traffic for gpt-oss at
+    # 8k tokens, against 1.6-2x with groups of 4-16 (disagg.bench.moetraffic).
+    group_m: int = 1
 
 
-def tiles(device: torch.device, pairs: int, experts: int) -> Tiles:
-    """Tile sizes: big tiles on a GPU (64 rows per block once experts average that
-    many pairs), few big programs in the interpreter (each program is numpy calls)."""
-    if device.type != "cuda":
-        return Tiles(32, 32, 32, 1, 1)
-    forced = os.environ.get(TILES_ENV)  # "bm,bn,bk,warps,stages": for sweeps on a device
-    if forced:
-        bm, bn, bk, warps, stages = (int(v) for v in forced.split(","))
-        return Tiles(bm, bn, bk, warps, stages)
-    # The in-register dequantization is paid once per row block: big blocks pay off
-    # (H200: 128-row blocks fastest for both user models at 2k and 8k tokens).
+KERNELS = ("gate_up", "down")
+INTERPRETED = Tiles(32, 32, 32, 1, 1, 2)  # few big programs: each is numpy calls
+
+# Per capability family, per band of rows per expert (pairs // experts: < 16, < 64,
+# more), (gate_up, down). Every entry compiles for its arch with no register spill
+# for both user models (tests/test_moe_aot.py). sm_12x (GB10: mma.sync, ~99 KB of
+# shared memory): 64-row blocks, 4 warps, 2-3 stages, as vLLM's sm_120 configs; the
+# fused gate/up keeps two accumulators, so its N tile is 64. sm_90/100: 128-row
+# blocks and 8 warps (the H200's fastest in a sweep), N 64 where two accumulators
+# of 128 would spill. sm_80/89: sm_12x's, whose shared memory they exceed.
+_SM12 = {
+    "few": (Tiles(16, 64, 64, 4, 2), Tiles(16, 64, 64, 4, 2)),
+    "some": (Tiles(32, 64, 64, 4, 2), Tiles(32, 64, 64, 4, 3)),
+    "many": (Tiles(64, 64, 64, 4, 2), Tiles(64, 64, 64, 4, 3)),
+}
+_SM90 = {
+    "few": (Tiles(16, 64, 64, 4, 3), Tiles(16, 64, 64, 4, 3)),
+    "some": (Tiles(32, 64, 64, 4, 3), Tiles(32, 128, 64, 4, 3)),
+    "many": (Tiles(128, 64, 64, 8, 3), Tiles(128, 128, 64, 8, 3)),
+}
+TABLE = {"sm_12x": _SM12, "sm_90": _SM90, "sm_80": _SM12}
+
+
+def family(capability: tuple[int, int]) -> str:
+    major = capability[0]
+    return "sm_12x" if major >= 11 else "sm_90" if major in (9, 10) else "sm_80"
+
+
+def band(pairs: int, experts: int) -> str:
     per = pairs // max(experts, 1)
-    bm = 128 if per >= 64 else (32 if per >= 16 else 16)
-    return Tiles(bm, 128 if bm >= 64 else 64, 64, 8 if bm == 128 else 4, 3)
+    return "many" if per >= 64 else "some" if per >= 16 else "few"
+
+
+def smem_estimate(t: Tiles, kernel: str) -> int:
+    """Shared bytes the software pipeline may hold: per stage a [bm, bk] activation
+    tile and one (down) or two (gate, up) [bk, bn] weight tiles, 2-byte values.
+    Above what Triton allocates for these kernels (dequantized tiles stay in
+    registers), so a fit here is a fit there."""
+    weights = 2 if kernel == "gate_up" else 1
+    return t.stages * (t.bm * t.bk + weights * t.bk * t.bn) * 2
+
+
+def clamp(t: Tiles, shared: int, kernel: str) -> Tiles:
+    """`t` shrunk until smem_estimate fits `shared`: stages to 2, then N, K, rows."""
+    while smem_estimate(t, kernel) > shared:
+        if t.stages > 2:
+            t = replace(t, stages=t.stages - 1)
+        elif t.bn > 32:
+            t = replace(t, bn=t.bn // 2)
+        elif t.bk > 32:
+            t = replace(t, bk=t.bk // 2)
+        elif t.bm > 16:
+            t = replace(t, bm=t.bm // 2)
+        else:
+            break
+    return t
+
+
+def tiles_for(
+    props: DeviceProps, pairs: int, experts: int, kernel: str, form: int = 0, group: int = 0
+) -> Tiles:
+    """The tiles for one kernel ("gate_up" or "down") on a device: a pure function of
+    numbers. MXFP4's 32-input groups: K tiles of one group (one scale per row per
+    tile), which keep the fused gate/up spill-free on sm_12x."""
+    from . import moe_kernels as k
+
+    up, down = TABLE[family(props.capability)][band(pairs, experts)]
+    t = up if kernel == "gate_up" else down
+    if form == k.FORM_MXFP4 and group and t.bk > group and kernel == "gate_up":
+        t = replace(t, bk=group)
+    return clamp(t, props.shared, kernel)
+
+
+def forced_tiles(props: DeviceProps, kernel: str) -> Tiles | None:
+    """DISAGG_MOE_TILES ("bm,bn,bk,warps,stages[,group_m]", powers of two, for sweeps),
+    clamped to the device's shared memory with one log line when it is."""
+    raw = os.environ.get(TILES_ENV)
+    if not raw:
+        return None
+    try:
+        vals = [int(v) for v in raw.split(",")]
+        t = Tiles(*vals)
+    except (TypeError, ValueError):
+        raise ValueError(f"{TILES_ENV}={raw!r}: expected bm,bn,bk,warps,stages[,group_m]") from None
+    if any(v < 1 or v & (v - 1) for v in vals[:4]) or min(t.bm, t.bn, t.bk) < 16:
+        raise ValueError(f"{TILES_ENV}={raw!r}: bm, bn, bk (>= 16) and warps must be powers of two")
+    got = clamp(t, props.shared, kernel)
+    if got != t:
+        _log_once(f"{TILES_ENV}={raw} needs ~{smem_estimate(t, kernel)} B of shared memory for "
+                  f"{kernel}; this device has {props.shared} B: using {got}")  # fmt: skip
+    return got
+
+
+def tiles(device: torch.device, pairs: int, experts: int, kernel: str, s: Stored) -> Tiles:
+    """tiles_for this device (CUDA), or INTERPRETED under the interpreter."""
+    if device.type != "cuda":
+        return INTERPRETED
+    props = device_props(device)
+    return forced_tiles(props, kernel) or tiles_for(props, pairs, experts, kernel, s.form, s.group)
+
+
+@functools.cache
+def _log_once(line: str) -> None:
+    log.warning("%s", line)
 
 
 def _glu_code(kind: str, act: Any) -> int | None:
@@ -177,7 +302,19 @@ def prepare(
     return Experts(gate, up, down, glu, biases, alpha, limit)
 
 
-def _launch(
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch as plain values: what `_launch` runs and what an
+    ahead-of-time compile (moe_aot) specializes, so the two cannot drift."""
+
+    grid: tuple[int]
+    args: tuple[Any, ...]
+    constexprs: dict[str, Any]
+    warps: int
+    stages: int
+
+
+def launch_args(
     x: torch.Tensor,
     a: Stored,
     b: Stored | None,
@@ -192,33 +329,40 @@ def _launch(
     out_rows: torch.Tensor | None,
     alpha: float,
     limit: float,
-) -> None:
-    from . import moe_kernels as k
-
+) -> Launch:
     n, kdim = a.n, x.shape[1]
     bk = next(b for b in (t.bk, 32, 16) if kdim % b == 0)  # K is a multiple of 16
     second = b if b is not None else a
     bias_a = bias[0] if bias is not None else y
     bias_b = bias[1] if bias is not None and bias[1] is not None else bias_a
-    grid = (lay[0].shape[0], (n + t.bn - 1) // t.bn)
+    nb = lay[0].shape[0]
     # The interpreter's bf16 arithmetic is wrong; fp32 (CPU) dots are exact there.
     dot_f32 = interpreted() or x.dtype == torch.float32
-    k.moe_gemm_kernel[grid](
+    args = (
         x, tokens if tokens is not None else lay[1], x.stride(0),
         a.data, a.scales, a.biases, second.data, second.scales, second.biases,
         bias_a, bias_b, n,
         row_weights if row_weights is not None else y, out_rows if out_rows is not None else lay[1],
         y, y.stride(0),
-        lay[0], lay[1], lay[2],
+        lay[0], lay[1], lay[2], nb,
         n, kdim,
         a.data.stride(0), a.data.stride(1), a.scales.stride(0), a.scales.stride(1),
         alpha, limit,
+    )  # fmt: skip
+    constexprs = dict(
         FORM=a.form, BITS=a.bits, GROUP=a.group,
         GATHER=tokens is not None, FUSED=b is not None, GLU=glu,
         HAS_BIAS=bias is not None, HAS_RW=row_weights is not None, SCATTER=out_rows is not None,
-        DOT_F32=dot_f32,
-        BM=t.bm, BN=t.bn, BK=bk, num_warps=t.warps, num_stages=t.stages,
+        DOT_F32=dot_f32, BM=t.bm, BN=t.bn, BK=bk, GROUP_M=t.group_m,
     )  # fmt: skip
+    return Launch((nb * -(-n // t.bn),), args, constexprs, t.warps, t.stages)
+
+
+def _launch(*args: Any, **kw: Any) -> None:
+    from . import moe_kernels as k
+
+    go = launch_args(*args, **kw)
+    k.moe_gemm_kernel[go.grid](*go.args, **go.constexprs, num_warps=go.warps, num_stages=go.stages)
 
 
 def forward(
@@ -228,20 +372,87 @@ def forward(
     scaled by its routing weight and summed over the slots."""
     t_, k_ = top_k_weights.shape
     hidden = hidden.contiguous()
-    t = tiles(hidden.device, r.pairs, r.num_experts)
-    lay = blocks(r, t.bm)
+    dev, s, e = hidden.device, r.pairs, r.num_experts
+    t_up, t_down = tiles(dev, s, e, "gate_up", m.gate), tiles(dev, s, e, "down", m.down)
+    lay = blocks(r, t_up.bm)
     inter = hidden.new_empty(r.pairs, m.gate.n)
     b = m.biases
     _launch(
-        hidden, m.gate, m.up, inter, lay, t, tokens=r.tokens, glu=m.glu,
+        hidden, m.gate, m.up, inter, lay, t_up, tokens=r.tokens, glu=m.glu,
         bias=(b[0], b[1]) if b is not None else None, row_weights=None, out_rows=None,
         alpha=m.alpha, limit=m.limit,
     )  # fmt: skip
     out = hidden.new_empty(t_ * k_, m.down.n)
     rw = top_k_weights.reshape(-1).to(torch.float32)[r.order].contiguous()
+    lay = lay if t_down.bm == t_up.bm else blocks(r, t_down.bm)
     _launch(
-        inter, m.down, None, out, lay, t, tokens=None, glu=0,
+        inter, m.down, None, out, lay, t_down, tokens=None, glu=0,
         bias=(b[2], None) if b is not None else None, row_weights=rw, out_rows=r.order,
         alpha=m.alpha, limit=m.limit,
     )  # fmt: skip
     return out.view(t_, k_, -1).sum(dim=1)
+
+
+def warm_tokens(experts: int) -> tuple[int, ...]:
+    """Pair counts (one slot per token) that reach every band of rows per expert."""
+    return (1, 16 * experts, 64 * experts)
+
+
+def warm(m: Experts, device: torch.device, experts: int, dtype: torch.dtype) -> str | None:
+    """Compile the kernels at every tile set `device` picks for this layer's forms, by
+    one forward over dummy rows per distinct set (once per process and form); the
+    failure as one line, or None. A GPU whose Triton cannot build them (e.g. a
+    ptxas without sm_121a: TRITON_PTXAS_PATH) then keeps the torch paths."""
+    return _warm(_WarmKey.of(m, device, experts, dtype), m)
+
+
+@dataclass(frozen=True)
+class _WarmKey:
+    device: torch.device
+    experts: int
+    dtype: torch.dtype
+    forms: tuple[tuple[int, int, int, int, int], ...]
+    glu: int
+    biased: bool
+
+    @staticmethod
+    def of(m: Experts, device: torch.device, experts: int, dtype: torch.dtype) -> _WarmKey:
+        forms = tuple((s.form, s.bits, s.group, s.n, s.data.shape[-1]) for s in (m.gate, m.down))
+        return _WarmKey(device, experts, dtype, forms, m.glu, m.biases is not None)
+
+
+_warmed: dict[_WarmKey, str | None] = {}
+
+
+def _warm(key: _WarmKey, m: Experts) -> str | None:
+    from .moe import route
+
+    if key in _warmed:
+        return _warmed[key]
+    if key.device.type == "cuda":
+        line = ptxas_for(torch.cuda.get_device_capability(key.device))  # before compiling
+        if line:
+            _log_once(line)
+    err = None
+    seen: set[tuple[Tiles, Tiles]] = set()
+    try:
+        for pairs in warm_tokens(key.experts):
+            dev, e = key.device, key.experts
+            pick = (tiles(dev, pairs, e, "gate_up", m.gate), tiles(dev, pairs, e, "down", m.down))
+            if pick in seen:
+                continue
+            seen.add(pick)
+            idx = (torch.arange(pairs, device=dev) % e).reshape(-1, 1)
+            hidden = torch.zeros(pairs, m.down.n, device=dev, dtype=key.dtype)
+            w = torch.ones(pairs, 1, device=dev, dtype=key.dtype)
+            forward(m, hidden, route(idx, e), w)
+    except Exception as exc:  # a compile error of any kind: the layer keeps torch's paths
+        err = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+    _warmed[key] = err
+    return err
+
+
+def fell_back(device: torch.device, err: str, path: str) -> None:
+    """The one log line for a device whose kernels did not compile."""
+    _log_once(f"MoE: the Triton kernels did not compile on {device} ({err}); "
+              f"MoE layers take the {path} path")  # fmt: skip

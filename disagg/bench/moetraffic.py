@@ -1,0 +1,160 @@
+"""Bytes one MoE layer moves through DRAM on the Triton path, counted from the grid
+and tiles `moe_triton` picks (not measured): the programs in launch order, each
+reading its block's activation rows and its expert's weight slice and writing its
+output tile, through an LRU cache the size of a share of the device's L2.
+
+What it counts per layer: packed weights (+ scales, biases) as read; activations
+read by the fused gate/up (gathered token rows); the intermediate written and read
+again by down; down's per-pair rows written; the slot sum (torch) reading them and
+writing the layer's output. The minimum a kernel must move: every routed expert's
+packed weights once, the hidden states in and the output out. Not modeled: programs
+running concurrently (an LRU over launch order stands in for it, on half the L2),
+routing indices and row weights (a few MB), L2 sectors (whole rows are the unit).
+
+Printed by the layer bench: python -m disagg.bench.moelayer --count (no GPU needed).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from typing import Any
+
+from disagg_agents.quant import moe_kernels as kk
+from disagg_agents.quant import moe_triton as mt
+
+
+@dataclass
+class Counted:
+    shape: str
+    capability: tuple[int, int]
+    tokens: int
+    order: str
+    weights: int
+    acts: int  # gate/up reading the hidden states
+    inter: int  # the intermediate written, then read by down
+    pairs_out: int  # down's per-pair rows written, then read by the slot sum
+    out: int  # the layer's output written
+    total: int
+    minimum: int
+    ratio: float
+
+
+class Lru:
+    """Bytes missed by an LRU cache of `capacity` bytes over named units."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity, self.used = capacity, 0
+        self.missed: dict[str, int] = {}  # by the unit's kind (its key's first item)
+        self.units: OrderedDict[tuple[Any, ...], int] = OrderedDict()
+
+    def read(self, key: tuple[Any, ...], size: int) -> None:
+        if key in self.units:
+            self.units.move_to_end(key)
+            return
+        self.missed[key[0]] = self.missed.get(key[0], 0) + size
+        self.units[key] = size
+        self.used += size
+        while self.used > self.capacity and self.units:
+            self.used -= self.units.popitem(last=False)[1]
+
+
+def weight_bytes(spec: dict[str, Any], n: int, k: int) -> float:
+    """Bytes per expert row slice of n outputs x k inputs, as stored."""
+    if spec["form"] == "plain":
+        return n * k * 2.0
+    scales = n * k / spec["group"] * (1 if spec["form"] == "mxfp4" else 4)  # affine: 2 bf16
+    return n * k / 2 + scales
+
+
+def routing(spec: dict[str, Any], tokens: int, seed: int = 1) -> tuple[list[int], list[int]]:
+    """Pairs per expert and the token of each sorted pair, under random top-k
+    routing (as the layer bench routes), sorted by expert as `moe.route` sorts."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(tokens, spec["experts"], generator=g)
+    flat = torch.topk(logits, spec["top_k"], dim=-1).indices.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.bincount(flat, minlength=spec["experts"]).tolist()
+    return counts, (order // spec["top_k"]).tolist()
+
+
+def program_order(nb: int, nn: int, group_m: int) -> list[tuple[int, int]]:
+    """(block, N tile) per program in launch order: moe_kernels.swizzle's mapping;
+    group_m 0: the 2-D grid before it (blocks fastest, then N tiles)."""
+    if group_m == 0:
+        return [(b, n) for n in range(nn) for b in range(nb)]
+    out = []
+    for pid in range(nb * nn):
+        width = group_m * nn
+        first = (pid // width) * group_m
+        size = min(nb - first, group_m)
+        out.append((first + (pid % width) % size, (pid % width) // size))
+    return out
+
+
+def _kernel(
+    cache: Lru, blocks: list[tuple[int, int, int]], rows: list[int], n: int, k: int,
+    t: Any, w_slice: float, gathered: bool, name: str,
+) -> int:  # fmt: skip
+    """Misses of one kernel's reads through `cache`; returns the bytes it writes."""
+    nn = -(-n // t.bn)
+    written = 0
+    for b, j in program_order(len(blocks), nn, t.group_m):
+        e, start, end = blocks[b]
+        if start >= end:
+            continue
+        if gathered:  # token rows, shared by the blocks (experts) a token is routed to
+            for r in range(start, end):
+                cache.read(("x", rows[r]), k * 2)
+        else:  # the block's own rows of the intermediate
+            cache.read(("inter", b), (end - start) * k * 2)
+        cache.read((name, e, j), int(w_slice * min(t.bn, n - j * t.bn) / t.bn))
+        written += (end - start) * min(t.bn, n - j * t.bn) * 2
+    return written
+
+
+def count(
+    spec: dict[str, Any],
+    props: mt.DeviceProps,
+    tokens: int,
+    before: bool = False,
+    group_m: int | None = None,
+) -> Counted:
+    """The layer's counted bytes (`spec` as the layer bench's SHAPES) with the tiles
+    and order used now on `props` (`before`: the 128x128x64 tiles and the 2-D grid
+    used before, through the same cache)."""
+    h, i, e = spec["hidden"], spec["inter"], spec["experts"]
+    counts, rows = routing(spec, tokens)
+    s = len(rows)
+    form = {"mxfp4": kk.FORM_MXFP4, "affine4": kk.FORM_AFFINE}.get(spec["form"], kk.FORM_PLAIN)
+    old = mt.Tiles(128, 128, 64, 8, 3, 0)
+    t_up = old if before else mt.tiles_for(props, s, e, "gate_up", form, spec["group"])
+    t_dn = old if before else mt.tiles_for(props, s, e, "down", form, spec["group"])
+    if group_m is not None:  # for sweeps of the swizzle's group
+        t_up, t_dn = replace(t_up, group_m=group_m), replace(t_dn, group_m=group_m)
+    cache = Lru(props.l2 // 2)
+    gu_slice = weight_bytes(spec, t_up.bn, h) * 2  # gate and up of one N tile
+    inter_w = _kernel(cache, _blocks(counts, t_up.bm), rows, i, h, t_up, gu_slice, True, "gate_up")
+    dn_slice = weight_bytes(spec, t_dn.bn, i)
+    pairs_w = _kernel(cache, _blocks(counts, t_dn.bm), rows, h, i, t_dn, dn_slice, False, "down")
+    m = cache.missed
+    weights = m.get("gate_up", 0) + m.get("down", 0)
+    out = tokens * h * 2
+    inter = inter_w + m.get("inter", 0)
+    total = weights + m.get("x", 0) + inter + 2 * pairs_w + out
+    used = sum(1 for c in counts if c)
+    minimum = int(used * (weight_bytes(spec, 2 * i, h) + weight_bytes(spec, h, i))) + 2 * out
+    return Counted(spec["name"], props.capability, tokens, "before" if before else "now", weights,
+                   m.get("x", 0),
+                   inter, 2 * pairs_w, out, total, minimum, round(total / minimum, 2))  # fmt: skip
+
+
+def _blocks(counts: list[int], bm: int) -> list[tuple[int, int, int]]:
+    out, start = [], 0
+    for e, c in enumerate(counts):
+        for b0 in range(0, c, bm):
+            out.append((e, start + b0, start + min(c, b0 + bm)))
+        start += c
+    return out
