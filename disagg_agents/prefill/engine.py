@@ -17,6 +17,7 @@ from disagg_agents.prefill.hostcopy import HostCopies
 from disagg_agents.prefill.prefixcache import PrefillPrefixCache
 from disagg_agents.prefill.queue import FairQueue
 from disagg_agents.quant import check_supported, weights_identity
+from disagg_agents.quant.paths import DeviceFacts, log_slow, moe_paths
 from disagg_agents.runtime.torchshare import TorchShare
 from disagg_agents.wire.kvcodec import (
     DTYPE_NAMES,
@@ -75,6 +76,9 @@ class PrefillEngine:
         self.packed_bytes = 0  # quantized weights read, as packed (0: full precision)
         self.kept_bytes = 0  # of them, dequantized once at load and kept
         self.model = self._load(dequant_budget_gb).eval()
+        # Each MoE layer's GEMM path on this device; a slower one than the best says why.
+        self.moe_paths = moe_paths(self.model, DeviceFacts.of(self.device))
+        log_slow(self.moe_paths)
         if self.adapter.chunked_attention:
             # Eager attention holds [heads, n, n] scores: ~8.6 GB per layer at 8k tokens.
             use_chunked_attention(self.model)
@@ -113,8 +117,9 @@ class PrefillEngine:
             # where the device's memory allows (disagg_agents.quant.budget).
             size = sum(f.stat().st_size for f in weight_files(model_dir))
             budget = dequant_budget(self.device, size, dequant_budget_gb)
+            fused = DeviceFacts.of(self.device).fused  # experts read as stored
             model, self.packed_bytes, self.kept_bytes = load_packed_model(
-                model_dir, self.cfg, dtype, self.device, budget
+                model_dir, self.cfg, dtype, self.device, budget, experts_packed=fused
             )
             return model
         # MoE experts as grouped GEMMs (transformers' "grouped_mm"): no host syncs.
