@@ -79,9 +79,10 @@ class PrefillEngine:
         # Each MoE layer's GEMM path on this device; a slower one than the best says why.
         self.moe_paths = moe_paths(self.model, DeviceFacts.of(self.device))
         log_slow(self.moe_paths)
-        if self.adapter.chunked_attention:
-            # Eager attention holds [heads, n, n] scores: ~8.6 GB per layer at 8k tokens.
-            use_chunked_attention(self.model)
+        # Fused attention kernels only (disagg_agents.prefill.attention): transformers'
+        # eager gpt-oss holds [heads, n, n] scores (~8.6 GB a layer at 8k tokens), its
+        # SDPA a [q, kv] mask for a cached prefix, and nothing stops the math backend.
+        use_chunked_attention(self.model)
         # The decoder stack without the LM head: prefill never needs logits.
         self.body = getattr(self.model, self.model.base_model_prefix)
         self.head = self.model.get_output_embeddings()
