@@ -32,11 +32,11 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DISAGG_CACHE=/tmp/dcache \
 } 2>&1 | tee "$OUT/machine.txt"
 
 echo "== the kernels on CUDA against dequantize-then-matmul (tests/test_moe_triton.py, unit part)"
-timeout 100 python3 -m pytest -q -p no:cacheprovider --noconftest -o addopts="" \
+timeout 90 python3 -m pytest -q -p no:cacheprovider --noconftest -o addopts="" \
   -m "not slow" tests/test_moe_triton.py 2>&1 | tee "$OUT/pytest.log" | tail -8
 
 echo "== one MoE layer at the real shapes, per path (sync debug mode: error)"
-timeout 80 python3 -m disagg.bench.moelayer --paths triton grouped --json \
+timeout 70 python3 -m disagg.bench.moelayer --paths triton grouped --json \
   >"$OUT/moelayer.jsonl" 2>"$OUT/moelayer.err"
 echo "moelayer rc=$?"; tail -3 "$OUT/moelayer.err"
 python3 - "$OUT/moelayer.jsonl" <<'PY'
