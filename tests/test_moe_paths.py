@@ -175,3 +175,17 @@ def test_the_prefill_agents_status_lists_each_moe_layers_path() -> None:
     st = AgentStatus.from_json(PrefillAgent(eng, "p").status())
     moe = [int(n.split(".")[2]) for n, m in eng.model.named_modules() if m in experts(eng.model)]
     assert moe and st.moe_paths == tuple(MoePath(i, "grouped", "grouped") for i in moe)
+
+
+@pytest.mark.slow  # a real quantized checkpoint in a prefill engine (no process)
+def test_a_prefill_engine_on_a_gb10s_facts_keeps_no_expert(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine asks the device's facts (here a GB10's, the weights on the CPU) and
+    loads with them: no expert kept, whatever memory allows; every layer fused."""
+    from disagg_agents.prefill import engine as engine_mod
+    from tests.quantmodels import quant_dir
+
+    monkeypatch.setattr(engine_mod.DeviceFacts, "of", classmethod(lambda cls, device: GB10))
+    eng = engine_mod.PrefillEngine(str(quant_dir("gptoss32-hf-mxfp4")), device="cpu")
+    layers = experts(eng.model)
+    assert layers and not any(kept_at_load(w) for m in layers for w in (m.gate, m.up, m.down))
+    assert [p.path for p in eng.moe_paths] == ["triton"] * len(layers)
