@@ -22,13 +22,16 @@ from disagg_agents.models.cost import (
     auto_path,
     experts_hit,
     kv_bytes,
+    layer_paths,
     moe_blocks,
+    moe_traffic,
     prefill_flops,
     prefill_terms,
     prior,
     roofline_s,
     weight_bytes,
 )
+from disagg_agents.models.moecost import KERNEL_EFFICIENCY, Tiles, expected_blocks, layer_traffic
 
 # One MoE layer: hidden 4, 2 query heads and 1 K/V head of 2, 4 experts of width 3,
 # top-2, a vocabulary of 8; experts 4-bit, the rest bf16.
@@ -142,6 +145,57 @@ def test_moe_paths_on_the_spark() -> None:
     assert prefill_terms(g, 8192, "gb10", "triton", eager=True)["fits"] == 1
 
 
+# --- the fused kernel's own figures ----------------------------------------------------
+
+FIGURES = costmodel.recorded_layers()
+
+
+def test_the_recorded_runs_are_read_and_the_kernel_efficiency_is_refit_from_them() -> None:
+    """Every fused-kernel layer of the H200 run, one efficiency for the arch fitted
+    to all of them at once: the constant in the code."""
+    assert {(f.model, f.tokens) for f in FIGURES} == {
+        (m, n) for m in ("qwen3-coder-30b-a3b", "gpt-oss-120b") for n in (2048, 8192)
+    }
+    fitted = costmodel.fit_kernel(FIGURES)
+    assert fitted == {"sm90": pytest.approx(KERNEL_EFFICIENCY["sm90"].padded, abs=5e-4)}
+
+
+@pytest.mark.parametrize("f", FIGURES, ids=lambda f: f"{f.model}-{f.tokens}")
+def test_the_model_predicts_each_recorded_h200_layer_within_30_percent(
+    f: costmodel.LayerFigure,
+) -> None:
+    # The bytes the bench counted as the least a layer moves: the model's own count.
+    assert moe_traffic(SHAPES[f.model], f.tokens).min_bytes == pytest.approx(f.min_bytes, 1e-6)
+    assert costmodel.predicted_layer_ms(f) == pytest.approx(f.ms, rel=0.30)
+
+
+def test_the_kernels_traffic_by_hand() -> None:
+    """128 experts, top-8, one token: 8 blocks (empty experts skipped), 8 experts'
+    packed weights read, not 128. Many tokens: every block re-reads its rows per
+    output tile, unless the grid keeps them (reread=False)."""
+    one = layer_traffic(1, 2048, 768, 128, 8, 4.5)
+    assert one.blocks == pytest.approx(8, rel=1e-9)
+    assert one.weight_bytes == pytest.approx(8 * 3 * 2048 * 768 * 4.5 / 8)
+    assert one.padded_flops == 16 * one.flops  # 16-row blocks for one pair each
+    # 256 pairs an expert on average: one 512-row block each; 128-row blocks, two or
+    # three (about half the experts get more than the mean).
+    assert expected_blocks(4096, 8, 128, 512) == pytest.approx(128, rel=1e-6)
+    assert 128 * 2.4 < expected_blocks(4096, 8, 128, 128) < 128 * 2.6
+    tiles = Tiles(128, 128)
+    many = layer_traffic(8192, 2048, 768, 128, 8, 4.5, tiles=tiles)
+    once = layer_traffic(8192, 2048, 768, 128, 8, 4.5, tiles=tiles, reread=False)
+    rows = many.blocks * 128 * 2
+    assert many.act_bytes - once.act_bytes == pytest.approx(rows * (2048 * 5 + 768 * 15))
+    # On the Spark the fused path's layer time is the kernel's, at sm90's figure until
+    # a GB10 runs it; the plan says so.
+    paths = layer_paths(SHAPES["gpt-oss-120b"], "gb10")
+    assert paths["MoE experts"].startswith("triton") and "taken from sm90" in paths["MoE experts"]
+    assert "window 128" in paths["sliding attention"]
+    assert "sliding attention" not in layer_paths(SHAPES["qwen3-coder-30b-a3b"], "gb10")
+    h200 = layer_paths(SHAPES["gpt-oss-120b"], "h200", "triton")
+    assert "measured on sm90" in h200["MoE experts"]
+
+
 def test_placement_uses_the_prior_until_it_has_measured() -> None:
     p = Placement(Prior(10_000, 5_000, 1_000, 1.25e9, 0.002))
     where, why = p.choose("a:1", 3)  # 0.6 ms here vs 2 ms of handshake there
@@ -178,11 +232,13 @@ def test_plan_is_quick_by_default(cli: Any, monkeypatch: pytest.MonkeyPatch) -> 
     for m in data["models"].values():
         assert [p["tokens"] for p in m["prompts"]] == [2048, 8192, 32768, 65536]
         assert m["crossover_tokens"] and all(p["speedup"] > 0 for p in m["prompts"])
+        assert m["layer_paths"]["MoE experts"].startswith("triton")
     assert data["exo_check"]["published"] == 2.8
     table = cli("plan", "--mac", "m4-max", "--link", "tb5")
     assert table.returncode == 0, table.stderr
     assert "M4 Max" in table.stdout and "65,536" in table.stdout
     assert "The split wins from" in table.stdout
+    assert "On the Spark: MoE experts: triton" in " ".join(table.stdout.split())
     bad = cli("plan", "--mac", "m2-ultra")
     assert bad.returncode == 1 and "m3-ultra, m4-max" in bad.stderr
 

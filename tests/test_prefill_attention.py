@@ -174,6 +174,71 @@ def test_tiny_gpt_oss_same_greedy_tokens() -> None:
     torch.testing.assert_close(torch.from_numpy(logits), logits_before, atol=1e-4, rtol=1e-4)
 
 
+def _ops(q_len: int, kv_len: int, window: int | None, sinks: bool) -> tuple[int, int]:
+    """(aten ops, SDPA calls) of one chunked_attention at gpt-oss' head shape."""
+    from disagg.bench.opcount import OpCounter
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, q_len, 64, generator=g)
+    k, v = (torch.randn(1, 1, kv_len, 64, generator=g) for _ in range(2))
+    s = torch.randn(4, generator=g) if sinks else None
+    with OpCounter() as c:
+        chunked_attention(q, k, v, 0.125, window, s)
+    by = c.scopes["other"].by_op
+    return c.total_ops, sum(n for op, n in by.items() if "scaled_dot_product" in op)
+
+
+@pytest.mark.parametrize("sinks", [True, False])
+def test_a_sliding_layer_is_a_few_ops_at_any_prompt_length(sinks: bool) -> None:
+    """Window 128: one banded call for 512 and for 4,096 queries (64-query chunks
+    dispatched ~11 ops per 64 queries: 752 ops at 2,048)."""
+    small, large = _ops(512, 512, 128, sinks), _ops(4096, 4096, 128, sinks)
+    assert small == large and large[1] == 1 and large[0] <= 80, (small, large)
+    # A cached prefix on a sliding layer: the same few ops.
+    assert _ops(1000, 4096, 128, sinks)[1] == 1
+
+
+def test_a_cached_prefix_is_one_bottom_right_causal_call() -> None:
+    ops, calls = _ops(45, 4096, None, sinks=True)
+    assert calls == 1 and ops <= 40, ops
+
+
+def test_cuda_allows_only_fused_kernels_and_a_call_none_takes_is_one_clear_error() -> None:
+    from torch.nn.attention import SDPBackend
+
+    from disagg_agents.prefill.attention import fused_backends, fused_sdpa
+
+    assert fused_backends("cuda") == [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    assert fused_backends("cpu") is None and fused_backends("mps") is None
+    q = torch.randn(1, 2, 8, 16)
+    # A CPU has no memory-efficient kernel: restricted to it, SDPA has nothing to run.
+    with pytest.raises(RuntimeError, match=r"no fused kernel \(efficient_attention\)") as e:
+        fused_sdpa(q, q, q, 0.25, True, is_causal=True, backends=[SDPBackend.EFFICIENT_ATTENTION])
+    assert "\n" not in str(e.value)
+    out = fused_sdpa(q, q, q, 0.25, True, is_causal=True, backends=[SDPBackend.FLASH_ATTENTION])
+    torch.testing.assert_close(out, eager(q, q, q, None, None), atol=2e-6, rtol=1e-5)
+
+
+def test_tiny_qwen3_on_the_fused_attention_gives_sdpas_greedy_tokens() -> None:
+    """transformers' SDPA against this module, generate's decode steps included
+    (one query on all the keys: the bottom-right causal path)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.tinymodels import PROMPT, shared_tiny
+
+    path = shared_tiny("qwen3")
+    tok: Any = AutoTokenizer.from_pretrained(str(path))
+    ids = torch.tensor([tok.encode(PROMPT)])
+    model: Any = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    assert model.config._attn_implementation == "sdpa"
+    greedy: dict[str, Any] = dict(max_new_tokens=16, do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        before = model.generate(ids, **greedy)
+        use_chunked_attention(model)
+        after = model.generate(ids, **greedy)
+    assert after.tolist() == before.tolist()
+
+
 # What only a CUDA machine can check (skipped elsewhere): the fused kernels CUDA
 # picks (memory-efficient with a mask, flash for the causal call) give eager's
 # result, and the device's own peak memory grows linearly at gpt-oss-120b's shape.

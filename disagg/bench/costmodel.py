@@ -12,7 +12,9 @@ split wins. A model, not a measurement: nothing here ran on a Spark or a Mac.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from disagg_agents.models.cost import (
@@ -26,7 +28,10 @@ from disagg_agents.models.cost import (
     decode_bytes,
     decode_step_s,
     kv_bytes,
+    layer_paths,
     model_bytes,
+    moe_layer_s,
+    moe_traffic,
     prefill_flops,
     prefill_terms,
     score_elements,
@@ -240,6 +245,63 @@ def exo_check(link: str = "10gbe") -> dict[str, float]:
     }
 
 
+# One MoE layer on the fused kernel as a device run timed it: the raw record the docs
+# cite (docs/performance-prefill.md), read as is; the kernel's efficiency per arch is
+# fitted to all of a run's layers at once (fit_kernel), never per figure.
+HISTORY = Path(__file__).resolve().parents[2] / "docs" / "bench-history"
+RECORDED = [HISTORY / "device-2026-11-27" / "moelayer-final.jsonl"]
+# disagg.bench.moelayer's shapes -> SHAPES; its device names -> DEVICES.
+BENCH_SHAPES = {"qwen3-coder-4bit": "qwen3-coder-30b-a3b", "gpt-oss-mxfp4": "gpt-oss-120b"}
+BENCH_DEVICES = {"NVIDIA H200": "h200"}
+
+
+@dataclass(frozen=True)
+class LayerFigure:
+    """One recorded layer timing of the fused kernel."""
+
+    device: str  # a key of DEVICES
+    model: str  # a key of SHAPES
+    tokens: int
+    ms: float
+    min_bytes: int  # as the bench counted them: packed weights once + activations in, out
+    source: str
+
+
+def recorded_layers(files: list[Path] | None = None) -> list[LayerFigure]:
+    """The fused kernel's layer timings in the recorded device runs (JSON lines of
+    disagg.bench.moelayer: a device line, then one line per shape, path and size)."""
+    out = []
+    for f in files or RECORDED:
+        device = ""
+        for line in f.read_text().splitlines():
+            row = json.loads(line)
+            if "device" in row and "shape" not in row:
+                device = BENCH_DEVICES[row["device"]]
+            elif row.get("path") == "triton" and not row.get("error"):
+                model = BENCH_SHAPES[row["shape"]]
+                fig = LayerFigure(device, model, row["tokens"], row["ms"], row["min_bytes"], f.name)
+                out.append(fig)
+    return out
+
+
+def predicted_layer_ms(f: LayerFigure) -> float:
+    return moe_layer_s(SHAPES[f.model], f.tokens, f.device) * 1e3
+
+
+def fit_kernel(figures: list[LayerFigure]) -> dict[str, float]:
+    """Per architecture, the share of peak FLOP/s on computed (padded) FLOPs that best
+    fits all its recorded layers (least relative error)."""
+    by_arch: dict[str, list[tuple[float, float]]] = {}
+    for f in figures:
+        d = DEVICES[f.device]
+        x = moe_traffic(SHAPES[f.model], f.tokens).padded_flops / d.flops
+        by_arch.setdefault(d.arch, []).append((x, f.ms / 1e3))
+    return {
+        arch: sum((x / t) ** 2 for x, t in rows) / sum(x / t for x, t in rows)
+        for arch, rows in by_arch.items()
+    }
+
+
 @dataclass
 class Counts:
     """Ops and syncs of one prefill forward, from a counting pass (`--count-layers`)."""
@@ -341,6 +403,7 @@ def plan(
             "prompts": [scenario(name, n, mac, link, path, c) for n in PROMPTS],
             "crossover_tokens": crossover(name, mac, link, path),
             "counts": asdict(c) if c else None,
+            "layer_paths": layer_paths(s, "gb10", path),
         }
     return {
         "note": "a model calibrated to published measurements, not a measurement",
@@ -353,5 +416,8 @@ def plan(
         "exo_check": exo_check(),
         "points": [
             {**asdict(p), "predicted_tokens_per_s": predicted_tokens_per_s(p)} for p in POINTS
+        ],
+        "kernel_layers": [
+            {**asdict(f), "predicted_ms": predicted_layer_ms(f)} for f in recorded_layers()
         ],
     }

@@ -94,6 +94,22 @@ def gpt_oss_120b_config(layers: int, vocab: int = VOCAB) -> dict[str, Any]:
     }
 
 
+# Both models cut to a few seconds on a CPU (the --cpu-smoke runs): every dimension
+# small, the layout, formats and layer kinds as the real ones.
+TINY: dict[str, dict[str, Any]] = {
+    "qwen3-coder-30b-a3b": {
+        "hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+        "moe_intermediate_size": 64, "intermediate_size": 128, "num_experts": 4,
+        "num_experts_per_tok": 2,
+    },
+    "gpt-oss-120b": {
+        "hidden_size": 64, "intermediate_size": 64, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "head_dim": 32, "num_local_experts": 4,
+        "num_experts_per_tok": 2, "sliding_window": 8,
+    },
+}  # fmt: skip
+
+
 def _affine(out: dict[str, Any], name: str, shape: tuple[int, ...], bits: int = 4) -> None:
     """An MLX affine weight [..., rows, cols]: uint32 words, bf16 scales and biases."""
     import torch
@@ -112,12 +128,13 @@ def _bf16(*shape: int, std: float = 0.02) -> Any:
     return (torch.randn(*shape) * std).to(torch.bfloat16)
 
 
-def write_qwen3_coder(dst: Path, layers: int, vocab: int = VOCAB) -> None:
+def write_qwen3_coder(dst: Path, layers: int, vocab: int = VOCAB, tiny: bool = False) -> None:
     from safetensors.torch import save_file
 
-    cfg = qwen3_coder_config(layers, vocab)
+    cfg = {**qwen3_coder_config(layers, vocab), **(TINY["qwen3-coder-30b-a3b"] if tiny else {})}
     h, e, i = cfg["hidden_size"], cfg["num_experts"], cfg["moe_intermediate_size"]
-    q, kv = cfg["num_attention_heads"] * 128, cfg["num_key_value_heads"] * 128
+    hd = cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
     t: dict[str, Any] = {}
     _affine(t, "model.embed_tokens", (vocab, h))
     _affine(t, "lm_head", (vocab, h))
@@ -126,8 +143,8 @@ def write_qwen3_coder(dst: Path, layers: int, vocab: int = VOCAB) -> None:
         p = f"model.layers.{n}"
         for proj, shape in (("q", (q, h)), ("k", (kv, h)), ("v", (kv, h)), ("o", (h, q))):
             _affine(t, f"{p}.self_attn.{proj}_proj", shape)
-        t[f"{p}.self_attn.q_norm.weight"] = _bf16(128, std=0) + 1
-        t[f"{p}.self_attn.k_norm.weight"] = _bf16(128, std=0) + 1
+        t[f"{p}.self_attn.q_norm.weight"] = _bf16(hd, std=0) + 1
+        t[f"{p}.self_attn.k_norm.weight"] = _bf16(hd, std=0) + 1
         _affine(t, f"{p}.mlp.gate", (e, h), bits=8)
         _affine(t, f"{p}.mlp.switch_mlp.gate_proj", (e, i, h))
         _affine(t, f"{p}.mlp.switch_mlp.up_proj", (e, i, h))
@@ -137,14 +154,14 @@ def write_qwen3_coder(dst: Path, layers: int, vocab: int = VOCAB) -> None:
     _save(dst, cfg, t, save_file)
 
 
-def write_gpt_oss_120b(dst: Path, layers: int, vocab: int = VOCAB) -> None:
+def write_gpt_oss_120b(dst: Path, layers: int, vocab: int = VOCAB, tiny: bool = False) -> None:
     import torch
     from safetensors.torch import save_file
 
-    cfg = gpt_oss_120b_config(layers, vocab)
+    cfg = {**gpt_oss_120b_config(layers, vocab), **(TINY["gpt-oss-120b"] if tiny else {})}
     h, e, i = cfg["hidden_size"], cfg["num_local_experts"], cfg["intermediate_size"]
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    q, kvd = heads * 64, kv * 64
+    q, kvd = heads * cfg["head_dim"], kv * cfg["head_dim"]
     t: dict[str, Any] = {
         "model.embed_tokens.weight": _bf16(vocab, h),
         "lm_head.weight": _bf16(vocab, h),

@@ -116,6 +116,8 @@ def plan_tables(data: dict[str, Any]) -> list[RenderableType]:
             f"The split wins from {cross:,} prompt tokens" if cross else "The split never wins"
         ) + f"; decode {1 / step:.0f} tok/s at 2k."
         shown.append(t)
+        paths = "; ".join(f"{k}: {v}" for k, v in m["layer_paths"].items())
+        shown.append(Text(f"On the Spark: {paths}."))
     exo = data["exo_check"]
     shown.append(
         Text(

@@ -98,9 +98,6 @@ class Adapter:
     """Defaults fit llama-like models; subclasses override what differs."""
 
     model_type = ""
-    # Prefill attention in disagg_agents.prefill.attention (chunked fused SDPA), for
-    # models that transformers runs eagerly with an n x n score tensor per layer.
-    chunked_attention = False
 
     def mlx_config(self, cfg: dict[str, Any]) -> dict[str, Any]:
         """Config overrides for mlx-lm, which predates transformers 5's key names."""

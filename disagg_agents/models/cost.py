@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .moecost import kernel_efficiency, layer_s, layer_traffic
+
 
 @dataclass(frozen=True)
 class Device:
@@ -26,6 +28,7 @@ class Device:
     memory: float  # bytes
     source: str
     grouped_mm_fast: bool = False  # torch's fast grouped_mm kernel runs here (sm90 / sm100)
+    arch: str = ""  # CUDA architecture family ("sm90", "sm121"): which kernel figures apply
 
 
 # Every figure with its source. A GPU kernel launch costs a few microseconds (NVIDIA,
@@ -42,6 +45,7 @@ DEVICES = {
         "128 GB, 273 GB/s LPDDR5x: NVIDIA DGX Spark spec. 100 TFLOP/s FP16: EXO Labs' "
         "figure (blog.exolabs.net/nvidia-dgx-spark). Compute capability 12.1: torch's "
         "fast grouped_mm kernel (sm90/sm100) does not run",
+        arch="sm121",
     ),
     "m3-ultra": Device(
         "Mac Studio (M3 Ultra)",
@@ -74,6 +78,19 @@ DEVICES = {
         "80 GB, 3.35 TB/s HBM3, 989 TFLOP/s dense BF16 (1,979 with sparsity): "
         "NVIDIA H100 SXM datasheet",
         grouped_mm_fast=True,
+        arch="sm90",
+    ),
+    "h200": Device(
+        "H200",
+        4.8e12,
+        989e12,
+        4e-6,
+        20e-6,
+        141e9,
+        "141 GB HBM3e at 4.8 TB/s, 989 TFLOP/s dense BF16: NVIDIA H200 datasheet (the "
+        "H100's compute); the one lent on 2026-11-27 ran the fused MoE kernel",
+        grouped_mm_fast=True,
+        arch="sm90",
     ),
 }
 
@@ -359,9 +376,10 @@ def _moe_traffic(s: Shape, tokens: int, device: str, path: str) -> dict[str, flo
     kept = spark_mode(s, d) == "kept" or s.expert_bits >= 16
     packed, bf16 = _expert_bytes(s, s.expert_bits), _expert_bytes(s, 16.0)
     out = {"read": 0.0, "extra": 0.0, "syncs": 0.0, "launches": 0.0, "pad": 1.0}
-    if path in ("mlx", "triton"):
-        # Weights read in their stored form; Triton re-reads an expert per row block.
-        out["read"] = s.layers * packed * (blocks if path == "triton" else hit)
+    if path == "triton":  # timed on its own: moe_layer_s
+        out["read"] = s.layers * moe_traffic(s, tokens).read_bytes
+    elif path == "mlx":  # weights read in their stored form, each hit expert once
+        out["read"] = s.layers * packed * hit
     elif path == "grouped":
         out["read"] = s.layers * hit * bf16
         if not kept:  # every expert dequantized per forward, one batched op a layer
@@ -376,6 +394,39 @@ def _moe_traffic(s: Shape, tokens: int, device: str, path: str) -> dict[str, flo
         out["pad"] = blocks * BLOCK_ROWS / (tokens * s.top_k)
     else:
         raise ValueError(f"unknown MoE path {path!r}: one of {', '.join(MOE_PATHS)} or mlx")
+    return out
+
+
+def moe_traffic(s: Shape, tokens: int) -> Any:
+    """One MoE layer of `s` on the fused kernel (disagg_agents.models.moecost)."""
+    return layer_traffic(tokens, s.hidden, s.inter, s.experts, s.top_k, s.expert_bits, s.act_bytes)
+
+
+def moe_layer_s(s: Shape, tokens: int, device: str) -> float:
+    """One MoE layer on the fused kernel: its computed FLOPs at the efficiency measured
+    on the device's architecture (else sm90's), or its bytes as read, the longer."""
+    d = DEVICES[device]
+    eff, _ = kernel_efficiency(d.arch)
+    return layer_s(moe_traffic(s, tokens), d.flops, d.bandwidth, eff)
+
+
+def layer_paths(s: Shape, device: str, path: str = "auto") -> dict[str, str]:
+    """What each kind of layer runs on `device` (our torch prefill on CUDA)."""
+    d = DEVICES[device]
+    out: dict[str, str] = {}
+    if s.experts:
+        p = auto_path(device) if path == "auto" else path
+        if p == "triton":
+            eff, own = kernel_efficiency(d.arch)
+            seen = "measured on" if own else "until measured here, taken from"
+            p += f" (fused, experts packed as stored; {eff.padded:.0%} of peak {seen} {eff.arch})"
+        out["MoE experts"] = p
+    out["full attention"] = "SDPA flash, causal; a cached prefix bottom-right causal"
+    if s.sliding_layers:
+        out["sliding attention"] = (
+            f"SDPA memory-efficient, window {s.sliding_window} as bands of one window"
+        )
+    out["projections"] = "cuBLAS bf16"
     return out
 
 
@@ -394,12 +445,16 @@ def prefill_terms(
     expert_flops = 2.0 * s.layers * experts * s.expert_params * tokens
     flops = prefill_flops(s, tokens, context) - attention_flops(s, tokens, context)
     flops += expert_flops * ((moe["pad"] if moe else 1.0) - 1.0)
-    matmul = flops / (d.flops * (e.moe if s.experts else e.dense))
+    fused = bool(moe) and path == "triton"
+    if fused:  # the experts on the kernel's own figures; the rest cuBLAS, as dense
+        flops -= expert_flops
+    matmul = flops / (d.flops * (e.moe if s.experts and not fused else e.dense))
     scores = score_elements(s, tokens, context)
     attention = scores * e.score_ps * 1e-12
     other = weight_bytes(s, tokens, "fused")["weights_read"]
-    if moe:  # the experts' part as the path reads it
-        other += moe["read"] - s.layers * experts_hit(s, tokens) * _expert_bytes(s, s.expert_bits)
+    if moe:  # the experts' part as the path reads it (the fused kernel's: in moe_s)
+        other -= s.layers * experts_hit(s, tokens) * _expert_bytes(s, s.expert_bits)
+        other += 0.0 if fused else moe["read"]
     memory = (other + kv_bytes(s, tokens, context)) / d.bandwidth
     extra = moe["extra"] if moe else 0.0
     fits = 1.0
@@ -408,9 +463,11 @@ def prefill_terms(
         extra += EAGER_PASSES * s.layers * square
         fits = float(2 * square + model_bytes(s, kept=False) <= d.memory)
     overhead = (moe["launches"] * d.launch_s + moe["syncs"] * d.sync_s) if moe else 0.0
-    total = max(matmul + attention, memory) + extra / d.bandwidth + overhead
+    moe_s = s.layers * moe_layer_s(s, tokens, device) if fused else 0.0
+    total = max(matmul + attention, memory) + moe_s + extra / d.bandwidth + overhead
     return {
         "matmul_s": matmul,
+        "moe_s": moe_s,
         "attention_s": attention,
         "memory_s": memory,
         "extra_s": extra / d.bandwidth,

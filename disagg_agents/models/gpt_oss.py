@@ -7,7 +7,6 @@ class GptOssAdapter(Adapter):
     """gpt-oss: transformers 5's expert layout, optional biases, SwiGLU clamp."""
 
     model_type = "gpt_oss"
-    chunked_attention = True  # transformers has no SDPA with sinks: eager otherwise
 
     def mlx_weights(self, weights: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
         import mlx.core as mx

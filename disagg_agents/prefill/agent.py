@@ -107,6 +107,7 @@ class PrefillAgent:
             "backend": "torch",
             "device": self.engine.device,
             "fingerprint": self.engine.fingerprint,
+            "moe_paths": [m.as_dict() for m in self.engine.moe_paths],
             **self.stats.snapshot(),
             "prefix_cache": self.prefix.store.snapshot(),
             "queue": self.engine.slots.snapshot(),

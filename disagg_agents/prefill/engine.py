@@ -17,6 +17,7 @@ from disagg_agents.prefill.hostcopy import HostCopies
 from disagg_agents.prefill.prefixcache import PrefillPrefixCache
 from disagg_agents.prefill.queue import Dropped, FairQueue
 from disagg_agents.quant import check_supported, weights_identity
+from disagg_agents.quant.paths import DeviceFacts, log_slow, moe_paths
 from disagg_agents.runtime.torchshare import TorchShare
 from disagg_agents.wire.kvcodec import (
     DTYPE_NAMES,
@@ -77,11 +78,15 @@ class PrefillEngine:
         self.model = self._load(dequant_budget_gb).eval()
         from disagg_agents.quant.modules import warm_experts
 
-        # The MoE kernels compiled now, each layer's path known (a failure said once).
-        self.moe_paths = warm_experts(self.model, torch.device(self.device))
-        if self.adapter.chunked_attention:
-            # Eager attention holds [heads, n, n] scores: ~8.6 GB per layer at 8k tokens.
-            use_chunked_attention(self.model)
+        # The MoE kernels compiled now (a failure said once, its layers falling back);
+        # then each layer's GEMM path on this device, a slower one than the best saying why.
+        warm_experts(self.model, torch.device(self.device))
+        self.moe_paths = moe_paths(self.model, DeviceFacts.of(self.device))
+        log_slow(self.moe_paths)
+        # Fused attention kernels only (disagg_agents.prefill.attention): transformers'
+        # eager gpt-oss holds [heads, n, n] scores (~8.6 GB a layer at 8k tokens), its
+        # SDPA a [q, kv] mask for a cached prefix, and nothing stops the math backend.
+        use_chunked_attention(self.model)
         # The decoder stack without the LM head: prefill never needs logits.
         self.body = getattr(self.model, self.model.base_model_prefix)
         self.head = self.model.get_output_embeddings()
@@ -117,8 +122,9 @@ class PrefillEngine:
             # where the device's memory allows (disagg_agents.quant.budget).
             size = sum(f.stat().st_size for f in weight_files(model_dir))
             budget = dequant_budget(self.device, size, dequant_budget_gb)
+            fused = DeviceFacts.of(self.device).fused  # experts read as stored
             model, self.packed_bytes, self.kept_bytes = load_packed_model(
-                model_dir, self.cfg, dtype, self.device, budget
+                model_dir, self.cfg, dtype, self.device, budget, experts_packed=fused
             )
             return model
         # MoE experts as grouped GEMMs (transformers' "grouped_mm"): no host syncs.

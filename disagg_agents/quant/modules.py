@@ -141,6 +141,11 @@ class PackedExperts(nn.Module):
             self._triton = fused if fused and not err else False
         return self._triton if isinstance(self._triton, moe_triton.Experts) else None
 
+    @property
+    def fell_back(self) -> bool:
+        """The fused kernels were tried for this layer and refused or failed to compile."""
+        return self._triton is False
+
     def path(self, device: torch.device) -> str:
         """ "triton" where this layer runs the fused kernels on `device` (compiled
         there), else "torch" (grouped or blocked, chosen per call)."""

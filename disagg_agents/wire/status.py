@@ -38,6 +38,34 @@ def _maybe_obj(v: Any) -> dict[str, Any] | None:
 
 
 @dataclass(frozen=True)
+class MoePath:
+    """Which grouped GEMM one MoE layer of a prefill agent takes for a long prompt
+    on its device, and why, when that is slower than the device's best."""
+
+    layer: int  # the decoder layer's index
+    path: str  # triton | grouped | blocked
+    best: str  # the device's fastest path for this model
+    reason: str = ""  # why `path` is not `best` ("" when it is, or as fast)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"layer": self.layer, "path": self.path, "best": self.best, "reason": self.reason}
+
+    @classmethod
+    def from_json(cls, v: Any) -> MoePath | None:
+        if not isinstance(v, Mapping):
+            return None
+        layer, path, best = _int(v.get("layer")), _str(v.get("path")), _str(v.get("best"))
+        if layer is None or path is None or best is None:
+            return None
+        return cls(layer, path, best, _str(v.get("reason")) or "")
+
+
+def _moe_paths(v: Any) -> tuple[MoePath, ...]:
+    items = v if isinstance(v, list) else []
+    return tuple(p for p in (MoePath.from_json(x) for x in items) if p is not None)
+
+
+@dataclass(frozen=True)
 class AgentStatus:
     """The fields of an agent's /status the control plane reads."""
 
@@ -64,6 +92,8 @@ class AgentStatus:
     prefix_cache: dict[str, Any] = field(default_factory=dict)
     prefix_disk: dict[str, Any] | None = None
     last_error: dict[str, Any] | None = None
+    # A prefill agent's MoE layers, each with the GEMM path it takes (empty: dense).
+    moe_paths: tuple[MoePath, ...] = ()
     doc: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -89,6 +119,7 @@ class AgentStatus:
             prefix_cache=_obj(d.get("prefix_cache")),
             prefix_disk=_maybe_obj(d.get("prefix_disk")),
             last_error=_maybe_obj(d.get("last_error")),
+            moe_paths=_moe_paths(d.get("moe_paths")),
             doc=dict(d),
         )
 
