@@ -13,7 +13,7 @@ from disagg_agents.decode.grammar import ANALYSIS_MAX_TOKENS, ClientGone, Framin
 from disagg_agents.decode.grammarformats import generic_lark
 from disagg_agents.decode.job import Job
 from disagg_agents.decode.keepalive import Keepalive
-from disagg_agents.decode.upfront import client_gone
+from disagg_agents.runtime.hangup import client_gone
 from disagg_agents.wire.answer import Metrics
 from disagg_agents.wire.request import GenerateRequest, RequestError
 

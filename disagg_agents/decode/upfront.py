@@ -1,12 +1,9 @@
 """Checks a request passes before the decode agent spends anything on it: a
 prompt that cannot fit the context is refused before tokenizing (a 3.9 MB one
-took 5.8 CPU-s and 330 MB to tokenize), and a client that left is noticed
-while its grammar compiles."""
+took 5.8 CPU-s and 330 MB to tokenize)."""
 
 from __future__ import annotations
 
-import select
-import socket
 from collections.abc import Mapping
 from typing import Any
 
@@ -76,16 +73,3 @@ def too_long(req: GenerateRequest, context: int, token_bytes: int) -> str | None
         f"least {at_least} tokens; the model's context is {context}: shorten the prompt"
     )
 
-
-def client_gone(sock: socket.socket) -> bool:
-    """The client closed its end (or the connection broke), without blocking.
-    A pipelined next request is data, not a hang-up."""
-    try:
-        readable, _, _ = select.select([sock], [], [], 0)
-        if not readable:
-            return False
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except BlockingIOError:
-        return False
-    except (OSError, ValueError):
-        return True

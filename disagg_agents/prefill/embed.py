@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from disagg_agents.decode.upfront import client_gone
 from disagg_agents.models.pooling import pooling_of
+from disagg_agents.runtime.hangup import client_gone
 from disagg_agents.wire.channel import recv_json, send_error, send_json
 from disagg_agents.wire.frames import Frame, ProtocolError, RemoteError
 

@@ -187,7 +187,7 @@ def test_anthropic_thinking_blocks_count_too() -> None:
 
 @pytest.mark.slow
 def test_a_grammar_that_crashes_the_compiler_kills_only_its_child() -> None:
-    from disagg_agents.decode.grammarcheck import CompileCheck
+    from disagg_agents.runtime.grammarcheck import CompileCheck
 
     check = CompileCheck(workers=1)
     try:

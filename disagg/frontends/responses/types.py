@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field
 
 from disagg.frontends.refusal import ApiError
 from disagg.frontends.request import Message, build
-from disagg_agents.decode.grammarcheck import CompileCheck
+from disagg_agents.runtime.grammarcheck import CompileCheck
 from disagg_agents.wire.request import GRAMMAR_MAX_CHARS, GenerateRequest
 from disagg_agents.wire.schemasize import TOOLS_MAX_CHARS, SchemaTooBig, check_lark
 
