@@ -21,7 +21,7 @@ from disagg.errors import UsageError
 from disagg.serving import wireclient
 from disagg.serving.localagents import AgentProc
 from disagg_agents.chatformat import Piece, ToolCall
-from disagg_agents.decode.events import send_events, token_events
+from disagg_agents.decode.tokenframes import send_events, token_events
 from disagg_agents.wire.answer import CONTENT, REASONING, Done, Metrics, TokenEvent
 from disagg_agents.wire.answer import ToolCall as WireCall
 from disagg_agents.wire.auth import client_auth, server_auth

@@ -96,7 +96,7 @@ def cut_short(
     early: Metrics | None, t_sent: float, t_first: float | None, tokens: int, reason: str
 ) -> Metrics:
     """A request's metrics when its client stopped reading before the agent's DONE:
-    the prompt's side from the first TOKEN frame (`early`, disagg_agents.decode.events'
+    the prompt's side from the first TOKEN frame (`early`, disagg_agents.decode.tokenframes'
     first_metrics), the decode side timed here."""
     now = time.perf_counter()
     m = Metrics.from_json(early.to_json()) if early is not None else Metrics()  # a copy

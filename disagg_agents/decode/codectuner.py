@@ -190,3 +190,17 @@ class CodecTuner:
                 )
             except (ValueError, KeyError, TypeError):
                 continue  # a probe we cannot read teaches us nothing
+
+
+class CodecTuners:
+    """A decode agent's tuners, one per prefill agent (by its address), shared
+    by the requests' threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tuners: dict[str, CodecTuner] = {}
+
+    def for_link(self, key: str) -> CodecTuner:
+        """The tuner of prefill agent `key`, new on its first fetch."""
+        with self._lock:
+            return self._tuners.setdefault(key, CodecTuner())

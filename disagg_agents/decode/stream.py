@@ -4,25 +4,22 @@ loop's shared batch (disagg_agents.decode.loop), sent as the tokens come."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from disagg_agents.decode.events import bursts, corked, send_events
 from disagg_agents.decode.job import Job
-from disagg_agents.decode.loop import Seq
+from disagg_agents.decode.loop import DecodeLoop, Seq
+from disagg_agents.decode.tokenframes import bursts, corked, send_events
 from disagg_agents.wire.channel import send_frame
 from disagg_agents.wire.frames import Frame
-
-if TYPE_CHECKING:
-    from disagg_agents.decode.agent import DecodeAgent
+from disagg_agents.wire.request import GenerateRequest
 
 
-def decode(agent: DecodeAgent, job: Job) -> None:
+def decode(loop: DecodeLoop, stops: Callable[[GenerateRequest], frozenset[int]], job: Job) -> None:
     """The answer as TOKEN (and LOGPROBS) frames as the tokens come (the first with
     `job.early`, first_metrics): the tokens sent go to job.out, the batch row to
     job.seq (None: the answer ended with its first token)."""
-    eos = agent.engine.stops(job.req)
+    eos = stops(job.req)
     first, matcher = job.first, job.matcher
     if matcher is not None:
         matcher.consume(first[0])
@@ -39,7 +36,7 @@ def decode(agent: DecodeAgent, job: Job) -> None:
     seq.tenant = req.cache_salt  # a full batch's free rows go fairly among tenants
     for save in job.saves:
         save.attach(seq)
-    agent.loop.join(seq)
+    loop.join(seq)
     job.seq = seq
     if job.progress is not None:
         job.progress.seq = seq  # PROGRESS now says queued (no batch slot yet) or decode

@@ -72,4 +72,3 @@ def too_long(req: GenerateRequest, context: int, token_bytes: int) -> str | None
         f"the prompt (messages, reasoning, tool calls and tools) is {size} bytes, at "
         f"least {at_least} tokens; the model's context is {context}: shorten the prompt"
     )
-
