@@ -6,11 +6,11 @@ from __future__ import annotations
 from rich.console import Console
 
 from disagg.cli.render_fleet import status_table
-from disagg.fleet.operations import AgentStatus
+from disagg.fleet.operations import HostProbe
 
 
-def _agent(host: str, role: str, model: str, backend: str, device: str) -> AgentStatus:
-    return AgentStatus(
+def _agent(host: str, role: str, model: str, backend: str, device: str) -> HostProbe:
+    return HostProbe(
         host=host,
         role=role,
         state="healthy",
@@ -35,7 +35,7 @@ ROWS = [
     _agent("dgx-spark-1", "prefill", "Qwen3-Coder-30B-A3B-Instruct-4bit", "torch", "cuda:0"),
     _agent("mac-studio-2", "decode", "Qwen3-Coder-30B-A3B-Instruct-4bit", "mlx", "gpu"),
     _agent("dgx-spark-2", "prefill", "gpt-oss-120b", "torch", "cuda:0"),
-    AgentStatus(
+    HostProbe(
         "mac-studio-1",
         "decode",
         "not responding",
