@@ -27,7 +27,7 @@ from disagg.errors import (
     UsageError,
 )
 from disagg.serving import affinity
-from disagg.serving import wireclient as client
+from disagg.serving import wireclient
 from disagg.serving.completion import Completion
 from disagg.serving.metrics import Metrics
 from disagg_agents.wire.answer import TokenEvent
@@ -335,7 +335,7 @@ class Router:
         with self.lock:
             self.busy[ep.name] += 1
         try:
-            result = client.generate(
+            result = wireclient.generate(
                 ep.host,
                 ep.port,
                 req,
