@@ -26,8 +26,7 @@ from disagg.errors import (
     RequestTimeout,
     UsageError,
 )
-from disagg.serving import affinity
-from disagg.serving import wireclient
+from disagg.serving import affinity, wireclient
 from disagg.serving.completion import Completion
 from disagg.serving.metrics import Metrics
 from disagg_agents.wire.answer import TokenEvent
