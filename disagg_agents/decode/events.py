@@ -9,8 +9,7 @@ import time
 from disagg_agents.decode.job import Job
 from disagg_agents.decode.placement import Placement
 from disagg_agents.decode.tokenframes import send_events
-from disagg_agents.wire.answer import Done
-from disagg_agents.wire.answer import ToolCall as WireCall
+from disagg_agents.wire.answer import Done, ToolCall
 from disagg_agents.wire.channel import send_json
 from disagg_agents.wire.frames import Frame
 
@@ -64,7 +63,7 @@ def done(job: Job) -> None:
         out,
         metrics,
         "".join(chat.reasoning),
-        [WireCall(c.name, c.arguments, c.text) for c in chat.tool_calls],
+        [ToolCall(c.name, c.arguments, c.text) for c in chat.tool_calls],
         job.prompt_ids if job.req.return_prompt_ids else None,
     )
     if job.progress is not None:

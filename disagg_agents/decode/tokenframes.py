@@ -12,9 +12,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from disagg_agents.chatformat import Piece, ToolCall
-from disagg_agents.wire.answer import CONTENT, REASONING, Metrics, TokenEvent
-from disagg_agents.wire.answer import ToolCall as WireCall
+from disagg_agents.chatformat import ParsedCall, Piece
+from disagg_agents.wire.answer import CONTENT, REASONING, Metrics, TokenEvent, ToolCall
 from disagg_agents.wire.channel import send_json
 from disagg_agents.wire.frames import Frame
 
@@ -52,7 +51,7 @@ def first_metrics(metrics: Metrics, at: float, t0: float, t_first: float) -> Met
 
 
 def token_events(
-    tid: int | None, events: list[Piece | ToolCall], metrics: Metrics | None = None
+    tid: int | None, events: list[Piece | ParsedCall], metrics: Metrics | None = None
 ) -> list[TokenEvent]:
     """What one token completed, as TOKEN frames: the first carries the id (one per
     token, even when markup shows nothing) and on the request's first token its
@@ -68,7 +67,7 @@ def token_events(
             else:
                 out.append(TokenEvent(text=e.text, channel=channel))
         else:
-            out.append(TokenEvent(tool_call=WireCall(e.name, e.arguments, e.text)))
+            out.append(TokenEvent(tool_call=ToolCall(e.name, e.arguments, e.text)))
     if tid is not None:
         out[:1] = [dataclasses.replace(out[0] if out else TokenEvent(), id=tid)]
     if metrics is not None and out:
@@ -79,7 +78,7 @@ def token_events(
 def send_events(
     sock: socket.socket,
     tid: int | None,
-    events: list[Piece | ToolCall],
+    events: list[Piece | ParsedCall],
     metrics: Metrics | None = None,
 ) -> None:
     """The TOKEN frames for what one token completed (token_events)."""
