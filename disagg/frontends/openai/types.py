@@ -10,7 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from disagg.frontends.refusal import ApiError as OpenAIError
-from disagg.frontends.request import Message, ToolCall, ToolCallFunction, build
+from disagg.frontends.request import Message, MessageToolCall, MessageToolCallFunction, build
 from disagg_agents.wire.request import GenerateRequest
 
 
@@ -92,8 +92,8 @@ __all__ = [
     "Message",
     "OpenAIError",
     "StreamOptions",
-    "ToolCall",
-    "ToolCallFunction",
+    "MessageToolCall",
+    "MessageToolCallFunction",
     "chat_request",
     "common_request",
 ]
