@@ -25,7 +25,7 @@ from disagg.fleet.ssh import HostResult, Session, connect_host, on_hosts, q
 from disagg.fleet.token import load_token
 from disagg.safetext import strip_escapes
 from disagg.serving.control import control_status, parse_status
-from disagg_agents.wire.frames import AuthError as ProtocolAuthError
+from disagg_agents.wire.frames import PeerAuthError
 from disagg_agents.wire.text import printable
 
 LOAD_TIMEOUT_S = 600.0  # a 120B model can take minutes to load
@@ -169,7 +169,7 @@ def _http_status(
     for addr in addresses:
         try:
             return f"{addr}:{port}", control_status(addr, port, token, HTTP_TIMEOUT_S)
-        except (ProtocolAuthError, ValueError) as e:
+        except (PeerAuthError, ValueError) as e:
             wrong = wrong or f"{addr}:{port}: {printable(e)}"
         except OSError:
             continue

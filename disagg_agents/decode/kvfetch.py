@@ -20,9 +20,9 @@ from disagg_agents.wire.channel import FrameReader, recv_json, send_json, send_j
 from disagg_agents.wire.frames import (
     CONTROL_MAX_FRAME,
     HEADER,
-    AuthError,
     Frame,
     Header,
+    PeerAuthError,
     ProtocolError,
     RemoteError,
     decode_json,
@@ -312,7 +312,7 @@ def fetch_kv(
         why = printable(e)
         kind = "timeout" if isinstance(e, TimeoutError) else "stream"
         raise PrefillUnavailable(f"prefill stream from {addr} failed: {why}", kind) from e
-    except AuthError as e:
+    except PeerAuthError as e:
         # Not a fault to paper over with a local prefill: the cluster is misconfigured.
         raise RemoteError("unauthorized", f"cannot use prefill agent {addr}: {e}") from e
     except RemoteError as e:

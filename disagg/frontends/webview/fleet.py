@@ -16,7 +16,7 @@ from typing import Any
 from disagg.fleet.crashes import last_error_in
 from disagg.frontends.webview.tracker import RequestLog
 from disagg.serving.control import agent_status
-from disagg_agents.wire.frames import AuthError
+from disagg_agents.wire.frames import PeerAuthError
 from disagg_agents.wire.status import AgentStatus
 from disagg_agents.wire.text import printable
 
@@ -130,7 +130,7 @@ class FleetWatch:
             return row
         try:
             st = agent_status(ep.host, ep.control_port, self.client.router.token, POLL_TIMEOUT_S)
-        except (OSError, ValueError, AuthError) as e:
+        except (OSError, ValueError, PeerAuthError) as e:
             row["error"] = printable(e, 200)
             if local is not None:
                 row["last_error"] = last_error_line(local.log_path)
