@@ -87,7 +87,7 @@ def dial(hosts: list[str], port: int, timeout_s: float) -> tuple[socket.socket, 
 
 
 @dataclass
-class Session:
+class PrefillLink:
     """An open, authenticated connection to a prefill agent that took our HELLO."""
 
     sock: socket.socket
@@ -108,7 +108,7 @@ class Received:
     metrics: dict[str, Any] = field(default_factory=dict)
 
 
-def open_session(target: PrefillTarget, hello: dict[str, Any], token: bytes | None) -> Session:
+def open_session(target: PrefillTarget, hello: dict[str, Any], token: bytes | None) -> PrefillLink:
     """Dial the target's addresses in order, prove ourselves, and say HELLO."""
     timeout_s = target.timeout or 60.0
     sock, host, failures = dial(target.hosts, target.port, timeout_s)
@@ -121,7 +121,7 @@ def open_session(target: PrefillTarget, hello: dict[str, Any], token: bytes | No
     except BaseException:
         sock.close()
         raise
-    return Session(sock, f"{host}:{target.port}", ok, failures)
+    return PrefillLink(sock, f"{host}:{target.port}", ok, failures)
 
 
 def send_prefill(sock: socket.socket, request: PrefillRequest, packed_ids: bool) -> None:
@@ -329,7 +329,7 @@ def _small_int(v: Any) -> int | None:
 
 
 def fetch_metrics(
-    request: PrefillRequest, session: Session, got: Received, t0: float
+    request: PrefillRequest, session: PrefillLink, got: Received, t0: float
 ) -> dict[str, Any]:
     """The metrics of one fetch, in the names results carry."""
     done, ok = got.done, session.hello_ok
