@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from disagg.errors import DisaggError, UsageError
+from disagg.serving.checkedrequest import build_request
 from disagg.serving.completion import Chunk, Completion
 from disagg.serving.defaultmodel import Say, resolve_model
 from disagg.serving.localagents import (
@@ -34,7 +35,6 @@ from disagg.serving.localagents import (
     stop_agents,
 )
 from disagg.serving.metrics import Metrics
-from disagg.serving.request import build_request
 from disagg.serving.router import Endpoint, Route, Router, StopGeneration
 from disagg.serving.stops import StopMatcher
 from disagg_agents.wire.answer import TokenEvent

@@ -18,7 +18,7 @@ renamed package) fails there.
 - Each front door's request and answer types (`disagg.frontends.<api>.types`)
   stand apart from its routes: they reach no routes module and no fastapi; no
   front door reaches another (`app` mounts them all; what they share is
-  `disagg.frontends.core`, `request` and `refusal`), and the guard reaches none.
+  `disagg.frontends.core`, `apirequest` and `refusal`), and the guard reaches none.
 - Each API maps its body straight onto the one GenerateRequest: only OpenAI's
   front door knows OpenAI's chat body (`ChatRequest`), by any path.
 - The answer is typed to the end: no module of `disagg` reads a field of the
@@ -217,7 +217,7 @@ def no_bench_module_on_the_serving_path() -> list[str]:
 
 FRONT_DOORS = ("openai", "ollama", "anthropic", "responses")
 # Every front door, the web view too: what they share lives in disagg/frontends/
-# (core: the run, refusals, usage; request: the one request's builder; agentinfo),
+# (core: the run, refusals, usage; apirequest: the one request's builder; agentinfo),
 # never in another.
 ALL_DOORS = ("openai", "ollama", "anthropic", "responses", "embeddings", "webview")
 

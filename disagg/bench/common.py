@@ -193,8 +193,8 @@ def disaggregated(
 ) -> tuple[Result, list[float]]:
     """Run `request` on `decode` with its KV from `prefill`; the result and each
     token's arrival (perf_counter seconds). Raises AgentError unless disaggregated."""
+    from disagg.serving.checkedrequest import build_request
     from disagg.serving.pair import run_remote
-    from disagg.serving.request import build_request
 
     stamps: list[float] = []
 

@@ -195,7 +195,7 @@ def generate(
 ) -> None:
     """Generate text: prefill agent -> KV over TCP -> decode agent."""
     from disagg.frontends.batch import BatchItem, load_requests
-    from disagg.serving.request import build_request
+    from disagg.serving.checkedrequest import build_request
 
     opts = _request_opts(
         dict(
@@ -570,8 +570,8 @@ def verify(
     """Greedy run twice: disaggregated and decode-only; report what the handoff changes."""
     from disagg.cli.render import verify_table
     from disagg.serving import wireclient
+    from disagg.serving.checkedrequest import build_request
     from disagg.serving.pair import run_remote
-    from disagg.serving.request import build_request
     from disagg.serving.verify import compare
 
     need_local(local)

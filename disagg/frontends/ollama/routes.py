@@ -43,7 +43,7 @@ from disagg.frontends.ollama.types import (
     ShowBody,
 )
 from disagg.serving import verdict
-from disagg.serving.request import build_request
+from disagg.serving.checkedrequest import build_request
 from disagg_agents.wire.answer import ToolCall
 from disagg_agents.wire.request import GenerateRequest
 

@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from disagg.errors import UsageError
 from disagg.frontends import maxtokens
 from disagg.frontends.refusal import ApiError
-from disagg.serving.request import build_request
+from disagg.serving.checkedrequest import build_request
 from disagg_agents.wire.request import GenerateRequest
 
 
