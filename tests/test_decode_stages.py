@@ -137,7 +137,7 @@ def request(**fields: Any) -> GenerateRequest:
 
 def job_for(req: GenerateRequest, sock: socket.socket, ids: list[int]) -> Job:
     job = Job(req, sock, None, time.perf_counter(), time.time())
-    job.prompt_ids = job.ids = ids
+    job.prompt_ids = job.input_ids = ids
     job.max_tokens = req.max_tokens
     job.metrics = Metrics(prompt_tokens=len(ids), cached_tokens=0)
     return job
@@ -162,7 +162,7 @@ def engine(context: int = 64) -> Any:
 
 def test_the_prompt_stage_opens_a_job_from_the_engine_alone(pair: Any) -> None:
     job = prompt.open_job(engine(context=10), "decode-x", request(), pair[0], None)
-    assert (job.prompt_ids, job.ids, job.matcher) == ([3, 4, 5, 6], [3, 4, 5, 6], None)
+    assert (job.prompt_ids, job.input_ids, job.matcher) == ([3, 4, 5, 6], [3, 4, 5, 6], None)
     assert job.max_tokens == 6  # the context's 10 less the prompt's 4
     assert (job.metrics.prompt_tokens, job.metrics.decode_server) == (4, "decode-x")
     with pytest.raises(BadRequest, match="the prompt is 4 tokens; the model's context is 4"):
@@ -203,9 +203,10 @@ def test_the_first_token_stage_reads_the_logits_and_opens_the_parser(pair: Any) 
     job = job_for(request(), pair[0], [3, 4, 5, 6])
     job.logits = np.eye(VOCAB, dtype=np.float32)[9] * 4
     firsttoken.first(eng, loop, Prefix(), job)  # type: ignore[arg-type]
-    assert job.first == (9, None)
-    assert isinstance(job.chat, Parser) and job.saves == []  # the stand-in store keeps none
-    assert job.early is not None and job.early.ttft == pytest.approx(job.t_first - job.t0)
+    assert (job.first_id, job.first_logprobs) == (9, None)
+    assert isinstance(job.parser, Parser) and job.saves == []  # the stand-in store keeps none
+    early = job.first_frame_metrics
+    assert early is not None and early.ttft == pytest.approx(job.t_first - job.t0)
 
 
 def frames(sock: socket.socket, kind: Frame, n: int) -> list[dict[str, Any]]:
@@ -217,7 +218,7 @@ def test_the_decode_stage_sends_each_token_the_loop_gives(pair: Any) -> None:
     loop = Loop(tokens=[11, 12, 2])  # 2: the stand-in engine's stop
     job = job_for(request(), ours, [3, 4, 5, 6])
     parser: Any = Parser()
-    job.first, job.chat, job.early = (10, None), parser, Metrics(ttft=0.5)
+    job.first_id, job.parser, job.first_frame_metrics = 10, parser, Metrics(ttft=0.5)
     stream.decode(loop, engine().stops, job)  # type: ignore[arg-type]
     assert job.out == [10, 11, 12, 2] and job.seq is loop.joined[0]
     sent = frames(theirs, Frame.TOKEN, 4)
@@ -231,7 +232,7 @@ def test_the_events_stage_says_done_and_teaches_placement(pair: Any) -> None:
     job = job_for(request(max_tokens=3), ours, [3, 4, 5, 6])
     parser: Any = Parser()
     parser.content = ["t10", "t11", "t12"]
-    job.chat, job.out = parser, [10, 11, 12]
+    job.parser, job.out = parser, [10, 11, 12]
     job.metrics.method, job.metrics.prefill_time = "local", 0.2
     job.t_local, job.t_prefilled = job.t0, job.t0 + 0.2
     job.t_first = job.t0 + 0.25

@@ -19,6 +19,7 @@ log = logging.getLogger("disagg.decode")
 def finish(placement: Placement, job: Job) -> None:
     """The answer's last text, the request's metrics and timeline, then DONE."""
     chat, out, metrics = job.parser, job.out, job.metrics
+    assert chat is not None  # opened by firsttoken
     send_events(job.sock, None, chat.finish(cut=len(out) >= job.max_tokens))  # cut: no open call
     job.t_end = time.perf_counter()
     decoded(placement, job)
@@ -34,7 +35,7 @@ def finish(placement: Placement, job: Job) -> None:
 def decoded(placement: Placement, job: Job) -> None:
     """A finished request's decode metrics; placement learns its step time
     (and a local prefill's rate)."""
-    metrics, n_prompt, n_out = job.metrics, len(job.ids), len(job.out)
+    metrics, n_prompt, n_out = job.metrics, len(job.input_ids), len(job.out)
     decode_s = job.t_end - job.t_first
     prefill_s = metrics.prefill_time
     if metrics.method != "disaggregated" and prefill_s:
@@ -43,7 +44,7 @@ def decoded(placement: Placement, job: Job) -> None:
         placement.observe_step(decode_s / (n_out - 1))
     metrics.completion_tokens = n_out
     # max_tokens here is the request's, capped by what the context leaves.
-    called = bool(job.parser.tool_calls)
+    called = job.parser is not None and bool(job.parser.tool_calls)
     metrics.finish_reason = (
         "tool_calls" if called else "length" if n_out >= job.max_tokens else "stop"
     )
@@ -58,6 +59,7 @@ def decoded(placement: Placement, job: Job) -> None:
 def done(job: Job) -> None:
     """The DONE frame: the answer's text only, reasoning and tool calls beside it."""
     chat, out, metrics = job.parser, job.out, job.metrics
+    assert chat is not None  # opened by firsttoken
     frame = Done(
         "".join(chat.content),
         out,

@@ -18,24 +18,25 @@ from disagg_agents.decode.tokenframes import first_metrics
 
 
 def first(engine: DecodeEngine, loop: DecodeLoop, prefix: DecodePrefixCache, job: Job) -> None:
-    """The first token (job.first), its time, the parser and the pending saves."""
+    """The first token (job.first_id, job.first_logprobs), its time, the parser
+    and the pending saves."""
     req, logits = job.req, job.logits
     assert logits is not None
     job.sampler = sampler = make_sampler(req.temperature, req.top_p, req.seed)
     if sampler is not None and job.resumed:
         loop.call(skip_draws, sampler, len(job.resumed))  # position len(resumed) draws next
-    job.first = pick_first(loop, logits, sampler, req.logprobs, job.allowed)
+    job.first_id, job.first_logprobs = pick_first(loop, logits, sampler, req.logprobs, job.allowed)
     job.t_first = time.perf_counter()
     if job.metrics.method != "disaggregated":
         job.metrics.prefill_time = job.t_first - job.t_local
-    job.chat = engine.stream(req, job.prompt_ids)
+    job.parser = parser = engine.stream(req, job.prompt_ids)
     for tid in job.resumed:
-        job.chat.add(tid)  # sent by the agent that died: parsed, not sent again
+        parser.add(tid)  # sent by the agent that died: parsed, not sent again
     # The prompt's blocks are taken from the caches without a copy once
     # decoding stops writing them (disagg_agents.decode.prefixsave), pending from before
     # the first token goes out: a request that follows it finds them.
     job.saves = pending_saves(loop, prefix, job)
-    job.early = first_metrics(job.metrics, job.at, job.t0, job.t_first)
+    job.first_frame_metrics = first_metrics(job.metrics, job.at, job.t0, job.t_first)
 
 
 def pending_saves(loop: DecodeLoop, prefix: DecodePrefixCache, job: Job) -> list[PendingSave]:
@@ -48,7 +49,7 @@ def pending_saves(loop: DecodeLoop, prefix: DecodePrefixCache, job: Job) -> list
     sliding: list[Span | None] = [None] * len(caches)
     if any(isinstance(c, Recording) for c in caches):
         sliding = loop.call(prefix.recorded, caches)
-    return [PendingSave(prefix, loop, h, len(job.ids), sliding) for h in hits]
+    return [PendingSave(prefix, loop, h, len(job.input_ids), sliding) for h in hits]
 
 
 def pick_first(

@@ -70,7 +70,7 @@ def fetch_or_not(src: KVSource, job: Job) -> None:
     of its last position (None: prefill here). Picks the codec, looks up the prefix
     cache, decides where to prefill and fetches the K/V; a prefix cache hit is
     appended to `job.hits`, to save the prompt's blocks later."""
-    req, ids, metrics = job.req, job.ids, job.metrics
+    req, ids, metrics = job.req, job.input_ids, job.metrics
     job.caches = make_prompt_cache(src.engine.model)
     if req.prefill is None:
         metrics.method = "decode-only"
@@ -158,7 +158,7 @@ def fetch_remote(
     # Full-attention layers are received straight into their caches, which
     # the mlx thread allocates while we dial (disagg_agents.decode.kvslots).
     alloc = allocating(src, job)
-    prefix = src.prefix.remote_prefix(hit, job.ids)
+    prefix = src.prefix.remote_prefix(hit, job.input_ids)
     ask = prefill_ask(src, job, codec, probe, prefix)
     with src.blas_share.prefilling():
         slots = slots_of(src, alloc, hit) if alloc is not None else None
@@ -182,7 +182,12 @@ def allocating(src: KVSource, job: Job) -> Future[Slots] | None:
         return None
     fp = src.engine.fingerprint
     return src.loop.post(
-        allocate, job.caches, len(job.ids), src.engine.dtype, fp["num_kv_heads"], fp["head_dim"]
+        allocate,
+        job.caches,
+        len(job.input_ids),
+        src.engine.dtype,
+        fp["num_kv_heads"],
+        fp["head_dim"],
     )
 
 
@@ -225,7 +230,7 @@ def prefill_ask(
     holds too, and whether our cores are busy."""
     req = job.req
     return PrefillRequest(
-        job.ids,
+        job.input_ids,
         codec=int(codec),
         kv_quant=req.kv_quant,
         start=prefix.start if prefix else 0,
@@ -248,7 +253,7 @@ def local_prefill(src: KVSource, job: Job) -> np.ndarray:
     (disagg_agents/decode/chunksizer.py), so no stream stalls for the whole prompt. Returns the
     last position's logits (float32). A prefix cache hit (mlx's own K/V, namespace
     "local") seeds the caches and only the rest is computed."""
-    model, ids, caches = src.engine.model, job.ids, job.caches
+    model, ids, caches = src.engine.model, job.input_ids, job.caches
     done = seed_local(src, job)
 
     def chunk(a: int, b: int) -> None:
@@ -272,7 +277,7 @@ def local_prefill(src: KVSource, job: Job) -> np.ndarray:
 def seed_local(src: KVSource, job: Job) -> int:
     """The local prefix cache's hit seeded into the caches: the prompt positions
     it covers (0: none)."""
-    hit = lookup(src, job.req, "local", job.ids, local=True)
+    hit = lookup(src, job.req, "local", job.input_ids, local=True)
     job.hits.append(hit)
     src.prefix.record(hit, job.caches)  # a sliding layer's every position, to save
     if hit.tokens:

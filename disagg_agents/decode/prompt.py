@@ -30,8 +30,8 @@ def open_job(
     job.prompt_ids = eng.encode(req)
     # A migrated request: the answer so far is prompt here (never sent again).
     job.resumed = list(req.resume_ids or [])
-    job.ids = job.prompt_ids + job.resumed
-    job.max_tokens = max_tokens(eng, req, job.ids)
+    job.input_ids = job.prompt_ids + job.resumed
+    job.max_tokens = max_tokens(eng, req, job.input_ids)
     t_grammar = time.perf_counter()
     job.matcher = matcher = request_matcher(eng, req, job.prompt_ids, sock)
     grammar_ms = (time.perf_counter() - t_grammar) * 1000 if matcher is not None else None
