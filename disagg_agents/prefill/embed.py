@@ -18,6 +18,7 @@ import torch
 from disagg_agents.models.pooling import pooling_of
 from disagg_agents.runtime.hangup import client_gone
 from disagg_agents.wire.channel import recv_json, send_error, send_json
+from disagg_agents.wire.embedreply import EmbedReply
 from disagg_agents.wire.frames import Frame, ProtocolError, RemoteError
 
 INPUTS_MAX = 512  # texts per EMBED
@@ -105,7 +106,7 @@ class Embedder:
             if gone():
                 raise Gone
             vectors.append(self.vector(one))
-        return {"embeddings": vectors, "prompt_tokens": total, "pooling": self.pooling}
+        return EmbedReply(vectors, total, self.pooling).to_json()
 
     def serve(self, sock: socket.socket, max_bytes: int) -> None:
         """EMBED frames until the client hangs up; a bad one gets an ERROR and the
