@@ -292,11 +292,9 @@ ANSWER_FIELDS = (
 # Other documents whose keys share a name with a field, by file and the name read:
 # what a test of each says it is.
 NOT_THE_ANSWER = {
-    ("disagg/frontends/webview/fleet.py", "fp"),  # the weights' fingerprint
     ("disagg/cli/render.py", "report"),  # `disagg verify`'s report (serving.verify)
     ("disagg/cli/plan.py", "sc"),  # a plan's scenario
     ("disagg/cli/fleet.py", "r"),  # the web view's agent rows (`disagg status --url`)
-    ("disagg/frontends/webview/fleet.py", "pc"),  # the prefix cache's own document
     # `disagg status` shows each agent's /status whole and names a field of an
     # unexpected type (a typed read would hide it): the CLI's own reader.
     ("disagg/cli/render_fleet.py", "st"),

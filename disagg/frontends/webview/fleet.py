@@ -46,10 +46,9 @@ def _device(st: AgentStatus) -> str | None:
 
 
 def _weights(st: AgentStatus) -> str | None:
-    fp = st.fingerprint
-    q = (fp.get("weights") or {}).get("quantization")
-    kind = f"{q.get('bits')}-bit {q.get('mode')}" if q else None
-    return " ".join(x for x in (kind, fp.get("dtype")) if x) or None
+    w = st.weights_format
+    kind = f"{w.bits}-bit {w.mode}" if w.bits is not None or w.mode is not None else None
+    return " ".join(x for x in (kind, w.dtype) if x) or None
 
 
 class FleetWatch:
@@ -137,7 +136,6 @@ class FleetWatch:
             else:
                 row["last_error"] = self._fleet_crash(ep.name)
             return row
-        pc = st.prefix_cache
         row.update(
             up=True,
             device=_device(st),
@@ -153,8 +151,8 @@ class FleetWatch:
             cancelled=st.cancelled,
             uptime_s=st.uptime_s,
             rss_bytes=st.rss_bytes,
-            prefix_hit_rate=pc.get("hit_rate"),
-            prefix_memory_tokens=pc.get("cached_tokens"),  # every tier: disk hits included
+            prefix_hit_rate=st.prefix_stats.hit_rate,
+            prefix_memory_tokens=st.prefix_stats.cached_tokens,  # every tier: disk hits included
             prefix_disk=_disk(st.prefix_disk),
             ttft_p50_s=st.ttft_p50_s,
         )
