@@ -292,7 +292,6 @@ ANSWER_FIELDS = (
 # Other documents whose keys share a name with a field, by file and the name read:
 # what a test of each says it is.
 NOT_THE_ANSWER = {
-    ("disagg/cli/render.py", "report"),  # `disagg verify`'s report (serving.verify)
     ("disagg/cli/plan.py", "sc"),  # a plan's scenario
     ("disagg/cli/fleet.py", "r"),  # the web view's agent rows (`disagg status --url`)
     # `disagg status` shows each agent's /status whole and names a field of an

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from pathlib import Path
 from typing import Annotated, Any
@@ -590,14 +591,14 @@ def verify(
         model_dir = str(next(iter(session.model_dirs.values())))
     report = compare(disagg, alone, min_agreement, model_dir)
     if disagg.metrics.method != "disaggregated":
-        report["ok"] = False
-        report["error"] = f"the disaggregated run fell back: {disagg.metrics.fallback_reason}"
+        why = f"the disaggregated run fell back: {disagg.metrics.fallback_reason}"
+        report = dataclasses.replace(report, ok=False, error=why)
     if as_json:
-        print(json.dumps(report))
+        print(json.dumps(report.to_json()))
     else:
         out.print(verify_table(report))
-        if report.get("error"):
+        if report.error:
             # As friendly() prints errors: the reason quotes an agent, never markup.
-            err.print(Text.assemble(("error: ", "red"), report["error"]), highlight=False)
-    if not report["ok"]:
+            err.print(Text.assemble(("error: ", "red"), report.error), highlight=False)
+    if not report.ok:
         raise typer.Exit(1)
