@@ -293,7 +293,6 @@ ANSWER_FIELDS = (
 # what a test of each says it is.
 NOT_THE_ANSWER = {
     ("disagg/cli/plan.py", "sc"),  # a plan's scenario
-    ("disagg/cli/fleet.py", "r"),  # the web view's agent rows (`disagg status --url`)
     # `disagg status` shows each agent's /status whole and names a field of an
     # unexpected type (a typed read would hide it): the CLI's own reader.
     ("disagg/cli/render_fleet.py", "st"),

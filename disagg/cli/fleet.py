@@ -137,6 +137,7 @@ def _gateway_status(url: str, as_json: bool) -> None:
     from rich.table import Table
 
     from disagg.serving.gatewaystatus import gateway_agents
+    from disagg_agents.wire.status import AgentStatus
 
     rows = gateway_agents(url, os.environ.get("DISAGG_API_KEY"))
     if as_json:
@@ -146,14 +147,17 @@ def _gateway_status(url: str, as_json: bool) -> None:
         for col in ("agent", "role", "model", "state", "device", "requests", "ttft p50"):
             table.add_column(col, overflow="fold")
         for r in rows:
+            # A row carries its agent's /status fields by their own names: read typed.
+            st = AgentStatus.from_json(r)
             state = "up" if r.get("up") else f"[red]down: {r.get('error') or '?'}[/]"
-            p50 = r.get("ttft_p50_s")
+            p50 = st.ttft_p50_s
             table.add_row(
-                *(str(r.get(k) or "-") for k in ("name", "role", "model")),
+                *(str(r.get(k) or "-") for k in ("name", "role")),
+                str(st.model or "-"),
                 state,
-                str(r.get("device") or "-"),
-                str(r.get("requests") if r.get("requests") is not None else "-"),
-                f"{p50 * 1000:.0f} ms" if isinstance(p50, int | float) else "-",
+                str(st.device or "-"),
+                str(st.requests if st.requests is not None else "-"),
+                f"{p50 * 1000:.0f} ms" if p50 is not None else "-",
             )
         out.print(table)
     if any(not r.get("up") for r in rows):
