@@ -292,7 +292,6 @@ ANSWER_FIELDS = (
 # Other documents whose keys share a name with a field, by file and the name read:
 # what a test of each says it is.
 NOT_THE_ANSWER = {
-    ("disagg/cli/plan.py", "sc"),  # a plan's scenario
     # `disagg status` shows each agent's /status whole and names a field of an
     # unexpected type (a typed read would hide it): the CLI's own reader.
     ("disagg/cli/render_fleet.py", "st"),
