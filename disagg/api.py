@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from disagg.errors import DisaggError, UsageError
+from disagg.serving.checkedrequest import build_request
 from disagg.serving.completion import Chunk, Completion
 from disagg.serving.defaultmodel import Say, resolve_model
 from disagg.serving.localagents import (
@@ -35,7 +36,6 @@ from disagg.serving.localagents import (
 )
 from disagg.serving.localdisk import LocalDisk
 from disagg.serving.metrics import Metrics
-from disagg.serving.request import build_request
 from disagg.serving.router import Endpoint, Route, Router, StopGeneration
 from disagg.serving.stops import StopMatcher
 from disagg_agents.wire.answer import TokenEvent

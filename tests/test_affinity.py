@@ -20,6 +20,7 @@ from disagg_agents.decode.placement import Placement
 from disagg_agents.prefix.store import BLOCK_TOKENS as BLOCK
 from disagg_agents.wire.answer import TokenEvent
 from disagg_agents.wire.request import GenerateRequest
+from tests.agenthelpers import in_flight, shared_len
 from tests.agentpool import AgentSet
 
 FETCH = {
@@ -166,17 +167,6 @@ TURNS = [
 @pytest.fixture(scope="module")
 def cluster(smol_set: AgentSet) -> tuple[AgentProc, list[AgentProc]]:
     return smol_set.prefill, smol_set.decodes
-
-
-def in_flight(agent: AgentProc) -> int:
-    return int(agent.status()["in_flight"])
-
-
-def shared_len(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 @pytest.mark.slow

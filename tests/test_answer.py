@@ -20,15 +20,19 @@ import pytest
 from disagg.errors import UsageError
 from disagg.serving import wireclient
 from disagg.serving.localagents import AgentProc
-from disagg_agents.chatformat import Piece, ToolCall
-from disagg_agents.decode.events import send_events, token_events
-from disagg_agents.wire.answer import CONTENT, REASONING, Done, Metrics, TokenEvent
-from disagg_agents.wire.answer import ToolCall as WireCall
+from disagg_agents.chatformat import ParsedCall, Piece
+from disagg_agents.decode.tokenframes import send_events, token_events
+from disagg_agents.wire.answer import CONTENT, REASONING, Done, Metrics, TokenEvent, ToolCall
 from disagg_agents.wire.auth import client_auth, server_auth
 from disagg_agents.wire.channel import recv_frame, recv_json, send_json
 from disagg_agents.wire.frames import Frame, ProtocolError, decode_json
 from disagg_agents.wire.request import GenerateRequest, RequestError
-from disagg_agents.wire.status import STATUS_FIELDS, AgentStatus
+from disagg_agents.wire.status import (
+    STATUS_FIELDS,
+    AgentStatus,
+    PrefixCacheStatus,
+    WeightsFormat,
+)
 from tests.conftest import PairFactory
 from tests.tinymodels import PROMPT
 
@@ -47,8 +51,8 @@ def pair() -> tuple[socket.socket, socket.socket]:
 
 
 def test_token_frames_round_trip_on_a_socket() -> None:
-    call = ToolCall("get_weather", {"city": "Paris"})
-    events: list[Piece | ToolCall] = [
+    call = ParsedCall("get_weather", {"city": "Paris"})
+    events: list[Piece | ParsedCall] = [
         Piece(REASONING, "hm"),
         Piece(REASONING, "m"),
         Piece(CONTENT, "Hi"),
@@ -58,7 +62,7 @@ def test_token_frames_round_trip_on_a_socket() -> None:
     assert sent == [
         TokenEvent(7, "hmm", REASONING),  # one frame per run of a channel; the id on the first
         TokenEvent(None, "Hi"),
-        TokenEvent(None, "", CONTENT, WireCall("get_weather", {"city": "Paris"})),
+        TokenEvent(None, "", CONTENT, ToolCall("get_weather", {"city": "Paris"})),
     ]
     assert token_events(8, []) == [TokenEvent(8)]  # one frame per token, even when empty
     assert token_events(None, []) == []
@@ -94,7 +98,7 @@ def test_the_first_tokens_metrics_ride_flat_and_come_back_typed() -> None:
 def test_done_frame_round_trips_on_a_socket() -> None:
     metrics = Metrics(prompt_tokens=5, completion_tokens=2, method="local", finish_reason="stop")
     metrics.timeline = {"at": 1.0, "first_token": 0.5}
-    done = Done("Paris.", [11, 12], metrics, "thinking", [WireCall("f", {}, "{ }")], [1, 2])
+    done = Done("Paris.", [11, 12], metrics, "thinking", [ToolCall("f", {}, "{ }")], [1, 2])
     a, b = pair()
     with a, b:
         send_json(a, Frame.DONE, done.to_json())
@@ -112,17 +116,17 @@ def test_the_answer_is_read_by_attribute_only() -> None:
     assert not any(hasattr(m, name) for name in ("get", "__getitem__", "__contains__", "to_dict"))
     with pytest.raises(TypeError):
         m["method"]  # type: ignore[index]
-    call = WireCall("f", {"a": 1})
+    call = ToolCall("f", {"a": 1})
     assert not hasattr(call, "get") and not hasattr(call, "__getitem__")
 
 
 def test_tool_calls_keep_the_models_text_and_its_wire_json() -> None:
-    written = WireCall("f", {"a": 1}, '{"a":1}')
+    written = ToolCall("f", {"a": 1}, '{"a":1}')
     assert written.arguments_json == '{"a":1}'  # byte-exact, as the model wrote it
-    assert WireCall("f", {"a": 1}).arguments_json == '{"a": 1}'
+    assert ToolCall("f", {"a": 1}).arguments_json == '{"a": 1}'
     wire = {"name": "f", "arguments": {"a": 1}, "arguments_text": '{"a":1}'}
-    assert written.to_json() == wire and WireCall.from_json(wire) == written
-    assert WireCall("f", {}).to_json() == {"name": "f", "arguments": {}}
+    assert written.to_json() == wire and ToolCall.from_json(wire) == written
+    assert ToolCall("f", {}).to_json() == {"name": "f", "arguments": {}}
     event = TokenEvent.from_json({"id": None, "text": "", "tool_call": wire})
     assert event.tool_call == written and event.to_json()["tool_call"] == wire
     with pytest.raises(ProtocolError):
@@ -349,3 +353,18 @@ def test_an_agents_status_is_read_typed_and_a_mistyped_field_costs_itself() -> N
     assert st.prefix_cache == {} and st.prefix_disk is None and st.doc == doc
     assert AgentStatus.from_json({}).chat is None  # an older agent: no chat facts
     assert "max_batch" in STATUS_FIELDS and "doc" not in STATUS_FIELDS
+
+
+def test_the_status_nested_documents_are_read_typed() -> None:
+    doc = {
+        "fingerprint": {
+            "dtype": "bfloat16",
+            "weights": {"quantization": {"bits": 4, "mode": "affine", "group_size": 64}},
+        },
+        "prefix_cache": {"hit_rate": 0.5, "cached_tokens": "many", "hits": 3},
+    }
+    st = AgentStatus.from_json(doc)
+    assert st.weights_format == WeightsFormat("bfloat16", 4, "affine")
+    assert st.prefix_stats == PrefixCacheStatus(hit_rate=0.5, cached_tokens=None)
+    bare = AgentStatus.from_json({"fingerprint": {"weights": "odd"}, "prefix_cache": None})
+    assert (bare.weights_format, bare.prefix_stats) == (WeightsFormat(), PrefixCacheStatus())

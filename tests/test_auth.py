@@ -20,8 +20,7 @@ from disagg.serving import wireclient as client
 from disagg.serving.localagents import AgentProc, wait_ready
 from disagg_agents.wire.auth import client_auth
 from disagg_agents.wire.channel import recv_json, send_json
-from disagg_agents.wire.frames import AuthError as WireAuthError
-from disagg_agents.wire.frames import Frame, RemoteError
+from disagg_agents.wire.frames import Frame, PeerAuthError, RemoteError
 from disagg_agents.wire.httpauth import control_get
 from tests.conftest import LocalServer, PairFactory, Spawn, ask, log_since, log_size
 from tests.tinymodels import PROMPT, shared_tiny
@@ -85,7 +84,7 @@ def test_prefill_agent_refuses_a_decode_side_without_the_token(
     before, logged = prefill_requests(prefill), log_size(prefill)
     with (
         socket.create_connection((prefill.host, prefill.port), timeout=5) as s,
-        pytest.raises(WireAuthError),
+        pytest.raises(PeerAuthError),
     ):
         client_auth(s, b"not-the-cluster-token")
     with socket.create_connection((prefill.host, prefill.port), timeout=5) as s:
@@ -119,7 +118,7 @@ def test_http_wants_proof_of_the_token_except_health(pair: tuple[AgentProc, Agen
             assert http_status(agent, path, "wrong") == 401
             assert http_status(agent, path, right) == 401  # the token itself is no longer taken
             assert control_get(agent.host, agent.control_port, path, agent.token)
-            with pytest.raises(WireAuthError, match="refused our proof"):
+            with pytest.raises(PeerAuthError, match="refused our proof"):
                 control_get(agent.host, agent.control_port, path, b"0" * 64)
 
 

@@ -33,7 +33,7 @@ import pytest
 from rich.console import Console
 
 from disagg.cli.render_fleet import status_table
-from disagg.fleet.operations import AgentStatus
+from disagg.fleet.operations import HostProbe
 from tests.conftest import PairFactory, PythonProcess
 from tests.slowprefill import slow_prefill
 from tests.tinymodels import shared_tiny
@@ -237,7 +237,7 @@ def test_status_says_which_blas_the_decode_agent_runs(agent_pair: PairFactory) -
     _, decode = agent_pair(shared_tiny("llama"))
     st = decode.status()
     assert st["blas"] == f"openblas (numpy): {_numpy_openblas()}"
-    row = AgentStatus("localhost", "decode", "healthy", f"127.0.0.1:{decode.port}", st)
+    row = HostProbe("localhost", "decode", "healthy", f"127.0.0.1:{decode.port}", st)
     for width in (80, 240):  # the short table's detail line, and the wide table's column
         console = Console(width=width, record=True, color_system=None)
         console.print(status_table([row], width))
@@ -251,7 +251,7 @@ def test_status_says_why_blas_runs_on_fewer_threads() -> None:
         (1, "busy machine", "1 BLAS thread (busy machine)"),
         (2, "prefill", "2 BLAS threads (prefill)"),
     ):
-        row = AgentStatus(
+        row = HostProbe(
             "mac", "decode", "healthy", "10.0.0.2:8001",
             {**st, "blas_threads": threads, "blas_limited_by": why},
         )  # fmt: skip

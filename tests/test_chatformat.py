@@ -24,9 +24,9 @@ from disagg_agents.chatformat import (
 from disagg_agents.chatformat.parse import (
     Event,
     HarmonyParser,
+    ParsedCall,
     Piece,
     TagParser,
-    ToolCall,
     parse_qwen_json,
     parse_qwen_xml,
 )
@@ -72,7 +72,7 @@ def run_stream(tok: Any, fmt: ChatFormat, prompt: list[int], output: str, **kw: 
 def collect(events: list[Event]) -> dict[str, Any]:
     out: dict[str, Any] = {"content": "", "reasoning": "", "calls": []}
     for e in events:
-        if isinstance(e, ToolCall):
+        if isinstance(e, ParsedCall):
             out["calls"].append(e.to_dict())
         else:
             out[e.channel] += e.text

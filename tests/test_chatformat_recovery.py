@@ -15,7 +15,7 @@ import pytest
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
 
 from disagg_agents.chatformat import detect, open_stream, render_chat
-from disagg_agents.chatformat.parse import Event, TagParser, ToolCall, parse_qwen_xml
+from disagg_agents.chatformat.parse import Event, ParsedCall, TagParser, parse_qwen_xml
 from disagg_agents.chatformat.qwenxml import convert
 from tests.chattokenizers import build
 
@@ -95,8 +95,8 @@ def splits(text: str) -> list[list[str]]:
 
 
 def reading(events: list[Event]) -> tuple[str, list[dict[str, Any]]]:
-    content = "".join(e.text for e in events if not isinstance(e, ToolCall))
-    return content, [e.to_dict() for e in events if isinstance(e, ToolCall)]
+    content = "".join(e.text for e in events if not isinstance(e, ParsedCall))
+    return content, [e.to_dict() for e in events if isinstance(e, ParsedCall)]
 
 
 @pytest.fixture(scope="module")

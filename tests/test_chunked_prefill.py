@@ -126,7 +126,7 @@ def test_a_seeded_row_samples_the_same_whoever_shares_the_batch() -> None:
 def test_tokens_queued_behind_a_lagging_client_go_out_together() -> None:
     import queue
 
-    from disagg_agents.decode.events import Item, bursts
+    from disagg_agents.decode.tokenframes import Item, bursts
 
     q: queue.Queue[Item | Exception | None] = queue.Queue()
     for t in (1, 2, 3):

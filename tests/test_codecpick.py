@@ -15,7 +15,7 @@ from disagg_agents.decode.codectuner import (
     MIN_LINK_FRAME,
     CodecSpeed,
     CodecTuner,
-    pick_codec,
+    fastest_codec,
     stream_rate,
 )
 from disagg_agents.wire.kvcodec import Codec
@@ -30,26 +30,26 @@ SPEEDS = {
 
 
 def test_unmeasured_link_or_codecs_mean_raw() -> None:
-    assert pick_codec(None, SPEEDS) == Codec.RAW
-    assert pick_codec(0.0, SPEEDS) == Codec.RAW
-    assert pick_codec(math.nan, SPEEDS) == Codec.RAW
-    assert pick_codec(math.inf, SPEEDS) == Codec.RAW
-    assert pick_codec(0.125 * GB, {}) == Codec.RAW
+    assert fastest_codec(None, SPEEDS) == Codec.RAW
+    assert fastest_codec(0.0, SPEEDS) == Codec.RAW
+    assert fastest_codec(math.nan, SPEEDS) == Codec.RAW
+    assert fastest_codec(math.inf, SPEEDS) == Codec.RAW
+    assert fastest_codec(0.125 * GB, {}) == Codec.RAW
 
 
 def test_slow_link_picks_the_best_ratio_fast_link_stays_raw() -> None:
     # 1 Gbit/s: the compressor (0.4 GB/s) outruns the link (0.125 GB/s) -> ratio wins.
-    assert pick_codec(0.125 * GB, SPEEDS) == Codec.SHUFFLE_ZSTD
+    assert fastest_codec(0.125 * GB, SPEEDS) == Codec.SHUFFLE_ZSTD
     # 10 Gbit/s: 1.25 GB/s of raw link beats both compressors.
-    assert pick_codec(1.25 * GB, SPEEDS) == Codec.RAW
+    assert fastest_codec(1.25 * GB, SPEEDS) == Codec.RAW
     # In between: shuffle+zstd is compressor-bound at 0.4 GB/s, zstd is not yet.
-    assert pick_codec(0.45 * GB, SPEEDS) == Codec.ZSTD
+    assert fastest_codec(0.45 * GB, SPEEDS) == Codec.ZSTD
 
 
 def test_margin_keeps_raw_for_a_marginal_gain() -> None:
     tiny = {Codec.ZSTD: CodecSpeed(ratio=1.05, encode_bps=10 * GB, decode_bps=10 * GB)}
-    assert pick_codec(0.125 * GB, tiny) == Codec.RAW  # 5 % < MARGIN
-    assert pick_codec(0.125 * GB, tiny, margin=1.0) == Codec.ZSTD
+    assert fastest_codec(0.125 * GB, tiny) == Codec.RAW  # 5 % < MARGIN
+    assert fastest_codec(0.125 * GB, tiny, margin=1.0) == Codec.ZSTD
 
 
 def test_bad_measurements_are_ignored() -> None:
@@ -57,7 +57,7 @@ def test_bad_measurements_are_ignored() -> None:
         Codec.ZSTD: CodecSpeed(ratio=math.nan, encode_bps=GB, decode_bps=GB),
         Codec.SHUFFLE_ZSTD: CodecSpeed(ratio=2.0, encode_bps=0.0, decode_bps=GB),
     }
-    assert pick_codec(0.1 * GB, bad) == Codec.RAW
+    assert fastest_codec(0.1 * GB, bad) == Codec.RAW
 
 
 def test_stream_rate_is_the_slowest_stage() -> None:
@@ -82,7 +82,7 @@ speed = st.builds(
     speeds=st.dictionaries(st.sampled_from([Codec.ZSTD, Codec.SHUFFLE_ZSTD]), speed),
 )
 def test_never_slower_than_raw(link: float, speeds: dict[Codec, CodecSpeed]) -> None:
-    picked = pick_codec(link, speeds)
+    picked = fastest_codec(link, speeds)
     rate = stream_rate(link, picked, speeds.get(picked))
     assert rate >= link
     if picked != Codec.RAW:

@@ -22,12 +22,13 @@ from disagg.errors import RequestTimeout
 from disagg.frontends.workers import QUEUE_FACTOR, Workers, batch_capacity
 from disagg.serving.control import parse_status
 from disagg.serving.localagents import AgentProc
-from disagg.serving.router import Endpoint, Route, Router
+from disagg.serving.router import Route, Router
 from disagg_agents.wire.answer import TokenEvent
 from disagg_agents.wire.auth import client_auth
 from disagg_agents.wire.channel import recv_frame, send_json
 from disagg_agents.wire.frames import Frame, decode_json
 from disagg_agents.wire.request import GenerateRequest
+from tests.agenthelpers import endpoint, in_flight
 from tests.conftest import PairFactory
 from tests.gateways import Gateway, GatewaySpec
 from tests.slowprefill import SLOW_LAYER_S, SLOW_SET
@@ -46,10 +47,6 @@ def cluster(agent_pair: PairFactory) -> tuple[AgentProc, list[AgentProc]]:
     """A slow prefill agent and two decode agents of one batch slot each."""
     agents = agent_pair.set(shared_tiny("gpt_oss"), **SLOW_SET)
     return agents.prefill, agents.decodes[:2]
-
-
-def endpoint(a: AgentProc) -> Endpoint:
-    return Endpoint(a.name, a.host, a.port, a.control_port)
 
 
 def router(prefill: AgentProc, decodes: list[AgentProc]) -> Router:
@@ -156,10 +153,6 @@ def test_queued_for_longer_than_the_timeout_is_no_failure(
     assert all(len(res.token_ids) == req.max_tokens for res in results)
     assert max(res.metrics.queue_time for res in results) > TIMEOUT_S
     assert not r.down_until
-
-
-def in_flight(agent: AgentProc) -> int:
-    return int(agent.status()["in_flight"])
 
 
 def test_a_silent_agent_is_failed_over_within_the_timeout(

@@ -3,7 +3,6 @@ mid-KV-stream, a decode agent killed mid-decode (alone, and with a sibling)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -15,9 +14,10 @@ import pytest
 
 from disagg.errors import AgentError
 from disagg.serving.localagents import AgentProc, restart_agent
-from disagg.serving.router import Endpoint, Route, Router
+from disagg.serving.router import Route, Router
 from disagg_agents.wire.answer import TokenEvent
 from disagg_agents.wire.request import GenerateRequest
+from tests.agenthelpers import endpoint, in_flight
 from tests.agentpool import AgentSet
 from tests.conftest import PairFactory, ask, remote_request
 from tests.slowprefill import SLOW_LAYER_S, SLOW_SET
@@ -35,10 +35,6 @@ def tiny_dir() -> Path:
     return shared_tiny("gpt_oss")
 
 
-def in_flight(agent: AgentProc) -> int:
-    return int(json.loads(agent.control("/status"))["in_flight"])
-
-
 def wait_busy(agents: list[AgentProc], timeout_s: float = 30) -> AgentProc:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -47,10 +43,6 @@ def wait_busy(agents: list[AgentProc], timeout_s: float = 30) -> AgentProc:
                 return agent
         time.sleep(0.02)
     raise AssertionError("no agent took the request")
-
-
-def endpoint(a: AgentProc) -> Endpoint:
-    return Endpoint(a.name, a.host, a.port, a.control_port)
 
 
 @pytest.fixture(scope="module")

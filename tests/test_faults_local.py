@@ -4,7 +4,6 @@ no socket, thread or memory is left behind (measured from /proc)."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import socket
@@ -20,6 +19,7 @@ from disagg_agents.runtime.gate import HANDSHAKE_TIMEOUT_S
 from disagg_agents.wire.answer import TokenEvent
 from disagg_agents.wire.channel import recv_json
 from disagg_agents.wire.frames import Frame
+from tests.agenthelpers import in_flight
 from tests.conftest import PairFactory, ask, log_since, log_size, remote_request
 from tests.tinymodels import shared_tiny
 
@@ -61,10 +61,6 @@ def settle(
         if back or time.monotonic() > deadline:
             return now
         time.sleep(0.2)
-
-
-def in_flight(agent: AgentProc) -> int:
-    return int(json.loads(agent.control("/status"))["in_flight"])
 
 
 def test_silent_clients_are_dropped_and_do_not_block(agents: tuple[AgentProc, AgentProc]) -> None:

@@ -15,7 +15,7 @@ import pytest
 
 from disagg_agents.chatformat import detect, render_chat
 from disagg_agents.chatformat.generic import GenericParser, json_string_prefix
-from disagg_agents.chatformat.parse import Piece, ToolCall
+from disagg_agents.chatformat.parse import ParsedCall, Piece
 from disagg_agents.decode.grammarformats import generic_lark
 from tests.agentpool import AgentSet
 from tests.gateways import Gateways
@@ -100,7 +100,7 @@ def test_a_response_streams_as_content_whatever_the_token_split(step: int) -> No
 def test_a_call_is_read_whole_and_an_unclosed_one_is_no_call() -> None:
     text = json.dumps({"tool_call": {"name": "shell", "arguments": {"command": ["ls"]}}})
     assert feed(GenericParser(), text, 3) == [
-        ToolCall("shell", {"command": ["ls"]}, '{"command": ["ls"]}')
+        ParsedCall("shell", {"command": ["ls"]}, '{"command": ["ls"]}')
     ]
     assert feed(GenericParser(), text[:-5], 3) == []
     assert feed(GenericParser(), "plain words", 3) == [Piece("content", "plain words")]

@@ -187,7 +187,7 @@ def test_the_wait_for_kv_ends_when_our_client_hangs_up(
     pair: tuple[socket.socket, socket.socket],
 ) -> None:
     from disagg_agents.decode.kvfetch import await_frame
-    from disagg_agents.decode.upfront import HungUp, client_gone
+    from disagg_agents.runtime.hangup import HungUp, client_gone
 
     link, _prefill_end = pair  # the prefill agent sends nothing: the prompt is queued
     client, client_end = socket.socketpair()
@@ -229,7 +229,7 @@ def local_job(model: CountingModel, client: socket.socket, n_ids: int) -> tuple[
         prefix=prefix,
     )
     req = GenerateRequest(prompt="x", prefix_cache=False)
-    job = Job(req, client, None, time.perf_counter(), time.time(), ids=list(range(n_ids)))
+    job = Job(req, client, None, time.perf_counter(), time.time(), input_ids=list(range(n_ids)))
     return agent, job
 
 
@@ -237,7 +237,7 @@ def test_a_local_prefill_stops_between_chunks_when_its_client_hangs_up(
     pair: tuple[socket.socket, socket.socket],
 ) -> None:
     from disagg_agents.decode.kvsource import local_prefill
-    from disagg_agents.decode.upfront import HungUp
+    from disagg_agents.runtime.hangup import HungUp
 
     client, client_end = pair
     model = CountingModel(lambda n: client_end.close() if n == 2 else None)
@@ -251,7 +251,7 @@ def test_a_local_prefill_is_refused_when_its_client_is_gone(
     pair: tuple[socket.socket, socket.socket],
 ) -> None:
     from disagg_agents.decode.kvsource import local_prefill
-    from disagg_agents.decode.upfront import HungUp
+    from disagg_agents.runtime.hangup import HungUp
 
     client, client_end = pair
     model = CountingModel()

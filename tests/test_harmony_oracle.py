@@ -20,7 +20,7 @@ from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
 
 from disagg_agents.chatformat import detect, open_stream, render_chat
 from disagg_agents.chatformat.harmony import conversation, encode, segments
-from disagg_agents.chatformat.parse import Event, HarmonyParser, ToolCall
+from disagg_agents.chatformat.parse import Event, HarmonyParser, ParsedCall
 from tests.chattokenizers import HARMONY_TEMPLATE
 from tests.harmonyvocab import gpt_oss_tokenizer, harmony_encoding, o200k_ranks, tiktoken_text
 
@@ -451,7 +451,7 @@ def oracle_reading(enc: Any, ids: list[int]) -> dict[str, Any]:
 def collect(events: list[Event]) -> dict[str, Any]:
     out: dict[str, Any] = {"content": "", "reasoning": "", "calls": []}
     for e in events:
-        if isinstance(e, ToolCall):
+        if isinstance(e, ParsedCall):
             out["calls"].append(e.to_dict())
         else:
             out[e.channel] += e.text

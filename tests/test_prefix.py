@@ -14,6 +14,7 @@ import pytest
 from disagg.serving.localagents import AgentProc, wait_ready
 from disagg.serving.wireclient import Result
 from disagg_agents.prefix.store import BLOCK_TOKENS as BLOCK
+from tests.agenthelpers import shared_len
 from tests.conftest import PairFactory, Spawn, ask
 from tests.gateways import Gateway, GatewaySpec
 from tests.tinymodels import PROMPT, shared_tiny
@@ -34,13 +35,6 @@ def base(**kw: Any) -> dict[str, Any]:
         "placement": "remote",  # auto may choose a local prefill on a fast box
     }
     return {**req, **kw}
-
-
-def shared_len(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def expected_hit(first: list[int], second: list[int], window: int = 0) -> int:

@@ -23,6 +23,7 @@ import pytest
 
 from disagg.serving.localagents import AgentProc
 from disagg_agents.prefix.store import Block, BlockStore, block_keys
+from tests.agenthelpers import cache_status
 from tests.conftest import PairFactory, ask
 from tests.references import hf_greedy, mlx_greedy
 from tests.slowprefill import slow_prefill
@@ -41,11 +42,6 @@ def base(**kw: Any) -> dict[str, Any]:
 
 def text(tag: str, times: int = 6) -> str:
     return f"{tag}: " + " ".join([PROMPT] * times)
-
-
-def cache_status(agent: AgentProc) -> dict[str, Any]:
-    out: dict[str, Any] = json.loads(agent.control("/status"))["prefix_cache"]
-    return out
 
 
 # -- the store's budget, without models ------------------------------------------

@@ -31,6 +31,7 @@ from disagg_agents.decode.loop import DecodeLoop, Seq
 from disagg_agents.decode.prefixcache import DecodePrefixCache, Hit, as_numpy
 from disagg_agents.decode.prefixsave import PendingSave
 from disagg_agents.prefix.store import Block, BlockStore, Owner, block_keys
+from tests.agenthelpers import cache_status
 from tests.conftest import PairFactory, ask
 from tests.references import mlx_greedy
 from tests.tinymodels import PROMPT, shared_tiny
@@ -349,11 +350,6 @@ def test_views_only_where_the_blocks_are_most_of_the_buffer(
 def base(**kw: Any) -> dict[str, Any]:
     req = {"raw": True, "max_tokens": N_NEW, "ignore_eos": True, "return_prompt_ids": True}
     return {**req, **kw}
-
-
-def cache_status(agent: AgentProc) -> dict[str, Any]:
-    out: dict[str, Any] = json.loads(agent.control("/status"))["prefix_cache"]
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from disagg_agents.prefix.store import BlockStore
 from disagg_agents.runtime.control import listener_settings, start_control
 from disagg_agents.runtime.listener import FrameServer
 from disagg_agents.runtime.settings import MAX_CHANGES, Setting, Settings, SettingsError
-from disagg_agents.wire.frames import AuthError
+from disagg_agents.wire.frames import PeerAuthError
 from disagg_agents.wire.httpauth import SCHEME, ControlError, _mac, control_put, parse_authorization
 from tests.conftest import Cli, PairFactory, ask, log_since, log_size, remote_request
 from tests.gateways import fleet_inventory
@@ -143,7 +143,7 @@ def test_a_token_holder_reads_and_changes_settings(endpoint: tuple[int, Knobs]) 
     with pytest.raises(ValueError, match=r"^limit must lie in \[1, 100\]: 1000$"):
         agent_settings("127.0.0.1", port, TOKEN, {"limit": 1000, "on": False})
     assert knobs.limit == 32 and knobs.on is True  # refused whole
-    with pytest.raises(AuthError):
+    with pytest.raises(PeerAuthError):
         agent_settings("127.0.0.1", port, b"w" * 32, {"limit": 9})
     assert knobs.limit == 32
 

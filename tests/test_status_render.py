@@ -13,12 +13,12 @@ from rich.console import Console
 from disagg.cli.fleet import gateway_tables
 from disagg.cli.render_fleet import status_table
 from disagg.errors import UsageError
-from disagg.fleet.operations import AgentStatus
+from disagg.fleet.operations import HostProbe
 from disagg.serving.gatewaystatus import gateway_agents
 
 
-def _agent(host: str, role: str, model: str, backend: str, device: str) -> AgentStatus:
-    return AgentStatus(
+def _agent(host: str, role: str, model: str, backend: str, device: str) -> HostProbe:
+    return HostProbe(
         host=host,
         role=role,
         state="healthy",
@@ -43,7 +43,7 @@ ROWS = [
     _agent("dgx-spark-1", "prefill", "Qwen3-Coder-30B-A3B-Instruct-4bit", "torch", "cuda:0"),
     _agent("mac-studio-2", "decode", "Qwen3-Coder-30B-A3B-Instruct-4bit", "mlx", "gpu"),
     _agent("dgx-spark-2", "prefill", "gpt-oss-120b", "torch", "cuda:0"),
-    AgentStatus(
+    HostProbe(
         "mac-studio-1",
         "decode",
         "not responding",

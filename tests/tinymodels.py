@@ -16,6 +16,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from disagg.bench.synthmodels import GPT_OSS_ROPE
+
 ARCHS = ("llama", "qwen3", "qwen3_moe", "gpt_oss")
 
 SPECIALS = ["<|endoftext|>", "<|pad|>"]
@@ -110,16 +112,7 @@ def _config(arch: str, vocab: int, eos: int, pad: int) -> Any:
             sliding_window=8,
             layer_types=["sliding_attention", "full_attention"] * 2,
             attention_bias=True,
-            # As the real gpt-oss config has it.
-            rope_parameters={
-                "rope_type": "yarn",
-                "rope_theta": 150000.0,
-                "factor": 32.0,
-                "beta_fast": 32.0,
-                "beta_slow": 1.0,
-                "truncate": False,
-                "original_max_position_embeddings": 4096,
-            },
+            rope_parameters=dict(GPT_OSS_ROPE),  # as the real gpt-oss config has it
         )
     raise ValueError(f"unknown tiny architecture {arch!r} (known: {', '.join(ARCHS)})")
 

@@ -23,7 +23,7 @@ from rich.table import Table
 from disagg.serving.defaultmodel import Say
 from disagg.units import fmt
 from disagg_agents.runtime import fastblas
-from disagg_agents.wire.frames import AuthError
+from disagg_agents.wire.frames import PeerAuthError
 
 if TYPE_CHECKING:
     from disagg.serving.localagents import AgentProc
@@ -150,7 +150,7 @@ def agent_device(agent: AgentProc) -> str | None:
     """The device an agent reports on its control endpoint, if it answers."""
     try:
         return str(agent.status()["device"])
-    except (OSError, ValueError, KeyError, AuthError):
+    except (OSError, ValueError, KeyError, PeerAuthError):
         return None
 
 
@@ -164,7 +164,7 @@ def pair_machine_info(prefill: AgentProc, decode: AgentProc) -> dict[str, Any]:
     )
     try:  # the decode agent's own BLAS (mlx_blas is this process's, for the mlx-lm baselines)
         info["decode_blas"] = str(decode.status()["blas"])
-    except (OSError, ValueError, KeyError, AuthError):
+    except (OSError, ValueError, KeyError, PeerAuthError):
         info["decode_blas"] = None
     return info
 
@@ -193,8 +193,8 @@ def disaggregated(
 ) -> tuple[Result, list[float]]:
     """Run `request` on `decode` with its KV from `prefill`; the result and each
     token's arrival (perf_counter seconds). Raises AgentError unless disaggregated."""
+    from disagg.serving.checkedrequest import build_request
     from disagg.serving.pair import run_remote
-    from disagg.serving.request import build_request
 
     stamps: list[float] = []
 

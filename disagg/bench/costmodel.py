@@ -368,6 +368,31 @@ def scenario(
     }
 
 
+@dataclass(frozen=True)
+class PromptRow:
+    """One prompt's line of `disagg plan`'s table, read from a scenario's JSON."""
+
+    tokens: int
+    spark_prefill_s: float | None
+    spark_today_s: float | None  # None: the path before the fused kernel ran out of memory
+    kv_bytes: float
+    ttft_split_s: float | None
+    ttft_mac_alone_s: float | None
+    speedup: float
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> PromptRow:
+        return cls(
+            d["tokens"],
+            d["spark_prefill_s"],
+            d["spark_today_s"],
+            d["kv_bytes"],
+            d["ttft_split_s"],
+            d["ttft_mac_alone_s"],
+            d["speedup"],
+        )
+
+
 def crossover(model: str, mac: str, link: str, path: str = "auto") -> int | None:
     """The fewest prompt tokens from which the split has the shorter TTFT; None if
     it never does up to 128k (the split's lead grows with the prompt)."""

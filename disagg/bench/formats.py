@@ -126,8 +126,8 @@ def _ask(
     i: int = 0,
 ) -> Result:
     """One request through the pair: free (exactly `new_tokens`) or held to `schema`."""
+    from disagg.serving.checkedrequest import build_request
     from disagg.serving.pair import run_remote
-    from disagg.serving.request import build_request
 
     fields: dict[str, Any] = {
         "messages": [{"role": "user", "content": f"{PROMPT} (answer {i})"}],

@@ -37,7 +37,7 @@ from disagg.bench.common import (
     table,
     verdict,
 )
-from disagg.serving import wireclient as client
+from disagg.serving import wireclient
 from disagg.serving.localagents import AgentProc
 from disagg_agents.wire.answer import TokenEvent
 
@@ -72,7 +72,7 @@ def prefill_stall(
     def stream() -> None:
         req = {"prompt": DECODE_PROMPT, "max_tokens": 1 << 20, "ignore_eos": True}
         try:
-            client.generate(
+            wireclient.generate(
                 decode.host, decode.port, req, token=decode.token, on_token=on_token,
                 timeout_s=timeout_s,
             )  # fmt: skip
@@ -91,7 +91,7 @@ def prefill_stall(
         if failed:
             raise failed[0]
         req = {"prompt": text, "raw": True, "max_tokens": 2, "ignore_eos": True}
-        res = client.generate(
+        res = wireclient.generate(
             decode.host, decode.port, req, token=decode.token, timeout_s=timeout_s
         )
     finally:
@@ -100,7 +100,7 @@ def prefill_stall(
     return _gaps(arrivals, res)
 
 
-def _gaps(arrivals: list[float], res: client.Result) -> dict[str, Any]:
+def _gaps(arrivals: list[float], res: wireclient.Result) -> dict[str, Any]:
     """The stream's token arrivals against the prefill's window on the agent's timeline."""
     t = need(res.metrics.timeline, "timeline")
     at = need(t["at"])
@@ -137,7 +137,7 @@ def batch_gain(decode: AgentProc, n: int, tokens: int = 64) -> dict[str, Any]:
                 stamps.append(time.perf_counter())
 
         try:
-            res: Any = client.generate(
+            res: Any = wireclient.generate(
                 decode.host, decode.port, req, token=decode.token, on_token=on_token,
                 timeout_s=1800,
             )  # fmt: skip
@@ -171,7 +171,7 @@ def run_stall_bench(
     tok = AutoTokenizer.from_pretrained(model_dir)
     with local_pair(model_dir, say) as pair:
         warm = {"prompt": DECODE_PROMPT, "max_tokens": 4}
-        client.generate(pair[1].host, pair[1].port, warm, token=pair[1].token)
+        wireclient.generate(pair[1].host, pair[1].port, warm, token=pair[1].token)
         stall = prefill_stall(pair[1], lambda s: len(tok.encode(s)), prompt_tokens, say)
         rows = []
         for n in (1, streams):

@@ -48,17 +48,21 @@ def qwen3_coder_config(layers: int, vocab: int = VOCAB) -> dict[str, Any]:
     }
 
 
+# gpt-oss' RoPE as its released config.json has it (YaRN, untruncated); the
+# tiny test models (tests/tinymodels.py) use it too.
+GPT_OSS_ROPE: dict[str, Any] = {
+    "rope_type": "yarn",
+    "rope_theta": 150000.0,
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
+
+
 def gpt_oss_120b_config(layers: int, vocab: int = VOCAB) -> dict[str, Any]:
     """gpt-oss-120b's config.json, `layers` and `vocab` cut."""
-    rope = {
-        "rope_type": "yarn",
-        "rope_theta": 150000.0,
-        "factor": 32.0,
-        "beta_fast": 32.0,
-        "beta_slow": 1.0,
-        "truncate": False,
-        "original_max_position_embeddings": 4096,
-    }
     return {
         "architectures": ["GptOssForCausalLM"],
         "model_type": "gpt_oss",
@@ -77,7 +81,7 @@ def gpt_oss_120b_config(layers: int, vocab: int = VOCAB) -> dict[str, Any]:
         "vocab_size": vocab,
         "max_position_embeddings": 131072,
         "rms_norm_eps": 1e-5,
-        "rope_parameters": rope,
+        "rope_parameters": dict(GPT_OSS_ROPE),
         "rope_theta": 150000.0,
         "swiglu_limit": 7.0,
         "tie_word_embeddings": False,

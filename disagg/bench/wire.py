@@ -24,7 +24,7 @@
   Gbit/s, by arithmetic on those measured times (no `tc` here): per layer,
   compress -> wire -> decompress run as a 3-stage pipeline (the sender thread,
   the link, the receiver), completion time by the flow-shop recurrence; the
-  serial sum is shown beside it. `disagg_agents.decode.codectuner.pick_codec` then picks a
+  serial sum is shown beside it. `disagg_agents.decode.codectuner.fastest_codec` then picks a
   codec per rate from the measured speeds: that is the "adaptive" row.
 
 The real KV comes from `disagg_agents.prefill.PrefillEngine` run in this process on a
@@ -47,7 +47,7 @@ from rich.table import Table
 
 from disagg.bench.common import Say, Stamp, long_text, median, quiet, table, verdict
 from disagg.bench.handoff import Receiver, kv_digest, raw_size
-from disagg_agents.decode.codectuner import CodecSpeed, pick_codec, stream_rate
+from disagg_agents.decode.codectuner import CodecSpeed, fastest_codec, stream_rate
 from disagg_agents.wire.frames import HEADER
 from disagg_agents.wire.kvcodec import Codec, LayerKV, decode_layer, encode_layer
 
@@ -189,7 +189,7 @@ def compression_part(layers: list[LayerKV], repeats: int) -> dict[str, Any]:
     for gbit in LINK_RATES_GBIT:
         link = gbit * 1e9 / 8
         per_codec = {name: handoff_at(m, link) for name, m in codecs.items()}
-        picked = pick_codec(link, speeds)
+        picked = fastest_codec(link, speeds)
         off = per_codec["off"]["pipelined_s"]
         adaptive = per_codec[names[picked]]["pipelined_s"]
         rates[f"{gbit:g}"] = {

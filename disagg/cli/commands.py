@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from pathlib import Path
 from typing import Annotated, Any
@@ -208,7 +209,7 @@ def generate(
 ) -> None:
     """Generate text: prefill agent -> KV over TCP -> decode agent."""
     from disagg.frontends.batch import BatchItem, load_requests
-    from disagg.serving.request import build_request
+    from disagg.serving.checkedrequest import build_request
 
     sampling: dict[str, Any] = dict(max_tokens=max_tokens, temperature=temperature, seed=seed)
     sampling.update(top_p=top_p, system=system, raw=raw)
@@ -644,8 +645,8 @@ def verify(
     """Greedy run twice: disaggregated and decode-only; report what the handoff changes."""
     from disagg.cli.render import verify_table
     from disagg.serving import wireclient
+    from disagg.serving.checkedrequest import build_request
     from disagg.serving.pair import run_remote
-    from disagg.serving.request import build_request
     from disagg.serving.verify import compare
 
     need_local(local)
@@ -670,14 +671,14 @@ def verify(
         model_dir = str(next(iter(session.model_dirs.values())))
     report = compare(disagg, alone, min_agreement, model_dir)
     if disagg.metrics.method != "disaggregated":
-        report["ok"] = False
-        report["error"] = f"the disaggregated run fell back: {disagg.metrics.fallback_reason}"
+        why = f"the disaggregated run fell back: {disagg.metrics.fallback_reason}"
+        report = dataclasses.replace(report, ok=False, error=why)
     if as_json:
-        print(json.dumps(report))
+        print(json.dumps(report.to_json()))
     else:
         out.print(verify_table(report))
-        if report.get("error"):
+        if report.error:
             # As friendly() prints errors: the reason quotes an agent, never markup.
-            err.print(Text.assemble(("error: ", "red"), report["error"]), highlight=False)
-    if not report["ok"]:
+            err.print(Text.assemble(("error: ", "red"), report.error), highlight=False)
+    if not report.ok:
         raise typer.Exit(1)

@@ -25,9 +25,3 @@ def plain_lines(value: object, limit: int | None = LIMIT, style: str = "") -> Te
     """A remote value of several lines (a log tail), each line made plain."""
     lines = [printable(strip_escapes(line), limit) for line in str(value).splitlines()]
     return Text("\n".join(lines), style=style)
-
-
-def safe(value: object) -> str:
-    """As `plain`, as a str for places that take no Text (rich markup is still
-    parsed there: print it with markup=False)."""
-    return printable(strip_escapes(str(value)), None)

@@ -88,6 +88,8 @@ def _s(x: float | None) -> str:
 
 def plan_tables(data: dict[str, Any]) -> list[RenderableType]:
     """One table per model, the check against EXO, the efficiencies and their sources."""
+    from disagg.bench.costmodel import PromptRow
+
     shown: list[RenderableType] = [
         Text(
             f"DGX Spark -> {data['mac']['name']} over {data['link']['name']}, against the "
@@ -100,15 +102,15 @@ def plan_tables(data: dict[str, Any]) -> list[RenderableType]:
         t = Table(title=m["label"])
         for col in ("prompt", "Spark", "before", "K/V", "TTFT split", "TTFT Mac", "split"):
             t.add_column(col, justify="right")
-        for sc in m["prompts"]:
+        for sc in map(PromptRow.from_json, m["prompts"]):
             t.add_row(
-                f"{sc['tokens']:,}",
-                _s(sc["spark_prefill_s"]),
-                _s(sc["spark_today_s"]),
-                f"{sc['kv_bytes'] / 1e9:.2f} GB",
-                _s(sc["ttft_split_s"]),
-                _s(sc["ttft_mac_alone_s"]),
-                f"{sc['speedup']:.2f}x",
+                f"{sc.tokens:,}",
+                _s(sc.spark_prefill_s),
+                _s(sc.spark_today_s),
+                f"{sc.kv_bytes / 1e9:.2f} GB",
+                _s(sc.ttft_split_s),
+                _s(sc.ttft_mac_alone_s),
+                f"{sc.speedup:.2f}x",
             )
         cross = m["crossover_tokens"]
         step = m["prompts"][0]["decode_s_per_token"]

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
 from disagg.cli.plain import plain
 from disagg.serving.metrics import SEED_NAMES, Metrics
 from disagg.units import UNITS, fmt
+
+if TYPE_CHECKING:  # numpy: not loaded for the light commands
+    from disagg.serving.verify import VerifyReport
 
 
 def metrics_table(metrics: Metrics, title: str = "metrics") -> Table:
@@ -39,21 +42,21 @@ def tool_calls_table(calls: list[dict[str, Any]]) -> Table:
     return table
 
 
-def verify_table(report: dict[str, Any]) -> Table:
+def verify_table(report: VerifyReport) -> Table:
     table = Table(title="verify: disaggregated vs decode-only", header_style="bold")
     table.add_column("check")
     table.add_column("value", justify="right")
-    table.add_row("model", plain(report["model"]))
-    table.add_row("tokens compared", str(report["compared"]))
-    table.add_row("token agreement", f"{report['agreement']:.1%}")
-    div = report["first_divergence"]
+    table.add_row("model", plain(report.model))
+    table.add_row("tokens compared", str(report.compared))
+    table.add_row("token agreement", f"{report.agreement:.1%}")
+    div = report.first_divergence
     table.add_row("first divergence", "none" if div is None else f"token {div}")
-    table.add_row("max |logit diff| (log-softmax)", f"{report['max_logit_diff']:.3g}")
-    table.add_row("logit diff at divergence", fmt(report["logit_diff_at_divergence"]))
-    table.add_row("kv_bytes", fmt(report["kv_bytes"], "B"))
-    if report.get("weights"):
-        table.add_row("weights (prefill vs decode)", str(report["weights"]))
-    verdict = "[green]pass[/]" if report["ok"] else "[red]FAIL[/]"
+    table.add_row("max |logit diff| (log-softmax)", f"{report.max_logit_diff:.3g}")
+    table.add_row("logit diff at divergence", fmt(report.logit_diff_at_divergence))
+    table.add_row("kv_bytes", fmt(report.kv_bytes, "B"))
+    if report.weights:
+        table.add_row("weights (prefill vs decode)", str(report.weights))
+    verdict = "[green]pass[/]" if report.ok else "[red]FAIL[/]"
     table.add_row("verdict", verdict)
     return table
 

@@ -15,7 +15,7 @@ from rich.text import Text
 
 from disagg.cli.plain import plain, plain_lines
 from disagg.fleet.deploy import HostDeploy
-from disagg.fleet.operations import AgentAction, AgentStatus, LogLine
+from disagg.fleet.operations import AgentAction, HostProbe, LogLine
 from disagg.fleet.ssh import HostResult
 from disagg.fleet.tune import Tuned
 from disagg.units import fmt
@@ -91,7 +91,7 @@ def _plain(value: object) -> Text:
     return plain(value, 120)
 
 
-def _guarded(s: AgentStatus, render: Callable[[AgentStatus], list[Any]]) -> list[Any] | None:
+def _guarded(s: HostProbe, render: Callable[[HostProbe], list[Any]]) -> list[Any] | None:
     """A row, or None when this agent's /status does not render (its row says so)."""
     try:
         return render(s)
@@ -99,13 +99,13 @@ def _guarded(s: AgentStatus, render: Callable[[AgentStatus], list[Any]]) -> list
         return None
 
 
-def _bad_row(s: AgentStatus, ncols: int) -> list[Any]:
+def _bad_row(s: HostProbe, ncols: int) -> list[Any]:
     why = Text("bad answer", style="red")
     why.append("\n/status fields of unexpected types", style="dim")
     return [_plain(s.host), _plain(s.role), why, *["-"] * (ncols - 3)]
 
 
-def status_table(rows: list[AgentStatus], width: int | None = None) -> RenderableType:
+def status_table(rows: list[HostProbe], width: int | None = None) -> RenderableType:
     """One table with a column per fact when it fits `width` with every cell on one
     line; otherwise (an 80-column terminal) a short table of host, role, state,
     requests and p50 TTFT, with each agent's details on lines under it."""
@@ -127,7 +127,7 @@ def status_table(rows: list[AgentStatus], width: int | None = None) -> Renderabl
     return table
 
 
-def _wide_row(s: AgentStatus) -> list[str]:
+def _wide_row(s: HostProbe) -> list[str]:
     st = s.status
     return [
         s.host,
@@ -174,7 +174,7 @@ def _ttfts(st: dict[str, Any]) -> str:
     return " / ".join(fmt(st.get(f"ttft_p{p}_s"), "s") for p in (50, 95, 99))
 
 
-def _state(s: AgentStatus) -> Text:
+def _state(s: HostProbe) -> Text:
     state = Text(s.state, style=STATE_STYLE.get(s.state, ""))
     if s.detail and not s.ok:
         state.append(f"\n{printable(s.detail, 300)}", style="dim")
@@ -202,7 +202,7 @@ def _backend(st: dict[str, Any]) -> str:
     return printable(text, 120)
 
 
-def _status_narrow(rows: list[AgentStatus]) -> Group:
+def _status_narrow(rows: list[HostProbe]) -> Group:
     table = Table(title="fleet status", header_style="bold")
     for col in ("host", "role", "state", "requests", "ttft p50"):
         table.add_column(col, no_wrap=True, overflow="ellipsis")
@@ -217,7 +217,7 @@ def _status_narrow(rows: list[AgentStatus]) -> Group:
     return Group(table, *details)
 
 
-def _narrow_row(s: AgentStatus) -> list[Any]:
+def _narrow_row(s: HostProbe) -> list[Any]:
     """The short table's cells, then the agent's lines under it."""
     st = s.status
     cells: list[Any] = [
@@ -244,7 +244,7 @@ def _narrow_row(s: AgentStatus) -> list[Any]:
     return [*cells, line]
 
 
-def status_json(rows: list[AgentStatus]) -> list[dict[str, Any]]:
+def status_json(rows: list[HostProbe]) -> list[dict[str, Any]]:
     return [{**dataclasses.asdict(s), "ok": s.ok} for s in rows]
 
 

@@ -25,7 +25,7 @@ from disagg.fleet.ssh import HostResult, Session, connect_host, on_hosts, q
 from disagg.fleet.token import load_token
 from disagg.safetext import strip_escapes
 from disagg.serving.control import control_status, parse_status
-from disagg_agents.wire.frames import AuthError as ProtocolAuthError
+from disagg_agents.wire.frames import PeerAuthError
 from disagg_agents.wire.text import printable
 
 LOAD_TIMEOUT_S = 600.0  # a 120B model can take minutes to load
@@ -140,7 +140,10 @@ def restart(
 
 
 @dataclass
-class AgentStatus:
+class HostProbe:
+    """One agent of one host as `disagg status` found it: its state, where it
+    answered, and its own /status (raw: the CLI shows it whole)."""
+
     host: str
     role: str
     state: str  # healthy | stopped | not responding | unreachable | not deployed
@@ -166,7 +169,7 @@ def _http_status(
     for addr in addresses:
         try:
             return f"{addr}:{port}", control_status(addr, port, token, HTTP_TIMEOUT_S)
-        except (ProtocolAuthError, ValueError) as e:
+        except (PeerAuthError, ValueError) as e:
             wrong = wrong or f"{addr}:{port}: {printable(e)}"
         except OSError:
             continue
@@ -183,11 +186,11 @@ FETCH_SCRIPT = (
 )
 
 
-def _host_status(inv: Inventory, host: Host) -> list[AgentStatus]:
+def _host_status(inv: Inventory, host: Host) -> list[HostProbe]:
     mine = inv.agents([host])
     token = load_token(inv.path)
     direct = {a.role: _http_status(host.addresses(), a.ports.control_port, token) for a in mine}
-    rows: list[AgentStatus] = []
+    rows: list[HostProbe] = []
     try:
         with connect_host(host, inv.ssh) as session:
             info = probe(session)
@@ -201,11 +204,11 @@ def _host_status(inv: Inventory, host: Host) -> list[AgentStatus]:
                 continue
             found = direct[a.role]
             if isinstance(found, str):
-                rows.append(AgentStatus(host.name, a.role, "bad answer", detail=found))
+                rows.append(HostProbe(host.name, a.role, "bad answer", detail=found))
             elif found:
-                rows.append(AgentStatus(host.name, a.role, "healthy", *found, ssh_error=str(e)))
+                rows.append(HostProbe(host.name, a.role, "healthy", *found, ssh_error=str(e)))
             else:
-                rows.append(AgentStatus(host.name, a.role, "unreachable", detail=str(e)))
+                rows.append(HostProbe(host.name, a.role, "unreachable", detail=str(e)))
     return rows
 
 
@@ -215,10 +218,10 @@ def _agent_status(
     paths: AgentPaths,
     py: str,
     direct: tuple[str, dict[str, Any]] | str | None,
-) -> AgentStatus:
+) -> HostProbe:
     host = a.host.name
     if session.run(f"test -f {q(paths.hash)}").rc != 0:
-        return AgentStatus(host, a.role, "not deployed", detail="run disagg deploy")
+        return HostProbe(host, a.role, "not deployed", detail="run disagg deploy")
     res = session.run(
         f"{service.is_running(paths)} && echo $pid && ps -o rss= -p $pid 2>/dev/null || true"
     )
@@ -226,11 +229,11 @@ def _agent_status(
     pid = nums[0] if nums else None
     rss = nums[1] * 1024 if len(nums) > 1 else None
     if pid is None:
-        return AgentStatus(host, a.role, "stopped")
+        return HostProbe(host, a.role, "stopped")
     if isinstance(direct, str):
-        return AgentStatus(host, a.role, "bad answer", pid=pid, rss_bytes=rss, detail=direct)
+        return HostProbe(host, a.role, "bad answer", pid=pid, rss_bytes=rss, detail=direct)
     if direct:
-        return AgentStatus(host, a.role, "healthy", direct[0], direct[1], pid, rss)
+        return HostProbe(host, a.role, "healthy", direct[0], direct[1], pid, rss)
     port, token_file = str(a.ports.control_port), f"{paths.root}/token"
     fetched = session.run(
         f"{q(py)} -c {q(FETCH_SCRIPT)} {port} {q(token_file)} {q(paths.root)}", timeout_s=10
@@ -240,19 +243,19 @@ def _agent_status(
             st = parse_status(fetched.out)
         except ValueError as e:
             detail = f"via ssh: {printable(e)}"
-            return AgentStatus(host, a.role, "bad answer", pid=pid, rss_bytes=rss, detail=detail)
+            return HostProbe(host, a.role, "bad answer", pid=pid, rss_bytes=rss, detail=detail)
         note = "control port not reachable from here"
-        return AgentStatus(host, a.role, "healthy", "ssh", st, pid, rss, note)
+        return HostProbe(host, a.role, "healthy", "ssh", st, pid, rss, note)
     starting = session.run(f"grep -c '^READY ' {q(paths.out)}").out.strip() in ("", "0")
     state = "starting" if starting else "not responding"
     last = _tail_log(session, paths, 1, stderr=False)
-    return AgentStatus(host, a.role, state, pid=pid, rss_bytes=rss, detail=last)
+    return HostProbe(host, a.role, state, pid=pid, rss_bytes=rss, detail=last)
 
 
-def status(inv: Inventory, hosts: list[str] | None = None) -> list[AgentStatus]:
+def status(inv: Inventory, hosts: list[str] | None = None) -> list[HostProbe]:
     """One row per agent the pipelines place on the hosts, all hosts polled at once."""
     chosen = inv.select(hosts)
-    rows: dict[str, list[AgentStatus]] = {}
+    rows: dict[str, list[HostProbe]] = {}
     threads = [
         threading.Thread(target=lambda h=h: rows.__setitem__(h.name, _host_status(inv, h)))
         for h in chosen

@@ -16,7 +16,7 @@ from disagg.errors import UsageError
 from disagg.fleet.inventory import Agent, Inventory
 from disagg.fleet.token import load_token
 from disagg.serving.control import agent_settings
-from disagg_agents.wire.frames import AuthError
+from disagg_agents.wire.frames import PeerAuthError
 from disagg_agents.wire.text import printable
 
 HTTP_TIMEOUT_S = 5.0
@@ -58,7 +58,7 @@ def _tune(agent: Agent, token: bytes | None, changes: dict[str, Any]) -> Tuned:
     for addr in addresses:
         try:
             row.settings = agent_settings(addr, port, token, changes, HTTP_TIMEOUT_S)
-        except (AuthError, ValueError) as e:  # it answered: refused us, or the change
+        except (PeerAuthError, ValueError) as e:  # it answered: refused us, or the change
             row.address, row.error = f"{addr}:{port}", printable(e, 300)
             return row
         except OSError:

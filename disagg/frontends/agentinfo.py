@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from disagg.api import Client
 from disagg.serving.control import agent_status
-from disagg_agents.wire.frames import AuthError
+from disagg_agents.wire.frames import PeerAuthError
 from disagg_agents.wire.status import AgentStatus
 
 INFO_TTL_S = 30.0
@@ -50,7 +50,7 @@ class ModelInfo:
             try:
                 status = agent_status(ep.host, ep.control_port, router.token, timeout_s=2.0)
                 break
-            except (OSError, ValueError, AuthError):
+            except (OSError, ValueError, PeerAuthError):
                 continue
         about = About(status or AgentStatus(), pipe.embedding_only)
         if status is not None and status.doc:

@@ -109,7 +109,7 @@ class ListRefusals:
             elif message["type"] == "http.response.body" and status:
                 body = (body + message.get("body", b""))[:8192]
                 if not message.get("more_body"):
-                    self.log.refused(scope.get("method", "?"), path, status, error_message(body))
+                    self.log.refused(Request(scope).method, path, status, error_message(body))
                     status = 0
             await send(message)
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from disagg.api import Client, Completion
 from disagg.errors import DisaggError, UsageError
-from disagg.serving.request import build_request
+from disagg.serving.checkedrequest import build_request
 from disagg_agents.wire.request import GenerateRequest
 
 # A line holds a request's fields, plus which model runs it and an id for the results.

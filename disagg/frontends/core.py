@@ -26,7 +26,7 @@ from disagg.frontends.refusal import ApiError
 from disagg.frontends.streamstart import opened
 from disagg.frontends.workers import Workers, charge, prompt_tokens
 from disagg.serving import verdict
-from disagg_agents.decode.upfront import prompt_bytes
+from disagg_agents.wire.promptsize import prompt_bytes
 from disagg_agents.wire.request import GenerateRequest
 
 

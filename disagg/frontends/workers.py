@@ -44,7 +44,7 @@ from disagg.errors import Overloaded
 from disagg.frontends import tenancy
 from disagg.serving.control import agent_status
 from disagg.serving.router import Router
-from disagg_agents.wire.frames import AuthError
+from disagg_agents.wire.frames import PeerAuthError
 
 DEFAULT_BATCH = 32  # a decode agent's --max-batch default, for one that does not answer
 QUEUE_FACTOR = 2  # admitted requests per worker by default: a burst waits, a flood is refused
@@ -100,7 +100,7 @@ def batch_capacity(router: Router, timeout_s: float = 2.0) -> int:
                     got = agent_status(ep.host, ep.control_port, router.token, timeout_s)
                     if got.max_batch is not None and got.max_batch > 0:
                         size = got.max_batch
-                except (OSError, ValueError, AuthError):
+                except (OSError, ValueError, PeerAuthError):
                     pass  # down for now: count what it would take
             total += size
     return max(total, 1)

@@ -15,6 +15,7 @@ from disagg.errors import AgentError, UsageError
 from disagg.serving.router import Router
 from disagg_agents.wire.auth import client_auth
 from disagg_agents.wire.channel import recv_json, send_json
+from disagg_agents.wire.embedreply import EmbedReply
 from disagg_agents.wire.frames import Frame, ProtocolError, RemoteError
 
 EMBED_TIMEOUT_S = 300.0
@@ -56,15 +57,16 @@ def embed(
             recv_json(s, Frame.HELLO_OK)
             send_json(s, Frame.EMBED, request)
             _wait_readable(s, cancel)
-            _, reply = recv_json(s, Frame.EMBEDDING, 1 << 30)
+            _, doc = recv_json(s, Frame.EMBEDDING, 1 << 30)
+        reply = EmbedReply.from_json(doc)
     except RemoteError as e:
         if e.code == "bad_request":
             raise UsageError(str(e), param="input") from None
         raise AgentError(f"prefill agent {ep.name}: {e}") from None
-    except (OSError, ProtocolError) as e:
+    except (OSError, ProtocolError, ValueError) as e:
         raise AgentError(f"prefill agent {ep.name} at {ep.host}:{ep.port}: {e}") from None
-    vectors = [cut(v, dimensions) for v in reply["embeddings"]]
-    return Embeddings(vectors, int(reply.get("prompt_tokens") or 0), str(reply.get("pooling")))
+    vectors = [cut(v, dimensions) for v in reply.embeddings]
+    return Embeddings(vectors, reply.prompt_tokens, reply.pooling)
 
 
 def _wait_readable(s: socket.socket, cancel: threading.Event | None) -> None:

@@ -26,8 +26,7 @@ from disagg.errors import (
     RequestTimeout,
     UsageError,
 )
-from disagg.serving import affinity
-from disagg.serving import wireclient as client
+from disagg.serving import affinity, wireclient
 from disagg.serving.completion import Completion
 from disagg.serving.metrics import Metrics
 from disagg_agents.wire.answer import TokenEvent
@@ -96,7 +95,7 @@ def cut_short(
     early: Metrics | None, t_sent: float, t_first: float | None, tokens: int, reason: str
 ) -> Metrics:
     """A request's metrics when its client stopped reading before the agent's DONE:
-    the prompt's side from the first TOKEN frame (`early`, disagg_agents.decode.events'
+    the prompt's side from the first TOKEN frame (`early`, disagg_agents.decode.tokenframes'
     first_metrics), the decode side timed here."""
     now = time.perf_counter()
     m = Metrics.from_json(early.to_json()) if early is not None else Metrics()  # a copy
@@ -338,7 +337,7 @@ class Router:
         with self.lock:
             self.busy[ep.name] += 1
         try:
-            result = client.generate(
+            result = wireclient.generate(
                 ep.host,
                 ep.port,
                 req,
@@ -361,7 +360,7 @@ class Router:
             raise RequestTimeout(
                 f"the request did not finish within its deadline of {j.deadline_s:g}s: {e}"
             ) from None
-        except (StopGeneration, client.Cancelled) as caught:
+        except (StopGeneration, wireclient.Cancelled) as caught:
             stop = caught if isinstance(caught, StopGeneration) else StopGeneration("cancelled")
             stop.metrics = m = forward.cut(stop.reason)
             m.decode_server = m.decode_server or ep.name

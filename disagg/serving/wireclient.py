@@ -26,8 +26,14 @@ from disagg.serving.completion import Completion
 from disagg_agents.wire.answer import Done, TokenEvent
 from disagg_agents.wire.auth import client_auth
 from disagg_agents.wire.channel import recv_frame, send_json
-from disagg_agents.wire.frames import AuthError as WireAuthError
-from disagg_agents.wire.frames import Frame, Header, ProtocolError, RemoteError, decode_json
+from disagg_agents.wire.frames import (
+    Frame,
+    Header,
+    PeerAuthError,
+    ProtocolError,
+    RemoteError,
+    decode_json,
+)
 from disagg_agents.wire.request import GenerateRequest
 
 # The name earlier releases gave the wire client's result: the one answer type.
@@ -131,7 +137,7 @@ def _open(sock: socket.socket, host: str, port: int, timeout_s: float, token: by
     sock.settimeout(min(timeout_s, 10.0))
     try:
         client_auth(sock, token)
-    except WireAuthError as e:
+    except PeerAuthError as e:
         raise AuthError(
             f"decode agent {host}:{port}: {e}; fix: use the cluster's token "
             "(disagg deploy writes it; --local makes its own)"

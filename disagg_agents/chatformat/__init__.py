@@ -12,7 +12,7 @@
 """
 
 from .detect import ChatFormat, detect
-from .parse import Piece, ToolCall
+from .parse import ParsedCall, Piece
 from .render import FormatError, render_chat, render_fim
 from .stream import ChatStream, open_stream
 
@@ -21,7 +21,7 @@ __all__ = [
     "ChatStream",
     "FormatError",
     "Piece",
-    "ToolCall",
+    "ParsedCall",
     "detect",
     "open_stream",
     "render_chat",

@@ -17,7 +17,7 @@ import json
 from typing import Any
 
 from .detect import ChatFormat
-from .parse import Event, Piece, ToolCall
+from .parse import Event, ParsedCall, Piece
 
 RESPONSE_HEAD = '{"response": "'
 CALL_HEAD = '{"tool_call": '
@@ -138,7 +138,7 @@ class GenericParser:
             try:
                 call = json.loads(self.buf)["tool_call"]
                 args = call["arguments"]
-                return [ToolCall(call["name"], args, json.dumps(args, ensure_ascii=False))]
+                return [ParsedCall(call["name"], args, json.dumps(args, ensure_ascii=False))]
             except (json.JSONDecodeError, KeyError, TypeError):
                 return []  # cut short: a call that never closed is no call
         if any(self.buf.startswith(h[: len(self.buf)]) for h in (RESPONSE_HEAD, CALL_HEAD)):

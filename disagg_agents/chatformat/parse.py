@@ -27,7 +27,10 @@ class Piece:
 
 
 @dataclass(frozen=True)
-class ToolCall:
+class ParsedCall:
+    """A tool call as parsed from the model's text (the wire carries it as
+    disagg_agents.wire.answer.ToolCall)."""
+
     name: str
     arguments: dict[str, Any]
     text: str | None = None  # the arguments as the model wrote them, where it wrote JSON
@@ -40,7 +43,7 @@ class ToolCall:
         return out
 
 
-Event = Piece | ToolCall
+Event = Piece | ParsedCall
 
 
 class PlainParser:
@@ -83,7 +86,7 @@ class CallParser:
         return [] if cut or not body.strip() else [Piece("content", body)]
 
 
-def _tool_call(name: Any, args: Any, text: str | None = None) -> ToolCall | None:
+def _tool_call(name: Any, args: Any, text: str | None = None) -> ParsedCall | None:
     if isinstance(args, str):
         try:
             args = json.loads(args) if args.strip() else {}
@@ -91,7 +94,7 @@ def _tool_call(name: Any, args: Any, text: str | None = None) -> ToolCall | None
             return None
     if not isinstance(name, str) or not name or not isinstance(args, Mapping):
         return None
-    return ToolCall(name, dict(args), text)
+    return ParsedCall(name, dict(args), text)
 
 
 # -- harmony -------------------------------------------------------------------
@@ -197,7 +200,7 @@ FUNCTION_OPEN, FUNCTION_CLOSE = qwenxml.FUNCTION, qwenxml.FUNCTION_END
 XML_MARKUP = (FUNCTION_OPEN, qwenxml.PARAMETER, CALL_OPEN)
 
 
-def parse_qwen_json(body: str, tools: list[dict[str, Any]] | None) -> ToolCall | None:
+def parse_qwen_json(body: str, tools: list[dict[str, Any]] | None) -> ParsedCall | None:
     """Qwen3: `{"name": ..., "arguments": {...}}`."""
     try:
         obj = json.loads(body.strip())
@@ -208,7 +211,7 @@ def parse_qwen_json(body: str, tools: list[dict[str, Any]] | None) -> ToolCall |
     return _tool_call(obj.get("name"), obj.get("arguments", {}))
 
 
-def parse_qwen_xml(body: str, tools: list[dict[str, Any]] | None) -> ToolCall | None:
+def parse_qwen_xml(body: str, tools: list[dict[str, Any]] | None) -> ParsedCall | None:
     """Qwen3-Coder: `<function=NAME><parameter=ARG>value</parameter></function>`,
     values typed by the tool's parameter schema, missing close tags recovered."""
     found = qwenxml.parse_call(body, tools)

@@ -11,10 +11,10 @@ from .parse import (
     CallParser,
     Event,
     HarmonyParser,
+    ParsedCall,
     Piece,
     PlainParser,
     TagParser,
-    ToolCall,
     parse_qwen_json,
     parse_qwen_xml,
 )
@@ -41,7 +41,7 @@ class ChatStream:
         self.hidden = hidden
         self.content: list[str] = []
         self.reasoning: list[str] = []
-        self.tool_calls: list[ToolCall] = []
+        self.tool_calls: list[ParsedCall] = []
 
     @property
     def mode(self) -> str:
@@ -72,7 +72,7 @@ class ChatStream:
 
     def _keep(self, events: list[Event]) -> list[Event]:
         for e in events:
-            if isinstance(e, ToolCall):
+            if isinstance(e, ParsedCall):
                 self.tool_calls.append(e)
             else:
                 (self.reasoning if e.channel == "reasoning" else self.content).append(e.text)
@@ -167,4 +167,4 @@ def _harmony_after(prompt_ids: list[int], markup: dict[int, str], tokenizer: Any
     return parser
 
 
-__all__ = ["ChatStream", "Piece", "ToolCall", "open_stream"]
+__all__ = ["ChatStream", "Piece", "ParsedCall", "open_stream"]

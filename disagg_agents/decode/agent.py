@@ -13,26 +13,26 @@ from __future__ import annotations
 
 import logging
 import socket
-import threading
 from dataclasses import dataclass
 from typing import Any
 
 from disagg_agents.runtime import fastblas  # first: it gives mlx an optimized BLAS before mlx loads
 
 # isort: split
-from disagg_agents.decode import events, firsttoken, kvsource, prompt, stream
-from disagg_agents.decode.codectuner import CodecTuner
+from disagg_agents.decode import events, firsttoken, prompt, stream
+from disagg_agents.decode.codectuner import CodecTuners
 from disagg_agents.decode.engine import BadRequest, DecodeEngine
 from disagg_agents.decode.grammar import ClientGone
 from disagg_agents.decode.keepalive import Keepalive, progress_interval
 from disagg_agents.decode.kvslots import inplace_enabled
+from disagg_agents.decode.kvsource import KVSource
 from disagg_agents.decode.loop import DecodeLoop
 from disagg_agents.decode.placement import Placement
 from disagg_agents.decode.prefixcache import DecodePrefixCache
-from disagg_agents.decode.upfront import HungUp
 from disagg_agents.prefix.store import default_max_mb
 from disagg_agents.runtime.args import common_args, fail
 from disagg_agents.runtime.blasshare import BlasShare
+from disagg_agents.runtime.hangup import HungUp
 from disagg_agents.runtime.metrics import Stats
 from disagg_agents.runtime.serve import serve, start_agent
 from disagg_agents.runtime.settings import (
@@ -84,17 +84,10 @@ class DecodeAgent:
         options: DecodeOptions = DecodeOptions(),
     ) -> None:
         self.engine = engine
-        # Accept a prefill agent on other weights (results then say weights: "mixed").
-        self.allow_mixed = options.allow_mixed
-        self.kv_inplace = inplace_enabled()  # DISAGG_KV_INPLACE=0: the copy path
         self.name = name
         self.max_request_bytes = options.max_request_bytes  # largest GENERATE frame taken
-        self.token = token  # the cluster token, also proves us to prefill agents
         self.stats = Stats("decode")
         self.placement = Placement()
-        self.lock = threading.Lock()
-        # Per prefill agent: what its KV stream measured, for requests with codec "auto".
-        self.codec_tuners: dict[str, CodecTuner] = {}
         # All mlx work runs on the loop's thread; requests decode there together.
         self.loop = DecodeLoop(
             engine.model,
@@ -105,9 +98,22 @@ class DecodeAgent:
         engine.grammars.warm()  # its tokenizer (~0.5 s) off the first request's path
         self.blas_share = BlasShare.from_env(self.loop.post)
         self.loop.before_turn, self.loop.on_idle = self.blas_share.tick, self.blas_share.idle
-        self.prefix = self._open_prefix(options)
+        self.prefix = self._open_prefix(options, token)
+        self.kv = KVSource(
+            engine,
+            self.loop,
+            self.prefix,
+            self.placement,
+            CodecTuners(),  # per prefill agent: what its K/V stream measured, for "auto"
+            self.blas_share,
+            name,
+            token,
+            # Accept a prefill agent on other weights (results then say weights: "mixed").
+            allow_mixed=options.allow_mixed,
+            kv_inplace=inplace_enabled(),  # DISAGG_KV_INPLACE=0: the copy path
+        )
 
-    def _open_prefix(self, options: DecodeOptions) -> DecodePrefixCache:
+    def _open_prefix(self, options: DecodeOptions, token: bytes | None) -> DecodePrefixCache:
         """The prefix cache, with its disk tier when asked, counted in /metrics."""
         engine = self.engine
         mb = default_max_mb() if options.prefix_cache_mb is None else options.prefix_cache_mb
@@ -117,7 +123,7 @@ class DecodeAgent:
         if options.prefix_disk and mb > 0:  # the disk tier: blocks kept across restarts
             try:
                 prefix.enable_disk(
-                    options.prefix_disk, int(mb * (1 << 20)), engine.fingerprint, self.token
+                    options.prefix_disk, int(mb * (1 << 20)), engine.fingerprint, token
                 )
             except (OSError, ValueError) as e:  # serve without it rather than not at all
                 log.error("prefix disk tier off: %s: %s", options.prefix_disk, e)
@@ -136,14 +142,14 @@ class DecodeAgent:
             tenant_share_setting(self.prefix.store, self.prefix.disk),
             attr_setting(
                 "allow_mixed",
-                self,
+                self.kv,
                 "allow_mixed",
                 bool,
                 help="accept prefill agents whose weights differ from ours",
             ),
             attr_setting(
                 "kv_inplace",
-                self,
+                self.kv,
                 "kv_inplace",
                 bool,
                 help="receive K/V straight into the caches (false: the copy path)",
@@ -220,11 +226,12 @@ class DecodeAgent:
         """One request: its prompt's K/V (remote, local or from the prefix cache), the
         first token, the rest decoded in the shared batch with TOKEN frames as they
         come, then DONE. Returns the metrics DONE carried."""
-        job = prompt.open_job(self, req, sock, progress)
-        kvsource.prompt_kv(self, job)
-        firsttoken.first(self, job)
-        stream.decode(self, job)
-        events.finish(self, job)
+        eng, loop = self.engine, self.loop
+        job = prompt.open_job(eng, self.name, req, sock, progress)
+        self.kv.prompt_kv(job)
+        firsttoken.first(eng, loop, self.prefix, job)
+        stream.decode(loop, eng.stops, job)
+        events.finish(self.placement, job)
         return job.metrics
 
 

@@ -58,7 +58,7 @@ def stream_rate(link_bps: float, codec: Codec, speed: CodecSpeed | None = None) 
     return min(speed.encode_bps, speed.decode_bps, link_bps * speed.ratio)
 
 
-def pick_codec(
+def fastest_codec(
     link_bps: float | None, speeds: Mapping[Codec, CodecSpeed], margin: float = MARGIN
 ) -> Codec:
     """The fastest codec for a link of `link_bps` wire bytes per second.
@@ -122,7 +122,7 @@ class CodecTuner:
         """(codec, why) for the next fetch."""
         speeds = self.speeds()
         link = self.link_bps
-        codec = pick_codec(link, speeds)
+        codec = fastest_codec(link, speeds)
         if link is None:
             return codec, "link not measured yet"
         parts = [f"link {link / 1e6:,.0f} MB/s"] + [
@@ -190,3 +190,17 @@ class CodecTuner:
                 )
             except (ValueError, KeyError, TypeError):
                 continue  # a probe we cannot read teaches us nothing
+
+
+class CodecTuners:
+    """A decode agent's tuners, one per prefill agent (by its address), shared
+    by the requests' threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tuners: dict[str, CodecTuner] = {}
+
+    def for_link(self, key: str) -> CodecTuner:
+        """The tuner of prefill agent `key`, new on its first fetch."""
+        with self._lock:
+            return self._tuners.setdefault(key, CodecTuner())

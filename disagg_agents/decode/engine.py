@@ -20,10 +20,10 @@ from disagg_agents.chatformat import (
 )
 from disagg_agents.decode.grammar import Grammars
 from disagg_agents.decode.kvcaches import MX_DTYPES, cache_kinds
-from disagg_agents.decode.upfront import max_token_bytes, too_long
 from disagg_agents.models import get_adapter, load_hf_config
 from disagg_agents.models.pooling import pooling_config
 from disagg_agents.quant import check_supported, weights_identity
+from disagg_agents.wire.promptsize import max_token_bytes, too_long
 from disagg_agents.wire.request import GenerateRequest
 
 

@@ -1,153 +1,28 @@
-"""The events-out stage: what a request sends. TOKEN frames as tokens complete
-text or a tool call (the first with the prompt's side of the metrics), sent in
-bursts; then the finished request's metrics and timeline, and DONE."""
+"""The events-out stage: a finished request's last text, its metrics and
+timeline, and DONE (the TOKEN frames before it: decode.tokenframes)."""
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
-import queue
-import socket
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
-import numpy as np
-
-from disagg_agents.chatformat import Piece, ToolCall
 from disagg_agents.decode.job import Job
-from disagg_agents.wire.answer import CONTENT, REASONING, Done, Metrics, TokenEvent
-from disagg_agents.wire.answer import ToolCall as WireCall
+from disagg_agents.decode.placement import Placement
+from disagg_agents.decode.tokenframes import send_events
+from disagg_agents.wire.answer import Done, ToolCall
 from disagg_agents.wire.channel import send_json
 from disagg_agents.wire.frames import Frame
 
-if TYPE_CHECKING:
-    from disagg_agents.decode.agent import DecodeAgent
-
 log = logging.getLogger("disagg.decode")
 
-# What is known once the first token is out: a client that stops reading early (a stop
-# string matched, its caller left) still reports the prompt's side of the request.
-FIRST_METRICS = (
-    "prompt_tokens",
-    "cached_tokens",
-    "prefill_cached_tokens",
-    "disk_cached_tokens",
-    "method",
-    "prefill_server",
-    "decode_server",
-    "prefill_time",
-    "prefill_queue_time",
-    "kv_bytes",
-    "kv_transfer_time",
-    "weights",
-    "placement",
-    "placement_reason",
-    "fallback_reason",
-    "fallback_kind",
-)
 
-
-def first_metrics(metrics: Metrics, at: float, t0: float, t_first: float) -> Metrics:
-    """The first TOKEN frame's `metrics`: the prompt's side, the agent's ttft, and the
-    timeline so far (`at`, first_token in seconds after it)."""
-    early = Metrics.from_json(
-        {k: v for k in FIRST_METRICS if (v := getattr(metrics, k)) is not None}
-    )
-    early.ttft = t_first - t0
-    early.timeline = {"at": at, "first_token": t_first - t0}
-    return early
-
-
-def token_events(
-    tid: int | None, events: list[Piece | ToolCall], metrics: Metrics | None = None
-) -> list[TokenEvent]:
-    """What one token completed, as TOKEN frames: the first carries the id (one per
-    token, even when markup shows nothing) and on the request's first token its
-    `metrics` (first_metrics); text on one channel rides in one frame; a finished
-    tool call rides alone."""
-    out: list[TokenEvent] = []
-    for e in events:
-        if isinstance(e, Piece):
-            channel = REASONING if e.channel == REASONING else CONTENT
-            last = out[-1] if out else None
-            if last is not None and last.channel == channel and last.tool_call is None:
-                out[-1] = dataclasses.replace(last, text=last.text + e.text)
-            else:
-                out.append(TokenEvent(text=e.text, channel=channel))
-        else:
-            out.append(TokenEvent(tool_call=WireCall(e.name, e.arguments, e.text)))
-    if tid is not None:
-        out[:1] = [dataclasses.replace(out[0] if out else TokenEvent(), id=tid)]
-    if metrics is not None and out:
-        out[0] = dataclasses.replace(out[0], metrics=metrics)
-    return out
-
-
-def send_events(
-    sock: socket.socket,
-    tid: int | None,
-    events: list[Piece | ToolCall],
-    metrics: Metrics | None = None,
-) -> None:
-    """The TOKEN frames for what one token completed (token_events)."""
-    for event in token_events(tid, events, metrics):
-        send_json(sock, Frame.TOKEN, event.to_json())
-
-
-Item = tuple[int, "np.ndarray | None"]
-
-
-def bursts(out: queue.Queue[Item | Exception | None]) -> Iterator[list[Item]]:
-    """A request's tokens as the loop queued them, in bursts: whatever queued up
-    while the last burst was being sent (a lagging client) goes out together."""
-    while True:
-        got = out.get()
-        burst: list[Item] = []
-        while True:
-            if got is None:
-                if burst:
-                    yield burst
-                return
-            if isinstance(got, Exception):
-                if burst:
-                    yield burst
-                raise got
-            burst.append(got)
-            try:
-                got = out.get_nowait()
-            except queue.Empty:
-                break
-        yield burst
-
-
-@contextlib.contextmanager
-def corked(sock: socket.socket, on: bool) -> Iterator[None]:
-    """A burst's frames in as few TCP segments as fit (Linux TCP_CORK): one
-    wake-up for a lagging client instead of one per token."""
-    cork = getattr(socket, "TCP_CORK", None)
-    if not on or cork is None:
-        yield
-        return
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, cork, 1)
-    except OSError:  # not TCP: nothing to coalesce
-        yield
-        return
-    try:
-        yield
-    finally:
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.IPPROTO_TCP, cork, 0)
-
-
-def finish(agent: DecodeAgent, job: Job) -> None:
+def finish(placement: Placement, job: Job) -> None:
     """The answer's last text, the request's metrics and timeline, then DONE."""
     chat, out, metrics = job.parser, job.out, job.metrics
+    assert chat is not None  # opened by firsttoken
     send_events(job.sock, None, chat.finish(cut=len(out) >= job.max_tokens))  # cut: no open call
     job.t_end = time.perf_counter()
-    decoded(agent, job)
+    decoded(placement, job)
     local_span = None if job.marks else (job.t_local, job.t_prefilled)
     seq = job.seq
     joined = seq.joined_at if seq else None
@@ -157,19 +32,19 @@ def finish(agent: DecodeAgent, job: Job) -> None:
     done(job)
 
 
-def decoded(agent: DecodeAgent, job: Job) -> None:
+def decoded(placement: Placement, job: Job) -> None:
     """A finished request's decode metrics; placement learns its step time
     (and a local prefill's rate)."""
-    metrics, n_prompt, n_out = job.metrics, len(job.ids), len(job.out)
+    metrics, n_prompt, n_out = job.metrics, len(job.input_ids), len(job.out)
     decode_s = job.t_end - job.t_first
     prefill_s = metrics.prefill_time
     if metrics.method != "disaggregated" and prefill_s:
-        agent.placement.observe_local(n_prompt - (metrics.cached_tokens or 0), prefill_s)
+        placement.observe_local(n_prompt - (metrics.cached_tokens or 0), prefill_s)
     if n_out > 1:
-        agent.placement.observe_step(decode_s / (n_out - 1))
+        placement.observe_step(decode_s / (n_out - 1))
     metrics.completion_tokens = n_out
     # max_tokens here is the request's, capped by what the context leaves.
-    called = bool(job.parser.tool_calls)
+    called = job.parser is not None and bool(job.parser.tool_calls)
     metrics.finish_reason = (
         "tool_calls" if called else "length" if n_out >= job.max_tokens else "stop"
     )
@@ -184,12 +59,13 @@ def decoded(agent: DecodeAgent, job: Job) -> None:
 def done(job: Job) -> None:
     """The DONE frame: the answer's text only, reasoning and tool calls beside it."""
     chat, out, metrics = job.parser, job.out, job.metrics
+    assert chat is not None  # opened by firsttoken
     frame = Done(
         "".join(chat.content),
         out,
         metrics,
         "".join(chat.reasoning),
-        [WireCall(c.name, c.arguments, c.text) for c in chat.tool_calls],
+        [ToolCall(c.name, c.arguments, c.text) for c in chat.tool_calls],
         job.prompt_ids if job.req.return_prompt_ids else None,
     )
     if job.progress is not None:

@@ -5,53 +5,51 @@ opened, and the prompt's prefix-cache saves made pending before it goes out."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
 
-from disagg_agents.decode.events import first_metrics
+from disagg_agents.decode.engine import DecodeEngine
 from disagg_agents.decode.job import Job
 from disagg_agents.decode.loop import DecodeLoop, Sampler, make_sampler, sample_rows
-from disagg_agents.decode.prefixcache import Recording, Span
+from disagg_agents.decode.prefixcache import DecodePrefixCache, Recording, Span
 from disagg_agents.decode.prefixsave import PendingSave
-
-if TYPE_CHECKING:
-    from disagg_agents.decode.agent import DecodeAgent
+from disagg_agents.decode.tokenframes import first_metrics
 
 
-def first(agent: DecodeAgent, job: Job) -> None:
-    """The first token (job.first), its time, the parser and the pending saves."""
+def first(engine: DecodeEngine, loop: DecodeLoop, prefix: DecodePrefixCache, job: Job) -> None:
+    """The first token (job.first_id, job.first_logprobs), its time, the parser
+    and the pending saves."""
     req, logits = job.req, job.logits
     assert logits is not None
     job.sampler = sampler = make_sampler(req.temperature, req.top_p, req.seed)
     if sampler is not None and job.resumed:
-        agent.loop.call(skip_draws, sampler, len(job.resumed))  # position len(resumed) draws next
-    job.first = pick_first(agent.loop, logits, sampler, req.logprobs, job.allowed)
+        loop.call(skip_draws, sampler, len(job.resumed))  # position len(resumed) draws next
+    job.first_id, job.first_logprobs = pick_first(loop, logits, sampler, req.logprobs, job.allowed)
     job.t_first = time.perf_counter()
     if job.metrics.method != "disaggregated":
         job.metrics.prefill_time = job.t_first - job.t_local
-    job.chat = agent.engine.stream(req, job.prompt_ids)
+    job.parser = parser = engine.stream(req, job.prompt_ids)
     for tid in job.resumed:
-        job.chat.add(tid)  # sent by the agent that died: parsed, not sent again
+        parser.add(tid)  # sent by the agent that died: parsed, not sent again
     # The prompt's blocks are taken from the caches without a copy once
     # decoding stops writing them (disagg_agents.decode.prefixsave), pending from before
     # the first token goes out: a request that follows it finds them.
-    job.saves = pending_saves(agent, job)
-    job.early = first_metrics(job.metrics, job.at, job.t0, job.t_first)
+    job.saves = pending_saves(loop, prefix, job)
+    job.first_frame_metrics = first_metrics(job.metrics, job.at, job.t0, job.t_first)
 
 
-def pending_saves(agent: DecodeAgent, job: Job) -> list[PendingSave]:
+def pending_saves(loop: DecodeLoop, prefix: DecodePrefixCache, job: Job) -> list[PendingSave]:
     """The prefix saves this request makes; its recorded sliding layers are
     taken now, before any decode step (they turn plain)."""
-    hits = [h for h in job.hits if h.keys and agent.prefix.store.max_bytes]
+    hits = [h for h in job.hits if h.keys and prefix.store.max_bytes]
     if not hits:
         return []
     caches = job.caches
     sliding: list[Span | None] = [None] * len(caches)
     if any(isinstance(c, Recording) for c in caches):
-        sliding = agent.loop.call(agent.prefix.recorded, caches)
-    return [PendingSave(agent.prefix, agent.loop, h, len(job.ids), sliding) for h in hits]
+        sliding = loop.call(prefix.recorded, caches)
+    return [PendingSave(prefix, loop, h, len(job.input_ids), sliding) for h in hits]
 
 
 def pick_first(

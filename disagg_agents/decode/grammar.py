@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 
 from disagg_agents.decode.compilequeue import CompileQueue, Expired, Job
-from disagg_agents.decode.grammarcheck import CompileCheck, TooSlow, limits
 from disagg_agents.decode.schemas import closed
+from disagg_agents.runtime.grammarcheck import CompileCheck, TooSlow, limits
 from disagg_agents.wire.request import RequestError
 from disagg_agents.wire.text import printable
 

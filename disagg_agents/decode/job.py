@@ -31,10 +31,11 @@ class Job:
     progress: Keepalive | None
     t0: float
     at: float
-    # prompt: the ids the model sees (the prompt, then a migrated answer so far)
+    # prompt: the prompt's ids; a migrated answer so far; the ids the model takes
+    # as input (the prompt, then that answer)
     prompt_ids: list[int] = field(default_factory=list)
     resumed: list[int] = field(default_factory=list)  # sent by an agent that died
-    ids: list[int] = field(default_factory=list)
+    input_ids: list[int] = field(default_factory=list)
     max_tokens: int = 0  # the request's, capped by what the context leaves
     matcher: Matcher | None = None  # the output grammar
     allowed: np.ndarray | None = None  # its mask for the first token, [vocab] bool
@@ -48,18 +49,13 @@ class Job:
     t_prefilled: float = 0.0
     # firsttoken
     sampler: Sampler | None = None
-    first: tuple[int, np.ndarray | None] = (0, None)
+    first_id: int = 0  # the first new token
+    first_logprobs: np.ndarray | None = None  # its logprobs, when asked
     t_first: float = 0.0
-    chat: ChatStream | None = None  # the answer's parser
+    parser: ChatStream | None = None  # the answer's parser
     saves: list[PendingSave] = field(default_factory=list)
-    early: Metrics | None = None  # the first TOKEN frame's metrics
+    first_frame_metrics: Metrics | None = None  # the first TOKEN frame's metrics
     # stream: the tokens sent and the batch row (None: it ended with its first token)
     out: list[int] = field(default_factory=list)
     seq: Seq | None = None
     t_end: float = 0.0
-
-    @property
-    def parser(self) -> ChatStream:
-        """The answer's parser, once firsttoken opened it."""
-        assert self.chat is not None
-        return self.chat

@@ -15,16 +15,16 @@ import numpy as np
 from disagg_agents.decode.codectuner import MIN_LINK_FRAME
 from disagg_agents.decode.kvcaches import check_layer, fill_layer
 from disagg_agents.decode.kvslots import Slots, receive_layer
-from disagg_agents.decode.upfront import HungUp
 from disagg_agents.prefix.store import Prefix
+from disagg_agents.runtime.hangup import HungUp
 from disagg_agents.wire.auth import client_auth
 from disagg_agents.wire.channel import FrameReader, recv_json, send_json, send_json_ids
 from disagg_agents.wire.frames import (
     CONTROL_MAX_FRAME,
     HEADER,
-    AuthError,
     Frame,
     Header,
+    PeerAuthError,
     ProtocolError,
     RemoteError,
     decode_json,
@@ -93,7 +93,7 @@ def dial(hosts: list[str], port: int, timeout_s: float) -> tuple[socket.socket, 
 
 
 @dataclass
-class Session:
+class PrefillLink:
     """An open, authenticated connection to a prefill agent that took our HELLO."""
 
     sock: socket.socket
@@ -114,7 +114,7 @@ class Received:
     metrics: dict[str, Any] = field(default_factory=dict)
 
 
-def open_session(target: PrefillTarget, hello: dict[str, Any], token: bytes | None) -> Session:
+def open_session(target: PrefillTarget, hello: dict[str, Any], token: bytes | None) -> PrefillLink:
     """Dial the target's addresses in order, prove ourselves, and say HELLO."""
     timeout_s = target.timeout or DEFAULT_TIMEOUT_S
     sock, host, failures = dial(target.hosts, target.port, timeout_s)
@@ -127,7 +127,7 @@ def open_session(target: PrefillTarget, hello: dict[str, Any], token: bytes | No
     except BaseException:
         sock.close()
         raise
-    return Session(sock, f"{host}:{target.port}", ok, failures)
+    return PrefillLink(sock, f"{host}:{target.port}", ok, failures)
 
 
 def send_prefill(sock: socket.socket, request: PrefillRequest, packed_ids: bool) -> None:
@@ -336,7 +336,7 @@ def fetch_kv(
         why = printable(e)
         kind = "timeout" if isinstance(e, TimeoutError) else "stream"
         raise PrefillUnavailable(f"prefill stream from {addr} failed: {why}", kind) from e
-    except AuthError as e:
+    except PeerAuthError as e:
         # Not a fault to paper over with a local prefill: the cluster is misconfigured.
         raise RemoteError("unauthorized", f"cannot use prefill agent {addr}: {e}") from e
     except RemoteError as e:
@@ -358,7 +358,7 @@ def _count(v: Any) -> int | None:
 
 
 def fetch_metrics(
-    request: PrefillRequest, session: Session, got: Received, t0: float
+    request: PrefillRequest, session: PrefillLink, got: Received, t0: float
 ) -> dict[str, Any]:
     """The metrics of one fetch, in the names results carry."""
     done, ok = got.done, session.hello_ok

@@ -12,70 +12,94 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from disagg_agents.decode.codectuner import CodecTuner
+from disagg_agents.decode.codectuner import CodecTuner, CodecTuners
+from disagg_agents.decode.engine import DecodeEngine
 from disagg_agents.decode.job import Job
 from disagg_agents.decode.kvcaches import fill_layer
 from disagg_agents.decode.kvfetch import DEFAULT_TIMEOUT_S, Into, PrefillUnavailable, fetch_kv
 from disagg_agents.decode.kvslots import Slots, allocate
-from disagg_agents.decode.prefixcache import Hit
-from disagg_agents.decode.upfront import HungUp, client_gone
+from disagg_agents.decode.loop import DecodeLoop
+from disagg_agents.decode.placement import Placement
+from disagg_agents.decode.prefixcache import DecodePrefixCache, Hit
 from disagg_agents.prefix.store import Prefix
+from disagg_agents.runtime.blasshare import BlasShare
+from disagg_agents.runtime.hangup import HungUp, client_gone
 from disagg_agents.wire.answer import Metrics
 from disagg_agents.wire.kvcodec import Codec, LayerKV
 from disagg_agents.wire.request import GenerateRequest, PrefillRequest
 
-if TYPE_CHECKING:
-    from disagg_agents.decode.agent import DecodeAgent
-
 log = logging.getLogger("disagg.decode")
 
 
-def prompt_kv(agent: DecodeAgent, job: Job) -> None:
+@dataclass
+class KVSource:
+    """What finding a prompt's K/V takes: the model (engine), the mlx thread
+    (loop), the prefix cache, placement, the codec tuners and the BLAS share;
+    who we are to prefill agents (name, token) and two live settings."""
+
+    engine: DecodeEngine
+    loop: DecodeLoop
+    prefix: DecodePrefixCache
+    placement: Placement
+    tuners: CodecTuners
+    blas_share: BlasShare
+    name: str
+    token: bytes | None = None  # the cluster token, proves us to prefill agents
+    allow_mixed: bool = False  # accept a prefill agent on other weights ("mixed")
+    kv_inplace: bool = True  # receive K/V straight into the caches (False: copy)
+
+    def prompt_kv(self, job: Job) -> None:
+        """The stage: job.caches holding the prompt and job.logits (prompt_kv)."""
+        prompt_kv(self, job)
+
+
+def prompt_kv(src: KVSource, job: Job) -> None:
     """Caches holding the prompt and the logits of its last position: fetched from
     the request's prefill agent, or prefilled here (local_prefill)."""
-    fetch_or_not(agent, job)
+    fetch_or_not(src, job)
     job.t_local = time.perf_counter()
     if job.logits is None:
-        job.logits = local_prefill(agent, job)
+        job.logits = local_prefill(src, job)
     job.t_prefilled = time.perf_counter()
 
 
-def fetch_or_not(agent: DecodeAgent, job: Job) -> None:
+def fetch_or_not(src: KVSource, job: Job) -> None:
     """Fresh caches and, after a remote prefill, the prompt in them and the logits
     of its last position (None: prefill here). Picks the codec, looks up the prefix
     cache, decides where to prefill and fetches the K/V; a prefix cache hit is
     appended to `job.hits`, to save the prompt's blocks later."""
-    req, ids, metrics = job.req, job.ids, job.metrics
-    job.caches = make_prompt_cache(agent.engine.model)
+    req, ids, metrics = job.req, job.input_ids, job.metrics
+    job.caches = make_prompt_cache(src.engine.model)
     if req.prefill is None:
         metrics.method = "decode-only"
         return
     key = f"{','.join(req.prefill.hosts)}:{req.prefill.port}"
-    codec, tuner, probe = pick_codec(agent, req, key, metrics)
-    where, why, hit = place(agent, req, key, ids)
+    codec, tuner, probe = pick_codec(src, req, key, metrics)
+    where, why, hit = place(src, req, key, ids)
     metrics.update(placement=where, placement_reason=why)
     if where == "local":
         metrics.method = "local"
         return
     try:
-        fetched, logits = fetch_remote(agent, job, hit, codec, probe)
+        fetched, logits = fetch_remote(src, job, hit, codec, probe)
     except PrefillUnavailable as e:
         if gone(job)():  # the wait outlasted its client: nobody to prefill for
             raise HungUp(f"the client hung up; no local prefill after: {e}") from None
         log.warning("%s; prefilling locally", e)
         metrics.update(method="local-fallback", fallback_reason=str(e), fallback_kind=e.kind)
-        job.caches = make_prompt_cache(agent.engine.model)
+        job.caches = make_prompt_cache(src.engine.model)
         return
     job.marks = fetched.pop("marks", None)  # this host's clock, for the timeline only
     # Rates from what was computed and sent, not what came from a prefix cache.
     computed = len(ids) - max(hit.tokens if hit.used else 0, fetched["prefill_cached_tokens"])
-    agent.placement.observe_remote(key, computed, len(job.caches), fetched)
+    src.placement.observe_remote(key, computed, len(job.caches), fetched)
     fetched.pop("prefill_queue_waiting", None)  # other requests' count: not the client's
     if tuner is not None:
         tuner.observe_fetch(fetched)
@@ -85,70 +109,65 @@ def fetch_or_not(agent: DecodeAgent, job: Job) -> None:
     job.logits = logits
 
 
-def lookup(
-    agent: DecodeAgent, req: GenerateRequest, namespace: str, ids: list[int], local: bool
-) -> Hit:
+def lookup(src: KVSource, req: GenerateRequest, namespace: str, ids: list[int], local: bool) -> Hit:
     """The prefix cache's hit for `ids` in `namespace` (none when the request
     turned the cache off)."""
     if not req.prefix_cache or req.kv_quant:  # int8 K/V is lossy: never reused
-        return Hit(namespace, [], [], agent.prefix.store.block)
-    return agent.prefix.lookup(namespace, ids, local, req.cache_salt)
+        return Hit(namespace, [], [], src.prefix.store.block)
+    return src.prefix.lookup(namespace, ids, local, req.cache_salt)
 
 
 def pick_codec(
-    agent: DecodeAgent, req: GenerateRequest, key: str, metrics: Metrics
+    src: KVSource, req: GenerateRequest, key: str, metrics: Metrics
 ) -> tuple[Codec, CodecTuner | None, bool]:
     """The K/V codec to ask the prefill agent `key` for: the request's, or for
     "auto" what that link measured best. Also the tuner that learns from this
     fetch, and whether to time the other codecs on one layer."""
     if req.codec != "auto":
         return Codec(int(req.codec)), None, False
-    with agent.lock:
-        tuner = agent.codec_tuners.setdefault(key, CodecTuner())
+    tuner = src.tuners.for_link(key)
     codec, why = tuner.choose()
     metrics.codec_reason = why
     return codec, tuner, tuner.wants_probe()
 
 
-def place(
-    agent: DecodeAgent, req: GenerateRequest, key: str, ids: list[int]
-) -> tuple[str, str, Hit]:
+def place(src: KVSource, req: GenerateRequest, key: str, ids: list[int]) -> tuple[str, str, Hit]:
     """Where the prompt is prefilled ("local" or "remote"), why, and the remote
     prefix cache hit. The hit comes first: placement then weighs only what a
     remote prefill still computes and sends (most of a chat's next turn hits)."""
-    namespace = remote_namespace(agent, req)
-    hit = Hit(namespace, [], [], agent.prefix.store.block)
+    namespace = remote_namespace(src, req)
+    hit = Hit(namespace, [], [], src.prefix.store.block)
     if req.placement != "local":
-        hit = lookup(agent, req, namespace, ids, local=False)
-    where, why = agent.placement.choose(key, len(ids), cached=hit.tokens)
+        hit = lookup(src, req, namespace, ids, local=False)
+    where, why = src.placement.choose(key, len(ids), cached=hit.tokens)
     if req.placement in ("local", "remote"):
         where, why = req.placement, "placement forced by the request"
     return where, why, hit
 
 
-def remote_namespace(agent: DecodeAgent, req: GenerateRequest) -> str:
+def remote_namespace(src: KVSource, req: GenerateRequest) -> str:
     """The prefix cache's namespace for K/V from the request's prefill agent: its
     host, not its port, so blocks (on disk too) outlive the prefill agent's restart
     on a new port. With mixed weights allowed, another agent there may hold other
     weights: then the port too."""
     assert req.prefill is not None
     where = ",".join(req.prefill.hosts)
-    return f"remote:{where}:{req.prefill.port}" if agent.allow_mixed else f"remote:{where}"
+    return f"remote:{where}:{req.prefill.port}" if src.allow_mixed else f"remote:{where}"
 
 
-def hello(agent: DecodeAgent) -> dict[str, Any]:
+def hello(src: KVSource) -> dict[str, Any]:
     """Our HELLO to a prefill agent: who we are and the model we decode."""
     return {
         "role": "decode",
-        "fingerprint": agent.engine.fingerprint,
-        "model": agent.engine.model_dir,
-        "server": agent.name,
-        "allow_mixed": agent.allow_mixed,
+        "fingerprint": src.engine.fingerprint,
+        "model": src.engine.model_dir,
+        "server": src.name,
+        "allow_mixed": src.allow_mixed,
     }
 
 
 def fetch_remote(
-    agent: DecodeAgent, job: Job, hit: Hit, codec: Codec, probe: bool
+    src: KVSource, job: Job, hit: Hit, codec: Codec, probe: bool
 ) -> tuple[dict[str, Any], np.ndarray]:
     """The prompt's K/V from the request's prefill agent, placed into `job.caches`
     (past a prefix cache `hit`), and its last position's logits; the fetch's
@@ -157,14 +176,14 @@ def fetch_remote(
     fills: list[Future[Any]] = []
     # Full-attention layers are received straight into their caches, which
     # the mlx thread allocates while we dial (disagg_agents.decode.kvslots).
-    alloc = allocating(agent, job)
-    prefix = agent.prefix.remote_prefix(hit, job.ids)
-    ask = prefill_ask(agent, job, codec, probe, prefix)
-    with agent.blas_share.prefilling():
-        slots = slots_of(agent, alloc, hit) if alloc is not None else None
-        into = Into(job.caches, placer(agent, alloc, fills), prefix, slots, gone(job))
+    alloc = allocating(src, job)
+    prefix = src.prefix.remote_prefix(hit, job.input_ids)
+    ask = prefill_ask(src, job, codec, probe, prefix)
+    with src.blas_share.prefilling():
+        slots = slots_of(src, alloc, hit) if alloc is not None else None
+        into = Into(job.caches, placer(src, alloc, fills), prefix, slots, gone(job))
         fetched, logits = fetch_kv(
-            job.req.prefill, ask, into, hello(agent), agent.token, agent.engine.vocab_size
+            job.req.prefill, ask, into, hello(src), src.token, src.engine.vocab_size
         )
     for f in fills:
         f.result()
@@ -175,32 +194,37 @@ def fetch_remote(
     return fetched, logits
 
 
-def allocating(agent: DecodeAgent, job: Job) -> Future[Slots] | None:
+def allocating(src: KVSource, job: Job) -> Future[Slots] | None:
     """The in-place receive's cache buffers, allocated on the mlx thread (None:
     the copy path)."""
-    if not agent.kv_inplace:
+    if not src.kv_inplace:
         return None
-    fp = agent.engine.fingerprint
-    return agent.loop.post(
-        allocate, job.caches, len(job.ids), agent.engine.dtype, fp["num_kv_heads"], fp["head_dim"]
+    fp = src.engine.fingerprint
+    return src.loop.post(
+        allocate,
+        job.caches,
+        len(job.input_ids),
+        src.engine.dtype,
+        fp["num_kv_heads"],
+        fp["head_dim"],
     )
 
 
-def slots_of(agent: DecodeAgent, alloc: Future[Slots], hit: Hit) -> Callable[[], Slots]:
+def slots_of(src: KVSource, alloc: Future[Slots], hit: Hit) -> Callable[[], Slots]:
     """fetch_kv's `slots`: the allocated buffers, a prefix hit's blocks copied in."""
 
     def slots() -> Slots:
         got: Slots = alloc.result()
         if hit.tokens:
             got.prefix_start = hit.tokens
-            got.fill_prefix = lambda layer, k, v: agent.prefix.fill_prefix(hit, layer, k, v)
+            got.fill_prefix = lambda layer, k, v: src.prefix.fill_prefix(hit, layer, k, v)
         return got
 
     return slots
 
 
 def placer(
-    agent: DecodeAgent, alloc: Future[Slots] | None, fills: list[Future[Any]]
+    src: KVSource, alloc: Future[Slots] | None, fills: list[Future[Any]]
 ) -> Callable[[Any, LayerKV, int], None]:
     """fetch_kv's `place`: a layer not received in place, copied into its cache on
     the mlx thread (the futures go to `fills`)."""
@@ -213,19 +237,19 @@ def placer(
         own = kv
         if not (kv.keys.flags.owndata and kv.values.flags.owndata):
             own = LayerKV(kv.layer, kv.kind, kv.dtype, kv.keys.copy(), kv.values.copy())
-        fills.append(agent.loop.post(fill_layer, cache, own, prompt_len))
+        fills.append(src.loop.post(fill_layer, cache, own, prompt_len))
 
     return place
 
 
 def prefill_ask(
-    agent: DecodeAgent, job: Job, codec: Codec, probe: bool, prefix: Prefix | None
+    src: KVSource, job: Job, codec: Codec, probe: bool, prefix: Prefix | None
 ) -> PrefillRequest:
     """The PREFILL frame's request: the prompt past the prefix the prefill agent
     holds too, and whether our cores are busy."""
     req = job.req
     return PrefillRequest(
-        job.ids,
+        job.input_ids,
         codec=int(codec),
         kv_quant=req.kv_quant,
         start=prefix.start if prefix else 0,
@@ -236,25 +260,25 @@ def prefill_ask(
         # Only where the agents share cores (blas_share set up by localagents):
         # rows decoding now, or prefills of ours ahead of this one, whose
         # streams will be decoding by the time this one runs.
-        cores_busy=agent.blas_share.shared is not None
-        and (agent.loop.busy() or agent.blas_share.prefills > 0),
+        cores_busy=src.blas_share.shared is not None
+        and (src.loop.busy() or src.blas_share.prefills > 0),
         # As long as we wait for its first K/V (kvfetch.open_session's timeout).
         wait_s=(req.prefill.timeout if req.prefill else None) or DEFAULT_TIMEOUT_S,
     )
 
 
-def local_prefill(agent: DecodeAgent, job: Job) -> np.ndarray:
+def local_prefill(src: KVSource, job: Job) -> np.ndarray:
     """The prompt through the model here. Alone, chunked exactly as mlx-lm's
     generate_step does (so the text matches it); beside decoding streams, in
     chunks the loop sizes to about a decode step or two, a step between each
     (disagg_agents/decode/chunksizer.py), so no stream stalls for the whole prompt. Returns the
     last position's logits (float32). A prefix cache hit (mlx's own K/V, namespace
     "local") seeds the caches and only the rest is computed."""
-    model, ids, caches = agent.engine.model, job.ids, job.caches
+    model, ids, caches = src.engine.model, job.input_ids, job.caches
     left = gone(job)
     if left():
         raise HungUp("the client hung up before its local prefill began")
-    done = seed_local(agent, job)
+    done = seed_local(src, job)
 
     def chunk(a: int, b: int) -> None:
         if left():  # on the mlx thread, between chunks: the request's thread gets it
@@ -271,8 +295,8 @@ def local_prefill(agent: DecodeAgent, job: Job) -> np.ndarray:
         return np.array(row)
 
     if done < len(ids) - 1:
-        agent.loop.prefill(chunk, done, len(ids) - 1).result()
-    logits: np.ndarray = agent.loop.call(last)
+        src.loop.prefill(chunk, done, len(ids) - 1).result()
+    logits: np.ndarray = src.loop.call(last)
     return logits
 
 
@@ -284,14 +308,14 @@ def gone(job: Job) -> Callable[[], bool]:
     return lambda: client_gone(sock)
 
 
-def seed_local(agent: DecodeAgent, job: Job) -> int:
+def seed_local(src: KVSource, job: Job) -> int:
     """The local prefix cache's hit seeded into the caches: the prompt positions
     it covers (0: none)."""
-    hit = lookup(agent, job.req, "local", job.ids, local=True)
+    hit = lookup(src, job.req, "local", job.input_ids, local=True)
     job.hits.append(hit)
-    agent.prefix.record(hit, job.caches)  # a sliding layer's every position, to save
+    src.prefix.record(hit, job.caches)  # a sliding layer's every position, to save
     if hit.tokens:
-        agent.loop.call(agent.prefix.seed, hit, job.caches)
+        src.loop.call(src.prefix.seed, hit, job.caches)
     job.metrics.cached_tokens = hit.tokens
     job.metrics.disk_cached_tokens = hit.disk_tokens or None
     return hit.tokens

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import socket
 import time
-from typing import TYPE_CHECKING
 
 from disagg_agents.chatformat import generic
 from disagg_agents.decode.engine import BadRequest, DecodeEngine, shown_tools
@@ -13,25 +12,26 @@ from disagg_agents.decode.grammar import ANALYSIS_MAX_TOKENS, ClientGone, Framin
 from disagg_agents.decode.grammarformats import generic_lark
 from disagg_agents.decode.job import Job
 from disagg_agents.decode.keepalive import Keepalive
-from disagg_agents.decode.upfront import client_gone
+from disagg_agents.runtime.hangup import client_gone
 from disagg_agents.wire.answer import Metrics
 from disagg_agents.wire.request import GenerateRequest, RequestError
 
-if TYPE_CHECKING:
-    from disagg_agents.decode.agent import DecodeAgent
-
 
 def open_job(
-    agent: DecodeAgent, req: GenerateRequest, sock: socket.socket, progress: Keepalive | None
+    eng: DecodeEngine,
+    server: str,
+    req: GenerateRequest,
+    sock: socket.socket,
+    progress: Keepalive | None,
 ) -> Job:
-    """The request's Job: prompt ids, grammar, max_tokens and its first metrics."""
-    eng = agent.engine
+    """The request's Job: prompt ids, grammar, max_tokens and its first metrics
+    (`server`: this agent's name)."""
     job = Job(req, sock, progress, time.perf_counter(), time.time())
     job.prompt_ids = eng.encode(req)
     # A migrated request: the answer so far is prompt here (never sent again).
     job.resumed = list(req.resume_ids or [])
-    job.ids = job.prompt_ids + job.resumed
-    job.max_tokens = max_tokens(eng, req, job.ids)
+    job.input_ids = job.prompt_ids + job.resumed
+    job.max_tokens = max_tokens(eng, req, job.input_ids)
     t_grammar = time.perf_counter()
     job.matcher = matcher = request_matcher(eng, req, job.prompt_ids, sock)
     grammar_ms = (time.perf_counter() - t_grammar) * 1000 if matcher is not None else None
@@ -44,7 +44,7 @@ def open_job(
         resumed_tokens=len(job.resumed) or None,
         kv_bytes=0,
         kv_transfer_time=0.0,
-        decode_server=agent.name,
+        decode_server=server,
         cached_tokens=0,  # prompt positions whose K/V came from the prefix cache
         weights="same",  # a remote prefill on other weights says "mixed"
         grammar_ms=grammar_ms,  # compiling the output grammar, or its cache hit

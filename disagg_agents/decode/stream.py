@@ -4,47 +4,44 @@ loop's shared batch (disagg_agents.decode.loop), sent as the tokens come."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from disagg_agents.decode.events import bursts, corked, send_events
 from disagg_agents.decode.job import Job
-from disagg_agents.decode.loop import Seq
+from disagg_agents.decode.loop import DecodeLoop, Seq
+from disagg_agents.decode.tokenframes import bursts, corked, send_events
 from disagg_agents.wire.channel import send_frame
 from disagg_agents.wire.frames import Frame
-
-if TYPE_CHECKING:
-    from disagg_agents.decode.agent import DecodeAgent
+from disagg_agents.wire.request import GenerateRequest
 
 
-def decode(agent: DecodeAgent, job: Job) -> None:
+def decode(loop: DecodeLoop, stops: Callable[[GenerateRequest], frozenset[int]], job: Job) -> None:
     """The answer as TOKEN (and LOGPROBS) frames as the tokens come (the first with
-    `job.early`, first_metrics): the tokens sent go to job.out, the batch row to
+    `job.first_frame_metrics`): the tokens sent go to job.out, the batch row to
     job.seq (None: the answer ended with its first token)."""
-    eos = agent.engine.stops(job.req)
-    first, matcher = job.first, job.matcher
+    eos = stops(job.req)
+    first, matcher = job.first_id, job.matcher
     if matcher is not None:
-        matcher.consume(first[0])
+        matcher.consume(first)
         eos = eos | matcher.eos  # under a grammar EOS comes only where it accepts
     emit = emitter(job)
-    if first[0] in eos or job.max_tokens <= 1 or (matcher is not None and matcher.finished):
+    if first in eos or job.max_tokens <= 1 or (matcher is not None and matcher.finished):
         for save in job.saves:
             save.now(job.caches)  # never decoded: nothing writes them
-        if first[0] not in eos:
-            emit(*first)
+        if first not in eos:
+            emit(first, job.first_logprobs)
         return
     req = job.req
-    seq = Seq(job.caches, first[0], job.sampler, job.max_tokens, eos, req.logprobs, matcher=matcher)
+    seq = Seq(job.caches, first, job.sampler, job.max_tokens, eos, req.logprobs, matcher=matcher)
     seq.tenant = req.cache_salt  # a full batch's free rows go fairly among tenants
     for save in job.saves:
         save.attach(seq)
-    agent.loop.join(seq)
+    loop.join(seq)
     job.seq = seq
     if job.progress is not None:
         job.progress.seq = seq  # PROGRESS now says queued (no batch slot yet) or decode
     try:
-        emit(*first)
+        emit(first, job.first_logprobs)
         for burst in bursts(seq.out):
             with corked(job.sock, len(burst) > 1):
                 for tid, lp in burst:
@@ -60,13 +57,14 @@ def decode(agent: DecodeAgent, job: Job) -> None:
 
 
 def emitter(job: Job) -> Callable[[int, np.ndarray | None], None]:
-    """Sends one token: its TOKEN frames (the request's first with `job.early`)
+    """Sends one token: its TOKEN frames (the request's first with `job.first_frame_metrics`)
     and its LOGPROBS frame when asked."""
     out, chat, sock = job.out, job.parser, job.sock
+    assert chat is not None  # opened by firsttoken
 
     def emit(tid: int, lp: np.ndarray | None) -> None:
         out.append(tid)
-        send_events(sock, tid, chat.add(tid), None if out[1:] else job.early)
+        send_events(sock, tid, chat.add(tid), None if out[1:] else job.first_frame_metrics)
         if lp is not None:
             send_frame(sock, Frame.LOGPROBS, lp.tobytes())
 

@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from disagg_agents.decode.upfront import client_gone
 from disagg_agents.prefill.embed import Embedder
 from disagg_agents.prefill.engine import PrefillEngine
 from disagg_agents.prefill.prefixcache import PrefillPrefixCache
@@ -23,6 +22,7 @@ from disagg_agents.prefill.sender import KV_BUFFER_MB, KV_STALL_S, LayerSender, 
 from disagg_agents.prefix.store import default_max_mb, prefix_digest
 from disagg_agents.quant import weights_mismatch
 from disagg_agents.runtime.args import common_args
+from disagg_agents.runtime.hangup import client_gone
 from disagg_agents.runtime.metrics import Stats
 from disagg_agents.runtime.serve import serve, start_agent
 from disagg_agents.runtime.settings import (

@@ -15,10 +15,12 @@ from typing import Any
 
 import torch
 
-from disagg_agents.decode.upfront import client_gone, max_token_bytes
 from disagg_agents.models.pooling import pooling_of
+from disagg_agents.runtime.hangup import client_gone
 from disagg_agents.wire.channel import recv_json, send_error, send_json
+from disagg_agents.wire.embedreply import EmbedReply
 from disagg_agents.wire.frames import Frame, ProtocolError, RemoteError
+from disagg_agents.wire.promptsize import max_token_bytes
 
 INPUTS_MAX = 512  # texts per EMBED
 TEXT_MAX_CHARS = 1 << 20
@@ -143,7 +145,7 @@ class Embedder:
             if gone():
                 raise Gone
             vectors.append(self.vector(one, gone))
-        return {"embeddings": vectors, "prompt_tokens": total, "pooling": self.pooling}
+        return EmbedReply(vectors, total, self.pooling).to_json()
 
     def serve(self, sock: socket.socket, max_bytes: int) -> None:
         """EMBED frames until the client hangs up; a bad one gets an ERROR and the

@@ -35,9 +35,6 @@ class QSpec:
     bits: int
     group_size: int
 
-    def as_dict(self) -> dict[str, object]:
-        return {"mode": self.mode, "bits": self.bits, "group_size": self.group_size}
-
 
 def unpack_affine(packed: torch.Tensor, bits: int, n_in: int) -> torch.Tensor:
     """uint8 bytes [..., n_in*bits/8] -> uint8 codes [..., n_in]."""

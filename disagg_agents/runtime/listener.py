@@ -20,7 +20,7 @@ from disagg_agents.runtime.gate import (
     Gate,
 )
 from disagg_agents.wire.auth import server_auth
-from disagg_agents.wire.frames import AuthError, Deadline, ProtocolError
+from disagg_agents.wire.frames import Deadline, PeerAuthError, ProtocolError
 from disagg_agents.wire.text import printable
 
 log = logging.getLogger("disagg.agent")
@@ -91,7 +91,7 @@ class FrameHandler(socketserver.BaseRequestHandler):
             if not server.gate.authenticated(addr, sock):
                 return False  # evicted as it authenticated: its slot is gone
             authed = True
-        except AuthError as e:
+        except PeerAuthError as e:
             log.warning("refused %s: %s", peer, printable(e))
         except (OSError, ProtocolError) as e:
             log.info("dropped %s before it authenticated: %s", peer, printable(e))

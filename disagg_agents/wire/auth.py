@@ -13,10 +13,10 @@ from typing import Any
 from disagg_agents.wire.channel import recv_json, send_error, send_json
 from disagg_agents.wire.frames import (
     PREAUTH_MAX_FRAME,
-    AuthError,
     Deadline,
     DeadlineExceeded,
     Frame,
+    PeerAuthError,
     PeerClosed,
     ProtocolError,
     RemoteError,
@@ -58,7 +58,7 @@ def server_auth(
     deadline: Deadline | None = None,
     max_frame: int = PREAUTH_MAX_FRAME,
 ) -> None:
-    """Open a connection as the server; raises AuthError after telling the peer why.
+    """Open a connection as the server; raises PeerAuthError after telling the peer why.
 
     The whole exchange must end by `deadline`, and no frame may exceed `max_frame`
     (the answer is tiny): an unknown peer costs a few kB for a bounded time.
@@ -80,15 +80,15 @@ def server_auth(
     except RemoteError as e:
         reason = f"sent ERROR {printable(e.code, 40)}: {printable(e.message)}"
         send_error(sock, "unauthorized", "authentication required")
-        raise AuthError(reason) from None
+        raise PeerAuthError(reason) from None
     except ProtocolError as e:
         if isinstance(e, PeerClosed | DeadlineExceeded):
             raise
         send_error(sock, "unauthorized", f"authentication required: {e}")
-        raise AuthError(str(e)) from None
+        raise PeerAuthError(str(e)) from None
     if not hmac.compare_digest(mac, _mac(token, b"client", nonce, client_nonce, mode)):
         send_error(sock, "unauthorized", "wrong token: this agent belongs to another cluster")
-        raise AuthError("wrong token")
+        raise PeerAuthError("wrong token")
     proof = _mac(token, b"server", nonce, client_nonce, mode)
     send_json(sock, Frame.AUTH_OK, {"mac": proof.hex()})
     if mode == "mac":
@@ -106,15 +106,15 @@ def client_auth(sock: socket.socket, token: bytes | None, integrity: str = "mac"
     if not challenge.get("auth"):
         if token is None:
             return
-        raise AuthError(
+        raise PeerAuthError(
             "the agent runs without a cluster token, so it cannot prove it belongs to this "
             "cluster: refusing to send it work; restart it with --token-file"
         )
     if token is None:
-        raise AuthError("the agent requires the cluster token and none was given")
+        raise PeerAuthError("the agent requires the cluster token and none was given")
     offered = challenge.get("integrity")
     if integrity == "mac" and not (isinstance(offered, list) and "mac" in offered):
-        raise AuthError(
+        raise PeerAuthError(
             "the agent cannot check frames after the handshake (an older release?): "
             'upgrade it, or set integrity = "none" for this pipeline'
         )
@@ -127,9 +127,9 @@ def client_auth(sock: socket.socket, token: bytes | None, integrity: str = "mac"
     try:
         _, ok = recv_json(sock, Frame.AUTH_OK, PREAUTH_MAX_FRAME)
     except RemoteError as e:
-        raise AuthError(printable(e.message)) from None
+        raise PeerAuthError(printable(e.message)) from None
     proof = _hex_field(ok, "mac", hashlib.sha256().digest_size)
     if not hmac.compare_digest(proof, _mac(token, b"server", nonce, client_nonce, integrity)):
-        raise AuthError("the agent could not prove it holds the cluster token")
+        raise PeerAuthError("the agent could not prove it holds the cluster token")
     if integrity == "mac":
         seal_connection(sock, token, nonce, client_nonce, server=False)

@@ -85,7 +85,7 @@ class DeadlineExceeded(ProtocolError):
     """The peer did not finish in time (the handshake deadline, for instance)."""
 
 
-class AuthError(Exception):
+class PeerAuthError(Exception):
     """A peer failed to prove it holds the cluster token (or we have none to prove)."""
 
 

@@ -27,7 +27,7 @@ import struct
 import threading
 import time
 
-from disagg_agents.wire.frames import AuthError
+from disagg_agents.wire.frames import PeerAuthError
 from disagg_agents.wire.text import printable
 
 SCHEME = "Disagg-HMAC"
@@ -186,7 +186,7 @@ def control_call(
     """Call an agent's control endpoint, proving the token without sending it.
 
     Holding a token, the answer must carry the agent's proof (no downgrade to an
-    agent that asks for nothing). Raises AuthError when either side fails to
+    agent that asks for nothing). Raises PeerAuthError when either side fails to
     prove itself, ControlError for another HTTP error, OSError when unreachable.
     """
     where = f"{host}:{port}{path}"
@@ -197,7 +197,7 @@ def control_call(
         return answer
     if status != 401:
         if token is not None and status == 200:
-            raise AuthError(
+            raise PeerAuthError(
                 f"the agent at {host}:{port} asks for no cluster token, so it cannot prove it "
                 "belongs to this cluster: refusing its answer; restart it with --token-file"
             )
@@ -205,11 +205,13 @@ def control_call(
             raise ControlError(status, answer, where)
         return answer
     if token is None:
-        raise AuthError(f"the agent at {host}:{port} requires the cluster token and none was given")
+        raise PeerAuthError(
+            f"the agent at {host}:{port} requires the cluster token and none was given"
+        )
     challenge = parse_authorization(headers.get("www-authenticate"))
     nonce = (challenge or {}).get("nonce")
     if not nonce:
-        raise AuthError(f"{where} answered 401 without a {SCHEME} challenge")
+        raise PeerAuthError(f"{where} answered 401 without a {SCHEME} challenge")
     cnonce = secrets.token_hex(16)
     signed = () if body is None else (hashlib.sha256(body).hexdigest(),)
     mac = _mac(token, "client", method, path, nonce, cnonce, *signed)
@@ -218,10 +220,12 @@ def control_call(
         host, port, path, timeout_s, {"Authorization": auth}, method, body
     )
     if status == 401:
-        raise AuthError(f"the agent at {host}:{port} refused our proof: wrong cluster token?")
+        raise PeerAuthError(f"the agent at {host}:{port} refused our proof: wrong cluster token?")
     expected = _mac(token, "server", method, path, nonce, cnonce, *_answer_digest(status, answer))
     if not hmac.compare_digest(headers.get(PROOF_HEADER.lower(), ""), expected):
-        raise AuthError(f"the agent at {host}:{port} could not prove it holds the cluster token")
+        raise PeerAuthError(
+            f"the agent at {host}:{port} could not prove it holds the cluster token"
+        )
     if status != 200:
         raise ControlError(status, answer, where)
     return answer

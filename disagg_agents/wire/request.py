@@ -15,7 +15,7 @@ import re
 import sys
 from array import array
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from dataclasses import replace as _replace
 from typing import Any
 
@@ -240,12 +240,6 @@ class GenerateRequest:
     def replace(self, **changes: Any) -> GenerateRequest:
         """A copy with `changes`, checked like any request."""
         return _replace(self, **changes)
-
-    def as_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        if self.prefill is not None:
-            d["prefill"] = self.prefill.to_wire()
-        return d
 
 
 def _is_int(v: Any) -> bool:

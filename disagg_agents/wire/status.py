@@ -66,6 +66,34 @@ def _moe_paths(v: Any) -> tuple[MoePath, ...]:
 
 
 @dataclass(frozen=True)
+class PrefixCacheStatus:
+    """The prefix cache's document (disagg_agents.prefix.store's snapshot): the
+    fields the control plane reads. The disk tier's is `AgentStatus.prefix_disk`."""
+
+    hit_rate: float | int | None = None  # of lookups
+    cached_tokens: int | None = None  # prompt tokens it served, every tier
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> PrefixCacheStatus:
+        return cls(hit_rate=_num(d.get("hit_rate")), cached_tokens=_int(d.get("cached_tokens")))
+
+
+@dataclass(frozen=True)
+class WeightsFormat:
+    """What the fingerprint says of the weights: their dtype and, when quantized,
+    the bits and mode (affine, mxfp4, ...)."""
+
+    dtype: str | None = None
+    bits: int | None = None
+    mode: str | None = None
+
+    @classmethod
+    def from_fingerprint(cls, fp: Mapping[str, Any]) -> WeightsFormat:
+        q = _obj(_obj(fp.get("weights")).get("quantization"))
+        return cls(_str(fp.get("dtype")), _int(q.get("bits")), _str(q.get("mode")))
+
+
+@dataclass(frozen=True)
 class AgentStatus:
     """The fields of an agent's /status the control plane reads."""
 
@@ -94,6 +122,9 @@ class AgentStatus:
     last_error: dict[str, Any] | None = None
     # A prefill agent's MoE layers, each with the GEMM path it takes (empty: dense).
     moe_paths: tuple[MoePath, ...] = ()
+    # The nested documents' fields read, typed.
+    prefix_stats: PrefixCacheStatus = field(default_factory=PrefixCacheStatus)
+    weights_format: WeightsFormat = field(default_factory=WeightsFormat)
     doc: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -120,6 +151,8 @@ class AgentStatus:
             prefix_disk=_maybe_obj(d.get("prefix_disk")),
             last_error=_maybe_obj(d.get("last_error")),
             moe_paths=_moe_paths(d.get("moe_paths")),
+            prefix_stats=PrefixCacheStatus.from_json(_obj(d.get("prefix_cache"))),
+            weights_format=WeightsFormat.from_fingerprint(_obj(d.get("fingerprint"))),
             doc=dict(d),
         )
 

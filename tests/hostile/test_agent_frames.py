@@ -29,12 +29,13 @@ from disagg_agents.wire.channel import recv_json, send_error, send_frame, send_j
 from disagg_agents.wire.frames import (
     HEADER,
     PREAUTH_MAX_FRAME,
-    AuthError,
     Frame,
+    PeerAuthError,
     ProtocolError,
     RemoteError,
     pack_header,
 )
+from tests.agenthelpers import rss_kb
 from tests.conftest import LocalServer, PairFactory, Spawn, ask, log_since, log_size, remote_request
 from tests.test_auth import Recorder
 from tests.tinymodels import shared_tiny
@@ -54,13 +55,6 @@ def model(tiny_model: Callable[..., Path]) -> Path:
 def agents(model: Path, agent_pair: PairFactory) -> list[AgentProc]:
     flags = ["--handshake-timeout", str(DEADLINE_S), "--max-preauth-per-peer", str(PER_PEER)]
     return list(agent_pair(model, prefill_args=flags, decode_args=flags))
-
-
-def rss_kb(agent: AgentProc) -> int:
-    for line in Path(f"/proc/{agent.proc.pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise AssertionError("no VmRSS")
 
 
 def target(agent: AgentProc) -> dict[str, Any]:
@@ -163,7 +157,7 @@ class FakePrefill(LocalServer):
         super().__init__()
 
     def on_connection(self, conn: socket.socket) -> None:
-        with conn, contextlib.suppress(OSError, ProtocolError, AuthError):
+        with conn, contextlib.suppress(OSError, ProtocolError, PeerAuthError):
             conn.settimeout(10)
             server_auth(conn, self.token)
             _, hello = recv_json(conn, Frame.HELLO)

@@ -26,7 +26,7 @@ from disagg.serving.localagents import AgentProc, wait_ready
 from disagg_agents.prefix.store import block_keys
 from disagg_agents.wire.auth import _mac, client_auth, server_auth
 from disagg_agents.wire.channel import recv_json, send_json
-from disagg_agents.wire.frames import AuthError, Frame, ProtocolError, RemoteError
+from disagg_agents.wire.frames import Frame, PeerAuthError, ProtocolError, RemoteError
 from tests.conftest import (
     DisaggProcess,
     LocalServer,
@@ -180,7 +180,7 @@ def test_a_client_that_asks_for_tags_refuses_an_agent_without_them() -> None:
         # An older agent: its challenge offers no integrity.
         nonce = os.urandom(32).hex()
         send_json(b, Frame.CHALLENGE, {"nonce": nonce, "auth": True})
-        with pytest.raises(AuthError, match='integrity = "none"'):
+        with pytest.raises(PeerAuthError, match='integrity = "none"'):
             client_auth(a, b"t" * 64, "mac")
 
 
@@ -367,7 +367,7 @@ class EvilDecode(LocalServer):
         super().__init__()
 
     def on_connection(self, conn: socket.socket) -> None:
-        with conn, contextlib.suppress(OSError, ProtocolError, AuthError):
+        with conn, contextlib.suppress(OSError, ProtocolError, PeerAuthError):
             conn.settimeout(10)
             server_auth(conn, self.token)
             recv_json(conn, Frame.GENERATE)

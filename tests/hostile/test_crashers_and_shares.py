@@ -18,8 +18,8 @@ import pytest
 
 from disagg.frontends.openai.types import OpenAIError
 from disagg.frontends.responses import types as rt
-from disagg_agents.decode.upfront import too_long
 from disagg_agents.wire.answer import Metrics
+from disagg_agents.wire.promptsize import too_long
 from disagg_agents.wire.request import GenerateRequest, RequestError
 from disagg_agents.wire.schemasize import (
     LARK_DEPTH_MAX,
@@ -187,7 +187,7 @@ def test_anthropic_thinking_blocks_count_too() -> None:
 
 @pytest.mark.slow
 def test_a_grammar_that_crashes_the_compiler_kills_only_its_child() -> None:
-    from disagg_agents.decode.grammarcheck import CompileCheck, TooSlow
+    from disagg_agents.runtime.grammarcheck import CompileCheck, TooSlow
 
     check = CompileCheck(workers=1)
     try:

@@ -15,7 +15,7 @@ import pytest
 from rich.console import Console
 
 from disagg.cli.render_fleet import status_table
-from disagg.fleet.operations import AgentStatus, _http_status, strip_escapes
+from disagg.fleet.operations import HostProbe, _http_status, strip_escapes
 from tests.conftest import Cli
 
 pytestmark = pytest.mark.fuzz
@@ -82,10 +82,10 @@ def test_a_token_holder_refuses_an_agent_that_wants_none(fake: FakeAgent) -> Non
 
 def test_agent_strings_are_never_markup() -> None:
     rows = [
-        AgentStatus(
+        HostProbe(
             "h", "decode", "healthy", "1.2.3.4:1", {"model": "[red]m", "backend": "[/bold]x\x1b[2J"}
         ),
-        AgentStatus("h", "prefill", "bad answer", detail="1.2.3.4:2: [/] \x1b]0;t\x07"),
+        HostProbe("h", "prefill", "bad answer", detail="1.2.3.4:2: [/] \x1b]0;t\x07"),
     ]
     out = io.StringIO()
     Console(file=out, width=200, color_system=None).print(status_table(rows))

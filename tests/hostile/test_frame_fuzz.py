@@ -12,7 +12,6 @@ import socket
 import struct
 import time
 import tracemalloc
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,6 +23,7 @@ from disagg_agents.wire import kvcodec as K
 from disagg_agents.wire.auth import client_auth
 from disagg_agents.wire.channel import recv_frame, recv_json
 from disagg_agents.wire.frames import Frame, ProtocolError, decode_json, pack_header
+from tests.agenthelpers import rss_kb
 from tests.conftest import PairFactory, ask
 from tests.tinymodels import PROMPT, shared_tiny
 
@@ -149,13 +149,6 @@ def test_any_bytes_parse_or_are_refused(data: bytes) -> None:
 @pytest.fixture(scope="module")
 def agents(agent_pair: PairFactory) -> tuple[AgentProc, AgentProc]:
     return agent_pair(shared_tiny("qwen3"))
-
-
-def rss_kb(agent: AgentProc) -> int:
-    for line in Path(f"/proc/{agent.proc.pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise AssertionError("no VmRSS")
 
 
 def answer(s: socket.socket) -> str:

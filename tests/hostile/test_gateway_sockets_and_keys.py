@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from disagg.frontends.guard import Guard
+from tests.agenthelpers import closed_now
 from tests.conftest import Cli, DisaggProcess
 from tests.gateways import GatewaySpec, ServeGateway, ServeSpec
 
@@ -136,16 +137,6 @@ def test_metrics_internals_only_for_the_operator_who_asks(gateway: ServeGateway)
 # -- 2. connections before a request ---------------------------------------------
 
 
-def _closed_now(s: socket.socket) -> bool:
-    s.setblocking(False)  # with a timeout set, Python polls for it before any recv
-    try:
-        return s.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK) == b""
-    except BlockingIOError:
-        return False
-    except ConnectionResetError:
-        return True
-
-
 def _closed_soon(s: socket.socket, within: float) -> bool:
     s.settimeout(within)
     try:
@@ -173,7 +164,7 @@ def test_silent_sockets_do_not_stop_a_keyed_request(gateway: ServeGateway) -> No
     t0 = time.monotonic()
     models = httpx.get(f"{base}/v1/models", headers=auth, timeout=10)
     took = time.monotonic() - t0
-    refused = sum(_closed_now(s) for s in silent)
+    refused = sum(closed_now(s) for s in silent)
     # The trickler sends a header line every 0.5 s, never the blank line.
     cut_at = None
     for n in range(16):
@@ -191,10 +182,10 @@ def test_silent_sockets_do_not_stop_a_keyed_request(gateway: ServeGateway) -> No
         socket.create_connection(("127.0.0.1", port), 5, source_address=("127.0.3.1", 0))
         for _ in range(PER_ADDRESS + 1)
     ]
-    over_cap = _closed_soon(mine[0], 1.0) and not any(_closed_now(s) for s in mine[1:])
+    over_cap = _closed_soon(mine[0], 1.0) and not any(closed_now(s) for s in mine[1:])
     time.sleep(max(0.0, t_mine + HEADER_TIMEOUT_S + 1.5 - time.monotonic()))
     silent += mine
-    still_open = sum(not _closed_now(s) for s in silent)
+    still_open = sum(not closed_now(s) for s in silent)
     for s in [*silent, trickler]:
         s.close()
     t1 = time.monotonic()

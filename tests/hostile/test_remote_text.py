@@ -15,7 +15,7 @@ from rich.console import Console, RenderableType
 from disagg.cli.render import batch_table, metrics_table
 from disagg.cli.render_fleet import actions_table, deploy_table, log_line, status_table
 from disagg.fleet.deploy import HostDeploy
-from disagg.fleet.operations import AgentAction, AgentStatus, LogLine
+from disagg.fleet.operations import AgentAction, HostProbe, LogLine
 from disagg.fleet.ssh import HostResult
 from disagg.serving.metrics import Metrics
 from tests.conftest import Cli
@@ -54,8 +54,8 @@ def test_one_hostile_status_costs_its_row_only(tmp_path: Path, cli: Cli) -> None
 
 
 def test_status_rows_render_each_in_its_own_guard() -> None:
-    good = AgentStatus("a", "prefill", "healthy", "1.2.3.4:1", {"model": "m", "requests": 5})
-    bad = AgentStatus("b", "decode", "healthy", "1.2.3.4:2", {"prefix_cache": {"hit_rate": "x"}})
+    good = HostProbe("a", "prefill", "healthy", "1.2.3.4:1", {"model": "m", "requests": 5})
+    bad = HostProbe("b", "decode", "healthy", "1.2.3.4:2", {"prefix_cache": {"hit_rate": "x"}})
     for width in (300, 80):  # the wide table and the narrow one
         out = io.StringIO()
         Console(file=out, width=width, color_system=None).print(status_table([good, bad], width))

@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 
 from disagg_agents.decode.grammar import Grammars
-from disagg_agents.decode.upfront import client_gone, max_token_bytes, too_long
+from disagg_agents.runtime.hangup import client_gone
 from disagg_agents.wire.answer import Metrics
+from disagg_agents.wire.promptsize import max_token_bytes, too_long
 from disagg_agents.wire.request import GenerateRequest, RequestError
 from disagg_agents.wire.schemasize import ENUM_MAX, PROPERTIES_MAX, TOOLS_MAX_CHARS, shape
 

@@ -26,17 +26,18 @@ from disagg_agents.wire.auth import client_auth, server_auth
 from disagg_agents.wire.channel import recv_frame, recv_json, send_frame
 from disagg_agents.wire.frames import (
     RECV_STEP,
-    AuthError,
     Deadline,
     DeadlineExceeded,
     Frame,
     Header,
+    PeerAuthError,
     PeerClosed,
     ProtocolError,
     decode_json,
     pack_header,
 )
 from disagg_agents.wire.text import printable
+from tests.agenthelpers import closed_now
 from tests.conftest import socket_pair
 
 pytestmark = pytest.mark.fuzz
@@ -84,20 +85,10 @@ def test_a_trickling_peer_is_cut_at_the_handshake_deadline() -> None:
     stop.set()
 
 
-def _closed_now(s: socket.socket) -> bool:
-    s.setblocking(False)
-    try:
-        return s.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK) == b""
-    except BlockingIOError:
-        return False
-    except ConnectionResetError:
-        return True
-
-
 def test_pre_auth_frames_are_small_and_cost_only_what_arrived() -> None:
     a, b = socket_pair()
     a.sendall(pack_header(Frame.AUTH, 16 << 20))
-    with pytest.raises(AuthError, match="exceeds the cap of 4096"):
+    with pytest.raises(PeerAuthError, match="exceeds the cap of 4096"):
         server_auth(b, TOKEN, Deadline(2.0))
     # After auth a frame may be large, but its memory grows with its bytes.
     a, b = socket_pair()
@@ -130,14 +121,14 @@ def test_deep_or_odd_json_is_a_protocol_error(payload: bytes) -> None:
         decode_json(header, payload)
     a, b = socket_pair()
     send_frame(a, Frame.AUTH, payload[:4000])
-    with pytest.raises(AuthError):  # refused, no RecursionError
+    with pytest.raises(PeerAuthError):  # refused, no RecursionError
         server_auth(b, TOKEN, Deadline(2.0))
 
 
 def test_a_client_with_a_token_refuses_a_server_that_wants_none() -> None:
     a, b = socket_pair()
     threading.Thread(target=server_auth, args=(a, None), daemon=True).start()
-    with pytest.raises(AuthError, match="runs without a cluster token.*refusing"):
+    with pytest.raises(PeerAuthError, match="runs without a cluster token.*refusing"):
         client_auth(b, TOKEN)
 
 
@@ -268,9 +259,9 @@ def test_http_status_with_challenge_response(control: tuple[str, int]) -> None:
     assert b'"in_flight"' in httpauth.control_get(host, port, "/status", TOKEN)
     assert b"disagg_up" in httpauth.control_get(host, port, "/metrics", TOKEN)
     assert b'"ok"' in httpauth.control_get(host, port, "/health", None)
-    with pytest.raises(AuthError, match="requires the cluster token"):
+    with pytest.raises(PeerAuthError, match="requires the cluster token"):
         httpauth.control_get(host, port, "/status", None)
-    with pytest.raises(AuthError, match="refused our proof"):
+    with pytest.raises(PeerAuthError, match="refused our proof"):
         httpauth.control_get(host, port, "/status", b"w" * 64)
     with pytest.raises(httpauth.ControlError, match="404"):
         httpauth.control_get(host, port, "/nope", TOKEN)
@@ -308,7 +299,7 @@ def test_a_client_with_a_token_refuses_an_http_server_without_one() -> None:
         "127.0.0.1", 0, lambda: {"x": 1}, lambda: "", None, threading.Event(), deadline_s=1.0
     )
     try:
-        with pytest.raises(AuthError, match="asks for no cluster token"):
+        with pytest.raises(PeerAuthError, match="asks for no cluster token"):
             httpauth.control_get("127.0.0.1", server.server_address[1], "/status", TOKEN)
     finally:
         server.shutdown()
@@ -359,7 +350,7 @@ def test_http_tricklers_are_cut_and_connections_capped(control: tuple[str, int])
     except ConnectionResetError:
         answer = b""
     assert answer == b"", "a connection over the per-peer cap was served"
-    assert not any(_closed_now(h) for h in held), "the held connections were closed too"
+    assert not any(closed_now(h) for h in held), "the held connections were closed too"
     # Another address is still served meanwhile.
     with socket.create_connection((host, port), 5, source_address=("127.0.0.2", 0)) as other:
         other.sendall(b"GET /health HTTP/1.0\r\n\r\n")

@@ -37,7 +37,7 @@ from disagg.api import Completion
 from disagg.errors import DisaggError, UsageError
 from disagg.frontends.batch import BatchItem, run_batch
 from disagg.serving import wireclient as wire
-from disagg.serving.request import build_request
+from disagg.serving.checkedrequest import build_request
 from disagg_agents.runtime.gate import HANDSHAKE_TIMEOUT_S
 from disagg_agents.wire.answer import TokenEvent
 from disagg_agents.wire.request import GenerateRequest

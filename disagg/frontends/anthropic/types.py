@@ -1,6 +1,6 @@
 """Anthropic's Messages request bodies (pydantic) and its error shape, and their
 mapping straight onto the one GenerateRequest (`generate_request`), its messages
-in the request's own terms (disagg.frontends.request)."""
+in the request's own terms (disagg.frontends.apirequest)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from disagg.frontends.apirequest import Message, build
 from disagg.frontends.refusal import ApiError
-from disagg.frontends.request import Message, build
 from disagg_agents.wire.request import GenerateRequest
 
 # Claude Code's first system block: a per-request nonce (`cch=...`) that would

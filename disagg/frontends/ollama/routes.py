@@ -24,6 +24,7 @@ from disagg.api import Chunk, Client, Completion
 from disagg.errors import DisaggError, Overloaded, UsageError
 from disagg.frontends import core, maxtokens, tenancy
 from disagg.frontends.agentinfo import About, ModelInfo
+from disagg.frontends.apirequest import build
 from disagg.frontends.guard import cache_salt
 from disagg.frontends.ollama.modelinfo import (
     listed,
@@ -42,8 +43,8 @@ from disagg.frontends.ollama.types import (
     Options,
     ShowBody,
 )
+from disagg.frontends.refusal import ApiError
 from disagg.serving import verdict
-from disagg.serving.request import build_request
 from disagg_agents.wire.answer import ToolCall
 from disagg_agents.wire.request import GenerateRequest
 
@@ -63,10 +64,11 @@ def _sampling(body: CommonFields) -> dict[str, Any]:
         "top_p": DEFAULT_TOP_P if o.top_p is None else o.top_p,
         "seed": o.seed,
         "stop": o.stop,
-        # num_predict < 0: until EOS (the decode agent caps it by the context)
+        # num_predict < 0: until EOS (the decode agent caps it by the context); None:
+        # the gateway's default (apirequest.build resolves it)
         "max_tokens": maxtokens.UNLIMITED
         if num_predict is not None and num_predict < 0
-        else maxtokens.resolve(num_predict),
+        else num_predict,
         # As sent: the request's one normalizer (GenerateRequest.normalize_format)
         # reads Ollama's "", "json" or schema; a schema is strict, as Ollama's grammar.
         "response_format": body.format,
@@ -75,10 +77,11 @@ def _sampling(body: CommonFields) -> dict[str, Any]:
 
 
 def _request(body: CommonFields, inputs: dict[str, Any]) -> GenerateRequest:
+    """The one request, built as every door builds it; a bad field is Ollama's 400."""
     try:
-        return build_request(**_sampling(body), **inputs)
-    except UsageError as e:
-        raise OllamaError(400, str(e)) from None
+        return build(**_sampling(body), **inputs)
+    except ApiError as e:
+        raise OllamaError(e.status, e.message) from None
 
 
 def generate_request(body: GenerateBody) -> GenerateRequest | None:

@@ -1,6 +1,6 @@
 """OpenAI's request bodies (pydantic), their mapping onto the one GenerateRequest,
 and its error shape, as /v1 takes and answers them. A chat message is the request's
-own (disagg.frontends.request); the error is the OpenAI-family refusal
+own (disagg.frontends.apirequest); the error is the OpenAI-family refusal
 (disagg.frontends.refusal)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from disagg.frontends.apirequest import Message, MessageToolCall, MessageToolCallFunction, build
 from disagg.frontends.refusal import ApiError as OpenAIError
-from disagg.frontends.request import Message, ToolCall, ToolCallFunction, build
 from disagg_agents.wire.request import GenerateRequest
 
 
@@ -92,8 +92,8 @@ __all__ = [
     "Message",
     "OpenAIError",
     "StreamOptions",
-    "ToolCall",
-    "ToolCallFunction",
+    "MessageToolCall",
+    "MessageToolCallFunction",
     "chat_request",
     "common_request",
 ]

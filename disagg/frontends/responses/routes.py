@@ -1,7 +1,7 @@
 """OpenAI's Responses API over a disagg Client: POST /v1/responses, whole or as the
 SSE events the official SDK types (response.created ... response.completed). The
 body maps straight onto the one GenerateRequest (`types.request_fields`, then
-disagg.frontends.request's `build`); the run, refusals and usage are
+disagg.frontends.apirequest's `build`); the run, refusals and usage are
 disagg.frontends.core's; a forced custom tool's input follows its Lark grammar,
 through the grammar engine on the decode agent."""
 
@@ -21,10 +21,10 @@ from fastapi import APIRouter, Request
 from disagg.api import Chunk, Client, Completion
 from disagg.errors import DisaggError, UsageError
 from disagg.frontends import core
+from disagg.frontends.apirequest import build
 from disagg.frontends.core import Usage
 from disagg.frontends.guard import cache_salt
 from disagg.frontends.refusal import ApiError
-from disagg.frontends.request import build
 from disagg.frontends.responses.types import (
     ResponsesRequest,
     compile_error,
@@ -33,7 +33,7 @@ from disagg.frontends.responses.types import (
     request_fields,
 )
 from disagg.serving import verdict
-from disagg.serving.request import with_fields
+from disagg.serving.checkedrequest import with_fields
 from disagg_agents.wire.request import GenerateRequest
 
 

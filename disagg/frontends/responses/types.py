@@ -1,5 +1,5 @@
 """The Responses API's request body (pydantic) and its mapping straight onto the one
-GenerateRequest, in the request's own terms (disagg.frontends.request): input items as
+GenerateRequest, in the request's own terms (disagg.frontends.apirequest): input items as
 chat messages, tools as functions, `text.format` as a response_format.
 
 Stateless: every request carries its whole `input`; `previous_response_id` is
@@ -14,9 +14,9 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from disagg.frontends.apirequest import Message, build
 from disagg.frontends.refusal import ApiError
-from disagg.frontends.request import Message, build
-from disagg_agents.decode.grammarcheck import CompileCheck, TooSlow
+from disagg_agents.runtime.grammarcheck import CompileCheck, TooSlow
 from disagg_agents.wire.request import GRAMMAR_MAX_CHARS, GenerateRequest
 from disagg_agents.wire.schemasize import TOOLS_MAX_CHARS, SchemaTooBig, check_lark
 

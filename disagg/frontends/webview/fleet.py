@@ -16,7 +16,7 @@ from typing import Any
 from disagg.fleet.crashes import last_error_in
 from disagg.frontends.webview.tracker import RequestLog
 from disagg.serving.control import agent_status
-from disagg_agents.wire.frames import AuthError
+from disagg_agents.wire.frames import PeerAuthError
 from disagg_agents.wire.status import AgentStatus
 from disagg_agents.wire.text import printable
 
@@ -46,10 +46,9 @@ def _device(st: AgentStatus) -> str | None:
 
 
 def _weights(st: AgentStatus) -> str | None:
-    fp = st.fingerprint
-    q = (fp.get("weights") or {}).get("quantization")
-    kind = f"{q.get('bits')}-bit {q.get('mode')}" if q else None
-    return " ".join(x for x in (kind, fp.get("dtype")) if x) or None
+    w = st.weights_format
+    kind = f"{w.bits}-bit {w.mode}" if w.bits is not None or w.mode is not None else None
+    return " ".join(x for x in (kind, w.dtype) if x) or None
 
 
 class FleetWatch:
@@ -130,14 +129,13 @@ class FleetWatch:
             return row
         try:
             st = agent_status(ep.host, ep.control_port, self.client.router.token, POLL_TIMEOUT_S)
-        except (OSError, ValueError, AuthError) as e:
+        except (OSError, ValueError, PeerAuthError) as e:
             row["error"] = printable(e, 200)
             if local is not None:
                 row["last_error"] = last_error_line(local.log_path)
             else:
                 row["last_error"] = self._fleet_crash(ep.name)
             return row
-        pc = st.prefix_cache
         row.update(
             up=True,
             device=_device(st),
@@ -153,8 +151,8 @@ class FleetWatch:
             cancelled=st.cancelled,
             uptime_s=st.uptime_s,
             rss_bytes=st.rss_bytes,
-            prefix_hit_rate=pc.get("hit_rate"),
-            prefix_memory_tokens=pc.get("cached_tokens"),  # every tier: disk hits included
+            prefix_hit_rate=st.prefix_stats.hit_rate,
+            prefix_memory_tokens=st.prefix_stats.cached_tokens,  # every tier: disk hits included
             prefix_disk=_disk(st.prefix_disk),
             ttft_p50_s=st.ttft_p50_s,
         )

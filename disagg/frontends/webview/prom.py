@@ -44,10 +44,9 @@ COUNTERS = {
     "prompt_tokens_total": "Prompt tokens of finished requests.",
     "completion_tokens_total": "Generated tokens of finished requests.",
 }
-GAUGES = {
-    "in_flight": "Requests running now.",
-    "agent_up": "1 when the agent's /status answers, else 0 (polled while someone looks).",
-}
+IN_FLIGHT_HELP = "Requests running now."
+AGENT_UP_HELP = "1 when the agent's /status answers, else 0 (polled while someone looks)."
+GAUGES = {"in_flight": IN_FLIGHT_HELP, "agent_up": AGENT_UP_HELP}
 METRICS = [f"{P}_{n}" for n in (*HISTOGRAMS, *COUNTERS, *GAUGES)]
 # Series that measure prompts (tokens, K/V bytes, cache hits): summed over tenants,
 # a quiet moment's delta is another tenant's request exactly. The operator's only.
@@ -158,14 +157,14 @@ class GatewayMetrics:
                 for (n, pairs), v in sorted(self.counts.items()):
                     if n == name:
                         out.append(f"{P}_{name}{_labels(pairs)} {v}")
-            out += [f"# HELP {P}_in_flight {GAUGES['in_flight']}", f"# TYPE {P}_in_flight gauge"]
+            out += [f"# HELP {P}_in_flight {IN_FLIGHT_HELP}", f"# TYPE {P}_in_flight gauge"]
             out += [
                 f"{P}_in_flight{_labels((('model', m),))} {v}"
                 for m, v in sorted(self.in_flight.items())
             ]
             if not fleet:
                 return "\n".join(out) + "\n"
-            out += [f"# HELP {P}_agent_up {GAUGES['agent_up']}", f"# TYPE {P}_agent_up gauge"]
+            out += [f"# HELP {P}_agent_up {AGENT_UP_HELP}", f"# TYPE {P}_agent_up gauge"]
             out += [
                 f"{P}_agent_up{_labels((('agent', a), ('role', r), ('model', m)))} {v}"
                 for (a, r, m), v in sorted(self.agents_up.items())

@@ -140,7 +140,7 @@ def _spawn() -> subprocess.Popen[bytes]:
     root = str(Path(__file__).resolve().parents[2])  # the folder holding disagg_agents/
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     return subprocess.Popen(
-        [sys.executable, "-c", "from disagg_agents.decode.grammarcheck import main; main()"],
+        [sys.executable, "-c", "from disagg_agents.runtime.grammarcheck import main; main()"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,  # llguidance's panic text would reach our log raw

@@ -1,13 +1,10 @@
-"""Checks a request passes before the decode agent spends anything on it: a
-prompt that cannot fit the context is refused before tokenizing (a 3.9 MB one
-took 5.8 CPU-s and 330 MB to tokenize), and a client that left is noticed
-while its grammar compiles, while its prompt waits for a prefill agent, and
-between the chunks of a local prefill."""
+"""Size bounds a request passes before anyone spends anything on it (the gateway,
+the decode agent, the prefill agent's embeddings): a prompt that cannot fit the
+context is refused before tokenizing (a 3.9 MB one took 5.8 CPU-s and 330 MB to
+tokenize)."""
 
 from __future__ import annotations
 
-import select
-import socket
 from collections.abc import Mapping
 from typing import Any
 
@@ -76,22 +73,3 @@ def too_long(req: GenerateRequest, context: int, token_bytes: int) -> str | None
         f"the prompt (messages, reasoning, tool calls and tools) is {size} bytes, at "
         f"least {at_least} tokens; the model's context is {context}: shorten the prompt"
     )
-
-
-class HungUp(Exception):
-    """The client hung up before its answer began: the work for it stops, and
-    nobody is told."""
-
-
-def client_gone(sock: socket.socket) -> bool:
-    """The client closed its end (or the connection broke), without blocking.
-    A pipelined next request is data, not a hang-up."""
-    try:
-        readable, _, _ = select.select([sock], [], [], 0)
-        if not readable:
-            return False
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except BlockingIOError:
-        return False
-    except (OSError, ValueError):
-        return True

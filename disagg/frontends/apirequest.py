@@ -14,19 +14,21 @@ from pydantic import BaseModel
 from disagg.errors import UsageError
 from disagg.frontends import maxtokens
 from disagg.frontends.refusal import ApiError
-from disagg.serving.request import build_request
+from disagg.serving.checkedrequest import build_request
 from disagg_agents.wire.request import GenerateRequest
 
 
-class ToolCallFunction(BaseModel):
+class MessageToolCallFunction(BaseModel):
     name: str
     arguments: str | dict[str, Any] = "{}"  # OpenAI sends a JSON string
 
 
-class ToolCall(BaseModel):
+class MessageToolCall(BaseModel):
+    """A tool call in an assistant message of a chat body (OpenAI's shape)."""
+
     id: str | None = None
     type: Literal["function"] = "function"
-    function: ToolCallFunction
+    function: MessageToolCallFunction
 
 
 class Message(BaseModel):
@@ -37,7 +39,7 @@ class Message(BaseModel):
     # Text, or text parts ({"type": "text", "text": ...}); None on a tool call.
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
-    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_calls: list[MessageToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool result: the call it answers
     # An assistant turn's reasoning, as we return it: under both names clients read.
     reasoning_content: str | None = None
