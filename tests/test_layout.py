@@ -348,7 +348,7 @@ AGENT_ARROWS: dict[str, set[str]] = {
     "prefix": set(),
     "chatformat": set(),
     "models": set(),
-    "quant": {"models"},
+    "quant": {"models", "wire"},
     "runtime": {"wire", "models", "prefix"},
     "decode": {"wire", "runtime", "models", "quant", "prefix", "chatformat"},
     "prefill": {"wire", "runtime", "models", "quant", "prefix"},

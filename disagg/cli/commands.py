@@ -545,20 +545,8 @@ def serve(
         prefix_disk=prefix_disk,
         prefix_disk_mb=prefix_disk_mb,
     ) as client:
-        err.print(
-            f"serving {', '.join(client.models())} on http://{host}:{port} "
-            f"(OpenAI: /v1, Responses: /v1/responses, Anthropic: /v1/messages, "
-            f"Ollama: /api){', API key required' if key else ''}",
-            soft_wrap=True,
-        )
-        err.print(f"web view: http://{host}:{port}/ui{'?key=KEY' if key else ''}")
+        _announce(client.models(), host, port, bool(key), max_tokens)
         maxtokens.set_default(max_tokens)
-        cap = (
-            f"at most {max_tokens} tokens"
-            if max_tokens
-            else "until the model stops or the context is full"
-        )
-        err.print(f"answers without a client limit run {cap} (--max-tokens)", soft_wrap=True)
         limits = Limits(header_timeout, max_connections, max_per_address, first_byte_timeout)
         pool = Workers.for_router(
             client.router,
@@ -583,6 +571,23 @@ def serve(
         )
         with supervisor or contextlib.nullcontext():
             serve_app(create_app(client, api_key=key, workers=pool), host, port, limits, drain)
+
+
+def _announce(models: list[str], host: str, port: int, keyed: bool, max_tokens: int | None) -> None:
+    """What `serve` serves, where, and how long an answer without a limit runs."""
+    err.print(
+        f"serving {', '.join(models)} on http://{host}:{port} "
+        f"(OpenAI: /v1, Responses: /v1/responses, Anthropic: /v1/messages, "
+        f"Ollama: /api){', API key required' if keyed else ''}",
+        soft_wrap=True,
+    )
+    err.print(f"web view: http://{host}:{port}/ui{'?key=KEY' if keyed else ''}")
+    cap = (
+        f"at most {max_tokens} tokens"
+        if max_tokens
+        else "until the model stops or the context is full"
+    )
+    err.print(f"answers without a client limit run {cap} (--max-tokens)", soft_wrap=True)
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")

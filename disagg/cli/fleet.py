@@ -151,15 +151,19 @@ GATEWAY_COLS = ("agent", "role", "model", "state", "device", "requests", "ttft p
 
 def gateway_cells(r: dict[str, Any]) -> list[str]:
     from disagg.cli.render_fleet import disk_tier
+    from disagg_agents.wire.status import AgentStatus
 
-    p50 = r.get("ttft_p50_s")
+    # A row carries its agent's /status fields by their own names: read typed.
+    st = AgentStatus.from_json(r)
+    p50 = st.ttft_p50_s
     return [
-        *(str(r.get(k) or "-") for k in ("name", "role", "model")),
+        *(str(r.get(k) or "-") for k in ("name", "role")),
+        str(st.model or "-"),
         "up" if r.get("up") else f"down: {r.get('error') or '?'}",
-        str(r.get("device") or "-"),
-        str(r.get("requests") if r.get("requests") is not None else "-"),
-        f"{p50 * 1000:.0f} ms" if isinstance(p50, int | float) else "-",
-        disk_tier(r.get("prefix_disk")),  # a decode agent's, where it has one
+        str(st.device or "-"),
+        str(st.requests if st.requests is not None else "-"),
+        f"{p50 * 1000:.0f} ms" if p50 is not None else "-",
+        disk_tier(st.prefix_disk),  # a decode agent's, where it has one
     ]
 
 
