@@ -68,13 +68,15 @@ class Client:
         say: Say = lambda _msg: None,
         prefill_model: str | None = None,
         allow_mixed: bool = False,
+        speculate: bool = True,
     ) -> Client:
         """Start a prefill and `n_decode` decode agents per model on this machine.
 
         `model`: a model dir, several (one pipeline each, named by the dir), or None
         for the embedded default. `prefill_model`: the prefill agent loads that dir
         instead (one model only); agents on different weights refuse to pair unless
-        `allow_mixed`, and results then say weights: "mixed". close() stops the agents.
+        `allow_mixed`, and results then say weights: "mixed". `speculate`: False
+        starts the decode agents with --no-speculate. close() stops the agents.
         """
         wanted = model if isinstance(model, list) else [model]
         if prefill_model is not None and len(wanted) != 1:
@@ -101,7 +103,10 @@ class Client:
                     log_dir=temp_dirs[-1],
                     token_file=token_file,
                     prefill_model_dir=prefill_dir,
-                    decode_args=["--allow-mixed"] if allow_mixed else [],
+                    decode_args=[
+                        *(["--allow-mixed"] if allow_mixed else []),
+                        *([] if speculate else ["--no-speculate"]),
+                    ],
                 )
                 agents += [prefill, *decodes]
                 pipelines.append(_local_route(name, prefill, decodes))

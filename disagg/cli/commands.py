@@ -102,6 +102,7 @@ def _open_client(
     n_decode: int = 1,
     prefill_model: str | None = None,
     allow_mixed: bool = False,
+    speculate: bool = True,
 ) -> Any:
     from disagg.api import Client
 
@@ -111,6 +112,10 @@ def _open_client(
         raise UsageError(
             "--prefill-model and --allow-mixed go with --local; "
             "for a fleet, set mixed_weights = true on the pipeline in the inventory"
+        )
+    if not speculate and not local:
+        raise UsageError(
+            "--no-speculate goes with --local; a fleet's requests can each send speculate: false"
         )
     if not local:
         from disagg.fleet.inventory import InventoryError
@@ -129,6 +134,7 @@ def _open_client(
             say=say,
             prefill_model=prefill_model,
             allow_mixed=allow_mixed,
+            speculate=speculate,
         )
 
 
@@ -482,6 +488,14 @@ def serve(
     max_requests_per_key: MaxRequestsPerKey = None,
     drain_timeout: DrainTimeout = 30.0,
     max_tokens: MaxTokensOpt = None,
+    speculate: Annotated[
+        bool,
+        typer.Option(
+            "--speculate/--no-speculate",
+            help="With --local: decode agents draft tokens from the prompt (prompt lookup) "
+            "and check them in the batch's forward; the text is the same either way.",
+        ),
+    ] = True,
 ) -> None:
     """The gateway: OpenAI, Responses, Anthropic and Ollama APIs on one port.
 
@@ -514,7 +528,12 @@ def serve(
     # uvicorn hands the signal back to this handler once it has shut down.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     with _open_client(
-        local, list(model) if model else [None], inventory, dtype, decode_agents
+        local,
+        list(model) if model else [None],
+        inventory,
+        dtype,
+        decode_agents,
+        speculate=speculate,
     ) as client:
         err.print(
             f"serving {', '.join(client.models())} on http://{host}:{port} "

@@ -42,6 +42,7 @@ from disagg_agents.decode.sampling import Sampler, sample_rows
 from disagg_agents.decode.sampling import make_sampler as make_sampler  # re-exported
 from disagg_agents.decode.sampling import top_p_rows as top_p_rows  # re-exported
 from disagg_agents.decode.speculate import judge, verify
+from disagg_agents.prefix.store import prom_series
 
 log = logging.getLogger("disagg.decode")
 
@@ -188,6 +189,19 @@ class DecodeLoop:
             "draft_accepted_tokens": self.accepted,
             "verify_steps": self.verify_steps,
         }
+
+    def prometheus(self) -> str:
+        """The drafts' counters for /metrics (any thread: plain ints)."""
+        return prom_series(
+            "disagg_speculation",
+            "decode",
+            [
+                ("draft_tokens_total", "counter", self.drafted),
+                ("accepted_tokens_total", "counter", self.accepted),
+                ("verify_steps_total", "counter", self.verify_steps),
+                ("decode_steps_total", "counter", self.steps),
+            ],
+        )
 
     # -- the mlx thread --------------------------------------------------------
 

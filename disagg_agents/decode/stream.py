@@ -37,6 +37,8 @@ def decode(agent: DecodeAgent, job: Job) -> None:
     req = job.req
     seq = Seq(job.caches, first[0], job.sampler, job.max_tokens, eos, req.logprobs, matcher=matcher)
     seq.tenant = req.cache_salt  # a full batch's free rows go fairly among tenants
+    if req.speculate:  # drafts are looked up in what the model saw
+        seq.context = job.prompt_ids
     for save in job.saves:
         save.attach(seq)
     agent.loop.join(seq)
