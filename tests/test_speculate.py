@@ -167,8 +167,8 @@ def test_smollm2_greedy_with_drafts_is_token_identical_alone_and_in_a_batch(
 ) -> None:
     model, tok = smol
     ids = smol_ids(tok, SMOL_LIST)
-    on, longest = alone(model, ids, 24, True)
-    off, _ = alone(model, ids, 24, False)
+    on, longest = alone(model, ids, 20, True)
+    off, _ = alone(model, ids, 20, False)
     assert on == off
     assert longest >= 3
     words = SMOL_LIST.split("\n")[1:]
@@ -176,7 +176,7 @@ def test_smollm2_greedy_with_drafts_is_token_identical_alone_and_in_a_batch(
         smol_ids(tok, "Repeat this list exactly:\n" + "\n".join(words[k : k + 4] * 2))
         for k in range(8)
     ]
-    lengths = [16, 8, 12, 8, 10, 14, 6, 10]
+    lengths = [10, 6, 8, 6, 6, 8, 6, 6]
     on8, longest8, peak = batch_of_8(model, prompts, lengths, True)
     off8, _, _ = batch_of_8(model, prompts, lengths, False)
     assert peak >= 5
@@ -251,9 +251,11 @@ def test_sampled_tokens_after_a_real_verify_forward_follow_the_sequential_model(
 # ---- through real agents: a grammar row beside drafting rows, a stop string ----------
 
 
-GRADER = {
+GRADER = {  # bounded, so the grammar closes it well within max_tokens
     "type": "object",
-    "properties": {"items": {"type": "array", "items": {"type": "string"}}},
+    "properties": {
+        "items": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3}
+    },
     "required": ["items"],
     "additionalProperties": False,
 }
@@ -266,7 +268,7 @@ def test_a_json_schema_answer_stays_valid_beside_rows_that_draft(
 
     prefill, decode = smol_agents
     fmt = {"type": "json_schema", "schema": GRADER, "strict": True}
-    base = {"prompt": SMOL_LIST, "max_tokens": 48, "placement": "local"}
+    base = {"prompt": SMOL_LIST, "max_tokens": 64, "placement": "local"}
     results: dict[str, Any] = {}
 
     def go(name: str, req: dict[str, Any]) -> None:
@@ -302,8 +304,12 @@ def test_a_stop_string_in_accepted_drafts_ends_where_it_does_without_them(
     ask_ = dict(prompt=SMOL_LIST, max_tokens=40, ignore_eos=True, placement="local")
     full = client.generate(**ask_)
     assert full.metrics.draft_accepted_tokens, full.metrics
-    stop = "echo"  # an item the answer repeats from the prompt
-    assert stop in full.text, full.text
+    # SmolLM2 loops on this prompt ("... items that are in the list of items ..."):
+    # a stop longer than one turn of the loop first ends in its second turn, where
+    # the drafts are taken.
+    words = full.text.split()
+    stop = " ".join(words[6:18])
+    assert len(set(words[6:18])) < 12 and full.text.index(stop) > 0, full.text
     on = client.generate(**ask_, stop=[stop])
     off = client.generate(**ask_, stop=[stop], speculate=False)
     assert on.text == off.text == full.text[: full.text.index(stop)]

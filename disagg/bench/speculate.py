@@ -71,7 +71,10 @@ def loop_run(model: Any, prompts: list[list[int]], n: int, speculate: bool) -> d
     from disagg_agents.decode.loop import DecodeLoop
 
     loop = DecodeLoop(model, max_batch=max(8, len(prompts)), speculate=speculate)
-    seqs = [loop.call(_prefilled, model, ids, n) for ids in prompts]
+    seqs = [loop.call(_prefilled, model, prompts[0], n)]
+    for ids in prompts[1:]:  # the same prompt: its caches copied, not prefilled again
+        assert ids == prompts[0], "one prompt per run"
+        seqs.append(loop.call(_copied, seqs[0], n))
     stamps: list[list[float]] = [[] for _ in seqs]
     tokens: list[list[int]] = [[s.first] for s in seqs]
 
@@ -94,10 +97,20 @@ def loop_run(model: Any, prompts: list[list[int]], n: int, speculate: bool) -> d
     return {
         "tpot_s": median([(s[-1] - t0) / len(s) for s in stamps if s]),
         "tokens": tokens,
-        "tokens_per_forward": made / max(1, snap["decode_steps"]),
+        # per row: every row decodes all its tokens, so the rows share the forwards
+        "tokens_per_forward": made / len(seqs) / max(1, snap["decode_steps"]),
         "accepted": snap["draft_accepted_tokens"],
         "drafted": snap["draft_tokens"],
     }
+
+
+def _copied(seq: Any, n: int) -> Any:
+    """Another row of `seq`'s prompt: its caches copied (mlx thread)."""
+    from disagg_agents.decode.loop import Seq, own_copy
+
+    return Seq(
+        [own_copy(c) for c in seq.caches], seq.first, None, n, frozenset(), context=seq.context
+    )
 
 
 def _prefilled(model: Any, ids: list[int], n: int) -> Any:
@@ -120,9 +133,12 @@ def run_speculate_bench(
     model_dir: Path, say: Say = quiet, decode_tokens: int = 96, batch: int = 8
 ) -> dict[str, Any]:
     """The report: per workload, TPOT of each way and the speedups (plain data)."""
-    from mlx_lm import load
+    from disagg_agents.decode.engine import DecodeEngine
 
-    model, tok = load(str(model_dir))[:2]
+    # The decode agent's own load (its adapters read any checkpoint it serves);
+    # mlx-lm's generate_step then runs on the same weights.
+    engine = DecodeEngine(str(model_dir))
+    model, tok = engine.model, engine.tokenizer
     report: dict[str, Any] = {"model": model_dir.name, "decode_tokens": decode_tokens}
     for name, text in workloads().items():
         ids = prompt_ids(tok, text)
