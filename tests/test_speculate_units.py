@@ -12,6 +12,8 @@ from disagg_agents.decode.draft import (
     FAILS_TO_PAUSE,
     K_MAX,
     K_START,
+    MISSES_TO_PAUSE,
+    PAUSE_MISS,
     Drafter,
     accept_greedy,
     accept_sampled,
@@ -31,6 +33,17 @@ def test_no_match_no_draft_and_a_loop_is_drafted_whole() -> None:
     assert Drafter([1, 2, 3, 4, 5], k=4).propose() == []
     assert Drafter([9, 5, 6, 5, 6], k=5).propose() == [5, 6, 5, 6, 5]  # period 2
     assert Drafter([3, 8, 8, 8], k=4).propose() == [8, 8, 8, 8]  # period 1
+
+
+def test_a_row_without_matches_rests() -> None:
+    d = Drafter(list(range(10)), k=2)
+    for _ in range(MISSES_TO_PAUSE):
+        assert d.propose() == []
+    assert d.pause == PAUSE_MISS
+    d.append([0, 1])  # a match now, but it rests first
+    assert d.propose() == []
+    d.append(list(range(2, 2 + PAUSE_MISS)))
+    assert d.propose() != []
 
 
 def test_appending_tokens_updates_the_lookup() -> None:

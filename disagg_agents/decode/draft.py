@@ -21,6 +21,8 @@ K_MAX = 10
 FAILS_TO_PAUSE = 3  # drafts in a row with nothing accepted
 PAUSE_FIRST = 16  # tokens without drafting after that, doubling while it keeps failing
 PAUSE_MAX = 1024
+MISSES_TO_PAUSE = 4  # steps in a row with no match: the row rests PAUSE_MISS tokens
+PAUSE_MISS = 8
 
 
 @dataclass
@@ -37,6 +39,7 @@ class Drafter:
     fails: int = 0  # consecutive drafts with nothing accepted
     pause: int = 0  # tokens to go without drafting
     pause_next: int = PAUSE_FIRST
+    misses: int = 0  # steps in a row without a match
     # n-gram (tuple) -> the position of its last token, latest occurrence
     index: dict[tuple[int, ...], int] = field(default_factory=dict)
     indexed: int = 0  # positions whose n-grams are in `index`
@@ -61,7 +64,13 @@ class Drafter:
                 draft = toks[at + 1 : at + 1 + self.k]
                 while len(draft) < self.k:  # the period is last - at
                     draft.append(draft[len(draft) - (last - at)])
+                self.misses = 0
                 return draft
+        # No match: after a few, rest a while (a step that may draft reads its
+        # inputs back before the forward, which a plain step does not).
+        self.misses += 1
+        if self.misses >= MISSES_TO_PAUSE:
+            self.pause, self.misses = PAUSE_MISS, 0
         return []
 
     def _index_up_to(self, end: int) -> None:
