@@ -176,10 +176,10 @@ def test_smollm2_greedy_with_drafts_is_token_identical_alone_and_in_a_batch(
         smol_ids(tok, "Repeat this list exactly:\n" + "\n".join(words[k : k + 4] * 2))
         for k in range(8)
     ]
-    lengths = [10, 6, 8, 6, 6, 8, 6, 6]
+    lengths = [20, 6, 16, 6, 8, 10, 6, 8]  # the long ones still decode as the rest join
     on8, longest8, peak = batch_of_8(model, prompts, lengths, True)
     off8, _, _ = batch_of_8(model, prompts, lengths, False)
-    assert peak >= 5
+    assert peak >= 4
     assert on8 == off8
     assert longest8 >= 3
 
