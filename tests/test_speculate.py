@@ -38,11 +38,11 @@ class Run:
     """Requests on one DecodeLoop, each prefilled on the loop's thread (as mlx-lm's
     generate_step: all but the last token, then the last), read by a thread each."""
 
-    def __init__(self, model: Any, speculate: bool) -> None:
+    def __init__(self, model: Any, speculate: bool, rows: bool = True) -> None:
         from disagg_agents.decode.loop import DecodeLoop
 
         self.model = model
-        self.loop = DecodeLoop(model, max_batch=8, speculate=speculate)
+        self.loop = DecodeLoop(model, max_batch=8, speculate=speculate, rows=rows)
         self.got: dict[int, list[int]] = {}
         self.seqs: list[Any] = []
         self.readers: list[threading.Thread] = []
@@ -59,7 +59,7 @@ class Run:
             self.model(mx.array(ids[:-1])[None], cache=caches)
             logits = self.model(mx.array(ids[-1:])[None], cache=caches)[:, -1, :]
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            first = int(sample_rows(logprobs, [sampler]).item())
+            first = int(np.array(sample_rows(logprobs, [sampler]))[0])
             return Seq(caches, first, sampler, n, frozenset(), context=list(ids))
 
         seq = self.loop.call(prefill)
@@ -98,11 +98,11 @@ def alone(model: Any, ids: list[int], n: int, speculate: bool) -> tuple[list[int
 
 
 def batch_of_8(
-    model: Any, prompts: list[list[int]], lengths: list[int], speculate: bool
+    model: Any, prompts: list[list[int]], lengths: list[int], speculate: bool, rows: bool = True
 ) -> tuple[list[list[int]], int, int]:
     """Four rows start, the rest join while they decode (a lone row becomes a batch,
     short rows leave and others take their slots)."""
-    run = Run(model, speculate)
+    run = Run(model, speculate, rows)
     for k in range(4):
         run.start(prompts[k], lengths[k])
     run.wait(0, 6)
@@ -118,6 +118,22 @@ def tiny_prompts(tok: Any) -> list[list[int]]:
 
 
 LENGTHS = [40, 12, 56, 20, 30, 48, 16, 36]
+
+
+def same_or_near_ties(
+    model: Any, prompts: list[list[int]], on: list[list[int]], off: list[list[int]]
+) -> None:
+    """Rows token-identical, or (the one named cause, as in test_batch_rows: a batch
+    whose rows join at other moments sums floats in another order) every token where
+    the drafting run left the reference's argmax within TIE of the top logit. Seen
+    once in ten runs on gpt_oss (sliding window 8)."""
+    from tests.references import TIE, near_tie_misses
+
+    for k, (a, b) in enumerate(zip(on, off, strict=True)):
+        if a != b:
+            misses = near_tie_misses(model, prompts[k], a)
+            assert misses and all(gap <= TIE for _, gap in misses), (k, misses)
+            print(f"row {k}: a near-tie flipped {misses}")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -138,8 +154,22 @@ def test_greedy_with_drafts_is_token_identical_alone_and_in_a_batch(
     on8, longest8, peak = batch_of_8(model, prompts, LENGTHS, True)
     off8, _, _ = batch_of_8(model, prompts, LENGTHS, False)
     assert peak >= 5
-    assert on8 == off8
+    same_or_near_ties(model, prompts, on8, off8)
     assert [len(t) for t in on8] == LENGTHS
+    assert longest8 >= 3
+
+
+def test_drafts_on_mlx_lms_own_batch_caches_are_token_identical(tiny_model: Any, refs: Any) -> None:
+    """The loop without preallocated rows (rows=False): mlx-lm's BatchKVCache and
+    BatchRotatingKVCache roll a row that kept fewer positions."""
+    from transformers import AutoTokenizer
+
+    path = loopy(tiny_model, "gpt_oss")
+    model, tok = refs.mlx_own(path), AutoTokenizer.from_pretrained(str(path))
+    prompts = tiny_prompts(tok)
+    on8, longest8, _ = batch_of_8(model, prompts, LENGTHS, True, rows=False)
+    off8, _, _ = batch_of_8(model, prompts, LENGTHS, False, rows=False)
+    same_or_near_ties(model, prompts, on8, off8)
     assert longest8 >= 3
 
 
@@ -301,8 +331,8 @@ def test_a_stop_string_in_accepted_drafts_ends_where_it_does_without_them(
         integrity="none",
     )
     client = Client(router=Router([route], token=decode.token))
-    ask_ = dict(prompt=SMOL_LIST, max_tokens=40, ignore_eos=True, placement="local")
-    full = client.generate(**ask_)
+    ask_: dict[str, Any] = dict(prompt=SMOL_LIST, max_tokens=40, ignore_eos=True, placement="local")
+    full: Any = client.generate(**ask_)
     assert full.metrics.draft_accepted_tokens, full.metrics
     # SmolLM2 loops on this prompt ("... items that are in the list of items ..."):
     # a stop longer than one turn of the loop first ends in its second turn, where
@@ -310,8 +340,8 @@ def test_a_stop_string_in_accepted_drafts_ends_where_it_does_without_them(
     words = full.text.split()
     stop = " ".join(words[6:18])
     assert len(set(words[6:18])) < 12 and full.text.index(stop) > 0, full.text
-    on = client.generate(**ask_, stop=[stop])
-    off = client.generate(**ask_, stop=[stop], speculate=False)
+    on: Any = client.generate(**ask_, stop=[stop])
+    off: Any = client.generate(**ask_, stop=[stop], speculate=False)
     # A stop ends the stream from the client's side: no DONE, so no draft counts
     # for these two; the same greedy tokens drafted in `full`.
     assert on.text == off.text == full.text[: full.text.index(stop)]
