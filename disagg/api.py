@@ -70,6 +70,7 @@ class Client:
         prefill_model: str | None = None,
         allow_mixed: bool = False,
         prefix_disk: LocalDisk | None = None,
+        speculate: bool = True,
     ) -> Client:
         """Start a prefill and `n_decode` decode agents per model on this machine.
 
@@ -78,7 +79,8 @@ class Client:
         instead (one model only); agents on different weights refuse to pair unless
         `allow_mixed`, and results then say weights: "mixed". `prefix_disk`: the
         decode agents keep prefix blocks there, across restarts (the cluster's token
-        is kept there too). close() stops the agents.
+        is kept there too). `speculate`: False starts the decode agents with
+        --no-speculate. close() stops the agents.
         """
         wanted = model if isinstance(model, list) else [model]
         if prefill_model is not None and len(wanted) != 1:
@@ -106,7 +108,10 @@ class Client:
                     log_dir=temp_dirs[-1],
                     token_file=token_file,
                     prefill_model_dir=prefill_dir,
-                    decode_args=["--allow-mixed"] if allow_mixed else [],
+                    decode_args=[
+                        *(["--allow-mixed"] if allow_mixed else []),
+                        *([] if speculate else ["--no-speculate"]),
+                    ],
                     decode_disk=_disk_flags(prefix_disk, name),
                 )
                 agents += [prefill, *decodes]

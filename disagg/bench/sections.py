@@ -99,6 +99,13 @@ def formats(model_dir: Path, say: Say) -> Section:
     return Section("formats", report, [formats_table(report)])
 
 
+def speculate(model_dir: Path, say: Say, decode_tokens: int = 96) -> Section:
+    from disagg.bench.speculate import run_speculate_bench, speculate_table
+
+    report = run_speculate_bench(model_dir, say=say, decode_tokens=decode_tokens)
+    return Section("speculate", report, [speculate_table(report)])
+
+
 def load_settings(spec: str) -> Any:
     """`--sizes` as LoadSettings; ValueError naming what is wrong."""
     from disagg.bench.load import parse_sizes

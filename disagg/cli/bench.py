@@ -153,6 +153,23 @@ def formats(local: Local = False, model: Model = None, as_json: Json = False) ->
 
 @bench_app.command()
 @friendly
+def speculate(
+    local: Local = False,
+    model: Model = None,
+    decode_tokens: DecodeTokens = 96,
+    as_json: Json = False,
+) -> None:
+    """Prompt-lookup drafts vs none: TPOT and tokens per forward, same tokens.
+
+    A code edit (a ~300-line file returned whole) and free text, at batch 1 and 8,
+    against mlx-lm's own generation at batch 1; in this process, greedy."""
+    if decode_tokens < 2:
+        raise UsageError("--decode-tokens >= 2")
+    _run("speculate", local, model, as_json, decode_tokens=decode_tokens)
+
+
+@bench_app.command()
+@friendly
 def load(
     local: Local = False,
     model: Model = None,

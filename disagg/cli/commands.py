@@ -107,6 +107,7 @@ def _open_client(
     allow_mixed: bool = False,
     prefix_disk: str | None = None,
     prefix_disk_mb: float | None = None,
+    speculate: bool = True,
 ) -> Any:
     from disagg.api import Client
     from disagg.serving.localdisk import local_disk
@@ -122,6 +123,10 @@ def _open_client(
         raise UsageError(
             "--prefix-disk and --prefix-disk-mb go with --local; for a fleet, set "
             "prefix_disk and prefix_disk_mb on the pipeline in the inventory"
+        )
+    if not speculate and not local:
+        raise UsageError(
+            "--no-speculate goes with --local; a fleet's requests can each send speculate: false"
         )
     if not local:
         from disagg.fleet.inventory import InventoryError
@@ -141,6 +146,7 @@ def _open_client(
             prefill_model=prefill_model,
             allow_mixed=allow_mixed,
             prefix_disk=local_disk(prefix_disk, prefix_disk_mb, say),
+            speculate=speculate,
         )
 
 
@@ -467,6 +473,14 @@ MaxTokensOpt = Annotated[
         "stops or its context is full, as OpenAI and Ollama do).",
     ),
 ]
+Speculate = Annotated[
+    bool,
+    typer.Option(
+        "--speculate/--no-speculate",
+        help="With --local: decode agents draft tokens from the prompt (prompt lookup) "
+        "and check them in the batch's forward; the text is the same either way.",
+    ),
+]
 DrainTimeout = Annotated[
     float,
     typer.Option(
@@ -503,6 +517,7 @@ def serve(
     max_tokens: MaxTokensOpt = None,
     prefix_disk: PrefixDisk = None,
     prefix_disk_mb: PrefixDiskMb = None,
+    speculate: Speculate = True,
 ) -> None:
     """The gateway: OpenAI, Responses, Anthropic and Ollama APIs on one port.
 
@@ -544,6 +559,7 @@ def serve(
         decode_agents,
         prefix_disk=prefix_disk,
         prefix_disk_mb=prefix_disk_mb,
+        speculate=speculate,
     ) as client:
         _announce(client.models(), host, port, bool(key), max_tokens)
         maxtokens.set_default(max_tokens)

@@ -119,6 +119,9 @@ class Usage:
     completion_tokens: int
     cached_tokens: int
     verdict: dict[str, Any]  # which path ran (the verdict header's)
+    # Prompt-lookup drafts: answer tokens proposed, and of them accepted.
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
     @classmethod
     def of(cls, c: Completion) -> Usage:
@@ -128,4 +131,6 @@ class Usage:
             int(m.completion_tokens or 0),
             int(m.cached_tokens or 0),
             verdict.verdict(m),
+            int(m.draft_tokens or 0),
+            int(m.draft_accepted_tokens or 0),
         )

@@ -70,6 +70,7 @@ class DecodeOptions:
     prefix_cache_mb: float | None = None  # None: prefix.store.default_max_mb()
     prefix_disk: str | None = None  # the prefix cache's disk tier (None: off)
     prefix_disk_mb: float | None = None  # None: DEFAULT_DISK_MB
+    speculate: bool = True  # prompt-lookup drafts verified in the batch (decode.draft)
 
 
 class DecodeAgent:
@@ -94,7 +95,9 @@ class DecodeAgent:
             max_batch=options.max_batch,
             grammars=engine.grammars,
             prefill_step=PREFILL_STEP,
+            speculate=options.speculate,
         )
+        self.stats.extra.append(self.loop.prometheus)
         engine.grammars.warm()  # its tokenizer (~0.5 s) off the first request's path
         self.blas_share = BlasShare.from_env(self.loop.post)
         self.loop.before_turn, self.loop.on_idle = self.blas_share.tick, self.blas_share.idle
@@ -263,6 +266,13 @@ def main() -> None:
         help=f"most disk the --prefix-disk tier takes (default {DEFAULT_DISK_MB} MB; 0: off)",
     )
 
+    parser.add_argument(
+        "--no-speculate",
+        action="store_true",
+        help="no prompt-lookup drafts: one token per row per forward (a request's own "
+        "speculate: false does this for it alone)",
+    )
+
     def load(args: Any) -> DecodeEngine:
         if args.max_batch < 1:
             fail("--max-batch must be at least 1")
@@ -280,6 +290,7 @@ def main() -> None:
             prefix_cache_mb=args.prefix_cache_mb,
             prefix_disk=args.prefix_disk,
             prefix_disk_mb=args.prefix_disk_mb,
+            speculate=not args.no_speculate,
         ),
     )
     serve("decode", args, token, agent)

@@ -29,6 +29,9 @@ def finish(placement: Placement, job: Job) -> None:
     metrics.timeline = timeline(job, local_span, joined)
     batch_wait = seq.joined_at - seq.posted_at if seq and seq.joined_at else 0.0
     metrics.queue_time = (metrics.prefill_queue_time or 0.0) + batch_wait
+    if seq is not None and seq.drafter is not None:
+        metrics.draft_tokens = seq.drafter.drafted
+        metrics.draft_accepted_tokens = seq.drafter.accepted
     done(job)
 
 

@@ -34,64 +34,17 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache
 
 from disagg_agents.decode.chunksizer import ChunkSizer
+from disagg_agents.decode.draft import Drafter
 from disagg_agents.decode.grammar import Grammars, Matcher
+from disagg_agents.decode.rewind import can_rewind, rewind_batch, rewind_plain
 from disagg_agents.decode.rows import RowBatch
+from disagg_agents.decode.sampling import Sampler, sample_rows
+from disagg_agents.decode.sampling import make_sampler as make_sampler  # re-exported
+from disagg_agents.decode.sampling import top_p_rows as top_p_rows  # re-exported
+from disagg_agents.decode.speculate import judge, verify
+from disagg_agents.prefix.store import prom_series
 
 log = logging.getLogger("disagg.decode")
-
-
-class Sampler:
-    """One request's temperature / top-p sampling. It draws from its own key, so a
-    seed gives the same text whoever shares the batch; the rows of a step are then
-    picked together (sample_rows)."""
-
-    def __init__(self, temperature: float, top_p: float, seed: int | None) -> None:
-        self.temperature = temperature
-        self.top_p = top_p
-        self.key = mx.random.key(seed if seed is not None else int(np.random.randint(1 << 31)))
-
-    def noise(self, vocab: int) -> mx.array:
-        """[1, vocab] Gumbel noise from this request's next key: argmax(logits +
-        noise) is a draw from softmax(logits)."""
-        self.key, sub = mx.random.split(self.key)
-        return mx.random.gumbel(shape=(1, vocab), key=sub)
-
-
-def make_sampler(temperature: float, top_p: float, seed: int | None) -> Sampler | None:
-    """None means greedy."""
-    return None if temperature == 0 else Sampler(temperature, top_p, seed)
-
-
-def top_p_rows(logprobs: mx.array, top_p: mx.array) -> mx.array:
-    """mlx-lm's apply_top_p with one threshold per row ([R, 1]); a row at 1.0 keeps
-    every token."""
-    sorted_lp = mx.sort(logprobs, axis=-1)
-    probs = mx.exp(sorted_lp.astype(mx.float32))
-    mass_above = mx.cumsum(probs, axis=-1, reverse=True, inclusive=False)
-    total = mass_above[..., :1] + probs[..., :1]
-    dropped = (mass_above >= top_p * total).sum(axis=-1, keepdims=True)
-    threshold = mx.take_along_axis(sorted_lp, dropped, axis=-1)
-    cut = mx.where(logprobs < threshold, -mx.inf, logprobs)
-    return mx.where(top_p >= 1.0, logprobs, cut)
-
-
-def sample_rows(logprobs: mx.array, samplers: list[Sampler | None]) -> mx.array:
-    """[B] tokens from [B, vocab] logprobs: one argmax for the greedy rows, and
-    one for the sampled rows together (each with its own noise and settings)."""
-    tokens = mx.argmax(logprobs, axis=-1)
-    rows = [i for i, s in enumerate(samplers) if s is not None]
-    if not rows:
-        return tokens
-    drawn = [s for s in samplers if s is not None]
-    idx = mx.array(rows)
-    picked = logprobs[idx]
-    if any(s.top_p < 1.0 for s in drawn):
-        picked = top_p_rows(picked, mx.array([[s.top_p] for s in drawn]))
-    scale = mx.array([[1 / s.temperature] for s in drawn], dtype=picked.dtype)
-    vocab = logprobs.shape[-1]
-    noise = mx.concatenate([s.noise(vocab) for s in drawn]).astype(picked.dtype)
-    tokens[idx] = mx.argmax(picked * scale + noise, axis=-1)
-    return tokens
 
 
 try:
@@ -139,6 +92,11 @@ class Seq:
     # Whose request (its cache salt: one per API key): a full batch's next free row
     # goes to the waiting request of the tenant holding the fewest rows.
     tenant: str | None = None
+    # -- prompt-lookup drafts (disagg_agents/decode/draft.py) --
+    # The ids the model saw before `first` (prompt, a migrated answer so far): the
+    # context drafts are looked up in. None: this request does not draft.
+    context: list[int] | None = None
+    drafter: Drafter | None = None  # set when it joins a loop that drafts
 
 
 @dataclass
@@ -162,8 +120,13 @@ class DecodeLoop:
         grammars: Grammars | None = None,
         prefill_step: int = 2048,
         rows: bool = True,
+        speculate: bool = True,
     ) -> None:
         self.model = model
+        # Prompt-lookup drafts, verified in the batch's forward (where the
+        # caches can drop rejected positions: disagg_agents/decode/rewind.py).
+        self.speculate = speculate
+        self.drafted = self.accepted = self.verify_steps = 0
         self.grammars = grammars  # masks rows whose Seq carries a matcher
         self.max_batch = max_batch
         self.tasks: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
@@ -223,7 +186,23 @@ class DecodeLoop:
             "batch_peak": self.peak_batch,
             "decode_steps": self.steps,
             "local_prefills": len(self.prefills),  # prompts being prefilled here now
+            "draft_tokens": self.drafted,
+            "draft_accepted_tokens": self.accepted,
+            "verify_steps": self.verify_steps,
         }
+
+    def prometheus(self) -> str:
+        """The drafts' counters for /metrics (any thread: plain ints)."""
+        return prom_series(
+            "disagg_speculation",
+            "decode",
+            [
+                ("draft_tokens_total", "counter", self.drafted),
+                ("accepted_tokens_total", "counter", self.accepted),
+                ("verify_steps_total", "counter", self.verify_steps),
+                ("decode_steps_total", "counter", self.steps),
+            ],
+        )
 
     # -- the mlx thread --------------------------------------------------------
 
@@ -382,6 +361,8 @@ class DecodeLoop:
             seq.released.set_result(caches)
 
     def _joined(self, seq: Seq) -> None:
+        if self.speculate and seq.context is not None and seq.drafter is None:
+            seq.drafter = Drafter([*seq.context, seq.first])
         seq.caches = []  # the batch owns them now
         seq.joined_at = time.perf_counter()
         self.seqs.append(seq)
@@ -389,58 +370,148 @@ class DecodeLoop:
 
     def _step(self) -> None:
         """One forward pass for every active sequence. As in mlx-lm, the next step
-        is queued (async_eval) before this one's tokens are read back."""
+        is queued (async_eval) before this one's tokens are read back; a row that
+        may draft makes it a turn that reads them first (_draft_turn)."""
         assert self.next_tokens is not None
+        drafting = self.speculate and any(self._may_draft(s) for s in self.seqs)
+        if drafting and can_rewind(self.caches):
+            self._draft_turn()
+            return
         current, current_logprobs = self.next_tokens, self.next_logprobs
-        logits = self.model(current[:, None], cache=self.caches)[:, -1, :]
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        samplers = [s.sampler for s in self.seqs]
-        tokens: list[int]
+        tokens: list[int] = []
         if self.grammars is not None and any(s.matcher is not None for s in self.seqs):
             # The forward runs while the masks are computed: they need this
             # step's inputs (the tokens sampled last step), not its logits.
+            logprobs = self._forward(current)
             mx.async_eval(logprobs)
             tokens = current.tolist()  # type: ignore[assignment]  # a [B] array
-            allowed = mx.array(self._advance(self.grammars, tokens))
-            self.next_tokens = sample_rows(mx.where(allowed, logprobs, -mx.inf), samplers)
+            self._sample(logprobs, self._masks(tokens))
         else:
-            self.next_tokens = sample_rows(logprobs, samplers)
-            tokens = []
-        self.next_logprobs = logprobs
-        mx.async_eval(self.next_tokens, logprobs)
+            self._sample(self._forward(current), None)
         if not tokens:
             tokens = current.tolist()  # type: ignore[assignment]  # a [B] array
+        self._stepped()
+        for i, (seq, tid) in enumerate(zip(self.seqs, tokens, strict=True)):
+            self._emit_input(seq, tid, current_logprobs, i)
+        self._finish_rows()
+
+    def _forward(self, current: mx.array) -> mx.array:
+        """[B, vocab] logprobs after each row's one input token."""
+        logits = self.model(current[:, None], cache=self.caches)[:, -1, :]
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    def _sample(self, logprobs: mx.array, allowed: mx.array | None) -> None:
+        """The next step's inputs, queued (not read back)."""
+        samplers = [s.sampler for s in self.seqs]
+        pick = logprobs if allowed is None else mx.where(allowed, logprobs, -mx.inf)
+        self.next_tokens = sample_rows(pick, samplers)
+        self.next_logprobs = logprobs
+        mx.async_eval(self.next_tokens, logprobs)
+
+    def _masks(self, tokens: list[int]) -> mx.array | None:
+        """The grammar rows' masks [B, vocab] after their matchers take `tokens`."""
+        if self.grammars is None or all(s.matcher is None for s in self.seqs):
+            return None
+        return mx.array(self._advance(self.grammars, tokens))
+
+    def _stepped(self) -> None:
         self.steps += 1
         # Steps are pipelined: one's length is the time between two read-backs.
         now = time.perf_counter()
         if self._last_step_end is not None:
             self.chunks.observe_step(now - self._last_step_end)
         self._last_step_end = now
+
+    def _emit_input(self, seq: Seq, tid: int, logprobs: mx.array | None, row: int) -> None:
+        """A step's input token goes out (a fresh row's was sent already)."""
+        if seq.fresh:
+            seq.fresh = False
+        elif not seq.done:
+            lp = None
+            if seq.want_logprobs and logprobs is not None:
+                lp = np.array(logprobs[row].astype(mx.float32))
+            self._emit(seq, tid, lp)
+
+    def _emit(self, seq: Seq, tid: int, lp: np.ndarray | None) -> None:
+        """One new token of `seq`: sent, or it ends the row (EOS, a grammar's end or
+        failure, max_tokens)."""
+        seq.produced += 1
+        m = seq.matcher
+        if tid in seq.eos or (m is not None and tid in m.eos):
+            seq.done = True  # the stop token itself is not sent
+        elif m is not None and m.failed:
+            seq.out.put(RuntimeError(f"the output grammar failed: {m.failed}"))
+            seq.done = True
+        else:
+            seq.out.put((tid, lp))
+            if seq.drafter is not None:
+                seq.drafter.append([tid])
+            if seq.produced >= seq.max_tokens or (m is not None and m.finished):
+                seq.done = True
+
+    def _finish_rows(self) -> None:
+        """Rows that ended leave the batch."""
         keep: list[int] = []
-        for i, (seq, tid) in enumerate(zip(self.seqs, tokens, strict=True)):
-            if seq.fresh:
-                seq.fresh = False
-            elif not seq.done:
-                lp = None
-                if seq.want_logprobs and current_logprobs is not None:
-                    lp = np.array(current_logprobs[i].astype(mx.float32))
-                seq.produced += 1
-                m = seq.matcher
-                if tid in seq.eos or (m is not None and tid in m.eos):
-                    seq.done = True  # the stop token itself is not sent
-                elif m is not None and m.failed:
-                    seq.out.put(RuntimeError(f"the output grammar failed: {m.failed}"))
-                    seq.done = True
-                else:
-                    seq.out.put((tid, lp))
-                    if seq.produced >= seq.max_tokens or (m is not None and m.finished):
-                        seq.done = True
+        for i, seq in enumerate(self.seqs):
             if seq.done:
                 seq.out.put(None)
             else:
                 keep.append(i)
         if len(keep) < len(self.seqs):
             self._keep(keep)
+
+    # -- prompt-lookup drafts ------------------------------------------------------
+
+    def _may_draft(self, seq: Seq) -> bool:
+        d = seq.drafter
+        return d is not None and not d.pause and seq.matcher is None and not seq.done
+
+    def _draft_turn(self) -> None:
+        """A step whose inputs are read back first: the rows' drafts continue from
+        them. With drafts, one verify forward for every row; without, a plain step."""
+        assert self.next_tokens is not None
+        current, current_logprobs = self.next_tokens, self.next_logprobs
+        tokens: list[int] = current.tolist()  # type: ignore[assignment]  # a [B] array
+        allowed = self._masks(tokens)
+        for i, (seq, tid) in enumerate(zip(self.seqs, tokens, strict=True)):
+            self._emit_input(seq, tid, current_logprobs, i)
+        drafts = [
+            s.drafter.propose() if s.drafter is not None and self._may_draft(s) else []
+            for s in self.seqs
+        ]
+        if any(drafts):
+            self._verify(tokens, drafts, allowed)
+        else:
+            self._sample(self._forward(current), allowed)
+        self._stepped()
+        self._finish_rows()
+
+    def _verify(self, tokens: list[int], drafts: list[list[int]], allowed: mx.array | None) -> None:
+        """One forward over every row's input and draft; each row sends what it
+        accepted, its next input is the model's own token after that, and the
+        rejected positions leave the caches."""
+        logprobs = verify(self.model, self.caches, tokens, drafts)  # [B, L, vocab]
+        outs = judge(logprobs, drafts, [s.sampler for s in self.seqs], allowed)
+        width = 1 + max(len(d) for d in drafts)
+        garbage = [width - len(o) for o in outs]
+        if self.batched:
+            rewind_batch(self.caches, self.rows, garbage)
+        else:
+            rewind_plain(self.caches, garbage[0])
+        self.verify_steps += 1
+        for r, (seq, draft, out) in enumerate(zip(self.seqs, drafts, outs, strict=True)):
+            if draft and seq.drafter is not None:
+                seq.drafter.judged(len(draft), len(out) - 1)
+                self.drafted += len(draft)
+                self.accepted += len(out) - 1
+            for j, tid in enumerate(out[:-1]):
+                if seq.done:
+                    break
+                lp = np.array(logprobs[r, j].astype(mx.float32)) if seq.want_logprobs else None
+                self._emit(seq, tid, lp)
+        taken = mx.array([len(o) - 1 for o in outs])
+        self.next_tokens = mx.array([o[-1] for o in outs], dtype=mx.uint32)
+        self.next_logprobs = logprobs[mx.arange(len(outs)), taken]
 
     def _advance(self, grammars: Grammars, tokens: list[int]) -> np.ndarray:
         """Each matcher consumes its row's new token (a fresh row's `first` was

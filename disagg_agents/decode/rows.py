@@ -234,6 +234,37 @@ class RowBatch:
                 c.filter(order)
         return order
 
+    # -- rejected draft positions ------------------------------------------------
+
+    def rewind(self, least: int, extra: list[int]) -> None:
+        """After a verify forward: every row drops its last `least` columns (the
+        write column goes back), and row r `extra[r]` more, by moving its used
+        columns right (its left padding grows). Only rows with extra are copied."""
+        lay = self._sync()
+        if least:
+            for i in self.full:
+                self.caches[i]._idx -= least
+            lay.idx -= least
+        moved = [r for r in range(lay.n) if extra[r]]
+        if moved:
+            caches = [self.caches[i] for i in self.full]
+            parts = [
+                [
+                    mx.contiguous(a[r : r + 1, :, int(lay.pad[r]) : lay.idx - extra[r]])
+                    for c in caches
+                    for a in (c.keys, c.values)
+                ]
+                for r in moved
+            ]
+            mx.eval(parts)  # copied out first: see move_kv_rows
+            for r, got in zip(moved, parts, strict=True):
+                a = int(lay.pad[r]) + extra[r]
+                for j, c in enumerate(caches):
+                    c.keys[r : r + 1, :, a : lay.idx] = got[2 * j]
+                    c.values[r : r + 1, :, a : lay.idx] = got[2 * j + 1]
+                lay.pad[r] = a
+        lay.changed()
+
     def extract(self, row: int) -> list[Any]:
         """Row `row` as plain caches (back to the single-stream path)."""
         lay, out = self._sync(), []

@@ -34,6 +34,8 @@ def decode(loop: DecodeLoop, stops: Callable[[GenerateRequest], frozenset[int]],
     req = job.req
     seq = Seq(job.caches, first, job.sampler, job.max_tokens, eos, req.logprobs, matcher=matcher)
     seq.tenant = req.cache_salt  # a full batch's free rows go fairly among tenants
+    if req.speculate:  # drafts are looked up in what the model saw
+        seq.context = job.prompt_ids
     for save in job.saves:
         save.attach(seq)
     loop.join(seq)

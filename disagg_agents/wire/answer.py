@@ -167,6 +167,10 @@ class Metrics:
     cached_tokens: int | None = None  # prompt positions whose K/V came from a prefix cache
     prefill_cached_tokens: int | None = None  # ... of those, served by the prefill agent's cache
     grammar_ms: float | None = None  # compiling the output grammar, or finding it cached
+    # Prompt-lookup drafts (disagg_agents.decode.draft): tokens proposed, and of them
+    # accepted (each one a token that cost no forward of its own).
+    draft_tokens: int | None = None
+    draft_accepted_tokens: int | None = None
     # --- the K/V stream (disaggregated runs) -----------------------------------------
     prefill_address: str | None = None  # the address the decode agent reached it on
     path_failures: list[str] | None = None  # faster addresses that did not answer first

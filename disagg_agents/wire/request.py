@@ -116,6 +116,9 @@ class GenerateRequest:
     return_prompt_ids: bool = False
     prefill: PrefillTarget | None = None
     prefix_cache: bool = True  # reuse (and keep) K/V of prompt prefixes seen before
+    # Prompt-lookup drafts checked in the batch's forward (the decode agent's
+    # --no-speculate turns them off for all); false: this request never drafts.
+    speculate: bool = True
     # Chat formats (disagg_agents/chatformat): OpenAI-style function definitions, which
     # of them the model may call, its reasoning effort, and fill-in-the-middle.
     tools: list[dict[str, Any]] | None = None
@@ -287,7 +290,8 @@ def _check_input(r: GenerateRequest) -> None:
 
 def _check_sampling(r: GenerateRequest) -> None:
     """The switches, how many tokens, how they are drawn, and where they stop."""
-    for name in ("raw", "logprobs", "ignore_eos", "return_prompt_ids", "prefix_cache"):
+    switches = ("raw", "logprobs", "ignore_eos", "return_prompt_ids", "prefix_cache", "speculate")
+    for name in switches:
         if not isinstance(getattr(r, name), bool):
             raise RequestError(name, f"{name} must be true or false")
     if not _is_int(r.max_tokens) or r.max_tokens < 1:

@@ -42,6 +42,11 @@ def _usage(c: Completion) -> dict[str, Any]:
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         # OpenAI's field: prompt tokens whose K/V came from the prefix cache.
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+        # OpenAI's names for predicted outputs; here the drafts come from the prompt.
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": u.accepted_draft_tokens,
+            "rejected_prediction_tokens": u.draft_tokens - u.accepted_draft_tokens,
+        },
         "disagg_verdict": u.verdict,  # which path ran (the header's)
     }
 
