@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from disagg_agents.models import moetiles as tt
 from disagg_agents.quant import moe_triton as mt
 from disagg_agents.quant.moe_kernels import FORM_AFFINE, FORM_MXFP4
 
@@ -47,7 +48,7 @@ def test_every_kernel_compiles_for_sm121a_and_sm90a_without_spills(
     seen = {(r["arch"], r["model"], r["kernel"], t) for r in reports for t in r["tokens"]}
     for arch in (121, 90):
         for model in ("qwen3-coder-30b-a3b-4bit", "gpt-oss-120b-mxfp4"):
-            for kernel in mt.KERNELS:
+            for kernel in tt.KERNELS:
                 for tokens in (16, 512, 2048, 8192):
                     assert (arch, model, kernel, tokens) in seen
     bad = [r for r in reports if r["spill_stores"] or r["spill_loads"]]
@@ -70,13 +71,13 @@ def test_the_tiles_before_this_table_spill_on_the_spark() -> None:
 USER = [(2048, 768, FORM_AFFINE, 64, 8), (2880, 2880, FORM_MXFP4, 32, 4)]
 
 
-@pytest.mark.parametrize("props", [mt.GB10, mt.H200], ids=["gb10", "h200"])
+@pytest.mark.parametrize("props", [tt.GB10, tt.H200], ids=["gb10", "h200"])
 def test_tiles_are_a_pure_function_that_fits_the_devices_shared_memory(
     props: mt.DeviceProps,
 ) -> None:
     for _, _, form, group, top_k in USER:
         for tokens in (1, 16, 512, 2048, 8192, 65536):
-            for kernel in mt.KERNELS:
+            for kernel in tt.KERNELS:
                 t = mt.tiles_for(props, tokens * top_k, 128, kernel, form, group)
                 assert t == mt.tiles_for(props, tokens * top_k, 128, kernel, form, group)
                 assert mt.smem_estimate(t, kernel) <= props.shared
@@ -90,11 +91,11 @@ def test_tiles_are_a_pure_function_that_fits_the_devices_shared_memory(
 
 def test_a_tile_over_the_sparks_shared_memory_is_clamped() -> None:
     t = mt.Tiles(128, 128, 64, 8, 3)  # ~147 KB estimated for the fused gate/up
-    assert mt.smem_estimate(t, "gate_up") > mt.GB10.shared
-    got = mt.clamp(t, mt.GB10.shared, "gate_up")
-    assert mt.smem_estimate(got, "gate_up") <= mt.GB10.shared
+    assert mt.smem_estimate(t, "gate_up") > tt.GB10.shared
+    got = mt.clamp(t, tt.GB10.shared, "gate_up")
+    assert mt.smem_estimate(got, "gate_up") <= tt.GB10.shared
     assert got.stages == 2 and (got.bm, got.bk) == (128, 64)
-    assert mt.clamp(t, mt.H200.shared, "gate_up") == t  # fits an H200 as it is
+    assert mt.clamp(t, tt.H200.shared, "gate_up") == t  # fits an H200 as it is
 
 
 def test_the_tiles_override_is_clamped_with_one_log_line(
@@ -102,13 +103,13 @@ def test_the_tiles_override_is_clamped_with_one_log_line(
 ) -> None:
     monkeypatch.setenv(mt.TILES_ENV, "128,256,64,8,4")
     with caplog.at_level(logging.WARNING, logger="disagg.prefill"):
-        got = mt.forced_tiles(mt.GB10, "gate_up")
-        again = mt.forced_tiles(mt.GB10, "gate_up")
+        got = mt.forced_tiles(tt.GB10, "gate_up")
+        again = mt.forced_tiles(tt.GB10, "gate_up")
     assert got is not None and got == again
-    assert mt.smem_estimate(got, "gate_up") <= mt.GB10.shared
+    assert mt.smem_estimate(got, "gate_up") <= tt.GB10.shared
     lines = [r.getMessage() for r in caplog.records if mt.TILES_ENV in r.getMessage()]
     assert len(lines) == 1 and "101376" in lines[0], lines
-    assert mt.forced_tiles(mt.H200, "down") == mt.Tiles(128, 256, 64, 8, 4)  # fits: as given
+    assert mt.forced_tiles(tt.H200, "down") == mt.Tiles(128, 256, 64, 8, 4)  # fits: as given
     monkeypatch.setenv(mt.TILES_ENV, "128,96,64,8,3")
     with pytest.raises(ValueError, match="powers of two"):
-        mt.forced_tiles(mt.GB10, "down")
+        mt.forced_tiles(tt.GB10, "down")

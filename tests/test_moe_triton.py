@@ -260,8 +260,9 @@ def launch_order_kernel(out_ptr, NB, NN, GROUP_M: tl.constexpr):
 @pytest.mark.parametrize("group_m", [1, 3])
 def test_the_kernels_launch_order_is_the_one_the_traffic_count_walks(group_m: int) -> None:
     """moe_kernels.swizzle, run by Triton, maps each program to the (block, N tile)
-    that disagg.bench.moetraffic.program_order counts it at."""
-    from disagg.bench.moetraffic import program_order
+    that moetiles.program_order gives it (which the traffic count and the cost
+    model's row reads walk)."""
+    from disagg_agents.models.moetiles import program_order
 
     nb, nn = 7, 5
     out = torch.full((nb * nn, 2), -1, dtype=torch.int32, device=DEVICE)

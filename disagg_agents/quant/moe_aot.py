@@ -37,9 +37,10 @@ from typing import Any
 
 import torch
 
+from ..models import moetiles as tt
 from . import moe_triton as mt
 
-ARCHS = {121: mt.GB10, 90: mt.H200}
+ARCHS = {121: tt.GB10, 90: tt.H200}
 TOKENS = (16, 512, 2048, 8192)
 
 

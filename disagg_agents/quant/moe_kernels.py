@@ -19,7 +19,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-FORM_PLAIN, FORM_AFFINE, FORM_MXFP4 = 0, 1, 2
+# The forms, named where the tile table (torch-free) can read them too.
+from ..models.moetiles import FORM_AFFINE as FORM_AFFINE
+from ..models.moetiles import FORM_MXFP4 as FORM_MXFP4
+from ..models.moetiles import FORM_PLAIN as FORM_PLAIN
+
 GLU_NONE, GLU_SWIGLU, GLU_GPT_OSS = 0, 1, 2
 
 

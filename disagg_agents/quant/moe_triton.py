@@ -16,12 +16,13 @@ import functools
 import importlib.util
 import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from ..models.moetiles import INTERPRETED, DeviceProps, Tiles, clamp, smem_estimate, tiles_for
 from .dequant import Packed
 from .moe import Routing
 from .ptxas import ptxas_for
@@ -110,118 +111,12 @@ def blocks(r: Routing, bm: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return ex.to(torch.int32), start.to(torch.int32), end.to(torch.int32)
 
 
-@dataclass(frozen=True)
-class DeviceProps:
-    """What the tile choice reads of a GPU, as plain numbers (a CPU test passes its
-    own): compute capability, the opt-in shared memory per block in bytes, SMs and
-    L2 bytes (the last two for counting traffic, not for the choice)."""
-
-    capability: tuple[int, int]
-    shared: int
-    sms: int = 0
-    l2: int = 0
-
-
-# The user's Spark (GB10: 101,376 B is Triton's limit there; 48 SMs; L2 taken as
-# 24 MiB, not read from a device here) and the H200 the kernels were timed on.
-GB10 = DeviceProps((12, 1), 101_376, 48, 24 << 20)
-H200 = DeviceProps((9, 0), 232_448, 132, 50 << 20)
-
-
 @functools.cache  # read per forward: once per device
 def device_props(device: torch.device) -> DeviceProps:
     p = torch.cuda.get_device_properties(device)
     shared = getattr(p, "shared_memory_per_block_optin", 0) or 48 << 10
     return DeviceProps((p.major, p.minor), int(shared), p.multi_processor_count,
                        int(getattr(p, "L2_cache_size", 0)))  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Tiles:
-    bm: int
-    bn: int
-    bk: int
-    warps: int
-    stages: int
-    # Row blocks that sweep the N tiles together (moe_kernels.swizzle). 1: each block
-    # sweeps all N tiles before the next (its activations read once, from L2 after
-    # the first tile) and the next block of the same expert finds the expert's
-    # weights in L2: counted, weights once and 1.5x the least traffic for gpt-oss at
-    # 8k tokens, against 1.6-2x with groups of 4-16 (disagg.bench.moetraffic).
-    group_m: int = 1
-
-
-KERNELS = ("gate_up", "down")
-INTERPRETED = Tiles(32, 32, 32, 1, 1, 2)  # few big programs: each is numpy calls
-
-# Per capability family, per band of rows per expert (pairs // experts: < 16, < 64,
-# more), (gate_up, down). Every entry compiles for its arch with no register spill
-# for both user models (tests/test_moe_aot.py). sm_12x (GB10: mma.sync, ~99 KB of
-# shared memory): 64-row blocks, 4 warps, 2-3 stages, as vLLM's sm_120 configs; the
-# fused gate/up keeps two accumulators, so its N tile is 64. sm_90/100: 128-row
-# blocks and 8 warps (the H200's fastest in a sweep), N 64 where two accumulators
-# of 128 would spill. sm_80/89: sm_12x's, whose shared memory they exceed.
-_SM12 = {
-    "few": (Tiles(16, 64, 64, 4, 2), Tiles(16, 64, 64, 4, 2)),
-    "some": (Tiles(32, 64, 64, 4, 2), Tiles(32, 64, 64, 4, 3)),
-    "many": (Tiles(64, 64, 64, 4, 2), Tiles(64, 64, 64, 4, 3)),
-}
-_SM90 = {
-    "few": (Tiles(16, 64, 64, 4, 3), Tiles(16, 64, 64, 4, 3)),
-    "some": (Tiles(32, 64, 64, 4, 3), Tiles(32, 128, 64, 4, 3)),
-    "many": (Tiles(128, 64, 64, 8, 3), Tiles(128, 128, 64, 8, 3)),
-}
-TABLE = {"sm_12x": _SM12, "sm_90": _SM90, "sm_80": _SM12}
-
-
-def family(capability: tuple[int, int]) -> str:
-    major = capability[0]
-    return "sm_12x" if major >= 11 else "sm_90" if major in (9, 10) else "sm_80"
-
-
-def band(pairs: int, experts: int) -> str:
-    per = pairs // max(experts, 1)
-    return "many" if per >= 64 else "some" if per >= 16 else "few"
-
-
-def smem_estimate(t: Tiles, kernel: str) -> int:
-    """Shared bytes the software pipeline may hold: per stage a [bm, bk] activation
-    tile and one (down) or two (gate, up) [bk, bn] weight tiles, 2-byte values.
-    Above what Triton allocates for these kernels (dequantized tiles stay in
-    registers), so a fit here is a fit there."""
-    weights = 2 if kernel == "gate_up" else 1
-    return t.stages * (t.bm * t.bk + weights * t.bk * t.bn) * 2
-
-
-def clamp(t: Tiles, shared: int, kernel: str) -> Tiles:
-    """`t` shrunk until smem_estimate fits `shared`: stages to 2, then N, K, rows."""
-    while smem_estimate(t, kernel) > shared:
-        if t.stages > 2:
-            t = replace(t, stages=t.stages - 1)
-        elif t.bn > 32:
-            t = replace(t, bn=t.bn // 2)
-        elif t.bk > 32:
-            t = replace(t, bk=t.bk // 2)
-        elif t.bm > 16:
-            t = replace(t, bm=t.bm // 2)
-        else:
-            break
-    return t
-
-
-def tiles_for(
-    props: DeviceProps, pairs: int, experts: int, kernel: str, form: int = 0, group: int = 0
-) -> Tiles:
-    """The tiles for one kernel ("gate_up" or "down") on a device: a pure function of
-    numbers. MXFP4's 32-input groups: K tiles of one group (one scale per row per
-    tile), which keep the fused gate/up spill-free on sm_12x."""
-    from . import moe_kernels as k
-
-    up, down = TABLE[family(props.capability)][band(pairs, experts)]
-    t = up if kernel == "gate_up" else down
-    if form == k.FORM_MXFP4 and group and t.bk > group and kernel == "gate_up":
-        t = replace(t, bk=group)
-    return clamp(t, props.shared, kernel)
 
 
 def forced_tiles(props: DeviceProps, kernel: str) -> Tiles | None:
