@@ -127,6 +127,21 @@ def test_kernel_in_bf16(form: str, monkeypatch: pytest.MonkeyPatch) -> None:
     close(m(hidden, idx, w), loop_forward(m, hidden, idx, w), torch.bfloat16)
 
 
+@pytest.mark.parametrize("forced", ["32,64,64,1,1", "64,64,64,4,2,1"])
+def test_the_tiles_override_runs_here_too(forced: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DISAGG_MOE_TILES is what forward launches with, interpreted or not (so the
+    tile sweep's CPU smoke runs distinct tiles), and the answer is the reference's."""
+    monkeypatch.setenv(moe.GEMM_ENV, "triton")
+    monkeypatch.setenv(moe_triton.TILES_ENV, forced)
+    m = layer("qwen3_moe", "affine4", torch.float32)
+    s = moe_triton.stored(m.gate)
+    assert s is not None
+    want = moe_triton.Tiles(*(int(v) for v in forced.split(",")))
+    assert moe_triton.tiles(DEVICE, 296, EXPERTS, "gate_up", s) == want != moe_triton.INTERPRETED
+    hidden, idx, w = skewed_routing(37, 8, torch.float32)
+    close(m(hidden, idx, w), loop_forward(m, hidden, idx, w), torch.float32)
+
+
 def test_affine_dequantization_in_the_kernel_is_mlx_exact(monkeypatch: pytest.MonkeyPatch) -> None:
     """One token, one expert, weight 1 and x a one-hot: the kernel's output is one
     column of the dequantized weight, bit for bit (fp32)."""

@@ -139,10 +139,15 @@ def forced_tiles(props: DeviceProps, kernel: str) -> Tiles | None:
     return got
 
 
+# The interpreter's "device": no shared memory limit to clamp an override to.
+INTERPRETER_PROPS = DeviceProps((0, 0), 1 << 30)
+
+
 def tiles(device: torch.device, pairs: int, experts: int, kernel: str, s: Stored) -> Tiles:
-    """tiles_for this device (CUDA), or INTERPRETED under the interpreter."""
+    """tiles_for this device (CUDA), or INTERPRETED under the interpreter; the
+    override on either (a sweep's smoke varies the tiles on a CPU)."""
     if device.type != "cuda":
-        return INTERPRETED
+        return forced_tiles(INTERPRETER_PROPS, kernel) or INTERPRETED
     props = device_props(device)
     return forced_tiles(props, kernel) or tiles_for(props, pairs, experts, kernel, s.form, s.group)
 
@@ -174,6 +179,38 @@ class Experts:
     limit: float
 
 
+def describe(w: Packed | torch.Tensor) -> str:
+    """A weight's form in a user's words (for the reasons a layer is refused)."""
+    if isinstance(w, torch.Tensor):
+        return f"plain {str(w.dtype).removeprefix('torch.')}"
+    if w.kept is not None:
+        return f"kept in {str(w.dtype).removeprefix('torch.')}"
+    s = w.spec
+    return f"packed {s.mode} {s.bits}-bit, group {s.group_size}"
+
+
+def refusal(
+    kind: str,
+    weights: tuple[Packed | torch.Tensor, Packed | torch.Tensor, Packed | torch.Tensor],
+    act: Any,
+) -> str:
+    """Why `prepare` gives None for this layer ("" when the kernels read it)."""
+    parts = {}
+    for name, w in zip(("gate", "up", "down"), weights, strict=True):
+        s = stored(w)
+        if s is None:
+            return f"{name} is {describe(w)}, a form the fused kernel does not read"
+        parts[name] = (s.form, s.bits, s.group)
+    if parts["gate"] != parts["up"]:
+        return (
+            f"gate is {describe(weights[0])} and up {describe(weights[1])}: the fused "
+            "kernel reads both in one form"
+        )
+    if _glu_code(kind, act) is None:
+        return f"the fused kernel does not compute {kind}'s activation {act!r}"
+    return ""
+
+
 def prepare(
     kind: str,
     weights: tuple[Packed | torch.Tensor, Packed | torch.Tensor, Packed | torch.Tensor],
@@ -183,15 +220,12 @@ def prepare(
     limit: float,
 ) -> Experts | None:
     """The layer as the kernels read it, or None if any part is a form they don't
-    (then the caller keeps its own path)."""
+    (`refusal` says which; the caller keeps its own path)."""
     glu = _glu_code(kind, act)
-    parts = [stored(w) for w in weights]
-    if glu is None or any(p is None for p in parts):
+    if glu is None or refusal(kind, weights, act):
         return None
-    gate, up, down = parts
+    gate, up, down = (stored(w) for w in weights)
     assert gate is not None and up is not None and down is not None
-    if (gate.form, gate.bits, gate.group) != (up.form, up.bits, up.group):
-        return None
     if biases is not None:
         biases = (biases[0].contiguous(), biases[1].contiguous(), biases[2].contiguous())
     return Experts(gate, up, down, glu, biases, alpha, limit)
