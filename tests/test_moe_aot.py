@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 
 from disagg_agents.models import moetiles as tt
+from disagg_agents.models.moetiles import FORM_AFFINE, FORM_MXFP4
 from disagg_agents.quant import moe_triton as mt
-from disagg_agents.quant.moe_kernels import FORM_AFFINE, FORM_MXFP4
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

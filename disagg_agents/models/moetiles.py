@@ -11,8 +11,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 
-# The kernel's weight forms (moe_kernels' FORM constants are these).
+# The kernel's weight forms and GLUs (moe_kernels' constants are these): named here
+# so that reading a layer's form needs neither torch nor the kernels' module.
 FORM_PLAIN, FORM_AFFINE, FORM_MXFP4 = 0, 1, 2
+GLU_NONE, GLU_SWIGLU, GLU_GPT_OSS = 0, 1, 2
 
 
 @dataclass(frozen=True)

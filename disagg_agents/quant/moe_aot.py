@@ -77,15 +77,13 @@ class Report:
 
 
 def _stored(shape: Shape, n: int, k: int) -> mt.Stored:
-    from . import moe_kernels as kk
-
     e, meta = shape.experts, torch.device("meta")
     data = torch.empty(e, n, k // 2, dtype=torch.uint8, device=meta)
     if shape.form == "mxfp4":
         scales = torch.empty(e, n, k // 32, dtype=torch.uint8, device=meta)
-        return mt.Stored(data, scales, scales, kk.FORM_MXFP4, 4, 32)
+        return mt.Stored(data, scales, scales, tt.FORM_MXFP4, 4, 32)
     scales = torch.empty(e, n, k // 64, dtype=torch.bfloat16, device=meta)
-    return mt.Stored(data, scales, scales, kk.FORM_AFFINE, 4, 64)
+    return mt.Stored(data, scales, scales, tt.FORM_AFFINE, 4, 64)
 
 
 def launches(
@@ -93,7 +91,6 @@ def launches(
 ) -> dict[str, mt.Launch]:
     """The two launches of one MoE layer at `tokens` tokens on `props`, as
     `moe_triton.forward` makes them, over meta tensors (`forced`: these tiles)."""
-    from . import moe_kernels as kk
 
     meta, bf16 = torch.device("meta"), torch.bfloat16
     s, e = tokens * shape.top_k, shape.experts
@@ -112,7 +109,7 @@ def launches(
             x = torch.empty(tokens, shape.hidden, dtype=bf16, device=meta)
             y = torch.empty(s, shape.inter, dtype=bf16, device=meta)
             out[kernel] = mt.launch_args(
-                x, w, w, y, lay, t, tokens=order, glu=kk.GLU_GPT_OSS if gpt else kk.GLU_SWIGLU,
+                x, w, w, y, lay, t, tokens=order, glu=tt.GLU_GPT_OSS if gpt else tt.GLU_SWIGLU,
                 bias=(bias, bias) if gpt else None, row_weights=None, out_rows=None,
                 alpha=1.702, limit=7.0,
             )  # fmt: skip

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..models import moetiles as tt
 from ..models.moetiles import INTERPRETED, DeviceProps, Tiles, clamp, smem_estimate, tiles_for
 from .dequant import Packed
 from .moe import Routing
@@ -70,8 +71,6 @@ class Stored:
 def stored(w: Packed | torch.Tensor) -> Stored | None:
     """`w` as the kernel reads it, or None for a form it does not read (2/3/5/6-bit
     affine, mxfp8, nvfp4, inputs not a multiple of 16: those keep the other paths)."""
-    from . import moe_kernels as k
-
     if isinstance(w, torch.Tensor) or w.kept is not None:
         plain = w if isinstance(w, torch.Tensor) else w.kept
         assert plain is not None
@@ -79,16 +78,16 @@ def stored(w: Packed | torch.Tensor) -> Stored | None:
             return None
         if plain.stride(-1) != 1:  # strided rows (a view of gate_up) are read in place
             plain = plain.contiguous()
-        return Stored(plain, plain, plain, k.FORM_PLAIN, 16, 1)
+        return Stored(plain, plain, plain, tt.FORM_PLAIN, 16, 1)
     spec = w.spec
     pow2 = spec.group_size & (spec.group_size - 1) == 0
     if w.n_in % 16 or not pow2:
         return None
     if spec.mode == "affine" and spec.bits in (4, 8):
         assert w.biases is not None
-        return Stored(w.packed, w.scales, w.biases, k.FORM_AFFINE, spec.bits, spec.group_size)
+        return Stored(w.packed, w.scales, w.biases, tt.FORM_AFFINE, spec.bits, spec.group_size)
     if spec.mode == "mxfp4":
-        return Stored(w.packed, w.scales, w.scales, k.FORM_MXFP4, 4, spec.group_size)
+        return Stored(w.packed, w.scales, w.scales, tt.FORM_MXFP4, 4, spec.group_size)
     return None
 
 
@@ -158,12 +157,10 @@ def _log_once(line: str) -> None:
 
 
 def _glu_code(kind: str, act: Any) -> int | None:
-    from . import moe_kernels as k
-
     if kind == "gpt_oss":
-        return k.GLU_GPT_OSS
+        return tt.GLU_GPT_OSS
     silu = act is F.silu or isinstance(act, torch.nn.SiLU)
-    return k.GLU_SWIGLU if silu or type(act).__name__ == "SiLUActivation" else None
+    return tt.GLU_SWIGLU if silu or type(act).__name__ == "SiLUActivation" else None
 
 
 @dataclass(frozen=True)
