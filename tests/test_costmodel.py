@@ -31,7 +31,15 @@ from disagg_agents.models.cost import (
     roofline_s,
     weight_bytes,
 )
-from disagg_agents.models.moecost import KERNEL_EFFICIENCY, Tiles, expected_blocks, layer_traffic
+from disagg_agents.models.moecost import (
+    KERNEL_EFFICIENCY,
+    Pick,
+    expected_blocks,
+    kernel_tiles,
+    layer_traffic,
+    recording_pick,
+)
+from disagg_agents.models.moetiles import GB10, H200, Tiles, row_reads
 
 # One MoE layer: hidden 4, 2 query heads and 1 K/V head of 2, 4 experts of width 3,
 # top-2, a vocabulary of 8; experts 4-bit, the rest bf16.
@@ -164,16 +172,20 @@ def test_the_recorded_runs_are_read_and_the_kernel_efficiency_is_refit_from_them
 def test_the_model_predicts_each_recorded_h200_layer_within_30_percent(
     f: costmodel.LayerFigure,
 ) -> None:
+    # Predicted at the tiles and 2-D grid that run used (before the per-device table).
+    s = SHAPES[f.model]
+    ran = recording_pick(f.tokens * s.top_k, s.experts)
+    assert costmodel.figure_tiles(f) == ran and ran.gate_up.group_m == 0
     # The bytes the bench counted as the least a layer moves: the model's own count.
-    assert moe_traffic(SHAPES[f.model], f.tokens).min_bytes == pytest.approx(f.min_bytes, 1e-6)
+    assert moe_traffic(s, f.tokens, f.device, ran).min_bytes == pytest.approx(f.min_bytes, 1e-6)
     assert costmodel.predicted_layer_ms(f) == pytest.approx(f.ms, rel=0.30)
 
 
 def test_the_kernels_traffic_by_hand() -> None:
     """128 experts, top-8, one token: 8 blocks (empty experts skipped), 8 experts'
-    packed weights read, not 128. Many tokens: every block re-reads its rows per
-    output tile, unless the grid keeps them (reread=False)."""
-    one = layer_traffic(1, 2048, 768, 128, 8, 4.5)
+    packed weights read, not 128. Many tokens: the 2-D grid re-reads a block's rows
+    per output tile; the N-fastest order the kernel runs reads them once."""
+    one = layer_traffic(1, 2048, 768, 128, 8, 4.5, kernel_tiles(GB10, 8, 128))
     assert one.blocks == pytest.approx(8, rel=1e-9)
     assert one.weight_bytes == pytest.approx(8 * 3 * 2048 * 768 * 4.5 / 8)
     assert one.padded_flops == 16 * one.flops  # 16-row blocks for one pair each
@@ -181,9 +193,10 @@ def test_the_kernels_traffic_by_hand() -> None:
     # three (about half the experts get more than the mean).
     assert expected_blocks(4096, 8, 128, 512) == pytest.approx(128, rel=1e-6)
     assert 128 * 2.4 < expected_blocks(4096, 8, 128, 128) < 128 * 2.6
-    tiles = Tiles(128, 128)
-    many = layer_traffic(8192, 2048, 768, 128, 8, 4.5, tiles=tiles)
-    once = layer_traffic(8192, 2048, 768, 128, 8, 4.5, tiles=tiles, reread=False)
+    grid = Tiles(128, 128, 64, 8, 3, group_m=0)
+    many = layer_traffic(8192, 2048, 768, 128, 8, 4.5, Pick(grid, grid))
+    swz = Tiles(128, 128, 64, 8, 3, group_m=1)
+    once = layer_traffic(8192, 2048, 768, 128, 8, 4.5, Pick(swz, swz))
     rows = many.blocks * 128 * 2
     assert many.act_bytes - once.act_bytes == pytest.approx(rows * (2048 * 5 + 768 * 15))
     # On the Spark the fused path's layer time is the kernel's, at sm90's figure until
@@ -194,6 +207,25 @@ def test_the_kernels_traffic_by_hand() -> None:
     assert "sliding attention" not in layer_paths(SHAPES["qwen3-coder-30b-a3b"], "gb10")
     h200 = layer_paths(SHAPES["gpt-oss-120b"], "h200", "triton")
     assert "measured on sm90" in h200["MoE experts"]
+
+
+def test_the_plan_counts_the_tiles_and_order_the_kernel_picks_on_the_target() -> None:
+    """`disagg plan` predicts the Spark with the table's tiles on a GB10's numbers
+    (64-row blocks at 8k tokens, N-fastest), the H200 with its own; a row block's
+    activations come back as the launch order brings them (the order the kernels'
+    swizzle runs, tests/test_moe_triton.py)."""
+    s = SHAPES["qwen3-coder-30b-a3b"]
+    for device, props in (("gb10", GB10), ("h200", H200)):
+        pick = kernel_tiles(props, 8192 * 8, 128)
+        got = moe_traffic(s, 8192, device)
+        assert got == layer_traffic(8192, 2048, 768, 128, 8, 4.5, pick)
+    assert kernel_tiles(GB10, 8192 * 8, 128).gate_up.bm == 64
+    assert kernel_tiles(H200, 8192 * 8, 128).gate_up.bm == 128
+    # Rows once per block in the N-fastest order (or a group's), once per N tile in
+    # the 2-D grid: the kernel's order re-reads nothing the layer's old grid did.
+    assert (row_reads(6, 1), row_reads(6, 4), row_reads(6, 0)) == (1, 1, 6)
+    old = moe_traffic(s, 8192, "gb10", recording_pick(8192 * 8, 128))
+    assert moe_traffic(s, 8192, "gb10").act_bytes < old.act_bytes
 
 
 def test_placement_uses_the_prior_until_it_has_measured() -> None:

@@ -49,3 +49,6 @@ def test_the_device_scripts_cpu_smoke_runs_every_piece_at_tiny_shapes(tmp_path: 
     table = (tmp_path / "tiles.txt").read_text()
     assert "tile table for the CPU interpreter" in table
     assert re.search(r"tiny +16 tokens: pick \d+,\d+,\d+,\d+,\d+ [\d.]+ ms; today 32,32,32", table)
+    # Each candidate ran at its own tiles (the override holds under the interpreter).
+    ran = re.findall(r"^  (\d[\d,]+) +ran ([\d,]+) ", table, re.M)
+    assert len(ran) >= 2 and all(c == r for c, r in ran) and len({r for _, r in ran}) == len(ran)

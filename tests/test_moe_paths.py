@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from disagg_agents.quant import moe_triton
 from disagg_agents.quant.dequant import Packed, QSpec
 from disagg_agents.quant.modules import PackedExperts, QuantLinear, Weight
 from disagg_agents.quant.paths import DeviceFacts, layer_path, log_slow, moe_paths
@@ -67,6 +68,21 @@ def test_each_layer_names_its_path_and_why_it_is_slower_than_the_best() -> None:
     assert layer_path(0, layer("kept", "affine4", "affine4"), H200).path == "grouped"
     assert layer_path(0, fused, CPU) == MoePath(0, "grouped", "grouped")
     assert layer_path(0, fused, DeviceFacts("mps")) == MoePath(0, "blocked", "blocked")
+
+
+def test_the_reason_is_the_one_the_kernels_refuse_with() -> None:
+    """paths reads moe_triton's own refusal: a layer has a reason exactly when
+    prepare() gives it up (so the two cannot drift), an activation included."""
+    gelu = layer("affine4", "affine4", "affine4")
+    gelu.act = torch.nn.GELU()
+    cases = [layer("affine4", "affine4", "affine4"), layer("kept", "affine4", "affine4"),
+             layer("affine3", "affine3", "affine3"), gelu]  # fmt: skip
+    for mod in cases:
+        why = layer_path(0, mod, GB10).reason
+        weights = (mod.gate, mod.up, mod.down)
+        prepared = moe_triton.prepare(mod.kind, weights, mod.biases, mod.act, mod.alpha, mod.limit)
+        assert (prepared is None) == bool(why), why
+    assert "qwen3_moe's activation GELU" in layer_path(0, gelu, GB10).reason
 
 
 def test_slow_layers_are_one_log_line_per_reason(caplog: pytest.LogCaptureFixture) -> None:

@@ -11,12 +11,12 @@ import pytest
 
 from disagg.bench import moetraffic
 from disagg.bench.moelayer import spec_of
-from disagg_agents.quant import moe_triton as mt
+from disagg_agents.models import moetiles as tt
 
 
 @pytest.mark.parametrize("group_m", [0, 1, 3, 8])
 def test_the_launch_order_covers_every_tile_once(group_m: int) -> None:
-    order = moetraffic.program_order(7, 5, group_m)
+    order = tt.program_order(7, 5, group_m)
     assert sorted(order) == [(b, n) for b in range(7) for n in range(5)]
     if group_m == 1:  # N-fastest: each block's tiles back to back
         assert order[:5] == [(0, n) for n in range(5)]
@@ -32,14 +32,14 @@ def test_an_lru_counts_only_what_it_no_longer_holds() -> None:
 
 def test_weights_are_read_once_and_the_new_order_moves_less() -> None:
     gpt = spec_of("gpt-oss-mxfp4")
-    huge = replace(mt.GB10, l2=1 << 40)
+    huge = replace(tt.GB10, l2=1 << 40)
     c = moetraffic.count(gpt, huge, 512)
     weights_min = c.minimum - 2 * c.out
     assert c.weights == pytest.approx(weights_min, rel=1e-3)
     for shape in ("qwen3-coder-4bit", "gpt-oss-mxfp4"):
-        now = moetraffic.count(spec_of(shape), mt.GB10, 2048)
-        before = moetraffic.count(spec_of(shape), mt.GB10, 2048, before=True)
+        now = moetraffic.count(spec_of(shape), tt.GB10, 2048)
+        before = moetraffic.count(spec_of(shape), tt.GB10, 2048, before=True)
         assert now.total < before.total
         assert now.acts < before.acts and now.inter < before.inter
         assert now.weights <= before.weights * 1.01
-    assert moetraffic.count(gpt, mt.GB10, 2048).ratio <= 1.5
+    assert moetraffic.count(gpt, tt.GB10, 2048).ratio <= 1.5

@@ -127,6 +127,21 @@ def test_kernel_in_bf16(form: str, monkeypatch: pytest.MonkeyPatch) -> None:
     close(m(hidden, idx, w), loop_forward(m, hidden, idx, w), torch.bfloat16)
 
 
+@pytest.mark.parametrize("forced", ["32,64,64,1,1", "64,64,64,4,2,1"])
+def test_the_tiles_override_runs_here_too(forced: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DISAGG_MOE_TILES is what forward launches with, interpreted or not (so the
+    tile sweep's CPU smoke runs distinct tiles), and the answer is the reference's."""
+    monkeypatch.setenv(moe.GEMM_ENV, "triton")
+    monkeypatch.setenv(moe_triton.TILES_ENV, forced)
+    m = layer("qwen3_moe", "affine4", torch.float32)
+    s = moe_triton.stored(m.gate)
+    assert s is not None
+    want = moe_triton.Tiles(*(int(v) for v in forced.split(",")))
+    assert moe_triton.tiles(DEVICE, 296, EXPERTS, "gate_up", s) == want != moe_triton.INTERPRETED
+    hidden, idx, w = skewed_routing(37, 8, torch.float32)
+    close(m(hidden, idx, w), loop_forward(m, hidden, idx, w), torch.float32)
+
+
 def test_affine_dequantization_in_the_kernel_is_mlx_exact(monkeypatch: pytest.MonkeyPatch) -> None:
     """One token, one expert, weight 1 and x a one-hot: the kernel's output is one
     column of the dequantized weight, bit for bit (fp32)."""
@@ -260,8 +275,9 @@ def launch_order_kernel(out_ptr, NB, NN, GROUP_M: tl.constexpr):
 @pytest.mark.parametrize("group_m", [1, 3])
 def test_the_kernels_launch_order_is_the_one_the_traffic_count_walks(group_m: int) -> None:
     """moe_kernels.swizzle, run by Triton, maps each program to the (block, N tile)
-    that disagg.bench.moetraffic.program_order counts it at."""
-    from disagg.bench.moetraffic import program_order
+    that moetiles.program_order gives it (which the traffic count and the cost
+    model's row reads walk)."""
+    from disagg_agents.models.moetiles import program_order
 
     nb, nn = 7, 5
     out = torch.full((nb * nn, 2), -1, dtype=torch.int32, device=DEVICE)

@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+from disagg_agents.models.moecost import expected_blocks
+
 
 @pytest.fixture(scope="module")
 def plan() -> dict[str, Any]:
@@ -38,20 +40,29 @@ def test_spark_prefill_of_qwen3_coder_at_2k(plan: dict[str, Any]) -> None:
     p = prompt(plan, "qwen3-coder-30b-a3b", 2048)
     terms, eff, peak = p["spark_terms"], plan["efficiency"]["gb10"], plan["spark"]["flops"]
     # Per layer, hidden 2048: q and o 2048x4096 each, k and v 2048x512 each; a router
-    # 2048x128; 8 routed experts of gate, up and down, 2048x768 each.
-    attn = 2 * 2048 * 4096 + 2 * 2048 * 512
-    per_layer = attn + 2048 * 128 + 8 * 3 * 2048 * 768
-    assert per_layer == 56_885_248
-    # 2 FLOPs a MAC over 48 layers and 2,048 tokens, plus the LM head (vocab 151,936)
-    # on the last position; at the Spark's peak times the MoE efficiency.
-    flops = 2 * 48 * per_layer * 2048 + 2 * 2048 * 151_936
-    assert terms["matmul_s"] == pytest.approx(flops / (peak * eff["moe"]), rel=1e-9)
+    # 2048x128: cuBLAS, at the Spark's dense efficiency. 2 FLOPs a MAC over 48 layers
+    # and 2,048 tokens, plus the LM head (vocab 151,936) on the last position.
+    dense = 2 * 2048 * 4096 + 2 * 2048 * 512 + 2048 * 128
+    flops = 2 * 48 * dense * 2048 + 2 * 2048 * 151_936
+    assert terms["matmul_s"] == pytest.approx(flops / (peak * eff["dense"]), rel=1e-9)
+    # The 8 routed experts (gate, up and down, 2048x768 each) on the fused kernel, at
+    # the GB10's tiles: 64-row blocks; 16,384 pairs over 128 experts, 128 an expert on
+    # average: 2 or 3 blocks each, every row of a block computed, at the kernel's
+    # share of peak (taken from sm90 until a GB10 runs it). Compute-bound: the blocks'
+    # packed weights (4.5 bits) take less at 273 GB/s.
+    blocks = expected_blocks(2048, 8, 128, 64)
+    assert 128 * 2.4 < blocks < 128 * 2.6
+    expert = 3 * 2048 * 768
+    padded = 2 * blocks * 64 * expert
+    assert blocks * expert * 4.5 / 8 / plan["spark"]["bandwidth"] < padded / (peak * 0.160)
+    assert terms["moe_s"] == pytest.approx(48 * padded / (peak * 0.160), rel=1e-9)
     # Attention: 2048 x 2049 / 2 causal scores x 32 heads x 48 layers at score_ps each.
     scores = 2048 * 2049 // 2 * 32 * 48
     assert terms["attention_s"] == pytest.approx(scores * eff["score_ps"] * 1e-12, rel=1e-9)
-    # Compute-bound (the weights' read takes less): the two add up.
-    assert terms["memory_s"] < terms["matmul_s"]
-    assert p["spark_prefill_s"] == pytest.approx(terms["matmul_s"] + terms["attention_s"])
+    # The rest is compute-bound too (the weights' read takes less): the three add up.
+    assert terms["memory_s"] < terms["matmul_s"] + terms["attention_s"]
+    total = terms["matmul_s"] + terms["attention_s"] + terms["moe_s"]
+    assert p["spark_prefill_s"] == pytest.approx(total)
 
 
 def test_weights_and_speedup_hold_together(plan: dict[str, Any]) -> None:

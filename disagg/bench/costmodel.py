@@ -37,6 +37,7 @@ from disagg_agents.models.cost import (
     score_elements,
     spark_mode,
 )
+from disagg_agents.models.moecost import Pick, recording_pick
 
 # Shapes from each model's config.json. Bits per weight count scales: MLX affine 4-bit
 # group 64 carries a bf16 scale and bias per 64 weights (4.5); MXFP4 an E8M0 scale per
@@ -250,6 +251,9 @@ def exo_check(link: str = "10gbe") -> dict[str, float]:
 # fitted to all of a run's layers at once (fit_kernel), never per figure.
 HISTORY = Path(__file__).resolve().parents[2] / "docs" / "bench-history"
 RECORDED = [HISTORY / "device-2026-11-27" / "moelayer-final.jsonl"]
+# The recordings made before the per-device tile table, with the tiles and 2-D grid
+# every device ran then (moetiles.recording_tiles): predicted with what they ran.
+BEFORE_TABLE = {"moelayer-final.jsonl"}
 # disagg.bench.moelayer's shapes -> SHAPES; its device names -> DEVICES.
 BENCH_SHAPES = {"qwen3-coder-4bit": "qwen3-coder-30b-a3b", "gpt-oss-mxfp4": "gpt-oss-120b"}
 BENCH_DEVICES = {"NVIDIA H200": "h200"}
@@ -284,8 +288,15 @@ def recorded_layers(files: list[Path] | None = None) -> list[LayerFigure]:
     return out
 
 
+def figure_tiles(f: LayerFigure) -> Pick | None:
+    """The tiles a recorded layer ran at: the recording's where it predates the
+    table, else (None) what the kernel picks on its device."""
+    s = SHAPES[f.model]
+    return recording_pick(f.tokens * s.top_k, s.experts) if f.source in BEFORE_TABLE else None
+
+
 def predicted_layer_ms(f: LayerFigure) -> float:
-    return moe_layer_s(SHAPES[f.model], f.tokens, f.device) * 1e3
+    return moe_layer_s(SHAPES[f.model], f.tokens, f.device, figure_tiles(f)) * 1e3
 
 
 def fit_kernel(figures: list[LayerFigure]) -> dict[str, float]:
@@ -294,7 +305,7 @@ def fit_kernel(figures: list[LayerFigure]) -> dict[str, float]:
     by_arch: dict[str, list[tuple[float, float]]] = {}
     for f in figures:
         d = DEVICES[f.device]
-        x = moe_traffic(SHAPES[f.model], f.tokens).padded_flops / d.flops
+        x = moe_traffic(SHAPES[f.model], f.tokens, f.device, figure_tiles(f)).padded_flops / d.flops
         by_arch.setdefault(d.arch, []).append((x, f.ms / 1e3))
     return {
         arch: sum((x / t) ** 2 for x, t in rows) / sum(x / t for x, t in rows)

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from disagg.bench import moetraffic
+from disagg_agents.models import moetiles as tt
 from disagg_agents.quant import moe_triton as mt
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -201,7 +202,7 @@ def print_count(c: moetraffic.Counted, as_json: bool) -> None:
 
 
 def count_all(shapes: list[str], tokens: list[int], as_json: bool) -> None:
-    for props in (mt.GB10, mt.H200):
+    for props in (tt.GB10, tt.H200):
         for shape in shapes:
             for n in tokens:
                 for before in (True, False):

@@ -20,8 +20,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
 
-from disagg_agents.quant import moe_kernels as kk
-from disagg_agents.quant import moe_triton as mt
+from disagg_agents.models import moetiles as tt
 
 
 @dataclass
@@ -80,20 +79,6 @@ def routing(spec: dict[str, Any], tokens: int, seed: int = 1) -> tuple[list[int]
     return counts, (order // spec["top_k"]).tolist()
 
 
-def program_order(nb: int, nn: int, group_m: int) -> list[tuple[int, int]]:
-    """(block, N tile) per program in launch order: moe_kernels.swizzle's mapping;
-    group_m 0: the 2-D grid before it (blocks fastest, then N tiles)."""
-    if group_m == 0:
-        return [(b, n) for n in range(nn) for b in range(nb)]
-    out = []
-    for pid in range(nb * nn):
-        width = group_m * nn
-        first = (pid // width) * group_m
-        size = min(nb - first, group_m)
-        out.append((first + (pid % width) % size, (pid % width) // size))
-    return out
-
-
 def _kernel(
     cache: Lru, blocks: list[tuple[int, int, int]], rows: list[int], n: int, k: int,
     t: Any, w_slice: float, gathered: bool, name: str,
@@ -101,7 +86,7 @@ def _kernel(
     """Misses of one kernel's reads through `cache`; returns the bytes it writes."""
     nn = -(-n // t.bn)
     written = 0
-    for b, j in program_order(len(blocks), nn, t.group_m):
+    for b, j in tt.program_order(len(blocks), nn, t.group_m):
         e, start, end = blocks[b]
         if start >= end:
             continue
@@ -117,21 +102,21 @@ def _kernel(
 
 def count(
     spec: dict[str, Any],
-    props: mt.DeviceProps,
+    props: tt.DeviceProps,
     tokens: int,
     before: bool = False,
     group_m: int | None = None,
 ) -> Counted:
     """The layer's counted bytes (`spec` as the layer bench's SHAPES) with the tiles
-    and order used now on `props` (`before`: the 128x128x64 tiles and the 2-D grid
-    used before, through the same cache)."""
+    and order used now on `props` (`before`: the tiles and 2-D grid of the
+    recording before the table, through the same cache)."""
     h, i, e = spec["hidden"], spec["inter"], spec["experts"]
     counts, rows = routing(spec, tokens)
     s = len(rows)
-    form = {"mxfp4": kk.FORM_MXFP4, "affine4": kk.FORM_AFFINE}.get(spec["form"], kk.FORM_PLAIN)
-    old = mt.Tiles(128, 128, 64, 8, 3, 0)
-    t_up = old if before else mt.tiles_for(props, s, e, "gate_up", form, spec["group"])
-    t_dn = old if before else mt.tiles_for(props, s, e, "down", form, spec["group"])
+    form = {"mxfp4": tt.FORM_MXFP4, "affine4": tt.FORM_AFFINE}.get(spec["form"], tt.FORM_PLAIN)
+    old = tt.recording_tiles(s, e)
+    t_up = old if before else tt.tiles_for(props, s, e, "gate_up", form, spec["group"])
+    t_dn = old if before else tt.tiles_for(props, s, e, "down", form, spec["group"])
     if group_m is not None:  # for sweeps of the swizzle's group
         t_up, t_dn = replace(t_up, group_m=group_m), replace(t_dn, group_m=group_m)
     cache = Lru(props.l2 // 2)

@@ -1,13 +1,13 @@
 """Sweep the fused MoE kernel's tiles on this device and print the table it would
 pick: per user model's layer shape and token band (16 / 512 / 2k / 8k tokens), the
-fastest of a few candidates (bm, bn, bk, warps, stages), beside what
-`moe_triton.tiles()` picks now. A candidate that does not compile or run here
-(shared memory, registers) is reported with its error, and the sweep goes on.
+fastest of a few candidates (bm, bn, bk, warps, stages; both launches), beside
+the table's own pick (gate/up and down) timed the same way. A candidate that does
+not compile or run here (shared memory, registers) is reported with its error, and
+the sweep goes on.
 
 Run (a CUDA machine): python -m disagg.bench.tilesweep [--json]
-`--cpu-smoke`: a tiny layer on the CPU, the kernels interpreted (there `tiles()`
-keeps its interpreter tiles: the sweep's loop and table, not the tiles, are what
-runs).
+`--cpu-smoke`: a tiny layer on the CPU, the kernels interpreted at each candidate
+(the override holds there too; the interpreter's table is its own few big tiles).
 """
 
 from __future__ import annotations
@@ -69,27 +69,38 @@ def sweep(spec: dict[str, Any], tokens: int, device: str, candidates: tuple[str,
     w = top.softmax(-1).to(dtype).to(device)
     idx = idx.to(device)
     os.environ[moe.GEMM_ENV] = "triton"
-    now = moe_triton.tiles(torch.device(device), tokens * spec["top_k"], spec["experts"])
+    pairs, dev = tokens * spec["top_k"], torch.device(device)
+    gate, down = moe_triton.stored(layer.gate), moe_triton.stored(layer.down)
+    assert gate is not None and down is not None
+    table = "/".join(_fmt(moe_triton.tiles(dev, pairs, spec["experts"], k, sw))
+                     for k, sw in (("gate_up", gate), ("down", down)))  # fmt: skip
     rows = []
-    for tiles in candidates:
-        os.environ[moe_triton.TILES_ENV] = tiles
+    for tiles in (*candidates, None):  # None: the table's pick
+        if tiles:
+            os.environ[moe_triton.TILES_ENV] = tiles
+        ran = ""
         try:
+            ran = _fmt(moe_triton.tiles(dev, pairs, spec["experts"], "gate_up", gate))
             ms: float | None = _time(layer, x.to(layer.dtype), idx, w, device == "cuda", repeats)
             error = None
         except Exception as exc:  # a candidate this device cannot run: say why, go on
             ms, error = None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
         finally:
-            del os.environ[moe_triton.TILES_ENV]
-        rows.append({"tokens": tokens, "tiles": tiles, "ms": ms, "error": error,
-                     "now": f"{now.bm},{now.bn},{now.bk},{now.warps},{now.stages}"})  # fmt: skip
+            os.environ.pop(moe_triton.TILES_ENV, None)
+        rows.append({"tokens": tokens, "tiles": tiles or "table", "ran": ran, "ms": ms,
+                     "error": error, "now": table})  # fmt: skip
     return rows
 
 
+def _fmt(t: Any) -> str:
+    return f"{t.bm},{t.bn},{t.bk},{t.warps},{t.stages}"
+
+
 def pick(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The fastest candidate that ran, and what today's rule picks."""
-    ran = [r for r in rows if r["ms"] is not None]
+    """The fastest candidate that ran, and the table's pick with its time."""
+    ran = [r for r in rows if r["ms"] is not None and r["tiles"] != "table"]
     best = min(ran, key=lambda r: r["ms"]) if ran else None
-    now = next((r for r in rows if r["tiles"] == r["now"]), None)
+    now = next((r for r in rows if r["tiles"] == "table"), None)
     return {
         "tokens": rows[0]["tokens"],
         "pick": best["tiles"] if best else None,
@@ -119,10 +130,13 @@ def main() -> None:
     for name, spec in shapes.items():
         for n in args.tokens:
             rows = sweep(spec, n, device, cands, args.repeats)
-            for r in rows if args.json else ():
-                print(json.dumps({"shape": name, **r}), flush=True)
+            for r in rows:  # what each candidate launched with (the override honoured)
+                line = json.dumps({"shape": name, **r}) if args.json else (
+                    f"  {r['tiles']:14} ran {r['ran'] or '-':14} "
+                    + (f"{r['ms']:.3f} ms" if r["ms"] is not None else str(r["error"])))
+                print(line, flush=True)
             p = pick(rows)
-            now = f"{p['now_ms']:.3f} ms" if p["now_ms"] is not None else "not swept"
+            now = f"{p['now_ms']:.3f} ms" if p["now_ms"] is not None else "did not run"
             best = f"{p['pick']} {p['ms']:.3f} ms" if p["pick"] else "none ran"
             print(f"{name:18} {n:6} tokens: pick {best}; today {p['now']} ({now})", flush=True)
 

@@ -152,8 +152,8 @@ def run_model(model: str, tokens: list[int], device: str, tiny: bool) -> list[di
     paths = sorted({p.path for p in eng.moe_paths})
     rows = []
     try:
-        # Warm-up: one prompt per tile band (16 / 32 / 128-row blocks), so no timed
-        # prompt pays a kernel compile.
+        # Warm-up: one prompt per band of the tile table (moetiles.band: < 16, < 64,
+        # more rows per expert), so no timed prompt pays a kernel compile.
         for n in (8,) if tiny else (8, 512, 2048):
             fetch(port, eng.fingerprint, eng.model_dir, list(range(1, n + 1)))
         for n in tokens:

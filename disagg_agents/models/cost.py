@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .moecost import kernel_efficiency, layer_s, layer_traffic
+from .moecost import PROPS, Pick, kernel_efficiency, kernel_tiles, layer_s, layer_traffic
 
 
 @dataclass(frozen=True)
@@ -377,7 +377,7 @@ def _moe_traffic(s: Shape, tokens: int, device: str, path: str) -> dict[str, flo
     packed, bf16 = _expert_bytes(s, s.expert_bits), _expert_bytes(s, 16.0)
     out = {"read": 0.0, "extra": 0.0, "syncs": 0.0, "launches": 0.0, "pad": 1.0}
     if path == "triton":  # timed on its own: moe_layer_s
-        out["read"] = s.layers * moe_traffic(s, tokens).read_bytes
+        out["read"] = s.layers * moe_traffic(s, tokens, device).read_bytes
     elif path == "mlx":  # weights read in their stored form, each hit expert once
         out["read"] = s.layers * packed * hit
     elif path == "grouped":
@@ -397,17 +397,20 @@ def _moe_traffic(s: Shape, tokens: int, device: str, path: str) -> dict[str, flo
     return out
 
 
-def moe_traffic(s: Shape, tokens: int) -> Any:
-    """One MoE layer of `s` on the fused kernel (disagg_agents.models.moecost)."""
-    return layer_traffic(tokens, s.hidden, s.inter, s.experts, s.top_k, s.expert_bits, s.act_bytes)
+def moe_traffic(s: Shape, tokens: int, device: str, tiles: Pick | None = None) -> Any:
+    """One MoE layer of `s` on the fused kernel (disagg_agents.models.moecost), at
+    `tiles` or those the kernel picks on `device`."""
+    t = tiles or kernel_tiles(PROPS[DEVICES[device].arch], tokens * s.top_k, s.experts)
+    return layer_traffic(tokens, s.hidden, s.inter, s.experts, s.top_k, s.expert_bits, t,
+                         s.act_bytes)  # fmt: skip
 
 
-def moe_layer_s(s: Shape, tokens: int, device: str) -> float:
+def moe_layer_s(s: Shape, tokens: int, device: str, tiles: Pick | None = None) -> float:
     """One MoE layer on the fused kernel: its computed FLOPs at the efficiency measured
     on the device's architecture (else sm90's), or its bytes as read, the longer."""
     d = DEVICES[device]
     eff, _ = kernel_efficiency(d.arch)
-    return layer_s(moe_traffic(s, tokens), d.flops, d.bandwidth, eff)
+    return layer_s(moe_traffic(s, tokens, device, tiles), d.flops, d.bandwidth, eff)
 
 
 def layer_paths(s: Shape, device: str, path: str = "auto") -> dict[str, str]:

@@ -3,14 +3,15 @@ stored and as read, FLOPs as computed (rows padded to whole blocks), and time at
 an efficiency measured on a device of the same architecture.
 
 The kernel (disagg_agents.quant.moe_triton) runs one program per (row block,
-output tile); a row block holds up to `bm` (token, slot) pairs of one expert, and
-reads that expert's whole weight (gate and up, then down) in its stored form. So:
+output tile), at the tiles `moetiles.tiles_for` picks on the device; a row block
+holds up to `bm` (token, slot) pairs of one expert, and reads that expert's whole
+weight (gate and up, then down) in its stored form. So:
 - blocks: an expert with c pairs takes ceil(c / bm) blocks; experts no pair
   routes to take none (at a few tokens most of the 16 GB of experts is skipped);
 - weights as read: one expert's packed weight per block;
-- activations as read: each output-tile pass re-reads its block's rows (the grid
-  runs row blocks fastest), so gate/up reads them inter/bn times and down
-  hidden/bn times, unless the grid keeps a block's rows in L2 across its tiles;
+- activations as read: a block's rows as often as the grid's order brings them
+  back after they left the cache (`moetiles.row_reads`: once in the N-fastest
+  order the kernel runs, once per output tile in the 2-D grid before it);
 - FLOPs as computed: every row of every block, padding included.
 Pure Python; routing taken as uniform (each pair picks an expert with p = k/E).
 """
@@ -20,20 +21,31 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .moetiles import GB10, H200, DeviceProps, Tiles, recording_tiles, row_reads, tiles_for
+
 
 @dataclass(frozen=True)
-class Tiles:
-    bm: int  # rows (pairs) per block
-    bn: int  # output columns per program
+class Pick:
+    """The tiles of the layer's two launches."""
+
+    gate_up: Tiles
+    down: Tiles
 
 
-def kernel_tiles(pairs: int, experts: int) -> Tiles:
-    """The tiles moe_triton.tiles() picks on CUDA today for this many pairs (a mirror:
-    that function needs a torch device; its rule is 128-row blocks from 64 pairs an
-    expert, 32 from 16, else 16; 128-wide tiles with 64-row blocks and up)."""
-    per = pairs // max(experts, 1)
-    bm = 128 if per >= 64 else (32 if per >= 16 else 16)
-    return Tiles(bm, 128 if bm >= 64 else 64)
+# What the tile choice reads of each architecture the cost model knows.
+PROPS = {"sm121": GB10, "sm90": H200}
+
+
+def kernel_tiles(props: DeviceProps, pairs: int, experts: int) -> Pick:
+    """The tiles the kernel picks on `props` (the weight form only sets K tiles,
+    which move no bytes here)."""
+    return Pick(*(tiles_for(props, pairs, experts, k) for k in ("gate_up", "down")))
+
+
+def recording_pick(pairs: int, experts: int) -> Pick:
+    """The tiles and grid of the H200 recording of 2026-11-27 (moetiles.recording_tiles)."""
+    t = recording_tiles(pairs, experts)
+    return Pick(t, t)
 
 
 def expected_blocks(tokens: int, top_k: int, experts: int, bm: int) -> float:
@@ -62,8 +74,8 @@ class LayerTraffic:
     padded_flops: float  # as computed: whole blocks
     min_bytes: float  # the hit experts' packed weights once + activations in and out
     weight_bytes: float  # as read: an expert's packed weight per block
-    act_bytes: float  # as read: activations per output-tile pass, intermediate out and in
-    blocks: float
+    act_bytes: float  # as read: activations as the grid brings them back, inter out, out
+    blocks: float  # gate/up's row blocks
 
     @property
     def read_bytes(self) -> float:
@@ -77,29 +89,29 @@ def layer_traffic(
     experts: int,
     top_k: int,
     bits: float,
+    tiles: Pick,
     act: int = 2,
-    tiles: Tiles | None = None,
-    reread: bool = True,
 ) -> LayerTraffic:
     """`bits` per weight as stored (scales included); `act` bytes per activation;
-    `reread`: the grid re-reads a block's rows per output tile (today's order)."""
+    `tiles`: the two launches' (kernel_tiles on the device, or a recording's)."""
     pairs = tokens * top_k
-    t = tiles or kernel_tiles(pairs, experts)
-    blocks = expected_blocks(tokens, top_k, experts, t.bm)
-    rows = blocks * t.bm
+    up, dn = tiles.gate_up, tiles.down
+    blocks_up = expected_blocks(tokens, top_k, experts, up.bm)
+    blocks_dn = blocks_up if dn.bm == up.bm else expected_blocks(tokens, top_k, experts, dn.bm)
+    rows_up, rows_dn = blocks_up * up.bm, blocks_dn * dn.bm
     per_expert = 3 * hidden * inter  # gate, up [inter, hidden]; down [hidden, inter]
     hit = experts * (1 - (1 - top_k / experts) ** tokens)
-    passes_up = -(-inter // t.bn) if reread else 1
-    passes_down = -(-hidden // t.bn) if reread else 1
-    acts = rows * act * (hidden * passes_up + inter * passes_down)
+    reads_up = row_reads(-(-inter // up.bn), up.group_m)
+    reads_dn = row_reads(-(-hidden // dn.bn), dn.group_m)
+    acts = act * (rows_up * hidden * reads_up + rows_dn * inter * reads_dn)
     acts += pairs * act * (inter + hidden)  # the intermediate written, the output written
     return LayerTraffic(
         flops=2.0 * pairs * per_expert,
-        padded_flops=2.0 * rows * per_expert,
+        padded_flops=2.0 * hidden * inter * (2 * rows_up + rows_dn),
         min_bytes=hit * per_expert * bits / 8 + 2 * tokens * hidden * act,
-        weight_bytes=blocks * per_expert * bits / 8,
+        weight_bytes=hidden * inter * (2 * blocks_up + blocks_dn) * bits / 8,
         act_bytes=acts,
-        blocks=blocks,
+        blocks=blocks_up,
     )
 
 

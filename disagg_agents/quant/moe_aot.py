@@ -13,9 +13,10 @@ Recipe (Triton 3.9, the project's venv; no GPU, no CUDA driver):
    as `triton/backends/nvidia/bin/ptxas-blackwell` (CUDA 13.x, which knows
    sm_121a) with `--gpu-name=sm_121a` / `sm_90a`; `compiled.metadata.shared` is the
    shared memory the kernel allocates.
-3. Spills: that ptxas run again, `-v --gpu-name=sm_121a` on `compiled.asm["ptx"]`,
-   parsing "Used N registers" and "N bytes spill stores, M bytes spill loads" (a
-   compile served from Triton's cache keeps no ptxas log).
+3. Spills: Triton runs its ptxas with `-v`; TRITON_DUMP_PTXAS_LOG=1 prints that
+   log, parsed for "Used N registers" and "N bytes spill stores, M bytes spill
+   loads". A compile served from Triton's cache prints none: then that ptxas runs
+   again on `compiled.asm["ptx"]` with Triton's options.
 
 On a GPU whose own Triton ships an older ptxas (Triton 3.5's rejects sm_121a),
 TRITON_PTXAS_PATH / TRITON_PTXAS_BLACKWELL_PATH name a CUDA 13 ptxas instead.
@@ -37,9 +38,10 @@ from typing import Any
 
 import torch
 
+from ..models import moetiles as tt
 from . import moe_triton as mt
 
-ARCHS = {121: mt.GB10, 90: mt.H200}
+ARCHS = {121: tt.GB10, 90: tt.H200}
 TOKENS = (16, 512, 2048, 8192)
 
 
@@ -71,18 +73,17 @@ class Report:
     spill_loads: int
     shared: int
     shared_limit: int
+    table: bool  # the tiles the table picks (else the recording's, forced)
 
 
 def _stored(shape: Shape, n: int, k: int) -> mt.Stored:
-    from . import moe_kernels as kk
-
     e, meta = shape.experts, torch.device("meta")
     data = torch.empty(e, n, k // 2, dtype=torch.uint8, device=meta)
     if shape.form == "mxfp4":
         scales = torch.empty(e, n, k // 32, dtype=torch.uint8, device=meta)
-        return mt.Stored(data, scales, scales, kk.FORM_MXFP4, 4, 32)
+        return mt.Stored(data, scales, scales, tt.FORM_MXFP4, 4, 32)
     scales = torch.empty(e, n, k // 64, dtype=torch.bfloat16, device=meta)
-    return mt.Stored(data, scales, scales, kk.FORM_AFFINE, 4, 64)
+    return mt.Stored(data, scales, scales, tt.FORM_AFFINE, 4, 64)
 
 
 def launches(
@@ -90,7 +91,6 @@ def launches(
 ) -> dict[str, mt.Launch]:
     """The two launches of one MoE layer at `tokens` tokens on `props`, as
     `moe_triton.forward` makes them, over meta tensors (`forced`: these tiles)."""
-    from . import moe_kernels as kk
 
     meta, bf16 = torch.device("meta"), torch.bfloat16
     s, e = tokens * shape.top_k, shape.experts
@@ -109,7 +109,7 @@ def launches(
             x = torch.empty(tokens, shape.hidden, dtype=bf16, device=meta)
             y = torch.empty(s, shape.inter, dtype=bf16, device=meta)
             out[kernel] = mt.launch_args(
-                x, w, w, y, lay, t, tokens=order, glu=kk.GLU_GPT_OSS if gpt else kk.GLU_SWIGLU,
+                x, w, w, y, lay, t, tokens=order, glu=tt.GLU_GPT_OSS if gpt else tt.GLU_SWIGLU,
                 bias=(bias, bias) if gpt else None, row_weights=None, out_rows=None,
                 alpha=1.702, limit=7.0,
             )  # fmt: skip
@@ -150,32 +150,47 @@ def source(go: mt.Launch) -> Any:
     return ASTSource(fn, signature, constexprs, attrs)
 
 
+def parse_ptxas(log: str) -> tuple[int, int, int] | None:
+    """(registers, spill store bytes, spill load bytes) from a ptxas -v log."""
+    regs = re.search(r"Used (\d+) registers", log)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    if regs is None or spill is None:
+        return None
+    return int(regs.group(1)), int(spill.group(1)), int(spill.group(2))
+
+
 def ptxas_report(ptx: str, arch: int) -> tuple[int, int, int]:
-    """(registers, spill store bytes, spill load bytes) from Triton's ptxas -v."""
+    """parse_ptxas of Triton's ptxas run again on `ptx`, with Triton's options."""
     from triton.backends.nvidia.compiler import get_ptxas
 
     with tempfile.TemporaryDirectory() as d:
         src = os.path.join(d, "k.ptx")
         with open(src, "w") as f:
             f.write(ptx)
-        cmd = [get_ptxas(arch).path, "-v", f"--gpu-name=sm_{arch}a", src, "-o", src + ".o"]
+        cmd = [get_ptxas(arch).path, "-lineinfo", "-v", "--regAllocOptLevel=2",
+               f"--gpu-name=sm_{arch}a", src, "-o", src + ".o"]  # fmt: skip
         log = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
-    regs = re.search(r"Used (\d+) registers", log)
-    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    if regs is None or spill is None:
+    got = parse_ptxas(log)
+    if got is None:
         raise RuntimeError(f"unexpected ptxas -v output: {log[-400:]}")
-    return int(regs.group(1)), int(spill.group(1)), int(spill.group(2))
+    return got
 
 
 def compile_one(go: mt.Launch, arch: int) -> tuple[int, int, int, int]:
-    """(registers, spill stores, spill loads, shared bytes) of one launch on sm_<arch>a."""
+    """(registers, spill stores, spill loads, shared bytes) of one launch on sm_<arch>a:
+    from the log of the ptxas run Triton's compile makes (TRITON_DUMP_PTXAS_LOG)."""
+    import contextlib
+    import io
+
     import triton
     from triton.backends.compiler import GPUTarget
 
     opts = {"num_warps": go.warps, "num_stages": go.stages}
-    compiled = triton.compile(source(go), target=GPUTarget("cuda", arch, 32), options=opts)
-    regs, st, ld = ptxas_report(compiled.asm["ptx"], arch)
-    return regs, st, ld, int(compiled.metadata.shared)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        compiled = triton.compile(source(go), target=GPUTarget("cuda", arch, 32), options=opts)
+    got = parse_ptxas(printed.getvalue()) or ptxas_report(compiled.asm["ptx"], arch)
+    return (*got, int(compiled.metadata.shared))
 
 
 def _key(go: mt.Launch) -> str:
@@ -204,25 +219,35 @@ def _compile_case(case: Case) -> tuple[int, int, int, int, str]:
     return (*compile_one(go, case.arch), f"{c['BM']}x{c['BN']}x{c['BK']} w{go.warps} s{go.stages}")
 
 
+def recording_case(spec: str) -> Case:
+    """"arch:model:tokens:kernel" at the tiles the recording before the table ran."""
+    arch, model, tokens, kernel = spec.split(":")
+    shape = USER_MODELS[model]
+    pairs = int(tokens) * shape.top_k
+    return Case(int(arch), model, int(tokens), kernel, tt.recording_tiles(pairs, shape.experts))
+
+
 def report_all(
     archs: tuple[int, ...] = tuple(ARCHS),
     models: tuple[str, ...] = tuple(USER_MODELS),
     tokens_list: tuple[int, ...] = TOKENS,
     forced: mt.Tiles | None = None,
     workers: int = 2,
+    recorded: tuple[Case, ...] = (),
 ) -> list[Report]:
-    """Every kernel of the models at each token count on each arch; a compile per
-    distinct (kernel, tiles, specialization), the token counts that share it listed,
-    the compiles spread over `workers` processes."""
+    """Every kernel of the models at each token count on each arch, and the
+    `recorded` cases at their tiles; a compile per distinct (kernel, tiles,
+    specialization), the token counts that share it listed, the compiles spread
+    over `workers` processes."""
     from concurrent.futures import ProcessPoolExecutor
 
-    cases: dict[tuple[int, str], list[Case]] = {}
-    for arch in archs:
-        for model in models:
-            for tokens in tokens_list:
-                for kernel, go in launches(USER_MODELS[model], ARCHS[arch], tokens, forced).items():
-                    case = Case(arch, model, tokens, kernel, forced)
-                    cases.setdefault((arch, _key(go)), []).append(case)
+    cases: dict[tuple[int, bool, str], list[Case]] = {}
+    every = [Case(a, m, n, k, forced) for a in archs for m in models for n in tokens_list
+             for k in tt.KERNELS]  # fmt: skip
+    for case in (*every, *recorded):
+        go = launches(USER_MODELS[case.model], ARCHS[case.arch], case.tokens, case.forced)
+        key = (case.arch, case.forced is None, _key(go[case.kernel]))
+        cases.setdefault(key, []).append(case)
     firsts = [same[0] for same in cases.values()]
     with ProcessPoolExecutor(max_workers=max(1, min(workers, len(firsts)))) as pool:
         results = list(pool.map(_compile_case, firsts))
@@ -230,7 +255,7 @@ def report_all(
     for same, (regs, st, ld, shared, tiles) in zip(cases.values(), results, strict=True):
         c = same[0]
         out.append(Report(c.model, c.kernel, c.arch, [x.tokens for x in same], tiles, regs, st,
-                          ld, shared, ARCHS[c.arch].shared))  # fmt: skip
+                          ld, shared, ARCHS[c.arch].shared, c.forced is None))  # fmt: skip
     return out
 
 
@@ -240,13 +265,19 @@ def main() -> None:
     ap.add_argument("--model", nargs="+", default=list(USER_MODELS), choices=list(USER_MODELS))
     ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     ap.add_argument("--tiles", help="bm,bn,bk,warps,stages: these, not the table's")
+    ap.add_argument("--recording", nargs="*", default=[], metavar="ARCH:MODEL:TOKENS:KERNEL",
+                    help="also these launches at the tiles of the recording before the table")
+    ap.add_argument("--only-recording", action="store_true", help="those launches alone")
     args = ap.parse_args()
     if os.environ.get(mt.INTERPRET_ENV) == "1":
         sys.exit("moe_aot: unset TRITON_INTERPRET (interpreted kernels do not compile)")
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # what launches use today
+    os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"  # the compile's own ptxas -v log, parsed
     forced = mt.Tiles(*(int(v) for v in args.tiles.split(","))) if args.tiles else None
     workers = min(2, os.cpu_count() or 1)
-    for r in report_all(tuple(args.arch), tuple(args.model), tuple(args.tokens), forced, workers):
+    recorded = tuple(recording_case(c) for c in args.recording)
+    archs = () if args.only_recording else tuple(args.arch)
+    for r in report_all(archs, tuple(args.model), tuple(args.tokens), forced, workers, recorded):
         print(json.dumps(asdict(r)), flush=True)
 
 

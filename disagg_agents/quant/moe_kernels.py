@@ -19,8 +19,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-FORM_PLAIN, FORM_AFFINE, FORM_MXFP4 = 0, 1, 2
-GLU_NONE, GLU_SWIGLU, GLU_GPT_OSS = 0, 1, 2
+# The forms and GLUs, named where torch-free code can read them too.
+from ..models.moetiles import FORM_AFFINE as FORM_AFFINE
+from ..models.moetiles import FORM_MXFP4 as FORM_MXFP4
+from ..models.moetiles import FORM_PLAIN as FORM_PLAIN
+from ..models.moetiles import GLU_GPT_OSS as GLU_GPT_OSS
+from ..models.moetiles import GLU_NONE as GLU_NONE
+from ..models.moetiles import GLU_SWIGLU as GLU_SWIGLU
 
 
 @triton.jit

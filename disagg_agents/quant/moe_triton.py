@@ -16,12 +16,14 @@ import functools
 import importlib.util
 import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from ..models import moetiles as tt
+from ..models.moetiles import INTERPRETED, DeviceProps, Tiles, clamp, smem_estimate, tiles_for
 from .dequant import Packed
 from .moe import Routing
 from .ptxas import ptxas_for
@@ -69,8 +71,6 @@ class Stored:
 def stored(w: Packed | torch.Tensor) -> Stored | None:
     """`w` as the kernel reads it, or None for a form it does not read (2/3/5/6-bit
     affine, mxfp8, nvfp4, inputs not a multiple of 16: those keep the other paths)."""
-    from . import moe_kernels as k
-
     if isinstance(w, torch.Tensor) or w.kept is not None:
         plain = w if isinstance(w, torch.Tensor) else w.kept
         assert plain is not None
@@ -78,16 +78,16 @@ def stored(w: Packed | torch.Tensor) -> Stored | None:
             return None
         if plain.stride(-1) != 1:  # strided rows (a view of gate_up) are read in place
             plain = plain.contiguous()
-        return Stored(plain, plain, plain, k.FORM_PLAIN, 16, 1)
+        return Stored(plain, plain, plain, tt.FORM_PLAIN, 16, 1)
     spec = w.spec
     pow2 = spec.group_size & (spec.group_size - 1) == 0
     if w.n_in % 16 or not pow2:
         return None
     if spec.mode == "affine" and spec.bits in (4, 8):
         assert w.biases is not None
-        return Stored(w.packed, w.scales, w.biases, k.FORM_AFFINE, spec.bits, spec.group_size)
+        return Stored(w.packed, w.scales, w.biases, tt.FORM_AFFINE, spec.bits, spec.group_size)
     if spec.mode == "mxfp4":
-        return Stored(w.packed, w.scales, w.scales, k.FORM_MXFP4, 4, spec.group_size)
+        return Stored(w.packed, w.scales, w.scales, tt.FORM_MXFP4, 4, spec.group_size)
     return None
 
 
@@ -110,118 +110,12 @@ def blocks(r: Routing, bm: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return ex.to(torch.int32), start.to(torch.int32), end.to(torch.int32)
 
 
-@dataclass(frozen=True)
-class DeviceProps:
-    """What the tile choice reads of a GPU, as plain numbers (a CPU test passes its
-    own): compute capability, the opt-in shared memory per block in bytes, SMs and
-    L2 bytes (the last two for counting traffic, not for the choice)."""
-
-    capability: tuple[int, int]
-    shared: int
-    sms: int = 0
-    l2: int = 0
-
-
-# The user's Spark (GB10: 101,376 B is Triton's limit there; 48 SMs; L2 taken as
-# 24 MiB, not read from a device here) and the H200 the kernels were timed on.
-GB10 = DeviceProps((12, 1), 101_376, 48, 24 << 20)
-H200 = DeviceProps((9, 0), 232_448, 132, 50 << 20)
-
-
 @functools.cache  # read per forward: once per device
 def device_props(device: torch.device) -> DeviceProps:
     p = torch.cuda.get_device_properties(device)
     shared = getattr(p, "shared_memory_per_block_optin", 0) or 48 << 10
     return DeviceProps((p.major, p.minor), int(shared), p.multi_processor_count,
                        int(getattr(p, "L2_cache_size", 0)))  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Tiles:
-    bm: int
-    bn: int
-    bk: int
-    warps: int
-    stages: int
-    # Row blocks that sweep the N tiles together (moe_kernels.swizzle). 1: each block
-    # sweeps all N tiles before the next (its activations read once, from L2 after
-    # the first tile) and the next block of the same expert finds the expert's
-    # weights in L2: counted, weights once and 1.5x the least traffic for gpt-oss at
-    # 8k tokens, against 1.6-2x with groups of 4-16 (disagg.bench.moetraffic).
-    group_m: int = 1
-
-
-KERNELS = ("gate_up", "down")
-INTERPRETED = Tiles(32, 32, 32, 1, 1, 2)  # few big programs: each is numpy calls
-
-# Per capability family, per band of rows per expert (pairs // experts: < 16, < 64,
-# more), (gate_up, down). Every entry compiles for its arch with no register spill
-# for both user models (tests/test_moe_aot.py). sm_12x (GB10: mma.sync, ~99 KB of
-# shared memory): 64-row blocks, 4 warps, 2-3 stages, as vLLM's sm_120 configs; the
-# fused gate/up keeps two accumulators, so its N tile is 64. sm_90/100: 128-row
-# blocks and 8 warps (the H200's fastest in a sweep), N 64 where two accumulators
-# of 128 would spill. sm_80/89: sm_12x's, whose shared memory they exceed.
-_SM12 = {
-    "few": (Tiles(16, 64, 64, 4, 2), Tiles(16, 64, 64, 4, 2)),
-    "some": (Tiles(32, 64, 64, 4, 2), Tiles(32, 64, 64, 4, 3)),
-    "many": (Tiles(64, 64, 64, 4, 2), Tiles(64, 64, 64, 4, 3)),
-}
-_SM90 = {
-    "few": (Tiles(16, 64, 64, 4, 3), Tiles(16, 64, 64, 4, 3)),
-    "some": (Tiles(32, 64, 64, 4, 3), Tiles(32, 128, 64, 4, 3)),
-    "many": (Tiles(128, 64, 64, 8, 3), Tiles(128, 128, 64, 8, 3)),
-}
-TABLE = {"sm_12x": _SM12, "sm_90": _SM90, "sm_80": _SM12}
-
-
-def family(capability: tuple[int, int]) -> str:
-    major = capability[0]
-    return "sm_12x" if major >= 11 else "sm_90" if major in (9, 10) else "sm_80"
-
-
-def band(pairs: int, experts: int) -> str:
-    per = pairs // max(experts, 1)
-    return "many" if per >= 64 else "some" if per >= 16 else "few"
-
-
-def smem_estimate(t: Tiles, kernel: str) -> int:
-    """Shared bytes the software pipeline may hold: per stage a [bm, bk] activation
-    tile and one (down) or two (gate, up) [bk, bn] weight tiles, 2-byte values.
-    Above what Triton allocates for these kernels (dequantized tiles stay in
-    registers), so a fit here is a fit there."""
-    weights = 2 if kernel == "gate_up" else 1
-    return t.stages * (t.bm * t.bk + weights * t.bk * t.bn) * 2
-
-
-def clamp(t: Tiles, shared: int, kernel: str) -> Tiles:
-    """`t` shrunk until smem_estimate fits `shared`: stages to 2, then N, K, rows."""
-    while smem_estimate(t, kernel) > shared:
-        if t.stages > 2:
-            t = replace(t, stages=t.stages - 1)
-        elif t.bn > 32:
-            t = replace(t, bn=t.bn // 2)
-        elif t.bk > 32:
-            t = replace(t, bk=t.bk // 2)
-        elif t.bm > 16:
-            t = replace(t, bm=t.bm // 2)
-        else:
-            break
-    return t
-
-
-def tiles_for(
-    props: DeviceProps, pairs: int, experts: int, kernel: str, form: int = 0, group: int = 0
-) -> Tiles:
-    """The tiles for one kernel ("gate_up" or "down") on a device: a pure function of
-    numbers. MXFP4's 32-input groups: K tiles of one group (one scale per row per
-    tile), which keep the fused gate/up spill-free on sm_12x."""
-    from . import moe_kernels as k
-
-    up, down = TABLE[family(props.capability)][band(pairs, experts)]
-    t = up if kernel == "gate_up" else down
-    if form == k.FORM_MXFP4 and group and t.bk > group and kernel == "gate_up":
-        t = replace(t, bk=group)
-    return clamp(t, props.shared, kernel)
 
 
 def forced_tiles(props: DeviceProps, kernel: str) -> Tiles | None:
@@ -244,10 +138,15 @@ def forced_tiles(props: DeviceProps, kernel: str) -> Tiles | None:
     return got
 
 
+# The interpreter's "device": no shared memory limit to clamp an override to.
+INTERPRETER_PROPS = DeviceProps((0, 0), 1 << 30)
+
+
 def tiles(device: torch.device, pairs: int, experts: int, kernel: str, s: Stored) -> Tiles:
-    """tiles_for this device (CUDA), or INTERPRETED under the interpreter."""
+    """tiles_for this device (CUDA), or INTERPRETED under the interpreter; the
+    override on either (a sweep's smoke varies the tiles on a CPU)."""
     if device.type != "cuda":
-        return INTERPRETED
+        return forced_tiles(INTERPRETER_PROPS, kernel) or INTERPRETED
     props = device_props(device)
     return forced_tiles(props, kernel) or tiles_for(props, pairs, experts, kernel, s.form, s.group)
 
@@ -258,12 +157,10 @@ def _log_once(line: str) -> None:
 
 
 def _glu_code(kind: str, act: Any) -> int | None:
-    from . import moe_kernels as k
-
     if kind == "gpt_oss":
-        return k.GLU_GPT_OSS
+        return tt.GLU_GPT_OSS
     silu = act is F.silu or isinstance(act, torch.nn.SiLU)
-    return k.GLU_SWIGLU if silu or type(act).__name__ == "SiLUActivation" else None
+    return tt.GLU_SWIGLU if silu or type(act).__name__ == "SiLUActivation" else None
 
 
 @dataclass(frozen=True)
@@ -279,6 +176,38 @@ class Experts:
     limit: float
 
 
+def describe(w: Packed | torch.Tensor) -> str:
+    """A weight's form in a user's words (for the reasons a layer is refused)."""
+    if isinstance(w, torch.Tensor):
+        return f"plain {str(w.dtype).removeprefix('torch.')}"
+    if w.kept is not None:
+        return f"kept in {str(w.dtype).removeprefix('torch.')}"
+    s = w.spec
+    return f"packed {s.mode} {s.bits}-bit, group {s.group_size}"
+
+
+def refusal(
+    kind: str,
+    weights: tuple[Packed | torch.Tensor, Packed | torch.Tensor, Packed | torch.Tensor],
+    act: Any,
+) -> str:
+    """Why `prepare` gives None for this layer ("" when the kernels read it)."""
+    parts = {}
+    for name, w in zip(("gate", "up", "down"), weights, strict=True):
+        s = stored(w)
+        if s is None:
+            return f"{name} is {describe(w)}, a form the fused kernel does not read"
+        parts[name] = (s.form, s.bits, s.group)
+    if parts["gate"] != parts["up"]:
+        return (
+            f"gate is {describe(weights[0])} and up {describe(weights[1])}: the fused "
+            "kernel reads both in one form"
+        )
+    if _glu_code(kind, act) is None:
+        return f"the fused kernel does not compute {kind}'s activation {act!r}"
+    return ""
+
+
 def prepare(
     kind: str,
     weights: tuple[Packed | torch.Tensor, Packed | torch.Tensor, Packed | torch.Tensor],
@@ -288,15 +217,12 @@ def prepare(
     limit: float,
 ) -> Experts | None:
     """The layer as the kernels read it, or None if any part is a form they don't
-    (then the caller keeps its own path)."""
+    (`refusal` says which; the caller keeps its own path)."""
     glu = _glu_code(kind, act)
-    parts = [stored(w) for w in weights]
-    if glu is None or any(p is None for p in parts):
+    if glu is None or refusal(kind, weights, act):
         return None
-    gate, up, down = parts
+    gate, up, down = (stored(w) for w in weights)
     assert gate is not None and up is not None and down is not None
-    if (gate.form, gate.bits, gate.group) != (up.form, up.bits, up.group):
-        return None
     if biases is not None:
         biases = (biases[0].contiguous(), biases[1].contiguous(), biases[2].contiguous())
     return Experts(gate, up, down, glu, biases, alpha, limit)

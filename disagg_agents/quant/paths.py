@@ -63,36 +63,13 @@ def best_path(dev: DeviceFacts, dtype: torch.dtype) -> str:
     return "grouped" if dev.grouped_fast(dtype) else "blocked"
 
 
-def describe(w: Weight) -> str:
-    if isinstance(w, torch.Tensor):
-        return f"plain {str(w.dtype).removeprefix('torch.')}"
-    if w.kept is not None:
-        return f"kept in {str(w.dtype).removeprefix('torch.')}"
-    s = w.spec
-    return f"packed {s.mode} {s.bits}-bit, group {s.group_size}"
-
-
 def _kept(w: Weight) -> bool:
     return not isinstance(w, Packed) or w.kept is not None
 
 
 def refusal(mod: PackedExperts) -> str:
     """Why the fused kernel does not read this layer ("" when it does)."""
-    forms = {}
-    for name, w in (("gate", mod.gate), ("up", mod.up), ("down", mod.down)):
-        s = moe_triton.stored(w)
-        if s is None:
-            return f"{name} is {describe(w)}, a form the fused kernel does not read"
-        forms[name] = (s.form, s.bits, s.group)
-    if forms["gate"] != forms["up"]:
-        return (
-            f"gate is {describe(mod.gate)} and up {describe(mod.up)}: the fused kernel "
-            "reads both in one form"
-        )
-    weights = (mod.gate, mod.up, mod.down)
-    if moe_triton.prepare(mod.kind, weights, mod.biases, mod.act, mod.alpha, mod.limit) is None:
-        return f"the fused kernel does not compute {mod.kind}'s activation {mod.act!r}"
-    return ""
+    return moe_triton.refusal(mod.kind, (mod.gate, mod.up, mod.down), mod.act)
 
 
 def layer_path(index: int, mod: PackedExperts, dev: DeviceFacts) -> MoePath:
