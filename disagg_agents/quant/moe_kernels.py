@@ -165,12 +165,10 @@ def moe_gemm_kernel(
     """y[rows, n-tile] for one block of one expert.
 
     GATHER: row r reads x[tok[r]] (the first projection reads the hidden states in
-    token order); else x[r]. FUSED: a second weight (up) is accumulated beside the
-    first (gate) and the GLU applied before the store. HAS_RW: each row scaled by
-    its routing weight; SCATTER: row r is stored at out_row[r] (the pair's place in
-    token order), so the caller only sums over the slots. One program per (block,
-    N tile) on a 1-D grid in GROUP_M order (swizzle).
-    """
+    token order); else x[r]. FUSED: a second weight (up) accumulated beside the first
+    (gate), the GLU applied before the store. HAS_RW: rows scaled by their routing
+    weights; SCATTER: row r stored at out_row[r] (the pair's place in token order), so
+    the caller only sums the slots. One program per (block, N tile), GROUP_M order."""
     pid_b, pid_n = swizzle(tl.program_id(0), NB, tl.cdiv(N, BN), GROUP_M)
     e = tl.load(blk_expert_ptr + pid_b)
     start = tl.load(blk_start_ptr + pid_b)
