@@ -79,17 +79,12 @@ class Client:
         instead (one model only); agents on different weights refuse to pair unless
         `allow_mixed`, and results then say weights: "mixed". `prefix_disk`: the
         decode agents keep prefix blocks there, across restarts (the cluster's token
-        is kept there too). `speculate`: False starts the decode agents with
-        --no-speculate. close() stops the agents.
-        """
+        is kept there too). `speculate`: False: --no-speculate. close() stops them."""
         wanted = model if isinstance(model, list) else [model]
         if prefill_model is not None and len(wanted) != 1:
             raise UsageError("--prefill-model goes with exactly one --model")
         prefill_dir = resolve_model(prefill_model, say) if prefill_model is not None else None
-        dirs = {}
-        for m in wanted:
-            path = resolve_model(m, say)
-            dirs[path.name] = path
+        dirs = _model_dirs(wanted, say)
         pipelines, agents = [], []
         # One cluster: every local agent shares one fresh token. Its dir and the
         # agents' log dirs go when the client closes.
@@ -402,3 +397,12 @@ def _local_route(name: str, prefill: AgentProc, decodes: list[AgentProc]) -> Rou
         # no tags to pay for (a fleet pipeline's default: mac).
         integrity="none",
     )
+
+
+def _model_dirs(wanted: list[str | None], say: Say) -> dict[str, Path]:
+    """Each asked-for model's local dir, by its name (the dir's)."""
+    dirs = {}
+    for m in wanted:
+        path = resolve_model(m, say)
+        dirs[path.name] = path
+    return dirs
