@@ -109,6 +109,12 @@ class PrefillJob:
     fut: Future[None]
 
 
+# Drafts pay where decode is latency-bound (one or two agent-CLI sessions); in a
+# wider batch a partial acceptance moves whole rows' K/V (rewind.py), measured
+# 0.5-0.9x at batch 8 (docs/performance.md): there the plain step runs.
+DRAFT_ROWS = 2
+
+
 class DecodeLoop:
     """Owns the model's mlx work: tasks from other threads, one chunk of a local
     prefill, then one decode step."""
@@ -121,11 +127,14 @@ class DecodeLoop:
         prefill_step: int = 2048,
         rows: bool = True,
         speculate: bool = True,
+        draft_rows: int = DRAFT_ROWS,
     ) -> None:
         self.model = model
         # Prompt-lookup drafts, verified in the batch's forward (where the
-        # caches can drop rejected positions: disagg_agents/decode/rewind.py).
+        # caches can drop rejected positions: disagg_agents/decode/rewind.py),
+        # while the batch has at most `draft_rows` rows.
         self.speculate = speculate
+        self.draft_rows = draft_rows
         self.drafted = self.accepted = self.verify_steps = 0
         self.grammars = grammars  # masks rows whose Seq carries a matcher
         self.max_batch = max_batch
@@ -373,7 +382,11 @@ class DecodeLoop:
         is queued (async_eval) before this one's tokens are read back; a row that
         may draft makes it a turn that reads them first (_draft_turn)."""
         assert self.next_tokens is not None
-        drafting = self.speculate and any(self._may_draft(s) for s in self.seqs)
+        drafting = (
+            self.speculate
+            and len(self.seqs) <= self.draft_rows
+            and any(self._may_draft(s) for s in self.seqs)
+        )
         if drafting and can_rewind(self.caches):
             self._draft_turn()
             return
