@@ -42,7 +42,7 @@ class Run:
         from disagg_agents.decode.loop import DecodeLoop
 
         self.model = model
-        self.loop = DecodeLoop(model, max_batch=8, speculate=speculate, rows=rows, draft_rows=8)
+        self.loop = DecodeLoop(model, max_batch=8, rows=rows, draft_rows=8 if speculate else 0)
         self.got: dict[int, list[int]] = {}
         self.seqs: list[Any] = []
         self.readers: list[threading.Thread] = []

@@ -68,9 +68,10 @@ def mlx_lm_tpot(model: Any, ids: list[int], n: int) -> float:
 def loop_run(model: Any, prompts: list[list[int]], n: int, speculate: bool) -> dict[str, Any]:
     """All prompts joined at once on one DecodeLoop: each row's TPOT (median over
     rows), the tokens, and tokens per forward over the run."""
-    from disagg_agents.decode.loop import DecodeLoop
+    from disagg_agents.decode.loop import DRAFT_ROWS, DecodeLoop
 
-    loop = DecodeLoop(model, max_batch=max(8, len(prompts)), speculate=speculate)
+    rows = DRAFT_ROWS if speculate else 0  # as the agent runs it
+    loop = DecodeLoop(model, max_batch=max(8, len(prompts)), draft_rows=rows)
     seqs = [loop.call(_prefilled, model, prompts[0], n)]
     for ids in prompts[1:]:  # the same prompt: its caches copied, not prefilled again
         assert ids == prompts[0], "one prompt per run"

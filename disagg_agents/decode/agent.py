@@ -26,7 +26,7 @@ from disagg_agents.decode.grammar import ClientGone
 from disagg_agents.decode.keepalive import Keepalive, progress_interval
 from disagg_agents.decode.kvslots import inplace_enabled
 from disagg_agents.decode.kvsource import KVSource
-from disagg_agents.decode.loop import DecodeLoop
+from disagg_agents.decode.loop import DRAFT_ROWS, DecodeLoop
 from disagg_agents.decode.placement import Placement
 from disagg_agents.decode.prefixcache import DecodePrefixCache
 from disagg_agents.prefix.store import default_max_mb
@@ -95,7 +95,7 @@ class DecodeAgent:
             max_batch=options.max_batch,
             grammars=engine.grammars,
             prefill_step=PREFILL_STEP,
-            speculate=options.speculate,
+            draft_rows=DRAFT_ROWS if options.speculate else 0,
         )
         self.stats.extra.append(self.loop.prometheus)
         engine.grammars.warm()  # its tokenizer (~0.5 s) off the first request's path

@@ -126,14 +126,13 @@ class DecodeLoop:
         grammars: Grammars | None = None,
         prefill_step: int = 2048,
         rows: bool = True,
-        speculate: bool = True,
         draft_rows: int = DRAFT_ROWS,
     ) -> None:
         self.model = model
         # Prompt-lookup drafts, verified in the batch's forward (where the
         # caches can drop rejected positions: disagg_agents/decode/rewind.py),
-        # while the batch has at most `draft_rows` rows.
-        self.speculate = speculate
+        # while the batch has at most `draft_rows` rows (0: never).
+        self.speculate = draft_rows > 0
         self.draft_rows = draft_rows
         self.drafted = self.accepted = self.verify_steps = 0
         self.grammars = grammars  # masks rows whose Seq carries a matcher
