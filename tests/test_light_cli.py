@@ -52,3 +52,12 @@ def test_the_decode_agent_imports_no_torch(python_process: PythonProcess) -> Non
     # import transformers, which would import it: seconds of every decode start.
     done = python_process("-c", DECODE_START, timeout=300, check=True)
     assert done.stdout.strip().splitlines()[-1] == "False True"
+
+
+def test_a_cpu_prefill_engine_imports_no_triton(python_process: PythonProcess) -> None:
+    # torch.nn.attention.bias pulls in torch._dynamo and triton (~0.7 s of every
+    # prefill start); and triton imported before TRITON_INTERPRET is set keeps its own
+    # jit helpers (tl.zeros) compiled, so the interpreted MoE kernel tests then fail.
+    probe = "import sys, disagg_agents.prefill.engine; print('triton' in sys.modules)"
+    done = python_process("-c", probe, timeout=300, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "False"

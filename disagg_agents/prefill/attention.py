@@ -35,7 +35,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 # The name transformers dispatches on; no "sdpa" in it (transformers would check
 # that the model supports its own SDPA, which gpt-oss does not).
@@ -106,6 +105,10 @@ def bottom_right(q_len: int, kv_len: int, lead: int, device: torch.device) -> An
     CausalBias subclass cannot be made)."""
     if device.type == "cuda":
         try:
+            # Imported here: the module pulls in torch._dynamo and with it triton
+            # (~0.7 s), which a CPU prefill never needs.
+            from torch.nn.attention.bias import causal_lower_right
+
             return causal_lower_right(q_len, kv_len + lead)
         except RuntimeError:
             pass
