@@ -225,7 +225,9 @@ def codex_session(
     # knew the model (the catalog) and sent its instructions and tools.
     assert "Reconnecting" not in said and "server_error" not in said, said
     assert "trusted directory" not in said and "Model metadata" not in said, said
-    assert seen and seen[0][0] > 1500, seen
+    # (A request given up before its prompt was prefilled logs 0 tokens: seen under
+    # load, Codex then sent it again.)
+    assert seen and max(tokens for tokens, _ in seen) > 1500, seen
     return rc, finishes_logged(log, mark), said
 
 
