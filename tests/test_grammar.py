@@ -148,6 +148,10 @@ def test_response_format_refused(bad: Any, message: str) -> None:
 
 @pytest.fixture(scope="module")
 def harmony_tok() -> Any:
+    return harmony_tokenizer()
+
+
+def harmony_tokenizer() -> Any:
     """A small byte-level BPE with harmony's special tokens (by name, from the spec)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

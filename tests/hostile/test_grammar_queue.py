@@ -18,26 +18,13 @@ import pytest
 
 from disagg_agents.decode.grammar import TENANT_COMPILES, Grammars
 from disagg_agents.wire.request import RequestError
-from tests.test_grammar import HARMONY, TOOLS, variant
+from tests.test_grammar import TOOLS, harmony_tokenizer, variant
 
 
 @pytest.fixture
 def grammars() -> Iterator[Grammars]:
     """A fresh one per test: a flood's sleeping builds must not reach the next test."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=320,
-        special_tokens=HARMONY,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(['{"score": 3, "name": "get_weather"}'], trainer=trainer)
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|return|>")
+    hf = harmony_tokenizer()
     ids: Any = hf.convert_tokens_to_ids(["<|return|>", "<|call|>"])
     g = Grammars(hf, 320, ids, check=None)  # in-process: the fast tier starts no child
     g.warm()  # its tokenizer, built once (in the background)
