@@ -198,7 +198,8 @@ def print_count(c: moetraffic.Counted, as_json: bool) -> None:
     print(f"  counted sm_{c.capability[0]}{c.capability[1]} {c.shape:17} {c.tokens:6} "
           f"{c.order:6} {c.total / mb:7.0f} MB = weights {c.weights / mb:.0f} + acts "
           f"{c.acts / mb:.0f} + inter {c.inter / mb:.0f} + pairs {c.pairs_out / mb:.0f} + out "
-          f"{c.out / mb:.0f}; min {c.minimum / mb:.0f} MB: {c.ratio:.2f}x", flush=True)  # fmt: skip
+          f"{c.out / mb:.0f}; min {c.minimum / mb:.0f} MB: {c.ratio:.2f}x (fused floor "
+          f"{c.floor_ratio:.2f}x)", flush=True)  # fmt: skip
 
 
 def count_all(shapes: list[str], tokens: list[int], as_json: bool) -> None:

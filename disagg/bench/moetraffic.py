@@ -37,6 +37,10 @@ class Counted:
     total: int
     minimum: int
     ratio: float
+    # What this order would count if the intermediate and down's per-pair rows never
+    # left the chip (down fused behind gate/up, the slots summed in the kernel):
+    # weights + gathered activations + output, over the minimum.
+    floor_ratio: float = 0.0
 
 
 class Lru:
@@ -131,9 +135,23 @@ def count(
     total = weights + m.get("x", 0) + inter + 2 * pairs_w + out
     used = sum(1 for c in counts if c)
     minimum = int(used * (weight_bytes(spec, 2 * i, h) + weight_bytes(spec, h, i))) + 2 * out
+    floor = weights + m.get("x", 0) + out
     return Counted(spec["name"], props.capability, tokens, "before" if before else "now", weights,
-                   m.get("x", 0),
-                   inter, 2 * pairs_w, out, total, minimum, round(total / minimum, 2))  # fmt: skip
+                   m.get("x", 0), inter, 2 * pairs_w, out, total, minimum,
+                   round(total / minimum, 2), round(floor / minimum, 3))  # fmt: skip
+
+
+def chunked_floor(spec: dict[str, Any], props: tt.DeviceProps, tokens: int) -> float:
+    """The least floor ratio over splitting the layer's tokens into 1, 2, 4 or 8
+    chunks run one after another (each chunk's gathered rows fit the cache better,
+    but every chunk reads the routed experts' weights again): if even this is over
+    1.5x, no kernel of this kind, fused or not, moves 1.5x the minimum or less."""
+    whole = count(spec, props, tokens)
+    best = whole.floor_ratio
+    for parts in (2, 4, 8):
+        c = count(spec, props, tokens // parts)
+        best = min(best, parts * (c.weights + c.acts + c.out) / whole.minimum)
+    return round(best, 3)
 
 
 def _blocks(counts: list[int], bm: int) -> list[tuple[int, int, int]]:
