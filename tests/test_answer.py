@@ -24,14 +24,19 @@ from disagg.serving.localagents import AgentProc
 from disagg.serving.router import cut_short
 from disagg_agents.chatformat import ParsedCall, Piece
 from disagg_agents.decode.tokenframes import send_events, token_events
+from disagg_agents.runtime.control import start_control
+from disagg_agents.runtime.metrics import Stats
+from disagg_agents.runtime.report import DecodeStatus, PrefillStatus, StatusReport
 from disagg_agents.wire.answer import CONTENT, REASONING, Done, Metrics, TokenEvent, ToolCall
 from disagg_agents.wire.auth import client_auth, server_auth
 from disagg_agents.wire.channel import recv_frame, recv_json, send_json
 from disagg_agents.wire.frames import Frame, ProtocolError, decode_json
+from disagg_agents.wire.httpauth import control_get
 from disagg_agents.wire.request import GenerateRequest, RequestError
 from disagg_agents.wire.status import (
     STATUS_FIELDS,
     AgentStatus,
+    MoePath,
     PrefixCacheStatus,
     WeightsFormat,
 )
@@ -419,6 +424,66 @@ def test_an_agents_status_is_read_typed_and_a_mistyped_field_costs_itself() -> N
     assert st.prefix_cache == {} and st.prefix_disk is None and st.doc == doc
     assert AgentStatus.from_json({}).chat is None  # an older agent: no chat facts
     assert "max_batch" in STATUS_FIELDS and "doc" not in STATUS_FIELDS
+
+
+# The top-level names each role's /status has always sent, in their order.
+DECODE_STATUS_KEYS = ["role", "name", "model", "loaded", "backend", "device", "blas"]
+DECODE_STATUS_KEYS += ["blas_threads", "blas_limited_by", "fingerprint", "context", "queued"]
+DECODE_STATUS_KEYS += ["max_batch", "batch", "batch_waiting", "uptime_s", "requests", "in_flight"]
+DECODE_STATUS_KEYS += ["prefix_cache", "prefix_disk", "grammars", "chat"]
+PREFILL_STATUS_KEYS = ["role", "name", "model", "loaded", "backend", "device", "fingerprint"]
+PREFILL_STATUS_KEYS += ["moe_paths", "uptime_s", "in_flight", "prefix_cache", "queue", "kv_send"]
+
+
+def served_status(report: StatusReport) -> dict[str, Any]:
+    """`report` as a control port with a cluster token serves it, read back as JSON."""
+    token = b"s" * 32
+    server = start_control("127.0.0.1", 0, lambda: report, str, token, threading.Event())
+    try:
+        raw = control_get("127.0.0.1", server.server_address[1], "/status", token)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert raw == json.dumps(report.as_json()).encode()  # turned into JSON there, once
+    doc: dict[str, Any] = json.loads(raw)
+    return doc
+
+
+def test_each_roles_status_is_typed_and_served_as_the_document_it_was() -> None:
+    stats = Stats("decode").snapshot()
+    batch = {"batch": 2, "batch_waiting": 1, "batch_peak": 3, "decode_steps": 40}
+    decode = DecodeStatus(
+        name="d",
+        model="/m",
+        device="Device(cpu, 0)",
+        blas="bundled",
+        blas_threads=None,
+        blas_limited_by=None,
+        fingerprint={"dtype": "bfloat16"},
+        context=2048,
+        queued=batch["batch_waiting"],
+        max_batch=8,
+        batch=batch,
+        stats=stats,
+        prefix_cache={"hit_rate": 0.5},
+        prefix_disk=None,
+        grammars={"cached": 0},
+        chat={"capabilities": ["completion"]},
+    )
+    doc = served_status(decode)
+    assert [k for k in doc if k in DECODE_STATUS_KEYS] == DECODE_STATUS_KEYS
+    assert set(doc) == {*DECODE_STATUS_KEYS, *batch, *stats}  # counters and batch: flat
+    st = AgentStatus.from_json(doc)
+    assert (st.backend, st.queued, st.batch, st.max_batch, st.context) == ("mlx", 1, 2, 8, 2048)
+    assert st.in_flight == 0 and st.chat == {"capabilities": ["completion"]}
+    path = MoePath(1, "grouped", "triton", "kept on the host")
+    prefill = PrefillStatus(
+        "p", "/m", "cuda", {}, (path,), Stats("prefill").snapshot(), {}, {"waiting": 0}, {}
+    )
+    doc = served_status(prefill)
+    assert [k for k in doc if k in PREFILL_STATUS_KEYS] == PREFILL_STATUS_KEYS
+    st = AgentStatus.from_json(doc)
+    assert (st.backend, st.device, st.moe_paths, doc["loaded"]) == ("torch", "cuda", (path,), True)
 
 
 def test_the_status_nested_documents_are_read_typed() -> None:
