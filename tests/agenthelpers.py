@@ -1,15 +1,27 @@
 """Helpers the tests share for reading a running agent: its /status typed (as
-the control plane reads it), its router endpoint, its memory, a socket's state."""
+the control plane reads it), its router endpoint, its memory, a socket's state;
+and a fixed /status for a control port a test starts alone."""
 
 from __future__ import annotations
 
 import socket
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from disagg.serving.localagents import AgentProc
 from disagg.serving.router import Endpoint
 from disagg_agents.wire.status import AgentStatus
+
+
+@dataclass(frozen=True)
+class FixedStatus:
+    """A /status a test's control port serves as given (no agent behind it)."""
+
+    doc: dict[str, Any] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        return self.doc
 
 
 def status_of(agent: AgentProc) -> AgentStatus:

@@ -11,6 +11,7 @@ import ast
 import json
 import socket
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -20,19 +21,26 @@ import pytest
 from disagg.errors import UsageError
 from disagg.serving import wireclient
 from disagg.serving.localagents import AgentProc
+from disagg.serving.router import cut_short
 from disagg_agents.chatformat import ParsedCall, Piece
 from disagg_agents.decode.tokenframes import send_events, token_events
+from disagg_agents.runtime.control import start_control
+from disagg_agents.runtime.metrics import Stats
+from disagg_agents.runtime.report import DecodeStatus, PrefillStatus, StatusReport
 from disagg_agents.wire.answer import CONTENT, REASONING, Done, Metrics, TokenEvent, ToolCall
 from disagg_agents.wire.auth import client_auth, server_auth
 from disagg_agents.wire.channel import recv_frame, recv_json, send_json
 from disagg_agents.wire.frames import Frame, ProtocolError, decode_json
+from disagg_agents.wire.httpauth import control_get
 from disagg_agents.wire.request import GenerateRequest, RequestError
 from disagg_agents.wire.status import (
     STATUS_FIELDS,
     AgentStatus,
+    MoePath,
     PrefixCacheStatus,
     WeightsFormat,
 )
+from disagg_agents.wire.timeline import Timeline
 from tests.conftest import PairFactory
 from tests.tinymodels import PROMPT
 
@@ -82,7 +90,7 @@ def test_token_frames_round_trip_on_a_socket() -> None:
 
 def test_the_first_tokens_metrics_ride_flat_and_come_back_typed() -> None:
     early = Metrics(prompt_tokens=9, method="local", ttft=0.25)
-    early.timeline = {"at": 1700000000.0, "first_token": 0.25}
+    early.timeline = Timeline(at=1700000000.0, first_token=0.25)
     sent = token_events(3, [Piece(CONTENT, "a"), Piece(REASONING, "b")], early)
     assert sent[0].metrics is early and sent[1].metrics is None
     wire = sent[0].to_json()["metrics"]
@@ -97,7 +105,7 @@ def test_the_first_tokens_metrics_ride_flat_and_come_back_typed() -> None:
 
 def test_done_frame_round_trips_on_a_socket() -> None:
     metrics = Metrics(prompt_tokens=5, completion_tokens=2, method="local", finish_reason="stop")
-    metrics.timeline = {"at": 1.0, "first_token": 0.5}
+    metrics.timeline = Timeline(at=1.0, first_token=0.5)
     done = Done("Paris.", [11, 12], metrics, "thinking", [ToolCall("f", {}, "{ }")], [1, 2])
     a, b = pair()
     with a, b:
@@ -108,6 +116,69 @@ def test_done_frame_round_trips_on_a_socket() -> None:
     assert raw["metrics"]["method"] == "local" and "fallback_reason" not in raw["metrics"]
     # What a plain answer leaves out is left out of the frame.
     assert set(Done("x", [1], Metrics()).to_json()) == {"text", "token_ids", "metrics"}
+
+
+# What the decode agent's events stage writes for a remote prefill whose K/V never
+# arrived and an answer that ended with its first token: phases it had not, absent;
+# phases it named without a time, null.
+REMOTE_TIMELINE = {
+    "at": 1700000000.5,
+    "prefill_start": 0.012,
+    "prefill_end": 0.4,
+    "kv_first": None,
+    "kv_last": None,
+    "first_token": 0.41,
+    "joined": None,
+    "done": 0.41,
+}
+
+
+def test_a_timeline_round_trips_as_the_same_document() -> None:
+    t = Timeline.from_json(REMOTE_TIMELINE)
+    assert (t.at, t.prefill_end, t.kv_first, t.joined) == (1700000000.5, 0.4, None, None)
+    assert Timeline.from_json(t.as_json()) == t
+    assert json.dumps(t.as_json()) == json.dumps(REMOTE_TIMELINE)  # keys, order, nulls
+    # Inside the metrics, through their JSON and a socket, as a DONE frame carries it.
+    m = Metrics(prompt_tokens=3, timeline=t)
+    a, b = pair()
+    with a, b:
+        send_json(a, Frame.DONE, Done("x", [1], m).to_json())
+        _, raw = recv_json(b, Frame.DONE)
+    assert raw["metrics"]["timeline"] == REMOTE_TIMELINE
+    assert Done.from_json(raw).metrics.timeline == t
+    # The first token's (at, first_token) and the router's (plus done) are shorter.
+    early = Timeline(at=1.0, first_token=0.5)
+    assert early.as_json() == {"at": 1.0, "first_token": 0.5}
+    assert replace(early, done=2.0).as_json() == {"at": 1.0, "first_token": 0.5, "done": 2.0}
+    # A null asked for on a phase that has a time is no null.
+    assert Timeline(at=1.0, joined=0.2, nulls=frozenset({"joined", "nope"})).nulls == frozenset()
+
+
+def test_a_mistyped_timeline_phase_costs_only_itself() -> None:
+    sent = {**REMOTE_TIMELINE, "first_token": "soon", "joined": True, "kv_last": [1], "x": 1}
+    t = Timeline.from_json(sent)
+    assert (t.first_token, t.joined, t.kv_last) == (None, None, None)
+    assert (t.at, t.prefill_start, t.done) == (1700000000.5, 0.012, 0.41)
+    assert t.as_json() == {**REMOTE_TIMELINE, "first_token": None}  # named, no time
+    # A timeline that is no object costs the metrics that field alone.
+    for hostile in ("soon", [1.0, 2.0], 3):
+        m = Metrics.from_json({"prompt_tokens": 4, "timeline": hostile})
+        assert m.timeline is None and m.prompt_tokens == 4 and m.extra == {}
+    # An empty one stays the empty object it was sent as.
+    assert Metrics.from_json({"timeline": {}}).to_json()["timeline"] == {}
+
+
+def test_a_request_cut_short_gets_its_done_from_the_router() -> None:
+    first = Timeline(at=1700000000.0, first_token=0.5)
+    early = Metrics(prompt_tokens=3, timeline=first)
+    now = time.perf_counter()
+    m = cut_short(early, now - 2.0, now - 1.0, 4, "stop")
+    assert m.decode_time is not None and m.timeline == replace(first, done=0.5 + m.decode_time)
+    assert m.timeline.as_json() == {"at": 1700000000.0, "first_token": 0.5, "done": m.timeline.done}
+    assert early.timeline is first and first.done is None  # the first token's own, untouched
+    # No `at` from the agent: nothing to place on the axis.
+    headless = Metrics(timeline=Timeline(first_token=0.5))
+    assert cut_short(headless, now - 2.0, now - 1.0, 4, "stop").timeline is None
 
 
 def test_the_answer_is_read_by_attribute_only() -> None:
@@ -251,7 +322,7 @@ def test_a_real_agents_frames_go_through_the_contract(
     assert [replace(e, metrics=None) for e in events] == [replace(t, metrics=None) for t in tokens]
     first = events[0].metrics
     assert first is not None and first.prompt_tokens == done.metrics.prompt_tokens
-    assert first.timeline is not None and set(first.timeline) == {"at", "first_token"}
+    assert first.timeline is not None and set(first.timeline.as_json()) == {"at", "first_token"}
     assert all(e.metrics is None for e in events[1:]) and result.finish_reason == "length"
     assert result.metrics.agent_ttft is not None and result.metrics.total_time is not None
 
@@ -353,6 +424,66 @@ def test_an_agents_status_is_read_typed_and_a_mistyped_field_costs_itself() -> N
     assert st.prefix_cache == {} and st.prefix_disk is None and st.doc == doc
     assert AgentStatus.from_json({}).chat is None  # an older agent: no chat facts
     assert "max_batch" in STATUS_FIELDS and "doc" not in STATUS_FIELDS
+
+
+# The top-level names each role's /status has always sent, in their order.
+DECODE_STATUS_KEYS = ["role", "name", "model", "loaded", "backend", "device", "blas"]
+DECODE_STATUS_KEYS += ["blas_threads", "blas_limited_by", "fingerprint", "context", "queued"]
+DECODE_STATUS_KEYS += ["max_batch", "batch", "batch_waiting", "uptime_s", "requests", "in_flight"]
+DECODE_STATUS_KEYS += ["prefix_cache", "prefix_disk", "grammars", "chat"]
+PREFILL_STATUS_KEYS = ["role", "name", "model", "loaded", "backend", "device", "fingerprint"]
+PREFILL_STATUS_KEYS += ["moe_paths", "uptime_s", "in_flight", "prefix_cache", "queue", "kv_send"]
+
+
+def served_status(report: StatusReport) -> dict[str, Any]:
+    """`report` as a control port with a cluster token serves it, read back as JSON."""
+    token = b"s" * 32
+    server = start_control("127.0.0.1", 0, lambda: report, str, token, threading.Event())
+    try:
+        raw = control_get("127.0.0.1", server.server_address[1], "/status", token)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert raw == json.dumps(report.as_json()).encode()  # turned into JSON there, once
+    doc: dict[str, Any] = json.loads(raw)
+    return doc
+
+
+def test_each_roles_status_is_typed_and_served_as_the_document_it_was() -> None:
+    stats = Stats("decode").snapshot()
+    batch = {"batch": 2, "batch_waiting": 1, "batch_peak": 3, "decode_steps": 40}
+    decode = DecodeStatus(
+        name="d",
+        model="/m",
+        device="Device(cpu, 0)",
+        blas="bundled",
+        blas_threads=None,
+        blas_limited_by=None,
+        fingerprint={"dtype": "bfloat16"},
+        context=2048,
+        queued=batch["batch_waiting"],
+        max_batch=8,
+        batch=batch,
+        stats=stats,
+        prefix_cache={"hit_rate": 0.5},
+        prefix_disk=None,
+        grammars={"cached": 0},
+        chat={"capabilities": ["completion"]},
+    )
+    doc = served_status(decode)
+    assert [k for k in doc if k in DECODE_STATUS_KEYS] == DECODE_STATUS_KEYS
+    assert set(doc) == {*DECODE_STATUS_KEYS, *batch, *stats}  # counters and batch: flat
+    st = AgentStatus.from_json(doc)
+    assert (st.backend, st.queued, st.batch, st.max_batch, st.context) == ("mlx", 1, 2, 8, 2048)
+    assert st.in_flight == 0 and st.chat == {"capabilities": ["completion"]}
+    path = MoePath(1, "grouped", "triton", "kept on the host")
+    prefill = PrefillStatus(
+        "p", "/m", "cuda", {}, (path,), Stats("prefill").snapshot(), {}, {"waiting": 0}, {}
+    )
+    doc = served_status(prefill)
+    assert [k for k in doc if k in PREFILL_STATUS_KEYS] == PREFILL_STATUS_KEYS
+    st = AgentStatus.from_json(doc)
+    assert (st.backend, st.device, st.moe_paths, doc["loaded"]) == ("torch", "cuda", (path,), True)
 
 
 def test_the_status_nested_documents_are_read_typed() -> None:

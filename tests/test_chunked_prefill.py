@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from disagg.serving.localagents import AgentProc
+from disagg_agents.wire.timeline import Timeline
 from tests.conftest import PairFactory, ask
 from tests.tinymodels import PROMPT, shared_tiny
 
@@ -70,9 +71,9 @@ def test_a_stream_keeps_getting_tokens_while_the_agent_prefills_a_long_prompt(
     assert not outcome, outcome
     m = res.metrics
     assert m.method == "decode-only" and (m.prompt_tokens or 0) > 1000
-    t = m.timeline or {}
-    at = t["at"] or 0.0
-    begin, end = at + (t["prefill_start"] or 0.0), at + (t["prefill_end"] or 0.0)
+    t = m.timeline or Timeline()
+    at = t.at or 0.0
+    begin, end = at + (t.prefill_start or 0.0), at + (t.prefill_end or 0.0)
     during = [a for a in arrivals if begin < a < end]
     # Prefilled as one task (as before), the stream gets nothing while the prompt
     # computes, only tokens queued before it or stepped after it: the interval's

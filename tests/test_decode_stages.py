@@ -242,3 +242,35 @@ def test_the_events_stage_says_done_and_teaches_placement(pair: Any) -> None:
     assert done["metrics"]["finish_reason"] == "length"  # 3 tokens of max_tokens 3
     assert [k for k, _ in placement.learned] == ["local", "step"]
     assert placement.learned[0][1] == pytest.approx(4 / 0.2)
+
+
+def finished_timeline(sock: socket.socket, peer: socket.socket, **how: Any) -> dict[str, Any]:
+    """The DONE frame's timeline of a one-token answer (it never joined the batch)."""
+    job = job_for(request(max_tokens=1), sock, [3, 4, 5, 6])
+    parser: Any = Parser()
+    job.parser, job.out = parser, [10]
+    job.metrics.prefill_time, job.metrics.prefill_queue_time = 0.2, 0.05
+    job.t_first = job.t0 + 0.3
+    for name, value in how.items():
+        setattr(job, name, value(job.t0))
+    events.finish(Placement(), job)  # type: ignore[arg-type]
+    timeline: dict[str, Any] = frames(peer, Frame.DONE, 1)[0]["metrics"]["timeline"]
+    assert timeline["at"] == job.at and timeline["done"] == round(job.t_end - job.t0, 6)
+    assert timeline["first_token"] == pytest.approx(0.3)
+    return timeline
+
+
+def test_the_events_stage_names_the_phases_the_request_had(pair: Any) -> None:
+    # Remote, no K/V layer arrived (kvfetch's marks): the K/V phases named, null.
+    remote = finished_timeline(
+        *pair, marks=lambda t0: {"sent": t0 + 0.01, "kv_first": None, "kv_last": None}
+    )
+    phases = ["prefill_start", "prefill_end", "kv_first", "kv_last", "first_token"]
+    assert list(remote) == ["at", *phases, "joined", "done"]
+    assert (remote["kv_first"], remote["kv_last"], remote["joined"]) == (None, None, None)
+    assert remote["prefill_start"] == pytest.approx(0.06)  # sent + the prefill's queue
+    assert remote["prefill_end"] == pytest.approx(0.26)
+    # Prefilled here: no K/V phases at all.
+    local = finished_timeline(*pair, t_local=lambda t0: t0 + 0.02, t_prefilled=lambda t0: t0 + 0.22)
+    assert list(local) == ["at", "prefill_start", "prefill_end", "first_token", "joined", "done"]
+    assert (local["prefill_start"], local["prefill_end"]) == pytest.approx((0.02, 0.22))

@@ -44,6 +44,7 @@ import pytest
 
 from disagg_agents.wire.answer import Metrics, ToolCall
 from disagg_agents.wire.status import STATUS_FIELDS
+from disagg_agents.wire.timeline import PHASES
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -275,14 +276,17 @@ def the_guard_reaches_no_front_door() -> list[str]:
     return [c for m, c in chain.items() if m.startswith(doors)]
 
 
-# The answer's field names a string key could read: Metrics', ToolCall's and
-# AgentStatus's (disagg_agents.wire parses each from the wire's JSON, once). Names
-# that are every JSON body's words are left to the types: a tool call's name and
-# arguments, a status's model, backend, device, requests, errors, batch and chat.
+# The answer's field names a string key could read: Metrics', its Timeline's,
+# ToolCall's and AgentStatus's (disagg_agents.wire parses each from the wire's JSON,
+# once). Names that are every JSON body's words are left to the types: a tool call's
+# name and arguments, a status's model, backend, device, requests, errors, batch and
+# chat, a timeline's at and done (Ollama's chunks say done too).
 GENERIC = {"name", "arguments", "model", "backend", "device", "requests", "errors", "batch"}
+GENERIC |= {"at", "done"}
 ANSWER_FIELDS = (
     (
         {f.name for f in dataclasses.fields(Metrics)} - {"extra"}
+        | set(PHASES)
         | {f.name for f in dataclasses.fields(ToolCall)}
         | STATUS_FIELDS
     )

@@ -188,7 +188,7 @@ def test_the_prefill_agents_status_lists_each_moe_layers_path() -> None:
     from tests.quantmodels import quant_dir
 
     eng = PrefillEngine(str(quant_dir("moe32-affine4")), device="cpu", dequant_budget_gb=0.0)
-    st = AgentStatus.from_json(PrefillAgent(eng, "p").status())
+    st = AgentStatus.from_json(PrefillAgent(eng, "p").status().as_json())
     moe = [int(n.split(".")[2]) for n, m in eng.model.named_modules() if m in experts(eng.model)]
     assert moe and st.moe_paths == tuple(MoePath(i, "grouped", "grouped") for i in moe)
 

@@ -26,6 +26,7 @@ from disagg_agents.runtime.listener import FrameServer
 from disagg_agents.runtime.settings import MAX_CHANGES, Setting, Settings, SettingsError
 from disagg_agents.wire.frames import PeerAuthError
 from disagg_agents.wire.httpauth import SCHEME, ControlError, _mac, control_put, parse_authorization
+from tests.agenthelpers import FixedStatus
 from tests.conftest import Cli, PairFactory, ask, log_since, log_size, remote_request
 from tests.gateways import fleet_inventory
 from tests.tinymodels import shared_tiny
@@ -112,7 +113,7 @@ def endpoint() -> Iterator[tuple[int, Knobs]]:
     server = start_control(
         "127.0.0.1",
         0,
-        lambda: {"ok": True},
+        lambda: FixedStatus({"ok": True}),
         lambda: "",
         TOKEN,
         threading.Event(),
@@ -186,7 +187,7 @@ def test_a_body_too_large_or_without_length_is_refused_unread(
 def test_an_agent_without_a_token_takes_no_changes() -> None:
     knobs = Knobs()
     server = start_control(
-        "127.0.0.1", 0, dict, str, None, threading.Event(), settings=knobs.settings()
+        "127.0.0.1", 0, FixedStatus, str, None, threading.Event(), settings=knobs.settings()
     )
     try:
         status, answer, _ = raw_put(server.server_address[1], b'{"limit": 9}')
@@ -200,7 +201,7 @@ def test_a_live_handshake_deadline_bounds_the_next_control_request_too() -> None
     """handshake_timeout_s is both ports' deadline: a control port started with 30 s
     cuts a silent HTTP client at the new 0.5 s (read per connection)."""
     frames = FrameServer("127.0.0.1", 0, lambda sock, peer: None, TOKEN, 30.0)
-    control = start_control("127.0.0.1", 0, dict, str, TOKEN, threading.Event(), 30.0)
+    control = start_control("127.0.0.1", 0, FixedStatus, str, TOKEN, threading.Event(), 30.0)
     try:
         live = Settings(*listener_settings([frames], [control]))
         live.change({"handshake_timeout_s": 0.5})

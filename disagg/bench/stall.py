@@ -103,8 +103,9 @@ def prefill_stall(
 def _gaps(arrivals: list[float], res: wireclient.Result) -> dict[str, Any]:
     """The stream's token arrivals against the prefill's window on the agent's timeline."""
     t = need(res.metrics.timeline, "timeline")
-    at = need(t["at"])
-    begin, end = at + need(t["prefill_start"]), at + need(t["prefill_end"])
+    at = need(t.at, "timeline start")
+    start, stop = need(t.prefill_start, "prefill start"), need(t.prefill_end, "prefill end")
+    begin, end = at + start, at + stop
     gaps = [(a, b) for a, b in zip(arrivals, arrivals[1:], strict=False) if b > begin and a < end]
     before = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False) if b <= begin]
     longest = max((b - a for a, b in gaps), default=end - begin)

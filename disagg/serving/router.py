@@ -16,7 +16,7 @@ import time
 import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from disagg.errors import (
     AgentError,
@@ -99,7 +99,7 @@ def cut_short(
     first_metrics), the decode side timed here."""
     now = time.perf_counter()
     m = Metrics.from_json(early.to_json()) if early is not None else Metrics()  # a copy
-    timeline, m.timeline = m.timeline or {}, None
+    timeline, m.timeline = m.timeline, None
     m.agent_ttft, m.ttft = m.ttft, None if t_first is None else t_first - t_sent
     m.completion_tokens, m.finish_reason, m.total_time = tokens, reason, now - t_sent
     if t_first is not None:
@@ -108,9 +108,9 @@ def cut_short(
             m.tpot, m.decode_speed = m.decode_time / (tokens - 1), (tokens - 1) / m.decode_time
     if isinstance(m.prefill_time, int | float) and m.prefill_time > 0 and m.prompt_tokens:
         m.prefill_speed = m.prompt_tokens / m.prefill_time
-    first = timeline.get("first_token")
-    if timeline.get("at") is not None and isinstance(first, int | float):
-        m.timeline = {**timeline, "done": first + (m.decode_time or 0.0)}
+    if timeline is not None and timeline.at is not None and timeline.first_token is not None:
+        done = timeline.first_token + (m.decode_time or 0.0)
+        m.timeline = replace(timeline, done=done)
     return m
 
 

@@ -34,6 +34,7 @@ from disagg_agents.runtime.args import common_args, fail
 from disagg_agents.runtime.blasshare import BlasShare
 from disagg_agents.runtime.hangup import HungUp
 from disagg_agents.runtime.metrics import Stats
+from disagg_agents.runtime.report import DecodeStatus
 from disagg_agents.runtime.serve import serve, start_agent
 from disagg_agents.runtime.settings import (
     Setting,
@@ -159,29 +160,26 @@ class DecodeAgent:
             ),
         ]
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> DecodeStatus:
         batch = self.loop.snapshot()
-        return {
-            "role": "decode",
-            "name": self.name,
-            "model": self.engine.model_dir,
-            "loaded": True,
-            "backend": "mlx",
-            "device": self.engine.device,
-            "blas": fastblas.loaded,
-            "blas_threads": fastblas.threads(),
-            "blas_limited_by": self.blas_share.limited_by,  # None: every thread
-            "fingerprint": self.engine.fingerprint,
-            "context": self.engine.context,
-            "queued": batch["batch_waiting"],
-            "max_batch": self.loop.max_batch,
-            **batch,
-            **self.stats.snapshot(),
-            "prefix_cache": self.prefix.store.snapshot(),
-            "prefix_disk": self.prefix.disk.snapshot() if self.prefix.disk is not None else None,
-            "grammars": self.engine.grammars.snapshot(),
-            "chat": self.engine.chat_info(),  # for /api/show: capabilities, template, stops
-        }
+        return DecodeStatus(
+            name=self.name,
+            model=self.engine.model_dir,
+            device=self.engine.device,
+            blas=fastblas.loaded,
+            blas_threads=fastblas.threads(),
+            blas_limited_by=self.blas_share.limited_by,
+            fingerprint=self.engine.fingerprint,
+            context=self.engine.context,
+            queued=batch["batch_waiting"],
+            max_batch=self.loop.max_batch,
+            batch=batch,
+            stats=self.stats.snapshot(),
+            prefix_cache=self.prefix.store.snapshot(),
+            prefix_disk=self.prefix.disk.snapshot() if self.prefix.disk is not None else None,
+            grammars=self.engine.grammars.snapshot(),
+            chat=self.engine.chat_info(),
+        )
 
     def handle(self, sock: socket.socket, peer: str) -> None:
         """One client connection: any number of GENERATE requests, one at a time

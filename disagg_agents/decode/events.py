@@ -12,6 +12,7 @@ from disagg_agents.decode.tokenframes import send_events
 from disagg_agents.wire.answer import Done, ToolCall
 from disagg_agents.wire.channel import send_json
 from disagg_agents.wire.frames import Frame
+from disagg_agents.wire.timeline import Timeline
 
 log = logging.getLogger("disagg.decode")
 
@@ -85,28 +86,32 @@ def done(job: Job) -> None:
     )
 
 
-def timeline(
-    job: Job, local_span: tuple[float, float] | None, t_joined: float | None
-) -> dict[str, float | None]:
-    """A result's `timeline`, what `disagg serve`'s web view draws: `at`, the Unix
-    time this agent took the request; the rest seconds after it, on this agent's
-    clock (another host's clock never enters, so skew cannot bend a bar):
+def timeline(job: Job, local_span: tuple[float, float] | None, t_joined: float | None) -> Timeline:
+    """A result's timeline (disagg_agents.wire.timeline), on this agent's clock:
     prefill_start/prefill_end (remote: the PREFILL frame's send time plus the prefill
-    agent's own queue and compute durations), kv_first/kv_last (K/V layers
-    arriving), first_token, joined (entered the decode batch), done."""
-    at, t0, marks, metrics = job.at, job.t0, job.marks, job.metrics
+    agent's own queue and compute durations), kv_first/kv_last (K/V layers arriving,
+    named even when none did), first_token, joined (named even when it never did), done."""
+    t0, marks, metrics = job.t0, job.marks, job.metrics
 
     def rel(t: float | None) -> float | None:
         return None if t is None else round(t - t0, 6)
 
-    out: dict[str, float | None] = {"at": at}
     sent = marks.get("sent") if marks is not None else None
+    remote = marks is not None and sent is not None
+    prefill: tuple[float | None, float | None] = (None, None)
+    kv: tuple[float | None, float | None] = (None, None)
     if marks is not None and sent is not None:
         start = sent + float(metrics.prefill_queue_time or 0.0)
-        out["prefill_start"] = rel(start)
-        out["prefill_end"] = rel(start + float(metrics.prefill_time or 0.0))
-        out["kv_first"], out["kv_last"] = rel(marks.get("kv_first")), rel(marks.get("kv_last"))
+        prefill = rel(start), rel(start + float(metrics.prefill_time or 0.0))
+        kv = rel(marks.get("kv_first")), rel(marks.get("kv_last"))
     elif local_span is not None:
-        out["prefill_start"], out["prefill_end"] = rel(local_span[0]), rel(local_span[1])
-    out.update(first_token=rel(job.t_first), joined=rel(t_joined), done=rel(job.t_end))
-    return out
+        prefill = rel(local_span[0]), rel(local_span[1])
+    return Timeline(
+        job.at,
+        *prefill,
+        *kv,
+        first_token=rel(job.t_first),
+        joined=rel(t_joined),
+        done=rel(job.t_end),
+        nulls=frozenset(("joined", *(("kv_first", "kv_last") if remote else ()))),
+    )

@@ -16,6 +16,7 @@ from disagg_agents.chatformat import ParsedCall, Piece
 from disagg_agents.wire.answer import CONTENT, REASONING, Metrics, TokenEvent, ToolCall
 from disagg_agents.wire.channel import send_json
 from disagg_agents.wire.frames import Frame
+from disagg_agents.wire.timeline import Timeline
 
 # What is known once the first token is out: a client that stops reading early (a stop
 # string matched, its caller left) still reports the prompt's side of the request.
@@ -46,7 +47,7 @@ def first_metrics(metrics: Metrics, at: float, t0: float, t_first: float) -> Met
         {k: v for k in FIRST_METRICS if (v := getattr(metrics, k)) is not None}
     )
     early.ttft = t_first - t0
-    early.timeline = {"at": at, "first_token": t_first - t0}
+    early.timeline = Timeline(at=at, first_token=t_first - t0)
     return early
 
 

@@ -24,6 +24,7 @@ from disagg_agents.quant import weights_mismatch
 from disagg_agents.runtime.args import common_args
 from disagg_agents.runtime.hangup import client_gone
 from disagg_agents.runtime.metrics import Stats
+from disagg_agents.runtime.report import PrefillStatus
 from disagg_agents.runtime.serve import serve, start_agent
 from disagg_agents.runtime.settings import (
     Setting,
@@ -98,21 +99,18 @@ class PrefillAgent:
             ),
         ]
 
-    def status(self) -> dict[str, Any]:
-        return {
-            "role": "prefill",
-            "name": self.name,
-            "model": self.engine.model_dir,
-            "loaded": True,
-            "backend": "torch",
-            "device": self.engine.device,
-            "fingerprint": self.engine.fingerprint,
-            "moe_paths": [m.as_dict() for m in self.engine.moe_paths],
-            **self.stats.snapshot(),
-            "prefix_cache": self.prefix.store.snapshot(),
-            "queue": self.engine.slots.snapshot(),
-            "kv_send": self.send_snapshot(),
-        }
+    def status(self) -> PrefillStatus:
+        return PrefillStatus(
+            name=self.name,
+            model=self.engine.model_dir,
+            device=self.engine.device,
+            fingerprint=self.engine.fingerprint,
+            moe_paths=self.engine.moe_paths,
+            stats=self.stats.snapshot(),
+            prefix_cache=self.prefix.store.snapshot(),
+            queue=self.engine.slots.snapshot(),
+            kv_send=self.send_snapshot(),
+        )
 
     def send_snapshot(self) -> dict[str, Any]:
         """Requests still sending K/V, what they hold, and the longest stalled send."""

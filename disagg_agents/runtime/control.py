@@ -16,6 +16,7 @@ from typing import Any
 from disagg_agents.runtime.gate import HANDSHAKE_TIMEOUT_S, Gate
 from disagg_agents.runtime.listener import FrameServer, Reaper
 from disagg_agents.runtime.logs import rotating_handlers
+from disagg_agents.runtime.report import StatusReport
 from disagg_agents.runtime.settings import MAX_BODY_BYTES as MAX_SETTINGS_BODY
 from disagg_agents.runtime.settings import Setting, Settings, SettingsError
 from disagg_agents.wire.httpauth import PROOF_HEADER, ServerAuth
@@ -35,7 +36,7 @@ UNAUTHORIZED = (
 class Endpoints:
     """What the control port answers from."""
 
-    status: Callable[[], dict[str, Any]]
+    status: Callable[[], StatusReport]
     metrics: Callable[[], str]
     draining: threading.Event  # set: /health says 503, so routers send work elsewhere
     auth: ServerAuth | None = None  # None: no cluster token, every endpoint is open
@@ -122,7 +123,7 @@ class ControlHandler(BaseHTTPRequestHandler):
         """A token holder's GET: (HTTP status, content type, body)."""
         endpoints = self.server.endpoints
         if self.path == "/status":
-            return 200, JSON, json.dumps(endpoints.status()).encode()
+            return 200, JSON, json.dumps(endpoints.status().as_json()).encode()
         if self.path == "/metrics":
             return 200, "text/plain; version=0.0.4", endpoints.metrics().encode()
         if self.path == "/settings" and endpoints.settings is not None:
@@ -158,7 +159,7 @@ class ControlHandler(BaseHTTPRequestHandler):
 def start_control(
     host: str,
     port: int,
-    status: Callable[[], dict[str, Any]],
+    status: Callable[[], StatusReport],
     metrics: Callable[[], str],
     token: bytes | None,
     draining: threading.Event,

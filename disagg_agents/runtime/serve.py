@@ -12,7 +12,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 from disagg_agents.runtime.args import fail, load_token
 from disagg_agents.runtime.control import ControlServer, listener_settings, start_control
@@ -20,6 +20,7 @@ from disagg_agents.runtime.gate import trusted_set
 from disagg_agents.runtime.listener import FrameServer
 from disagg_agents.runtime.logs import setup_logging
 from disagg_agents.runtime.metrics import Stats
+from disagg_agents.runtime.report import StatusReport
 from disagg_agents.runtime.settings import Setting, Settings
 
 log = logging.getLogger("disagg.agent")
@@ -34,7 +35,7 @@ class Agent(Protocol):
 
     def handle(self, sock: socket.socket, peer: str) -> None: ...
 
-    def status(self) -> dict[str, Any]: ...
+    def status(self) -> StatusReport: ...
 
     def live_settings(self) -> list[Setting]: ...
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from disagg_agents.wire.frames import ProtocolError
+from disagg_agents.wire.timeline import Timeline
 
 CONTENT = "content"  # the answer
 REASONING = "reasoning"  # the model's private reasoning (harmony analysis, <think>)
@@ -112,7 +113,7 @@ class TokenEvent:
         if isinstance(sent, Mapping):
             metrics = Metrics.from_json({k: v for k, v in sent.items() if k not in EARLY_MARKS})
             marks = {k: sent[k] for k in EARLY_MARKS if k in sent}
-            metrics.timeline = marks or None
+            metrics.timeline = Timeline.from_json(marks) if marks else None
         return cls(tid, text, channel, tool_call, metrics)
 
 
@@ -191,11 +192,8 @@ class Metrics:
     kv_first_layer_at: float | None = None  # wall clock (time.time) of the first layer placed
     prefill_last_layer_at: float | None = None  # wall clock of the prefill side's last layer
     prefill_threads: int | None = None  # the prefill agent's compute threads for this prompt
-    # --- where the time went (the web view draws it; disagg_agents.decode.events.timeline) -----
-    # at: Unix time the decode agent took the request; then seconds after it, on the
-    # decode agent's clock: prefill_start, prefill_end, kv_first, kv_last (K/V layers
-    # arriving), first_token, joined (entered the decode batch), done.
-    timeline: dict[str, float | None] | None = None
+    # --- where the time went (the web view draws it; disagg_agents.wire.timeline) ------
+    timeline: Timeline | None = None
     queue_time: float | None = None  # waiting: for the prefill device, then a batch slot
     prefill_queue_time: float | None = None  # ... of it, on the prefill agent
     fallback_kind: str | None = None  # unreachable | timeout | stream | prefill_error
@@ -212,7 +210,9 @@ class Metrics:
     def update(self, values: Mapping[str, Any] | None = None, **more: Any) -> None:
         """Set metrics by their wire names: known ones as fields, others in `extra`."""
         for name, value in {**(values or {}), **more}.items():
-            if name in NAMES:
+            if name == "timeline":
+                self.timeline = Timeline.read(value)
+            elif name in NAMES:
                 setattr(self, name, value)
             else:
                 self.extra[name] = value
@@ -225,6 +225,8 @@ class Metrics:
             if f.name == "extra":
                 continue
             value = getattr(self, f.name)
+            if isinstance(value, Timeline):
+                value = value.as_json()
             if value is not None or f.name in SEED_NAMES:
                 out[f.name] = value
         return {**out, **self.extra}

@@ -37,7 +37,7 @@ from disagg_agents.wire.frames import (
     pack_header,
 )
 from disagg_agents.wire.text import printable
-from tests.agenthelpers import closed_now
+from tests.agenthelpers import FixedStatus, closed_now
 from tests.conftest import socket_pair
 
 pytestmark = pytest.mark.fuzz
@@ -242,7 +242,7 @@ def control() -> Iterator[tuple[str, int]]:
     server = start_control(
         "127.0.0.1",
         0,
-        lambda: {"role": "decode", "in_flight": 0},
+        lambda: FixedStatus({"role": "decode", "in_flight": 0}),
         lambda: "disagg_up 1\n",
         TOKEN,
         threading.Event(),
@@ -296,7 +296,13 @@ def test_http_answers_are_single_use_and_path_bound(control: tuple[str, int]) ->
 @pytest.mark.auth
 def test_a_client_with_a_token_refuses_an_http_server_without_one() -> None:
     server = start_control(
-        "127.0.0.1", 0, lambda: {"x": 1}, lambda: "", None, threading.Event(), deadline_s=1.0
+        "127.0.0.1",
+        0,
+        lambda: FixedStatus({"x": 1}),
+        lambda: "",
+        None,
+        threading.Event(),
+        deadline_s=1.0,
     )
     try:
         with pytest.raises(PeerAuthError, match="asks for no cluster token"):

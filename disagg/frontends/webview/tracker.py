@@ -135,7 +135,7 @@ class Tracked:
             "kv_bytes": m.kv_bytes,
             "prompt_tokens": m.prompt_tokens,
             "cached_tokens": m.cached_tokens,
-            "timeline": m.timeline,
+            "timeline": m.timeline.as_json() if m.timeline is not None else None,
             "queue_time": m.queue_time,
             "verdict": verdict(m) if m.method else None,
         }
