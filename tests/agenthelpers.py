@@ -35,8 +35,9 @@ def in_flight(agent: AgentProc) -> int:
 
 
 def cache_status(agent: AgentProc) -> dict[str, Any]:
-    """The agent's prefix cache document (prefix.store's snapshot)."""
-    return status_of(agent).prefix_cache
+    """The agent's prefix cache document whole (prefix.store's snapshot)."""
+    doc: dict[str, Any] = agent.status()["prefix_cache"]
+    return doc
 
 
 def endpoint(agent: AgentProc) -> Endpoint:

@@ -34,6 +34,7 @@ from rich.console import Console
 
 from disagg.cli.render_fleet import status_table
 from disagg.fleet.operations import HostProbe
+from disagg_agents.wire.status import AgentStatus
 from tests.conftest import PairFactory, PythonProcess
 from tests.slowprefill import slow_prefill
 from tests.tinymodels import shared_tiny
@@ -237,7 +238,9 @@ def test_status_says_which_blas_the_decode_agent_runs(agent_pair: PairFactory) -
     _, decode = agent_pair(shared_tiny("llama"))
     st = decode.status()
     assert st["blas"] == f"openblas (numpy): {_numpy_openblas()}"
-    row = HostProbe("localhost", "decode", "healthy", f"127.0.0.1:{decode.port}", st)
+    typed = AgentStatus.from_json(st)
+    assert typed.mistyped == (), typed.mistyped  # a real agent's /status reads whole
+    row = HostProbe("localhost", "decode", "healthy", f"127.0.0.1:{decode.port}", typed)
     for width in (80, 240):  # the short table's detail line, and the wide table's column
         console = Console(width=width, record=True, color_system=None)
         console.print(status_table([row], width))
@@ -253,7 +256,7 @@ def test_status_says_why_blas_runs_on_fewer_threads() -> None:
     ):
         row = HostProbe(
             "mac", "decode", "healthy", "10.0.0.2:8001",
-            {**st, "blas_threads": threads, "blas_limited_by": why},
+            AgentStatus.from_json({**st, "blas_threads": threads, "blas_limited_by": why}),
         )  # fmt: skip
         console = Console(width=240, record=True, color_system=None)
         console.print(status_table([row], 240))

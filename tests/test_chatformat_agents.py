@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 
 from disagg.errors import UsageError
 from disagg_agents.wire.answer import TokenEvent
+from disagg_agents.wire.status import AgentStatus
 from tests.chattokenizers import HARMONY_SPECIALS
 from tests.conftest import PairFactory, ask
 from tests.tinymodels import shared_tiny
@@ -62,7 +63,10 @@ def test_fim_prompt_from_the_tokenizer(
 ) -> None:
     _, decode = agent_pair(shared_tiny("qwen3_coder"))
     tok = AutoTokenizer.from_pretrained(shared_tiny("qwen3_coder"))
-    assert "insert" in decode.status()["chat"]["capabilities"]
+    st = AgentStatus.from_json(decode.status())  # as /api/show reads it
+    assert st.mistyped == () and st.chat is not None and st.chat.capabilities is not None
+    assert "insert" in st.chat.capabilities and st.chat.fim_tokens is not None
+    assert all(t in tok.get_vocab() for t in st.chat.fim_tokens), st.chat.fim_tokens
     prefix, suffix = "def add(a, b):\n    return ", "\n\nprint(add(2, 3))"
     result = ask(
         decode,

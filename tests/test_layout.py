@@ -277,12 +277,15 @@ def the_guard_reaches_no_front_door() -> list[str]:
 
 
 # The answer's field names a string key could read: Metrics', its Timeline's,
-# ToolCall's and AgentStatus's (disagg_agents.wire parses each from the wire's JSON,
-# once). Names that are every JSON body's words are left to the types: a tool call's
-# name and arguments, a status's model, backend, device, requests, errors, batch and
-# chat, a timeline's at and done (Ollama's chunks say done too).
-GENERIC = {"name", "arguments", "model", "backend", "device", "requests", "errors", "batch"}
-GENERIC |= {"at", "done"}
+# ToolCall's and AgentStatus's with its nested documents' (disagg_agents.wire parses
+# each from the wire's JSON, once). Names that are every JSON body's words are left
+# to the types: a tool call's name and arguments, a status's model, backend, device,
+# requests, errors, batch and chat, the chat facts' template (a tokenizer config's
+# too), a timeline's at and done (Ollama's chunks say done too).
+GENERIC = {
+    *("name", "arguments", "model", "backend", "device", "requests", "errors", "batch"),
+    *("template", "at", "done"),
+}
 ANSWER_FIELDS = (
     (
         {f.name for f in dataclasses.fields(Metrics)} - {"extra"}
@@ -293,33 +296,26 @@ ANSWER_FIELDS = (
     - GENERIC
     - {"chat"}
 )
-# Other documents whose keys share a name with a field, by file and the name read:
-# what a test of each says it is.
-NOT_THE_ANSWER = {
-    # `disagg status` shows each agent's /status whole and names a field of an
-    # unexpected type (a typed read would hide it): the CLI's own reader.
-    ("disagg/cli/render_fleet.py", "st"),
-}
 
 
 def answer_key_reads(path: Path, rel: str) -> list[str]:
-    """`x["field"]` and `x.get("field")` reads of the answer's field names."""
+    """`x["field"]` and `x.get("field")` reads of the answer's field names, whatever
+    the document read: no module has its own reader of them (`disagg status`
+    included: AgentStatus names the fields an agent sent with another type)."""
     out = []
     for node in ast.walk(ast.parse(path.read_text(), filename=rel)):
         if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
-            target, key = node.value, node.slice
+            key = node.slice
         elif (
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Attribute)
             and node.func.attr == "get"
             and node.args
         ):
-            target, key = node.func.value, node.args[0]
+            key = node.args[0]
         else:
             continue
-        if not (isinstance(key, ast.Constant) and key.value in ANSWER_FIELDS):
-            continue
-        if (rel, ast.unparse(target)) not in NOT_THE_ANSWER:
+        if isinstance(key, ast.Constant) and key.value in ANSWER_FIELDS:
             out.append(f"{rel}:{node.lineno} {ast.unparse(node)}")
     return out
 
@@ -689,11 +685,18 @@ def test_every_rule_is_in_the_table() -> None:
 
 def test_the_answer_key_reader_sees_both_forms(tmp_path: Path) -> None:
     probe = tmp_path / "x.py"
-    probe.write_text('m["ttft"]\nc.metrics.get("method")\nd["arguments_text"]\nok["text"]\n')
-    assert [h.split(" ", 1)[1] for h in answer_key_reads(probe, "x.py")] == [
+    probe.write_text(
+        'm["ttft"]\nc.metrics.get("method")\nd["arguments_text"]\nok["text"]\n'
+        'st.get("prefix_disk")\nst["blas_threads"]\npc.get("hit_rate")\n'
+    )
+    # `disagg status`'s own module is held as any other: its /status reads included.
+    assert [h.split(" ", 1)[1] for h in answer_key_reads(probe, "disagg/cli/render_fleet.py")] == [
         "m['ttft']",
         "c.metrics.get('method')",
         "d['arguments_text']",
+        "st.get('prefix_disk')",
+        "st['blas_threads']",
+        "pc.get('hit_rate')",
     ]
 
 

@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from disagg.api import Client
 from disagg.frontends.agentinfo import ModelInfo
 from disagg.serving.router import Endpoint, Route, Router
+from disagg_agents.wire.status import ChatFacts
 
 STATUS = {"chat": {"capabilities": ["completion", "tools"], "template": "{{ messages }}"}}
 
@@ -40,7 +41,8 @@ def test_a_failed_fetch_is_not_kept() -> None:
     threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
     try:
         assert info.get("m").status.doc == STATUS  # asked again, not the failure kept
-        assert info.get("m").status.chat == STATUS["chat"]  # and now kept, typed
+        chat = info.get("m").status.chat  # and now kept, typed
+        assert chat == ChatFacts(capabilities=("completion", "tools"), template="{{ messages }}")
     finally:
         server.shutdown()
         server.server_close()

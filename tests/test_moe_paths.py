@@ -107,7 +107,9 @@ def test_status_reads_the_paths_typed_and_drops_mistyped_entries() -> None:
     }
     st = AgentStatus.from_json(doc)
     assert st.moe_paths == (MoePath(0, "triton", "triton"), MoePath(2, "blocked", "triton", "why"))
-    assert AgentStatus.from_json({"moe_paths": {"0": "triton"}}).moe_paths == ()
+    assert st.mistyped == ("moe_paths",)  # what it dropped, `disagg status` names
+    odd = AgentStatus.from_json({"moe_paths": {"0": "triton"}})
+    assert (odd.moe_paths, odd.mistyped) == ((), ("moe_paths",))
 
 
 # --- real checkpoints, loaded on the CPU ---------------------------------------------
@@ -191,6 +193,7 @@ def test_the_prefill_agents_status_lists_each_moe_layers_path() -> None:
     st = AgentStatus.from_json(PrefillAgent(eng, "p").status().as_json())
     moe = [int(n.split(".")[2]) for n, m in eng.model.named_modules() if m in experts(eng.model)]
     assert moe and st.moe_paths == tuple(MoePath(i, "grouped", "grouped") for i in moe)
+    assert st.mistyped == ()  # a real prefill agent's /status reads whole
 
 
 @pytest.mark.slow  # a real quantized checkpoint in a prefill engine (no process)

@@ -20,6 +20,7 @@ from disagg.serving.localagents import AgentProc, restart_agent
 from disagg_agents.prefix.blockfile import UNSALTED, block_name
 from disagg_agents.prefix.disk import DiskTier, fingerprint_digest
 from disagg_agents.prefix.store import Block, block_keys
+from disagg_agents.wire.status import AgentStatus
 from tests.conftest import PairFactory, ask, remote_request, start_serve
 from tests.tinymodels import CORPUS, shared_tiny
 
@@ -175,7 +176,10 @@ def test_a_restarted_decode_agent_serves_a_2k_prompt_from_disk(
         )
         assert warm.token_ids == cold.token_ids
         status = second.status()
-        assert status["prefix_disk"]["cached_tokens"] == m.disk_cached_tokens
+        typed = AgentStatus.from_json(status)  # as `disagg status` and the web view read it
+        assert typed.mistyped == () and typed.prefix_disk is not None
+        assert typed.prefix_disk.cached_tokens == m.disk_cached_tokens
+        assert typed.prefix_disk.hits and typed.prefix_disk.bytes
         fp = fingerprint_digest(status["fingerprint"])
     finally:
         second.stop()
@@ -219,10 +223,10 @@ def test_disagg_status_shows_the_disk_tier() -> None:
 
     pc = {"hit_rate": 0.5, "queries": 4, "bytes": 1 << 20, "max_bytes": 1 << 30}
     disk = {"hits": 12, "bytes": 5 << 20, "max_bytes": 8 << 30}
-    assert "disk 12 hits, 5 MiB / 8,192 MiB" in _prefix_cache(
-        {"prefix_cache": pc, "prefix_disk": disk}
-    )
-    assert "disk" not in _prefix_cache({"prefix_cache": pc})  # an agent without the tier
+    both = AgentStatus.from_json({"prefix_cache": pc, "prefix_disk": disk})
+    assert "disk 12 hits, 5 MiB / 8,192 MiB" in _prefix_cache(both)
+    memory_only = AgentStatus.from_json({"prefix_cache": pc})  # an agent without the tier
+    assert "disk" not in _prefix_cache(memory_only)
 
 
 def local_disk_answer(port: int, model: str, prompt: str) -> tuple[str, dict[str, str], float]:

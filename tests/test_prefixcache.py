@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from disagg.cli.render_fleet import _prefix_cache
 from disagg_agents.prefix.store import Block, BlockStore, block_keys, prefix_digest
+from disagg_agents.wire.status import AgentStatus
 
 
 def blk(nbytes: int = 100) -> Block:
@@ -55,5 +56,6 @@ def test_counters_status_and_prometheus() -> None:
     text = cache.prometheus("decode")
     assert 'disagg_prefix_cache_hits_total{role="decode"} 1' in text
     assert 'disagg_prefix_cache_queries_total{role="decode"} 2' in text
-    assert "hit 50% of 2," in _prefix_cache({"prefix_cache": snap})
-    assert _prefix_cache({}) == "-"
+    st = AgentStatus.from_json({"prefix_cache": snap})  # as `disagg status` reads it
+    assert st.mistyped == () and "hit 50% of 2," in _prefix_cache(st)
+    assert _prefix_cache(AgentStatus()) == "-"

@@ -15,6 +15,7 @@ from disagg.cli.render_fleet import status_table
 from disagg.errors import UsageError
 from disagg.fleet.operations import HostProbe
 from disagg.serving.gatewaystatus import gateway_agents
+from disagg_agents.wire.status import AgentStatus
 
 
 def _agent(host: str, role: str, model: str, backend: str, device: str) -> HostProbe:
@@ -23,17 +24,19 @@ def _agent(host: str, role: str, model: str, backend: str, device: str) -> HostP
         role=role,
         state="healthy",
         address=f"192.168.100.{11 if 'dgx' in host else 21}:{7100 if role == 'prefill' else 7200}",
-        status={
-            "model": f"/home/ops/models/fp4/{model}",
-            "loaded": True,
-            "backend": backend,
-            "device": device,
-            "uptime_s": 86400.5,
-            "requests": 1234,
-            "ttft_p50_s": 0.182,
-            "ttft_p95_s": 1.104,
-            "ttft_p99_s": 5.93,
-        },
+        status=AgentStatus.from_json(
+            {
+                "model": f"/home/ops/models/fp4/{model}",
+                "loaded": True,
+                "backend": backend,
+                "device": device,
+                "uptime_s": 86400.5,
+                "requests": 1234,
+                "ttft_p50_s": 0.182,
+                "ttft_p95_s": 1.104,
+                "ttft_p99_s": 5.93,
+            }
+        ),
         pid=4242,
         rss_bytes=17 * 2**30,
     )

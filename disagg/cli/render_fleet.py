@@ -19,6 +19,7 @@ from disagg.fleet.operations import AgentAction, HostProbe, LogLine
 from disagg.fleet.ssh import HostResult
 from disagg.fleet.tune import Tuned
 from disagg.units import fmt
+from disagg_agents.wire.status import AgentStatus, PrefixDiskStatus
 from disagg_agents.wire.text import printable
 
 STATE_STYLE = {
@@ -80,10 +81,8 @@ def actions_table(results: list[HostResult[list[AgentAction]]], title: str) -> T
     return table
 
 
-def _mem(rss_bytes: object) -> str:
-    if not isinstance(rss_bytes, int | float) or isinstance(rss_bytes, bool):
-        return "-" if rss_bytes is None else printable(rss_bytes, 20)
-    return f"{rss_bytes / 2**20:,.0f} MiB"
+def _mem(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:,.0f} MiB"
 
 
 def _plain(value: object) -> Text:
@@ -92,16 +91,25 @@ def _plain(value: object) -> Text:
 
 
 def _guarded(s: HostProbe, render: Callable[[HostProbe], list[Any]]) -> list[Any] | None:
-    """A row, or None when this agent's /status does not render (its row says so)."""
+    """A row, or None when this agent's /status has a field of another type or does
+    not render (a number too large to format): its row says so."""
+    if s.status.mistyped:
+        return None
     try:
         return render(s)
-    except Exception:  # a hostile or broken answer: this row only
+    except (ValueError, OverflowError):  # a hostile or broken answer: this row only
         return None
 
 
+def _bad_why(s: HostProbe) -> str:
+    """Why this agent's /status does not render: the fields it sent mistyped."""
+    if s.status.mistyped:
+        return f"/status fields of unexpected types: {printable(', '.join(s.status.mistyped), 300)}"
+    return "/status fields out of range"
+
+
 def _bad_row(s: HostProbe, ncols: int) -> list[Any]:
-    why = Text("bad answer", style="red")
-    why.append("\n/status fields of unexpected types", style="dim")
+    why = Text("bad answer", style="red").append(f"\n{_bad_why(s)}", style="dim")
     return [_plain(s.host), _plain(s.role), why, *["-"] * (ncols - 3)]
 
 
@@ -134,44 +142,40 @@ def _wide_row(s: HostProbe) -> list[str]:
         s.role,
         s.state,
         _model(st),
-        fmt(st.get("loaded")),
+        fmt(st.loaded),
         _backend(st),
         s.address or "-",
-        fmt(st.get("uptime_s"), "s"),
-        fmt(st.get("requests")),
+        fmt(st.uptime_s, "s"),
+        fmt(st.requests),
         _ttfts(st),
         _prefix_cache(st),
         _mem(s.rss_bytes),
     ]
 
 
-def _prefix_cache(st: dict[str, Any]) -> str:
+def _prefix_cache(st: AgentStatus) -> str:
     """Hit rate over lookups, then bytes held of the budget (agents' /status)."""
-    pc = st.get("prefix_cache")
-    if not isinstance(pc, dict):
+    pc = st.prefix_cache
+    if pc is None:
         return "-"
-    rate = pc.get("hit_rate")
-    hits = "-" if rate is None else f"{100 * rate:.0f}%"
-    size = f"{_mem(pc.get('bytes'))} / {_mem(pc.get('max_bytes'))}"
-    disk = st.get("prefix_disk")  # a decode agent run with --prefix-disk
-    if isinstance(disk, dict):
-        size += f"; disk {disk_tier(disk)}"
-    return f"hit {hits} of {fmt(pc.get('queries'))}, {size}"
+    hits = "-" if pc.hit_rate is None else f"{100 * pc.hit_rate:.0f}%"
+    size = f"{_mem(pc.bytes)} / {_mem(pc.max_bytes)}"
+    if st.prefix_disk is not None:  # a decode agent run with --prefix-disk
+        size += f"; disk {disk_tier(st.prefix_disk)}"
+    return f"hit {hits} of {fmt(pc.queries)}, {size}"
 
 
-def disk_tier(disk: Any) -> str:
+def disk_tier(disk: PrefixDiskStatus | None) -> str:
     """A decode agent's prefix disk tier: hits, then bytes held of the budget."""
-    if not isinstance(disk, dict):
+    if disk is None:
         return "-"
-    return (
-        f"{fmt(disk.get('hits'))} hits, {_mem(disk.get('bytes'))} / {_mem(disk.get('max_bytes'))}"
-    )
+    return f"{fmt(disk.hits)} hits, {_mem(disk.bytes)} / {_mem(disk.max_bytes)}"
 
 
-def _ttfts(st: dict[str, Any]) -> str:
-    if not st:
+def _ttfts(st: AgentStatus) -> str:
+    if not st.doc:
         return "-"
-    return " / ".join(fmt(st.get(f"ttft_p{p}_s"), "s") for p in (50, 95, 99))
+    return " / ".join(fmt(t, "s") for t in (st.ttft_p50_s, st.ttft_p95_s, st.ttft_p99_s))
 
 
 def _state(s: HostProbe) -> Text:
@@ -183,22 +187,22 @@ def _state(s: HostProbe) -> Text:
     return state
 
 
-def _model(st: dict[str, Any]) -> str:
-    return printable(str(st.get("model", "-")).rstrip("/").rsplit("/", 1)[-1], 120)
+def _model(st: AgentStatus) -> str:
+    return printable((st.model or "-").rstrip("/").rsplit("/", 1)[-1], 120)
 
 
-def _backend(st: dict[str, Any]) -> str:
-    if not st.get("backend"):
+def _backend(st: AgentStatus) -> str:
+    if not st.backend:
         return "-"
-    text = f"{st['backend']}/{st.get('device')}"
+    text = f"{st.backend}/{st.device}"
     # Which BLAS an mlx CPU runs its matmuls on ("openblas (numpy): PATH" -> "openblas (numpy)"):
     # mlx's bundled one is several times slower (disagg_agents/runtime/fastblas.py).
-    if isinstance(st.get("blas"), str) and "cpu" in str(st.get("device")):
-        text += f", {st['blas'].split(':')[0]}" + (" BLAS" if st["blas"] == "bundled" else "")
+    if st.blas is not None and "cpu" in str(st.device):
+        text += f", {st.blas.split(':')[0]}" + (" BLAS" if st.blas == "bundled" else "")
     # Fewer BLAS threads than it started with, and why (disagg_agents/runtime/blasshare.py).
-    why, threads = st.get("blas_limited_by"), st.get("blas_threads")
-    if isinstance(why, str) and isinstance(threads, int):
-        text += f", {threads} BLAS thread{'s' if threads > 1 else ''} ({why})"
+    if st.blas_limited_by is not None and st.blas_threads is not None:
+        threads = st.blas_threads
+        text += f", {threads} BLAS thread{'s' if threads > 1 else ''} ({st.blas_limited_by})"
     return printable(text, 120)
 
 
@@ -209,8 +213,10 @@ def _status_narrow(rows: list[HostProbe]) -> Group:
     details: list[Text] = []
     for s in rows:
         row = _guarded(s, _narrow_row)
-        if row is None:
-            table.add_row(*_bad_row(s, 5))
+        if row is None:  # why, under the table: a cell there is one short line
+            table.add_row(_plain(s.host), _plain(s.role), Text("bad answer", style="red"), "-", "-")
+            details.append(Text(printable(f"{s.host}/{s.role}", 120), style="bold"))
+            details[-1].append(f"\n  {_bad_why(s)}", style="dim")
             continue
         table.add_row(*row[:5])
         details.append(row[5])
@@ -220,22 +226,23 @@ def _status_narrow(rows: list[HostProbe]) -> Group:
 def _narrow_row(s: HostProbe) -> list[Any]:
     """The short table's cells, then the agent's lines under it."""
     st = s.status
+    answered = bool(st.doc)
     cells: list[Any] = [
         _plain(s.host),
         _plain(s.role),
         Text(s.state, style=STATE_STYLE.get(s.state, "")),
-        _plain(fmt(st.get("requests"))) if st else "-",
-        _plain(fmt(st.get("ttft_p50_s"), "s")) if st else "-",
+        _plain(fmt(st.requests)) if answered else "-",
+        _plain(fmt(st.ttft_p50_s, "s")) if answered else "-",
     ]
     line = Text(printable(f"{s.host}/{s.role}", 120), style="bold")
-    if st:
+    if answered:
         line.append(f"  {_model(st)}")
         address = printable(s.address or "-", 120)
         line.append(
-            f"\n  {_backend(st)} at {address}, up {fmt(st.get('uptime_s'), 's')}, "
+            f"\n  {_backend(st)} at {address}, up {fmt(st.uptime_s, 's')}, "
             f"memory {_mem(s.rss_bytes)}\n  ttft p50/p95/p99 {_ttfts(st)}"
         )
-        if isinstance(st.get("prefix_cache"), dict):
+        if st.prefix_cache is not None:
             line.append(f"\n  prefix cache {_prefix_cache(st)}")
     if s.detail and not s.ok:
         line.append(f"\n  {printable(s.detail, 300)}", style="dim")
@@ -245,7 +252,11 @@ def _narrow_row(s: HostProbe) -> list[Any]:
 
 
 def status_json(rows: list[HostProbe]) -> list[dict[str, Any]]:
-    return [{**dataclasses.asdict(s), "ok": s.ok} for s in rows]
+    """Each row as found, its agent's /status as the agent sent it."""
+    fields = [f.name for f in dataclasses.fields(HostProbe)]
+    return [
+        {**{f: getattr(s, f) for f in fields}, "status": s.status.doc, "ok": s.ok} for s in rows
+    ]
 
 
 def log_line(line: LogLine, width: int) -> Text:

@@ -24,8 +24,9 @@ from disagg.fleet.service import AgentPaths, host_python, probe, remote_root, se
 from disagg.fleet.ssh import HostResult, Session, connect_host, on_hosts, q
 from disagg.fleet.token import load_token
 from disagg.safetext import strip_escapes
-from disagg.serving.control import control_status, parse_status
+from disagg.serving.control import agent_status, parse_status
 from disagg_agents.wire.frames import PeerAuthError
+from disagg_agents.wire.status import AgentStatus
 from disagg_agents.wire.text import printable
 
 LOAD_TIMEOUT_S = 600.0  # a 120B model can take minutes to load
@@ -142,13 +143,13 @@ def restart(
 @dataclass
 class HostProbe:
     """One agent of one host as `disagg status` found it: its state, where it
-    answered, and its own /status (raw: the CLI shows it whole)."""
+    answered, and its own /status, typed (its `doc` is what --json prints whole)."""
 
     host: str
     role: str
     state: str  # healthy | stopped | not responding | unreachable | not deployed
     address: str = ""  # where /status answered: ADDR:PORT, or "ssh"
-    status: dict[str, Any] = field(default_factory=dict)  # the agent's own /status
+    status: AgentStatus = field(default_factory=AgentStatus)  # the agent's own /status
     pid: int | None = None
     rss_bytes: int | None = None
     detail: str = ""
@@ -156,19 +157,20 @@ class HostProbe:
 
     @property
     def ok(self) -> bool:
-        return self.state == "healthy" and not self.ssh_error
+        """Healthy, manageable, and its /status read whole (no field of another type)."""
+        return self.state == "healthy" and not self.ssh_error and not self.status.mistyped
 
 
 def _http_status(
     addresses: list[str], port: int, token: bytes | None
-) -> tuple[str, dict[str, Any]] | str | None:
+) -> tuple[str, AgentStatus] | str | None:
     """(ADDR:PORT, status) from the first address that answers, proving the token by
     challenge-response (it never crosses the wire); a string says what was wrong
     with an answer; None: nobody answered."""
     wrong: str | None = None
     for addr in addresses:
         try:
-            return f"{addr}:{port}", control_status(addr, port, token, HTTP_TIMEOUT_S)
+            return f"{addr}:{port}", agent_status(addr, port, token, HTTP_TIMEOUT_S)
         except (PeerAuthError, ValueError) as e:
             wrong = wrong or f"{addr}:{port}: {printable(e)}"
         except OSError:
@@ -217,7 +219,7 @@ def _agent_status(
     a: Agent,
     paths: AgentPaths,
     py: str,
-    direct: tuple[str, dict[str, Any]] | str | None,
+    direct: tuple[str, AgentStatus] | str | None,
 ) -> HostProbe:
     host = a.host.name
     if session.run(f"test -f {q(paths.hash)}").rc != 0:
@@ -240,7 +242,7 @@ def _agent_status(
     )
     if fetched.rc == 0:
         try:
-            st = parse_status(fetched.out)
+            st = AgentStatus.from_json(parse_status(fetched.out))
         except ValueError as e:
             detail = f"via ssh: {printable(e)}"
             return HostProbe(host, a.role, "bad answer", pid=pid, rss_bytes=rss, detail=detail)

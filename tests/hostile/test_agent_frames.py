@@ -271,7 +271,8 @@ def test_http_status_never_carries_the_token(agents: list[AgentProc]) -> None:
         metrics = httpauth.control_get("127.0.0.1", relay.port, "/metrics", agent.token)
         assert b"disagg_requests_total" in metrics
         found = _http_status(["127.0.0.1"], relay.port, agent.token)  # as `disagg status` asks
-        assert isinstance(found, tuple) and found[1]["role"] == agent.role
+        assert isinstance(found, tuple) and found[1].doc["role"] == agent.role
+        assert found[1].mistyped == ()  # a real agent's /status reads whole, typed
         with relay.lock:
             seen = bytes(relay.seen)
         assert b"Disagg-HMAC" in seen and len(seen) > 1000

@@ -16,6 +16,7 @@ from rich.console import Console
 
 from disagg.cli.render_fleet import status_table
 from disagg.fleet.operations import HostProbe, _http_status, strip_escapes
+from disagg_agents.wire.status import AgentStatus
 from tests.conftest import Cli
 
 pytestmark = pytest.mark.fuzz
@@ -83,7 +84,11 @@ def test_a_token_holder_refuses_an_agent_that_wants_none(fake: FakeAgent) -> Non
 def test_agent_strings_are_never_markup() -> None:
     rows = [
         HostProbe(
-            "h", "decode", "healthy", "1.2.3.4:1", {"model": "[red]m", "backend": "[/bold]x\x1b[2J"}
+            "h",
+            "decode",
+            "healthy",
+            "1.2.3.4:1",
+            AgentStatus.from_json({"model": "[red]m", "backend": "[/bold]x\x1b[2J"}),
         ),
         HostProbe("h", "prefill", "bad answer", detail="1.2.3.4:2: [/] \x1b]0;t\x07"),
     ]

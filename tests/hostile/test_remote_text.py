@@ -18,6 +18,7 @@ from disagg.fleet.deploy import HostDeploy
 from disagg.fleet.operations import AgentAction, HostProbe, LogLine
 from disagg.fleet.ssh import HostResult
 from disagg.serving.metrics import Metrics
+from disagg_agents.wire.status import AgentStatus
 from tests.conftest import Cli
 from tests.hostile.test_fleet_answers import FakeAgent, inventory
 
@@ -50,17 +51,25 @@ def test_one_hostile_status_costs_its_row_only(tmp_path: Path, cli: Cli) -> None
     assert proc.returncode == 1
     # The table is there: the prefill row (nothing answers it) and the hostile one.
     assert "prefill" in proc.stdout and "decode" in proc.stdout, proc.stdout
-    assert "x / -" in proc.stdout and "unreachable" in proc.stdout  # the bytes, as text
+    # The hostile row names its field; the prefill row (nothing answers) is there.
+    assert "bad answer" in proc.stdout and "prefix_cache.bytes" in proc.stdout, proc.stdout
+    assert "unreachable" in proc.stdout, proc.stdout
 
 
 def test_status_rows_render_each_in_its_own_guard() -> None:
-    good = HostProbe("a", "prefill", "healthy", "1.2.3.4:1", {"model": "m", "requests": 5})
-    bad = HostProbe("b", "decode", "healthy", "1.2.3.4:2", {"prefix_cache": {"hit_rate": "x"}})
+    good = HostProbe(
+        "a", "prefill", "healthy", "1.2.3.4:1", AgentStatus.from_json({"model": "m", "requests": 5})
+    )
+    hostile = {"prefix_cache": {"hit_rate": "x"}, "uptime_s": "\x1b[2J"}
+    bad = HostProbe("b", "decode", "healthy", "1.2.3.4:2", AgentStatus.from_json(hostile))
+    assert good.ok and not bad.ok
     for width in (300, 80):  # the wide table and the narrow one
         out = io.StringIO()
         Console(file=out, width=width, color_system=None).print(status_table([good, bad], width))
         text = out.getvalue()
         assert "prefill" in text and "bad answer" in text, text
+        assert "prefix_cache.hit_rate" in text and "uptime_s" in text, text
+        assert "\x1b" not in text, text
 
 
 def test_remote_text_in_fleet_tables_is_plain() -> None:

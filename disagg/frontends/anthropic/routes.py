@@ -112,7 +112,7 @@ def routes(client: Client, workers: Executor | None = None) -> APIRouter:
     async def reasons(model: str) -> bool:
         """Whether the model reasons apart (unknown: assume it does; the agent decides)."""
         chat = (await asyncio.to_thread(info.get, model)).status.chat
-        return chat is None or chat.get("reasoning") is not False
+        return chat is None or chat.reasoning is not False
 
     @api.post("/v1/messages", response_model=None)
     async def messages(request: Request, body: MessagesRequest) -> Any:

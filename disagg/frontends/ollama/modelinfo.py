@@ -11,6 +11,7 @@ from disagg.api import Client
 from disagg.frontends import maxtokens
 from disagg.frontends.agentinfo import About
 from disagg.frontends.ollama.types import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, OllamaError
+from disagg_agents.wire.status import ChatFacts
 
 
 def timestamp() -> str:
@@ -78,16 +79,16 @@ def show_model(name: str, about: About) -> dict[str, Any]:
     ):
         if value is not None:
             model_info[f"{arch}.{key}"] = value
-    chat = about.status.chat or {}
-    if isinstance(chat.get("tool_format"), str):  # template, harmony, generic or none
-        model_info["disagg.tool_format"] = chat["tool_format"]
+    chat = about.status.chat or ChatFacts()
+    if chat.tool_format is not None:  # template, harmony, generic or none
+        model_info["disagg.tool_format"] = chat.tool_format
     params = [f"temperature {DEFAULT_TEMPERATURE}", f"top_p {DEFAULT_TOP_P}"]
     if maxtokens.default() is not None:  # the operator's default answer length
         params.append(f"num_predict {maxtokens.default()}")
     if _context(about):
         params.insert(0, f"num_ctx {_context(about)}")
-    params += [f"stop {json.dumps(s)}" for s in chat.get("stop") or [] if isinstance(s, str)]
-    caps = chat.get("capabilities")
+    params += [f"stop {json.dumps(s)}" for s in chat.stop]
+    caps = list(chat.capabilities) if chat.capabilities is not None else ["completion"]
     if about.embedding_only:  # an embedding pipeline: no chat, no generate
         caps = ["embedding"]
     return {
@@ -96,20 +97,19 @@ def show_model(name: str, about: About) -> dict[str, Any]:
         "template": _template(chat),
         "details": _details(about),
         "model_info": model_info,
-        "capabilities": caps if isinstance(caps, list) else ["completion"],
+        "capabilities": caps,
         "modified_at": timestamp(),
     }
 
 
-def _template(chat: dict[str, Any]) -> str:
+def _template(chat: ChatFacts) -> str:
     """The model's chat template (Jinja, as its tokenizer has it). With FIM tokens
     it is wrapped in the fill-in-the-middle rule as Ollama writes it, so editors
     that look for `.Suffix` (continue.dev) know they may send one."""
-    text = str(chat.get("template") or "")
-    fim = chat.get("fim_tokens")
-    if not (isinstance(fim, list) and len(fim) == 3 and all(isinstance(t, str) for t in fim)):
+    text = chat.template or ""
+    if chat.fim_tokens is None:
         return text
-    pre, suf, mid = fim
+    pre, suf, mid = chat.fim_tokens
     return (
         f"{{{{- if .Suffix }}}}{pre}{{{{ .Prompt }}}}{suf}{{{{ .Suffix }}}}{mid}"
         f"{{{{- else }}}}{text}{{{{- end }}}}"

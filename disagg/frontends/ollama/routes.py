@@ -112,8 +112,8 @@ def chat_request(body: ChatBody) -> GenerateRequest | None:
 def refuse_tools(model: str, about: About) -> None:
     """Ollama refuses `tools` for a model whose template has no tool markup; so do
     we, naming what Ollama's API can do instead (it has no tool_choice)."""
-    caps = (about.status.chat or {}).get("capabilities")
-    if isinstance(caps, list) and "tools" not in caps:
+    caps = about.status.chat.capabilities if about.status.chat else None
+    if caps is not None and "tools" not in caps:
         raise OllamaError(
             400,
             f"{model} does not support tools (its chat template has no tool markup): send "

@@ -17,7 +17,7 @@ from disagg.fleet.crashes import last_error_in
 from disagg.frontends.webview.tracker import RequestLog
 from disagg.serving.control import agent_status
 from disagg_agents.wire.frames import PeerAuthError
-from disagg_agents.wire.status import AgentStatus
+from disagg_agents.wire.status import AgentStatus, PrefixDiskStatus
 from disagg_agents.wire.text import printable
 
 POLL_EVERY_S = 1.0
@@ -151,8 +151,9 @@ class FleetWatch:
             cancelled=st.cancelled,
             uptime_s=st.uptime_s,
             rss_bytes=st.rss_bytes,
-            prefix_hit_rate=st.prefix_stats.hit_rate,
-            prefix_memory_tokens=st.prefix_stats.cached_tokens,  # every tier: disk hits included
+            prefix_hit_rate=st.prefix_cache.hit_rate if st.prefix_cache else None,
+            # every tier: disk hits included
+            prefix_memory_tokens=st.prefix_cache.cached_tokens if st.prefix_cache else None,
             prefix_disk=_disk(st.prefix_disk),
             ttft_p50_s=st.ttft_p50_s,
         )
@@ -221,9 +222,14 @@ class FleetWatch:
         return out
 
 
-def _disk(d: Any) -> dict[str, Any] | None:
+def _disk(d: PrefixDiskStatus | None) -> dict[str, Any] | None:
     """A decode agent's disk tier as a card shows it: hits, tokens, bytes of budget."""
-    if not isinstance(d, dict):
+    if d is None:
         return None
-    keep = ("hits", "cached_tokens", "bytes", "max_bytes", "corrupt")
-    return {k: d.get(k) for k in keep}
+    return {
+        "hits": d.hits,
+        "cached_tokens": d.cached_tokens,
+        "bytes": d.bytes,
+        "max_bytes": d.max_bytes,
+        "corrupt": d.corrupt,
+    }
