@@ -33,6 +33,8 @@ from tests.gateways import Gateway, Gateways, GatewaySpec, ServeGateway, module_
 from tests.tinymodels import PROMPT, tiny_checkpoint
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# gpt-oss prompts state the date: a random model's greedy answer must not change with it.
+os.environ.setdefault("DISAGG_TODAY", "2026-11-29")
 pytest_plugins = ["tests.ordering"]  # story modules keep their order under a shuffle
 
 # Fixtures that start processes (agents, `disagg serve`, a Python): a test using

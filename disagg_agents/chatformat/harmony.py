@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -59,7 +60,9 @@ def effort_of(think: bool | str | None) -> str:
 
 
 def system_message(effort: str, has_tools: bool, today: str | None = None) -> Message:
-    date = today or datetime.date.today().isoformat()
+    # DISAGG_TODAY pins the stated date: the same prompt renders the same tokens on
+    # every day (reproducible runs; the tests' random models answer by the date).
+    date = today or os.environ.get("DISAGG_TODAY") or datetime.date.today().isoformat()
     top = f"{IDENTITY}\nKnowledge cutoff: {KNOWLEDGE_CUTOFF}\nCurrent date: {date}"
     channels = CHANNELS + (f"\n{FUNCTIONS_NOTE}" if has_tools else "")
     return Message("system", f"{top}\n\nReasoning: {effort}\n\n{channels}")
