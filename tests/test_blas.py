@@ -474,7 +474,9 @@ def test_a_local_prefill_gives_up_torch_threads_while_its_requester_decodes(
     alone = ask(decode, remote_request(prefill))
     assert alone.metrics.prefill_threads == full, alone.metrics
     box: dict[str, Any] = {}
-    long_stream = remote_request(prefill, max_tokens=3000)
+    # Long enough to outlast the second request (checked below: still_decoding), which
+    # takes a prefill and 8 steps; the rest of it is waited out.
+    long_stream = remote_request(prefill, max_tokens=1000)
     worker = threading.Thread(target=lambda: box.update(r=ask(decode, long_stream)))
     worker.start()
     deadline = time.monotonic() + 60

@@ -21,7 +21,7 @@ from tests.tinymodels import PROMPT, shared_tiny
 
 pytestmark = pytest.mark.slow
 
-N_NEW = 24
+N_NEW = 8  # a wrong cached block shows in the first tokens
 WINDOW = 8
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -126,7 +126,7 @@ def test_concurrent_requests_sharing_a_prefix(smol_agents: tuple[AgentProc, Agen
     prefill, decode = smol_agents
     shared = long_text("Concurrent", 4)
     texts = [f"{shared} Student {i} wrote {i * 7} lines." for i in range(4)]
-    n = 12  # a wrong cached block shows in the first tokens; eight requests of SmolLM2
+    n = 8  # a wrong cached block shows in the first tokens; eight requests of SmolLM2
     offs = [
         ask(decode, base(prompt=t, prefix_cache=False, max_tokens=n), prefill=prefill)
         for t in texts
@@ -201,7 +201,7 @@ def test_chat_of_three_turns_through_the_gateway_hits(gateway: Gateway) -> None:
     cached: list[int] = []
     for turn in range(3):
         r = oai.chat.completions.create(
-            model=model, messages=messages, temperature=0, max_tokens=12
+            model=model, messages=messages, temperature=0, max_tokens=8
         )
         assert r.usage is not None and r.usage.prompt_tokens_details is not None
         cached.append(r.usage.prompt_tokens_details.cached_tokens or 0)
