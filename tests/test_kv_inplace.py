@@ -363,8 +363,17 @@ def test_agents_in_place_answer_as_the_copy_path(
 ) -> None:
     prefill, inplace, copy = both
     prompt = " ".join(f"Stone {i} weighs {i * 7 % 11} grams." for i in range(12))
+
+    def compare(results: list[client.Result], fields: dict[str, Any]) -> None:
+        for r in results:
+            assert r.metrics.method == "disaggregated", r.metrics
+            assert r.metrics.kv_quant == fields.get("kv_quant"), fields
+        # Each path was the one asked for: every layer in place, none on the copy path.
+        assert (results[0].metrics.kv_inplace_layers or 0) > 0
+        assert results[1].metrics.kv_inplace_layers == 0
+        same_answer(*results)
+
     for fields in (
-        {"codec": 0},
         {"codec": 1},
         {"codec": 2},
         {"codec": 2, "kv_quant": "int8"},
@@ -373,20 +382,18 @@ def test_agents_in_place_answer_as_the_copy_path(
         for agent in (inplace, copy):
             req = remote_request(prefill, prompt, 6, logprobs=True, prefix_cache=False, **fields)
             results.append(ask(agent, req))
-        for r in results:
-            assert r.metrics.method == "disaggregated", r.metrics
-            assert r.metrics.kv_quant == fields.get("kv_quant"), fields
-        # Each path was the one asked for: every layer in place, none on the copy path.
-        assert (results[0].metrics.kv_inplace_layers or 0) > 0
-        assert results[1].metrics.kv_inplace_layers == 0
-        same_answer(*results)
-    # A decode-side prefix hit: each agent's second ask reuses its first's blocks
-    # (a salt each, so neither sees the other's entries on either agent).
-    hits = []
+        compare(results, fields)
+    # Codec 0, then a decode-side prefix hit: each agent's first ask misses every cache
+    # (a salt each, so neither sees the other's entries on either agent: the whole
+    # prompt crosses, as with the cache off) and its second reuses the first's blocks.
+    firsts, hits = [], []
     for agent, salt in ((inplace, "in-place"), (copy, "copy")):
         req = remote_request(prefill, prompt, 6, logprobs=True, codec=0, cache_salt=salt)
         first, second = ask(agent, req), ask(agent, req)
         assert (first.metrics.cached_tokens or 0) == 0 and (second.metrics.cached_tokens or 0) > 0
+        assert first.metrics.prefill_cached_tokens in (0, None), first.metrics
+        firsts.append(first)
         hits.append(second)  # (not bitwise the first: the prefill agent hit its cache too)
+    compare(firsts, {"codec": 0})
     same_answer(*hits)
     assert hits[0].metrics.kv_raw_bytes == hits[1].metrics.kv_raw_bytes

@@ -120,11 +120,14 @@ def test_decode_store_stays_in_budget_under_concurrent_requests(
     assert s2["evictions"] > s1["evictions"]
 
 
+LAYER_S = 0.8  # the killed prefill agent's delay per layer: its stream takes 2.4 s
+
+
 @pytest.fixture
 def slow_pair(fresh_agents: PairFactory) -> tuple[AgentProc, AgentProc, Path]:
-    """A llama pair whose prefill agent takes 1.5 s per layer (4 layers): the test
+    """A llama pair whose prefill agent takes LAYER_S per layer (4 layers): the test
     kills it."""
-    prefill, decode = fresh_agents(shared_tiny("llama"), **slow_prefill(1.5))
+    prefill, decode = fresh_agents(shared_tiny("llama"), **slow_prefill(LAYER_S))
     return prefill, decode, Path(json.loads(decode.control("/status"))["model"])
 
 
@@ -143,12 +146,12 @@ def test_prefill_dying_mid_stream_after_a_prefix_hit_falls_back_to_mlx_tokens(
 
     t = threading.Thread(target=second)
     t.start()
-    # Kill the prefill agent once it streams this prompt's layers (1.5 s apart).
+    # Kill the prefill agent once it streams this prompt's layers (LAYER_S apart).
     deadline = time.monotonic() + 60
     while json.loads(prefill.control("/status"))["in_flight"] == 0:
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    time.sleep(1.0)
+    time.sleep(LAYER_S / 2)
     prefill.proc.kill()
     t.join(120)
     res = out["res"]

@@ -37,6 +37,7 @@ from tests.references import mlx_greedy
 from tests.tinymodels import PROMPT, shared_tiny
 
 N_NEW = 16
+LONG = 500  # the first request's tokens, decoding while a second one hits
 NS = "local"
 
 
@@ -399,7 +400,8 @@ def test_a_second_request_hits_while_the_first_still_decodes(
         started.set()
 
     def long_one() -> None:
-        req = base(prompt=shared + " the first answer", max_tokens=1000, **target)
+        # Long enough to outlast the hit below (checked: "res" not in box).
+        req = base(prompt=shared + " the first answer", max_tokens=LONG, **target)
         box["res"] = ask(decode, req, on_token=on_token, timeout_s=600)
 
     t = threading.Thread(target=long_one)
@@ -414,6 +416,6 @@ def test_a_second_request_hits_while_the_first_still_decodes(
     assert hit.token_ids == off.token_ids
     first_off = ask(
         decode,
-        base(prompt=shared + " the first answer", max_tokens=1000, prefix_cache=False, **target),
+        base(prompt=shared + " the first answer", max_tokens=LONG, prefix_cache=False, **target),
     )
     assert box["res"].token_ids == first_off.token_ids
