@@ -137,9 +137,10 @@ def test_queued_for_longer_than_the_timeout_is_no_failure(
     prefill, decodes = cluster
     r = router(prefill, decodes[:1])
     results: list[Any] = []
-    # 1,800 tokens read at CONSUMER_DELAY_S each: the first stream holds the slot for
-    # >= 3.6 s on any machine, past TIMEOUT_S, at 60 % of LONG's cost.
-    req = LONG.replace(max_tokens=1800)
+    # 1,200 tokens read at CONSUMER_DELAY_S each: the first stream holds the slot for
+    # >= 2.4 s on any machine, past TIMEOUT_S (1.2 x, as 1,800 was of 3 s), at 40 % of
+    # LONG's cost.
+    req = LONG.replace(max_tokens=1200)
 
     def run() -> None:
         results.append(r.run("tiny", req, on_token=slow_reader([])))
