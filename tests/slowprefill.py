@@ -23,11 +23,12 @@ def slow_prefill(layer_delay_s: float, *args: str) -> dict[str, Any]:
     return {"prefill_module": __name__, "prefill_args": [FLAG, str(layer_delay_s), *args]}
 
 
-# A slow set two modules share (test_deadlines, test_failover): a prefill agent 1.5 s
-# late per layer and four decode agents of one batch slot each (test_deadlines uses
-# two). test_failover's set of its own takes over the idle pooled one instead of
-# starting another.
-SLOW_LAYER_S = 1.5
+# A slow set three modules share (test_deadlines, test_failover, test_gone_clients): a
+# prefill agent 0.8 s late per layer (>= 2.4 s a prompt, past test_deadlines' 2 s
+# timeout) and four decode agents of one batch slot each (test_deadlines uses two).
+# test_failover's set of its own takes over the idle pooled one instead of starting
+# another.
+SLOW_LAYER_S = 0.8
 SLOW_SET: dict[str, Any] = {
     "n_decode": 4,
     **slow_prefill(SLOW_LAYER_S),

@@ -382,7 +382,7 @@ def test_a_keys_queued_prompt_tokens_count_against_its_share() -> None:
 # --- end to end: the pipeline is not wedged by clients that left ----------------
 
 N_ABANDONED = 6  # tenant A's concurrent prompts whose clients give up
-GIVE_UP_S = 1.0  # when A's clients leave: far under one prefill of the slow set
+GIVE_UP_S = 0.5  # when A's clients leave: far under one prefill of the slow set
 
 
 def a_prompt(i: int) -> str:
