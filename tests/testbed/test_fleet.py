@@ -185,9 +185,11 @@ def test_deploy_start_status_generate_logs(
     table = fleet_cli("status", "-i", str(inventory))
     assert table.returncode == 0 and "healthy" in table.stdout
     assert re.search(r"disk\s+[\d,]+\s+hits", table.stdout), table.stdout
-    # Wide or narrow layout, the three percentiles are shown with their values.
+    # Wide or narrow layout, the three percentiles are shown with their values, in ms or,
+    # from 1 s up, in s (a TTFT of 1.3-2.5 s on a box at load 15-23 failed the ms-only
+    # pattern before and after this file's trims).
     assert "p50/p95/p99" in table.stdout, table.stdout
-    assert re.search(r"ms / [\d.]+ ms / [\d.]+ ms", table.stdout), table.stdout
+    assert re.search(r"[\d.]+ m?s / [\d.]+ m?s / [\d.]+ m?s", table.stdout), table.stdout
 
     logs = fleet_cli("logs", "-i", str(inventory), "-n", "20")
     assert logs.returncode == 0, logs.stderr
