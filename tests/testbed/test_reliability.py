@@ -523,8 +523,8 @@ def test_no_leaks_over_200_requests(rig: Rig, window: Ledger) -> None:
             f.result(REQUEST_TIMEOUT_S)
         assert [o for o, *_ in served] == ["ok"] * n["ok"], served
         done["ok"] += n["ok"]
-        for f in [rig.submit(gone_mid_stream, rig, model) for _ in range(n["gone"])]:
-            f.result(REQUEST_TIMEOUT_S)
+        for g in [rig.submit(gone_mid_stream, rig, model) for _ in range(n["gone"])]:
+            g.result(REQUEST_TIMEOUT_S)
             done["gone"] += 1
         for kind in kinds:
             if kind not in ("silent", "ok", "gone"):
