@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -86,22 +87,26 @@ def test_embedding_pipeline_serves_embed_and_embeddings(
     inv.parent.mkdir(exist_ok=True)
     inv.write_text(embedding_inventory(testbed, model))
 
-    dep = fleet_cli("deploy", "-i", str(inv), "--json")
-    assert dep.returncode == 0, dep.stdout + dep.stderr
-    started = fleet_cli("start", HOST, "-i", str(inv), timeout=400)
-    try:
-        assert started.returncode == 0, started.stdout + started.stderr
-        assert started.stdout.count("started") == 1, started.stdout  # no decode agent
-        proc = testbed.ops(
-            sys.executable, "-c", GATEWAY, str(inv), json.dumps(TEXTS), MODEL,
-            cwd=REPO, timeout=300,
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        out = json.loads(proc.stdout.strip().splitlines()[-1])
-    finally:
-        fleet_cli("stop", "-i", str(inv))
+    # The plain transformers references, in this process while the fleet commands and
+    # the gateway (other processes) run: they waited for one another before.
+    with ThreadPoolExecutor(1) as pool:
+        refs_fut = pool.submit(lambda: [hf_embedding(tiny, t, "last") for t in TEXTS])
+        dep = fleet_cli("deploy", "-i", str(inv), "--json")
+        assert dep.returncode == 0, dep.stdout + dep.stderr
+        started = fleet_cli("start", HOST, "-i", str(inv), timeout=400)
+        try:
+            assert started.returncode == 0, started.stdout + started.stderr
+            assert started.stdout.count("started") == 1, started.stdout  # no decode agent
+            proc = testbed.ops(
+                sys.executable, "-c", GATEWAY, str(inv), json.dumps(TEXTS), MODEL,
+                cwd=REPO, timeout=300,
+            )  # fmt: skip
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            out = json.loads(proc.stdout.strip().splitlines()[-1])
+        finally:
+            fleet_cli("stop", "-i", str(inv))
+        refs = refs_fut.result()
 
-    refs = [hf_embedding(tiny, t, "last") for t in TEXTS]
     status, ollama = out["ollama"]
     assert status == 200, ollama
     status, openai = out["openai"]

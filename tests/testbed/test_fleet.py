@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +45,10 @@ def status_rows(fleet_cli: FleetCli, inventory: Path) -> tuple[int, list[dict[st
     return proc.returncode, json.loads(proc.stdout)
 
 
-def generate(bed: TestBed, inventory: Path, model: str, max_tokens: int = 6) -> dict[str, Any]:
-    """`generate -m MODEL` against the fleet, from the ops namespace."""
+def generate(bed: TestBed, inventory: Path, model: str, max_tokens: int = 2) -> dict[str, Any]:
+    """`generate -m MODEL` against the fleet, from the ops namespace. Two tokens: its
+    callers check how the request went (method, the prefill's address, KV bytes), not
+    its text (it was six)."""
     code = (
         "import json, sys\n"
         "from disagg import Client\n"
@@ -138,23 +141,14 @@ def test_deploy_start_status_generate_logs(
     assert started.returncode == 0, started.stdout
     assert started.stdout.count("started") == 4
 
-    code, rows = status_rows(fleet_cli, inventory)
-    assert code == 0, rows
-    assert len(rows) == 4 and all(r["state"] == "healthy" for r in rows), rows
-    by_host = {r["host"]: r for r in rows}
-    # ops has no route to the fast links: each answered on its switch address.
-    assert by_host["mac-studio-2"]["address"] == "10.77.0.22:8011"
-    assert by_host["dgx-spark-1"]["status"]["backend"] == "torch"
-    assert by_host["mac-studio-2"]["status"]["backend"] == "mlx"
-    table = fleet_cli("status", "-i", str(inventory))
-    assert table.returncode == 0 and "healthy" in table.stdout
-
-    # Both pipelines at once; the KV of each crosses its own fast link.
-    for model, (prefill_host, _) in {
-        "qwen3-coder-30b": ("dgx-spark-1", "mac-studio-2"),
-        "gpt-oss-120b": ("dgx-spark-2", "mac-studio-1"),
-    }.items():
-        m = generate(testbed, inventory, model)["metrics"]
+    # Both pipelines at once (two clients side by side, where they ran one after the
+    # other); the KV of each crosses its own fast link.
+    prefill_of = {"qwen3-coder-30b": "dgx-spark-1", "gpt-oss-120b": "dgx-spark-2"}
+    with ThreadPoolExecutor(2) as pool:
+        futs = {m: pool.submit(generate, testbed, inventory, m) for m in prefill_of}
+        answers = {m: f.result() for m, f in futs.items()}
+    for model, prefill_host in prefill_of.items():
+        m = answers[model]["metrics"]
         assert m["method"] == "disaggregated", m
         assert m["prefill_address"] == f"{BY_NAME[prefill_host].link_addr}:8000", m
         assert m["kv_bytes"] > 0 and m["completion_tokens"] > 0
@@ -168,9 +162,17 @@ def test_deploy_start_status_generate_logs(
     answer = json.loads(gen.stdout)
     assert "Paris" in answer["text"] and answer["metrics"]["method"] == "disaggregated"
 
-    # The decode agents have answered: status shows their TTFT percentiles, p99 included.
+    # `disagg status`, once the agents have answered (it was asked before the requests
+    # too, for the checks up to the backends: two CLI runs that showed nothing more).
     code, rows = status_rows(fleet_cli, inventory)
     assert code == 0, rows
+    assert len(rows) == 4 and all(r["state"] == "healthy" for r in rows), rows
+    by_host = {r["host"]: r for r in rows}
+    # ops has no route to the fast links: each answered on its switch address.
+    assert by_host["mac-studio-2"]["address"] == "10.77.0.22:8011"
+    assert by_host["dgx-spark-1"]["status"]["backend"] == "torch"
+    assert by_host["mac-studio-2"]["status"]["backend"] == "mlx"
+    # The decode agents have answered: status shows their TTFT percentiles, p99 included.
     for r in rows:
         if r["role"] == "decode":
             st = r["status"]
@@ -181,11 +183,13 @@ def test_deploy_start_status_generate_logs(
     assert disks["mac-studio-1"]["max_bytes"] == 4096 << 20, disks
     assert disks["mac-studio-2"]["dir"].endswith("/.disagg/kv-blocks"), disks
     table = fleet_cli("status", "-i", str(inventory))
-    assert table.returncode == 0
+    assert table.returncode == 0 and "healthy" in table.stdout
     assert re.search(r"disk\s+[\d,]+\s+hits", table.stdout), table.stdout
-    # Wide or narrow layout, the three percentiles are shown with their values.
+    # Wide or narrow layout, the three percentiles are shown with their values, in ms or,
+    # from 1 s up, in s (a TTFT of 1.3-2.5 s on a box at load 15-23 failed the ms-only
+    # pattern before and after this file's trims).
     assert "p50/p95/p99" in table.stdout, table.stdout
-    assert re.search(r"ms / [\d.]+ ms / [\d.]+ ms", table.stdout), table.stdout
+    assert re.search(r"[\d.]+ m?s / [\d.]+ m?s / [\d.]+ m?s", table.stdout), table.stdout
 
     logs = fleet_cli("logs", "-i", str(inventory), "-n", "20")
     assert logs.returncode == 0, logs.stderr
@@ -360,8 +364,12 @@ def test_logs_follow_interleaves_hosts(
         by_host = {"dgx-spark-1": "qwen3-coder-30b", "dgx-spark-2": "gpt-oss-120b"}
         while seen != set(by_host):
             assert time.monotonic() < deadline, f"logs -f showed prefills of {seen} only"
-            for host in set(by_host) - seen:
-                generate(testbed, inventory, by_host[host], max_tokens=2)
+            with ThreadPoolExecutor(2) as pool:  # both pipelines at once
+                for f in [
+                    pool.submit(generate, testbed, inventory, by_host[host], max_tokens=2)
+                    for host in set(by_host) - seen
+                ]:
+                    f.result()
             until = time.monotonic() + 5
             while seen != set(by_host) and time.monotonic() < until:
                 with contextlib.suppress(queue.Empty):
