@@ -135,9 +135,9 @@ def test_codex_exec_runs_a_turn_over_the_responses_api(
     generic one the embedded default's turn below goes through)."""
     from disagg.frontends import maxtokens
 
-    # Codex sends no limit: the operator's default (`serve --max-tokens 256`) holds the
+    # Codex sends no limit: the operator's default (`serve --max-tokens 32`) holds the
     # random model's answer, which would otherwise run to its 131k context.
-    monkeypatch.setattr(maxtokens, "_operator_default", 256)
+    monkeypatch.setattr(maxtokens, "_operator_default", 32)
     url, model, log = served
     home = codex_home(tmp_path, url, model)
     mark = log.log_mark()
@@ -198,11 +198,14 @@ def test_the_docs_hold_the_codex_recipe() -> None:
 # may be retried, and every session must end cleanly; one already lost is cut at once
 # (an answer cut at the limit: Codex errors and retries; a second tool call: a loop,
 # none of which was seen to end in a reply). With the documented catalog Codex's prompt
-# is ~2.4k tokens (~6.4k without); the first session prefills it, later ones find it
+# is ~1.65k tokens (~2.4k with Codex's goal and image tools, which the documented config
+# turns off; ~6.4k without the catalog); the first session prefills it, later ones find it
 # cached and reply in ~5-12 s. Sessions complete ~30-50 % of the time, so twelve tries
 # (0.7^12 ~ 1.4 %) leave a lost run to chance alone.
 CODEX_SESSIONS = 12
-CODEX_LIMIT = 64  # `serve --max-tokens`: a run-on answer is cut in ~15 s
+# `serve --max-tokens`: a run-on answer is cut at 40 tokens (~3 s at ~14 tok/s; most lost
+# sessions are one, 3 of 4 in a run); the replies seen take 11-17 (the JSON around them).
+CODEX_LIMIT = 40
 CODEX_FIRST_S = 75  # the first session prefills Codex's prompt
 CODEX_SESSION_S = 40  # later ones find it cached; a tool loop is cut after ~3 calls
 
@@ -299,6 +302,11 @@ def test_claude_code_shows_the_context_error_on_the_embedded_default(
     assert re.search(r"API Error: 400 .*the prompt is \d+ tokens.* context is 8192", said), said
 
 
+# The random model runs to the limit, and Claude Code then asks it three more times to
+# go on: each session is four requests of this many tokens (at 32: 192 more decoded).
+CLAUDE_LIMIT = 8
+
+
 @needs_clis
 def test_claude_code_runs_a_turn_over_the_messages_api(
     served: tuple[str, str, Gateway], tmp_path: Path
@@ -309,7 +317,7 @@ def test_claude_code_runs_a_turn_over_the_messages_api(
         "ANTHROPIC_API_KEY": "unused",
         "ANTHROPIC_MODEL": model,
         "ANTHROPIC_SMALL_FAST_MODEL": model,
-        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "32",
+        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(CLAUDE_LIMIT),
         "HOME": str(tmp_path),
     }
     turns = []
@@ -318,7 +326,7 @@ def test_claude_code_runs_a_turn_over_the_messages_api(
         rc, said = run([str(BIN / "claude"), "-p", "Say hi.", "--model", model], env, tmp_path)
         # The random model stops where it writes its end token (rc 0, its text), or
         # Claude Code's words for a message that ended on stop_reason max_tokens.
-        cut = "exceeded the 32 output token maximum" in said
+        cut = f"exceeded the {CLAUDE_LIMIT} output token maximum" in said
         assert cut or (rc == 0 and "API Error" not in said and said.strip()), said
         turns.append(requests_logged(log, mark))
     first, second = turns[0][0], turns[1][0]

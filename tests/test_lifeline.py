@@ -78,11 +78,11 @@ def restart_prefill(proc: subprocess.Popen[bytes], port: int, model: Path, log: 
     deadline = time.monotonic() + 240
     while "is back on" not in log.read_text():
         assert time.monotonic() < deadline, log.read_text()
-        time.sleep(0.5)
+        time.sleep(0.1)
     assert "prefill agent prefill@127.0.0.1 exited (killed by SIGKILL)" in log.read_text()
     while (method := ask(port, model)) != "disaggregated":  # the router re-probes it
         assert time.monotonic() < deadline, (method, log.read_text())
-        time.sleep(1)
+        time.sleep(0.25)  # polled: the router skips a failed agent for 5 s
     [again] = [
         p.pid
         for p in psutil.Process(proc.pid).children(recursive=True)
