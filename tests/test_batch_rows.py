@@ -107,16 +107,16 @@ def test_staggered_joins_and_departures_match_mlx_lm_alone(smol: tuple[Any, Any]
         "d": tok.encode("List three colours:"),
         "e": tok.encode(TEXT + "Summarise this in one sentence."),
     }
-    lengths = {"a": 24, "b": 14, "c": 7, "d": 12, "e": 9}
+    lengths = {"a": 32, "b": 20, "c": 9, "d": 16, "e": 12}
     loop = new_loop(model)
     s = Streams(loop, model)
     s.start("a", prompts["a"], lengths["a"])
-    s.wait("a", 3)
+    s.wait("a", 4)
     s.start("b", prompts["b"], lengths["b"])  # the lone stream becomes a batch
     s.start("c", prompts["c"], lengths["c"])
-    s.wait("b", 4)
+    s.wait("b", 5)
     s.start("d", prompts["d"], lengths["d"])  # c leaves about here, d takes a row
-    s.wait("a", 14)
+    s.wait("a", 20)
     s.start("e", prompts["e"], lengths["e"])  # after departures: a reused row
     got = s.finish()
     assert loop.peak_batch >= 3
@@ -131,20 +131,20 @@ def test_a_prompt_longer_than_the_window_joins_with_the_right_tokens(
     short, long = tok.encode("Name a fruit."), tok.encode(TEXT * 10 + "Where is the mill?")
     loop = new_loop(model)
     s = Streams(loop, model)
-    s.start("x", short, 18)  # x and y still decode when z has its first two tokens
+    s.start("x", short, 24)
     s.wait("x", 3)
-    s.start("y", tok.encode("Count to five:"), 14)  # a batch, its window a few hundred columns
+    s.start("y", tok.encode("Count to five:"), 20)  # a batch, its window a few hundred columns
     s.wait("y", 3)
     window = loop.call(lambda: loop.rows.layout.idx)
     assert len(long) > window, (len(long), window)
-    s.start("z", long, 8)
+    s.start("z", long, 12)
     s.wait("z", 2)
     grown = loop.call(lambda: loop.rows.layout.idx if loop.rows else None)
     got = s.finish()
     assert grown is not None and grown >= len(long)
-    assert got["x"] == reference(model, short, 18)
-    assert got["y"] == reference(model, tok.encode("Count to five:"), 14)
-    assert got["z"] == reference(model, long, 8)
+    assert got["x"] == reference(model, short, 24)
+    assert got["y"] == reference(model, tok.encode("Count to five:"), 20)
+    assert got["z"] == reference(model, long, 12)
 
 
 def buffer_address(a: Any) -> int:
@@ -166,10 +166,10 @@ def test_a_departure_and_a_join_copy_no_other_row(smol: tuple[Any, Any], rows: b
     model, tok = smol
     loop = new_loop(model, rows=rows)
     s = Streams(loop, model)
-    s.start("a", tok.encode("Tell me about rivers."), 22)
+    s.start("a", tok.encode("Tell me about rivers."), 28)
     s.wait("a", 2)
     s.start("b", tok.encode("Say hi."), 10)  # row 1: leaves first
-    s.start("c", tok.encode("Tell me about mountains."), 22)  # row 2 moves into row 1
+    s.start("c", tok.encode("Tell me about mountains."), 28)  # row 2 moves into row 1
     s.wait("c", 2)  # in the batch
 
     def probe() -> tuple[int, int]:
@@ -195,7 +195,7 @@ def test_a_departure_and_a_join_copy_no_other_row(smol: tuple[Any, Any], rows: b
         assert three[-1] == three[0] and again == three[0]
     else:
         assert three[-1] != three[0] and again != two[-1]
-    assert got["c"] == reference(model, tok.encode("Tell me about mountains."), 22)
+    assert got["c"] == reference(model, tok.encode("Tell me about mountains."), 28)
     assert got["d"] == reference(model, tok.encode("Name a bird."), 6)
 
 
