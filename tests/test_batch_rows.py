@@ -35,10 +35,18 @@ def new_loop(model: Any, rows: bool = True) -> Any:
     return DecodeLoop(model, max_batch=8, rows=rows)
 
 
+_REFERENCES: dict[tuple[int, tuple[int, ...], int], list[int]] = {}
+
+
 def reference(model: Any, ids: list[int], n: int) -> list[int]:
+    """mlx-lm's greedy tokens for `ids` alone, computed once per model, prompt and
+    length (the two paths of the copy probe compare against the same ones)."""
     from tests.references import mlx_greedy
 
-    return mlx_greedy(model, ids, n)
+    key = (id(model), tuple(ids), n)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = mlx_greedy(model, ids, n)
+    return _REFERENCES[key]
 
 
 class Streams:

@@ -147,9 +147,11 @@ def test_greedy_with_drafts_is_token_identical_alone_and_in_a_batch(
     path = loopy(tiny_model, arch)
     model, tok = refs.mlx_own(path), AutoTokenizer.from_pretrained(str(path))
     prompts = tiny_prompts(tok)
-    on, longest = alone(model, prompts[0], 60, True)
-    off, _ = alone(model, prompts[0], 60, False)
-    assert on == off == mlx_greedy(model, prompts[0], 60)
+    # Alone, greedy and so the same on any box: 40 tokens hold a draft of 4 to 10
+    # accepted tokens on each architecture.
+    on, longest = alone(model, prompts[0], 40, True)
+    off, _ = alone(model, prompts[0], 40, False)
+    assert on == off == mlx_greedy(model, prompts[0], 40)
     assert longest >= 3
     on8, longest8, peak = batch_of_8(model, prompts, LENGTHS, True)
     off8, _, _ = batch_of_8(model, prompts, LENGTHS, False)

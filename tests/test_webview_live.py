@@ -96,6 +96,21 @@ def wait_for(what: Callable[[], Any], seconds: float, message: str) -> Any:
         time.sleep(0.2)
 
 
+# The cluster picture as ui.js's topology() draws it for the box's width now.
+REDRAWN_JS = """
+const box = document.getElementById("topology"), svg = box && box.querySelector("svg");
+return !!svg && svg.viewBox.baseVal.width === Math.max(280, Math.min(1000, box.clientWidth - 24));
+"""
+
+
+def painted(driver: Any) -> None:
+    """Two animation frames later: what the page holds now has been painted."""
+    driver.execute_async_script(
+        "const done = arguments[arguments.length - 1];"
+        "requestAnimationFrame(() => requestAnimationFrame(() => done(true)));"
+    )
+
+
 def shoot(driver: Any, name: str, width: int, dark: bool) -> None:
     """A full-page screenshot at this width and colour scheme (DISAGG_UI_SHOTS or nowhere)."""
     out = os.environ.get("DISAGG_UI_SHOTS")
@@ -110,13 +125,16 @@ def shoot(driver: Any, name: str, width: int, dark: bool) -> None:
         "Emulation.setDeviceMetricsOverride",
         {"width": width, "height": 900, "deviceScaleFactor": 1, "mobile": width < 700},
     )
-    time.sleep(1.5)  # a poll and a redraw at the new width
+    # A poll has redrawn the picture at the new width (not a fixed 1.5 s: at a width
+    # the page already had, none is needed), then a frame painted.
+    wait_for(lambda: driver.execute_script(REDRAWN_JS), 30, f"no redraw at {width}px")
+    painted(driver)
     height = driver.execute_script("return document.documentElement.scrollHeight")
     driver.execute_cdp_cmd(
         "Emulation.setDeviceMetricsOverride",
         {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": width < 700},
     )
-    time.sleep(0.5)
+    painted(driver)
     Path(out).mkdir(parents=True, exist_ok=True)
     Path(out, f"{name}.png").write_bytes(driver.get_screenshot_as_png())
     driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
@@ -374,12 +392,11 @@ def test_screenshots_for_the_docs(
         "Translate 'good morning' to Spanish.",
         "What is 12 times 12?",
     ]
-    for i in range(0, len(prompts), 3):
-        batch = [threading.Thread(target=ask, args=(url, p)) for p in prompts[i : i + 3]]
-        for t in batch:
-            t.start()
-        for t in batch:
-            t.join()
+    batch = [threading.Thread(target=ask, args=(url, p)) for p in prompts]  # all at once
+    for t in batch:
+        t.start()
+    for t in batch:
+        t.join()
     done = ".req[data-state=done]"
     wait_for(
         lambda: len(browser.find_elements("css selector", done)) >= len(prompts),

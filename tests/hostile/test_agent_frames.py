@@ -299,8 +299,10 @@ def test_an_empty_token_file_stops_the_agent_with_one_line(
 def test_agent_logs_rotate_by_size(model: Path, tmp_path: Path, spawn: Spawn) -> None:
     log_file = tmp_path / "agent.log"
     token_file, _ = make_token_file(tmp_path / "t")
+    # A decode agent: the same logging as a prefill agent (runtime.serve's
+    # setup_logging), and no torch to import, so it is up sooner.
     proc, log, name = spawn(
-        "prefill",
+        "decode",
         model,
         extra_args=[
             "--token-file",
@@ -311,7 +313,7 @@ def test_agent_logs_rotate_by_size(model: Path, tmp_path: Path, spawn: Spawn) ->
             "2000",
         ],
     )
-    agent = wait_ready("prefill", proc, log, name, timeout_s=120)
+    agent = wait_ready("decode", proc, log, name, timeout_s=120)
     try:
         for _ in range(40):  # each refused peer writes a line
             with socket.create_connection((agent.host, agent.port), timeout=5) as s:
