@@ -303,9 +303,7 @@ def prefill_and_greedy(eng: Any) -> tuple[torch.Tensor, Any]:
     next token at every position (the LM head over the body's output, teacher-forced)
     and the last position's logits it returns, which the first token is sampled from."""
     hidden: list[torch.Tensor] = []
-    hook = eng.body.register_forward_hook(
-        lambda _m, _a, out: hidden.append(out.last_hidden_state)
-    )
+    hook = eng.body.register_forward_hook(lambda _m, _a, out: hidden.append(out.last_hidden_state))
     try:
         _, logits = eng.prefill(PROMPT_IDS, lambda kv: None)
     finally:
