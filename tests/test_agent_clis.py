@@ -198,8 +198,7 @@ def test_the_docs_hold_the_codex_recipe() -> None:
 # may be retried, and every session must end cleanly; one already lost is cut at once
 # (an answer cut at the limit: Codex errors and retries; a second tool call: a loop,
 # none of which was seen to end in a reply). With the documented catalog Codex's prompt
-# is ~1.65k tokens (~2.4k with Codex's goal and image tools, which the documented config
-# turns off; ~6.4k without the catalog); the first session prefills it, later ones find it
+# is ~2.4k tokens (~6.4k without); the first session prefills it, later ones find it
 # cached and reply in ~5-12 s. Sessions complete ~30-50 % of the time, so twelve tries
 # (0.7^12 ~ 1.4 %) leave a lost run to chance alone.
 CODEX_SESSIONS = 12
