@@ -1,7 +1,8 @@
 """Prompt-lookup drafts against plain decoding, in this process (no agents): TPOT
 of mlx-lm's own generation at batch 1, of the decode loop without drafts at batch
 1 and 8, and with drafts at batch 1 and 8; tokens per forward; on a code-edit
-workload (a ~300-line file, "rename X to Y; return the whole file") and free text.
+workload (a ~300-line file, "rename X to Y; return the whole file", the reply started
+with the rename made in its first function) and free text.
 
 Greedy throughout, so every run's tokens must agree with drafting off (checked:
 `same`). Target: >= 1.8x TPOT on the edit workload at batch 1, >= 0.97x on free text.
@@ -40,20 +41,35 @@ def edit_file(lines: int = 300) -> str:
     return "\n".join(out)
 
 
-def workloads() -> dict[str, str]:
+def workloads() -> dict[str, tuple[str, str]]:
+    """name -> (the user's message, how the reply starts). The edit reply opens the
+    file's fence, as whole-file edit formats have the model answer (a 135M model
+    asked plainly explains the file instead of returning it; a coder model returns it)."""
     return {
-        "edit": "Rename total_count to running_total in this file and return the whole "
-        "file, nothing else.\n\n```python\n" + edit_file() + "\n```",
-        "free": "Write a short story about a lighthouse keeper who finds a message in a "
-        "bottle, in your own words.",
+        "edit": (
+            "Rename total_count to running_total in this file and return the whole "
+            "file, nothing else.\n\n```python\n" + edit_file() + "\n```",
+            "```python\n"
+            + "\n".join(edit_file().splitlines()[:11]).replace("total_count", "running_total")
+            + "\n",
+        ),
+        "free": (
+            "Write a short story about a lighthouse keeper who finds a message in a "
+            "bottle, in your own words.",
+            "",
+        ),
     }
 
 
-def prompt_ids(tok: Any, text: str) -> list[int]:
-    if getattr(tok, "chat_template", None):
-        chat = [{"role": "user", "content": text}]
-        return list(tok.apply_chat_template(chat, add_generation_prompt=True))
-    return list(tok.encode(text))
+def prompt_ids(tok: Any, text: str, reply_start: str = "") -> list[int]:
+    """The user's message in the chat template (where there is one), then the reply's
+    start. Rendered, then encoded: transformers' tokenizer returns a dict when asked
+    for ids, mlx-lm's wrapper a list."""
+    if not getattr(tok, "chat_template", None):
+        return list(tok.encode(text + reply_start))
+    chat = [{"role": "user", "content": text}]
+    shown = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    return list(tok.encode(shown + reply_start, add_special_tokens=False))
 
 
 def mlx_lm_tpot(model: Any, ids: list[int], n: int) -> float:
@@ -141,8 +157,8 @@ def run_speculate_bench(
     engine = DecodeEngine(str(model_dir))
     model, tok = engine.model, engine.tokenizer
     report: dict[str, Any] = {"model": model_dir.name, "decode_tokens": decode_tokens}
-    for name, text in workloads().items():
-        ids = prompt_ids(tok, text)
+    for name, (text, reply_start) in workloads().items():
+        ids = prompt_ids(tok, text, reply_start)
         say(f"{name}: {len(ids)} prompt tokens, mlx-lm generate")
         row: dict[str, Any] = {"prompt_tokens": len(ids)}
         row["mlx_lm_tpot_s"] = mlx_lm_tpot(model, ids, decode_tokens)
