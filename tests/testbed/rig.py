@@ -182,6 +182,12 @@ class Rig:
         port = 8010 if m.role == "prefill" else 8011
         return dict(json.loads(control_get(m.switch_addr, port, "/status", self.token, 3)))
 
+    def cached_kb(self, host: str) -> int:
+        """kB of prompt K/V an agent's prefix cache holds (call in an ops thread): memory
+        kept on purpose, within the cache's budget, not leaked."""
+        held = (self.status(host).get("prefix_cache") or {}).get("bytes")
+        return int(held or 0) // 1024
+
     def busy(self, host: str) -> int:
         st = self.status(host)
         return int(st["in_flight"]) + int(st.get("queued") or 0)

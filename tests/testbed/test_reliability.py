@@ -74,6 +74,12 @@ pytestmark = pytest.mark.testbed
 ORDERED = True  # one story: kills, then the leak window over the faults, then a restart
 
 
+# Resident growth over the leak window an agent may show. A prefill agent's grew 47-68 MB
+# (torch's and malloc's high water after the window's concurrent bursts; 64 MB was the
+# bound, and one run in two alone went past it); what it is sized to catch, each
+# request's K/V kept (~1 MB per SmolLM2 prompt here, ~100 requests per agent), is more.
+LEAK_BOUND_KB = 96 * 1024
+
 DRAIN_TOKENS = 48  # ~10 s of decode here: still running when restart's SIGTERM lands
 
 
@@ -230,7 +236,10 @@ def window(rig: Rig) -> Ledger:
     led = rig.ledger
     rig.serves_both()  # warm after the kills' restarts
     led.pids = {h: agent_pid(h) for h in BY_NAME}
-    led.baseline = {h: {**usage(pid), "sockets": socket_count(pid)} for h, pid in led.pids.items()}
+    led.baseline = {
+        h: {**usage(pid), "sockets": socket_count(pid), "cached_kb": rig.in_ops(rig.cached_kb, h)}
+        for h, pid in led.pids.items()
+    }
     return led
 
 
@@ -522,6 +531,12 @@ def test_no_leaks_over_200_requests(rig: Rig, window: Ledger) -> None:
     def now() -> dict[str, dict[str, int]]:
         return {h: {**usage(pid), "sockets": socket_count(pid)} for h, pid in pids.items()}
 
+    def grown_kb(h: str) -> int:
+        """Resident growth less what the prefix cache took in (prompt K/V it keeps on
+        purpose, within its budget)."""
+        cached = rig.in_ops(rig.cached_kb, h) - base[h]["cached_kb"]
+        return after[h]["rss_kb"] - base[h]["rss_kb"] - max(0, cached)
+
     base = window.baseline
     deadline = time.monotonic() + 30
     after = now()
@@ -530,7 +545,7 @@ def test_no_leaks_over_200_requests(rig: Rig, window: Ledger) -> None:
     ):
         time.sleep(0.25)
         after = now()
-    report = {h: {k: f"{base[h][k]} -> {after[h][k]}" for k in base[h]} for h in sorted(base)}
+    report = {h: {k: f"{base[h][k]} -> {after[h][k]}" for k in after[h]} for h in sorted(base)}
     say(
         "no leaks",
         {
@@ -539,12 +554,13 @@ def test_no_leaks_over_200_requests(rig: Rig, window: Ledger) -> None:
             "top_up_s": round(topup_s, 1),
             "agents": report,
             "rss_growth_kb_max": max(after[h]["rss_kb"] - base[h]["rss_kb"] for h in base),
+            "less_prefix_cache_kb": {h: grown_kb(h) for h in sorted(base)},
         },
     )
     for h in base:
         for k in ("fds", "threads", "sockets"):
             assert after[h][k] <= base[h][k], (h, k, report[h])
-        assert after[h]["rss_kb"] - base[h]["rss_kb"] < 64 * 1024, (h, report[h])
+        assert grown_kb(h) < LEAK_BOUND_KB, (h, report[h], grown_kb(h))
     for h in BY_NAME:
         st = rig.in_ops(rig.status, h)
         assert st["in_flight"] == 0 and not st.get("queued"), (h, st)
