@@ -43,15 +43,16 @@ def edit_file(lines: int = 300) -> str:
 
 def workloads() -> dict[str, tuple[str, str]]:
     """name -> (the user's message, how the reply starts). The edit reply opens the
-    file's fence, as whole-file edit formats have the model answer (a 135M model
-    asked plainly explains the file instead of returning it; a coder model returns it)."""
+    file's fence and gives its header and first function with the rename made, as a
+    model doing the edit starts (a 135M model asked plainly explains the file instead
+    of returning it); the model carries the rename on from there."""
+    file = edit_file()
+    renamed_head = "\n".join(file.splitlines()[:11]).replace("total_count", "running_total")
     return {
         "edit": (
             "Rename total_count to running_total in this file and return the whole "
-            "file, nothing else.\n\n```python\n" + edit_file() + "\n```",
-            "```python\n"
-            + "\n".join(edit_file().splitlines()[:11]).replace("total_count", "running_total")
-            + "\n",
+            "file, nothing else.\n\n```python\n" + file + "\n```",
+            "```python\n" + renamed_head + "\n",  # the header and the first function
         ),
         "free": (
             "Write a short story about a lighthouse keeper who finds a message in a "

@@ -31,6 +31,7 @@ from disagg_agents.runtime.gate import HANDSHAKE_TIMEOUT_S
 from disagg_agents.wire.channel import recv_json
 from disagg_agents.wire.frames import Frame
 from disagg_agents.wire.httpauth import control_get
+from disagg_agents.wire.status import AgentStatus
 from tests.testbed.bed import BY_NAME, SWITCH, TestBed, in_ns, sh
 from tests.testbed.conftest import PIPELINES, FleetCli
 
@@ -185,8 +186,8 @@ class Rig:
     def cached_kb(self, host: str) -> int:
         """kB of prompt K/V an agent's prefix cache holds (call in an ops thread): memory
         kept on purpose, within the cache's budget, not leaked."""
-        held = (self.status(host).get("prefix_cache") or {}).get("bytes")
-        return int(held or 0) // 1024
+        cache = AgentStatus.from_json(self.status(host)).prefix_cache
+        return (cache.bytes or 0) // 1024 if cache else 0
 
     def busy(self, host: str) -> int:
         st = self.status(host)
