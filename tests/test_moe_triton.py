@@ -190,14 +190,14 @@ def test_forward_has_no_sync_and_ops_do_not_grow_with_experts(
 ) -> None:
     monkeypatch.setenv(moe.GEMM_ENV, "triton")
     ops = []
-    for e in (8, 128):
+    for e in (8, 64):
         g = torch.Generator().manual_seed(0)
         gate, up = (weight("mxfp4", 32, 64, torch.float32, g, e) for _ in range(2))
         down = weight("mxfp4", 64, 32, torch.float32, g, e)
         m = moved(PackedExperts("gpt_oss", gate, up, down, e, torch.float32), DEVICE)
-        hidden = torch.randn(64, 64, generator=g).to(DEVICE)
-        idx = torch.randint(0, e, (64, 4), generator=g).to(DEVICE)
-        w = torch.full((64, 4), 0.25, device=DEVICE)
+        hidden = torch.randn(32, 64, generator=g).to(DEVICE)
+        idx = torch.randint(0, e, (32, 4), generator=g).to(DEVICE)
+        w = torch.full((32, 4), 0.25, device=DEVICE)
         with OpCounter() as c:
             m(hidden, idx, w)
         assert c.total_syncs == 0, c.scopes["other"].sync_ops
@@ -287,7 +287,7 @@ def test_the_kernels_launch_order_is_the_one_the_traffic_count_walks(group_m: in
 
 # --- whole prefills of tiny quantized MoE checkpoints --------------------------------
 
-PROMPT_IDS = [(i * 7919 + 13) % 300 for i in range(96)]
+PROMPT_IDS = [(i * 7919 + 13) % 300 for i in range(48)]
 
 
 def greedy_per_position(eng: Any) -> torch.Tensor:
