@@ -176,7 +176,8 @@ def test_restarted_prefill_agent_answers_identically(
     ask(decode, base(prompt=shared + " one"), prefill=prefill)
     model = Path(status(prefill)["model"])
     port = prefill.port
-    prefill.stop()
+    prefill.proc.kill()  # gone with its cache, as a crash leaves it (no drain to wait out)
+    prefill.stop()  # reaps it
     proc, log, name = spawn(
         "prefill",
         model,
