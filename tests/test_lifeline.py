@@ -66,29 +66,30 @@ def ask(port: int, model: Path) -> str:
     return str(r.json()["disagg_metrics"]["method"])
 
 
-def restart_prefill(proc: subprocess.Popen[bytes], port: int, model: Path, log: Path) -> int:
-    """Kill the gateway's prefill agent: it is logged, restarted, and the next
-    requests are disaggregated again. Returns the new agent's pid."""
-    [prefill] = [
+def restart_decode(proc: subprocess.Popen[bytes], port: int, model: Path, log: Path) -> int:
+    """Kill the gateway's decode agent: it is logged, restarted, and the next requests
+    are disaggregated again, through the new one. Returns the new agent's pid. (The
+    decode agent: it starts in a third of the prefill agent's time, no torch.)"""
+    [decode] = [
         p
         for p in psutil.Process(proc.pid).children(recursive=True)
-        if "disagg_agents.prefill" in " ".join(p.cmdline())
+        if "disagg_agents.decode" in " ".join(p.cmdline())
     ]
-    prefill.kill()
+    decode.kill()
     deadline = time.monotonic() + 240
     while "is back on" not in log.read_text():
         assert time.monotonic() < deadline, log.read_text()
         time.sleep(0.1)
-    assert "prefill agent prefill@127.0.0.1 exited (killed by SIGKILL)" in log.read_text()
+    assert "decode agent decode@127.0.0.1 exited (killed by SIGKILL)" in log.read_text()
     while (method := ask(port, model)) != "disaggregated":  # the router re-probes it
         assert time.monotonic() < deadline, (method, log.read_text())
         time.sleep(0.25)  # polled: the router skips a failed agent for 5 s
     [again] = [
         p.pid
         for p in psutil.Process(proc.pid).children(recursive=True)
-        if "disagg_agents.prefill" in " ".join(p.cmdline())
+        if "disagg_agents.decode" in " ".join(p.cmdline())
     ]
-    assert again != prefill.pid
+    assert again != decode.pid
     return again
 
 
@@ -100,7 +101,7 @@ def test_agents_die_with_serve(
     proc, port, agents = start_with_agents(serve_process, model, log)
     try:
         if sig == signal.SIGTERM:  # and an agent it restarted dies with it too
-            agents.append(restart_prefill(proc, port, model, log))
+            agents.append(restart_decode(proc, port, model, log))
         proc.send_signal(sig)
         proc.wait(GONE_WITHIN_S)
         deadline = time.monotonic() + GONE_WITHIN_S

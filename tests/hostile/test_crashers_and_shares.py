@@ -8,6 +8,8 @@ docs/reliability.md."""
 from __future__ import annotations
 
 import json
+import select
+import socket
 import threading
 import time
 from pathlib import Path
@@ -234,14 +236,31 @@ def auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
+# Every URL here is plain http: verify=False only skips building a TLS context that no
+# request uses (httpx loads certifi's bundle for each new client: ~50-80 ms of CPU,
+# 50 of them serialized on the GIL before A's streams could all be opened).
+def get(url: str, **kw: Any) -> httpx.Response:
+    return httpx.get(url, verify=False, **kw)
+
+
+def post(url: str, **kw: Any) -> httpx.Response:
+    return httpx.post(url, verify=False, **kw)
+
+
 def model_of(base: str) -> str:
-    r = httpx.get(f"{base}/v1/models", headers=auth(OPERATOR), timeout=30)
+    r = get(f"{base}/v1/models", headers=auth(OPERATOR), timeout=30)
     return str(r.json()["data"][0]["id"])
 
 
-def b_chat(base: str, model: str) -> httpx.Response:
-    body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
-    return httpx.post(
+def b_chat(base: str, model: str, max_tokens: int = 4) -> httpx.Response:
+    """B's chat. Served is a 200 with its tokens: one shows that (the crashers' loop),
+    four make the figure printed beside A's fifty streams."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": max_tokens,
+    }
+    return post(
         f"{base}/v1/chat/completions",
         json={**body, "temperature": 0},
         headers=auth(KEY_B),
@@ -302,12 +321,12 @@ def test_each_crasher_is_a_4xx_on_every_door_and_everyone_is_served_next(
     pids = [a.proc.pid for a in agents.agents]
     for path, body in crashers(model):
         t0 = time.perf_counter()
-        r = httpx.post(f"{base}{path}", json=body, headers=auth(KEY_A), timeout=120)
+        r = post(f"{base}{path}", json=body, headers=auth(KEY_A), timeout=120)
         took = time.perf_counter() - t0
         print(f"{path}: {r.status_code} in {took:.2f}s: {r.text[:160]}")
         assert 400 <= r.status_code < 500, (path, r.status_code, r.text[:300])
         assert "Traceback" not in r.text
-        nxt = b_chat(base, model)
+        nxt = b_chat(base, model, max_tokens=1)
         assert nxt.status_code == 200, nxt.text
     assert all(a.proc.poll() is None for a in agents.agents)
     assert [a.proc.pid for a in agents.agents] == pids  # none restarted
@@ -322,9 +341,9 @@ def test_a_grammar_that_fails_to_compile_is_a_400_from_the_child(
     model = model_of(base)
     # Past the shape checks, refused by the compile (an undefined rule).
     body = {"model": model, "input": "Hi", "tools": [custom_tool("c", "start: nowhere")]}
-    r = httpx.post(f"{base}/v1/responses", json=body, headers=auth(KEY_A), timeout=120)
+    r = post(f"{base}/v1/responses", json=body, headers=auth(KEY_A), timeout=120)
     assert r.status_code == 400 and "does not compile" in r.json()["error"]["message"], r.text
-    assert b_chat(base, model).status_code == 200
+    assert b_chat(base, model, max_tokens=1).status_code == 200
 
 
 @pytest.mark.slow
@@ -342,7 +361,7 @@ def test_health_answers_while_the_largest_allowed_grammars_compile(
     answers: list[tuple[int, str]] = []
 
     def send() -> None:
-        r = httpx.post(f"{base}/v1/responses", json=body, headers=auth(KEY_A), timeout=300)
+        r = post(f"{base}/v1/responses", json=body, headers=auth(KEY_A), timeout=300)
         answers.append((r.status_code, r.text))
 
     senders = [threading.Thread(target=send) for _ in range(3)]
@@ -351,7 +370,7 @@ def test_health_answers_while_the_largest_allowed_grammars_compile(
     worst = 0.0
     while any(t.is_alive() for t in senders):
         t0 = time.perf_counter()
-        assert httpx.get(f"{base}/health", timeout=30).status_code == 200
+        assert get(f"{base}/health", timeout=30).status_code == 200
         worst = max(worst, time.perf_counter() - t0)
         time.sleep(0.05)
     for t in senders:
@@ -478,7 +497,7 @@ def test_b_is_served_while_a_opens_fifty_streams(gateway: ServeGateway) -> None:
             "ignore_eos": True,
         }
         with (
-            httpx.Client(timeout=300) as c,
+            httpx.Client(timeout=300, verify=False) as c,
             c.stream("POST", f"{base}/v1/chat/completions", json=body, headers=auth(KEY_A)) as r,
         ):
             codes.append(r.status_code)
@@ -512,7 +531,7 @@ def test_b_is_served_while_a_opens_fifty_streams(gateway: ServeGateway) -> None:
     body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
     deadline = time.monotonic() + 120
     while True:
-        r = httpx.post(f"{base}/v1/chat/completions", json=body, headers=auth(KEY_A), timeout=120)
+        r = post(f"{base}/v1/chat/completions", json=body, headers=auth(KEY_A), timeout=120)
         if r.status_code != 429 or time.monotonic() > deadline:
             break
         time.sleep(0.5)
@@ -584,24 +603,35 @@ def test_a_hung_up_embedding_request_stops_the_prefill_agent(
     model = model_of(base)
     pid = agents.prefill.proc.pid
     body = {"model": model, "input": ["word " * 1200] * 48}  # ~58k tokens, within the bound
-    try:  # the client hangs up after 3 s (key B: A's share may still drain its 50 streams)
-        r = httpx.post(f"{base}/v1/embeddings", json=body, headers=auth(KEY_B), timeout=3)
-    except httpx.ReadTimeout:
-        pass
-    else:  # answered within 3 s: a refusal must say why; a whole answer left nothing to stop
-        assert r.status_code == 200, (r.status_code, r.text[:300])
-        assert len(r.json()["data"]) == 48
-        pytest.skip("the 48 embeddings were done before the client hung up: nothing to stop")
+    payload = json.dumps(body).encode()
+    head = (  # key B: A's share may still drain its 50 streams
+        f"POST /v1/embeddings HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        f"Authorization: Bearer {KEY_B}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n"
+    )
+    before = _cpu_s(pid)
+    caller = socket.create_connection(("127.0.0.1", int(base.rsplit(":", 1)[1])), 10)
+    try:
+        caller.sendall(head.encode() + payload)
+        # The client hangs up once the prefill agent is embedding (half a CPU-second
+        # in: the first of its 48 inputs). An answer before that is a refusal.
+        deadline = time.monotonic() + 120  # a hang guard
+        while _cpu_s(pid) - before < 0.5:
+            if select.select([caller], [], [], 0.05)[0]:
+                pytest.fail(caller.recv(4096).decode(errors="replace")[:300])
+            assert time.monotonic() < deadline, "the prefill agent never began to embed"
+    finally:
+        caller.close()
     # Idle once the input it was on ends (here up to ~8 s of a busy shared box),
-    # not after the ~45 inputs left (minutes).
+    # not after the ~47 inputs left (minutes): under 0.1 CPU-s in the last 2 s.
     series: list[float] = []
-    while len(series) < 90 and not (len(series) > 2 and sum(series[-2:]) < 0.1):
+    while len(series) < 180 and not (len(series) >= 4 and sum(series[-4:]) < 0.1):
         before = _cpu_s(pid)
-        time.sleep(1)
+        time.sleep(0.5)
         series.append(round(_cpu_s(pid) - before, 2))
-    print(f"prefill agent CPU-s per second after a hung-up 48-input embedding: {series}")
-    assert sum(series[-2:]) < 0.1, series
-    r = httpx.post(
+    print(f"prefill agent CPU-s per half second after a hung-up 48-input embedding: {series}")
+    assert sum(series[-4:]) < 0.1, series
+    r = post(
         f"{base}/v1/embeddings", json={"model": model, "input": "hi"}, headers=auth(KEY_B)
     )
     assert r.status_code == 200
@@ -652,7 +682,7 @@ def test_type_confused_fields_are_400s_naming_them(gateway: ServeGateway) -> Non
     ]
     for path, body, words in cases:
         assert isinstance(body, dict)
-        r = httpx.post(
+        r = post(
             f"{base}{path}", json={"model": model, **body}, headers=auth(KEY_A), timeout=60
         )
         print(f"{path}: {r.status_code} {r.text[:160]}")
