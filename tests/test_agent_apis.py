@@ -73,14 +73,14 @@ def test_messages_plain_and_streamed(claude: anthropic.Anthropic, serve: tuple[s
     smol = serve[1]
     ask: Any = [{"role": "user", "content": "What is the capital of France?"}]
     r = claude.messages.create(
-        model=smol, max_tokens=24, messages=ask, extra_body={"temperature": 0}
+        model=smol, max_tokens=12, messages=ask, extra_body={"temperature": 0}
     )
     assert r.type == "message" and r.role == "assistant"
-    assert r.stop_reason == ended(r.usage.output_tokens, 24, "max_tokens", "end_turn"), r
+    assert r.stop_reason == ended(r.usage.output_tokens, 12, "max_tokens", "end_turn"), r
     assert r.content[0].type == "text" and "Paris" in r.content[0].text
     assert r.usage.input_tokens > 0 and r.usage.output_tokens > 0
     with claude.messages.stream(
-        model=smol, max_tokens=24, messages=ask, extra_body={"temperature": 0}
+        model=smol, max_tokens=12, messages=ask, extra_body={"temperature": 0}
     ) as s:
         kinds = [e.type for e in s]
         final = s.get_final_message()
@@ -92,7 +92,7 @@ def test_messages_plain_and_streamed(claude: anthropic.Anthropic, serve: tuple[s
     # stop_sequences end the answer there, and say which one did.
     stopped = claude.messages.create(
         model=smol,
-        max_tokens=24,
+        max_tokens=12,
         messages=ask,
         extra_body={"temperature": 0},
         stop_sequences=["Paris"],
@@ -279,18 +279,18 @@ def test_responses_plain_and_streamed(
     r = oai.responses.create(
         model=model,
         input="What is the capital of France?",
-        max_output_tokens=24,
+        max_output_tokens=12,
         temperature=0,
     )
     assert r.usage is not None and r.usage.input_tokens > 0 and r.usage.output_tokens > 0
-    assert r.output and r.status == ended(r.usage.output_tokens, 24, "incomplete", "completed")
+    assert r.output and r.status == ended(r.usage.output_tokens, 12, "incomplete", "completed")
     assert "<|" not in r.output_text
     if name == "smol":
         assert "Paris" in r.output_text
     stream = oai.responses.create(
         model=model,
         input="What is the capital of France?",
-        max_output_tokens=24,
+        max_output_tokens=12,
         temperature=0,
         stream=True,
     )
@@ -339,9 +339,9 @@ def test_responses_forced_function_call_and_its_output(
     ]
     # SmolLM2's template takes no tools: only a forced call may name them.
     tools: Any = [WEATHER_FN] if name != "smol" else openai.NOT_GIVEN
-    again = oai.responses.create(model=model, input=history, tools=tools, max_output_tokens=16)
+    again = oai.responses.create(model=model, input=history, tools=tools, max_output_tokens=8)
     assert again.output and again.usage is not None
-    assert again.status == ended(again.usage.output_tokens, 16, "incomplete", "completed")
+    assert again.status == ended(again.usage.output_tokens, 8, "incomplete", "completed")
     # Streamed: the arguments as function_call_arguments deltas, whole at .done and in
     # the final item.
     events = list(
