@@ -35,7 +35,7 @@ from disagg_agents.runtime.blasshare import BlasShare
 from disagg_agents.runtime.hangup import HungUp
 from disagg_agents.runtime.metrics import Stats
 from disagg_agents.runtime.report import DecodeStatus
-from disagg_agents.runtime.serve import serve, start_agent
+from disagg_agents.runtime.serve import exit_now, serve, start_agent
 from disagg_agents.runtime.settings import (
     Setting,
     attr_setting,
@@ -294,3 +294,4 @@ def main() -> None:
     serve("decode", args, token, agent)
     if agent.prefix.disk is not None:  # the blocks still queued, so a restart finds them
         agent.prefix.disk.close()
+    exit_now()

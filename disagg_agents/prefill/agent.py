@@ -25,7 +25,7 @@ from disagg_agents.runtime.args import common_args
 from disagg_agents.runtime.hangup import client_gone
 from disagg_agents.runtime.metrics import Stats
 from disagg_agents.runtime.report import PrefillStatus
-from disagg_agents.runtime.serve import serve, start_agent
+from disagg_agents.runtime.serve import exit_now, serve, start_agent
 from disagg_agents.runtime.settings import (
     Setting,
     attr_setting,
@@ -329,3 +329,4 @@ def main() -> None:
         args.kv_stall_timeout,
     )
     serve("prefill", args, token, agent)
+    exit_now()  # drained: nothing in memory is kept past this process

@@ -220,7 +220,7 @@ def _compile_case(case: Case) -> tuple[int, int, int, int, str]:
 
 
 def recording_case(spec: str) -> Case:
-    """"arch:model:tokens:kernel" at the tiles the recording before the table ran."""
+    """ "arch:model:tokens:kernel" at the tiles the recording before the table ran."""
     arch, model, tokens, kernel = spec.split(":")
     shape = USER_MODELS[model]
     pairs = int(tokens) * shape.top_k
@@ -265,8 +265,13 @@ def main() -> None:
     ap.add_argument("--model", nargs="+", default=list(USER_MODELS), choices=list(USER_MODELS))
     ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     ap.add_argument("--tiles", help="bm,bn,bk,warps,stages: these, not the table's")
-    ap.add_argument("--recording", nargs="*", default=[], metavar="ARCH:MODEL:TOKENS:KERNEL",
-                    help="also these launches at the tiles of the recording before the table")
+    ap.add_argument(
+        "--recording",
+        nargs="*",
+        default=[],
+        metavar="ARCH:MODEL:TOKENS:KERNEL",
+        help="also these launches at the tiles of the recording before the table",
+    )
     ap.add_argument("--only-recording", action="store_true", help="those launches alone")
     args = ap.parse_args()
     if os.environ.get(mt.INTERPRET_ENV) == "1":

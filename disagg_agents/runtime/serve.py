@@ -7,12 +7,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol, TypeVar
+from typing import NoReturn, Protocol, TypeVar
 
 from disagg_agents.runtime.args import fail, load_token
 from disagg_agents.runtime.control import ControlServer, listener_settings, start_control
@@ -74,6 +76,16 @@ def serve(role: str, args: argparse.Namespace, token: bytes | None, agent: Agent
     announce(role, hosts, frames[0].server_address[1], controls[0].server_address[1], token)
     wait_for_signal()
     drain(role, agent, frames, controls, draining, args.drain_timeout)
+
+
+def exit_now() -> NoReturn:
+    """End the process once it has drained and saved all it keeps: flush the logs and
+    skip the interpreter's teardown of torch's and the model's objects (~0.7 s of a
+    loaded prefill agent's exit, 0.3 s of torch alone), which a restart waits on."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def bind(
