@@ -56,6 +56,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook, under `-n`
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    from tests.twoworkers import TestBedBeside
+
+    return TestBedBeside(config, log)
+
+
 # Counted apart: what happened to pooled sets, and agents that never came up.
 NOT_SETS = ("evicted", "taken over", "refused")
 # Seconds the session's shared gateways and agents took to stop (the summary prints
@@ -107,6 +114,22 @@ def _skips_by_reason(terminalreporter: Any) -> None:
         terminalreporter.write_line(f"skipped, by reason ({sum(counts.values())} in all):")
     for reason, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
         terminalreporter.write_line(f"  {n:4d}  {reason}")
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """In an xdist worker: hand the counts to the controller, which prints them."""
+    out = getattr(session.config, "workeroutput", None)
+    if out is not None:
+        out["disagg_counts"] = (dict(STARTS), list(STARTED), dict(STOPPED_IN))
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: a worker has finished
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    starts, started, stopped = getattr(node, "workeroutput", {}).get("disagg_counts", ({}, [], {}))
+    STARTS.update(starts)
+    STARTED.extend(tuple(s) for s in started)
+    for what, seconds in stopped.items():  # the workers stop theirs at the same time
+        STOPPED_IN[what] = max(STOPPED_IN.get(what, 0.0), seconds)
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

