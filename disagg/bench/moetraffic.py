@@ -154,6 +154,39 @@ def chunked_floor(spec: dict[str, Any], props: tt.DeviceProps, tokens: int) -> f
     return round(best, 3)
 
 
+def summed_in_down(
+    spec: dict[str, Any], props: tt.DeviceProps, tokens: int, acc_bytes: int
+) -> float:
+    """The ratio to the minimum if down summed the slots itself, each program adding its
+    tile into the token's output row (atomics: fp32 `acc_bytes` 4, then a cast to
+    bf16; or bf16 2, rounded at every add, in an order that changes run to run) in
+    place of the per-pair rows and the slot sum. Each output row a program misses
+    is read and later written back; the rows are zeroed first."""
+    c = count(spec, props, tokens)
+    h, i, e = spec["hidden"], spec["inter"], spec["experts"]
+    counts, rows = routing(spec, tokens)
+    form = {"mxfp4": tt.FORM_MXFP4, "affine4": tt.FORM_AFFINE}.get(spec["form"], tt.FORM_PLAIN)
+    t_up = tt.tiles_for(props, len(rows), e, "gate_up", form, spec["group"])
+    t_dn = tt.tiles_for(props, len(rows), e, "down", form, spec["group"])
+    cache = Lru(props.l2 // 2)
+    gu_slice = weight_bytes(spec, t_up.bn, h) * 2
+    _kernel(cache, _blocks(counts, t_up.bm), rows, i, h, t_up, gu_slice, True, "gate_up")
+    dn_slice, blocks = weight_bytes(spec, t_dn.bn, i), _blocks(counts, t_dn.bm)
+    for b, j in tt.program_order(len(blocks), -(-h // t_dn.bn), t_dn.group_m):
+        e_, start, end = blocks[b]
+        if start >= end:
+            continue
+        width = min(t_dn.bn, h - j * t_dn.bn)
+        cache.read(("inter", b), (end - start) * i * 2)
+        cache.read(("down", e_, j), int(dn_slice * width / t_dn.bn))
+        for r in range(start, end):
+            cache.read(("out", rows[r], j), width * acc_bytes)
+    zeroed = tokens * h * acc_bytes
+    cast = tokens * h * (acc_bytes + 2) if acc_bytes != 2 else 0
+    total = c.weights + c.acts + c.inter + 2 * cache.missed.get("out", 0) + zeroed + cast
+    return round(total / c.minimum, 2)
+
+
 def _blocks(counts: list[int], bm: int) -> list[tuple[int, int, int]]:
     out, start = [], 0
     for e, c in enumerate(counts):
