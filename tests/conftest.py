@@ -499,6 +499,10 @@ def start_serve(
     it answers there. The caller stops it (SIGTERM stops its agents too). `env` adds
     to the environment (TMPDIR=dir: its agents' logs land in dir/disagg-logs-*)."""
     port = free_port()
+    if "--prefix-disk" not in args and "DISAGG_CACHE" not in (env or {}):
+        # Its disk tier beside its log, not under the real ~/.cache/disagg (where one
+        # run's blocks would answer the next run's prompts).
+        args = (*args, "--prefix-disk", str(log_path.parent / f"{log_path.stem}-prefix-disk"))
     cmd = [sys.executable, "-m", "disagg.cli", "serve", "--local", *args, "--port", str(port)]
     count_start("serve", max(1, args.count("-m") + args.count("--model")), what=" ".join(args))
     with log_path.open("wb") as log:
