@@ -116,16 +116,12 @@ def count(
     recording before the table, through the same cache)."""
     h, i, e = spec["hidden"], spec["inter"], spec["experts"]
     counts, rows = routing(spec, tokens)
-    s = len(rows)
-    form = {"mxfp4": tt.FORM_MXFP4, "affine4": tt.FORM_AFFINE}.get(spec["form"], tt.FORM_PLAIN)
-    old = tt.recording_tiles(s, e)
-    t_up = old if before else tt.tiles_for(props, s, e, "gate_up", form, spec["group"])
-    t_dn = old if before else tt.tiles_for(props, s, e, "down", form, spec["group"])
+    old = tt.recording_tiles(len(rows), e)
+    t_up, t_dn = (old, old) if before else _tiles(spec, props, len(rows))
     if group_m is not None:  # for sweeps of the swizzle's group
         t_up, t_dn = replace(t_up, group_m=group_m), replace(t_dn, group_m=group_m)
     cache = Lru(props.l2 // 2)
-    gu_slice = weight_bytes(spec, t_up.bn, h) * 2  # gate and up of one N tile
-    inter_w = _kernel(cache, _blocks(counts, t_up.bm), rows, i, h, t_up, gu_slice, True, "gate_up")
+    inter_w = _gate_up(cache, spec, counts, rows, t_up)
     dn_slice = weight_bytes(spec, t_dn.bn, i)
     pairs_w = _kernel(cache, _blocks(counts, t_dn.bm), rows, h, i, t_dn, dn_slice, False, "down")
     m = cache.missed
@@ -162,15 +158,12 @@ def summed_in_down(
     bf16; or bf16 2, rounded at every add, in an order that changes run to run) in
     place of the per-pair rows and the slot sum. Each output row a program misses
     is read and later written back; the rows are zeroed first."""
-    c = count(spec, props, tokens)
-    h, i, e = spec["hidden"], spec["inter"], spec["experts"]
+    c = count(spec, props, tokens)  # its weights, gathered rows and intermediate stay
+    h, i = spec["hidden"], spec["inter"]
     counts, rows = routing(spec, tokens)
-    form = {"mxfp4": tt.FORM_MXFP4, "affine4": tt.FORM_AFFINE}.get(spec["form"], tt.FORM_PLAIN)
-    t_up = tt.tiles_for(props, len(rows), e, "gate_up", form, spec["group"])
-    t_dn = tt.tiles_for(props, len(rows), e, "down", form, spec["group"])
+    t_up, t_dn = _tiles(spec, props, len(rows))
     cache = Lru(props.l2 // 2)
-    gu_slice = weight_bytes(spec, t_up.bn, h) * 2
-    _kernel(cache, _blocks(counts, t_up.bm), rows, i, h, t_up, gu_slice, True, "gate_up")
+    _gate_up(cache, spec, counts, rows, t_up)  # what down's reads find in the cache
     dn_slice, blocks = weight_bytes(spec, t_dn.bn, i), _blocks(counts, t_dn.bm)
     for b, j in tt.program_order(len(blocks), -(-h // t_dn.bn), t_dn.group_m):
         e_, start, end = blocks[b]
@@ -185,6 +178,21 @@ def summed_in_down(
     cast = tokens * h * (acc_bytes + 2) if acc_bytes != 2 else 0
     total = c.weights + c.acts + c.inter + 2 * cache.missed.get("out", 0) + zeroed + cast
     return round(total / c.minimum, 2)
+
+
+def _tiles(spec: dict[str, Any], props: tt.DeviceProps, pairs: int) -> tuple[Any, Any]:
+    """The (gate_up, down) tiles the kernels pick on `props` for this many pairs."""
+    form = {"mxfp4": tt.FORM_MXFP4, "affine4": tt.FORM_AFFINE}.get(spec["form"], tt.FORM_PLAIN)
+    e, group = spec["experts"], spec["group"]
+    return (tt.tiles_for(props, pairs, e, "gate_up", form, group),
+            tt.tiles_for(props, pairs, e, "down", form, group))  # fmt: skip
+
+
+def _gate_up(cache: Lru, spec: dict[str, Any], counts: list[int], rows: list[int], t: Any) -> int:
+    """The fused gate/up kernel's reads through `cache`; the intermediate bytes it writes."""
+    h, i = spec["hidden"], spec["inter"]
+    gu_slice = weight_bytes(spec, t.bn, h) * 2  # gate and up of one N tile
+    return _kernel(cache, _blocks(counts, t.bm), rows, i, h, t, gu_slice, True, "gate_up")
 
 
 def _blocks(counts: list[int], bm: int) -> list[tuple[int, int, int]]:
